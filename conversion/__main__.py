@@ -1,0 +1,5 @@
+import sys
+
+from conversion.cli import main
+
+sys.exit(main())

@@ -1,0 +1,38 @@
+"""The `convert` command, shared by `eejax convert` and `python -m conversion`."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = """Convert an HF PyTorch checkpoint into an eejax checkpoint.
+
+SRC is an HF model directory (config.json plus model.safetensors, pytorch_model.bin, or their
+sharded *.index.json) or a .gguf file (dequantised through transformers). DST receives
+eejax.json, params/ (orbax) and tokenizer/. The conversion is atomic: on any error nothing is
+left at DST. Supported architectures: llama (Llama 2/3.x, SmolLM2, TinyLlama, ...)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="HF model directory or .gguf file")
+    parser.add_argument("dst", help="directory to create for the eejax checkpoint")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype of the stored weights (default: float32)")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from conversion.convert import convert
+
+    dst = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
+    print(f"wrote {dst}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from eejax.cli import run_guarded
+
+    parser = argparse.ArgumentParser(prog="python -m conversion", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run_guarded(lambda: run(parser.parse_args(argv)))

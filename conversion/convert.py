@@ -1,0 +1,56 @@
+"""`convert(src, dst)`: HF checkpoint -> eejax checkpoint, atomically (all of it or nothing)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from conversion.llama import llama_params_from_hf
+from conversion.sources import open_checkpoint
+from eejax.checkpoint import save_checkpoint
+from eejax.config import SUPPORTED_ARCHITECTURES, LlamaConfig
+from eejax.errors import EejaxError, UnsupportedModelError
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def convert(src, dst, *, dtype: str = "float32", overwrite: bool = False, progress: bool = True) -> Path:
+    """Converts `src` (HF model directory or .gguf file) into an eejax checkpoint at `dst`.
+
+    On any error nothing is left at `dst` (an existing `dst` is kept unless the conversion
+    succeeded with `overwrite=True`).
+    """
+    if dtype not in DTYPES:
+        raise EejaxError(f"unsupported dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    dst = Path(dst).expanduser().absolute()
+    if dst.exists() and not overwrite:
+        raise EejaxError(f"{dst} already exists (pass overwrite=True / --overwrite to replace it)")
+    ckpt = open_checkpoint(src)
+    model_type = ckpt.config.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {model_type!r} in {src}; eejax supports: " + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    config = LlamaConfig.from_hf(ckpt.config, ckpt.generation_config)
+    params = llama_params_from_hf(ckpt, config, DTYPES[dtype], progress=progress)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    partial = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        save_checkpoint(partial, config, params, ckpt.tokenizer, {"source": ckpt.source})
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+            os.replace(dst, old)
+            os.replace(partial, dst)
+            shutil.rmtree(old)
+        else:
+            os.replace(partial, dst)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return dst

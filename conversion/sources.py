@@ -1,0 +1,117 @@
+"""Reading HF checkpoints: an HF model directory (safetensors or pytorch_model.bin, sharded or
+not) or a `.gguf` file (transformers dequantises it). Tensors are read lazily, one at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from eejax.errors import EejaxError, UnsupportedModelError
+
+WEIGHT_FILES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+
+
+@dataclasses.dataclass
+class HFCheckpoint:
+    """What a conversion needs: config dicts, tensor names, a reader and the tokenizer."""
+
+    config: dict[str, Any]
+    generation_config: dict[str, Any] | None
+    names: list[str]
+    read: Callable[[str], np.ndarray]  # name -> float32 array in HF layout
+    tokenizer: Any
+    source: str
+
+
+def open_checkpoint(src: str | Path) -> HFCheckpoint:
+    src = Path(src).expanduser()
+    if not src.exists():
+        raise EejaxError(f"no such file or directory: {src}")
+    if src.is_file():
+        if src.suffix != ".gguf":
+            raise EejaxError(f"{src} is a file but not a .gguf file; give an HF model directory or a .gguf file")
+        return _open_gguf(src)
+    return _open_hf_dir(src)
+
+
+def _to_numpy(tensor) -> np.ndarray:
+    import torch
+
+    return tensor.detach().to(torch.float32).numpy()
+
+
+def _open_hf_dir(src: Path) -> HFCheckpoint:
+    if not (src / "config.json").is_file():
+        raise EejaxError(f"{src} is not an HF model directory: no config.json")
+    config = json.loads((src / "config.json").read_text())
+    gen_path = src / "generation_config.json"
+    generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    found = next((name for name in WEIGHT_FILES if (src / name).is_file()), None)
+    if found is None:
+        raise EejaxError(f"no weights in {src} (looked for {', '.join(WEIGHT_FILES)})")
+    if found.endswith(".index.json"):
+        weight_map = json.loads((src / found).read_text())["weight_map"]
+        shards = {name: src / file for name, file in weight_map.items()}
+    else:
+        shards = None
+    if "safetensors" in found:
+        from safetensors import safe_open
+
+        files = sorted(set(shards.values())) if shards else [src / found]
+        handles = {f: safe_open(str(f), framework="pt") for f in files}
+        where = shards or {k: files[0] for k in handles[files[0]].keys()}
+        names = list(where)
+
+        def read(name: str) -> np.ndarray:
+            return _to_numpy(handles[where[name]].get_tensor(name))
+
+    else:
+        import torch
+
+        files = sorted(set(shards.values())) if shards else [src / found]
+        state: dict[str, Any] = {}
+        for f in files:
+            state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+        names = list(state)
+
+        def read(name: str) -> np.ndarray:
+            return _to_numpy(state[name])
+
+    return HFCheckpoint(config, generation_config, names, read, _tokenizer(src), str(src))
+
+
+def _open_gguf(src: Path) -> HFCheckpoint:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    except ValueError as e:  # transformers names the GGUF architectures it cannot read
+        raise UnsupportedModelError(f"cannot load {src.name}: {str(e).splitlines()[0]}") from e
+    state = model.state_dict()
+    generation_config = model.generation_config.to_dict() if model.generation_config else None
+    return HFCheckpoint(
+        model.config.to_dict(), generation_config, list(state), lambda n: _to_numpy(state[n]),
+        _tokenizer(src.parent, gguf_file=src.name), str(src),
+    )
+
+
+def _tokenizer(directory: Path, **kwargs):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), **kwargs)
+    except (OSError, ValueError, TypeError) as e:
+        logging.getLogger(__name__).warning("no tokenizer converted from %s: %s", directory, e)
+        return None

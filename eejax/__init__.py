@@ -1,0 +1,35 @@
+"""eejax: fast early-exit language model inference in JAX.
+
+    model = eejax.load("smollm2-135m")           # or an eejax checkpoint directory
+    out = eejax.generate(model, ["The capital of France is"], max_new_tokens=16)
+    out.texts, out.tokens, out.exit_layers, out.stats
+"""
+
+from eejax.config import LlamaConfig, RopeScaling
+from eejax.decode import GenerateResult, SamplingParams, generate
+from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
+from eejax.model import Model, load
+
+__version__ = "0.1.0"
+
+
+def convert(src, dst, *, dtype: str = "float32", overwrite: bool = False, progress: bool = True):
+    """Converts an HF checkpoint directory or a .gguf file into an eejax checkpoint at `dst`."""
+    from conversion import convert as _convert
+
+    return _convert(src, dst, dtype=dtype, overwrite=overwrite, progress=progress)
+
+
+__all__ = [
+    "EejaxError",
+    "GenerateResult",
+    "LlamaConfig",
+    "Model",
+    "OutOfPagesError",
+    "RopeScaling",
+    "SamplingParams",
+    "UnsupportedModelError",
+    "convert",
+    "generate",
+    "load",
+]

@@ -1,0 +1,24 @@
+"""Paged KV cache: the device pytree (`KVCache`) and the host `PageAllocator`."""
+
+from eejax.cache.allocator import NULL_PAGE, PageAllocator
+from eejax.cache.paged import (
+    KVCache,
+    init_cache,
+    page_bytes,
+    pages_for_budget,
+    pages_needed,
+    slot_indices,
+    write_layer_kv,
+)
+
+__all__ = [
+    "NULL_PAGE",
+    "KVCache",
+    "PageAllocator",
+    "init_cache",
+    "page_bytes",
+    "pages_for_budget",
+    "pages_needed",
+    "slot_indices",
+    "write_layer_kv",
+]

@@ -1,0 +1,77 @@
+"""The preallocated paged KV cache: one device pytree for all layers.
+
+Layout: `k, v: [num_layers, num_pages, page_size, num_kv_heads, head_dim]`. A sequence owns a row
+of `block_table [batch, pages_per_seq] int32` (page ids; unused entries are the null page 0) and
+a length `kv_len [batch]`. Token at position p of row b lives in page `block_table[b, p // S]`,
+slot `p % S`. Rolling back is only lowering `kv_len`: stale slots are masked, later overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from eejax.cache.allocator import NULL_PAGE
+from eejax.errors import EejaxError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of every layer, `[L, num_pages, page_size, Hkv, Dh]` each."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+
+def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes of one page across all layers, keys and values."""
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def pages_for_budget(budget_bytes: int, per_page_bytes: int) -> int:
+    """How many pages (the null page included) a memory budget holds."""
+    return budget_bytes // per_page_bytes
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return math.ceil(num_tokens / page_size)
+
+
+def init_cache(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype) -> KVCache:
+    """Allocates the whole cache once, zero-filled."""
+    if num_pages < 2:
+        raise EejaxError(f"a KV cache needs at least 2 pages (1 null + 1 usable), got {num_pages}")
+    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def slot_indices(block_table, positions, valid, page_size):
+    """Page id and in-page slot of each token; invalid tokens go to the null page.
+
+    block_table [B, M] int32, positions [B, T] int32, valid [B, T] bool -> (pages, slots) [B, T].
+    """
+    page_idx = jnp.clip(positions // page_size, 0, block_table.shape[1] - 1)
+    pages = jnp.take_along_axis(block_table, page_idx, axis=1)
+    pages = jnp.where(valid, pages, NULL_PAGE)
+    slots = jnp.where(valid, positions % page_size, 0)
+    return pages, slots
+
+
+def write_layer_kv(cache: KVCache, layer, k, v, pages, slots) -> KVCache:
+    """Writes one layer's new keys/values `[B, T, Hkv, Dh]` at (pages, slots) `[B, T]`."""
+    return KVCache(
+        k=cache.k.at[layer, pages, slots].set(k.astype(cache.k.dtype)),
+        v=cache.v.at[layer, pages, slots].set(v.astype(cache.v.dtype)),
+    )

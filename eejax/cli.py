@@ -1,0 +1,175 @@
+"""The `eejax` command: `eejax convert`, `eejax generate`, `eejax models`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+from eejax.errors import EejaxError
+
+PROMPT_FIELDS = ("prompt", "text", "article", "document")
+
+
+def run_guarded(fn: Callable[[], int]) -> int:
+    """Runs a command; bad input becomes one line on stderr and exit status 2."""
+    try:
+        return fn()
+    except EejaxError as e:
+        print(f"eejax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("eejax: interrupted", file=sys.stderr)
+        return 130
+
+
+def read_prompts_file(path: str, field: str | None) -> list[str]:
+    """Prompts from a .jsonl file: one JSON string or object per line."""
+    p = Path(path)
+    if not p.is_file():
+        raise EejaxError(f"prompts file not found: {path}")
+    prompts = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EejaxError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if isinstance(row, str):
+            prompts.append(row)
+            continue
+        if not isinstance(row, dict):
+            raise EejaxError(f"{path}:{n}: expected a JSON string or object")
+        name = field or next((f for f in PROMPT_FIELDS if f in row), None)
+        if name is None or name not in row:
+            wanted = field or " / ".join(PROMPT_FIELDS)
+            raise EejaxError(f"{path}:{n}: no {wanted} field (choose one with --prompt-field)")
+        prompts.append(str(row[name]))
+    if not prompts:
+        raise EejaxError(f"no prompts in {path}")
+    return prompts
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import eejax
+
+    if args.prompt is not None:
+        prompts = args.prompt
+    else:
+        prompts = read_prompts_file(args.prompts_file, args.prompt_field)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    if not prompts or any(not p for p in prompts):
+        raise EejaxError("empty prompt" if prompts else "no prompts given")
+    model = eejax.load(args.model)
+    result = eejax.generate(
+        model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+        batch_size=args.batch_size, cache_budget=args.cache_budget,
+        truncate_prompt_tokens=args.truncate_prompt_tokens,
+    )
+    stats = result.stats
+    if args.json:
+        outputs = [
+            {"prompt": p, "text": t, "tokens": toks, "exit_layers": layers}
+            for p, t, toks, layers in zip(prompts, result.texts, result.tokens, result.exit_layers)
+        ]
+        json.dump({"outputs": outputs, "stats": stats}, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    for i, (p, t) in enumerate(zip(prompts, result.texts)):
+        shown = p if len(p) <= 300 else p[:300] + " ..."
+        print(f"=== prompt {i} ===\n{shown}\n--- generated ({len(result.tokens[i])} tokens) ---\n{t}\n")
+    print(
+        f"{stats['generated_tokens']} tokens in {stats['run_s']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
+        f"(compile {stats['compile_s']:.1f} s, {stats['compiled_programs']} programs); "
+        f"mean layers per token {stats['mean_layers_per_token']:.1f} of {stats['num_layers']}"
+    )
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from eejax.hub import KNOWN_MODELS, cache_dir
+
+    for name, known in KNOWN_MODELS.items():
+        state = "converted" if (cache_dir() / "models" / name).exists() else "not fetched yet"
+        print(f"{name}\t{known.description} [{state}]")
+    print(f"cache: {cache_dir()} (set EEJAX_CACHE to move it)")
+    return 0
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Usage errors as one line (`eejax generate: error: ...`) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from conversion import cli as convert_cli
+
+    parser = OneLineErrorParser(
+        prog="eejax", description="Fast early-exit language model inference in JAX.",
+        epilog="Run `eejax COMMAND --help` for a command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=OneLineErrorParser)
+
+    conv = sub.add_parser("convert", help="convert an HF checkpoint or .gguf file to eejax",
+                          description=convert_cli.DESCRIPTION,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    convert_cli.add_arguments(conv)
+    conv.set_defaults(func=convert_cli.run)
+
+    gen = sub.add_parser(
+        "generate", help="generate text for prompts",
+        description="Generate continuations for prompts with full-depth decoding. With --json, stdout is "
+        'one JSON object: {"outputs": [{"prompt", "text", "tokens", "exit_layers"}], "stats": '
+        '{"tokens_per_s", "generated_tokens", "mean_layers_per_token", "num_layers", "compile_s", ...}}; '
+        "tokens are the generated ids only and tokens_per_s excludes compilation.",
+    )
+    gen.add_argument("--model", required=True,
+                     help='eejax checkpoint directory, or a known name such as "smollm2-135m" (see `eejax models`)')
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", nargs="+", metavar="TEXT", help="one or more prompts")
+    src.add_argument("--prompts-file", metavar="F.jsonl",
+                     help="one JSON string or object per line (field prompt, text, article or document)")
+    gen.add_argument("--prompt-field", help="which field of --prompts-file objects holds the prompt")
+    gen.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate per prompt (default 64)")
+    gen.add_argument("--batch-size", type=_positive_int, help="rows decoded together (default: all prompts)")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS: always generate --max-new-tokens")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    gen.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
+    gen.add_argument("--truncate-prompt-tokens", type=_positive_int, metavar="N", help="keep the first N tokens of each prompt")
+    gen.add_argument("--cache-budget", default="1GiB", help="KV cache memory budget, e.g. 512MiB, 2GiB (default 1GiB)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="list the known model names and the cache")
+    models.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_guarded(lambda: args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

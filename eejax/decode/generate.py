@@ -1,0 +1,181 @@
+"""`generate`: batched full-depth generation over one preallocated paged KV cache.
+
+Host side: tokenize, bucket shapes, hand out pages, then drive the jitted prefill and decode
+steps; the token loop state stays on device and the host only polls `done` every few steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed
+from eejax.decode import steps
+from eejax.decode.buckets import batch_bucket, bucket
+from eejax.decode.prompts import prompt_token_ids, validate_lengths
+from eejax.decode.sampling import SamplingParams
+from eejax.errors import EejaxError, OutOfPagesError
+
+MIN_PROMPT_BUCKET = 16
+POLL_EVERY = 4  # decode steps between host checks of "all rows done"
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """Per prompt: `tokens` (generated ids only, EOS included), `texts`, `exit_layers` (layers
+    run for each generated token); `stats` for the whole call."""
+
+    prompts: list[str | None]
+    prompt_tokens: list[list[int]]
+    tokens: list[list[int]]
+    texts: list[str | None]
+    exit_layers: list[list[int]]
+    stats: dict[str, Any]
+
+
+def parse_bytes(size: int | str) -> int:
+    """`1073741824`, `"512MiB"`, `"2GB"`, `"1.5GiB"` -> bytes."""
+    if isinstance(size, (int, np.integer)):
+        return int(size)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise EejaxError(f"cannot read {size!r} as a size (examples: 512MiB, 2GB, 1073741824)")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    base = 1024 if unit.endswith("I") else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
+    return int(float(m.group(1)) * base**power)
+
+
+def generate(
+    model,
+    batch,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    batch_size: int | None = None,
+    page_size: int = 16,
+    cache_budget: int | str = "1GiB",
+    truncate_prompt_tokens: int | None = None,
+) -> GenerateResult:
+    """Generates up to `max_new_tokens` for each prompt of `batch` (see `prompt_token_ids`).
+
+    A row stops at an EOS token unless `ignore_eos`. Rows run in batches of `batch_size` (all
+    at once by default) as far as the KV cache budget allows; results keep the input order.
+    """
+    config = model.config
+    rows, texts = prompt_token_ids(model.tokenizer, batch)
+    if truncate_prompt_tokens is not None:
+        if truncate_prompt_tokens < 1:
+            raise EejaxError(f"truncate_prompt_tokens must be >= 1, got {truncate_prompt_tokens}")
+        rows = [r[:truncate_prompt_tokens] for r in rows]
+    validate_lengths(rows, max_new_tokens, config.max_position_embeddings, config.vocab_size)
+    if batch_size is not None and batch_size < 1:
+        raise EejaxError(f"batch_size must be >= 1, got {batch_size}")
+    if page_size < 1:
+        raise EejaxError(f"page_size must be >= 1, got {page_size}")
+    sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
+    eos_ids = () if ignore_eos else model.eos_token_ids
+    batch_size = batch_size or len(rows)
+
+    dtype = jax.tree.leaves(model.params)[0].dtype
+    per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, dtype)
+    budget_pages = parse_bytes(cache_budget) // per_page
+    need = [pages_needed(len(r) + max_new_tokens, page_size) for r in rows]
+    if budget_pages < 1 + max(need):
+        longest = int(np.argmax(need))
+        raise EejaxError(
+            f"KV cache budget {cache_budget} holds {max(budget_pages - 1, 0) * page_size} tokens; "
+            f"prompt {longest} needs {len(rows[longest]) + max_new_tokens} "
+            f"({len(rows[longest])} prompt + {max_new_tokens} new)"
+        )
+    table_width = bucket(max(need))
+    num_pages = min(budget_pages, 1 + bucket(batch_bucket(min(batch_size, len(rows))) * table_width))
+    cache = init_cache(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, dtype)
+    allocator = PageAllocator(num_pages)
+
+    out_tokens: list[list[int]] = [[] for _ in rows]
+    out_layers: list[list[int]] = [[] for _ in rows]
+    compile_before = model.programs.compile_seconds
+    key = jax.random.PRNGKey(seed)
+    start = time.perf_counter()
+    pending = list(range(len(rows)))
+    while pending:
+        chunk, tables = [], []
+        for i in pending[:batch_size]:
+            try:
+                tables.append(allocator.allocate(need[i]))
+            except OutOfPagesError:
+                break
+            chunk.append(i)
+        pending = pending[len(chunk):]
+        key, chunk_key = jax.random.split(key)
+        state, cache = _run_chunk(
+            model, cache, [rows[i] for i in chunk], tables, table_width, chunk_key,
+            sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+        )
+        toks, layers, counts = jax.device_get((state.tokens, state.exit_layers, state.num_generated))
+        for j, i in enumerate(chunk):
+            out_tokens[i] = toks[j, : counts[j]].tolist()
+            out_layers[i] = layers[j, : counts[j]].tolist()
+        for pages in tables:
+            allocator.free(pages)
+    compile_s = model.programs.compile_seconds - compile_before
+    run_s = time.perf_counter() - start - compile_s
+
+    generated = sum(len(t) for t in out_tokens)
+    layers_run = sum(sum(x) for x in out_layers)
+    decoded = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer else None for t in out_tokens]
+    stats = {
+        "tokens_per_s": generated / run_s if run_s > 0 else float("nan"),
+        "generated_tokens": generated,
+        "mean_layers_per_token": layers_run / generated if generated else 0.0,
+        "num_layers": config.num_layers,
+        "run_s": run_s,
+        "compile_s": compile_s,
+        "compiled_programs": model.programs.num_programs,
+        "kv_cache_pages": num_pages,
+        "page_size": page_size,
+    }
+    return GenerateResult(texts, rows, out_tokens, decoded, out_layers, stats)
+
+
+def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_new_tokens, eos_ids):
+    """Prefill then decode one batch of rows (padded to a batch bucket) on the shared cache."""
+    b = batch_bucket(len(rows))
+    t = bucket(max(len(r) for r in rows), MIN_PROMPT_BUCKET)
+    tokens = np.zeros((b, t), np.int32)
+    lengths = np.zeros((b,), np.int32)
+    block_table = np.zeros((b, table_width), np.int32)
+    for j, (r, pages) in enumerate(zip(rows, tables)):
+        tokens[j, : len(r)] = r
+        lengths[j] = len(r)
+        block_table[j, : len(pages)] = pages
+    widths: dict[int, jax.Array] = {}
+
+    def table_for(max_tokens: int) -> jax.Array:
+        """The block table cut to the pages that `max_tokens` tokens need (bucketed)."""
+        w = min(table_width, bucket(pages_needed(max_tokens, cache.page_size)))
+        if w not in widths:
+            widths[w] = jnp.asarray(block_table[:, :w])
+        return widths[w]
+
+    static = dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    max_len = int(lengths.max())
+    args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), key)
+    state, cache = model.programs.get(steps.prefill, args, static, donate_argnums=(1,))(*args)
+    for step in range(1, max_new_tokens):
+        if step % POLL_EVERY == 0 and bool(jnp.all(state.done)):
+            break
+        args = (model.params, cache, state, table_for(max_len + step))
+        state, cache = model.programs.get(steps.decode, args, static, donate_argnums=(1, 2))(*args)
+    return state, cache

@@ -1,0 +1,42 @@
+"""Ahead-of-time compiled programs, one per (function, static options, input shapes).
+
+Shapes are drawn from bucketed sets (see `buckets.py`), so a session compiles a bounded number
+of programs; `num_programs` and `compile_seconds` report how many and for how long.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import jax
+
+
+class ProgramCache:
+    def __init__(self):
+        self._compiled: dict[Any, Any] = {}
+        self.compile_seconds = 0.0
+
+    @property
+    def num_programs(self) -> int:
+        return len(self._compiled)
+
+    def get(self, fn: Callable, args: tuple, static: dict[str, Any], donate_argnums=()):
+        """The compiled `fn(*args, **static)`, compiling it on first use."""
+        leaves, treedef = jax.tree.flatten(args)
+        key = (
+            fn.__module__,
+            fn.__qualname__,
+            tuple(sorted(static.items())),
+            treedef,
+            tuple((x.shape, str(x.dtype)) for x in leaves),
+        )
+        program = self._compiled.get(key)
+        if program is None:
+            start = time.perf_counter()
+            jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate_argnums)
+            program = jitted.lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - start
+            self._compiled[key] = program
+        return program

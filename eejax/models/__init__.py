@@ -1,0 +1,1 @@
+"""Pure-functional models with stacked layer params."""

@@ -1,0 +1,142 @@
+"""Pure-functional Llama on the paged KV cache.
+
+Params (x @ W convention, per-layer weights stacked on a leading L axis):
+    embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied to embed)
+    layers: attn_norm [L, D], wq [L, D, Hq*Dh], wk/wv [L, D, Hkv*Dh], wo [L, Hq*Dh, D],
+            mlp_norm [L, D], w_gate/w_up [L, D, F], w_down [L, F, D]
+
+A step processes T new tokens per row (T = prompt bucket for prefill, 1 for decode): every
+layer writes the new tokens' K/V into the cache, then attends through the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eejax.cache import KVCache, slot_indices, write_layer_kv
+from eejax.config import LlamaConfig
+from eejax.kernels import paged_attention
+from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
+
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TokenBatch:
+    """Where each new token sits and what it attends to; built once per step, shared by layers.
+
+    positions [B, T] int32, pages/slots [B, T] int32 (cache destination; invalid -> null page),
+    block_table [B, M] int32, kv_len [B] int32 (valid keys after the step), cos/sin [B, T, Dh].
+    """
+
+    positions: jax.Array
+    pages: jax.Array
+    slots: jax.Array
+    block_table: jax.Array
+    kv_len: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+
+
+def token_batch(config: LlamaConfig, positions, valid, block_table, kv_len, page_size) -> TokenBatch:
+    pages, slots = slot_indices(block_table, positions, valid, page_size)
+    inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+    cos, sin = rope_tables(positions, inv_freq)
+    return TokenBatch(positions, pages, slots, block_table, kv_len, cos, sin)
+
+
+def rms_norm(x, weight, eps):
+    """HF Llama RMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def embed(params, tokens):
+    """tokens [B, T] int32 -> hidden [B, T, D]."""
+    return params["embed"][tokens]
+
+
+def layer_params(params, layer):
+    """One layer's weights, picked with a (possibly traced) layer index."""
+    return {k: jax.lax.dynamic_index_in_dim(params["layers"][k], layer, keepdims=False) for k in LAYER_KEYS}
+
+
+def layer_kv(lp, h, batch: TokenBatch, config: LlamaConfig):
+    """This layer's K and V `[B, T, Hkv, Dh]` for hidden states h (input norm, projection, rotary)."""
+    b, t, _ = h.shape
+    x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
+    k = (x @ lp["wk"]).reshape(b, t, config.num_kv_heads, config.head_dim)
+    v = (x @ lp["wv"]).reshape(b, t, config.num_kv_heads, config.head_dim)
+    return apply_rope(k, batch.cos, batch.sin), v
+
+
+def layer_forward(lp, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
+    """One decoder layer: writes its K/V for the new tokens, returns (h, cache)."""
+    b, t, _ = h.shape
+    x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
+    q = (x @ lp["wq"]).reshape(b, t, config.num_heads, config.head_dim)
+    q = apply_rope(q, batch.cos, batch.sin)
+    k, v = layer_kv(lp, h, batch, config)
+    cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
+    attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len)
+    h = h + attn.reshape(b, t, -1) @ lp["wo"]
+    x = rms_norm(h, lp["mlp_norm"], config.rms_norm_eps)
+    return h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"], cache
+
+
+def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig, start=0, stop=None):
+    """Layers [start, stop) with a traced layer index (lax.fori_loop over the stacked params)."""
+    stop = config.num_layers if stop is None else stop
+
+    def body(layer, carry):
+        h, cache = carry
+        return layer_forward(layer_params(params, layer), h, cache, layer, batch, config)
+
+    return jax.lax.fori_loop(start, stop, body, (h, cache))
+
+
+def lm_head(params, h, config: LlamaConfig):
+    """Final norm + LM head: hidden [..., D] -> float32 logits [..., V]."""
+    x = rms_norm(h, params["final_norm"], config.rms_norm_eps)
+    w = params["embed"].T if config.tie_embeddings else params["lm_head"]
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32)
+
+
+def init_params(config: LlamaConfig, key, dtype=jnp.float32, scale: float = 0.02):
+    """Random params with the eejax layout (normal(0, scale) weights, unit norms)."""
+    c = config
+    L, D, F = c.num_layers, c.hidden_size, c.intermediate_size
+    shapes = {
+        "wq": (L, D, c.num_heads * c.head_dim),
+        "wk": (L, D, c.num_kv_heads * c.head_dim),
+        "wv": (L, D, c.num_kv_heads * c.head_dim),
+        "wo": (L, c.num_heads * c.head_dim, D),
+        "w_gate": (L, D, F),
+        "w_up": (L, D, F),
+        "w_down": (L, F, D),
+    }
+    keys = jax.random.split(key, len(shapes) + 2)
+    layers = {n: scale * jax.random.normal(k, s, dtype) for k, (n, s) in zip(keys, shapes.items())}
+    layers["attn_norm"] = jnp.ones((L, D), dtype)
+    layers["mlp_norm"] = jnp.ones((L, D), dtype)
+    params = {
+        "embed": scale * jax.random.normal(keys[-2], (c.vocab_size, D), dtype),
+        "layers": layers,
+        "final_norm": jnp.ones((D,), dtype),
+    }
+    if not c.tie_embeddings:
+        params["lm_head"] = scale * jax.random.normal(keys[-1], (D, c.vocab_size), dtype)
+    return params
+
+
+def param_bytes_per_token(params, config: LlamaConfig) -> int:
+    """Weight bytes one decode token reads at full depth (layers + final norm + LM head)."""
+    layers = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params["layers"]))
+    head = params["embed"] if config.tie_embeddings else params["lm_head"]
+    return layers + head.size * head.dtype.itemsize + params["final_norm"].nbytes
