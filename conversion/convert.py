@@ -12,8 +12,8 @@ import numpy as np
 from conversion.llama import llama_params_from_hf
 from conversion.sources import open_checkpoint
 from eejax.checkpoint import save_checkpoint
-from eejax.config import SUPPORTED_ARCHITECTURES, LlamaConfig
-from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.config import LlamaConfig
+from eejax.errors import EejaxError
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -30,11 +30,6 @@ def convert(src, dst, *, dtype: str = "float32", overwrite: bool = False, progre
     if dst.exists() and not overwrite:
         raise EejaxError(f"{dst} already exists (pass overwrite=True / --overwrite to replace it)")
     ckpt = open_checkpoint(src)
-    model_type = ckpt.config.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"unsupported architecture {model_type!r} in {src}; eejax supports: " + ", ".join(SUPPORTED_ARCHITECTURES)
-        )
     config = LlamaConfig.from_hf(ckpt.config, ckpt.generation_config)
     params = llama_params_from_hf(ckpt, config, DTYPES[dtype], progress=progress)
 

@@ -1,0 +1,12 @@
+# Sourced by demo.sh and test.sh: makes (or reuses) .venv and installs eejax with the given extras.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+# torch==2.13.0 (the `convert` extra) is the CPU build that lies on the project's machines.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$1]" 2>&1 \
+  | grep -v "is ignored: it is neither a file nor a directory" || true
+export PATH="$PWD/.venv/bin:$PATH"
+export EEJAX_CACHE="${EEJAX_CACHE:-$PWD/.cache/eejax}"

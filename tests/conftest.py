@@ -1,0 +1,98 @@
+"""Shared fixtures: a small byte-level BPE tokenizer and tiny random HF Llama checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CNNDM = ROOT / "data" / "cnndm_test_dev100.jsonl"
+
+# The real model is cached inside the repo's ignored .cache unless EEJAX_CACHE says otherwise,
+# so repeated runs (and CI on the same machine) convert it once.
+os.environ.setdefault("EEJAX_CACHE", str(ROOT / ".cache" / "eejax"))
+
+
+def cnndm_rows(n: int) -> list[dict]:
+    with CNNDM.open() as f:
+        return [json.loads(line) for _, line in zip(range(n), f)]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([r["article"] for r in cnndm_rows(20)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+TINY_CONFIGS = {
+    "gqa-tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "gqa-untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "mha-tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    "mha-untied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "llama3-rope": dict(
+        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+}
+
+
+def make_hf_llama(kind: str, seed: int = 0):
+    """A tiny random HF LlamaForCausalLM (fp32) of one of TINY_CONFIGS."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **TINY_CONFIGS[kind],
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # random norms, so a norm weight that is dropped or misplaced shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, tiny_tokenizer):
+    """kind -> (HF model, HF directory, converted eejax directory), built once per session."""
+    from conversion import convert
+
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for kind in TINY_CONFIGS:
+        hf = make_hf_llama(kind)
+        hf_dir = root / f"hf-{kind}"
+        hf.save_pretrained(hf_dir)
+        tiny_tokenizer.save_pretrained(hf_dir)
+        out[kind] = (hf, hf_dir, convert(hf_dir, root / f"eejax-{kind}", progress=False))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoints):
+    import eejax
+
+    return eejax.load(tiny_checkpoints["gqa-untied"][2])
+
+
+def random_prompts(n: int, lengths, vocab: int = 300, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=int(lengths[i % len(lengths)])).tolist() for i in range(n)]

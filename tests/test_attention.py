@@ -1,0 +1,78 @@
+"""Reference paged attention against a dense numpy attention over the same keys."""
+
+import numpy as np
+import pytest
+
+from eejax.kernels import paged_attention
+
+
+def dense_attention(q, keys, values, q_pos, kv_len):
+    """q [T, Hq, D]; keys/values [N, Hkv, D] (row's tokens in order) -> [T, Hq, D] (numpy)."""
+    t, hq, d = q.shape
+    group = hq // keys.shape[1]
+    out = np.zeros_like(q)
+    for i in range(t):
+        n = min(kv_len, q_pos[i] + 1)
+        for h in range(hq):
+            if n == 0:
+                continue
+            k, v = keys[:n, h // group], values[:n, h // group]
+            s = k @ q[i, h] / np.sqrt(d)
+            p = np.exp(s - s.max())
+            out[i, h] = (p / p.sum()) @ v
+    return out
+
+
+def build_case(rng, lengths, q_len, page_size, hq, hkv, d, layers=2, layer=1):
+    """Scatters each row's keys into random pages of a cache; returns everything needed."""
+    b = len(lengths)
+    max_pages = max(1, -(-max(lengths) // page_size))
+    num_pages = 1 + b * max_pages + 3
+    kc = rng.standard_normal((layers, num_pages, page_size, hkv, d)).astype(np.float32)
+    vc = rng.standard_normal((layers, num_pages, page_size, hkv, d)).astype(np.float32)
+    perm = rng.permutation(np.arange(1, num_pages))
+    table = np.zeros((b, max_pages), np.int32)
+    rows_k, rows_v = [], []
+    for i, n in enumerate(lengths):
+        need = -(-n // page_size)
+        table[i, :need] = perm[i * max_pages: i * max_pages + need]
+        pos = np.arange(n)
+        rows_k.append(kc[layer, table[i, pos // page_size], pos % page_size])
+        rows_v.append(vc[layer, table[i, pos // page_size], pos % page_size])
+    q = rng.standard_normal((b, q_len, hq, d)).astype(np.float32)
+    # The new tokens are the last q_len of each row (fewer if the row is shorter).
+    q_pos = np.array([[max(n - q_len, 0) + t for t in range(q_len)] for n in lengths], np.int32)
+    return q, kc, vc, table, q_pos, rows_k, rows_v
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_paged_attention_matches_dense(page_size, hq, hkv, q_len):
+    rng = np.random.default_rng(page_size * 100 + hq * 10 + q_len)
+    lengths = [0, 1, page_size, page_size + 1, 3 * page_size - 1, 7]
+    q, kc, vc, table, q_pos, rows_k, rows_v = build_case(rng, lengths, q_len, page_size, hq, hkv, 16)
+    kv_len = np.array(lengths, np.int32)
+    got = np.asarray(paged_attention(q, kc, vc, np.int32(1), table, q_pos, kv_len))
+    for i, n in enumerate(lengths):
+        want = dense_attention(q[i], rows_k[i], rows_v[i], q_pos[i], n)
+        np.testing.assert_allclose(got[i], want, atol=1e-5, rtol=1e-5, err_msg=f"row {i} (length {n})")
+    assert np.all(got[0] == 0), "a row of length 0 must give zeros"
+
+
+def test_causal_mask_hides_later_tokens():
+    """Changing keys after a query's position must not change its output."""
+    rng = np.random.default_rng(0)
+    q, kc, vc, table, q_pos, *_ = build_case(rng, [12], 4, 4, 2, 2, 8)
+    a = np.asarray(paged_attention(q, kc, vc, 1, table, q_pos, np.array([12], np.int32)))
+    last_page, last_slot = table[0, 11 // 4], 11 % 4
+    kc[1, last_page, last_slot] += 10.0
+    b = np.asarray(paged_attention(q, kc, vc, 1, table, q_pos, np.array([12], np.int32)))
+    np.testing.assert_array_equal(a[:, :3], b[:, :3])
+    assert not np.allclose(a[:, 3], b[:, 3])
+
+
+def test_unknown_impl_is_refused():
+    with pytest.raises(ValueError, match="impl"):
+        paged_attention(np.zeros((1, 1, 1, 4)), np.zeros((1, 2, 4, 1, 4)), np.zeros((1, 2, 4, 1, 4)), 0,
+                        np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), np.ones(1, np.int32), impl="cuda")

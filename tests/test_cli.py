@@ -1,0 +1,101 @@
+"""The `eejax` CLI: the --json contract scripts rely on, and one-line errors for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eejax.cli import main
+
+
+def run_cli(capsys, *argv):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoints):
+    return tiny_checkpoints["gqa-untied"][2]
+
+
+def test_generate_json_contract(capsys, ckpt, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"article": "The river rose"}\n"A plain string prompt"\n\n{"article": "Officials said"}\n')
+    code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompts-file", prompts,
+                           "--max-new-tokens", 6, "--ignore-eos", "--json", "--batch-size", 2)
+    assert code == 0
+    doc = json.loads(out)  # stdout is exactly one JSON object
+    assert [o["prompt"] for o in doc["outputs"]] == ["The river rose", "A plain string prompt", "Officials said"]
+    for o in doc["outputs"]:
+        assert set(o) == {"prompt", "text", "tokens", "exit_layers"}
+        assert len(o["tokens"]) == 6 and o["exit_layers"] == [3] * 6
+    s = doc["stats"]
+    assert {"tokens_per_s", "generated_tokens", "mean_layers_per_token", "num_layers", "compile_s"} <= set(s)
+    assert s["generated_tokens"] == 18 and s["num_layers"] == 3 and s["mean_layers_per_token"] == 3
+    # The same prompts given with --prompt give the same tokens.
+    code, out2, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose",
+                            "--max-new-tokens", 6, "--ignore-eos", "--json")
+    assert json.loads(out2)["outputs"][0]["tokens"] == doc["outputs"][0]["tokens"]
+
+
+def test_generate_text_output(capsys, ckpt):
+    code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "Hello there", "--max-new-tokens", 4)
+    assert code == 0 and "=== prompt 0 ===" in out and "tokens/s" in out
+
+
+def test_convert_command(capsys, tiny_checkpoints, tmp_path):
+    code, out, _ = run_cli(capsys, "convert", tiny_checkpoints["mha-tied"][1], tmp_path / "c", "--quiet")
+    assert code == 0 and (tmp_path / "c" / "eejax.json").is_file()
+
+
+def bad_inputs(tmp_path, ckpt):
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
+    base = ["generate", "--model", ckpt, "--max-new-tokens", 4]
+    return {
+        "missing path": (["generate", "--model", tmp_path / "nope", "--prompt", "hi"], "no such file"),
+        "not a model": (["generate", "--model", tmp_path / "empty_dir", "--prompt", "hi"], "not an eejax model"),
+        "unsupported architecture": (["convert", tmp_path / "gpt2", tmp_path / "out"], "supports: llama"),
+        "prompt too long": (base + ["--prompt", "word " * 400], "context"),
+        "empty prompt list": (base + ["--prompts-file", tmp_path / "empty.jsonl"], "no prompts"),
+        "empty prompt": (base + ["--prompt", ""], "empty prompt"),
+        "non-positive max-new-tokens": (["generate", "--model", ckpt, "--prompt", "hi", "--max-new-tokens", 0],
+                                        "positive"),
+        "cache budget too small": (base + ["--prompt", "hi", "--cache-budget", "1KiB"], "KV cache budget"),
+        "bad prompts file": (base + ["--prompts-file", tmp_path / "missing.jsonl"], "not found"),
+    }
+
+
+@pytest.mark.parametrize("case", [
+    "missing path", "not a model", "unsupported architecture", "prompt too long", "empty prompt list",
+    "empty prompt", "non-positive max-new-tokens", "cache budget too small", "bad prompts file"])
+def test_bad_input_is_one_line_and_status_2(capsys, ckpt, tmp_path, case):
+    argv, needle = bad_inputs(tmp_path, ckpt)[case]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+    assert out == ""
+    assert not (tmp_path / "out").exists()
+
+
+def test_entry_point_subprocess(ckpt, tmp_path):
+    """The installed `eejax` command itself: --help works, and bad input gives status 2 and no traceback."""
+    exe = [sys.executable, "-m", "eejax.cli"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    help_out = subprocess.run(exe + ["generate", "--help"], capture_output=True, text=True, env=env)
+    assert help_out.returncode == 0 and "--max-new-tokens" in help_out.stdout
+    bad = subprocess.run(exe + ["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("eejax: error: no such file")
+    conv = subprocess.run([sys.executable, "-m", "conversion", "--help"], capture_output=True, text=True, env=env)
+    assert conv.returncode == 0 and "atomic" in conv.stdout

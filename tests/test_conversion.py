@@ -1,0 +1,121 @@
+"""Conversion: every HF weight format, dtypes, atomicity and clear errors."""
+
+import importlib
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import eejax
+from conversion import convert
+from eejax.errors import EejaxError, UnsupportedModelError
+from tests.conftest import make_hf_llama
+
+
+def params_of(path):
+    return jax.tree.map(np.asarray, eejax.load(path).params)
+
+
+def assert_same_params(a, b, **tol):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), **tol), a, b)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return make_hf_llama("gqa-untied", seed=5)
+
+
+def test_stacked_layout_and_values(tiny_checkpoints):
+    hf, _, path = tiny_checkpoints["gqa-untied"]
+    p = params_of(path)
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    assert p["layers"]["wq"].shape == (3, 64, 64) and p["layers"]["wk"].shape == (3, 64, 32)
+    np.testing.assert_array_equal(p["layers"]["wk"][2], sd["model.layers.2.self_attn.k_proj.weight"].T)
+    np.testing.assert_array_equal(p["layers"]["mlp_norm"][1], sd["model.layers.1.post_attention_layernorm.weight"])
+    np.testing.assert_array_equal(p["lm_head"], sd["lm_head.weight"].T)
+    tied = params_of(tiny_checkpoints["gqa-tied"][2])
+    assert "lm_head" not in tied
+
+
+@pytest.mark.parametrize("fmt", ["sharded-safetensors", "bin", "sharded-bin"])
+def test_weight_formats_give_the_same_params(tmp_path, hf_model, fmt):
+    ref = tmp_path / "ref"
+    hf_model.save_pretrained(ref)
+    src = tmp_path / fmt
+    hf_model.save_pretrained(src, safe_serialization=not fmt.endswith("bin"),
+                             max_shard_size="100KB" if fmt.startswith("sharded") else "10GB")
+    names = os.listdir(src)
+    assert any(n.endswith(".index.json") for n in names) == fmt.startswith("sharded")
+    assert_same_params(params_of(convert(ref, tmp_path / "a", progress=False)),
+                       params_of(convert(src, tmp_path / "b", progress=False)), rtol=0, atol=0)
+
+
+def test_bfloat16(tmp_path, hf_model):
+    hf_model.save_pretrained(tmp_path / "hf")
+    p32 = params_of(convert(tmp_path / "hf", tmp_path / "f32", progress=False))
+    model = eejax.load(convert(tmp_path / "hf", tmp_path / "bf16", dtype="bfloat16", progress=False))
+    assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(model.params))
+    assert_same_params(p32, jax.tree.map(np.asarray, model.params), rtol=1e-2, atol=1e-3)
+    out = eejax.generate(model, [[5, 6, 7]], max_new_tokens=4, ignore_eos=True)
+    assert len(out.tokens[0]) == 4
+
+
+def test_missing_tensor_leaves_nothing_behind(tmp_path, hf_model):
+    from safetensors.numpy import load_file, save_file
+
+    src = tmp_path / "hf"
+    hf_model.save_pretrained(src)
+    state = load_file(src / "model.safetensors")
+    del state["model.layers.2.mlp.up_proj.weight"]
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    dst = tmp_path / "out"
+    with pytest.raises(EejaxError, match="up_proj"):
+        convert(src, dst, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["hf"], "a failed conversion left files behind"
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path, hf_model, monkeypatch):
+    conv = importlib.import_module("conversion.convert")  # the module, not the function
+
+    hf_model.save_pretrained(tmp_path / "hf")
+
+    def broken_save(directory, *args, **kwargs):
+        (directory / "params").mkdir(parents=True)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(conv, "save_checkpoint", broken_save)
+    with pytest.raises(OSError):
+        convert(tmp_path / "hf", tmp_path / "out", progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_unsupported_architecture_names_what_is_supported(tmp_path):
+    src = tmp_path / "gpt2"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    (src / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*supports: llama"):
+        convert(src, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_sources_and_destinations(tmp_path, hf_model):
+    with pytest.raises(EejaxError, match="no such file"):
+        convert(tmp_path / "missing", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EejaxError, match="not an HF model directory"):
+        convert(tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "weights.txt").write_text("x")
+    with pytest.raises(EejaxError, match="not a .gguf"):
+        convert(tmp_path / "weights.txt", tmp_path / "out")
+    hf_model.save_pretrained(tmp_path / "hf")
+    with pytest.raises(EejaxError, match="dtype"):
+        convert(tmp_path / "hf", tmp_path / "out", dtype="float16")
+    first = convert(tmp_path / "hf", tmp_path / "out", progress=False)
+    with pytest.raises(EejaxError, match="already exists"):
+        convert(tmp_path / "hf", first, progress=False)
+    convert(tmp_path / "hf", first, overwrite=True, progress=False)
+    assert (first / "eejax.json").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["empty", "hf", "out", "weights.txt"]

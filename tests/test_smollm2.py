@@ -1,0 +1,44 @@
+"""Real SmolLM2-135M (from the package index): eejax greedy tokens equal HF `generate`."""
+
+import pytest
+import torch
+
+import eejax
+from eejax.hub import fetch_original
+from tests.conftest import cnndm_rows
+
+pytestmark = pytest.mark.real_model
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return eejax.load("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2():
+    from transformers import AutoModelForCausalLM
+
+    gguf = fetch_original("smollm2-135m")
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def test_config_is_smollm2(smollm2):
+    c = smollm2.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
+    assert c.tie_embeddings and c.rope_theta == 100000.0
+
+
+def test_greedy_equals_hf_generate(smollm2, hf_smollm2):
+    # Four CNN/DM articles cut to different lengths: one padded batch in eejax, one by one in HF.
+    prompts = [row["article"][: 250 + 300 * i] for i, row in enumerate(cnndm_rows(4))]
+    res = eejax.generate(smollm2, prompts, max_new_tokens=NEW_TOKENS)
+    assert len({len(t) for t in res.prompt_tokens}) == 4
+    for i, p in enumerate(prompts):
+        enc = smollm2.tokenizer(p, return_tensors="pt")
+        with torch.no_grad():
+            out = hf_smollm2.generate(**enc, do_sample=False, max_new_tokens=NEW_TOKENS)
+        want = out[0, enc["input_ids"].shape[1]:].tolist()
+        assert res.tokens[i] == want, f"prompt {i}"
+        assert res.texts[i] == smollm2.tokenizer.decode(want, skip_special_tokens=True)
