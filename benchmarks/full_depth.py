@@ -1,0 +1,66 @@
+"""eejax full-depth greedy decoding vs HF transformers `generate` on SmolLM2-135M (fp32).
+
+Same CNN/DM prompts (first --prompt-tokens tokens of each article), --new-tokens generated
+tokens per row with EOS ignored, batch 1 / 8 / 32, both measured in this run. Prints tokens/s
+of each, the ratio, layers executed per token, and at batch 1 the memory-bandwidth bound
+(weight bytes read per token / measured read bandwidth).
+
+    python benchmarks/full_depth.py [--batches 1 8 32] [--new-tokens 64] [--prompt-tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import eejax  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    cnndm_prompts, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, read_bandwidth_gbs, write_result,
+)
+from eejax.models.llama import param_bytes_per_token  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2, help="eejax timed runs per batch (best is kept)")
+    parser.add_argument("--skip-hf", action="store_true", help="measure eejax only")
+    args = parser.parse_args(argv)
+
+    model = eejax.load("smollm2-135m")
+    hf = None if args.skip_hf else load_hf_smollm2()
+    bw = read_bandwidth_gbs()
+    weight_bytes = param_bytes_per_token(model.params, model.config)
+    bound = bw * 1e9 / weight_bytes
+    print(f"read bandwidth {bw:.1f} GB/s; weights read per token {weight_bytes / 1e6:.0f} MB; "
+          f"batch-1 bound {bound:.1f} tokens/s")
+    rows = []
+    for b in args.batches:
+        prompts = cnndm_prompts(model.tokenizer, b, args.prompt_tokens)
+        kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
+        eejax.generate(model, prompts, **kw)  # compile
+        runs = [eejax.generate(model, prompts, **kw).stats for _ in range(args.repeats)]
+        ours = max(r["tokens_per_s"] for r in runs)
+        peer = float("nan") if hf is None else hf_generate_tokens_per_s(hf, prompts, args.new_tokens, model.config.pad_token_id or 0)
+        row = {"batch": b, "eejax_tokens_per_s": ours, "hf_tokens_per_s": peer, "ratio": ours / peer if peer else None,
+               "layers_per_token": runs[0]["mean_layers_per_token"], "compiled_programs": model.programs.num_programs}
+        if b == 1:
+            row["fraction_of_bandwidth_bound"] = ours / bound
+        rows.append(row)
+        extra = f", {ours / bound:.0%} of the bandwidth bound" if b == 1 else ""
+        print(f"batch {b:3d}: eejax {ours:7.1f} tok/s | HF {peer:7.1f} tok/s | ratio {fmt_ratio(ours, peer)} | "
+              f"layers/token {row['layers_per_token']:.0f}{extra}", flush=True)
+    path = write_result("full_depth", {"read_bandwidth_gbs": bw, "weight_bytes_per_token": weight_bytes,
+                                       "bandwidth_bound_tokens_per_s": bound, "prompt_tokens": args.prompt_tokens,
+                                       "new_tokens": args.new_tokens, "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
