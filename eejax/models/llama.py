@@ -104,8 +104,9 @@ def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig
 def lm_head(params, h, config: LlamaConfig):
     """Final norm + LM head: hidden [..., D] -> float32 logits [..., V]."""
     x = rms_norm(h, params["final_norm"], config.rms_norm_eps)
-    w = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32)
+    if config.tie_embeddings:  # contract with embed's rows directly: `embed.T` would be copied
+        return jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 def init_params(config: LlamaConfig, key, dtype=jnp.float32, scale: float = 0.02):
