@@ -72,8 +72,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = read_prompts_file(args.prompts_file, args.prompt_field)
     if args.limit:
         prompts = prompts[: args.limit]
-    if not prompts or any(not p for p in prompts):
-        raise EejaxError("empty prompt" if prompts else "no prompts given")
     model = eejax.load(args.model)
     result = eejax.generate(
         model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

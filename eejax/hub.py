@@ -61,13 +61,11 @@ def fetch_original(name: str) -> Path:
 def resolve(path_or_name: str | Path) -> Path:
     """A checkpoint directory for a path, or for a known name (converting it on first use)."""
     path = Path(path_or_name).expanduser()
-    if path.exists() or str(path_or_name) not in KNOWN_MODELS:
-        if not path.exists():
-            raise EejaxError(
-                f"no such file or directory: {path_or_name} (known model names: {', '.join(KNOWN_MODELS)})"
-            )
+    if path.exists():
         return path
     name = str(path_or_name)
+    if name not in KNOWN_MODELS:
+        raise EejaxError(f"no such file or directory: {name} (known model names: {', '.join(KNOWN_MODELS)})")
     converted = cache_dir() / "models" / name
     if not converted.exists():
         from conversion import convert

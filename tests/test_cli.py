@@ -66,7 +66,7 @@ def bad_inputs(tmp_path, ckpt):
         "unsupported architecture": (["convert", tmp_path / "gpt2", tmp_path / "out"], "supports: llama"),
         "prompt too long": (base + ["--prompt", "word " * 400], "context"),
         "empty prompt list": (base + ["--prompts-file", tmp_path / "empty.jsonl"], "no prompts"),
-        "empty prompt": (base + ["--prompt", ""], "empty prompt"),
+        "empty prompt": (base + ["--prompt", ""], "prompt 0 is empty"),
         "non-positive max-new-tokens": (["generate", "--model", ckpt, "--prompt", "hi", "--max-new-tokens", 0],
                                         "positive"),
         "cache budget too small": (base + ["--prompt", "hi", "--cache-budget", "1KiB"], "KV cache budget"),

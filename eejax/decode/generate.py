@@ -87,7 +87,7 @@ def generate(
     eos_ids = () if ignore_eos else model.eos_token_ids
     batch_size = batch_size or len(rows)
 
-    dtype = jax.tree.leaves(model.params)[0].dtype
+    dtype = model.dtype
     per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, dtype)
     budget_pages = parse_bytes(cache_budget) // per_page
     need = [pages_needed(len(r) + max_new_tokens, page_size) for r in rows]
