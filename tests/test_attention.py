@@ -28,8 +28,8 @@ def build_case(rng, lengths, q_len, page_size, hq, hkv, d, layers=2, layer=1):
     b = len(lengths)
     max_pages = max(1, -(-max(lengths) // page_size))
     num_pages = 1 + b * max_pages + 3
-    kc = rng.standard_normal((layers, num_pages, page_size, hkv, d)).astype(np.float32)
-    vc = rng.standard_normal((layers, num_pages, page_size, hkv, d)).astype(np.float32)
+    kc = rng.standard_normal((layers, hkv, num_pages, page_size, d)).astype(np.float32)
+    vc = rng.standard_normal((layers, hkv, num_pages, page_size, d)).astype(np.float32)
     perm = rng.permutation(np.arange(1, num_pages))
     table = np.zeros((b, max_pages), np.int32)
     rows_k, rows_v = [], []
@@ -37,8 +37,8 @@ def build_case(rng, lengths, q_len, page_size, hq, hkv, d, layers=2, layer=1):
         need = -(-n // page_size)
         table[i, :need] = perm[i * max_pages: i * max_pages + need]
         pos = np.arange(n)
-        rows_k.append(kc[layer, table[i, pos // page_size], pos % page_size])
-        rows_v.append(vc[layer, table[i, pos // page_size], pos % page_size])
+        rows_k.append(kc[layer][:, table[i, pos // page_size], pos % page_size].transpose(1, 0, 2))
+        rows_v.append(vc[layer][:, table[i, pos // page_size], pos % page_size].transpose(1, 0, 2))
     q = rng.standard_normal((b, q_len, hq, d)).astype(np.float32)
     # The new tokens are the last q_len of each row (fewer if the row is shorter).
     q_pos = np.array([[max(n - q_len, 0) + t for t in range(q_len)] for n in lengths], np.int32)
@@ -66,7 +66,7 @@ def test_causal_mask_hides_later_tokens():
     q, kc, vc, table, q_pos, *_ = build_case(rng, [12], 4, 4, 2, 2, 8)
     a = np.asarray(paged_attention(q, kc, vc, 1, table, q_pos, np.array([12], np.int32)))
     last_page, last_slot = table[0, 11 // 4], 11 % 4
-    kc[1, last_page, last_slot] += 10.0
+    kc[1, :, last_page, last_slot] += 10.0
     b = np.asarray(paged_attention(q, kc, vc, 1, table, q_pos, np.array([12], np.int32)))
     np.testing.assert_array_equal(a[:, :3], b[:, :3])
     assert not np.allclose(a[:, 3], b[:, 3])
@@ -74,5 +74,5 @@ def test_causal_mask_hides_later_tokens():
 
 def test_unknown_impl_is_refused():
     with pytest.raises(ValueError, match="impl"):
-        paged_attention(np.zeros((1, 1, 1, 4)), np.zeros((1, 2, 4, 1, 4)), np.zeros((1, 2, 4, 1, 4)), 0,
+        paged_attention(np.zeros((1, 1, 1, 4)), np.zeros((1, 1, 2, 4, 4)), np.zeros((1, 1, 2, 4, 4)), 0,
                         np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), np.ones(1, np.int32), impl="cuda")

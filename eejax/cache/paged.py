@@ -1,6 +1,8 @@
 """The preallocated paged KV cache: one device pytree for all layers.
 
-Layout: `k, v: [num_layers, num_pages, page_size, num_kv_heads, head_dim]`. A sequence owns a row
+Layout: `k, v: [num_layers, num_kv_heads, num_pages, page_size, head_dim]` (heads before pages,
+so a row's gathered keys `[Hkv, B, pages * page_size, Dh]` feed attention's batched matmuls
+without a transpose). A sequence owns a row
 of `block_table [batch, pages_per_seq] int32` (page ids; unused entries are the null page 0) and
 a length `kv_len [batch]`. Token at position p of row b lives in page `block_table[b, p // S]`,
 slot `p % S`. Rolling back is only lowering `kv_len`: stale slots are masked, later overwritten.
@@ -21,18 +23,18 @@ from eejax.errors import EejaxError
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Keys and values of every layer, `[L, num_pages, page_size, Hkv, Dh]` each."""
+    """Keys and values of every layer, `[L, Hkv, num_pages, page_size, Dh]` each."""
 
     k: jax.Array
     v: jax.Array
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -53,7 +55,7 @@ def init_cache(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype) 
     """Allocates the whole cache once, zero-filled."""
     if num_pages < 2:
         raise EejaxError(f"a KV cache needs at least 2 pages (1 null + 1 usable), got {num_pages}")
-    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
@@ -71,7 +73,8 @@ def slot_indices(block_table, positions, valid, page_size):
 
 def write_layer_kv(cache: KVCache, layer, k, v, pages, slots) -> KVCache:
     """Writes one layer's new keys/values `[B, T, Hkv, Dh]` at (pages, slots) `[B, T]`."""
+    heads = jnp.arange(cache.k.shape[1])[:, None, None]
     return KVCache(
-        k=cache.k.at[layer, pages, slots].set(k.astype(cache.k.dtype)),
-        v=cache.v.at[layer, pages, slots].set(v.astype(cache.v.dtype)),
+        k=cache.k.at[layer, heads, pages, slots].set(k.transpose(2, 0, 1, 3).astype(cache.k.dtype)),
+        v=cache.v.at[layer, heads, pages, slots].set(v.transpose(2, 0, 1, 3).astype(cache.v.dtype)),
     )

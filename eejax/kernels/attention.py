@@ -21,7 +21,7 @@ def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len
     """Attention of new queries against one layer of the paged cache.
 
     q:            [B, T, Hq, Dh]   queries (rotary already applied)
-    k_cache/v_cache: [L, P, S, Hkv, Dh]  the whole cache (the new tokens already written)
+    k_cache/v_cache: [L, Hkv, P, S, Dh]  the whole cache (the new tokens already written)
     layer:        int32 scalar, may be traced
     block_table:  [B, M] int32     page ids of each row
     q_positions:  [B, T] int32     absolute position of each query
@@ -36,24 +36,25 @@ def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len
 def reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len):
     """jnp reference: gathers only the row's `M` pages of this layer (one gather, no layer copy)."""
     b, t, hq, dh = q.shape
-    _, _, s, hkv, _ = k_cache.shape
+    _, hkv, _, s, _ = k_cache.shape
     m = block_table.shape[1]
     group = hq // hkv
-    # [B, M, S, Hkv, Dh] -> [B, M*S, Hkv, Dh]; indexing with (layer, table) is a single gather.
-    k = k_cache[layer, block_table].reshape(b, m * s, hkv, dh)
-    v = v_cache[layer, block_table].reshape(b, m * s, hkv, dh)
-    qg = q.reshape(b, t, hkv, group, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (dh**-0.5)
+    # One gather of this layer's pages: [Hkv, B, M, S, Dh] -> [Hkv, B, M*S, Dh]. Batch dims
+    # (Hkv, B) lead and Dh is minor, so both matmuls below run without transposing the keys.
+    heads = jnp.arange(hkv)[:, None, None]
+    k = k_cache[layer, heads, block_table[None]].reshape(hkv, b, m * s, dh)
+    v = v_cache[layer, heads, block_table[None]].reshape(hkv, b, m * s, dh)
+    qg = q.reshape(b, t, hkv, group, dh).transpose(2, 0, 1, 3, 4).reshape(hkv, b, t * group, dh)
+    scores = jnp.einsum("kbqd,kbsd->kbqs", qg, k, preferred_element_type=jnp.float32) * (dh**-0.5)
     key_pos = jnp.arange(m * s, dtype=jnp.int32)
     mask = (key_pos[None, None, :] < kv_len[:, None, None]) & (
         key_pos[None, None, :] <= q_positions[:, :, None]
     )  # [B, T, M*S]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    has_key = mask.any(-1)  # [B, T]
-    # Rows with no valid key would give NaN; give them zeros instead.
-    scores = jnp.where(has_key[:, None, None, :, None], scores, 0.0)
+    mask = jnp.repeat(mask, group, axis=1)[None]  # [1, B, T*G, M*S], query rows t-major
+    has_key = mask.any(-1, keepdims=True)
+    # Rows with no valid key would give NaN; they get zeros instead.
+    scores = jnp.where(mask, scores, jnp.where(has_key, -jnp.inf, 0.0))
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = jnp.where(has_key[:, :, None, None, None], out, 0.0)
-    return out.reshape(b, t, hq, dh).astype(q.dtype)
+    out = jnp.einsum("kbqs,kbsd->kbqd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.where(has_key, out, 0.0)
+    return out.reshape(hkv, b, t, group, dh).transpose(1, 2, 0, 3, 4).reshape(b, t, hq, dh).astype(q.dtype)
