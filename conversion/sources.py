@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from eejax.config import SUPPORTED_ARCHITECTURES
+from eejax.config import check_architecture
 from eejax.errors import EejaxError, UnsupportedModelError
 
 WEIGHT_FILES = (
@@ -45,14 +45,6 @@ def open_checkpoint(src: str | Path) -> HFCheckpoint:
     return _open_hf_dir(src)
 
 
-def check_architecture(config: dict[str, Any], src) -> None:
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"unsupported architecture {model_type!r} in {src}; eejax supports: " + ", ".join(SUPPORTED_ARCHITECTURES)
-        )
-
-
 def _to_numpy(tensor) -> np.ndarray:
     import torch
 
@@ -63,7 +55,7 @@ def _open_hf_dir(src: Path) -> HFCheckpoint:
     if not (src / "config.json").is_file():
         raise EejaxError(f"{src} is not an HF model directory: no config.json")
     config = json.loads((src / "config.json").read_text())
-    check_architecture(config, src)
+    check_architecture(config.get("model_type"), str(src))
     gen_path = src / "generation_config.json"
     generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else None
     found = next((name for name in WEIGHT_FILES if (src / name).is_file()), None)
@@ -112,7 +104,7 @@ def _open_gguf(src: Path) -> HFCheckpoint:
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     except ValueError as e:  # transformers names the GGUF architectures it cannot read
         raise UnsupportedModelError(f"cannot load {src.name}: {str(e).splitlines()[0]}") from e
-    check_architecture(model.config.to_dict(), src)
+    check_architecture(model.config.model_type, str(src))
     state = model.state_dict()
     generation_config = model.generation_config.to_dict() if model.generation_config else None
     return HFCheckpoint(

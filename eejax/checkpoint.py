@@ -11,8 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from eejax.config import LlamaConfig
-from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.config import LlamaConfig, check_architecture
+from eejax.errors import EejaxError
 
 CONFIG_FILE = "eejax.json"
 FORMAT_VERSION = 1
@@ -57,10 +57,7 @@ def load_checkpoint(directory: str | Path):
     directory = Path(directory).absolute()
     meta = read_metadata(directory)
     arch = meta.get("architecture")
-    if arch not in CONFIG_CLASSES:
-        raise UnsupportedModelError(
-            f"unsupported architecture {arch!r} in {directory}; eejax supports: " + ", ".join(CONFIG_CLASSES)
-        )
+    check_architecture(arch, str(directory))
     config = CONFIG_CLASSES[arch].from_dict(meta["config"])
     # Quiet orbax's informational logs about restoring without a target.
     logging.getLogger("absl").setLevel(logging.WARNING)

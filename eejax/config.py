@@ -11,6 +11,15 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def check_architecture(model_type, where: str = "") -> None:
+    """Raises UnsupportedModelError naming the supported architectures."""
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        place = f" in {where}" if where else ""
+        raise UnsupportedModelError(
+            f"unsupported architecture {model_type!r}{place}; eejax supports: " + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rotary frequency scaling: `linear` (positions / factor) or Llama 3.x's `llama3`."""
@@ -58,12 +67,7 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None):
         """Builds the config from an HF `config.json` dict (transformers 4.x or 5.x spelling)."""
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"unsupported architecture {model_type!r}; eejax supports: "
-                + ", ".join(SUPPORTED_ARCHITECTURES)
-            )
+        check_architecture(hf.get("model_type"))
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise UnsupportedModelError(f"unsupported Llama variant: {flag}=true")
