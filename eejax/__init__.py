@@ -3,12 +3,13 @@
     model = eejax.load("smollm2-135m")           # or an eejax checkpoint directory
     out = eejax.generate(model, ["The capital of France is"], max_new_tokens=16)
     out.texts, out.tokens, out.exit_layers, out.stats
+    out = eejax.generate(model, prompts, exit=eejax.ExitConfig("softmax", threshold=0.9))
 """
 
-from eejax.config import LlamaConfig, RopeScaling
+from eejax.config import ExitConfig, LlamaConfig, RopeScaling
 from eejax.decode import GenerateResult, SamplingParams, generate
 from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
-from eejax.model import Model, load
+from eejax.model import Model, init_exits, load
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ def convert(src, dst, *, dtype: str = "float32", overwrite: bool = False, progre
 
 __all__ = [
     "EejaxError",
+    "ExitConfig",
     "GenerateResult",
     "LlamaConfig",
     "Model",
@@ -31,5 +33,6 @@ __all__ = [
     "UnsupportedModelError",
     "convert",
     "generate",
+    "init_exits",
     "load",
 ]

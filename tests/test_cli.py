@@ -33,7 +33,7 @@ def test_generate_json_contract(capsys, ckpt, tmp_path):
     doc = json.loads(out)  # stdout is exactly one JSON object
     assert [o["prompt"] for o in doc["outputs"]] == ["The river rose", "A plain string prompt", "Officials said"]
     for o in doc["outputs"]:
-        assert set(o) == {"prompt", "text", "tokens", "exit_layers"}
+        assert set(o) == {"prompt", "text", "tokens", "exit_layers", "confident_layers"}
         assert len(o["tokens"]) == 6 and o["exit_layers"] == [3] * 6
     s = doc["stats"]
     assert {"tokens_per_s", "generated_tokens", "mean_layers_per_token", "num_layers", "compile_s"} <= set(s)
@@ -42,6 +42,20 @@ def test_generate_json_contract(capsys, ckpt, tmp_path):
     code, out2, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose",
                             "--max-new-tokens", 6, "--ignore-eos", "--json")
     assert json.loads(out2)["outputs"][0]["tokens"] == doc["outputs"][0]["tokens"]
+
+
+def test_generate_with_exit_json(capsys, ckpt):
+    code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose", "Officials said",
+                           "--max-new-tokens", 5, "--ignore-eos", "--json", "--exit", "static:2")
+    assert code == 0
+    doc = json.loads(out)
+    for o in doc["outputs"]:
+        assert o["exit_layers"] == [3, 2, 2, 2, 2] and o["confident_layers"] == [3, 2, 2, 2, 2]
+    assert doc["stats"]["exit"] == "static:2" and doc["stats"]["kv_fill_layers_per_token"] == pytest.approx(0.8)
+    code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose", "--max-new-tokens", 5,
+                           "--ignore-eos", "--json", "--exit", "softmax:-inf", "--min-exit-layer", 2,
+                           "--exit-decay", "off")
+    assert code == 0 and json.loads(out)["outputs"][0]["exit_layers"] == [3, 2, 2, 2, 2]
 
 
 def test_generate_text_output(capsys, ckpt):
@@ -71,12 +85,21 @@ def bad_inputs(tmp_path, ckpt):
                                         "positive"),
         "cache budget too small": (base + ["--prompt", "hi", "--cache-budget", "1KiB"], "KV cache budget"),
         "bad prompts file": (base + ["--prompts-file", tmp_path / "missing.jsonl"], "not found"),
+        "unknown exit measure": (base + ["--prompt", "hi", "--exit", "entropy:0.5"], "unknown exit measure"),
+        "exit threshold missing": (base + ["--prompt", "hi", "--exit", "softmax"], "needs a value"),
+        "exit threshold out of range": (base + ["--prompt", "hi", "--exit", "softmax:1.5"], "[0, 1]"),
+        "static exit too deep": (base + ["--prompt", "hi", "--exit", "static:9"], "deeper than the model"),
+        "classifier without exits": (base + ["--prompt", "hi", "--exit", "classifier:0.5"], "init_exits"),
+        "exit options without --exit": (base + ["--prompt", "hi", "--min-exit-layer", 2], "need --exit"),
+        "bad exit decay": (base + ["--prompt", "hi", "--exit", "state:0.9", "--exit-decay", "x"], "--exit-decay"),
     }
 
 
 @pytest.mark.parametrize("case", [
     "missing path", "not a model", "unsupported architecture", "prompt too long", "empty prompt list",
-    "empty prompt", "non-positive max-new-tokens", "cache budget too small", "bad prompts file"])
+    "empty prompt", "non-positive max-new-tokens", "cache budget too small", "bad prompts file",
+    "unknown exit measure", "exit threshold missing", "exit threshold out of range", "static exit too deep",
+    "classifier without exits", "exit options without --exit", "bad exit decay"])
 def test_bad_input_is_one_line_and_status_2(capsys, ckpt, tmp_path, case):
     argv, needle = bad_inputs(tmp_path, ckpt)[case]
     code, out, err = run_cli(capsys, *argv)

@@ -42,3 +42,15 @@ def test_greedy_equals_hf_generate(smollm2, hf_smollm2):
         want = out[0, enc["input_ids"].shape[1]:].tolist()
         assert res.tokens[i] == want, f"prompt {i}"
         assert res.texts[i] == smollm2.tokenizer.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["batch1", "padded-batch4"])
+def test_early_exit_that_never_fires_equals_full_depth(smollm2, rows):
+    prompts = [row["article"][: 300 + 400 * i] for i, row in enumerate(cnndm_rows(rows))]
+    full = eejax.generate(smollm2, prompts, max_new_tokens=16)
+    # "none" runs the exit loop; softmax:1.0 computes the exit head's margin after every layer
+    # and can never exceed 1.
+    for spec in ("none", eejax.ExitConfig("softmax", threshold=1.0, decay=None)):
+        res = eejax.generate(smollm2, prompts, max_new_tokens=16, exit=spec)
+        assert res.tokens == full.tokens, spec
+        assert res.stats["mean_layers_per_token"] == 30

@@ -8,6 +8,7 @@ from eejax.cache.paged import (
     pages_for_budget,
     pages_needed,
     slot_indices,
+    write_kv_all_layers,
     write_layer_kv,
 )
 
@@ -20,5 +21,6 @@ __all__ = [
     "pages_for_budget",
     "pages_needed",
     "slot_indices",
+    "write_kv_all_layers",
     "write_layer_kv",
 ]

@@ -1,4 +1,4 @@
-"""`generate`: batched full-depth generation over one preallocated paged KV cache.
+"""`generate`: batched generation (full depth or early exit) over one preallocated paged KV cache.
 
 Host side: tokenize, bucket shapes, hand out pages, then drive the jitted prefill and decode
 steps; the token loop state stays on device and the host only polls `done` every few steps.
@@ -16,11 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed
+from eejax.config import ExitConfig
 from eejax.decode import steps
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
 from eejax.decode.sampling import SamplingParams
 from eejax.errors import EejaxError, OutOfPagesError
+from eejax.models import exits
 
 MIN_PROMPT_BUCKET = 16
 POLL_EVERY = 4  # decode steps between host checks of "all rows done"
@@ -29,13 +31,17 @@ POLL_EVERY = 4  # decode steps between host checks of "all rows done"
 @dataclasses.dataclass
 class GenerateResult:
     """Per prompt: `tokens` (generated ids only, EOS included), `texts`, `exit_layers` (layers
-    run for each generated token); `stats` for the whole call."""
+    run for each generated token: the batch's exit layer), `confident_layers` (the row's own
+    first confident layer, the exit layer if it never was); `stats` for the whole call.
+
+    The first token comes from the full-depth prefill, so its exit layer is the full depth."""
 
     prompts: list[str | None]
     prompt_tokens: list[list[int]]
     tokens: list[list[int]]
     texts: list[str | None]
     exit_layers: list[list[int]]
+    confident_layers: list[list[int]]
     stats: dict[str, Any]
 
 
@@ -66,13 +72,21 @@ def generate(
     page_size: int = 16,
     cache_budget: int | str = "1GiB",
     truncate_prompt_tokens: int | None = None,
+    exit: ExitConfig | str | None = None,  # noqa: A002 (the documented name of the option)
 ) -> GenerateResult:
     """Generates up to `max_new_tokens` for each prompt of `batch` (see `prompt_token_ids`).
 
     A row stops at an EOS token unless `ignore_eos`. Rows run in batches of `batch_size` (all
     at once by default) as far as the KV cache budget allows; results keep the input order.
+    `exit` (an `ExitConfig` or its CLI spelling such as "softmax:0.9") turns on early exit in
+    the decode steps; None is plain full depth.
     """
     config = model.config
+    exit_config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
+    if exit_config is not None:
+        exit_params = model.params.get("exits")
+        exits.check_exits(exit_params, config.num_layers, config.hidden_size)
+        exit_config.check_model(config.num_layers, exits.has_classifier(exit_params))
     rows, texts = prompt_token_ids(model.tokenizer, batch)
     if truncate_prompt_tokens is not None:
         if truncate_prompt_tokens < 1:
@@ -105,6 +119,7 @@ def generate(
 
     out_tokens: list[list[int]] = [[] for _ in rows]
     out_layers: list[list[int]] = [[] for _ in rows]
+    out_confident: list[list[int]] = [[] for _ in rows]
     compile_before = model.programs.compile_seconds
     key = jax.random.PRNGKey(seed)
     start = time.perf_counter()
@@ -121,12 +136,15 @@ def generate(
         key, chunk_key = jax.random.split(key)
         state, cache = _run_chunk(
             model, cache, [rows[i] for i in chunk], tables, table_width, chunk_key,
-            sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+            sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids, exit_config=exit_config,
         )
-        toks, layers, counts = jax.device_get((state.tokens, state.exit_layers, state.num_generated))
+        toks, layers, confident, counts = jax.device_get(
+            (state.tokens, state.exit_layers, state.confident_layers, state.num_generated)
+        )
         for j, i in enumerate(chunk):
             out_tokens[i] = toks[j, : counts[j]].tolist()
             out_layers[i] = layers[j, : counts[j]].tolist()
+            out_confident[i] = confident[j, : counts[j]].tolist()
         for pages in tables:
             allocator.free(pages)
     compile_s = model.programs.compile_seconds - compile_before
@@ -134,22 +152,37 @@ def generate(
 
     generated = sum(len(t) for t in out_tokens)
     layers_run = sum(sum(x) for x in out_layers)
+    confident_sum = sum(sum(x) for x in out_confident)
     decoded = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer else None for t in out_tokens]
     stats = {
         "tokens_per_s": generated / run_s if run_s > 0 else float("nan"),
         "generated_tokens": generated,
         "mean_layers_per_token": layers_run / generated if generated else 0.0,
+        "kv_fill_layers_per_token": config.num_layers - layers_run / generated if generated else 0.0,
+        "mean_confident_layer": confident_sum / generated if generated else 0.0,
         "num_layers": config.num_layers,
+        "exit": _describe(exit_config),
         "run_s": run_s,
         "compile_s": compile_s,
         "compiled_programs": model.programs.num_programs,
         "kv_cache_pages": num_pages,
         "page_size": page_size,
     }
-    return GenerateResult(texts, rows, out_tokens, decoded, out_layers, stats)
+    return GenerateResult(texts, rows, out_tokens, decoded, out_layers, out_confident, stats)
 
 
-def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_new_tokens, eos_ids):
+def _describe(exit_config: ExitConfig | None) -> str:
+    """The CLI spelling of an exit config: "full", "static:12", "softmax:0.9"."""
+    if exit_config is None:
+        return "full"
+    if exit_config.measure == "static":
+        return f"static:{exit_config.exit_layer}"
+    if exit_config.threshold is None:
+        return exit_config.measure
+    return f"{exit_config.measure}:{exit_config.threshold:g}"
+
+
+def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_new_tokens, eos_ids, exit_config):
     """Prefill then decode one batch of rows (padded to a batch bucket) on the shared cache."""
     b = batch_bucket(len(rows))
     t = bucket(max(len(r) for r in rows), MIN_PROMPT_BUCKET)
@@ -170,6 +203,7 @@ def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_ne
         return widths[w]
 
     static = dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    decode_static = dict(static, exit_config=exit_config)
     max_len = int(lengths.max())
     args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), key)
     state, cache = model.programs.get(steps.prefill, args, static, donate_argnums=(1,))(*args)
@@ -177,5 +211,5 @@ def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_ne
         if step % POLL_EVERY == 0 and bool(jnp.all(state.done)):
             break
         args = (model.params, cache, state, table_for(max_len + step))
-        state, cache = model.programs.get(steps.decode, args, static, donate_argnums=(1, 2))(*args)
+        state, cache = model.programs.get(steps.decode, args, decode_static, donate_argnums=(1, 2))(*args)
     return state, cache

@@ -1,4 +1,4 @@
-"""The jitted steps of full-depth generation: prefill and one decode token.
+"""The jitted steps of generation: prefill and one decode token (full depth or early exit).
 
 Both are pure functions of (params, cache, ...) returning the updated cache; the caller donates
 the cache so it is updated in place. `DecodeState` holds everything the token loop carries on
@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.config import LlamaConfig
+from eejax.config import ExitConfig, LlamaConfig
+from eejax.decode.confidence import exit_threshold
+from eejax.decode.early_exit import ExitFns, early_exit_layers
 from eejax.decode.sampling import SamplingParams, sample
-from eejax.models import llama
+from eejax.models import exits, llama
 
 
 @jax.tree_util.register_dataclass
@@ -27,8 +29,10 @@ class DecodeState:
     seq_len [B] int32:    tokens already in the cache
     num_generated [B]:    tokens produced so far (EOS included)
     done [B] bool:        row finished (EOS, max_new_tokens, or padding row)
-    tokens [B, N] int32:  generated ids; exit_layers [B, N] int32: layers run for each
-    key:                  PRNG key, folded with the step for sampling
+    tokens [B, N] int32:  generated ids
+    exit_layers [B, N]:   layers run for each token (the batch's exit layer)
+    confident_layers [B, N]: the row's first confident layer (the exit layer if none)
+    key:                  PRNG key, split every step for sampling
     """
 
     last_token: jax.Array
@@ -37,6 +41,7 @@ class DecodeState:
     done: jax.Array
     tokens: jax.Array
     exit_layers: jax.Array
+    confident_layers: jax.Array
     key: jax.Array
 
 
@@ -74,29 +79,80 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, key, *, config
         done=done,
         tokens=out,
         exit_layers=exit_layers,
+        confident_layers=exit_layers,
         key=key,
     )
     return state, cache
 
 
+def llama_exit_fns(params, batch: llama.TokenBatch, config: LlamaConfig) -> ExitFns:
+    """The early-exit loop's view of a Llama: layers, exit head (+ adapters), classifier, KV."""
+    exit_params = params.get("exits")
+    num_layers = config.num_layers
+
+    def run_layer(layer, h, cache):
+        return llama.layer_forward(llama.layer_params(params, layer), h, cache, layer, batch, config)
+
+    def exit_logits(h, layers_run):
+        x = h[:, -1]
+        if exits.has_adapters(exit_params):
+            adapted = exits.adapt(exit_params, x, jnp.maximum(layers_run - 1, 0))
+            x = jnp.where(layers_run < num_layers, adapted, x)
+        return llama.lm_head(params, x, config)
+
+    def exit_prob(h, layers_run):
+        return exits.classifier_prob(exit_params, h[:, -1], layers_run - 1)
+
+    return ExitFns(
+        run_layer=run_layer,
+        exit_logits=exit_logits,
+        exit_prob=exit_prob if exits.has_classifier(exit_params) else None,
+        kv_all_layers=lambda h: llama.kv_all_layers(params, h, batch, config),
+    )
+
+
 def decode(params, cache: KVCache, state: DecodeState, block_table, *, config: LlamaConfig,
-           sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...]):
-    """One full-depth decode token for every row that is not done. Returns (state, cache)."""
+           sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...],
+           exit_config: ExitConfig | None = None):
+    """One decode token for every row that is not done. Returns (state, cache).
+
+    Full depth when `exit_config` is None; otherwise the early-exit loop decides how many
+    layers run and fills the KV of the rest.
+    """
     active = ~state.done
     positions = state.seq_len[:, None]
     kv_len = state.seq_len + active
     batch = llama.token_batch(config, positions, active[:, None], block_table, kv_len, cache.page_size)
     h = llama.embed(params, state.last_token[:, None])
-    h, cache = llama.run_layers(params, h, cache, batch, config)
-    logits = llama.lm_head(params, h[:, 0], config)
+    if exit_config is None:
+        h, cache = llama.run_layers(params, h, cache, batch, config)
+        logits = llama.lm_head(params, h[:, 0], config)
+        exit_layer = confident = jnp.full(active.shape, config.num_layers, jnp.int32)
+    else:
+        threshold = exit_threshold(exit_config, state.num_generated, max_new_tokens)
+        out = early_exit_layers(
+            llama_exit_fns(params, batch, config), h, cache, active, threshold, batch.pages, batch.slots,
+            config=exit_config, num_layers=config.num_layers, vocab_size=config.vocab_size,
+        )
+        logits, cache, confident = out.logits, out.cache, out.confident_layer
+        exit_layer = jnp.full(active.shape, out.exit_layer, jnp.int32)
     key, step_key = jax.random.split(state.key)
     token = jnp.where(active, sample(logits, step_key, sampling), state.last_token)
     idx = jnp.minimum(state.num_generated, max_new_tokens - 1)
     rows = jnp.arange(token.shape[0])
-    tokens = state.tokens.at[rows, idx].set(jnp.where(active, token, state.tokens[rows, idx]))
-    exit_layers = state.exit_layers.at[rows, idx].set(
-        jnp.where(active, config.num_layers, state.exit_layers[rows, idx])
-    )
+
+    def record(buffer, values):
+        return buffer.at[rows, idx].set(jnp.where(active, values, buffer[rows, idx]))
+
     num_generated = state.num_generated + active
     done = state.done | (active & _is_eos(token, eos_ids)) | (num_generated >= max_new_tokens)
-    return DecodeState(token, kv_len, num_generated, done, tokens, exit_layers, key), cache
+    return DecodeState(
+        last_token=token,
+        seq_len=kv_len,
+        num_generated=num_generated,
+        done=done,
+        tokens=record(state.tokens, token),
+        exit_layers=record(state.exit_layers, exit_layer),
+        confident_layers=record(state.confident_layers, confident),
+        key=key,
+    ), cache

@@ -76,6 +76,12 @@ def layer_kv(lp, h, batch: TokenBatch, config: LlamaConfig):
     return apply_rope(k, batch.cos, batch.sin), v
 
 
+def kv_all_layers(params, h, batch: TokenBatch, config: LlamaConfig):
+    """Every layer's K and V of the same hidden states h: `[L, B, T, Hkv, Dh]` each (KV fill)."""
+    kv_params = {k: params["layers"][k] for k in ("attn_norm", "wk", "wv")}
+    return jax.vmap(lambda lp: layer_kv(lp, h, batch, config))(kv_params)
+
+
 def layer_forward(lp, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
     """One decoder layer: writes its K/V for the new tokens, returns (h, cache)."""
     b, t, _ = h.shape

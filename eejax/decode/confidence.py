@@ -1,0 +1,37 @@
+"""Confidence measures of early exit (CALM) and the decaying threshold, per row."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from eejax.config import ExitConfig
+
+
+def softmax_margin(logits):
+    """Top-1 minus top-2 probability: logits [B, V] -> [B] float32 in [0, 1]."""
+    top2 = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), 2)[0]
+    return top2[:, 0] - top2[:, 1]
+
+
+def state_cosine(h_prev, h):
+    """Cosine similarity of each row's hidden state before and after a layer: [B, D] -> [B]."""
+    a, b = h_prev.astype(jnp.float32), h.astype(jnp.float32)
+    dot = jnp.sum(a * b, axis=-1)
+    norms = jnp.sqrt(jnp.sum(a * a, axis=-1) * jnp.sum(b * b, axis=-1))
+    return dot / jnp.maximum(norms, 1e-12)
+
+
+def exit_threshold(config: ExitConfig, t, max_new_tokens: int):
+    """λ(t) per row, t [B] the generated position: CALM's clip(0.9·λ + 0.1·exp(-τ·t/N), 0, 1).
+
+    A constant λ without decay; ±inf (never / always) are kept as they are.
+    """
+    lam = math.inf if config.threshold is None else float(config.threshold)
+    t = jnp.asarray(t, jnp.float32)
+    if config.decay is None or not math.isfinite(lam):
+        return jnp.full(t.shape, lam, jnp.float32)
+    decayed = 0.9 * lam + 0.1 * jnp.exp(-config.decay * t / max_new_tokens)
+    return jnp.clip(decayed, 0.0, 1.0)
