@@ -1,0 +1,188 @@
+"""Early exit on SmolLM2-135M (fp32): speed, layers per token and ROUGE-L of each measure.
+
+CNN/DM articles (first --prompt-tokens tokens, then "\\n\\nSummary:"), --new-tokens greedy tokens
+per row with EOS ignored, batch 1 and 8. Measured in one run: HF transformers `generate`, eejax
+full depth, eejax's exit loop that never exits (its overhead), the cost of each confidence check
+(a threshold that can never be met, decay off), and every measure at several thresholds.
+Quality as in Table 1 of the early-exit inference paper: ROUGE-L (rouge-score) of the early-exit
+text against eejax's full-depth text ("to full") and against the reference highlights ("to
+label"). Writes benchmarks/out/early_exit.{json,md,png}.
+
+    pip install -e ".[bench]"; python benchmarks/early_exit.py [--batches 1 8] [--prompts 8]
+
+SmolLM2 was not trained for early exit, so its exits are poor predictors of its last layer:
+this measures the machinery and the honest quality/speed curve, not a trained early-exit model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import eejax  # noqa: E402
+from benchmarks.common import ROOT, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, write_result  # noqa: E402
+from eejax import ExitConfig  # noqa: E402
+
+SWEEP = [
+    ExitConfig("softmax", threshold=0.85), ExitConfig("softmax", threshold=0.6), ExitConfig("softmax", threshold=0.3),
+    ExitConfig("state", threshold=0.99), ExitConfig("state", threshold=0.96), ExitConfig("state", threshold=0.9),
+    ExitConfig("static", exit_layer=25), ExitConfig("static", exit_layer=20), ExitConfig("static", exit_layer=15),
+]
+# Thresholds that can never be met (margin, cosine and probability are <= 1): the loop runs to
+# full depth, evaluating the measure after every layer.
+CHECK_COST = [ExitConfig(m, threshold=1.0, decay=None) for m in ("softmax", "state", "classifier")]
+
+
+def summary_prompts(tokenizer, n: int, prompt_tokens: int) -> tuple[list[list[int]], list[str]]:
+    """(prompt ids, reference highlights) of the first n CNN/DM articles."""
+    with (ROOT / "data" / "cnndm_test_dev100.jsonl").open() as f:
+        rows = [json.loads(line) for _, line in zip(range(n), f)]
+    suffix = tokenizer("\n\nSummary:")["input_ids"]
+    prompts = [tokenizer(r["article"])["input_ids"][: prompt_tokens - len(suffix)] + suffix for r in rows]
+    return prompts, [r["highlights"] for r in rows]
+
+
+def rouge_l(predictions: list[str], references: list[str]) -> float:
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return sum(scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references)) / len(references)
+
+
+def timed(model, prompts, batch, exit_config, new_tokens, repeats=1):
+    """The best of `repeats` runs after one warm-up (compiling) run."""
+    kw = dict(max_new_tokens=new_tokens, ignore_eos=True, batch_size=batch, exit=exit_config)
+    eejax.generate(model, prompts[:batch], **kw)
+    runs = [eejax.generate(model, prompts, **kw) for _ in range(repeats)]
+    return max(runs, key=lambda r: r.stats["tokens_per_s"])
+
+
+def label(exit_config) -> str:
+    if exit_config is None:
+        return "full depth"
+    c = exit_config
+    if c.measure == "static":
+        return f"static:{c.exit_layer}"
+    name = c.measure if c.threshold is None else f"{c.measure}:{c.threshold:g}"
+    return name + ("" if c.measure == "none" or c.decay is None else f" (τ={c.decay:g})")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompts", type=int, default=8, help="CNN/DM articles (each batch size runs all of them)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of full depth and the exit loop (best kept)")
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args(argv)
+
+    model = eejax.init_exits(eejax.load("smollm2-135m"))  # untrained classifiers: for the check cost only
+    L = model.config.num_layers
+    hf = None if args.skip_hf else load_hf_smollm2()
+    prompts, highlights = summary_prompts(model.tokenizer, args.prompts, args.prompt_tokens)
+    results = {"batches": {}, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
+               "prompts": args.prompts, "num_layers": L}
+    for b in args.batches:
+        print(f"\n=== batch {b}: {args.prompts} articles, {args.new_tokens} new tokens ===", flush=True)
+        rows = []
+        hf_tps = float("nan")
+        if hf is not None:
+            hf_tps = min(hf_generate_tokens_per_s(hf, prompts[i:i + b], args.new_tokens, model.config.pad_token_id or 0)
+                         for i in range(0, min(len(prompts), 2 * b), b))
+        full = timed(model, prompts, b, None, args.new_tokens, args.repeats)
+        loop = timed(model, prompts, b, ExitConfig("none"), args.new_tokens, args.repeats)
+        base = full.stats["tokens_per_s"]
+        print(f"HF {hf_tps:.1f} tok/s | eejax full depth {base:.1f} tok/s ({fmt_ratio(base, hf_tps)} HF) | "
+              f"exit loop at full depth {loop.stats['tokens_per_s']:.1f} tok/s "
+              f"(overhead {base / loop.stats['tokens_per_s'] - 1:+.1%})", flush=True)
+        for cfg in CHECK_COST:
+            r = timed(model, prompts, b, cfg, args.new_tokens)
+            checks = len([e for e in range(1, L) if e >= cfg.min_exit_layer])
+            per_check = (1 / r.stats["tokens_per_s"] - 1 / base) / checks
+            per_layer = 1 / base / L
+            rows.append(dict(config=f"{cfg.measure} check cost", tokens_per_s=r.stats["tokens_per_s"],
+                             speedup=r.stats["tokens_per_s"] / base, layers=r.stats["mean_layers_per_token"],
+                             check_cost_in_layers=per_check / per_layer))
+            print(f"  {cfg.measure:10s} check after each of {checks} layers: {r.stats['tokens_per_s']:.1f} tok/s; "
+                  f"one check costs {per_check / per_layer:.2f} layers' time", flush=True)
+        for cfg in SWEEP:
+            r = timed(model, prompts, b, cfg, args.new_tokens)
+            s = r.stats
+            row = dict(config=label(cfg), measure=cfg.measure, tokens_per_s=s["tokens_per_s"],
+                       speedup=s["tokens_per_s"] / base, vs_hf=s["tokens_per_s"] / hf_tps,
+                       layers=s["mean_layers_per_token"], kv_fill_layers=s["kv_fill_layers_per_token"],
+                       exit_rate=sum(e < L for t in r.exit_layers for e in t) / s["generated_tokens"],
+                       rouge_l_to_full=rouge_l(r.texts, full.texts), rouge_l_to_label=rouge_l(r.texts, highlights))
+            rows.append(row)
+            print(f"  {row['config']:22s} {row['tokens_per_s']:7.1f} tok/s  x{row['speedup']:.2f} full  "
+                  f"layers/token {row['layers']:5.1f} (+{row['kv_fill_layers']:4.1f} KV fill)  "
+                  f"exit rate {row['exit_rate']:5.1%}  ROUGE-L to full {row['rouge_l_to_full']:.3f} "
+                  f"to label {row['rouge_l_to_label']:.3f}", flush=True)
+        results["batches"][b] = dict(
+            hf_tokens_per_s=hf_tps, full_tokens_per_s=base, full_vs_hf=base / hf_tps,
+            exit_loop_tokens_per_s=loop.stats["tokens_per_s"], exit_loop_overhead=base / loop.stats["tokens_per_s"] - 1,
+            full_rouge_l_to_label=rouge_l(full.texts, highlights), rows=rows,
+        )
+    write_result("early_exit", results)
+    write_table(results)
+    plot(results)
+    return 0
+
+
+def write_table(results: dict) -> None:
+    lines = [f"SmolLM2-135M fp32, {results['prompts']} CNN/DM articles ({results['prompt_tokens']}-token prompts), "
+             f"{results['new_tokens']} new tokens, {time.strftime('%Y-%m-%d')}", ""]
+    for b, r in results["batches"].items():
+        lines += [f"### batch {b}", "",
+                  f"HF {r['hf_tokens_per_s']:.1f} tok/s; eejax full depth {r['full_tokens_per_s']:.1f} tok/s "
+                  f"({r['full_vs_hf']:.2f}x HF), ROUGE-L to label {r['full_rouge_l_to_label']:.3f}; exit loop at "
+                  f"full depth {r['exit_loop_tokens_per_s']:.1f} tok/s (overhead {r['exit_loop_overhead']:+.1%})", "",
+                  "| exit | tok/s | vs full | vs HF | layers/token | KV-fill layers | exit rate | ROUGE-L to full | to label |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row in r["rows"]:
+            if "rouge_l_to_full" not in row:
+                lines.append(f"| {row['config']} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | | "
+                             f"{row['layers']:.1f} | | | one check = {row['check_cost_in_layers']:.2f} layers | |")
+                continue
+            lines.append(f"| {row['config']} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | {row['vs_hf']:.2f}x | "
+                         f"{row['layers']:.1f} | {row['kv_fill_layers']:.1f} | {row['exit_rate']:.1%} | "
+                         f"{row['rouge_l_to_full']:.3f} | {row['rouge_l_to_label']:.3f} |")
+        lines.append("")
+    path = ROOT / "benchmarks" / "out" / "early_exit.md"
+    path.write_text("\n".join(lines))
+    print(f"wrote {path}")
+
+
+def plot(results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results["batches"]), figsize=(6 * len(results["batches"]), 4.5), squeeze=False)
+    markers = {"softmax": "o", "state": "s", "static": "^"}
+    for ax, (b, r) in zip(axes[0], results["batches"].items()):
+        for measure, marker in markers.items():
+            pts = [row for row in r["rows"] if row.get("measure") == measure]
+            ax.plot([p["rouge_l_to_full"] for p in pts], [p["speedup"] for p in pts], marker=marker, label=measure)
+            for p in pts:
+                ax.annotate(p["config"].split(" ")[0].split(":")[1], (p["rouge_l_to_full"], p["speedup"]), fontsize=7)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set(title=f"SmolLM2-135M, batch {b}", xlabel="ROUGE-L to full depth", ylabel="speed-up vs eejax full depth",
+               xlim=(0, 1.02))
+        ax.legend()
+    fig.tight_layout()
+    path = ROOT / "benchmarks" / "out" / "early_exit.png"
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
