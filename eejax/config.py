@@ -190,6 +190,13 @@ class ExitConfig:
             raise EejaxError(f"exit every must be an integer >= 1, got {self.every}")
 
     @property
+    def spec(self) -> str:
+        """The CLI spelling of the measure: `none`, `static:12`, `softmax:0.9` (see `parse`)."""
+        if self.measure == "static":
+            return f"static:{self.exit_layer}"
+        return self.measure if self.threshold is None else f"{self.measure}:{self.threshold:g}"
+
+    @property
     def checks_confidence(self) -> bool:
         """Whether a confidence measure must be computed (+inf can never be exceeded)."""
         return self.measure in ("softmax", "state", "classifier") and self.threshold != math.inf

@@ -66,6 +66,7 @@ def test_max_new_tokens_one_and_stats(tiny_model):
     s = res.stats
     assert s["generated_tokens"] == 36 and s["mean_layers_per_token"] == L and s["num_layers"] == L
     assert s["tokens_per_s"] > 0 and s["compile_s"] >= 0
+    assert s["decode_tokens_per_s"] > 0 and 0 < s["prefill_s"] < s["run_s"] and s["exit"] == "full"
 
 
 def test_sampling_is_seeded_and_filtered(tiny_model):

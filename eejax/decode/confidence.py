@@ -11,9 +11,18 @@ from eejax.config import ExitConfig
 
 
 def softmax_margin(logits):
-    """Top-1 minus top-2 probability: logits [B, V] -> [B] float32 in [0, 1]."""
-    top2 = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), 2)[0]
-    return top2[:, 0] - top2[:, 1]
+    """Top-1 minus top-2 probability: logits [B, V] -> [B] float32 in [0, 1].
+
+    From the two largest logits and the softmax normaliser, (1 - exp(l2 - l1)) / sum(exp(l - l1)):
+    no probability vector and no `lax.top_k` (which is ~30x slower on CPU at batch 8).
+    """
+    x = logits.astype(jnp.float32)
+    top1 = jnp.max(x, axis=-1, keepdims=True)
+    first = jnp.argmax(x, axis=-1)[:, None]
+    rest = jnp.where(jnp.arange(x.shape[-1]) == first, -jnp.inf, x)  # ties: top2 = top1, margin 0
+    top2 = jnp.max(rest, axis=-1, keepdims=True)
+    normaliser = jnp.sum(jnp.exp(x - top1), axis=-1, keepdims=True)
+    return ((1.0 - jnp.exp(top2 - top1)) / normaliser)[:, 0]
 
 
 def state_cosine(h_prev, h):

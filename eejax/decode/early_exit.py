@@ -57,6 +57,13 @@ def may_exit(config: ExitConfig, layers_run, num_layers: int):
     return (layers_run >= config.min_exit_layer) & (layers_run % config.every == 0) & (layers_run < num_layers)
 
 
+def can_exit(config: ExitConfig, num_layers: int) -> bool:
+    """False when the config statically never exits (none, threshold +inf, static at full depth)."""
+    if config.measure == "static":
+        return config.exit_layer < num_layers
+    return config.checks_confidence
+
+
 def confidence(config: ExitConfig, fns: ExitFns, h_prev, h, layers_run):
     """(confidence [B], exit logits [B, V] or None) after `layers_run` layers; h [B, T, D]."""
     if config.measure == "softmax":
@@ -111,19 +118,20 @@ def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages,
             newly = confident & eligible
         else:
             newly = jnp.zeros((b,), bool)
-        confident_at = jnp.where(newly & ~exited & (confident_at == 0), run, confident_at)
+        confident_at = jnp.where(newly & ~exited, run, confident_at)  # a row turns confident once
         return layer + 1, h_next, cache, exited | newly, confident_at, logits
 
     logits0 = jnp.zeros((b, vocab_size if reuse_logits else 0), jnp.float32)
     carry = (jnp.int32(0), h, cache, ~active, jnp.zeros((b,), jnp.int32), logits0)
     exit_layer, h, cache, _, confident_at, logits = jax.lax.while_loop(cond, body, carry)
 
-    cache = jax.lax.cond(
-        exit_layer < num_layers,
-        lambda c: kv_fill(c, fns.kv_all_layers(h), exit_layer, pages, slots),
-        lambda c: c,
-        cache,
-    )
+    if can_exit(config, num_layers):
+        cache = jax.lax.cond(
+            exit_layer < num_layers,
+            lambda c: kv_fill(c, fns.kv_all_layers(h), exit_layer, pages, slots),
+            lambda c: c,
+            cache,
+        )
     if not reuse_logits:
         logits = fns.exit_logits(h, exit_layer)
     confident_layer = jnp.where(confident_at == 0, exit_layer, confident_at)

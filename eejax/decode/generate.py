@@ -123,6 +123,7 @@ def generate(
     compile_before = model.programs.compile_seconds
     key = jax.random.PRNGKey(seed)
     start = time.perf_counter()
+    prefill_s = 0.0
     pending = list(range(len(rows)))
     while pending:
         chunk, tables = [], []
@@ -134,10 +135,11 @@ def generate(
             chunk.append(i)
         pending = pending[len(chunk):]
         key, chunk_key = jax.random.split(key)
-        state, cache = _run_chunk(
+        state, cache, chunk_prefill_s = _run_chunk(
             model, cache, [rows[i] for i in chunk], tables, table_width, chunk_key,
             sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids, exit_config=exit_config,
         )
+        prefill_s += chunk_prefill_s
         toks, layers, confident, counts = jax.device_get(
             (state.tokens, state.exit_layers, state.confident_layers, state.num_generated)
         )
@@ -151,18 +153,22 @@ def generate(
     run_s = time.perf_counter() - start - compile_s
 
     generated = sum(len(t) for t in out_tokens)
+    decoded_tokens = generated - sum(1 for t in out_tokens if t)  # the first token comes from prefill
+    decode_s = run_s - prefill_s
     layers_run = sum(sum(x) for x in out_layers)
     confident_sum = sum(sum(x) for x in out_confident)
     decoded = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer else None for t in out_tokens]
     stats = {
         "tokens_per_s": generated / run_s if run_s > 0 else float("nan"),
         "generated_tokens": generated,
+        "decode_tokens_per_s": decoded_tokens / decode_s if decode_s > 0 and decoded_tokens else float("nan"),
         "mean_layers_per_token": layers_run / generated if generated else 0.0,
         "kv_fill_layers_per_token": config.num_layers - layers_run / generated if generated else 0.0,
         "mean_confident_layer": confident_sum / generated if generated else 0.0,
         "num_layers": config.num_layers,
-        "exit": _describe(exit_config),
+        "exit": "full" if exit_config is None else exit_config.spec,
         "run_s": run_s,
+        "prefill_s": prefill_s,
         "compile_s": compile_s,
         "compiled_programs": model.programs.num_programs,
         "kv_cache_pages": num_pages,
@@ -171,19 +177,9 @@ def generate(
     return GenerateResult(texts, rows, out_tokens, decoded, out_layers, out_confident, stats)
 
 
-def _describe(exit_config: ExitConfig | None) -> str:
-    """The CLI spelling of an exit config: "full", "static:12", "softmax:0.9"."""
-    if exit_config is None:
-        return "full"
-    if exit_config.measure == "static":
-        return f"static:{exit_config.exit_layer}"
-    if exit_config.threshold is None:
-        return exit_config.measure
-    return f"{exit_config.measure}:{exit_config.threshold:g}"
-
-
 def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_new_tokens, eos_ids, exit_config):
-    """Prefill then decode one batch of rows (padded to a batch bucket) on the shared cache."""
+    """Prefill then decode one batch of rows (padded to a batch bucket) on the shared cache.
+    Returns (state, cache, seconds the prefill ran)."""
     b = batch_bucket(len(rows))
     t = bucket(max(len(r) for r in rows), MIN_PROMPT_BUCKET)
     tokens = np.zeros((b, t), np.int32)
@@ -206,10 +202,13 @@ def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_ne
     decode_static = dict(static, exit_config=exit_config)
     max_len = int(lengths.max())
     args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), key)
-    state, cache = model.programs.get(steps.prefill, args, static, donate_argnums=(1,))(*args)
+    prefill = model.programs.get(steps.prefill, args, static, donate_argnums=(1,))
+    start = time.perf_counter()
+    state, cache = jax.block_until_ready(prefill(*args))
+    prefill_s = time.perf_counter() - start
     for step in range(1, max_new_tokens):
         if step % POLL_EVERY == 0 and bool(jnp.all(state.done)):
             break
         args = (model.params, cache, state, table_for(max_len + step))
         state, cache = model.programs.get(steps.decode, args, decode_static, donate_argnums=(1, 2))(*args)
-    return state, cache
+    return state, cache, prefill_s
