@@ -201,7 +201,7 @@ def plot(results: dict) -> None:
     markers = {"softmax": "o", "state": "s", "static": "^"}
     for ax, (b, r) in zip(axes[0], results["batches"].items()):
         for measure, marker in markers.items():
-            pts = [row for row in r["rows"] if row.get("measure") == measure]
+            pts = sorted((row for row in r["rows"] if row.get("measure") == measure), key=lambda p: p["rouge_l_to_full"])
             ax.plot([p["rouge_l_to_full"] for p in pts], [p["decode_speedup"] for p in pts], marker=marker, label=measure)
             for p in pts:
                 ax.annotate(p["short"], (p["rouge_l_to_full"], p["decode_speedup"]), fontsize=7)
