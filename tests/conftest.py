@@ -15,6 +15,9 @@ CNNDM = ROOT / "data" / "cnndm_test_dev100.jsonl"
 # The real model is cached inside the repo's ignored .cache unless EEJAX_CACHE says otherwise,
 # so repeated runs (and CI on the same machine) convert it once.
 os.environ.setdefault("EEJAX_CACHE", str(ROOT / ".cache" / "eejax"))
+# No GPU here: Triton kernels run in Triton's interpreter, which must be chosen before triton
+# is first imported (eejax would set it itself, but a test may import triton first).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def cnndm_rows(n: int) -> list[dict]:

@@ -22,6 +22,7 @@ from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
 from eejax.decode.sampling import SamplingParams
 from eejax.errors import EejaxError, OutOfPagesError
+from eejax.kernels.attention import IMPLS
 from eejax.models import exits
 
 MIN_PROMPT_BUCKET = 16
@@ -73,15 +74,19 @@ def generate(
     cache_budget: int | str = "1GiB",
     truncate_prompt_tokens: int | None = None,
     exit: ExitConfig | str | None = None,  # noqa: A002 (the documented name of the option)
+    attention: str = "auto",
 ) -> GenerateResult:
     """Generates up to `max_new_tokens` for each prompt of `batch` (see `prompt_token_ids`).
 
     A row stops at an EOS token unless `ignore_eos`. Rows run in batches of `batch_size` (all
     at once by default) as far as the KV cache budget allows; results keep the input order.
     `exit` (an `ExitConfig` or its CLI spelling such as "softmax:0.9") turns on early exit in
-    the decode steps; None is plain full depth.
+    the decode steps; None is plain full depth. `attention` is "auto" (Triton on CUDA, the jnp
+    reference elsewhere), "reference" or "triton" (interpreted without a GPU: slow).
     """
     config = model.config
+    if attention not in IMPLS:
+        raise EejaxError(f"unknown attention {attention!r}; choose one of: " + ", ".join(IMPLS))
     exit_config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
     if exit_config is not None:
         exit_params = model.params.get("exits")
@@ -138,6 +143,7 @@ def generate(
         state, cache, chunk_prefill_s = _run_chunk(
             model, cache, [rows[i] for i in chunk], tables, table_width, chunk_key,
             sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids, exit_config=exit_config,
+            attention=attention,
         )
         prefill_s += chunk_prefill_s
         toks, layers, confident, counts = jax.device_get(
@@ -177,7 +183,8 @@ def generate(
     return GenerateResult(texts, rows, out_tokens, decoded, out_layers, out_confident, stats)
 
 
-def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_new_tokens, eos_ids, exit_config):
+def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_new_tokens, eos_ids, exit_config,
+               attention):
     """Prefill then decode one batch of rows (padded to a batch bucket) on the shared cache.
     Returns (state, cache, seconds the prefill ran)."""
     b = batch_bucket(len(rows))
@@ -198,7 +205,8 @@ def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_ne
             widths[w] = jnp.asarray(block_table[:, :w])
         return widths[w]
 
-    static = dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    static = dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                  attention=attention)
     decode_static = dict(static, exit_config=exit_config)
     max_len = int(lengths.max())
     args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), key)

@@ -52,7 +52,7 @@ def _is_eos(tokens, eos_ids: tuple[int, ...]):
 
 
 def prefill(params, cache: KVCache, tokens, lengths, block_table, key, *, config: LlamaConfig,
-            sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...]):
+            sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...], attention: str = "auto"):
     """Runs all layers over right-padded prompts and samples the first new token.
 
     tokens [B, T] int32, lengths [B] int32 (0 = padding row), block_table [B, M] int32.
@@ -61,7 +61,7 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, key, *, config
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     valid = positions < lengths[:, None]
-    batch = llama.token_batch(config, positions, valid, block_table, lengths, cache.page_size)
+    batch = llama.token_batch(config, positions, valid, block_table, lengths, cache.page_size, attention)
     h, cache = llama.run_layers(params, llama.embed(params, tokens), cache, batch, config)
     last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
     logits = llama.lm_head(params, last, config)
@@ -113,16 +113,16 @@ def llama_exit_fns(params, batch: llama.TokenBatch, config: LlamaConfig) -> Exit
 
 def decode(params, cache: KVCache, state: DecodeState, block_table, *, config: LlamaConfig,
            sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...],
-           exit_config: ExitConfig | None = None):
+           exit_config: ExitConfig | None = None, attention: str = "auto"):
     """One decode token for every row that is not done. Returns (state, cache).
 
     Full depth when `exit_config` is None; otherwise the early-exit loop decides how many
-    layers run and fills the KV of the rest.
+    layers run and fills the KV of the rest. `attention` picks the attention implementation.
     """
     active = ~state.done
     positions = state.seq_len[:, None]
     kv_len = state.seq_len + active
-    batch = llama.token_batch(config, positions, active[:, None], block_table, kv_len, cache.page_size)
+    batch = llama.token_batch(config, positions, active[:, None], block_table, kv_len, cache.page_size, attention)
     h = llama.embed(params, state.last_token[:, None])
     if exit_config is None:
         h, cache = llama.run_layers(params, h, cache, batch, config)

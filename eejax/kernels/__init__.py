@@ -1,4 +1,4 @@
-"""Attention kernels: the jnp reference over the paged cache (Triton kernels plug in here)."""
+"""Attention over the paged cache: the jnp reference and the Triton kernel, behind one dispatch."""
 
 from eejax.kernels.attention import paged_attention, reference_paged_attention
 

@@ -5,16 +5,30 @@ chunked prefill, speculative verification): each query attends to the keys of it
 positions `< kv_len` and `<= its own position` (causal). GQA: query head h reads KV head
 h // group. A row with kv_len = 0 (padding) gets zeros.
 
-`impl="reference"` is the jnp implementation that runs everywhere. The Triton kernels come with
-the kernels issue; until then "auto" resolves to the reference.
+Implementations: "reference" (jnp, runs everywhere, the fast path on CPU) and "triton" (the
+kernel in `triton_attention.py`: compiled through jax-triton on CUDA, run by Triton's
+interpreter elsewhere: slow, for tests). "auto" picks Triton on CUDA and the reference
+otherwise. The choice is made at trace time; the model code never knows which one ran.
 """
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "reference")
+IMPLS = ("auto", "reference", "triton")
+log = logging.getLogger(__name__)
+
+
+def resolve_impl(impl: str) -> str:
+    """"reference" or "triton" for this process's default backend."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose from {IMPLS}")
+    if impl == "auto":
+        return "triton" if jax.default_backend() == "gpu" else "reference"
+    return impl
 
 
 def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, impl="auto"):
@@ -28,8 +42,15 @@ def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len
     kv_len:       [B] int32        valid keys of each row (after this step's writes)
     returns       [B, T, Hq, Dh]
     """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown attention impl {impl!r}; choose from {IMPLS}")
+    impl = resolve_impl(impl)
+    if impl == "triton":
+        from eejax.kernels.triton_attention import triton_paged_attention
+
+        interpret = jax.default_backend() != "gpu"
+        if interpret:
+            log.warning("attention impl 'triton' without a GPU: running the kernel in Triton's interpreter (slow)")
+        return triton_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len,
+                                      interpret=interpret)
     return reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len)
 
 

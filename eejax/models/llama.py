@@ -31,7 +31,8 @@ class TokenBatch:
     """Where each new token sits and what it attends to; built once per step, shared by layers.
 
     positions [B, T] int32, pages/slots [B, T] int32 (cache destination; invalid -> null page),
-    block_table [B, M] int32, kv_len [B] int32 (valid keys after the step), cos/sin [B, T, Dh].
+    block_table [B, M] int32, kv_len [B] int32 (valid keys after the step), cos/sin [B, T, Dh];
+    attention: the attention implementation (static; see `eejax.kernels.attention`).
     """
 
     positions: jax.Array
@@ -41,13 +42,15 @@ class TokenBatch:
     kv_len: jax.Array
     cos: jax.Array
     sin: jax.Array
+    attention: str = dataclasses.field(default="auto", metadata=dict(static=True))
 
 
-def token_batch(config: LlamaConfig, positions, valid, block_table, kv_len, page_size) -> TokenBatch:
+def token_batch(config: LlamaConfig, positions, valid, block_table, kv_len, page_size,
+                attention: str = "auto") -> TokenBatch:
     pages, slots = slot_indices(block_table, positions, valid, page_size)
     inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     cos, sin = rope_tables(positions, inv_freq)
-    return TokenBatch(positions, pages, slots, block_table, kv_len, cos, sin)
+    return TokenBatch(positions, pages, slots, block_table, kv_len, cos, sin, attention)
 
 
 def rms_norm(x, weight, eps):
@@ -90,7 +93,8 @@ def layer_forward(lp, h, cache: KVCache, layer, batch: TokenBatch, config: Llama
     q = apply_rope(q, batch.cos, batch.sin)
     k, v = layer_kv(lp, h, batch, config)
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
-    attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len)
+    attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len,
+                           impl=batch.attention)
     h = h + attn.reshape(b, t, -1) @ lp["wo"]
     x = rms_norm(h, lp["mlp_norm"], config.rms_norm_eps)
     return h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"], cache

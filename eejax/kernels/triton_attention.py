@@ -1,0 +1,236 @@
+"""Paged attention as a Triton kernel, launched through jax-triton on CUDA and through Triton's
+interpreter on CPU.
+
+One kernel serves decode (q_len 1) and multi-token steps (speculative verification, chunked
+prefill): a program owns one row, one KV head and a block of query rows (new tokens x the GQA
+group of that KV head, so each key block is loaded once for the whole group), and a range of
+keys (split-K, flash-decoding style: the batch is small, so the keys are split across programs
+and the partial results are merged afterwards). Keys are gathered page by page through the
+block table; masking is causal on absolute positions and stops at the row's `kv_len`; online
+softmax in float32. Each program writes an unnormalised partial (acc, running max m, sum l);
+`merge_splits` combines them (rows without keys give zeros).
+
+`plan_launch` computes grid, block sizes and strides once for both paths, so the CPU tests
+exercise the same launch arithmetic the GPU runs. triton and jax_triton are imported lazily:
+jax-triton only imports with a GPU jaxlib.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eejax.errors import EejaxError
+
+tl = None  # triton.language, bound by `_kernel` when the kernel is first needed
+constexpr = "constexpr"  # the annotation text triton looks for
+
+MIN_DOT = 16  # tl.dot needs every dimension >= 16 on GPUs
+SPLIT_TARGET_PROGRAMS = 132  # about one program per SM of an H100
+
+
+# Parameters annotated `constexpr` are compile-time constants (triton reads the annotation's
+# text, which postponed annotations keep as "constexpr").
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, layer_ptr, table_ptr, qpos_ptr, kvlen_ptr,
+    stride_qb, stride_qt, stride_qh,
+    stride_kl, stride_kh, stride_kp, stride_ks,
+    stride_tb, stride_pb,
+    stride_ob, stride_os, stride_ot, stride_oh,
+    stride_mb, stride_ms, stride_mt,
+    num_tokens, keys_per_split, scale,
+    out_ptr, m_ptr, l_ptr,
+    GROUP: constexpr, PAGE: constexpr, HEAD_DIM: constexpr, M_BLOCKS: constexpr,
+    BLOCK_M: constexpr, BLOCK_N: constexpr, PRECISION: constexpr, UPCAST_DOTS: constexpr,
+):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1) // M_BLOCKS
+    m_block = tl.program_id(1) % M_BLOCKS
+    split = tl.program_id(2)
+
+    layer = tl.load(layer_ptr)
+    kv_len = tl.load(kvlen_ptr + row)
+    # Query rows of this block: token t, group member g (query head kv_head * GROUP + g).
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = offs_m < num_tokens * GROUP
+    q_pos = tl.load(qpos_ptr + row * stride_pb + tok, mask=row_ok, other=-1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + row * stride_qb + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if UPCAST_DOTS:  # Triton's interpreter multiplies bf16 bit patterns in tl.dot: use f32 there
+        q = q.to(tl.float32)
+
+    start = split * keys_per_split
+    # Keys of this split that some query may see: below kv_len and at most the last query position.
+    stop = tl.minimum(tl.minimum(start + keys_per_split, kv_len), tl.max(q_pos, axis=0) + 1)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    cache_base = layer.to(tl.int64) * stride_kl + kv_head * stride_kh
+    for n0 in range(start, stop, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < stop
+        page = tl.load(table_ptr + row * stride_tb + offs_n // PAGE, mask=n_ok, other=0)
+        kv_off = cache_base + page.to(tl.int64) * stride_kp + (offs_n % PAGE) * stride_ks
+        k = tl.load(k_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if UPCAST_DOTS:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_off[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        p = p.to(v.dtype)  # the probabilities in the cache's dtype, as the GPU's dot takes them
+        if UPCAST_DOTS:
+            v, p = v.to(tl.float32), p.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+
+    out_off = row * stride_ob + split * stride_os + tok * stride_ot + head * stride_oh
+    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
+    ml_off = row * stride_mb + split * stride_ms + tok * stride_mt + head
+    tl.store(m_ptr + ml_off, m_i, mask=row_ok)
+    tl.store(l_ptr + ml_off, l_i, mask=row_ok)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """Grid, block sizes, strides (in elements, row-major) and scalars of one launch."""
+
+    grid: tuple[int, int, int]
+    num_splits: int
+    keys_per_split: int
+    scalars: tuple[int, ...]
+    constexprs: dict
+    out_shapes: tuple[tuple[int, ...], ...]  # acc [B, S, T, Hq, Dh]; m, l [B, S, T, Hq]
+
+
+def _strides(shape) -> tuple[int, ...]:
+    return tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def plan_launch(q_shape, cache_shape, table_shape, dtype, *, interpret: bool = False,
+                num_splits: int | None = None) -> LaunchPlan:
+    """The launch of `_paged_attention_kernel` for q [B, T, Hq, Dh] over a cache
+    [L, Hkv, P, S, Dh] with a block table [B, M]; `interpret` for Triton's CPU interpreter."""
+    b, t, hq, dh = q_shape
+    _, hkv, _, page, _ = cache_shape
+    max_keys = table_shape[1] * page
+    group = hq // hkv
+    if dh < MIN_DOT or dh != _pow2(dh):
+        raise ValueError(f"the Triton attention kernel needs a power-of-two head_dim >= {MIN_DOT}, got {dh}")
+    block_m = max(MIN_DOT, min(_pow2(t * group), 64))
+    block_n = max(MIN_DOT, _pow2(page))
+    m_blocks = math.ceil(t * group / block_m)
+    programs = b * hkv * m_blocks
+    if num_splits is None:  # split the keys only when the batch alone cannot fill the device
+        num_splits = max(1, min(SPLIT_TARGET_PROGRAMS // programs, math.ceil(max_keys / 256)))
+    keys_per_split = block_n * math.ceil(max_keys / (num_splits * block_n))
+    num_splits = max(1, math.ceil(max_keys / keys_per_split))
+    acc_shape = (b, num_splits, t, hq, dh)
+    ml_shape = (b, num_splits, t, hq)
+    qs, cs, ts = _strides(q_shape), _strides(cache_shape), _strides(table_shape)
+    os_, ms = _strides(acc_shape), _strides(ml_shape)
+    scalars = (
+        qs[0], qs[1], qs[2],
+        cs[0], cs[1], cs[2], cs[3],
+        ts[0], t,  # positions [B, T]: row stride T
+        os_[0], os_[1], os_[2], os_[3],
+        ms[0], ms[1], ms[2],
+        t, keys_per_split,
+    )
+    constexprs = dict(GROUP=group, PAGE=page, HEAD_DIM=dh, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
+                      PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32",
+                      UPCAST_DOTS=interpret and jnp.dtype(dtype) != jnp.float32)
+    return LaunchPlan((b, hkv * m_blocks, num_splits), num_splits, keys_per_split, scalars, constexprs,
+                      (acc_shape, ml_shape, ml_shape))
+
+
+def merge_splits(acc, m, l, dtype):
+    """Combines split-K partials: acc [B, S, T, Hq, Dh], m/l [B, S, T, Hq] -> [B, T, Hq, Dh]."""
+    m_max = jnp.max(m, axis=1, keepdims=True)
+    weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)))
+    total = jnp.sum(weight * l, axis=1)
+    out = jnp.sum(weight[..., None] * acc, axis=1)
+    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
+
+
+@functools.cache
+def _kernel(interpret: bool):
+    """The kernel wrapped by `triton.jit`: compiled for the GPU, or run by Triton's interpreter.
+
+    Triton decides at import time whether its own library functions (tl.max, ...) are compiled
+    or interpreted, so a process runs one or the other: the interpreter needs TRITON_INTERPRET=1
+    before triton is first imported, which this sets when it imports triton itself.
+    """
+    global tl
+    if interpret and "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+        import triton.language
+    except ImportError:
+        raise EejaxError("the Triton attention kernels need triton: pip install triton (or eejax[gpu])") from None
+    if bool(triton.knobs.runtime.interpret) != interpret:
+        mode = "interpreted (CPU)" if interpret else "compiled (GPU)"
+        raise EejaxError(
+            f"cannot run the Triton kernel {mode}: triton was imported with TRITON_INTERPRET="
+            f"{os.environ.get('TRITON_INTERPRET', '')!r}; a process runs Triton either compiled or interpreted"
+        )
+    tl = triton.language
+    return triton.jit(_paged_attention_kernel)
+
+
+def _interpret_on_host(plan: LaunchPlan, scale: float, q, k, v, layer, table, q_pos, kv_len):
+    """Runs the kernel in Triton's interpreter on torch CPU tensors (numpy in, numpy out)."""
+    import torch
+
+    def tensor(x):
+        x = np.array(x, order="C")  # a writable host copy that torch can wrap
+        if x.dtype == jnp.bfloat16:
+            return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(x)
+
+    outs = [torch.zeros(s, dtype=torch.float32) for s in plan.out_shapes]
+    args = [tensor(x) for x in (q, k, v, np.asarray(layer, np.int32).reshape(1), table, q_pos, kv_len)]
+    _kernel(interpret=True)[plan.grid](*args, *plan.scalars, scale, *outs, **plan.constexprs)
+    return tuple(o.numpy() for o in outs)
+
+
+def triton_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *,
+                           interpret: bool, num_splits: int | None = None):
+    """`paged_attention` (same arguments and result) through the Triton kernel; `interpret`
+    runs it in Triton's interpreter on the host (CPU), otherwise through jax-triton (CUDA)."""
+    plan = plan_launch(q.shape, k_cache.shape, block_table.shape, q.dtype, interpret=interpret, num_splits=num_splits)
+    scale = float(q.shape[-1] ** -0.5)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    args = (q, k_cache, v_cache, layer, block_table.astype(jnp.int32), q_positions.astype(jnp.int32),
+            kv_len.astype(jnp.int32))
+    out_shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in plan.out_shapes)
+    if interpret:
+        acc, m, l = jax.pure_callback(functools.partial(_interpret_on_host, plan, scale), out_shapes, *args)
+    else:
+        import jax_triton
+
+        acc, m, l = jax_triton.triton_call(
+            *args, *plan.scalars, scale, kernel=_kernel(interpret=False), out_shape=out_shapes, grid=plan.grid,
+            num_warps=4, num_stages=2, **plan.constexprs,
+        )
+    return merge_splits(acc, m, l, q.dtype)

@@ -1,0 +1,109 @@
+"""The Triton paged-attention kernel, run through Triton's interpreter, against the jnp reference."""
+
+import importlib.util
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eejax
+from eejax.kernels.attention import paged_attention, reference_paged_attention, resolve_impl
+from eejax.kernels.triton_attention import merge_splits, plan_launch, triton_paged_attention
+from tests.conftest import random_prompts
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def attention_case(seed, *, page, group, head_dim, q_len, dtype, num_kv_heads=2, layers=2):
+    """Random cache and queries for 4 rows: a padding row (length 0), a row holding just the new
+    tokens, one ending right after a page boundary, and a random ragged one."""
+    rng = np.random.default_rng(seed)
+    pages_per_row = 4 + (q_len + page - 1) // page
+    num_pages = 1 + 4 * pages_per_row
+    max_keys = pages_per_row * page
+    lengths = np.array([0, q_len, min(2 * page + 1, max_keys), rng.integers(q_len, max_keys + 1)], np.int32)
+    positions = np.maximum(lengths - q_len, 0)[:, None] + np.arange(q_len, dtype=np.int32)
+    table = (1 + rng.permutation(num_pages - 1)[: 4 * pages_per_row]).reshape(4, pages_per_row).astype(np.int32)
+    shape = (layers, num_kv_heads, num_pages, page, head_dim)
+    k, v = (jnp.asarray(rng.normal(size=shape), dtype) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(4, q_len, num_kv_heads * group, head_dim)), dtype)
+    return q, k, v, jnp.asarray(table), jnp.asarray(positions), jnp.asarray(lengths)
+
+
+def assert_close(got, want, dtype):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.abs(got - want).max() <= TOLERANCE[dtype], np.abs(got - want).max()
+
+
+CASES = list(itertools.product([8, 16], [1, 3, 8], [64, 128], [1, 4, 16]))
+
+
+@pytest.mark.parametrize("page,group,head_dim,q_len", CASES)
+def test_kernel_matches_reference_fp32(page, group, head_dim, q_len):
+    q, k, v, table, pos, lengths = attention_case(hash((page, group, head_dim, q_len)) % 2**32, page=page,
+                                                  group=group, head_dim=head_dim, q_len=q_len, dtype=jnp.float32)
+    want = reference_paged_attention(q, k, v, 1, table, pos, lengths)
+    got = triton_paged_attention(q, k, v, 1, table, pos, lengths, interpret=True)
+    assert_close(got, want, jnp.float32)
+    assert not np.asarray(got[0]).any()  # the length-0 row gives zeros
+
+
+@pytest.mark.parametrize("page,group,q_len", [(8, 1, 1), (16, 3, 1), (16, 8, 16), (8, 3, 5)])
+def test_kernel_matches_reference_bf16(page, group, q_len):
+    q, k, v, table, pos, lengths = attention_case(7, page=page, group=group, head_dim=64, q_len=q_len,
+                                                  dtype=jnp.bfloat16)
+    want = reference_paged_attention(q, k, v, 0, table, pos, lengths)
+    got = triton_paged_attention(q, k, v, 0, table, pos, lengths, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    assert_close(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
+def test_split_k_partials_merge_exactly(num_splits):
+    q, k, v, table, pos, lengths = attention_case(3, page=8, group=3, head_dim=64, q_len=1, dtype=jnp.float32)
+    want = reference_paged_attention(q, k, v, 1, table, pos, lengths)
+    got = triton_paged_attention(q, k, v, 1, table, pos, lengths, interpret=True, num_splits=num_splits)
+    assert_close(got, want, jnp.float32)
+
+
+def test_launch_plan():
+    small = plan_launch((1, 1, 9, 64), (30, 3, 100, 16, 64), (1, 32), jnp.float32)
+    assert small.num_splits > 1 and small.grid == (1, 3, small.num_splits)  # batch 1: split the keys
+    assert small.keys_per_split % 16 == 0 and small.num_splits * small.keys_per_split >= 32 * 16
+    big = plan_launch((64, 1, 9, 64), (30, 3, 100, 16, 64), (64, 32), jnp.bfloat16)
+    assert big.num_splits == 1 and big.constexprs["PRECISION"] == "tf32"
+    multi = plan_launch((2, 16, 8, 128), (2, 1, 10, 8, 128), (2, 4), jnp.float32)
+    assert multi.constexprs["BLOCK_M"] == 64 and multi.grid[1] == 2  # 16 tokens x 8 heads = 2 blocks of 64
+    assert min(multi.constexprs["BLOCK_M"], multi.constexprs["BLOCK_N"], 128) >= 16  # tl.dot on GPUs
+    with pytest.raises(ValueError, match="head_dim"):
+        plan_launch((1, 1, 4, 48), (1, 1, 4, 8, 48), (1, 2), jnp.float32)
+
+
+def test_merge_of_rows_without_keys_is_zero():
+    acc = jnp.ones((1, 2, 1, 2, 4))
+    m = jnp.full((1, 2, 1, 2), -jnp.inf)
+    assert not np.asarray(merge_splits(acc, m, jnp.zeros_like(m), jnp.float32)).any()
+
+
+def test_dispatch():
+    assert resolve_impl("auto") == "reference"  # this machine has no GPU
+    assert resolve_impl("triton") == "triton"
+    with pytest.raises(ValueError, match="unknown attention impl"):
+        resolve_impl("flash")
+    q, k, v, table, pos, lengths = attention_case(1, page=8, group=3, head_dim=64, q_len=1, dtype=jnp.float32)
+    assert_close(paged_attention(q, k, v, 0, table, pos, lengths, impl="triton"),
+                 paged_attention(q, k, v, 0, table, pos, lengths, impl="auto"), jnp.float32)
+
+
+def test_whole_model_with_triton_attention(tiny_model):
+    """Prefill (multi-token) and decode steps of a tiny Llama give the same tokens with the
+    interpreted kernel as with the reference."""
+    prompts = random_prompts(3, [5, 12, 9], seed=11)
+    kw = dict(max_new_tokens=4, ignore_eos=True)
+    want = eejax.generate(tiny_model, prompts, attention="reference", **kw).tokens
+    assert eejax.generate(tiny_model, prompts, attention="triton", **kw).tokens == want
+    with pytest.raises(eejax.EejaxError, match="unknown attention"):
+        eejax.generate(tiny_model, prompts, attention="flash", **kw)
