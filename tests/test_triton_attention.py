@@ -9,6 +9,7 @@ import pytest
 
 import eejax
 from eejax.kernels.attention import paged_attention, reference_paged_attention, resolve_impl
+from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 from eejax.kernels.triton_attention import merge_splits, plan_launch, triton_paged_attention
 from tests.conftest import random_prompts
 
@@ -107,3 +108,50 @@ def test_whole_model_with_triton_attention(tiny_model):
     assert eejax.generate(tiny_model, prompts, attention="triton", **kw).tokens == want
     with pytest.raises(eejax.EejaxError, match="unknown attention"):
         eejax.generate(tiny_model, prompts, attention="flash", **kw)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (8, 20)])
+def test_relative_position_bucket_matches_hf_t5(bidirectional, num_buckets, max_distance):
+    import torch
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    relative = np.arange(-300, 301, dtype=np.int32)
+    want = T5Attention._relative_position_bucket(torch.from_numpy(relative).long(), bidirectional=bidirectional,
+                                                 num_buckets=num_buckets, max_distance=max_distance)
+    spec = RelativePositionBias(num_buckets, max_distance, bidirectional)
+    np.testing.assert_array_equal(relative_position_bucket(relative, spec), want.numpy())
+
+
+def test_reference_bias_matches_dense_numpy():
+    q, k, v, table, pos, lengths = attention_case(5, page=8, group=3, head_dim=64, q_len=4, dtype=jnp.float32)
+    spec = RelativePositionBias(16, 40)
+    bias_table = jnp.asarray(np.random.default_rng(0).normal(size=(16, q.shape[2])), jnp.float32)
+    got = np.asarray(reference_paged_attention(q, k, v, 1, table, pos, lengths, scale=1.0, bias_table=bias_table,
+                                               bias=spec))
+    kn, vn, qn = np.asarray(k[1]), np.asarray(v[1]), np.asarray(q)
+    for row in range(1, 4):
+        n = int(lengths[row])
+        pages = np.asarray(table[row])
+        keys = kn[:, pages].reshape(kn.shape[0], -1, 64)[:, :n]  # [Hkv, n, Dh]
+        values = vn[:, pages].reshape(vn.shape[0], -1, 64)[:, :n]
+        for t in range(4):
+            p = int(pos[row, t])
+            for h in range(q.shape[2]):
+                s = keys[h // 3] @ qn[row, t, h]
+                s = s + np.asarray(bias_table)[np.asarray(relative_position_bucket(np.arange(n) - p, spec)), h]
+                s = np.where(np.arange(n) <= p, s, -np.inf)
+                w = np.exp(s - s.max())
+                np.testing.assert_allclose(got[row, t, h], (w / w.sum()) @ values[h // 3], atol=1e-5)
+
+
+@pytest.mark.parametrize("bidirectional,q_len,dtype", [(False, 1, jnp.float32), (False, 6, jnp.float32),
+                                                      (True, 3, jnp.float32), (False, 4, jnp.bfloat16)])
+def test_kernel_with_t5_bias_matches_reference(bidirectional, q_len, dtype):
+    q, k, v, table, pos, lengths = attention_case(9, page=16, group=1, head_dim=64, q_len=q_len, dtype=dtype,
+                                                  num_kv_heads=4)
+    spec = RelativePositionBias(32, 128, bidirectional)
+    bias_table = jnp.asarray(np.random.default_rng(1).normal(size=(32, 4)), jnp.float32)
+    kw = dict(scale=1.0, bias_table=bias_table, bias=spec)
+    want = reference_paged_attention(q, k, v, 0, table, pos, lengths, **kw)
+    assert_close(triton_paged_attention(q, k, v, 0, table, pos, lengths, interpret=True, **kw), want, dtype)

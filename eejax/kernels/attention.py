@@ -18,6 +18,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
+
 IMPLS = ("auto", "reference", "triton")
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,8 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, impl="auto"):
+def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, impl="auto",
+                    scale=None, bias_table=None, bias: RelativePositionBias | None = None):
     """Attention of new queries against one layer of the paged cache.
 
     q:            [B, T, Hq, Dh]   queries (rotary already applied)
@@ -40,8 +43,13 @@ def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len
     block_table:  [B, M] int32     page ids of each row
     q_positions:  [B, T] int32     absolute position of each query
     kv_len:       [B] int32        valid keys of each row (after this step's writes)
+    scale:        score scale (default Dh^-0.5; T5 uses 1.0)
+    bias_table:   [num_buckets, Hq] T5 relative-position bias, bucketed as `bias` says
     returns       [B, T, Hq, Dh]
     """
+    if (bias_table is None) != (bias is None):
+        raise ValueError("bias_table and bias (the bucketing) go together")
+    extra = dict(scale=scale, bias_table=bias_table, bias=bias)
     impl = resolve_impl(impl)
     if impl == "triton":
         from eejax.kernels.triton_attention import triton_paged_attention
@@ -50,11 +58,12 @@ def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len
         if interpret:
             log.warning("attention impl 'triton' without a GPU: running the kernel in Triton's interpreter (slow)")
         return triton_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len,
-                                      interpret=interpret)
-    return reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len)
+                                      interpret=interpret, **extra)
+    return reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, **extra)
 
 
-def reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len):
+def reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *,
+                              scale=None, bias_table=None, bias: RelativePositionBias | None = None):
     """jnp reference: gathers only the row's `M` pages of this layer (one gather, no layer copy)."""
     b, t, hq, dh = q.shape
     _, hkv, _, s, _ = k_cache.shape
@@ -66,8 +75,14 @@ def reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positio
     k = k_cache[layer, heads, block_table[None]].reshape(hkv, b, m * s, dh)
     v = v_cache[layer, heads, block_table[None]].reshape(hkv, b, m * s, dh)
     qg = q.reshape(b, t, hkv, group, dh).transpose(2, 0, 1, 3, 4).reshape(hkv, b, t * group, dh)
-    scores = jnp.einsum("kbqd,kbsd->kbqs", qg, k, preferred_element_type=jnp.float32) * (dh**-0.5)
+    scale = dh**-0.5 if scale is None else scale
+    scores = jnp.einsum("kbqd,kbsd->kbqs", qg, k, preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(m * s, dtype=jnp.int32)
+    if bias_table is not None:
+        buckets = relative_position_bucket(key_pos[None, None, :] - q_positions[:, :, None], bias)  # [B, T, K]
+        per_head = bias_table.astype(jnp.float32)[buckets]  # [B, T, K, Hq]
+        per_head = per_head.reshape(b, t, m * s, hkv, group).transpose(3, 0, 1, 4, 2)
+        scores = scores + per_head.reshape(hkv, b, t * group, m * s)
     mask = (key_pos[None, None, :] < kv_len[:, None, None]) & (
         key_pos[None, None, :] <= q_positions[:, :, None]
     )  # [B, T, M*S]

@@ -7,7 +7,8 @@ group of that KV head, so each key block is loaded once for the whole group), an
 keys (split-K, flash-decoding style: the batch is small, so the keys are split across programs
 and the partial results are merged afterwards). Keys are gathered page by page through the
 block table; masking is causal on absolute positions and stops at the row's `kv_len`; online
-softmax in float32. Each program writes an unnormalised partial (acc, running max m, sum l);
+softmax in float32. Optionally T5's relative-position bias: the bucket of (key - query)
+position is computed per score and looked up in a [num_buckets, heads] table. Each program writes an unnormalised partial (acc, running max m, sum l);
 `merge_splits` combines them (rows without keys give zeros).
 
 `plan_launch` computes grid, block sizes and strides once for both paths, so the CPU tests
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.errors import EejaxError
+from eejax.kernels.position_bias import RelativePositionBias
 
 tl = None  # triton.language, bound by `_kernel` when the kernel is first needed
 constexpr = "constexpr"  # the annotation text triton looks for
@@ -39,16 +41,18 @@ SPLIT_TARGET_PROGRAMS = 132  # about one program per SM of an H100
 # Parameters annotated `constexpr` are compile-time constants (triton reads the annotation's
 # text, which postponed annotations keep as "constexpr").
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, layer_ptr, table_ptr, qpos_ptr, kvlen_ptr,
+    q_ptr, k_ptr, v_ptr, layer_ptr, table_ptr, qpos_ptr, kvlen_ptr, bias_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kl, stride_kh, stride_kp, stride_ks,
     stride_tb, stride_pb,
     stride_ob, stride_os, stride_ot, stride_oh,
     stride_mb, stride_ms, stride_mt,
-    num_tokens, keys_per_split, scale,
+    num_tokens, keys_per_split, scale, bias_log_scale,
     out_ptr, m_ptr, l_ptr,
     GROUP: constexpr, PAGE: constexpr, HEAD_DIM: constexpr, M_BLOCKS: constexpr,
     BLOCK_M: constexpr, BLOCK_N: constexpr, PRECISION: constexpr, UPCAST_DOTS: constexpr,
+    HAS_BIAS: constexpr, BIDIRECTIONAL: constexpr, HALF_BUCKETS: constexpr, MAX_EXACT: constexpr,
+    NUM_HEADS: constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1) // M_BLOCKS
@@ -85,6 +89,18 @@ def _paged_attention_kernel(
         if UPCAST_DOTS:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if HAS_BIAS:  # T5: bucket of (key - query) position, looked up in a [buckets, heads] table
+            relative = offs_n[None, :] - q_pos[:, None]
+            if BIDIRECTIONAL:
+                bucket = tl.where(relative > 0, HALF_BUCKETS, 0)
+                distance = tl.abs(relative)
+            else:
+                bucket = tl.zeros((BLOCK_M, BLOCK_N), tl.int32)
+                distance = tl.maximum(-relative, 0)
+            far = tl.maximum(distance, MAX_EXACT).to(tl.float32)
+            large = MAX_EXACT + (tl.log(far / MAX_EXACT) * bias_log_scale).to(tl.int32)
+            bucket += tl.where(distance < MAX_EXACT, distance, tl.minimum(large, HALF_BUCKETS - 1))
+            scores += tl.load(bias_ptr + bucket * NUM_HEADS + head[:, None], mask=row_ok[:, None], other=0.0)
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -113,7 +129,7 @@ class LaunchPlan:
     grid: tuple[int, int, int]
     num_splits: int
     keys_per_split: int
-    scalars: tuple[int, ...]
+    scalars: tuple[int, ...]  # strides, num_tokens, keys_per_split (scale and bias_log_scale follow)
     constexprs: dict
     out_shapes: tuple[tuple[int, ...], ...]  # acc [B, S, T, Hq, Dh]; m, l [B, S, T, Hq]
 
@@ -127,7 +143,7 @@ def _pow2(n: int) -> int:
 
 
 def plan_launch(q_shape, cache_shape, table_shape, dtype, *, interpret: bool = False,
-                num_splits: int | None = None) -> LaunchPlan:
+                num_splits: int | None = None, bias: RelativePositionBias | None = None) -> LaunchPlan:
     """The launch of `_paged_attention_kernel` for q [B, T, Hq, Dh] over a cache
     [L, Hkv, P, S, Dh] with a block table [B, M]; `interpret` for Triton's CPU interpreter."""
     b, t, hq, dh = q_shape
@@ -158,7 +174,9 @@ def plan_launch(q_shape, cache_shape, table_shape, dtype, *, interpret: bool = F
     )
     constexprs = dict(GROUP=group, PAGE=page, HEAD_DIM=dh, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
                       PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32",
-                      UPCAST_DOTS=interpret and jnp.dtype(dtype) != jnp.float32)
+                      UPCAST_DOTS=interpret and jnp.dtype(dtype) != jnp.float32,
+                      HAS_BIAS=bias is not None, BIDIRECTIONAL=bool(bias and bias.bidirectional),
+                      HALF_BUCKETS=bias.half if bias else 1, MAX_EXACT=bias.max_exact if bias else 1, NUM_HEADS=hq)
     return LaunchPlan((b, hkv * m_blocks, num_splits), num_splits, keys_per_split, scalars, constexprs,
                       (acc_shape, ml_shape, ml_shape))
 
@@ -198,7 +216,7 @@ def _kernel(interpret: bool):
     return triton.jit(_paged_attention_kernel)
 
 
-def _interpret_on_host(plan: LaunchPlan, scale: float, q, k, v, layer, table, q_pos, kv_len):
+def _interpret_on_host(plan: LaunchPlan, floats: tuple[float, float], q, k, v, layer, table, q_pos, kv_len, bias):
     """Runs the kernel in Triton's interpreter on torch CPU tensors (numpy in, numpy out)."""
     import torch
 
@@ -209,28 +227,31 @@ def _interpret_on_host(plan: LaunchPlan, scale: float, q, k, v, layer, table, q_
         return torch.from_numpy(x)
 
     outs = [torch.zeros(s, dtype=torch.float32) for s in plan.out_shapes]
-    args = [tensor(x) for x in (q, k, v, np.asarray(layer, np.int32).reshape(1), table, q_pos, kv_len)]
-    _kernel(interpret=True)[plan.grid](*args, *plan.scalars, scale, *outs, **plan.constexprs)
+    args = [tensor(x) for x in (q, k, v, np.asarray(layer, np.int32).reshape(1), table, q_pos, kv_len, bias)]
+    _kernel(interpret=True)[plan.grid](*args, *plan.scalars, *floats, *outs, **plan.constexprs)
     return tuple(o.numpy() for o in outs)
 
 
 def triton_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *,
-                           interpret: bool, num_splits: int | None = None):
+                           interpret: bool, num_splits: int | None = None, scale=None, bias_table=None,
+                           bias: RelativePositionBias | None = None):
     """`paged_attention` (same arguments and result) through the Triton kernel; `interpret`
     runs it in Triton's interpreter on the host (CPU), otherwise through jax-triton (CUDA)."""
-    plan = plan_launch(q.shape, k_cache.shape, block_table.shape, q.dtype, interpret=interpret, num_splits=num_splits)
-    scale = float(q.shape[-1] ** -0.5)
+    plan = plan_launch(q.shape, k_cache.shape, block_table.shape, q.dtype, interpret=interpret,
+                       num_splits=num_splits, bias=bias)
+    floats = (float(q.shape[-1] ** -0.5 if scale is None else scale), float(bias.log_scale if bias else 0.0))
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    bias_table = jnp.zeros((1, q.shape[2]), jnp.float32) if bias_table is None else bias_table.astype(jnp.float32)
     args = (q, k_cache, v_cache, layer, block_table.astype(jnp.int32), q_positions.astype(jnp.int32),
-            kv_len.astype(jnp.int32))
+            kv_len.astype(jnp.int32), bias_table)
     out_shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in plan.out_shapes)
     if interpret:
-        acc, m, l = jax.pure_callback(functools.partial(_interpret_on_host, plan, scale), out_shapes, *args)
+        acc, m, l = jax.pure_callback(functools.partial(_interpret_on_host, plan, floats), out_shapes, *args)
     else:
         import jax_triton
 
         acc, m, l = jax_triton.triton_call(
-            *args, *plan.scalars, scale, kernel=_kernel(interpret=False), out_shape=out_shapes, grid=plan.grid,
+            *args, *plan.scalars, *floats, kernel=_kernel(interpret=False), out_shape=out_shapes, grid=plan.grid,
             num_warps=4, num_stages=2, **plan.constexprs,
         )
     return merge_splits(acc, m, l, q.dtype)
