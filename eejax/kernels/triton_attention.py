@@ -173,7 +173,8 @@ def plan_launch(q_shape, cache_shape, table_shape, dtype, *, interpret: bool = F
         t, keys_per_split,
     )
     constexprs = dict(GROUP=group, PAGE=page, HEAD_DIM=dh, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
-                      PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32",
+                      # fp32 inputs: exact products (no TF32); bf16: tensor cores with the default
+                      PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else None,
                       UPCAST_DOTS=interpret and jnp.dtype(dtype) != jnp.float32,
                       HAS_BIAS=bias is not None, BIDIRECTIONAL=bool(bias and bias.bidirectional),
                       HALF_BUCKETS=bias.half if bias else 1, MAX_EXACT=bias.max_exact if bias else 1, NUM_HEADS=hq)

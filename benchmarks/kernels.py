@@ -1,0 +1,168 @@
+"""Paged attention: the Triton kernel vs the jnp reference on a GPU, and the reference's share of
+a SmolLM2 decode step on CPU.
+
+    python benchmarks/kernels.py             # GPU: decode attention by batch and context length,
+                                             # achieved memory bandwidth as a share of the peak
+    python benchmarks/kernels.py --cpu-share # CPU: reference decode attention as a share of a
+                                             # SmolLM2 decode step, gathering the row's whole
+                                             # allocation vs the bucketed pages it needs
+
+The GPU part exits at once on a machine without a GPU. Bytes counted per decode-attention call:
+the K and V of every valid key (B x context x Hkv x Dh x 2 tensors) plus queries and outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import write_result  # noqa: E402
+
+# Peak HBM bandwidth (GB/s) by `device_kind`; --peak-gbs overrides.
+PEAK_GBS = {"NVIDIA H100 80GB HBM3": 3350, "NVIDIA H100 PCIe": 2000, "NVIDIA H200": 4800,
+            "NVIDIA A100-SXM4-80GB": 2039, "NVIDIA A100-SXM4-40GB": 1555, "NVIDIA A100 80GB PCIe": 1935,
+            "NVIDIA L4": 300, "NVIDIA GeForce RTX 4090": 1008}
+
+
+def best_seconds(fn, *args, repeats: int = 20) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def decode_case(batch, context, *, num_kv_heads=8, group=4, head_dim=128, page=16, dtype=jnp.bfloat16, seed=0):
+    """A one-layer cache holding `context` keys per row and one query token per row."""
+    rng = np.random.default_rng(seed)
+    pages_per_row = -(-context // page)
+    num_pages = 1 + batch * pages_per_row
+    shape = (1, num_kv_heads, num_pages, page, head_dim)
+    k = jnp.asarray(rng.normal(size=shape), dtype)
+    v = jnp.asarray(rng.normal(size=shape), dtype)
+    table = jnp.asarray(1 + rng.permutation(num_pages - 1).reshape(batch, pages_per_row), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(batch, 1, num_kv_heads * group, head_dim)), dtype)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    return q, k, v, table, (lengths - 1)[:, None], lengths
+
+
+def gpu_benchmark(args) -> int:
+    if jax.default_backend() != "gpu":
+        print("benchmarks/kernels.py: no GPU here (JAX backend is "
+              f"{jax.default_backend()!r}); the kernel benchmark needs CUDA. "
+              "For the CPU measurement run: python benchmarks/kernels.py --cpu-share", file=sys.stderr)
+        return 2
+    from eejax.kernels.attention import reference_paged_attention
+    from eejax.kernels.triton_attention import triton_paged_attention
+
+    device = jax.devices()[0]
+    peak = args.peak_gbs or PEAK_GBS.get(device.device_kind)
+    print(f"{device.device_kind}: peak {peak or '?'} GB/s (set --peak-gbs if unknown)")
+    kernel = jax.jit(functools.partial(triton_paged_attention, interpret=False))
+    reference = jax.jit(reference_paged_attention)
+    rows = []
+    for b in args.batches:
+        for ctx in args.contexts:
+            q, k, v, table, pos, lengths = decode_case(b, ctx)
+            nbytes = 2 * b * ctx * k.shape[1] * k.shape[-1] * k.dtype.itemsize + 2 * q.size * q.dtype.itemsize
+            t_kernel = best_seconds(kernel, q, k, v, 0, table, pos, lengths)
+            t_ref = best_seconds(reference, q, k, v, 0, table, pos, lengths)
+            gbs = nbytes / t_kernel / 1e9
+            err = float(jnp.abs(kernel(q, k, v, 0, table, pos, lengths).astype(jnp.float32)
+                                - reference(q, k, v, 0, table, pos, lengths).astype(jnp.float32)).max())
+            rows.append(dict(batch=b, context=ctx, kernel_us=t_kernel * 1e6, reference_us=t_ref * 1e6,
+                             speedup=t_ref / t_kernel, kernel_gbs=gbs, peak_fraction=gbs / peak if peak else None,
+                             max_abs_diff=err))
+            share = f"{gbs / peak:.0%} of peak" if peak else "peak unknown"
+            print(f"batch {b:3d} context {ctx:5d}: kernel {t_kernel * 1e6:8.1f} us ({gbs:7.1f} GB/s, {share}) | "
+                  f"reference {t_ref * 1e6:8.1f} us | {t_ref / t_kernel:5.2f}x | max diff {err:.1e}", flush=True)
+    print(f"wrote {write_result('kernels_gpu', {'device': device.device_kind, 'peak_gbs': peak, 'rows': rows})}")
+    return 0
+
+
+def cpu_share(args) -> int:
+    """Reference decode attention as a share of a SmolLM2 decode step, when it gathers the rows'
+    whole allocation (prompt + all new tokens) vs only the bucketed pages the current length
+    needs (what `generate` passes). The share is measured by ablation: the same step with the
+    attention replaced by its queries, interleaved with the real one."""
+    import eejax
+    from eejax.cache import init_cache, pages_needed
+    from eejax.decode import steps
+    from eejax.decode.buckets import bucket
+    from eejax.decode.sampling import SamplingParams
+    from eejax.models import llama
+
+    model = eejax.load("smollm2-135m")
+    c = model.config
+    rows = []
+    for b in args.batches:
+        allocation = pages_needed(args.prompt_tokens + args.new_tokens, 16)
+        cache = init_cache(c.num_layers, 1 + b * allocation, 16, c.num_kv_heads, c.head_dim, model.dtype)
+        table = jnp.asarray(1 + np.arange(b * allocation, dtype=np.int32).reshape(b, allocation))
+        tokens = jnp.asarray(np.random.default_rng(0).integers(100, 10000, (b, args.prompt_tokens)), jnp.int32)
+        lengths = jnp.full((b,), args.prompt_tokens, jnp.int32)
+        static = dict(config=c, sampling=SamplingParams(), max_new_tokens=args.new_tokens, eos_ids=())
+        state, cache = jax.jit(functools.partial(steps.prefill, **static))(
+            model.params, cache, tokens, lengths, table, jax.random.PRNGKey(0))
+        decode = jax.jit(functools.partial(steps.decode, **static), donate_argnums=(1,))
+        real_attention = llama.paged_attention
+        llama.paged_attention = lambda q, *a, **kw: q  # traced once, below, for the ablated step
+        try:
+            ablated = jax.jit(functools.partial(steps.decode, **static), donate_argnums=(1,))
+            for w in {allocation, min(allocation, bucket(pages_needed(args.prompt_tokens + 1, 16)))}:
+                _, cache = ablated(model.params, cache, state, table[:, :w])
+        finally:
+            llama.paged_attention = real_attention
+        widths = {"whole allocation": allocation,
+                  "bucketed to need": min(allocation, bucket(pages_needed(args.prompt_tokens + 1, 16)))}
+        result = {"batch": b}
+        for name, width in widths.items():
+            t = table[:, :width]
+            times = {decode: [], ablated: []}
+            _, cache = decode(model.params, cache, state, t)
+            for _ in range(args.repeats):  # interleaved: the real step, then the ablated one
+                for fn in times:
+                    start = time.perf_counter()
+                    _, cache = jax.block_until_ready(fn(model.params, cache, state, t))
+                    times[fn].append(time.perf_counter() - start)
+            step = float(np.median(times[decode]))
+            attn = step - float(np.median(times[ablated]))
+            result[name] = dict(pages=width, step_ms=step * 1e3, attention_ms=attn * 1e3, share=attn / step)
+            print(f"batch {b:3d}, {name:16s} ({width:3d} pages): decode step {step * 1e3:6.1f} ms, "
+                  f"attention {attn * 1e3:6.1f} ms = {attn / step:.0%} of the step", flush=True)
+        rows.append(result)
+    print(f"wrote {write_result('kernels_cpu_share', {'prompt_tokens': args.prompt_tokens, 'new_tokens': args.new_tokens, 'rows': rows})}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-share", action="store_true", help="the CPU measurement instead of the GPU benchmark")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="batch sizes (default: 1 8 32 64 on GPU, 1 8 32 on CPU)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="GPU: keys per row")
+    parser.add_argument("--peak-gbs", type=float, help="GPU: the device's peak memory bandwidth in GB/s")
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="CPU: prompt length")
+    parser.add_argument("--new-tokens", type=int, default=768, help="CPU: new tokens each row's pages are allocated for")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    if args.cpu_share:
+        args.batches = args.batches or [1, 8, 32]
+        return cpu_share(args)
+    args.batches = args.batches or [1, 8, 32, 64]
+    return gpu_benchmark(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
