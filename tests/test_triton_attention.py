@@ -74,7 +74,7 @@ def test_launch_plan():
     small = plan_launch((1, 1, 9, 64), (30, 3, 100, 16, 64), (1, 32), jnp.float32)
     assert small.num_splits > 1 and small.grid == (1, 3, small.num_splits)  # batch 1: split the keys
     assert small.constexprs["PRECISION"] == "ieee"
-    assert small.keys_per_split % 16 == 0 and small.num_splits * small.keys_per_split >= 32 * 16
+    assert small.keys_per_split % 64 == 0 and small.num_splits * small.keys_per_split >= 32 * 16
     big = plan_launch((64, 1, 9, 64), (30, 3, 100, 16, 64), (64, 32), jnp.bfloat16)
     assert big.num_splits == 1 and big.constexprs["PRECISION"] is None
     multi = plan_launch((2, 16, 8, 128), (2, 1, 10, 8, 128), (2, 4), jnp.float32)

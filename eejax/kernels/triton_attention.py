@@ -6,10 +6,11 @@ prefill): a program owns one row, one KV head and a block of query rows (new tok
 group of that KV head, so each key block is loaded once for the whole group), and a range of
 keys (split-K, flash-decoding style: the batch is small, so the keys are split across programs
 and the partial results are merged afterwards). Keys are gathered page by page through the
-block table; masking is causal on absolute positions and stops at the row's `kv_len`; online
-softmax in float32. Optionally T5's relative-position bias: the bucket of (key - query)
-position is computed per score and looked up in a [num_buckets, heads] table. Each program writes an unnormalised partial (acc, running max m, sum l);
-`merge_splits` combines them (rows without keys give zeros).
+block table (a key block may span several pages); masking is causal on absolute positions and
+stops at the row's `kv_len`; online softmax in float32. Optionally T5's relative-position bias:
+the bucket of (key - query) position is computed per score and looked up in a
+[num_buckets, heads] table. Each program writes an unnormalised partial (acc, running max m,
+sum l); `merge_splits` combines them (rows without keys give zeros).
 
 `plan_launch` computes grid, block sizes and strides once for both paths, so the CPU tests
 exercise the same launch arithmetic the GPU runs. triton and jax_triton are imported lazily:
@@ -35,6 +36,7 @@ tl = None  # triton.language, bound by `_kernel` when the kernel is first needed
 constexpr = "constexpr"  # the annotation text triton looks for
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16 on GPUs
+KEY_BLOCK = 64  # keys per inner-loop step (several pages when pages are small)
 SPLIT_TARGET_PROGRAMS = 132  # about one program per SM of an H100
 
 
@@ -153,7 +155,7 @@ def plan_launch(q_shape, cache_shape, table_shape, dtype, *, interpret: bool = F
     if dh < MIN_DOT or dh != _pow2(dh):
         raise ValueError(f"the Triton attention kernel needs a power-of-two head_dim >= {MIN_DOT}, got {dh}")
     block_m = max(MIN_DOT, min(_pow2(t * group), 64))
-    block_n = max(MIN_DOT, _pow2(page))
+    block_n = max(KEY_BLOCK, _pow2(page))
     m_blocks = math.ceil(t * group / block_m)
     programs = b * hkv * m_blocks
     if num_splits is None:  # split the keys only when the batch alone cannot fill the device
