@@ -24,12 +24,14 @@ IMPLS = ("auto", "reference", "triton")
 log = logging.getLogger(__name__)
 
 
-def resolve_impl(impl: str) -> str:
-    """"reference" or "triton" for this process's default backend."""
+def resolve_impl(impl: str, head_dim: int = 64) -> str:
+    """"reference" or "triton" for this process's default backend; auto keeps the reference
+    for head sizes the kernel does not take (not a power of two >= 16)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {IMPLS}")
     if impl == "auto":
-        return "triton" if jax.default_backend() == "gpu" else "reference"
+        kernel_fits = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+        return "triton" if jax.default_backend() == "gpu" and kernel_fits else "reference"
     return impl
 
 
@@ -50,7 +52,7 @@ def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len
     if (bias_table is None) != (bias is None):
         raise ValueError("bias_table and bias (the bucketing) go together")
     extra = dict(scale=scale, bias_table=bias_table, bias=bias)
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, q.shape[-1])
     if impl == "triton":
         from eejax.kernels.triton_attention import triton_paged_attention
 
