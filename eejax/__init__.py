@@ -4,9 +4,10 @@
     out = eejax.generate(model, ["The capital of France is"], max_new_tokens=16)
     out.texts, out.tokens, out.exit_layers, out.stats
     out = eejax.generate(model, prompts, exit=eejax.ExitConfig("softmax", threshold=0.9))
+    out = eejax.generate(model, prompts, spec=eejax.SpecConfig(exit_layer=12, num_speculations=4))
 """
 
-from eejax.config import ExitConfig, LlamaConfig, RopeScaling
+from eejax.config import ExitConfig, LlamaConfig, RopeScaling, SpecConfig
 from eejax.decode import GenerateResult, SamplingParams, generate
 from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
 from eejax.model import Model, init_exits, load
@@ -30,6 +31,7 @@ __all__ = [
     "OutOfPagesError",
     "RopeScaling",
     "SamplingParams",
+    "SpecConfig",
     "UnsupportedModelError",
     "convert",
     "generate",

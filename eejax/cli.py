@@ -87,12 +87,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     elif (args.exit_decay, args.min_exit_layer, args.exit_every) != ("4", 1, 1):
         raise EejaxError("--exit-decay, --min-exit-layer and --exit-every need --exit")
+    spec = None
+    if args.spec is not None:
+        if args.exit is not None:
+            raise EejaxError("choose --exit or --spec, not both")
+        spec = eejax.SpecConfig.parse(args.spec, **({} if args.spec_max_d is None else
+                                                     {"max_speculations": args.spec_max_d}))
+    if args.spec_max_d is not None and not (spec and spec.adaptive):
+        raise EejaxError("--spec-max-d needs --spec E:d:adaptive")
     model = eejax.load(args.model)
     result = eejax.generate(
         model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
         batch_size=args.batch_size, cache_budget=args.cache_budget,
-        truncate_prompt_tokens=args.truncate_prompt_tokens, exit=exit_config,
+        truncate_prompt_tokens=args.truncate_prompt_tokens, exit=exit_config, spec=spec,
     )
     stats = result.stats
     if args.json:
@@ -112,7 +120,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{stats['generated_tokens']} tokens in {stats['run_s']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
         f"(compile {stats['compile_s']:.1f} s, {stats['compiled_programs']} programs); "
         f"mean layers per token {stats['mean_layers_per_token']:.1f} of {stats['num_layers']} "
-        f"(exit {stats['exit']}, KV fill {stats['kv_fill_layers_per_token']:.1f} layers per token)"
+        + (f"(exit {stats['exit']}, KV fill {stats['kv_fill_layers_per_token']:.1f} layers per token)" if spec is None
+           else f"(self-speculation {stats['spec']}: acceptance {stats['acceptance_rate']:.1%}, "
+                f"{stats['tokens_per_round']:.2f} tokens per round, mean d {stats['mean_speculations']:.1f})")
     )
     return 0
 
@@ -152,13 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser(
         "generate", help="generate text for prompts",
-        description="Generate continuations for prompts, at full depth or with early exit (--exit). With "
+        description="Generate continuations for prompts, at full depth, with early exit (--exit) or by "
+        "self-speculation (--spec). With "
         '--json, stdout is one JSON object: {"outputs": [{"prompt", "text", "tokens", "exit_layers", '
         '"confident_layers"}], "stats": {"tokens_per_s", "generated_tokens", "mean_layers_per_token", '
         '"kv_fill_layers_per_token", "num_layers", "compile_s", ...}}; tokens are the generated ids only, '
         "exit_layers the layers run for each token (the batch's exit layer; the first token comes from the "
-        "full-depth prompt pass), confident_layers the row's own first confident layer, and tokens_per_s "
-        "excludes compilation.",
+        "full-depth prompt pass; with --spec, E for an accepted draft and L for a token of the full model), "
+        "confident_layers the row's own first confident layer, and tokens_per_s excludes compilation. "
+        "With --spec, stats add acceptance_rate, tokens_per_round, drafted_tokens, accepted_tokens, rounds, "
+        "mean_speculations.",
     )
     gen.add_argument("--model", required=True,
                      help='eejax checkpoint directory, or a known name such as "smollm2-135m" (see `eejax models`)')
@@ -190,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="never exit before K layers ran (default 1)")
     gen.add_argument("--exit-every", type=_positive_int, default=1, metavar="k",
                      help="exit only after a multiple of k layers (default 1: after any layer)")
+    gen.add_argument(
+        "--spec", metavar="E:d",
+        help="self-speculative decoding (LayerSkip): draft d tokens with the first E layers and the exit head, "
+        "verify them with the other layers in one pass; greedy output equals full depth, sampling keeps the "
+        "full model's distribution. E:d:adaptive chooses d per round from the measured acceptance and costs",
+    )
+    gen.add_argument("--spec-max-d", type=_positive_int, metavar="N",
+                     help="the largest d that E:d:adaptive may choose (default 8)")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     gen.set_defaults(func=cmd_generate)
 

@@ -233,3 +233,55 @@ class ExitConfig:
         if name == "static":
             return cls("static", exit_layer=number, **kw)
         return cls(name, threshold=number, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Self-speculative decoding (LayerSkip): draft with the first `exit_layer` layers and the
+    exit head, verify with the rest.
+
+    exit_layer:        E, the draft layers (1 <= E < num_layers).
+    num_speculations:  d, drafts per round (the first round's d when adaptive).
+    adaptive:          choose d per round from the measured acceptance rate and the measured
+                       cost of a draft pass vs a verify pass (see `speculative.SpeculationPolicy`).
+    max_speculations:  the largest d the adaptive policy may choose.
+    """
+
+    exit_layer: int
+    num_speculations: int = 4
+    adaptive: bool = False
+    max_speculations: int = 8
+
+    def __post_init__(self):
+        for name in ("exit_layer", "num_speculations", "max_speculations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise EejaxError(f"speculation {name} must be an integer >= 1, got {value!r}")
+        if self.adaptive and self.max_speculations < self.num_speculations:
+            raise EejaxError(
+                f"max_speculations ({self.max_speculations}) is below num_speculations ({self.num_speculations})"
+            )
+
+    @property
+    def spec(self) -> str:
+        """The CLI spelling: `E:d`, or `E:d:adaptive` (d is then the first round's)."""
+        return f"{self.exit_layer}:{self.num_speculations}" + (":adaptive" if self.adaptive else "")
+
+    def check_model(self, num_layers: int) -> None:
+        if self.exit_layer >= num_layers:
+            raise EejaxError(
+                f"speculation exit_layer {self.exit_layer} must be below the model's {num_layers} layers "
+                "(the draft runs E layers, the verification the other L - E)"
+            )
+
+    @classmethod
+    def parse(cls, spec: str, **kw) -> SpecConfig:
+        """`E:d` (d drafts per round) or `E:d:adaptive`."""
+        parts = spec.split(":")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "adaptive"):
+            raise EejaxError(f"cannot read speculation {spec!r}; expected E:d or E:d:adaptive (e.g. 12:4)")
+        try:
+            e, d = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise EejaxError(f"cannot read speculation {spec!r}: E and d must be integers (e.g. 12:4)") from None
+        return cls(e, d, adaptive=len(parts) == 3, **kw)

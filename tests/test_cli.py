@@ -58,6 +58,23 @@ def test_generate_with_exit_json(capsys, ckpt):
     assert code == 0 and json.loads(out)["outputs"][0]["exit_layers"] == [3, 2, 2, 2, 2]
 
 
+def test_generate_with_spec_json(capsys, ckpt):
+    argv = ["generate", "--model", ckpt, "--prompt", "The river rose", "Officials said", "--max-new-tokens", 7,
+            "--ignore-eos", "--json"]
+    _, full, _ = run_cli(capsys, *argv)
+    for spec in ("1:3", "2:2:adaptive"):
+        code, out, _ = run_cli(capsys, *argv, "--spec", spec)
+        assert code == 0
+        doc = json.loads(out)
+        assert [o["tokens"] for o in doc["outputs"]] == [o["tokens"] for o in json.loads(full)["outputs"]]
+        s = doc["stats"]
+        assert s["spec"] == spec and 0 <= s["acceptance_rate"] <= 1 and s["tokens_per_round"] >= 1
+        assert s["rounds"] >= 2 and s["drafted_tokens"] >= s["accepted_tokens"] and s["mean_layers_per_token"] > 0
+    code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "Hello", "--max-new-tokens", 4,
+                           "--spec", "2:2")
+    assert code == 0 and "self-speculation 2:2: acceptance" in out
+
+
 def test_generate_text_output(capsys, ckpt):
     code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "Hello there", "--max-new-tokens", 4)
     assert code == 0 and "=== prompt 0 ===" in out and "tokens/s" in out
@@ -92,6 +109,10 @@ def bad_inputs(tmp_path, ckpt):
         "classifier without exits": (base + ["--prompt", "hi", "--exit", "classifier:0.5"], "init_exits"),
         "exit options without --exit": (base + ["--prompt", "hi", "--min-exit-layer", 2], "need --exit"),
         "bad exit decay": (base + ["--prompt", "hi", "--exit", "state:0.9", "--exit-decay", "x"], "--exit-decay"),
+        "bad spec": (base + ["--prompt", "hi", "--spec", "3"], "expected E:d"),
+        "spec as deep as the model": (base + ["--prompt", "hi", "--spec", "3:2"], "must be below"),
+        "spec with exit": (base + ["--prompt", "hi", "--spec", "1:2", "--exit", "static:2"], "not both"),
+        "spec max without adaptive": (base + ["--prompt", "hi", "--spec", "1:2", "--spec-max-d", 4], "adaptive"),
     }
 
 
@@ -99,7 +120,8 @@ def bad_inputs(tmp_path, ckpt):
     "missing path", "not a model", "unsupported architecture", "prompt too long", "empty prompt list",
     "empty prompt", "non-positive max-new-tokens", "cache budget too small", "bad prompts file",
     "unknown exit measure", "exit threshold missing", "exit threshold out of range", "static exit too deep",
-    "classifier without exits", "exit options without --exit", "bad exit decay"])
+    "classifier without exits", "exit options without --exit", "bad exit decay", "bad spec",
+    "spec as deep as the model", "spec with exit", "spec max without adaptive"])
 def test_bad_input_is_one_line_and_status_2(capsys, ckpt, tmp_path, case):
     argv, needle = bad_inputs(tmp_path, ckpt)[case]
     code, out, err = run_cli(capsys, *argv)

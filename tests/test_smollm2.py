@@ -54,3 +54,15 @@ def test_early_exit_that_never_fires_equals_full_depth(smollm2, rows):
         res = eejax.generate(smollm2, prompts, max_new_tokens=16, exit=spec)
         assert res.tokens == full.tokens, spec
         assert res.stats["mean_layers_per_token"] == 30
+
+
+@pytest.mark.parametrize("rows,specs", [(1, ["12:3", "29:1"]), (8, ["15:2", "29:4"])],
+                         ids=["batch1", "padded-batch8"])
+def test_self_speculation_equals_full_depth(smollm2, rows, specs):
+    # Articles cut to different lengths: one right-padded batch.
+    prompts = [row["article"][: 200 + 150 * i] for i, row in enumerate(cnndm_rows(rows))]
+    full = eejax.generate(smollm2, prompts, max_new_tokens=NEW_TOKENS - 3)
+    for spec in specs:
+        res = eejax.generate(smollm2, prompts, max_new_tokens=NEW_TOKENS - 3, spec=spec)
+        assert res.tokens == full.tokens, spec
+        assert 0 < res.stats["acceptance_rate"] <= 1

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed
-from eejax.config import ExitConfig
-from eejax.decode import steps
+from eejax.config import ExitConfig, SpecConfig
+from eejax.decode import speculative, steps
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
 from eejax.decode.sampling import SamplingParams
+from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.errors import EejaxError, OutOfPagesError
 from eejax.kernels.attention import IMPLS
 from eejax.models import exits
@@ -44,6 +45,9 @@ class GenerateResult:
     exit_layers: list[list[int]]
     confident_layers: list[list[int]]
     stats: dict[str, Any]
+
+
+SPEC_COUNTERS = ("drafted", "accepted", "rounds", "rejections", "layer_passes")
 
 
 def parse_bytes(size: int | str) -> int:
@@ -74,6 +78,7 @@ def generate(
     cache_budget: int | str = "1GiB",
     truncate_prompt_tokens: int | None = None,
     exit: ExitConfig | str | None = None,  # noqa: A002 (the documented name of the option)
+    spec: SpecConfig | str | None = None,
     attention: str = "auto",
 ) -> GenerateResult:
     """Generates up to `max_new_tokens` for each prompt of `batch` (see `prompt_token_ids`).
@@ -81,8 +86,12 @@ def generate(
     A row stops at an EOS token unless `ignore_eos`. Rows run in batches of `batch_size` (all
     at once by default) as far as the KV cache budget allows; results keep the input order.
     `exit` (an `ExitConfig` or its CLI spelling such as "softmax:0.9") turns on early exit in
-    the decode steps; None is plain full depth. `attention` is "auto" (Triton on CUDA, the jnp
-    reference elsewhere), "reference" or "triton" (interpreted without a GPU: slow).
+    the decode steps; None is plain full depth. `spec` (a `SpecConfig` or "E:d") decodes by
+    self-speculation instead: drafts from the first E layers verified by the rest; greedy output
+    equals full depth token for token, sampled output has the full model's distribution (in
+    `exit_layers`, accepted drafts show E, tokens of the full model L). `attention` is "auto"
+    (Triton on CUDA, the jnp reference elsewhere), "reference" or "triton" (interpreted without
+    a GPU: slow).
     """
     config = model.config
     if attention not in IMPLS:
@@ -92,6 +101,12 @@ def generate(
         exit_params = model.params.get("exits")
         exits.check_exits(exit_params, config.num_layers, config.hidden_size)
         exit_config.check_model(config.num_layers, exits.has_classifier(exit_params))
+    spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec
+    if spec_config is not None:
+        if exit_config is not None:
+            raise EejaxError("choose early exit (exit=) or self-speculation (spec=), not both")
+        spec_config.check_model(config.num_layers)
+        exits.check_exits(model.params.get("exits"), config.num_layers, config.hidden_size)
     rows, texts = prompt_token_ids(model.tokenizer, batch)
     if truncate_prompt_tokens is not None:
         if truncate_prompt_tokens < 1:
@@ -109,6 +124,7 @@ def generate(
     dtype = model.dtype
     per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, dtype)
     budget_pages = parse_bytes(cache_budget) // per_page
+    # A speculation round may draft past max_new_tokens; those positions go to the null page.
     need = [pages_needed(len(r) + max_new_tokens, page_size) for r in rows]
     if budget_pages < 1 + max(need):
         longest = int(np.argmax(need))
@@ -129,6 +145,8 @@ def generate(
     key = jax.random.PRNGKey(seed)
     start = time.perf_counter()
     prefill_s = 0.0
+    spec_totals = dict.fromkeys(SPEC_COUNTERS, 0)
+    speculations: list[int] = []
     pending = list(range(len(rows)))
     while pending:
         chunk, tables = [], []
@@ -140,12 +158,17 @@ def generate(
             chunk.append(i)
         pending = pending[len(chunk):]
         key, chunk_key = jax.random.split(key)
-        state, cache, chunk_prefill_s = _run_chunk(
+        state, cache, chunk_prefill_s, spec_out = _run_chunk(
             model, cache, [rows[i] for i in chunk], tables, table_width, chunk_key,
             sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids, exit_config=exit_config,
-            attention=attention,
+            spec_config=spec_config, attention=attention,
         )
         prefill_s += chunk_prefill_s
+        if spec_out is not None:
+            counters, chosen = spec_out
+            for name in SPEC_COUNTERS:
+                spec_totals[name] += int(np.asarray(getattr(counters, name))[: len(chunk)].sum())
+            speculations += chosen
         toks, layers, confident, counts = jax.device_get(
             (state.tokens, state.exit_layers, state.confident_layers, state.num_generated)
         )
@@ -162,6 +185,8 @@ def generate(
     decoded_tokens = generated - sum(1 for t in out_tokens if t)  # the first token comes from prefill
     decode_s = run_s - prefill_s
     layers_run = sum(sum(x) for x in out_layers)
+    if spec_config is not None:  # draft and verify passes, plus the prefill's first tokens
+        layers_run = spec_totals["layer_passes"] + config.num_layers * sum(1 for t in out_tokens if t)
     confident_sum = sum(sum(x) for x in out_confident)
     decoded = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer else None for t in out_tokens]
     stats = {
@@ -169,10 +194,13 @@ def generate(
         "generated_tokens": generated,
         "decode_tokens_per_s": decoded_tokens / decode_s if decode_s > 0 and decoded_tokens else float("nan"),
         "mean_layers_per_token": layers_run / generated if generated else 0.0,
-        "kv_fill_layers_per_token": config.num_layers - layers_run / generated if generated else 0.0,
+        "kv_fill_layers_per_token": (
+            config.num_layers - layers_run / generated if generated and spec_config is None else 0.0
+        ),
         "mean_confident_layer": confident_sum / generated if generated else 0.0,
         "num_layers": config.num_layers,
         "exit": "full" if exit_config is None else exit_config.spec,
+        "spec": None if spec_config is None else spec_config.spec,
         "run_s": run_s,
         "prefill_s": prefill_s,
         "compile_s": compile_s,
@@ -180,13 +208,23 @@ def generate(
         "kv_cache_pages": num_pages,
         "page_size": page_size,
     }
+    if spec_config is not None:
+        t = spec_totals
+        stats.update(
+            acceptance_rate=t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
+            tokens_per_round=decoded_tokens / t["rounds"] if t["rounds"] else 0.0,
+            drafted_tokens=t["drafted"],
+            accepted_tokens=t["accepted"],
+            rounds=t["rounds"],
+            mean_speculations=float(np.mean(speculations)) if speculations else 0.0,
+        )
     return GenerateResult(texts, rows, out_tokens, decoded, out_layers, out_confident, stats)
 
 
 def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_new_tokens, eos_ids, exit_config,
-               attention):
+               spec_config, attention):
     """Prefill then decode one batch of rows (padded to a batch bucket) on the shared cache.
-    Returns (state, cache, seconds the prefill ran)."""
+    Returns (state, cache, seconds the prefill ran, (SpecCounters, d per round) or None)."""
     b = batch_bucket(len(rows))
     t = bucket(max(len(r) for r in rows), MIN_PROMPT_BUCKET)
     tokens = np.zeros((b, t), np.int32)
@@ -214,9 +252,54 @@ def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_ne
     start = time.perf_counter()
     state, cache = jax.block_until_ready(prefill(*args))
     prefill_s = time.perf_counter() - start
+    if spec_config is not None:
+        state, cache, spec_out = _speculate(model, cache, state, table_for, max_len, spec_config, static)
+        return state, cache, prefill_s, spec_out
     for step in range(1, max_new_tokens):
         if step % POLL_EVERY == 0 and bool(jnp.all(state.done)):
             break
         args = (model.params, cache, state, table_for(max_len + step))
         state, cache = model.programs.get(steps.decode, args, decode_static, donate_argnums=(1, 2))(*args)
-    return state, cache, prefill_s
+    return state, cache, prefill_s, None
+
+
+def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static):
+    """Self-speculation rounds until every row is done. Returns (state, cache, (counters, d
+    per round)). With a fixed d the host only polls every few rounds; adaptive rounds are
+    timed (draft and verify programs apart) and their acceptance read back to choose d."""
+    programs, params = model.programs, model.params
+    policy = SpeculationPolicy(spec)
+    counters = speculative.SpecCounters.zeros(state.done.shape[0])
+    verify_static = dict(static, spec=spec)
+    draft_static = {k: v for k, v in verify_static.items() if k != "eos_ids"}
+    longest = max_len  # an upper bound on the tokens of the longest row in the cache
+    seen = (0, 0)  # accepted, rejections summed over rows, as of the last read
+    rounds = 0
+    done = bool(jnp.all(state.done))  # max_new_tokens = 1, or every row ended at its first token
+    while not done:
+        d = policy.next_speculations()
+        table = table_for(longest + d + 1)
+        args = (params, cache, state, table)
+        draft = programs.get(speculative.draft, args, dict(draft_static, num_speculations=d), donate_argnums=(1, 2))
+        start = time.perf_counter()
+        drafts, state, cache = draft(*args)
+        if spec.adaptive:
+            jax.block_until_ready(drafts.hidden)
+        drafted_at = time.perf_counter()
+        args = (params, cache, state, drafts, counters, table)
+        verify = programs.get(speculative.verify, args, verify_static, donate_argnums=(1, 2, 4))
+        verify_start = time.perf_counter()
+        state, cache, counters = verify(*args)
+        longest += d + 1
+        rounds += 1
+        if spec.adaptive or rounds % POLL_EVERY == 0:
+            row_done, seq_len, accepted, rejections = jax.device_get(
+                (state.done, state.seq_len, counters.accepted.sum(), counters.rejections.sum())
+            )
+            if spec.adaptive:
+                policy.observe(d, int(accepted) - seen[0], int(rejections) - seen[1],
+                               drafted_at - start, time.perf_counter() - verify_start)
+                seen = (int(accepted), int(rejections))
+            done = bool(row_done.all())
+            longest = int(seq_len.max())
+    return state, cache, (jax.device_get(counters), policy.chosen)

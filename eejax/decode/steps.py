@@ -45,7 +45,7 @@ class DecodeState:
     key: jax.Array
 
 
-def _is_eos(tokens, eos_ids: tuple[int, ...]):
+def is_eos(tokens, eos_ids: tuple[int, ...]):
     if not eos_ids:
         return jnp.zeros(tokens.shape, bool)
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
@@ -69,7 +69,7 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, key, *, config
     first = sample(logits, step_key, sampling)
     padding = lengths == 0
     first = jnp.where(padding, 0, first)
-    done = padding | _is_eos(first, eos_ids) | (max_new_tokens <= 1)
+    done = padding | is_eos(first, eos_ids) | (max_new_tokens <= 1)
     out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
     exit_layers = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(config.num_layers)
     state = DecodeState(
@@ -85,27 +85,29 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, key, *, config
     return state, cache
 
 
+def exit_logits(params, x, layers_run, config: LlamaConfig):
+    """The exit head after `layers_run` layers (adapter, if any, then the shared final norm and
+    LM head): x [B, D] -> float32 logits [B, V]. At full depth it is the model's own head."""
+    exit_params = params.get("exits")
+    if exits.has_adapters(exit_params):
+        adapted = exits.adapt(exit_params, x, jnp.maximum(layers_run - 1, 0))
+        x = jnp.where(layers_run < config.num_layers, adapted, x)
+    return llama.lm_head(params, x, config)
+
+
 def llama_exit_fns(params, batch: llama.TokenBatch, config: LlamaConfig) -> ExitFns:
     """The early-exit loop's view of a Llama: layers, exit head (+ adapters), classifier, KV."""
     exit_params = params.get("exits")
-    num_layers = config.num_layers
 
     def run_layer(layer, h, cache):
         return llama.layer_forward(llama.layer_params(params, layer), h, cache, layer, batch, config)
-
-    def exit_logits(h, layers_run):
-        x = h[:, -1]
-        if exits.has_adapters(exit_params):
-            adapted = exits.adapt(exit_params, x, jnp.maximum(layers_run - 1, 0))
-            x = jnp.where(layers_run < num_layers, adapted, x)
-        return llama.lm_head(params, x, config)
 
     def exit_prob(h, layers_run):
         return exits.classifier_prob(exit_params, h[:, -1], layers_run - 1)
 
     return ExitFns(
         run_layer=run_layer,
-        exit_logits=exit_logits,
+        exit_logits=lambda h, layers_run: exit_logits(params, h[:, -1], layers_run, config),
         exit_prob=exit_prob if exits.has_classifier(exit_params) else None,
         kv_all_layers=lambda h: llama.kv_all_layers(params, h, batch, config),
     )
@@ -145,7 +147,7 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config: L
         return buffer.at[rows, idx].set(jnp.where(active, values, buffer[rows, idx]))
 
     num_generated = state.num_generated + active
-    done = state.done | (active & _is_eos(token, eos_ids)) | (num_generated >= max_new_tokens)
+    done = state.done | (active & is_eos(token, eos_ids)) | (num_generated >= max_new_tokens)
     return DecodeState(
         last_token=token,
         seq_len=kv_len,

@@ -1,0 +1,95 @@
+"""How many drafts per self-speculation round: fixed, or chosen per round from measurements.
+
+Cost model. A round with d drafts costs `(d + 1) * c_draft + c_verify` (d + 1 passes of the
+E draft layers + exit head, one verify pass of the other layers over d + 1 tokens). If each
+draft is accepted with probability α independently, a row emits
+`expected_tokens(α, d) = (1 - α^(d+1)) / (1 - α)` tokens per round (accepted prefix + one).
+The adaptive policy picks the d in [1, max_speculations] with the most expected tokens per
+second, using α measured so far (accepted / (accepted + rejections), both with exponential
+forgetting so it follows the text) and c_draft, c_verify measured as running means of the
+programs' wall times. Against plain decoding (c_full a step) the speed-up is
+`expected_tokens(α, d) * c_full / ((d + 1) c_draft + c_verify)`; `break_even_acceptance`
+solves it for 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from eejax.config import SpecConfig
+
+FORGET = 0.8  # weight of the past per round in the acceptance estimate
+PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected) before any round: α = 0.5
+
+
+def expected_tokens(alpha: float, d: int) -> float:
+    """Tokens a row emits per round with d drafts and acceptance probability α."""
+    if alpha >= 1.0:
+        return d + 1.0
+    return (1.0 - alpha ** (d + 1)) / (1.0 - alpha)
+
+
+def best_speculations(alpha: float, c_draft: float, c_verify: float, max_speculations: int) -> int:
+    """The d in [1, max_speculations] with the most expected tokens per unit of cost."""
+    return max(range(1, max_speculations + 1),
+               key=lambda d: expected_tokens(alpha, d) / ((d + 1) * c_draft + c_verify))
+
+
+def speedup(alpha: float, d: int, c_draft: float, c_verify: float, c_full: float) -> float:
+    """Predicted tokens/s of self-speculation over plain decoding."""
+    return expected_tokens(alpha, d) * c_full / ((d + 1) * c_draft + c_verify)
+
+
+def break_even_acceptance(c_draft: float, c_verify: float, c_full: float, max_speculations: int = 8) -> float:
+    """The smallest α at which the best d breaks even with plain decoding (1.0 if none does)."""
+    lo, hi = 0.0, 1.0
+    if max(speedup(hi, d, c_draft, c_verify, c_full) for d in range(1, max_speculations + 1)) < 1.0:
+        return 1.0
+    for _ in range(50):  # bisection: the best speed-up grows with α
+        mid = (lo + hi) / 2
+        best = max(speedup(mid, d, c_draft, c_verify, c_full) for d in range(1, max_speculations + 1))
+        lo, hi = (mid, hi) if best < 1.0 else (lo, mid)
+    return hi
+
+
+@dataclasses.dataclass
+class SpeculationPolicy:
+    """Host-side choice of d per round (see the module docstring for the rule)."""
+
+    spec: SpecConfig
+    accepted: float = PRIOR[0]
+    rejected: float = PRIOR[1]
+    c_draft: float | None = None  # seconds per draft pass
+    c_verify: float | None = None  # seconds per verify pass
+    timed_rounds: int = 0
+    chosen: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def next_speculations(self) -> int:
+        """d for the next round."""
+        if not self.spec.adaptive or self.c_draft is None:
+            d = self.spec.num_speculations
+        else:
+            d = best_speculations(self.alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
+        self.chosen.append(d)
+        return d
+
+    def observe(self, d: int, accepted: int, rejected: int, draft_s: float | None = None,
+                verify_s: float | None = None) -> None:
+        """One round: drafts accepted and rows that rejected one (summed over the batch), and
+        the wall times of its draft and verify programs (None when not timed)."""
+        self.accepted = FORGET * self.accepted + accepted
+        self.rejected = FORGET * self.rejected + rejected
+        if draft_s is None or verify_s is None:
+            return
+        per_pass = draft_s / (d + 1)
+        self.timed_rounds += 1
+        if self.c_draft is None:
+            self.c_draft, self.c_verify = per_pass, verify_s
+        else:  # running means
+            w = 1.0 / min(self.timed_rounds, 16)
+            self.c_draft += w * (per_pass - self.c_draft)
+            self.c_verify += w * (verify_s - self.c_verify)

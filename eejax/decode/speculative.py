@@ -1,0 +1,194 @@
+"""Self-speculative decoding (LayerSkip) on the paged KV cache, batched.
+
+A round has two jitted programs:
+
+- `draft`: d + 1 passes of layers [0, E) over one token per row (x_0 = the row's last token,
+  then each draft), writing those layers' K/V at positions seq_len + i. The exit head after E
+  layers proposes x_{i+1} (greedy, or sampled from its distribution q_i); the layer-E hidden
+  state of every x_i is kept (the exit query cache). The last pass (x_d) needs no head.
+- `verify`: ONE pass of layers [E, L) over the d + 1 positions, starting from the kept states
+  and writing those layers' K/V; the full model's distributions p_0..p_d decide:
+  greedy accepts the longest prefix of drafts equal to argmax p (`greedy_accept`); with
+  temperature > 0 speculative rejection sampling keeps the output distribution exactly the
+  full model's (`speculative_sample`). Either way a row emits n accepted drafts plus one token
+  of the full model, cut at EOS and at max_new_tokens.
+
+Every row keeps x_0..x_{k-1} of the k tokens it emitted in the cache and the rest is rolled
+back by `seq_len` alone: the K/V at an accepted position were computed from the same tokens
+as a full-depth decode would have used. Positions a row can never emit (beyond
+max_new_tokens) are written to the null page, so a row never touches pages it does not own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eejax.cache import KVCache
+from eejax.config import LlamaConfig, SpecConfig
+from eejax.decode.sampling import SamplingParams, filtered_logits, sample
+from eejax.decode.steps import DecodeState, exit_logits, is_eos
+from eejax.models import llama
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Drafts:
+    """tokens [B, d+1] int32: x_0 (the last token) then the d drafts; hidden [B, d+1, D]: each
+    token's hidden state after E layers; probs [B, d, V] f32: the draft distribution q_i each
+    draft was sampled from ([B, d, 0] when greedy)."""
+
+    tokens: jax.Array
+    hidden: jax.Array
+    probs: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecCounters:
+    """Per row, summed over rounds: drafts that could count (at most the tokens the row still
+    had room for), drafts accepted, rounds, rounds that rejected a draft, and layer passes run
+    (draft + verify)."""
+
+    drafted: jax.Array
+    accepted: jax.Array
+    rounds: jax.Array
+    rejections: jax.Array
+    layer_passes: jax.Array
+
+    @classmethod
+    def zeros(cls, batch: int) -> SpecCounters:
+        return cls(*(jnp.zeros((batch,), jnp.int32) for _ in range(5)))  # distinct buffers: donated
+
+
+def _token_batch(config, state: DecodeState, offsets, block_table, page_size, max_new_tokens, attention):
+    """Positions seq_len + offsets [T] of every row; the ones a row may never emit (and all of an
+    inactive row) go to the null page. Keys valid up to the last of the offsets."""
+    active = ~state.done
+    room = max_new_tokens - state.num_generated
+    positions = state.seq_len[:, None] + offsets[None, :]
+    valid = active[:, None] & (offsets[None, :] < room[:, None])
+    kv_len = state.seq_len + jnp.where(active, offsets[-1] + 1, 0)
+    return llama.token_batch(config, positions, valid, block_table, kv_len, page_size, attention)
+
+
+def draft(params, cache: KVCache, state: DecodeState, block_table, *, config: LlamaConfig, spec: SpecConfig,
+          num_speculations: int, sampling: SamplingParams, max_new_tokens: int, attention: str = "auto"):
+    """d = num_speculations drafts per row with layers [0, E). Returns (drafts, state, cache);
+    the state only changes its PRNG key."""
+    e = spec.exit_layer
+
+    def draft_pass(cache, token, i):
+        batch = _token_batch(config, state, jnp.reshape(i, (1,)), block_table, cache.page_size, max_new_tokens,
+                             attention)
+        h, cache = llama.run_layers(params, llama.embed(params, token[:, None]), cache, batch, config, 0, e)
+        return h[:, 0], cache
+
+    def step(carry, i):
+        cache, token, key = carry
+        h, cache = draft_pass(cache, token, i)
+        logits = exit_logits(params, h, e, config)
+        key, step_key = jax.random.split(key)
+        proposal = sample(logits, step_key, sampling)
+        q = jnp.zeros(logits.shape[:1] + (0,)) if sampling.greedy else jax.nn.softmax(
+            filtered_logits(logits, sampling), axis=-1)
+        return (cache, proposal, key), (token, h, q)
+
+    (cache, last, key), (tokens, hidden, probs) = jax.lax.scan(
+        step, (cache, state.last_token, state.key), jnp.arange(num_speculations, dtype=jnp.int32)
+    )
+    h_last, cache = draft_pass(cache, last, jnp.int32(num_speculations))
+    drafts = Drafts(
+        tokens=jnp.concatenate([tokens.T, last[:, None]], axis=1),
+        hidden=jnp.concatenate([hidden.swapaxes(0, 1), h_last[:, None]], axis=1),
+        probs=probs.swapaxes(0, 1),
+    )
+    return drafts, dataclasses.replace(state, key=key), cache
+
+
+def greedy_accept(logits, drafts):
+    """logits [B, d+1, V] of the full model at x_0..x_d, drafts [B, d] (x_1..x_d) ->
+    (n [B] accepted drafts, tokens [B, d+1]): the row emits tokens[:, :n+1] (the accepted
+    drafts equal the full model's argmax, so all emitted tokens are the argmax)."""
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    match = target[:, :-1] == drafts
+    n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
+    return n, target
+
+
+def speculative_sample(p, q, drafts, key):
+    """Speculative rejection sampling. p [B, d+1, V] full-model probabilities at x_0..x_d,
+    q [B, d, V] draft probabilities, drafts [B, d] sampled from q -> (n [B], tokens [B, d+1]).
+
+    Draft i is accepted with probability min(1, p_i(x)/q_i(x)); the row keeps the accepted
+    prefix, then samples once more: from max(0, p_n - q_n) normalised after a rejection, from
+    p_d when all d were accepted. Each emitted token is then distributed exactly as p."""
+    b, d = drafts.shape
+    accept_key, resample_key = jax.random.split(key)
+    px = jnp.take_along_axis(p[:, :d], drafts[..., None], axis=-1)[..., 0]
+    qx = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(accept_key, (b, d))
+    accepted = u * qx < px  # u < p/q without dividing (q(x) > 0: x was drawn from q)
+    n = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
+    rows = jnp.arange(b)
+    p_n = p[rows, n]
+    q_n = jnp.where((n < d)[:, None], q[rows, jnp.minimum(n, d - 1)], 0.0)
+    residual = jnp.maximum(p_n - q_n, 0.0)
+    total = residual.sum(-1, keepdims=True)
+    # p_n == q_n leaves no residual mass; a rejection then has probability 0, keep p_n.
+    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_n)
+    extra = jax.random.categorical(resample_key, jnp.log(residual), axis=-1).astype(jnp.int32)
+    tokens = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1).at[rows, n].set(extra)
+    return n, tokens
+
+
+def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters: SpecCounters, block_table, *,
+           config: LlamaConfig, spec: SpecConfig, sampling: SamplingParams, max_new_tokens: int,
+           eos_ids: tuple[int, ...], attention: str = "auto"):
+    """Layers [E, L) over the d + 1 drafted positions, acceptance, and the new tokens recorded.
+    Returns (state, cache, counters)."""
+    b, t = drafts.tokens.shape
+    d, e, num_layers = t - 1, spec.exit_layer, config.num_layers
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    batch = _token_batch(config, state, offsets, block_table, cache.page_size, max_new_tokens, attention)
+    h, cache = llama.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
+    logits = llama.lm_head(params, h, config)  # [B, d+1, V]
+    key, accept_key = jax.random.split(state.key)
+    if sampling.greedy:
+        n, new = greedy_accept(logits, drafts.tokens[:, 1:])
+    else:
+        p = jax.nn.softmax(filtered_logits(logits.reshape(b * t, -1), sampling), axis=-1).reshape(logits.shape)
+        n, new = speculative_sample(p, drafts.probs, drafts.tokens[:, 1:], accept_key)
+
+    active = ~state.done
+    room = max_new_tokens - state.num_generated
+    eos = is_eos(new, eos_ids) & (offsets[None] <= n[:, None])
+    first_eos = jnp.where(eos.any(1), jnp.argmax(eos, axis=1), t)
+    count = jnp.where(active, jnp.minimum(jnp.minimum(n + 1, room), first_eos + 1), 0)
+    emitted = offsets[None] < count[:, None]
+    rows = jnp.arange(b)[:, None]
+    idx = jnp.where(emitted, state.num_generated[:, None] + offsets[None], max_new_tokens)  # out of range: dropped
+    layers = jnp.where(offsets[None] < n[:, None], e, num_layers)  # accepted drafts came from layer E
+
+    num_generated = state.num_generated + count
+    new_state = DecodeState(
+        last_token=jnp.where(count > 0, new[jnp.arange(b), jnp.maximum(count - 1, 0)], state.last_token),
+        seq_len=state.seq_len + count,
+        num_generated=num_generated,
+        done=state.done | (active & (first_eos < count)) | (num_generated >= max_new_tokens),
+        tokens=state.tokens.at[rows, idx].set(new, mode="drop"),
+        exit_layers=state.exit_layers.at[rows, idx].set(layers, mode="drop"),
+        confident_layers=state.confident_layers.at[rows, idx].set(layers, mode="drop"),
+        key=key,
+    )
+    judged = jnp.where(active, jnp.minimum(d, room), 0)  # drafts past the row's room never count
+    new_counters = SpecCounters(
+        drafted=counters.drafted + judged,
+        accepted=counters.accepted + jnp.minimum(n, judged),
+        rounds=counters.rounds + active,
+        rejections=counters.rejections + (n < judged),
+        layer_passes=counters.layer_passes + active * ((d + 1) * e + num_layers - e),
+    )
+    return new_state, cache, new_counters
