@@ -99,3 +99,27 @@ def tiny_model(tiny_checkpoints):
 def random_prompts(n: int, lengths, vocab: int = 300, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, vocab, size=int(lengths[i % len(lengths)])).tolist() for i in range(n)]
+
+
+def prefilled(model, prompts, max_new_tokens=8, temperature=0.0, pages_per_row=4, page_size=8):
+    """(state, cache, block_table) after the full-depth prefill of `prompts` (right-padded), each
+    row owning `pages_per_row` consecutive pages of `page_size`."""
+    import jax
+    import jax.numpy as jnp
+
+    from eejax.cache import init_cache
+    from eejax.decode import steps
+    from eejax.decode.sampling import SamplingParams
+
+    c = model.config
+    b, t = len(prompts), max(map(len, prompts))
+    tokens = np.zeros((b, t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    table = jnp.asarray(1 + np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row))
+    cache = init_cache(c.num_layers, 1 + b * pages_per_row, page_size, c.num_kv_heads, c.head_dim, model.dtype)
+    state, cache = steps.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table,
+                                 jax.random.PRNGKey(0), config=c, sampling=SamplingParams(temperature),
+                                 max_new_tokens=max_new_tokens, eos_ids=())
+    return state, cache, table

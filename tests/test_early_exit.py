@@ -18,7 +18,7 @@ from eejax.decode.early_exit import ExitFns, early_exit_layers
 from eejax.decode.sampling import SamplingParams
 from eejax.errors import EejaxError
 from eejax.models import exits, llama
-from tests.conftest import TINY_CONFIGS, random_prompts
+from tests.conftest import TINY_CONFIGS, prefilled, random_prompts
 
 PROMPTS = random_prompts(3, [5, 14, 9], seed=3)  # a padded batch of 4 (3 rows + 1 padding row)
 NEW = 10
@@ -66,22 +66,6 @@ def test_minus_inf_exits_at_min_exit_layer(tiny_models):
 
 
 # --- one step, looked at directly ------------------------------------------------------------
-
-def prefilled(model, prompts, max_new_tokens=8):
-    """(state, cache, block_table) after the full-depth prefill of `prompts` (4 pages a row)."""
-    c = model.config
-    b, t = len(prompts), max(map(len, prompts))
-    tokens = np.zeros((b, t), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    block_table = 1 + np.arange(b * 4, dtype=np.int32).reshape(b, 4)
-    cache = init_cache(c.num_layers, 1 + b * 4, 8, c.num_kv_heads, c.head_dim, model.dtype)
-    state, cache = steps.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
-                                 jnp.asarray(block_table), jax.random.PRNGKey(0), config=c,
-                                 sampling=SamplingParams(), max_new_tokens=max_new_tokens, eos_ids=())
-    return state, cache, jnp.asarray(block_table)
-
 
 def decode_step(model, state, cache, block_table, exit_config):
     return steps.decode(model.params, cache, state, block_table, config=model.config, sampling=SamplingParams(),

@@ -19,7 +19,7 @@ from eejax.decode.spec_policy import (
 )
 from eejax.errors import EejaxError
 from eejax.models import llama
-from tests.conftest import random_prompts
+from tests.conftest import prefilled, random_prompts
 
 # 8 rows of different lengths (one a single token) as one padded batch.
 PROMPTS = random_prompts(8, [5, 17, 1, 11, 3, 9, 24, 2], vocab=60, seed=7)
@@ -133,21 +133,6 @@ def test_small_cache_budget_runs_rows_in_turn(model):
 
 
 # --- the cache after a round ----------------------------------------------------------------
-
-def prefilled(model, prompts, max_new_tokens, temperature=0.0, pages_per_row=4, page_size=8):
-    c = model.config
-    b, t = len(prompts), max(map(len, prompts))
-    tokens = np.zeros((b, t), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    table = jnp.asarray(1 + np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row))
-    cache = init_cache(c.num_layers, 1 + b * pages_per_row, page_size, c.num_kv_heads, c.head_dim, model.dtype)
-    state, cache = steps.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table,
-                                 jax.random.PRNGKey(0), config=c, sampling=SamplingParams(temperature),
-                                 max_new_tokens=max_new_tokens, eos_ids=())
-    return state, cache, table
-
 
 def spec_round(model, state, cache, table, spec, max_new_tokens, temperature=0.0, counters=None):
     static = dict(config=model.config, spec=spec, sampling=SamplingParams(temperature),
@@ -306,9 +291,14 @@ def test_policy_follows_acceptance_and_costs():
     policy = SpeculationPolicy(SpecConfig(2, 3, adaptive=True, max_speculations=8))
     assert policy.next_speculations() == 3  # untimed: the configured start
     for _ in range(10):
-        policy.observe(4, accepted=32, rejected=0, draft_s=0.5, verify_s=1.0)  # 8 rows, all accepted
-    assert policy.alpha > 0.95 and policy.c_draft == pytest.approx(0.1)
+        policy.observe(4, accepted=32, rejected=0, draft_s=0.5, verify_s=2.25)  # 8 rows, all accepted
+    assert policy.alpha > 0.95 and policy.c_draft == pytest.approx(0.1) and policy.c_verify(7) == 2.25
     assert policy.next_speculations() == 8
+    # Verify time that grows with the tokens (a CPU), 1 + 0.25 (d + 1): two tried d's give the line.
+    policy.observe(8, accepted=64, rejected=0, draft_s=0.9, verify_s=3.25)
+    assert policy.c_verify(8) == pytest.approx(3.25) and policy.c_verify(2) == pytest.approx(1.75)
+    policy.observe(6, accepted=48, rejected=0, draft_s=0.7, verify_s=0.5)  # a line below 0 at d = 0
+    assert policy.c_verify(0) >= 0 and policy.c_verify(8) > policy.c_verify(2)
     for _ in range(30):
         policy.observe(8, accepted=0, rejected=8, draft_s=0.9, verify_s=1.0)
     assert policy.alpha < 0.05 and policy.next_speculations() == 1

@@ -101,12 +101,14 @@ def test_dispatch():
 
 
 def test_whole_model_with_triton_attention(tiny_model):
-    """Prefill (multi-token) and decode steps of a tiny Llama give the same tokens with the
-    interpreted kernel as with the reference."""
+    """Prefill (multi-token), decode steps and self-speculation rounds of a tiny Llama give the
+    same tokens with the interpreted kernel as with the reference."""
     prompts = random_prompts(3, [5, 12, 9], seed=11)
     kw = dict(max_new_tokens=4, ignore_eos=True)
     want = eejax.generate(tiny_model, prompts, attention="reference", **kw).tokens
     assert eejax.generate(tiny_model, prompts, attention="triton", **kw).tokens == want
+    # Self-speculation: single-token draft passes and a (d + 1)-token verify pass.
+    assert eejax.generate(tiny_model, prompts, attention="triton", spec="1:2", **kw).tokens == want
     with pytest.raises(eejax.EejaxError, match="unknown attention"):
         eejax.generate(tiny_model, prompts, attention="flash", **kw)
 

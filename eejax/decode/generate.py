@@ -147,6 +147,7 @@ def generate(
     prefill_s = 0.0
     spec_totals = dict.fromkeys(SPEC_COUNTERS, 0)
     speculations: list[int] = []
+    measured_costs: list[tuple[float, float]] = []
     pending = list(range(len(rows)))
     while pending:
         chunk, tables = [], []
@@ -165,10 +166,12 @@ def generate(
         )
         prefill_s += chunk_prefill_s
         if spec_out is not None:
-            counters, chosen = spec_out
+            counters, policy = spec_out
             for name in SPEC_COUNTERS:
                 spec_totals[name] += int(np.asarray(getattr(counters, name))[: len(chunk)].sum())
-            speculations += chosen
+            speculations += policy.chosen
+            if policy.c_draft is not None:
+                measured_costs.append((policy.c_draft, policy.c_verify(spec_config.num_speculations)))
         toks, layers, confident, counts = jax.device_get(
             (state.tokens, state.exit_layers, state.confident_layers, state.num_generated)
         )
@@ -218,13 +221,15 @@ def generate(
             rounds=t["rounds"],
             mean_speculations=float(np.mean(speculations)) if speculations else 0.0,
         )
+        if measured_costs:  # adaptive: measured seconds per draft pass, and of a verify pass at the first d
+            stats["draft_pass_s"], stats["verify_pass_s"] = map(float, np.mean(measured_costs, axis=0))
     return GenerateResult(texts, rows, out_tokens, decoded, out_layers, out_confident, stats)
 
 
 def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_new_tokens, eos_ids, exit_config,
                spec_config, attention):
     """Prefill then decode one batch of rows (padded to a batch bucket) on the shared cache.
-    Returns (state, cache, seconds the prefill ran, (SpecCounters, d per round) or None)."""
+    Returns (state, cache, seconds the prefill ran, (SpecCounters, SpeculationPolicy) or None)."""
     b = batch_bucket(len(rows))
     t = bucket(max(len(r) for r in rows), MIN_PROMPT_BUCKET)
     tokens = np.zeros((b, t), np.int32)
@@ -264,8 +269,8 @@ def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_ne
 
 
 def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static):
-    """Self-speculation rounds until every row is done. Returns (state, cache, (counters, d
-    per round)). With a fixed d the host only polls every few rounds; adaptive rounds are
+    """Self-speculation rounds until every row is done. Returns (state, cache, (counters,
+    policy)). With a fixed d the host only polls every few rounds; adaptive rounds are
     timed (draft and verify programs apart) and their acceptance read back to choose d."""
     programs, params = model.programs, model.params
     policy = SpeculationPolicy(spec)
@@ -302,4 +307,4 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
                 seen = (int(accepted), int(rejections))
             done = bool(row_done.all())
             longest = int(seq_len.max())
-    return state, cache, (jax.device_get(counters), policy.chosen)
+    return state, cache, (jax.device_get(counters), policy)

@@ -1,13 +1,16 @@
 """How many drafts per self-speculation round: fixed, or chosen per round from measurements.
 
-Cost model. A round with d drafts costs `(d + 1) * c_draft + c_verify` (d + 1 passes of the
-E draft layers + exit head, one verify pass of the other layers over d + 1 tokens). If each
+Cost model. A round with d drafts costs `(d + 1) * c_draft + c_verify(d)` (d + 1 passes of
+the E draft layers + exit head, one verify pass of the other layers over d + 1 tokens). If each
 draft is accepted with probability α independently, a row emits
 `expected_tokens(α, d) = (1 - α^(d+1)) / (1 - α)` tokens per round (accepted prefix + one).
 The adaptive policy picks the d in [1, max_speculations] with the most expected tokens per
 second, using α measured so far (accepted / (accepted + rejections), both with exponential
-forgetting so it follows the text) and c_draft, c_verify measured as running means of the
-programs' wall times. Against plain decoding (c_full a step) the speed-up is
+forgetting so it follows the text), c_draft the running mean of the draft program's time per
+pass, and c_verify(d) a least-squares line a + b (d + 1) through the mean verify time of each d
+tried (flat while only one d was tried: on a GPU a verify pass costs about the same for any
+small d, on a CPU it grows with the tokens, which the line learns once a second d ran).
+Against plain decoding (c_full a step) the speed-up is
 `expected_tokens(α, d) * c_full / ((d + 1) c_draft + c_verify)`; `break_even_acceptance`
 solves it for 1.
 """
@@ -15,6 +18,8 @@ solves it for 1.
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from eejax.config import SpecConfig
 
@@ -29,18 +34,23 @@ def expected_tokens(alpha: float, d: int) -> float:
     return (1.0 - alpha ** (d + 1)) / (1.0 - alpha)
 
 
-def best_speculations(alpha: float, c_draft: float, c_verify: float, max_speculations: int) -> int:
+def _verify_cost(c_verify, d: int) -> float:
+    """c_verify is a number (the same for every d) or a function of d."""
+    return c_verify(d) if callable(c_verify) else c_verify
+
+
+def best_speculations(alpha: float, c_draft: float, c_verify, max_speculations: int) -> int:
     """The d in [1, max_speculations] with the most expected tokens per unit of cost."""
     return max(range(1, max_speculations + 1),
-               key=lambda d: expected_tokens(alpha, d) / ((d + 1) * c_draft + c_verify))
+               key=lambda d: expected_tokens(alpha, d) / ((d + 1) * c_draft + _verify_cost(c_verify, d)))
 
 
-def speedup(alpha: float, d: int, c_draft: float, c_verify: float, c_full: float) -> float:
+def speedup(alpha: float, d: int, c_draft: float, c_verify, c_full: float) -> float:
     """Predicted tokens/s of self-speculation over plain decoding."""
-    return expected_tokens(alpha, d) * c_full / ((d + 1) * c_draft + c_verify)
+    return expected_tokens(alpha, d) * c_full / ((d + 1) * c_draft + _verify_cost(c_verify, d))
 
 
-def break_even_acceptance(c_draft: float, c_verify: float, c_full: float, max_speculations: int = 8) -> float:
+def break_even_acceptance(c_draft: float, c_verify, c_full: float, max_speculations: int = 8) -> float:
     """The smallest α at which the best d breaks even with plain decoding (1.0 if none does)."""
     lo, hi = 0.0, 1.0
     if max(speedup(hi, d, c_draft, c_verify, c_full) for d in range(1, max_speculations + 1)) < 1.0:
@@ -60,13 +70,26 @@ class SpeculationPolicy:
     accepted: float = PRIOR[0]
     rejected: float = PRIOR[1]
     c_draft: float | None = None  # seconds per draft pass
-    c_verify: float | None = None  # seconds per verify pass
-    timed_rounds: int = 0
+    verify_s: dict[int, float] = dataclasses.field(default_factory=dict)  # d -> mean seconds of a verify
+    timed_rounds: dict[int, int] = dataclasses.field(default_factory=dict)  # d -> rounds timed
     chosen: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
+
+    def c_verify(self, d: int) -> float:
+        """Predicted seconds of a verify pass over d + 1 tokens (see the module docstring)."""
+        if len(self.verify_s) == 1:
+            return next(iter(self.verify_s.values()))
+        xs = np.array([k + 1 for k in self.verify_s], float)
+        ys = np.array(list(self.verify_s.values()))
+        slope, intercept = np.polyfit(xs, ys, 1)
+        if slope < 0:  # noise: more tokens never cost less
+            slope, intercept = 0.0, float(ys.mean())
+        elif intercept < 0:  # a fixed cost is never negative: proportional to the tokens
+            slope, intercept = float(xs @ ys / (xs @ xs)), 0.0
+        return float(intercept + slope * (d + 1))
 
     def next_speculations(self) -> int:
         """d for the next round."""
@@ -86,10 +109,8 @@ class SpeculationPolicy:
         if draft_s is None or verify_s is None:
             return
         per_pass = draft_s / (d + 1)
-        self.timed_rounds += 1
-        if self.c_draft is None:
-            self.c_draft, self.c_verify = per_pass, verify_s
-        else:  # running means
-            w = 1.0 / min(self.timed_rounds, 16)
-            self.c_draft += w * (per_pass - self.c_draft)
-            self.c_verify += w * (verify_s - self.c_verify)
+        total = sum(self.timed_rounds.values()) + 1
+        self.c_draft = per_pass if self.c_draft is None else self.c_draft + (per_pass - self.c_draft) / min(total, 16)
+        n = self.timed_rounds[d] = self.timed_rounds.get(d, 0) + 1
+        mean = self.verify_s.get(d, verify_s)
+        self.verify_s[d] = mean + (verify_s - mean) / min(n, 16)  # running mean, recent 16 weigh most

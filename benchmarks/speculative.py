@@ -1,0 +1,212 @@
+"""Self-speculative decoding on SmolLM2-135M (fp32): tokens/s, acceptance, layers per token.
+
+CNN/DM articles (first --prompt-tokens tokens, then "\\n\\nSummary:"), --new-tokens greedy tokens
+per row with EOS ignored, batch 1 and 8. Measured in one run: eejax full-depth decoding, eejax
+self-speculation at several (E, d) and adaptive d, and at batch 1 HF transformers `generate`
+plain and with `assistant_early_exit=E` (HF's LayerSkip decoding, batch 1 only; on fewer
+prompts since it is slow here). Every eejax speculation's tokens are checked against full
+depth. The adaptive runs measure a draft pass and a verify pass; with the full-depth step time
+they give the cost model's predicted break-even acceptance rate (see
+`eejax.decode.spec_policy`). Writes benchmarks/out/speculative.{json,md}.
+
+    python benchmarks/speculative.py [--batches 1 8] [--prompts 4] [--exits path/to/model]
+
+SmolLM2 was not trained for early exit: its layer-E drafts rarely agree with its last layer,
+so this measures the machinery and the honest curve, not a LayerSkip-trained model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import eejax  # noqa: E402
+from benchmarks.common import ROOT, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, write_result  # noqa: E402
+from benchmarks.early_exit import summary_prompts  # noqa: E402
+from eejax import SpecConfig  # noqa: E402
+from eejax.decode.spec_policy import break_even_acceptance, speedup  # noqa: E402
+
+SPECS = [SpecConfig(8, 2), SpecConfig(15, 2), SpecConfig(22, 2), SpecConfig(22, 4), SpecConfig(27, 1),
+         SpecConfig(27, 3)]
+ADAPTIVE = [SpecConfig(e, 2, adaptive=True) for e in (8, 15, 22, 27)]
+
+
+def run(model, prompts, batch, new_tokens, **kw):
+    """One timed run after a warm-up call (which compiles every program the run needs)."""
+    args = dict(max_new_tokens=new_tokens, ignore_eos=True, batch_size=batch, **kw)
+    eejax.generate(model, prompts, **args)
+    return eejax.generate(model, prompts, **args)
+
+
+def program_costs(model, batch: int, prompt_tokens: int, exit_layers, ds=(1, 2, 4), repeats: int = 20):
+    """Best-of-N seconds of one full-depth decode step, of one draft pass (per E) and of a verify
+    pass (per E and d), timed as jitted programs on a cache holding `prompt_tokens` per row."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from eejax.cache import init_cache
+    from eejax.decode import speculative, steps
+    from eejax.decode.sampling import SamplingParams
+
+    c = model.config
+    pages = -(-(prompt_tokens + 64) // 16)
+    table = jnp.asarray(1 + np.arange(batch * pages).reshape(batch, pages), jnp.int32)
+    cache = init_cache(c.num_layers, 1 + batch * pages, 16, c.num_kv_heads, c.head_dim, model.dtype)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(10, 1000, (batch, prompt_tokens)), jnp.int32)
+    static = dict(config=c, sampling=SamplingParams(), max_new_tokens=64)
+    prefill = jax.jit(functools.partial(steps.prefill, eos_ids=(), **static))
+
+    state, cache = prefill(model.params, cache, tokens, jnp.full((batch,), prompt_tokens, jnp.int32), table,
+                           jax.random.PRNGKey(0))
+
+    def median_s(f):
+        """f(cache) -> (output, cache), the cache donated and threaded through as in generate."""
+        nonlocal cache
+        out, cache = f(cache)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out, cache = jax.block_until_ready(f(cache))
+            times.append(time.perf_counter() - start)
+        return float(np.min(times))  # best of: this machine's noise only ever adds time
+
+    def program(fn, **kw):
+        return jax.jit(functools.partial(fn, **kw), donate_argnums=(1,))
+
+    decode = program(steps.decode, eos_ids=(), **static)
+    costs = {"full_step": median_s(lambda ca: decode(model.params, ca, state, table))}
+    counters = speculative.SpecCounters.zeros(batch)
+    for e in exit_layers:
+        for d in ds:
+            kw = dict(spec=SpecConfig(e, d), **static)
+            draft = program(speculative.draft, num_speculations=d, **kw)
+            verify = program(speculative.verify, eos_ids=(), **kw)
+            drafts, st, cache = draft(model.params, cache, state, table)
+            if d == 1:
+                costs[f"draft_pass_{e}"] = median_s(lambda ca: draft(model.params, ca, state, table)[::2]) / (d + 1)
+            costs[f"verify_{e}_{d}"] = median_s(
+                lambda ca: verify(model.params, ca, st, drafts, counters, table)[:2])
+    return costs
+
+
+def hf_assistant_tokens_per_s(hf, prompts, new_tokens, exit_layer):
+    """HF `generate(assistant_early_exit=E)` one prompt at a time: (tokens/s, tokens)."""
+    import torch
+
+    tokens, total, elapsed = [], 0, 0.0
+    for p in prompts:
+        ids = torch.tensor([p])
+        kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  assistant_early_exit=exit_layer, pad_token_id=0)
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            elapsed += time.perf_counter() - start
+        tokens.append(out[0, len(p):].tolist())
+        total += len(tokens[-1])
+    return total / elapsed, tokens
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompts", type=int, default=4, help="prompts at batch 1 (batch b uses b prompts)")
+    parser.add_argument("--hf-prompts", type=int, default=2, help="prompts for HF assistant_early_exit")
+    parser.add_argument("--hf-exit-layers", type=int, nargs="*", default=[15, 22])
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--model", default="smollm2-135m", help="eejax model (e.g. one with trained exits)")
+    parser.add_argument("--name", default="speculative", help="output name under benchmarks/out/")
+    args = parser.parse_args()
+
+    model = eejax.load(args.model)
+    L = model.config.num_layers
+    hf = load_hf_smollm2() if args.model == "smollm2-135m" else None
+    results = {"model": args.model, "num_layers": L, "new_tokens": args.new_tokens,
+               "prompt_tokens": args.prompt_tokens, "batches": {}}
+    lines = [f"# Self-speculation on {args.model} ({L} layers), {args.new_tokens} new tokens, "
+             f"{args.prompt_tokens}-token CNN/DM prompts\n"]
+    for batch in args.batches:
+        n = max(batch, args.prompts) if batch == 1 else batch
+        prompts, _ = summary_prompts(model.tokenizer, n, args.prompt_tokens)
+        full = run(model, prompts, batch, args.new_tokens)
+        full_tps = full.stats["tokens_per_s"]
+        rows = []
+        out = {"full_depth": full.stats, "speculation": {}}
+        if batch == 1 and hf is not None:
+            pad = model.tokenizer.pad_token_id or 0
+            # One prompt at a time (batch 1), as eejax runs them here.
+            per_prompt = [hf_generate_tokens_per_s(hf, [p], args.new_tokens, pad) for p in prompts]
+            hf_tps = len(per_prompt) / sum(1 / x for x in per_prompt)
+            out["hf_tokens_per_s"] = hf_tps
+            rows.append(("HF transformers generate", hf_tps, None, None, None, "yes"))
+            for e in args.hf_exit_layers:
+                tps, toks = hf_assistant_tokens_per_s(hf, prompts[: args.hf_prompts], args.new_tokens, e)
+                same = toks == full.tokens[: args.hf_prompts]
+                out[f"hf_assistant_early_exit_{e}"] = {"tokens_per_s": tps, "identical": same}
+                rows.append((f"HF assistant_early_exit={e} ({args.hf_prompts} prompts)", tps, None, None, None,
+                             "yes" if same else "no"))
+        rows.append(("eejax full depth", full_tps, None, None, float(L), "-"))
+        for spec in SPECS + ADAPTIVE:
+            if spec.exit_layer >= L:
+                continue
+            res = run(model, prompts, batch, args.new_tokens, spec=spec)
+            s = res.stats
+            same = res.tokens == full.tokens
+            out["speculation"][spec.spec] = {**s, "identical": same}
+            label = f"eejax spec {spec.spec}" + (f" (mean d {s['mean_speculations']:.1f})" if spec.adaptive else "")
+            rows.append((label, s["tokens_per_s"], s["acceptance_rate"], s["tokens_per_round"],
+                         s["mean_layers_per_token"], "yes" if same else "NO"))
+            print(f"batch {batch} {spec.spec}: {s['tokens_per_s']:.1f} tok/s ({fmt_ratio(s['tokens_per_s'], full_tps)}"
+                  f" of full depth), acceptance {s['acceptance_rate']:.2f}, identical {same}", flush=True)
+        # The cost model from programs timed alone (d = 1, 2, 4; the verify cost in between and
+        # beyond is the line through them), with the acceptance each E measured.
+        exit_layers = sorted({s.exit_layer for s in ADAPTIVE if s.exit_layer < L})
+        timed = program_costs(model, batch, args.prompt_tokens, exit_layers)
+        step_s = timed["full_step"]
+        model_rows = []
+        for e in exit_layers:
+            verify_line = np.polyfit([2, 3, 5], [timed[f"verify_{e}_{d}"] for d in (1, 2, 4)], 1)
+            c_verify = lambda d, line=verify_line: float(np.polyval(line, d + 1))  # noqa: E731
+            c_draft = timed[f"draft_pass_{e}"]
+            alpha = break_even_acceptance(c_draft, c_verify, step_s)
+            measured = out["speculation"][SpecConfig(e, 2, adaptive=True).spec]["acceptance_rate"]
+            best = max(speedup(1.0, d, c_draft, c_verify, step_s) for d in range(1, 9))
+            model_rows.append((e, c_draft / step_s, c_verify(1) / step_s, c_verify(4) / step_s, alpha, measured, best))
+        out["cost_model"] = [dict(zip(("exit_layer", "draft_pass_over_step", "verify_d1_over_step",
+                                       "verify_d4_over_step", "break_even_acceptance", "measured_acceptance",
+                                       "speedup_at_full_acceptance"), r)) for r in model_rows]
+        out["program_seconds"] = timed
+        results["batches"][str(batch)] = out
+
+        lines.append(f"\n## batch {batch} ({len(prompts)} prompts)\n")
+        lines.append("| decoding | tok/s | vs eejax full | acceptance | tokens/round | layers/token | identical |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for label, tps, acc, tpr, layers, same in rows:
+            f = lambda x, p: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+            lines.append(f"| {label} | {tps:.1f} | {fmt_ratio(tps, full_tps)} | {f(acc, 2)} | {f(tpr, 2)} | "
+                         f"{f(layers, 1)} | {same} |")
+        lines.append(f"\nCost model (programs timed alone; full-depth decode step {step_s * 1e3:.1f} ms = 1):\n")
+        lines.append("| E | draft pass | verify d=1 | verify d=4 | break-even acceptance | measured acceptance | "
+                     "speed-up if all accepted (best d <= 8) |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for e, cd, cv1, cv4, alpha, measured, best in model_rows:
+            lines.append(f"| {e} | {cd:.3f} | {cv1:.3f} | {cv4:.3f} | {alpha:.2f} | {measured:.2f} | {best:.2f}x |")
+    path = write_result(args.name, results)
+    md = ROOT / "benchmarks" / "out" / f"{args.name}.md"
+    md.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"\nwrote {path} and {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
