@@ -9,7 +9,8 @@ DESCRIPTION = """Convert an HF PyTorch checkpoint into an eejax checkpoint.
 SRC is an HF model directory (config.json plus model.safetensors, pytorch_model.bin, or their
 sharded *.index.json) or a .gguf file (dequantised through transformers). DST receives
 eejax.json, params/ (orbax) and tokenizer/. The conversion is atomic: on any error nothing is
-left at DST. Supported architectures: llama (Llama 2/3.x, SmolLM2, TinyLlama, ...)."""
+left at DST. Supported architectures: llama (Llama 2/3.x, SmolLM2, TinyLlama, LayerSkip Llamas, ...) and t5
+(T5ForConditionalGeneration: T5 v1.0, v1.1, Flan-T5, CALM-style T5s)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,8 +11,9 @@ import numpy as np
 
 from conversion.llama import llama_params_from_hf
 from conversion.sources import open_checkpoint
+from conversion.t5 import has_lm_head, t5_params_from_hf
 from eejax.checkpoint import save_checkpoint
-from eejax.config import LlamaConfig
+from eejax.config import LlamaConfig, T5Config, check_architecture
 from eejax.errors import EejaxError
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -30,8 +31,13 @@ def convert(src, dst, *, dtype: str = "float32", overwrite: bool = False, progre
     if dst.exists() and not overwrite:
         raise EejaxError(f"{dst} already exists (pass overwrite=True / --overwrite to replace it)")
     ckpt = open_checkpoint(src)
-    config = LlamaConfig.from_hf(ckpt.config, ckpt.generation_config)
-    params = llama_params_from_hf(ckpt, config, DTYPES[dtype], progress=progress)
+    check_architecture(ckpt.config.get("model_type"), str(src))
+    if ckpt.config["model_type"] == "t5":
+        config = T5Config.from_hf(ckpt.config, ckpt.generation_config, has_lm_head=has_lm_head(ckpt))
+        params = t5_params_from_hf(ckpt, config, DTYPES[dtype], progress=progress)
+    else:
+        config = LlamaConfig.from_hf(ckpt.config, ckpt.generation_config)
+        params = llama_params_from_hf(ckpt, config, DTYPES[dtype], progress=progress)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     partial = dst.parent / f".{dst.name}.partial-{os.getpid()}"

@@ -5,9 +5,11 @@
     out.texts, out.tokens, out.exit_layers, out.stats
     out = eejax.generate(model, prompts, exit=eejax.ExitConfig("softmax", threshold=0.9))
     out = eejax.generate(model, prompts, spec=eejax.SpecConfig(exit_layer=12, num_speculations=4))
+    t5 = eejax.load("path/to/converted-t5")          # encoder-decoder: prompts go to the encoder
+    out = eejax.generate(t5, ["summarize: ..."], exit="softmax:0.9")
 """
 
-from eejax.config import ExitConfig, LlamaConfig, RopeScaling, SpecConfig
+from eejax.config import ExitConfig, LlamaConfig, RopeScaling, SpecConfig, T5Config
 from eejax.decode import GenerateResult, SamplingParams, generate
 from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
 from eejax.model import Model, init_exits, load
@@ -32,6 +34,7 @@ __all__ = [
     "RopeScaling",
     "SamplingParams",
     "SpecConfig",
+    "T5Config",
     "UnsupportedModelError",
     "convert",
     "generate",

@@ -11,12 +11,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from eejax.config import LlamaConfig, check_architecture
+from eejax.config import LlamaConfig, T5Config, check_architecture
 from eejax.errors import EejaxError
 
 CONFIG_FILE = "eejax.json"
 FORMAT_VERSION = 1
-CONFIG_CLASSES = {"llama": LlamaConfig}
+CONFIG_CLASSES = {"llama": LlamaConfig, "t5": T5Config}
 
 
 def save_checkpoint(directory: str | Path, config, params, tokenizer=None, metadata: dict | None = None) -> None:

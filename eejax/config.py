@@ -8,7 +8,7 @@ from typing import Any
 
 from eejax.errors import EejaxError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "t5")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -69,6 +69,8 @@ class LlamaConfig:
     def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None):
         """Builds the config from an HF `config.json` dict (transformers 4.x or 5.x spelling)."""
         check_architecture(hf.get("model_type"))
+        if hf.get("model_type") != "llama":
+            raise UnsupportedModelError(f"{hf.get('model_type')!r} is not a Llama config")
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise UnsupportedModelError(f"unsupported Llama variant: {flag}=true")
@@ -128,6 +130,89 @@ class LlamaConfig:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+    """An encoder-decoder T5: v1.0 (ReLU, tied head with d_model^-0.5 output scaling), v1.1 and
+    Flan-T5 (gated-GELU, untied head), CALM-style early-exit T5s. `num_layers` counts the
+    decoder layers (the ones that decode steps run and may exit from)."""
+
+    vocab_size: int
+    hidden_size: int  # d_model
+    intermediate_size: int  # d_ff
+    num_layers: int  # decoder layers
+    num_encoder_layers: int
+    num_heads: int
+    head_dim: int  # d_kv
+    num_buckets: int = 32
+    max_distance: int = 128
+    layer_norm_eps: float = 1e-6
+    gated: bool = False  # gated-{act}: act(x W_0) * (x W_1)
+    activation: str = "relu"  # "relu" or "gelu_new"
+    scale_decoder_outputs: bool = True  # multiply by d_model^-0.5 before the head (T5 v1.0)
+    tie_embeddings: bool = True  # the head is the shared embedding (no lm_head tensor)
+    decoder_start_token_id: int = 0
+    eos_token_ids: tuple[int, ...] = (1,)
+    pad_token_id: int | None = 0
+    max_position_embeddings: int = 1 << 16  # relative positions: no learned limit
+    architecture: str = "t5"
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None, *,
+                has_lm_head: bool = False) -> T5Config:
+        """From an HF T5 `config.json` dict; `has_lm_head`: the checkpoint holds its own
+        `lm_head.weight` (T5 v1.1 / Flan-T5 saved by transformers 4)."""
+        check_architecture(hf.get("model_type"))
+        if hf.get("model_type") != "t5":
+            raise UnsupportedModelError(f"{hf.get('model_type')!r} is not a T5 config")
+        proj = hf.get("feed_forward_proj", "relu")
+        parts = proj.split("-")
+        gated = parts[0] == "gated" and len(parts) == 2
+        act = parts[-1]
+        if len(parts) > 2 or (len(parts) == 2 and not gated) or act not in ("relu", "gelu", "gelu_new"):
+            raise UnsupportedModelError(
+                f"unsupported T5 feed_forward_proj {proj!r}; eejax supports: relu, gated-gelu, gelu_new, gated-relu"
+            )
+        act = "gelu_new" if act == "gelu" and gated else act  # HF maps gated-gelu to gelu_new
+        if act == "gelu":
+            raise UnsupportedModelError("unsupported T5 activation 'gelu' (exact); eejax supports relu, gelu_new")
+        # HF: T5 v1.0 scales the decoder output, v1.1 (saved with tie_word_embeddings=false) does not.
+        scale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
+        eos = _as_tuple(hf.get("eos_token_id", 1))
+        if generation_config:
+            eos = tuple(dict.fromkeys(eos + _as_tuple(generation_config.get("eos_token_id"))))
+        start = hf.get("decoder_start_token_id")
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["d_model"]),
+            intermediate_size=int(hf["d_ff"]),
+            num_layers=int(hf.get("num_decoder_layers") or hf["num_layers"]),
+            num_encoder_layers=int(hf["num_layers"]),
+            num_heads=int(hf["num_heads"]),
+            head_dim=int(hf["d_kv"]),
+            num_buckets=int(hf.get("relative_attention_num_buckets", 32)),
+            max_distance=int(hf.get("relative_attention_max_distance", 128)),
+            layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-6)),
+            gated=gated,
+            activation=act,
+            scale_decoder_outputs=bool(scale),
+            tie_embeddings=not has_lm_head,
+            decoder_start_token_id=int(start if start is not None else hf.get("pad_token_id") or 0),
+            eos_token_ids=eos,
+            pad_token_id=hf.get("pad_token_id"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> T5Config:
+        return cls(**{**d, "eos_token_ids": tuple(d.get("eos_token_ids", ()))})
 
 
 def _as_tuple(x) -> tuple[int, ...]:

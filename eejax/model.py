@@ -8,13 +8,13 @@ from typing import Any
 
 import jax
 
-from eejax.config import LlamaConfig
+from eejax.config import LlamaConfig, T5Config
 from eejax.decode.programs import ProgramCache
 
 
 @dataclasses.dataclass(eq=False)
 class Model:
-    config: LlamaConfig
+    config: LlamaConfig | T5Config
     params: dict
     tokenizer: Any = None
     programs: ProgramCache = dataclasses.field(default_factory=ProgramCache, repr=False)

@@ -137,7 +137,7 @@ def test_static_step_equals_truncated_model(tiny_models):
     batch = step_batch(model, state, bt)
     h0 = llama.embed(p, state.last_token[:, None])
     for e in range(1, c.num_layers + 1):
-        out = early_exit_layers(steps.llama_exit_fns(p, batch, c), h0, cache, ~state.done,
+        out = early_exit_layers(steps.exit_fns(p, batch, c), h0, cache, ~state.done,
                                 jnp.zeros(3), batch.pages, batch.slots,
                                 config=ExitConfig("static", exit_layer=e), num_layers=c.num_layers,
                                 vocab_size=c.vocab_size)

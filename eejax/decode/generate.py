@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed
-from eejax.config import ExitConfig, SpecConfig
+from eejax.config import ExitConfig, SpecConfig, T5Config
 from eejax.decode import speculative, steps
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
@@ -124,14 +124,17 @@ def generate(
     dtype = model.dtype
     per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, dtype)
     budget_pages = parse_bytes(cache_budget) // per_page
-    # A speculation round may draft past max_new_tokens; those positions go to the null page.
-    need = [pages_needed(len(r) + max_new_tokens, page_size) for r in rows]
+    # The cache holds a Llama's prompt and new tokens, a T5 decoder's new tokens only (its
+    # prompt is the encoder's). A speculation round may draft past max_new_tokens; those
+    # positions go to the null page.
+    prompt_in_cache = not isinstance(config, T5Config)
+    need = [pages_needed(len(r) * prompt_in_cache + max_new_tokens, page_size) for r in rows]
     if budget_pages < 1 + max(need):
         longest = int(np.argmax(need))
+        what = f"{len(rows[longest])} prompt + {max_new_tokens} new" if prompt_in_cache else "decoder tokens"
         raise EejaxError(
             f"KV cache budget {cache_budget} holds {max(budget_pages - 1, 0) * page_size} tokens; "
-            f"prompt {longest} needs {len(rows[longest]) + max_new_tokens} "
-            f"({len(rows[longest])} prompt + {max_new_tokens} new)"
+            f"prompt {longest} needs {len(rows[longest]) * prompt_in_cache + max_new_tokens} ({what})"
         )
     table_width = bucket(max(need))
     num_pages = min(budget_pages, 1 + bucket(batch_bucket(min(batch_size, len(rows))) * table_width))
@@ -251,7 +254,8 @@ def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_ne
     static = dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                   attention=attention)
     decode_static = dict(static, exit_config=exit_config)
-    max_len = int(lengths.max())
+    # Tokens in the longest row's cache after the prefill: a Llama's prompt, a T5's start token.
+    max_len = 1 if isinstance(model.config, T5Config) else int(lengths.max())
     args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), key)
     prefill = model.programs.get(steps.prefill, args, static, donate_argnums=(1,))
     start = time.perf_counter()

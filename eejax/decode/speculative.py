@@ -27,10 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.config import LlamaConfig, SpecConfig
+from eejax.config import SpecConfig
 from eejax.decode.sampling import SamplingParams, filtered_logits, sample
-from eejax.decode.steps import DecodeState, exit_logits, is_eos
-from eejax.models import llama
+from eejax.decode.steps import DecodeState, exit_logits, is_eos, model_module
 
 
 @jax.tree_util.register_dataclass
@@ -71,19 +70,20 @@ def _token_batch(config, state: DecodeState, offsets, block_table, page_size, ma
     positions = state.seq_len[:, None] + offsets[None, :]
     valid = active[:, None] & (offsets[None, :] < room[:, None])
     kv_len = state.seq_len + jnp.where(active, offsets[-1] + 1, 0)
-    return llama.token_batch(config, positions, valid, block_table, kv_len, page_size, attention)
+    return model_module(config).token_batch(config, positions, valid, block_table, kv_len, page_size, attention,
+                                            context=state.context)
 
 
-def draft(params, cache: KVCache, state: DecodeState, block_table, *, config: LlamaConfig, spec: SpecConfig,
+def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, spec: SpecConfig,
           num_speculations: int, sampling: SamplingParams, max_new_tokens: int, attention: str = "auto"):
     """d = num_speculations drafts per row with layers [0, E). Returns (drafts, state, cache);
     the state only changes its PRNG key."""
-    e = spec.exit_layer
+    e, m = spec.exit_layer, model_module(config)
 
     def draft_pass(cache, token, i):
         batch = _token_batch(config, state, jnp.reshape(i, (1,)), block_table, cache.page_size, max_new_tokens,
                              attention)
-        h, cache = llama.run_layers(params, llama.embed(params, token[:, None]), cache, batch, config, 0, e)
+        h, cache = m.run_layers(params, m.embed(params, token[:, None]), cache, batch, config, 0, e)
         return h[:, 0], cache
 
     def step(carry, i):
@@ -145,7 +145,7 @@ def speculative_sample(p, q, drafts, key):
 
 
 def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters: SpecCounters, block_table, *,
-           config: LlamaConfig, spec: SpecConfig, sampling: SamplingParams, max_new_tokens: int,
+           config, spec: SpecConfig, sampling: SamplingParams, max_new_tokens: int,
            eos_ids: tuple[int, ...], attention: str = "auto"):
     """Layers [E, L) over the d + 1 drafted positions, acceptance, and the new tokens recorded.
     Returns (state, cache, counters)."""
@@ -153,8 +153,9 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
     d, e, num_layers = t - 1, spec.exit_layer, config.num_layers
     offsets = jnp.arange(t, dtype=jnp.int32)
     batch = _token_batch(config, state, offsets, block_table, cache.page_size, max_new_tokens, attention)
-    h, cache = llama.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
-    logits = llama.lm_head(params, h, config)  # [B, d+1, V]
+    m = model_module(config)
+    h, cache = m.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
+    logits = m.lm_head(params, h, config)  # [B, d+1, V]
     key, accept_key = jax.random.split(state.key)
     if sampling.greedy:
         n, new = greedy_accept(logits, drafts.tokens[:, 1:])
@@ -173,7 +174,8 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
     layers = jnp.where(offsets[None] < n[:, None], e, num_layers)  # accepted drafts came from layer E
 
     num_generated = state.num_generated + count
-    new_state = DecodeState(
+    new_state = dataclasses.replace(
+        state,
         last_token=jnp.where(count > 0, new[jnp.arange(b), jnp.maximum(count - 1, 0)], state.last_token),
         seq_len=state.seq_len + count,
         num_generated=num_generated,

@@ -46,7 +46,8 @@ class TokenBatch:
 
 
 def token_batch(config: LlamaConfig, positions, valid, block_table, kv_len, page_size,
-                attention: str = "auto") -> TokenBatch:
+                attention: str = "auto", *, context=None) -> TokenBatch:
+    """`context` is the rows' per-request state besides the KV cache: a Llama has none."""
     pages, slots = slot_indices(block_table, positions, valid, page_size)
     inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     cos, sin = rope_tables(positions, inv_freq)
@@ -100,13 +101,18 @@ def layer_forward(lp, h, cache: KVCache, layer, batch: TokenBatch, config: Llama
     return h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"], cache
 
 
+def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
+    """Layer `layer` (possibly traced) of the whole params: (h, cache)."""
+    return layer_forward(layer_params(params, layer), h, cache, layer, batch, config)
+
+
 def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig, start=0, stop=None):
     """Layers [start, stop) with a traced layer index (lax.fori_loop over the stacked params)."""
     stop = config.num_layers if stop is None else stop
 
     def body(layer, carry):
         h, cache = carry
-        return layer_forward(layer_params(params, layer), h, cache, layer, batch, config)
+        return decoder_layer(params, h, cache, layer, batch, config)
 
     return jax.lax.fori_loop(start, stop, body, (h, cache))
 

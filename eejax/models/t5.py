@@ -1,0 +1,241 @@
+"""Pure-functional T5 (v1.0, v1.1, Flan-T5, CALM-style) with the decoder on the paged KV cache.
+
+Params (x @ W convention, per-layer weights stacked on a leading axis):
+    embed [V, D] (shared by encoder, decoder and, when tied, the head); lm_head [D, V] (untied only)
+    encoder: rel_bias [num_buckets, H], final_norm [D],
+        layers: attn_norm, wq, wk, wv [L, D, H*Dk], wo [L, H*Dk, D], mlp_norm,
+                wi [L, D, F] (or wi_0, wi_1 when gated), wo_ff [L, F, D]
+    decoder: rel_bias, final_norm, layers: the encoder's keys plus
+                cross_norm, cq, ck, cv [L, D, H*Dk], co [L, H*Dk, D]
+
+T5 attention has no 1/sqrt(Dk) scaling; the relative-position bias table of the first layer is
+shared by all layers (bidirectional buckets in the encoder, causal in the decoder). The encoder
+runs once per request (dense attention over the prompt); each decoder layer's cross-attention
+K/V of the encoder output are computed once (`cross_kv`) and kept per row in `CrossKV`: they do
+not depend on the decoder state, so early exit's KV fill never touches them. Decoder
+self-attention K/V live in the paged cache like a Llama's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eejax.cache import KVCache, slot_indices, write_layer_kv
+from eejax.config import T5Config
+from eejax.kernels import paged_attention
+from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
+
+ENCODER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "wo_ff")
+CROSS_KEYS = ("cross_norm", "cq", "ck", "cv", "co")
+
+
+def ff_keys(config: T5Config) -> tuple[str, ...]:
+    return ("wi_0", "wi_1") if config.gated else ("wi",)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CrossKV:
+    """Every decoder layer's cross-attention keys/values of the encoder output,
+    k, v [L, B, S, H, Dk], and the encoder length of each row enc_len [B] int32."""
+
+    k: jax.Array
+    v: jax.Array
+    enc_len: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TokenBatch:
+    """Decoder tokens of one step: positions/pages/slots [B, T], block_table [B, M], kv_len [B],
+    the rows' cross-attention K/V, and the attention implementation (static)."""
+
+    positions: jax.Array
+    pages: jax.Array
+    slots: jax.Array
+    block_table: jax.Array
+    kv_len: jax.Array
+    cross: CrossKV
+    attention: str = dataclasses.field(default="auto", metadata=dict(static=True))
+
+
+def token_batch(config: T5Config, positions, valid, block_table, kv_len, page_size, attention="auto", *,
+                context: CrossKV) -> TokenBatch:
+    """`context`: the rows' cross-attention K/V (`cross_kv`)."""
+    pages, slots = slot_indices(block_table, positions, valid, page_size)
+    return TokenBatch(positions, pages, slots, block_table, kv_len, context, attention)
+
+
+def rms_norm(x, weight, eps):
+    """T5LayerNorm: x / rms(x) computed in float32 (no mean, no bias), cast back, then scaled."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def gelu_new(x):
+    """HF's gelu_new: the tanh approximation."""
+    return 0.5 * x * (1.0 + jnp.tanh(jnp.sqrt(2.0 / jnp.pi) * (x + 0.044715 * x**3)))
+
+
+def feed_forward(lp, x, config: T5Config):
+    act = jax.nn.relu if config.activation == "relu" else gelu_new
+    if config.gated:
+        return (act(x @ lp["wi_0"]) * (x @ lp["wi_1"])) @ lp["wo_ff"]
+    return act(x @ lp["wi"]) @ lp["wo_ff"]
+
+
+def position_bias(config: T5Config, bidirectional: bool) -> RelativePositionBias:
+    return RelativePositionBias(config.num_buckets, config.max_distance, bidirectional)
+
+
+def dense_attention(q, k, v, mask, bias=None):
+    """q [B, T, H, Dk], k/v [B, S, H, Dk], mask [B, T, S] bool, bias [H, T, S] or None ->
+    [B, T, H*Dk]. No score scaling (T5); rows without a valid key give zeros."""
+    b, t, h, dk = q.shape
+    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+    if bias is not None:
+        scores = scores + bias[None]
+    mask = mask[:, None]
+    has_key = mask.any(-1, keepdims=True)
+    scores = jnp.where(mask, scores, jnp.where(has_key, -jnp.inf, 0.0))
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.where(has_key.transpose(0, 2, 1, 3), out, 0.0)
+    return out.astype(q.dtype).reshape(b, t, h * dk)
+
+
+def _heads(x, config: T5Config):
+    return x.reshape(*x.shape[:-1], config.num_heads, config.head_dim)
+
+
+def layer_params(stack, layer, keys):
+    return {k: jax.lax.dynamic_index_in_dim(stack[k], layer, keepdims=False) for k in keys}
+
+
+def encode(params, tokens, lengths, config: T5Config):
+    """The encoder over right-padded prompts: tokens [B, S] int32, lengths [B] -> [B, S, D]."""
+    enc = params["encoder"]
+    _, s = tokens.shape
+    pos = jnp.arange(s, dtype=jnp.int32)
+    valid = pos[None, :] < lengths[:, None]
+    mask = jnp.broadcast_to(valid[:, None, :], (tokens.shape[0], s, s))
+    buckets = relative_position_bucket(pos[None, :] - pos[:, None], position_bias(config, True))  # [S, S]
+    bias = enc["rel_bias"].astype(jnp.float32)[buckets].transpose(2, 0, 1)  # [H, S, S]
+    keys = ENCODER_KEYS + ff_keys(config)
+
+    def body(layer, h):
+        lp = layer_params(enc["layers"], layer, keys)
+        x = rms_norm(h, lp["attn_norm"], config.layer_norm_eps)
+        q, k, v = (_heads(x @ lp[w], config) for w in ("wq", "wk", "wv"))
+        h = h + dense_attention(q, k, v, mask, bias) @ lp["wo"]
+        return h + feed_forward(lp, rms_norm(h, lp["mlp_norm"], config.layer_norm_eps), config)
+
+    h = jax.lax.fori_loop(0, config.num_encoder_layers, body, embed(params, tokens))
+    return rms_norm(h, enc["final_norm"], config.layer_norm_eps)
+
+
+def cross_kv(params, enc_out, lengths, config: T5Config) -> CrossKV:
+    """Every decoder layer's cross-attention K/V of the encoder output (computed once)."""
+    layers = params["decoder"]["layers"]
+    k = jnp.einsum("bsd,lde->lbse", enc_out, layers["ck"])
+    v = jnp.einsum("bsd,lde->lbse", enc_out, layers["cv"])
+    return CrossKV(_heads(k, config), _heads(v, config), lengths)
+
+
+def embed(params, tokens):
+    return params["embed"][tokens]
+
+
+def layer_kv(lp, h, batch: TokenBatch, config: T5Config):
+    """This decoder layer's self-attention K and V [B, T, H, Dk] of hidden states h."""
+    x = rms_norm(h, lp["attn_norm"], config.layer_norm_eps)
+    return _heads(x @ lp["wk"], config), _heads(x @ lp["wv"], config)
+
+
+def kv_all_layers(params, h, batch: TokenBatch, config: T5Config):
+    """Every decoder layer's self-attention K/V of the same h: [L, B, T, H, Dk] each (KV fill)."""
+    kv_params = {k: params["decoder"]["layers"][k] for k in ("attn_norm", "wk", "wv")}
+    return jax.vmap(lambda lp: layer_kv(lp, h, batch, config))(kv_params)
+
+
+def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: T5Config):
+    """One decoder layer (self-attention on the paged cache, cross-attention, feed-forward);
+    writes its K/V for the new tokens. Returns (h, cache)."""
+    dec = params["decoder"]
+    lp = layer_params(dec["layers"], layer, ENCODER_KEYS + CROSS_KEYS + ff_keys(config))
+    b, t, _ = h.shape
+    x = rms_norm(h, lp["attn_norm"], config.layer_norm_eps)
+    q = _heads(x @ lp["wq"], config)
+    k, v = layer_kv(lp, h, batch, config)
+    cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
+    attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len,
+                           impl=batch.attention, scale=1.0, bias_table=dec["rel_bias"],
+                           bias=position_bias(config, False))
+    h = h + attn.reshape(b, t, -1) @ lp["wo"]
+
+    x = rms_norm(h, lp["cross_norm"], config.layer_norm_eps)
+    q = _heads(x @ lp["cq"], config)
+    cross = batch.cross
+    ck = jax.lax.dynamic_index_in_dim(cross.k, layer, keepdims=False)
+    cv = jax.lax.dynamic_index_in_dim(cross.v, layer, keepdims=False)
+    s = ck.shape[1]
+    mask = jnp.broadcast_to((jnp.arange(s)[None, :] < cross.enc_len[:, None])[:, None, :], (b, t, s))
+    h = h + dense_attention(q, ck, cv, mask) @ lp["co"]
+    return h + feed_forward(lp, rms_norm(h, lp["mlp_norm"], config.layer_norm_eps), config), cache
+
+
+def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: T5Config, start=0, stop=None):
+    """Decoder layers [start, stop) with a traced layer index."""
+    stop = config.num_layers if stop is None else stop
+
+    def body(layer, carry):
+        h, cache = carry
+        return decoder_layer(params, h, cache, layer, batch, config)
+
+    return jax.lax.fori_loop(start, stop, body, (h, cache))
+
+
+def lm_head(params, h, config: T5Config):
+    """Decoder final norm (+ v1.0's d_model^-0.5 scaling) + head: [..., D] -> float32 [..., V]."""
+    x = rms_norm(h, params["decoder"]["final_norm"], config.layer_norm_eps)
+    if config.scale_decoder_outputs:
+        x = x * config.hidden_size**-0.5
+    if config.tie_embeddings:
+        return jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def init_params(config: T5Config, key, dtype=jnp.float32, scale: float = 0.05):
+    """Random params with the eejax T5 layout (normal(0, scale) weights, unit norms)."""
+    c = config
+    D, F, HD = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+    keys = iter(jax.random.split(key, 64))
+
+    def normal(*shape):
+        return scale * jax.random.normal(next(keys), shape, dtype)
+
+    def stack(n, cross: bool):
+        layers = {"attn_norm": jnp.ones((n, D), dtype), "mlp_norm": jnp.ones((n, D), dtype),
+                  "wq": normal(n, D, HD), "wk": normal(n, D, HD), "wv": normal(n, D, HD), "wo": normal(n, HD, D),
+                  "wo_ff": normal(n, F, D)}
+        for k in ff_keys(c):
+            layers[k] = normal(n, D, F)
+        if cross:
+            layers.update(cross_norm=jnp.ones((n, D), dtype), cq=normal(n, D, HD), ck=normal(n, D, HD),
+                          cv=normal(n, D, HD), co=normal(n, HD, D))
+        return layers
+
+    params = {
+        "embed": normal(c.vocab_size, D) / scale,
+        "encoder": {"layers": stack(c.num_encoder_layers, False), "rel_bias": normal(c.num_buckets, c.num_heads),
+                    "final_norm": jnp.ones((D,), dtype)},
+        "decoder": {"layers": stack(c.num_layers, True), "rel_bias": normal(c.num_buckets, c.num_heads),
+                    "final_norm": jnp.ones((D,), dtype)},
+    }
+    if not c.tie_embeddings:
+        params["lm_head"] = normal(D, c.vocab_size)
+    return params
