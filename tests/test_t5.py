@@ -126,6 +126,15 @@ def test_encoder_matches_hf(t5_models, kind):
         np.testing.assert_allclose(got[i, :n], want[i, :n], atol=1e-4, rtol=0)
 
 
+def test_encoder_attention_in_row_groups_equals_whole(t5_models, monkeypatch):
+    hf, model = t5_models["v1.1"]
+    tokens, lengths = padded(PROMPTS)
+    whole = np.asarray(t5.encode(model.params, jnp.asarray(tokens), jnp.asarray(lengths), model.config))
+    monkeypatch.setattr(t5, "SCORES_CHUNK_BYTES", 2 * 4 * 30 * 30 * 4)  # groups of 2 rows
+    grouped = np.asarray(t5.encode(model.params, jnp.asarray(tokens), jnp.asarray(lengths), model.config))
+    np.testing.assert_allclose(grouped, whole, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_decoder_logits_match_hf(t5_models, kind, page_size):

@@ -39,11 +39,16 @@ def ff_keys(config: T5Config) -> tuple[str, ...]:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class CrossKV:
-    """Every decoder layer's cross-attention keys/values of the encoder output,
-    k, v [L, B, S, H, Dk], and the encoder length of each row enc_len [B] int32."""
+    """Every decoder layer's cross-attention keys/values of the encoder output: k, v tuples of
+    L arrays [B, H, S, Dk], and the encoder length of each row enc_len [B] int32.
 
-    k: jax.Array
-    v: jax.Array
+    One array per layer, picked with `lax.switch` on the traced layer index: slicing one
+    stacked [L, ...] array inside the layer loop copies the layer's K/V every step (measured on
+    CPU at batch 32: cross-attention of 8 layers 63 ms sliced, 15 ms switched). Heads come
+    before positions so the score and value matmuls need no transpose."""
+
+    k: tuple
+    v: tuple
     enc_len: jax.Array
 
 
@@ -108,6 +113,43 @@ def dense_attention(q, k, v, mask, bias=None):
     return out.astype(q.dtype).reshape(b, t, h * dk)
 
 
+def cross_attention(q, cross: CrossKV, layer):
+    """q [B, T, H, Dk] against layer `layer` of the encoder K/V -> [B, T, H*Dk] (no scaling,
+    no position bias; padding positions of the encoder masked)."""
+    b, t, h, dk = q.shape
+
+    def attend(k, v):  # [B, H, S, Dk] each
+        scores = jnp.einsum("bthd,bhsd->bhts", q, k, preferred_element_type=jnp.float32)
+        valid = (jnp.arange(k.shape[2])[None, :] < cross.enc_len[:, None])[:, None, None, :]
+        probs = jax.nn.softmax(jnp.where(valid, scores, -jnp.inf), axis=-1)
+        probs = jnp.where(cross.enc_len[:, None, None, None] > 0, probs, 0.0)  # padding rows: zeros
+        return jnp.einsum("bhts,bhsd->bthd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+    branches = [lambda k=k, v=v: attend(k, v) for k, v in zip(cross.k, cross.v)]
+    out = jax.lax.switch(layer, branches) if len(branches) > 1 else branches[0]()
+    return out.astype(q.dtype).reshape(b, t, h * dk)
+
+
+SCORES_CHUNK_BYTES = 32 << 20
+
+
+def encoder_attention(q, k, v, mask, bias):
+    """`dense_attention` over groups of rows whose float32 scores [rows, H, S, S] stay within
+    SCORES_CHUNK_BYTES: the softmax passes then run in cache, not memory (measured on CPU for
+    batch 32 x 512 tokens: the encoder's attention 1.9 s whole, 0.9 s in groups of 4 rows)."""
+    b, s, h, _ = q.shape
+    per_row = h * s * k.shape[1] * 4
+    rows = max([r for r in range(1, b + 1) if b % r == 0 and r * per_row <= SCORES_CHUNK_BYTES] or [1])
+    if rows == b:
+        return dense_attention(q, k, v, mask, bias)
+
+    def group(x):
+        return x.reshape(b // rows, rows, *x.shape[1:])
+
+    out = jax.lax.map(lambda a: dense_attention(*a, bias), tuple(map(group, (q, k, v, mask))))
+    return out.reshape(b, *out.shape[2:])
+
+
 def _heads(x, config: T5Config):
     return x.reshape(*x.shape[:-1], config.num_heads, config.head_dim)
 
@@ -131,7 +173,7 @@ def encode(params, tokens, lengths, config: T5Config):
         lp = layer_params(enc["layers"], layer, keys)
         x = rms_norm(h, lp["attn_norm"], config.layer_norm_eps)
         q, k, v = (_heads(x @ lp[w], config) for w in ("wq", "wk", "wv"))
-        h = h + dense_attention(q, k, v, mask, bias) @ lp["wo"]
+        h = h + encoder_attention(q, k, v, mask, bias) @ lp["wo"]
         return h + feed_forward(lp, rms_norm(h, lp["mlp_norm"], config.layer_norm_eps), config)
 
     h = jax.lax.fori_loop(0, config.num_encoder_layers, body, embed(params, tokens))
@@ -141,9 +183,13 @@ def encode(params, tokens, lengths, config: T5Config):
 def cross_kv(params, enc_out, lengths, config: T5Config) -> CrossKV:
     """Every decoder layer's cross-attention K/V of the encoder output (computed once)."""
     layers = params["decoder"]["layers"]
-    k = jnp.einsum("bsd,lde->lbse", enc_out, layers["ck"])
-    v = jnp.einsum("bsd,lde->lbse", enc_out, layers["cv"])
-    return CrossKV(_heads(k, config), _heads(v, config), lengths)
+
+    def project(w):  # [D, H*Dk] -> [B, H, S, Dk]
+        return jnp.einsum("bsd,dhe->bhse", enc_out, w.reshape(w.shape[0], config.num_heads, config.head_dim))
+
+    k = tuple(project(layers["ck"][layer]) for layer in range(config.num_layers))
+    v = tuple(project(layers["cv"][layer]) for layer in range(config.num_layers))
+    return CrossKV(k, v, lengths)
 
 
 def embed(params, tokens):
@@ -179,12 +225,7 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: T
 
     x = rms_norm(h, lp["cross_norm"], config.layer_norm_eps)
     q = _heads(x @ lp["cq"], config)
-    cross = batch.cross
-    ck = jax.lax.dynamic_index_in_dim(cross.k, layer, keepdims=False)
-    cv = jax.lax.dynamic_index_in_dim(cross.v, layer, keepdims=False)
-    s = ck.shape[1]
-    mask = jnp.broadcast_to((jnp.arange(s)[None, :] < cross.enc_len[:, None])[:, None, :], (b, t, s))
-    h = h + dense_attention(q, ck, cv, mask) @ lp["co"]
+    h = h + cross_attention(q, batch.cross, layer) @ lp["co"]
     return h + feed_forward(lp, rms_norm(h, lp["mlp_norm"], config.layer_norm_eps), config), cache
 
 
