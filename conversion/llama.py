@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from tqdm.auto import tqdm
 
+from conversion.sources import stack_layers, tensor_reader
 from eejax.config import LlamaConfig
-from eejax.errors import EejaxError
 
 # eejax layer key -> HF name inside `model.layers.{i}.`; linear weights are transposed.
 HF_LAYER_NAMES = {
@@ -24,26 +24,11 @@ HF_LAYER_NAMES = {
 
 def llama_params_from_hf(ckpt, config: LlamaConfig, dtype, progress: bool = True) -> dict:
     """Reads every tensor once and stacks the per-layer ones on a leading [num_layers] axis."""
-    names = set(ckpt.names)
-
-    def read(name: str) -> np.ndarray:
-        if name not in names:
-            raise EejaxError(f"checkpoint {ckpt.source} lacks the tensor {name!r}")
-        return ckpt.read(name)
-
-    layers = {}
+    read = tensor_reader(ckpt)
     bar = tqdm(total=len(HF_LAYER_NAMES) * config.num_layers + 3, desc="converting", unit="tensor",
                disable=not progress)
-    for key, hf_name in HF_LAYER_NAMES.items():
-        stacked = None
-        for i in range(config.num_layers):
-            w = read(f"model.layers.{i}.{hf_name}")
-            w = w.T if w.ndim == 2 else w
-            if stacked is None:
-                stacked = np.empty((config.num_layers, *w.shape), dtype)
-            stacked[i] = w
-            bar.update()
-        layers[key] = stacked
+    layers = {key: stack_layers(read, lambda i, n=hf_name: f"model.layers.{i}.{n}", config.num_layers, dtype, bar)
+              for key, hf_name in HF_LAYER_NAMES.items()}
     params = {"embed": read("model.embed_tokens.weight").astype(dtype), "layers": layers}
     bar.update()
     params["final_norm"] = read("model.norm.weight").astype(dtype)

@@ -121,3 +121,29 @@ def _tokenizer(directory: Path, **kwargs):
     except (OSError, ValueError, TypeError) as e:
         logging.getLogger(__name__).warning("no tokenizer converted from %s: %s", directory, e)
         return None
+
+
+def tensor_reader(ckpt: HFCheckpoint):
+    """`read(name) -> np.ndarray` over the checkpoint, naming a missing tensor in its error."""
+    names = set(ckpt.names)
+
+    def read(name: str) -> np.ndarray:
+        if name not in names:
+            raise EejaxError(f"checkpoint {ckpt.source} lacks the tensor {name!r}")
+        return ckpt.read(name)
+
+    return read
+
+
+def stack_layers(read, name_of_layer, num_layers: int, dtype, bar) -> np.ndarray:
+    """Tensor `name_of_layer(i)` of every layer i stacked on a leading axis; 2-D (linear)
+    weights transposed to eejax's [in, out]. Ticks `bar` once per tensor."""
+    stacked = None
+    for i in range(num_layers):
+        w = read(name_of_layer(i))
+        w = w.T if w.ndim == 2 else w
+        if stacked is None:
+            stacked = np.empty((num_layers, *w.shape), dtype)
+        stacked[i] = w
+        bar.update()
+    return stacked

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from tqdm.auto import tqdm
 
+from conversion.sources import stack_layers, tensor_reader
 from eejax.config import T5Config
-from eejax.errors import EejaxError
 
 # eejax layer key -> HF name inside `{encoder,decoder}.block.{i}.`; linear weights are transposed.
 ENCODER_NAMES = {
@@ -48,30 +48,15 @@ def stack_names(config: T5Config, part: str) -> dict[str, str]:
 
 def t5_params_from_hf(ckpt, config: T5Config, dtype, progress: bool = True) -> dict:
     """Reads every tensor once and stacks each stack's per-layer tensors on a leading axis."""
-    names = set(ckpt.names)
-
-    def read(name: str) -> np.ndarray:
-        if name not in names:
-            raise EejaxError(f"checkpoint {ckpt.source} lacks the tensor {name!r}")
-        return ckpt.read(name)
-
+    read = tensor_reader(ckpt)
     stacks = {"encoder": config.num_encoder_layers, "decoder": config.num_layers}
     total = sum(len(stack_names(config, part)) * n + 2 for part, n in stacks.items()) + 2
     bar = tqdm(total=total, desc="converting", unit="tensor", disable=not progress)
     params = {"embed": read("shared.weight").astype(dtype)}
     bar.update()
     for part, num_layers in stacks.items():
-        layers = {}
-        for key, hf_name in stack_names(config, part).items():
-            stacked = None
-            for i in range(num_layers):
-                w = read(f"{part}.block.{i}.{hf_name}")
-                w = w.T if w.ndim == 2 else w
-                if stacked is None:
-                    stacked = np.empty((num_layers, *w.shape), dtype)
-                stacked[i] = w
-                bar.update()
-            layers[key] = stacked
+        layers = {key: stack_layers(read, lambda i, n=hf_name: f"{part}.block.{i}.{n}", num_layers, dtype, bar)
+                  for key, hf_name in stack_names(config, part).items()}
         params[part] = {
             "layers": layers,
             "rel_bias": read(f"{part}.{BIAS_NAME}").astype(dtype),

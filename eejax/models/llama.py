@@ -20,6 +20,7 @@ import numpy as np
 from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import LlamaConfig
 from eejax.kernels import paged_attention
+from eejax.models.stack import run_layer_range
 from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -108,13 +109,7 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
 
 def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig, start=0, stop=None):
     """Layers [start, stop) with a traced layer index (lax.fori_loop over the stacked params)."""
-    stop = config.num_layers if stop is None else stop
-
-    def body(layer, carry):
-        h, cache = carry
-        return decoder_layer(params, h, cache, layer, batch, config)
-
-    return jax.lax.fori_loop(start, stop, body, (h, cache))
+    return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop)
 
 
 def lm_head(params, h, config: LlamaConfig):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import T5Config
 from eejax.kernels import paged_attention
+from eejax.models.stack import run_layer_range
 from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 
 ENCODER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "wo_ff")
@@ -231,13 +232,7 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: T
 
 def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: T5Config, start=0, stop=None):
     """Decoder layers [start, stop) with a traced layer index."""
-    stop = config.num_layers if stop is None else stop
-
-    def body(layer, carry):
-        h, cache = carry
-        return decoder_layer(params, h, cache, layer, batch, config)
-
-    return jax.lax.fori_loop(start, stop, body, (h, cache))
+    return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop)
 
 
 def lm_head(params, h, config: T5Config):

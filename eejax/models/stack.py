@@ -1,0 +1,17 @@
+"""Running a range of stacked layers with a traced layer index, shared by the model modules."""
+
+from __future__ import annotations
+
+import jax
+
+
+def run_layer_range(decoder_layer, params, h, cache, batch, config, start=0, stop=None):
+    """Layers [start, stop) of `decoder_layer(params, h, cache, layer, batch, config) -> (h,
+    cache)` in a `lax.fori_loop` (a traced index into the stacked params). Returns (h, cache)."""
+    stop = config.num_layers if stop is None else stop
+
+    def body(layer, carry):
+        h, cache = carry
+        return decoder_layer(params, h, cache, layer, batch, config)
+
+    return jax.lax.fori_loop(start, stop, body, (h, cache))
