@@ -97,16 +97,16 @@ def generate(
     if attention not in IMPLS:
         raise EejaxError(f"unknown attention {attention!r}; choose one of: " + ", ".join(IMPLS))
     exit_config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
-    if exit_config is not None:
-        exit_params = model.params.get("exits")
-        exits.check_exits(exit_params, config.num_layers, config.hidden_size)
-        exit_config.check_model(config.num_layers, exits.has_classifier(exit_params))
     spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec
+    if exit_config is not None and spec_config is not None:
+        raise EejaxError("choose early exit (exit=) or self-speculation (spec=), not both")
+    exit_params = model.params.get("exits")
+    if exit_config is not None or spec_config is not None:  # both read the exit modules
+        exits.check_exits(exit_params, config.num_layers, config.hidden_size)
+    if exit_config is not None:
+        exit_config.check_model(config.num_layers, exits.has_classifier(exit_params))
     if spec_config is not None:
-        if exit_config is not None:
-            raise EejaxError("choose early exit (exit=) or self-speculation (spec=), not both")
         spec_config.check_model(config.num_layers)
-        exits.check_exits(model.params.get("exits"), config.num_layers, config.hidden_size)
     rows, texts = prompt_token_ids(model.tokenizer, batch)
     if truncate_prompt_tokens is not None:
         if truncate_prompt_tokens < 1:
