@@ -1,9 +1,13 @@
-"""Training exit adapters on a frozen backbone by self-distillation (EE-Tuning style).
+"""Training exits on a frozen backbone: adapters by self-distillation (EE-Tuning style) and
+CALM's exit classifiers.
 
 Every exit l < L (after l layers) is pulled towards the full model's next-token distribution:
 loss = sum_l w_l KL(p_L || q_l) averaged over the valid tokens, with q_l the exit head (adapter
 + the shared final norm and LM head) on the layer-l hidden state. Gradients reach only
 `params["exits"]`; the backbone and its hidden states are constants.
+
+The classifier of exit l learns CALM's independent objective: label 1 when exit l's argmax
+equals the last layer's, class-balanced binary cross-entropy, everything else frozen.
 
 Layer weights (normalised to sum 1): "calm" w_l ∝ l (CALM's weighted average), "layerskip"
 w_l ∝ sum_{i<=l} i (LayerSkip's e(l) scale, later exits weigh more), "uniform".
@@ -89,5 +93,41 @@ def train_step(exit_params, opt_state, params, tokens, lengths, weights, *, conf
     states = jax.lax.stop_gradient(layer_states(params, tokens, lengths, config))
     valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
     loss, grads = jax.value_and_grad(distillation_loss)(exit_params, params, states, valid, weights, config)
+    updates, opt_state = optimizer.update(grads, opt_state, exit_params)
+    return optax.apply_updates(exit_params, updates), opt_state, loss
+
+
+def classifier_loss(exit_params, params, states, valid, config):
+    """Class-balanced BCE of every exit classifier l < L against "exit l's argmax equals the
+    last layer's" over valid tokens; the adapters (if any) define exit l's argmax and stay fixed."""
+    from eejax.models import exits as exit_modules
+
+    m = model_module(config)
+    frozen = {**params, "exits": jax.lax.stop_gradient(exit_params)}
+    final = jnp.argmax(m.lm_head(params, states[-1], config), axis=-1)
+
+    def body(total, xs):
+        state, layers_run = xs
+        label = jnp.argmax(exit_logits(frozen, state, layers_run, config), axis=-1) == final
+        prob = exit_modules.classifier_prob(exit_params, state, layers_run - 1)
+        pos = valid & label
+        neg = valid & ~label
+        # Each class weighs half, whatever its share (tokens of an absent class weigh nothing).
+        pos_loss = -jnp.sum(jnp.where(pos, jnp.log(prob + 1e-7), 0.0)) / jnp.maximum(pos.sum(), 1)
+        neg_loss = -jnp.sum(jnp.where(neg, jnp.log1p(-prob + 1e-7), 0.0)) / jnp.maximum(neg.sum(), 1)
+        return total + 0.5 * (pos_loss + neg_loss), None
+
+    exits_run = jnp.arange(1, config.num_layers, dtype=jnp.int32)
+    total, _ = jax.lax.scan(body, jnp.float32(0.0), (states[:-1], exits_run))
+    return total / (config.num_layers - 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "optimizer"))
+def classifier_train_step(exit_params, opt_state, params, tokens, lengths, *, config, optimizer):
+    """One optax step on the exit classifiers (the adapters' gradients are zero). Returns
+    (exit_params, opt_state, loss)."""
+    states = jax.lax.stop_gradient(layer_states(params, tokens, lengths, config))
+    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    loss, grads = jax.value_and_grad(classifier_loss)(exit_params, params, states, valid, config)
     updates, opt_state = optimizer.update(grads, opt_state, exit_params)
     return optax.apply_updates(exit_params, updates), opt_state, loss
