@@ -84,3 +84,22 @@ def test_layer_weights():
     np.testing.assert_allclose(layer_weights("uniform", 3), [0.5, 0.5])
     with pytest.raises(EejaxError, match="unknown layer weights"):
         layer_weights("linear", 4)
+
+
+def test_training_resumes_from_a_checkpoint_to_the_same_state(tmp_path):
+    from eejax.train.loop import train_exit_adapters
+
+    model = tiny_model()
+    batches = [batch(8, seed=s) for s in range(3)]
+    whole, whole_losses, start = train_exit_adapters(model, batches, steps=12, learning_rate=1e-2, progress=False)
+    assert start == 0
+    # "Interrupted" after 8 steps (a checkpoint every 4), then rerun to 12 from the checkpoint.
+    ckpt = tmp_path / "ckpt"
+    train_exit_adapters(model, batches, steps=8, learning_rate=1e-2, checkpoint_dir=ckpt, save_every=4,
+                        progress=False)
+    resumed, resumed_losses, start = train_exit_adapters(model, batches, steps=12, learning_rate=1e-2,
+                                                         checkpoint_dir=ckpt, save_every=4, progress=False)
+    assert start == 8  # it resumed, it did not start over
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, resumed), jax.tree.map(np.asarray, whole))
+    np.testing.assert_array_equal(resumed_losses, whole_losses)
+    assert not np.array_equal(np.asarray(whole["adapter_up"]), np.asarray(model.params["exits"]["adapter_up"]))
