@@ -98,3 +98,30 @@ def test_bad_input_is_named(kwargs, message):
     kwargs = {"delta": 0.1, "epsilon": 0.05, **kwargs}
     with pytest.raises(EejaxError, match=message):
         learn_then_test(**kwargs)
+
+
+def test_token_disagreement():
+    from eejax.train.calibrate import token_disagreement
+
+    assert token_disagreement([1, 2, 3], [1, 2, 3]) == 0.0
+    assert token_disagreement([1, 9, 3], [1, 2, 3]) == pytest.approx(1 / 3)
+    assert token_disagreement([1, 2], [1, 2, 3, 4]) == 0.5
+    assert token_disagreement([], []) == 0.0
+
+
+def test_calibrating_a_threshold_on_a_model(tiny_checkpoints):
+    """Softmax thresholds on a tiny model: λ = 1 never exits (loss 0, certified with 40 prompts);
+    the chosen λ's calibration risk is within δ, and later thresholds exit more."""
+    import eejax
+    from eejax.train.calibrate import calibrate_exit_threshold
+    from tests.conftest import random_prompts
+
+    model = eejax.load(tiny_checkpoints["gqa-untied"][2])
+    prompts = random_prompts(40, [5, 9, 14], seed=4)
+    thresholds = [1.0, 0.5, 0.2, 0.05, 0.0]
+    cal, layers = calibrate_exit_threshold(model, prompts, measure="softmax", thresholds=thresholds, delta=0.3,
+                                           epsilon=0.1, max_new_tokens=6, decay=None)
+    assert cal.certified and cal.risks[0] == 0.0 and layers[1.0] == 3
+    assert cal.risks[cal.index] <= 0.3
+    assert layers[0.0] < 3  # λ = 0 exits whenever the margin is positive
+    assert list(layers) == thresholds

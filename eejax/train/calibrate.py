@@ -124,3 +124,47 @@ def learn_then_test(thresholds, losses, *, delta: float, epsilon: float, method:
         n=n,
         method=method,
     )
+
+
+def token_disagreement(early: list[int], full: list[int]) -> float:
+    """1 - the share of the full-depth tokens that early exit reproduced at the same position
+    (a missing or extra token counts as a disagreement), in [0, 1]."""
+    n = max(len(early), len(full))
+    if n == 0:
+        return 0.0
+    same = sum(a == b for a, b in zip(early, full))
+    return 1.0 - same / n
+
+
+def calibrate_exit_threshold(model, prompts, *, measure: str, thresholds, delta: float, epsilon: float,
+                             max_new_tokens: int = 64, consistency: str = "tokens", **exit_options):
+    """Learn then Test for an early-exit threshold on `prompts` (the calibration set).
+
+    Generates full depth once and with `ExitConfig(measure, threshold=λ, **exit_options)` for
+    every λ in `thresholds` (most conservative first); the loss of a prompt is its token
+    disagreement with full depth ("tokens") or 1 - ROUGE-L to the full-depth text ("rouge",
+    needs rouge-score). Returns (Calibration, {λ: mean layers per token}).
+    """
+    from eejax import generate
+    from eejax.config import ExitConfig
+
+    if consistency not in ("tokens", "rouge"):
+        raise EejaxError(f"unknown consistency {consistency!r}; choose tokens or rouge")
+    configs = [ExitConfig(measure, threshold=float(t), **exit_options) for t in thresholds]
+    full = generate(model, prompts, max_new_tokens=max_new_tokens)
+    scorer = None
+    if consistency == "rouge":
+        try:
+            from rouge_score import rouge_scorer
+        except ImportError:
+            raise EejaxError("consistency 'rouge' needs rouge-score: pip install 'eejax[bench]'") from None
+        scorer = rouge_scorer.RougeScorer(["rougeL"])
+    losses, layers = [], {}
+    for config, threshold in zip(configs, thresholds):
+        res = generate(model, prompts, max_new_tokens=max_new_tokens, exit=config)
+        layers[float(threshold)] = res.stats["mean_layers_per_token"]
+        if scorer is None:
+            losses.append([token_disagreement(e, f) for e, f in zip(res.tokens, full.tokens)])
+        else:
+            losses.append([1.0 - scorer.score(f, e)["rougeL"].fmeasure for e, f in zip(res.texts, full.texts)])
+    return learn_then_test(thresholds, np.asarray(losses), delta=delta, epsilon=epsilon), layers
