@@ -127,6 +127,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import eejax
+    from eejax.train.calibrate import calibrate_exit_threshold
+
+    prompts = args.prompt if args.prompt is not None else read_prompts_file(args.prompts_file, args.prompt_field)
+    if args.limit:
+        prompts = prompts[: args.limit]
+    decay = None if args.exit_decay in ("off", "none") else _float(args.exit_decay, "--exit-decay")
+    model = eejax.load(args.model)
+    cal, layers = calibrate_exit_threshold(
+        model, prompts, measure=args.measure, thresholds=args.thresholds, delta=args.delta, epsilon=args.epsilon,
+        max_new_tokens=args.max_new_tokens, consistency=args.consistency, decay=decay,
+        min_exit_layer=args.min_exit_layer, every=args.exit_every,
+    )
+    num_layers = model.config.num_layers
+    if args.json:
+        json.dump({"threshold": cal.threshold, "certified": cal.certified, "thresholds": cal.thresholds,
+                   "risks": cal.risks, "p_values": cal.p_values, "mean_layers_per_token": list(layers.values()),
+                   "num_layers": num_layers, "delta": cal.delta, "epsilon": cal.epsilon, "n": cal.n,
+                   "method": cal.method, "certificate": cal.certificate()}, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    for t, r, p in zip(cal.thresholds, cal.risks, cal.p_values):
+        mark = "certified" if cal.certified and t >= cal.threshold else ""
+        print(f"λ={t:<8g} risk {r:.4f}  p-value {p:.3g}  layers/token {layers[t]:.2f} of {num_layers}  {mark}")
+    if cal.certified:
+        print(f"chosen λ = {cal.threshold:g}: mean layers per token {layers[cal.threshold]:.2f} of {num_layers} "
+              f"(exit rate {1 - layers[cal.threshold] / num_layers:.1%} of the layers skipped)")
+    print(cal.certificate())
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from eejax.hub import KNOWN_MODELS, cache_dir
 
@@ -213,6 +245,33 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the largest d that E:d:adaptive may choose (default 8)")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     gen.set_defaults(func=cmd_generate)
+
+    cal = sub.add_parser(
+        "calibrate", help="pick an early-exit threshold with a Learn-then-Test guarantee",
+        description="Generate the prompts (the calibration set) at full depth and with each candidate threshold, "
+        "measure each prompt's inconsistency with full depth, and certify thresholds in order (most conservative "
+        "first) while the p-value of 'risk > delta' is <= epsilon (Learn then Test, fixed-sequence testing). "
+        "Prints the smallest certified threshold, its layers per token and the certificate.",
+    )
+    cal.add_argument("--model", required=True, help="eejax checkpoint directory or known model name")
+    cal_src = cal.add_mutually_exclusive_group(required=True)
+    cal_src.add_argument("--prompt", nargs="+", metavar="TEXT", help="calibration prompts")
+    cal_src.add_argument("--prompts-file", metavar="F.jsonl", help="calibration prompts, one JSON per line")
+    cal.add_argument("--prompt-field", help="which field of --prompts-file objects holds the prompt")
+    cal.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
+    cal.add_argument("--measure", required=True, choices=("softmax", "state", "classifier"))
+    cal.add_argument("--thresholds", type=float, nargs="+", required=True, metavar="λ",
+                     help="candidates, most conservative (largest) first, e.g. 0.99 0.95 0.9 0.8")
+    cal.add_argument("--delta", type=float, default=0.1, help="tolerated risk (mean inconsistency), default 0.1")
+    cal.add_argument("--epsilon", type=float, default=0.05, help="risk level of the guarantee, default 0.05")
+    cal.add_argument("--consistency", choices=("tokens", "rouge"), default="tokens",
+                     help="tokens: share of full-depth tokens not reproduced; rouge: 1 - ROUGE-L to full depth")
+    cal.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    cal.add_argument("--exit-decay", default="4", metavar="τ", help="decaying threshold τ, or 'off' (default 4)")
+    cal.add_argument("--min-exit-layer", type=_positive_int, default=1, metavar="K")
+    cal.add_argument("--exit-every", type=_positive_int, default=1, metavar="k")
+    cal.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    cal.set_defaults(func=cmd_calibrate)
 
     models = sub.add_parser("models", help="list the known model names and the cache")
     models.set_defaults(func=cmd_models)

@@ -125,3 +125,23 @@ def test_calibrating_a_threshold_on_a_model(tiny_checkpoints):
     assert cal.risks[cal.index] <= 0.3
     assert layers[0.0] < 3  # λ = 0 exits whenever the margin is positive
     assert list(layers) == thresholds
+
+
+def test_calibrate_command(tiny_checkpoints, capsys):
+    import json
+
+    from eejax.cli import main
+
+    path = str(tiny_checkpoints["gqa-untied"][2])
+    argv = ["calibrate", "--model", path, "--prompt", *[f"Officials said {i}" for i in range(30)], "--measure",
+            "softmax", "--thresholds", "1.0", "0.5", "0.0", "--delta", "0.3", "--epsilon", "0.1",
+            "--max-new-tokens", "4", "--exit-decay", "off"]
+    assert main(argv + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["certified"] and doc["risks"][0] == 0.0 and doc["n"] == 30 and len(doc["p_values"]) == 3
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "chosen λ" in out and "calibration examples" in out
+    assert main(["calibrate", "--model", path, "--prompt", "a", "--measure", "softmax", "--thresholds", "0.5",
+                 "0.9"]) == 2
+    assert "strictly decreasing" in capsys.readouterr().err
