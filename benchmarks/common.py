@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "out"
 
 
 def cnndm_prompts(tokenizer, n: int, prompt_tokens: int) -> list[list[int]]:
@@ -66,9 +67,8 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def write_result(name: str, payload: dict) -> Path:
-    out = ROOT / "benchmarks" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import ml_dtypes
@@ -12,7 +10,7 @@ import numpy as np
 from conversion.llama import llama_params_from_hf
 from conversion.sources import open_checkpoint
 from conversion.t5 import has_lm_head, t5_params_from_hf
-from eejax.checkpoint import save_checkpoint
+from eejax.checkpoint import write_checkpoint
 from eejax.config import LlamaConfig, T5Config, check_architecture
 from eejax.errors import EejaxError
 
@@ -39,19 +37,4 @@ def convert(src, dst, *, dtype: str = "float32", overwrite: bool = False, progre
         config = LlamaConfig.from_hf(ckpt.config, ckpt.generation_config)
         params = llama_params_from_hf(ckpt, config, DTYPES[dtype], progress=progress)
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    partial = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        save_checkpoint(partial, config, params, ckpt.tokenizer, {"source": ckpt.source})
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(partial, dst)
-            shutil.rmtree(old)
-        else:
-            os.replace(partial, dst)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return dst
+    return write_checkpoint(dst, config, params, ckpt.tokenizer, {"source": ckpt.source}, overwrite=True)

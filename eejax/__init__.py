@@ -12,7 +12,7 @@
 from eejax.config import ExitConfig, LlamaConfig, RopeScaling, SpecConfig, T5Config
 from eejax.decode import GenerateResult, SamplingParams, generate
 from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
-from eejax.model import Model, init_exits, load
+from eejax.model import Model, init_exits, load, save
 
 __version__ = "0.1.0"
 
@@ -40,4 +40,5 @@ __all__ = [
     "generate",
     "init_exits",
     "load",
+    "save",
 ]

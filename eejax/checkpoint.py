@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,32 @@ def save_checkpoint(directory: str | Path, config, params, tokenizer=None, metad
         **(metadata or {}),
     }
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def write_checkpoint(dst: str | Path, config, params, tokenizer=None, metadata: dict | None = None, *,
+                     overwrite: bool = False) -> Path:
+    """Writes a checkpoint at `dst` atomically: into a hidden sibling directory first, renamed to
+    `dst` when complete, so on any error nothing is left at `dst` (an existing `dst` is replaced
+    only with `overwrite` and only once the new checkpoint is complete)."""
+    dst = Path(dst).expanduser().absolute()
+    if dst.exists() and not overwrite:
+        raise EejaxError(f"{dst} already exists (pass overwrite=True / --overwrite to replace it)")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    partial = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        save_checkpoint(partial, config, params, tokenizer, metadata)
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+            os.replace(dst, old)
+            os.replace(partial, dst)
+            shutil.rmtree(old)
+        else:
+            os.replace(partial, dst)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return dst
 
 
 def read_metadata(directory: str | Path) -> dict[str, Any]:

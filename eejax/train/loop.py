@@ -11,25 +11,41 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from eejax.errors import EejaxError
-from eejax.train.exit_training import layer_weights, train_step
+from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.train.data import exit_batch
+from eejax.train.exit_training import check_exit_layers, layer_weights, train_step
 
 
 def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e-3, weights: str = "calm",
-                        checkpoint_dir: str | Path | None = None, save_every: int = 50, progress: bool = True):
-    """Trains `model.params["exits"]` adapters by self-distillation for `steps` optax (adam)
-    steps; step i uses batches[i % len(batches)] (tokens [B, T], lengths [B]). With
-    `checkpoint_dir`, (exits, optimizer state, step, losses) are saved every `save_every` steps
-    and at the end, and a rerun resumes from the latest. Returns (exit_params, losses [steps],
-    the step it started from)."""
+                        exit_layers=None, ce_weight: float = 0.0, positions_per_row: int | None = None,
+                        seed: int = 0, checkpoint_dir: str | Path | None = None, save_every: int = 50,
+                        progress: bool = True, on_step=None):
+    """Trains the adapters in `model.params["exits"]` by self-distillation for `steps` optax
+    steps (adam, learning rate decayed to 0 on a cosine); step i uses batches[i % len(batches)]
+    (tokens [B, T], lengths [B]) and trains the exits after `exit_layers` layers (default all
+    1..L-1) on `positions_per_row` positions of each row drawn with (seed, i) (None: all).
+    `ce_weight` adds that much cross-entropy on the data's next tokens. With `checkpoint_dir`,
+    (exits, optimizer state, step, losses) are saved every `save_every` steps and at the end, and
+    a rerun resumes from the latest (a checkpoint being written when the run is interrupted is
+    finished first). `on_step(step, loss)` is called after each step. Returns (exit_params, losses [steps], the step it started from)."""
     import orbax.checkpoint as ocp
 
+    from eejax.models.exits import has_adapters
+
+    config = model.config
+    if config.architecture != "llama":
+        raise UnsupportedModelError(f"exit training runs on decoder-only Llama models, not {config.architecture}")
+    if not has_adapters(model.params.get("exits")):
+        raise EejaxError("the model has no exit adapters to train; add them with eejax.init_exits(model, adapter_rank=R)")
     if steps < 1 or save_every < 1:
         raise EejaxError(f"steps and save_every must be >= 1, got {steps} and {save_every}")
     if not batches:
         raise EejaxError("no training batches")
-    optimizer = optax.adam(learning_rate)
-    w = jnp.asarray(layer_weights(weights, model.config.num_layers))
+    if learning_rate <= 0 or ce_weight < 0:
+        raise EejaxError(f"learning_rate must be > 0 and ce_weight >= 0, got {learning_rate} and {ce_weight}")
+    trained = check_exit_layers(range(1, config.num_layers) if exit_layers is None else exit_layers, config.num_layers)
+    optimizer = optax.adam(optax.cosine_decay_schedule(learning_rate, steps))
+    w = jnp.asarray(layer_weights(weights, config.num_layers, trained))
     state = {"exits": model.params["exits"], "opt": optimizer.init(model.params["exits"]), "step": jnp.int32(0)}
     history: list[float] = []
     manager = None
@@ -48,18 +64,53 @@ def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e
     losses = np.zeros((steps,), np.float32)
     losses[:start] = history[:start]
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="training exits", disable=not progress)
-    for step in bar:
-        tokens, lengths = batches[step % len(batches)]
-        exit_params, opt_state, loss = train_step(exit_params, opt_state, model.params, tokens, lengths, w,
-                                                  config=model.config, optimizer=optimizer)
-        losses[step] = float(loss)
-        bar.set_postfix(loss=f"{losses[step]:.4f}")
-        done = step + 1
-        if manager is not None and (done % save_every == 0 or done == steps):
-            manager.save(done, args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"exits": exit_params, "opt": opt_state, "step": jnp.int32(done)}),
-                log=ocp.args.JsonSave({"losses": losses[:done].tolist()})))
-    if manager is not None:
-        manager.wait_until_finished()
-        manager.close()
+    try:
+        for step in bar:
+            tokens, lengths = batches[step % len(batches)]
+            batch = exit_batch(tokens, lengths, positions_per_row, np.random.default_rng([seed, step]))
+            exit_params, opt_state, loss = train_step(exit_params, opt_state, model.params, batch, trained, w,
+                                                      jnp.float32(ce_weight), config=config, optimizer=optimizer)
+            losses[step] = float(loss)
+            bar.set_postfix(loss=f"{losses[step]:.4f}")
+            done = step + 1
+            if manager is not None and (done % save_every == 0 or done == steps):
+                manager.save(done, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave({"exits": exit_params, "opt": opt_state, "step": jnp.int32(done)}),
+                    log=ocp.args.JsonSave({"losses": losses[:done].tolist()})))
+            if on_step is not None:
+                on_step(step, losses[step])
+    finally:
+        bar.close()
+        if manager is not None:
+            manager.wait_until_finished()
+            manager.close()
     return jax.tree.map(jnp.asarray, exit_params), losses, start
+
+
+def fit_exit_adapters(model, prompts, *, adapter_rank: int = 128, continuation_tokens: int = 64, max_len: int = 512,
+                      batch_size: int = 4, steps: int = 200, progress: bool = True, **train_options):
+    """Makes `model` exit-capable: adds identity exit adapters of rank `adapter_rank` (unless it
+    has adapters, which then train further), builds the data (each prompt followed by
+    `continuation_tokens` greedy tokens of the model itself, at most `max_len` tokens, in batches
+    of `batch_size`) and trains the adapters for `steps` steps (`train_options` go to
+    `train_exit_adapters`). `prompts` are strings or token-id lists. Returns (the model with
+    trained exits, losses [steps])."""
+    from eejax.decode.prompts import prompt_token_ids
+    from eejax.model import Model, init_exits
+    from eejax.models.exits import has_adapters
+    from eejax.train.data import continued_sequences, sequence_batches
+
+    if not 0 <= continuation_tokens < max_len:
+        raise EejaxError(f"continuation_tokens must lie in [0, max_len = {max_len}), got {continuation_tokens}")
+    if train_options.get("exit_layers") is not None:  # checked before the slow part
+        check_exit_layers(train_options["exit_layers"], model.config.num_layers)
+    ids, _ = prompt_token_ids(model.tokenizer, prompts)
+    exits = model.params.get("exits") or {}
+    if not has_adapters(exits):
+        adapters = init_exits(model, adapter_rank=adapter_rank, classifier=False).params["exits"]
+        model = Model(model.config, {**model.params, "exits": {**exits, **adapters}}, model.tokenizer)
+    sequences = continued_sequences(model, [p[: max_len - continuation_tokens] for p in ids],
+                                    continuation_tokens, progress=progress)
+    batches = sequence_batches(sequences, batch_size, max_len)
+    trained, losses, _ = train_exit_adapters(model, batches, steps=steps, progress=progress, **train_options)
+    return Model(model.config, {**model.params, "exits": trained}, model.tokenizer), losses

@@ -1,0 +1,37 @@
+"""The training loss curve as a PNG (matplotlib, from the `bench` extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from eejax.errors import EejaxError
+
+
+def save_loss_plot(losses, path: str | Path, title: str = "exit training loss") -> Path:
+    """Writes the per-step losses and their 20-step running mean to `path` (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise EejaxError('the loss plot needs matplotlib: pip install "eejax[bench]"') from e
+    losses = np.asarray(losses, np.float64)
+    steps = np.arange(1, len(losses) + 1)
+    window = min(20, len(losses))
+    smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="loss")
+    ax.plot(steps[window - 1:], smooth, lw=1.8, label=f"mean of {window} steps")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
