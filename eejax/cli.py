@@ -53,6 +53,23 @@ def read_prompts_file(path: str, field: str | None) -> list[str]:
     return prompts
 
 
+def prompts_from_args(args: argparse.Namespace) -> list[str]:
+    """The prompts of --prompt or --prompts-file, cut to --limit."""
+    prompts = args.prompt if args.prompt is not None else read_prompts_file(args.prompts_file, args.prompt_field)
+    return prompts[: args.limit] if args.limit else prompts
+
+
+def add_model_and_prompts(parser: argparse.ArgumentParser, what: str, model_help: str) -> None:
+    """--model, --prompt | --prompts-file, --prompt-field, --limit."""
+    parser.add_argument("--model", required=True, help=model_help)
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", nargs="+", metavar="TEXT", help=f"one or more {what}")
+    src.add_argument("--prompts-file", metavar="F.jsonl",
+                     help=f"{what}, one JSON string or object per line (field prompt, text, article or document)")
+    parser.add_argument("--prompt-field", help="which field of --prompts-file objects holds the prompt")
+    parser.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -73,12 +90,7 @@ def _float(text: str, option: str) -> float:
 def cmd_generate(args: argparse.Namespace) -> int:
     import eejax
 
-    if args.prompt is not None:
-        prompts = args.prompt
-    else:
-        prompts = read_prompts_file(args.prompts_file, args.prompt_field)
-    if args.limit:
-        prompts = prompts[: args.limit]
+    prompts = prompts_from_args(args)
     exit_config = None
     if args.exit is not None:
         decay = None if args.exit_decay in ("off", "none") else _float(args.exit_decay, "--exit-decay")
@@ -131,15 +143,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     import eejax
     from eejax.train.calibrate import calibrate_exit_threshold
 
-    prompts = args.prompt if args.prompt is not None else read_prompts_file(args.prompts_file, args.prompt_field)
-    if args.limit:
-        prompts = prompts[: args.limit]
+    prompts = prompts_from_args(args)
     decay = None if args.exit_decay in ("off", "none") else _float(args.exit_decay, "--exit-decay")
     model = eejax.load(args.model)
     cal, layers = calibrate_exit_threshold(
         model, prompts, measure=args.measure, thresholds=args.thresholds, delta=args.delta, epsilon=args.epsilon,
         max_new_tokens=args.max_new_tokens, consistency=args.consistency, decay=decay,
-        min_exit_layer=args.min_exit_layer, every=args.exit_every,
+        min_exit_layer=args.min_exit_layer, every=args.exit_every, batch_size=args.batch_size, progress=True,
     )
     num_layers = model.config.num_layers
     if args.json:
@@ -180,9 +190,7 @@ def cmd_train_exits(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise EejaxError('--loss-plot needs matplotlib: pip install "eejax[bench]"') from None
-    texts = args.prompt if args.prompt is not None else read_prompts_file(args.prompts_file, args.prompt_field)
-    if args.limit:
-        texts = texts[: args.limit]
+    texts = prompts_from_args(args)
     model = eejax.load(args.model)
     if model.tokenizer is None:
         raise EejaxError(f"{args.model} has no tokenizer to read the prompts with")
@@ -261,14 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
         "With --spec, stats add acceptance_rate, tokens_per_round, drafted_tokens, accepted_tokens, rounds, "
         "mean_speculations.",
     )
-    gen.add_argument("--model", required=True,
-                     help='eejax checkpoint directory, or a known name such as "smollm2-135m" (see `eejax models`)')
-    src = gen.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", nargs="+", metavar="TEXT", help="one or more prompts")
-    src.add_argument("--prompts-file", metavar="F.jsonl",
-                     help="one JSON string or object per line (field prompt, text, article or document)")
-    gen.add_argument("--prompt-field", help="which field of --prompts-file objects holds the prompt")
-    gen.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
+    add_model_and_prompts(gen, "prompts", 'eejax checkpoint directory, or a known name such as "smollm2-135m" '
+                          "(see `eejax models`)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate per prompt (default 64)")
     gen.add_argument("--batch-size", type=_positive_int, help="rows decoded together (default: all prompts)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS: always generate --max-new-tokens")
@@ -309,12 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         "first) while the p-value of 'risk > delta' is <= epsilon (Learn then Test, fixed-sequence testing). "
         "Prints the smallest certified threshold, its layers per token and the certificate.",
     )
-    cal.add_argument("--model", required=True, help="eejax checkpoint directory or known model name")
-    cal_src = cal.add_mutually_exclusive_group(required=True)
-    cal_src.add_argument("--prompt", nargs="+", metavar="TEXT", help="calibration prompts")
-    cal_src.add_argument("--prompts-file", metavar="F.jsonl", help="calibration prompts, one JSON per line")
-    cal.add_argument("--prompt-field", help="which field of --prompts-file objects holds the prompt")
-    cal.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
+    add_model_and_prompts(cal, "calibration prompts", "eejax checkpoint directory or known model name")
     cal.add_argument("--measure", required=True, choices=("softmax", "state", "classifier"))
     cal.add_argument("--thresholds", type=float, nargs="+", required=True, metavar="λ",
                      help="candidates, most conservative (largest) first, e.g. 0.99 0.95 0.9 0.8")
@@ -323,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--consistency", choices=("tokens", "rouge"), default="tokens",
                      help="tokens: share of full-depth tokens not reproduced; rouge: 1 - ROUGE-L to full depth")
     cal.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    cal.add_argument("--batch-size", type=_positive_int, default=1,
+                     help="rows decoded together (a batch exits when all its rows are confident: calibrate at the "
+                     "batch size you decode with; default 1)")
     cal.add_argument("--exit-decay", default="4", metavar="τ", help="decaying threshold τ, or 'off' (default 4)")
     cal.add_argument("--min-exit-layer", type=_positive_int, default=1, metavar="K")
     cal.add_argument("--exit-every", type=_positive_int, default=1, metavar="k")
@@ -338,12 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         "continuations. Writes a new eejax checkpoint with the trained exits; with --checkpoint-dir, training "
         "state is saved every --save-every steps and a rerun resumes from it.",
     )
-    tr.add_argument("--model", required=True, help="eejax checkpoint directory or known model name (a Llama)")
-    tr_src = tr.add_mutually_exclusive_group(required=True)
-    tr_src.add_argument("--prompt", nargs="+", metavar="TEXT", help="training prompts")
-    tr_src.add_argument("--prompts-file", metavar="F.jsonl", help="training prompts, one JSON per line")
-    tr.add_argument("--prompt-field", help="which field of --prompts-file objects holds the prompt")
-    tr.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
+    add_model_and_prompts(tr, "training prompts", "eejax checkpoint directory or known model name (a Llama)")
     tr.add_argument("--output", required=True, metavar="DIR", help="where to write the model with trained exits")
     tr.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     tr.add_argument("--suffix", default="", metavar="TEXT",

@@ -120,7 +120,7 @@ def test_calibrating_a_threshold_on_a_model(tiny_checkpoints):
     prompts = random_prompts(40, [5, 9, 14], seed=4)
     thresholds = [1.0, 0.5, 0.2, 0.05, 0.0]
     cal, layers = calibrate_exit_threshold(model, prompts, measure="softmax", thresholds=thresholds, delta=0.3,
-                                           epsilon=0.1, max_new_tokens=6, decay=None)
+                                           epsilon=0.1, max_new_tokens=6, decay=None, batch_size=8)
     assert cal.certified and cal.risks[0] == 0.0 and layers[1.0] == 3
     assert cal.risks[cal.index] <= 0.3
     assert layers[0.0] < 3  # λ = 0 exits whenever the margin is positive

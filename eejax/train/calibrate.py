@@ -137,13 +137,16 @@ def token_disagreement(early: list[int], full: list[int]) -> float:
 
 
 def calibrate_exit_threshold(model, prompts, *, measure: str, thresholds, delta: float, epsilon: float,
-                             max_new_tokens: int = 64, consistency: str = "tokens", **exit_options):
+                             max_new_tokens: int = 64, consistency: str = "tokens", batch_size: int = 1,
+                             progress: bool = False, **exit_options):
     """Learn then Test for an early-exit threshold on `prompts` (the calibration set).
 
     Generates full depth once and with `ExitConfig(measure, threshold=λ, **exit_options)` for
-    every λ in `thresholds` (most conservative first); the loss of a prompt is its token
-    disagreement with full depth ("tokens") or 1 - ROUGE-L to the full-depth text ("rouge",
-    needs rouge-score). Returns (Calibration, {λ: mean layers per token}).
+    every λ in `thresholds` (most conservative first), `batch_size` rows at a time (a batch exits
+    only when all its rows are confident, so calibrate at the batch size you decode with); the
+    loss of a prompt is its token disagreement with full depth ("tokens") or 1 - ROUGE-L to the
+    full-depth text ("rouge", needs rouge-score; identical outputs, empty ones included, lose 0).
+    Returns (Calibration, {λ: mean layers per token}).
     """
     from eejax import generate
     from eejax.config import ExitConfig
@@ -151,7 +154,9 @@ def calibrate_exit_threshold(model, prompts, *, measure: str, thresholds, delta:
     if consistency not in ("tokens", "rouge"):
         raise EejaxError(f"unknown consistency {consistency!r}; choose tokens or rouge")
     configs = [ExitConfig(measure, threshold=float(t), **exit_options) for t in thresholds]
-    full = generate(model, prompts, max_new_tokens=max_new_tokens)
+    from tqdm.auto import tqdm
+
+    full = generate(model, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     scorer = None
     if consistency == "rouge":
         try:
@@ -160,11 +165,12 @@ def calibrate_exit_threshold(model, prompts, *, measure: str, thresholds, delta:
             raise EejaxError("consistency 'rouge' needs rouge-score: pip install 'eejax[bench]'") from None
         scorer = rouge_scorer.RougeScorer(["rougeL"])
     losses, layers = [], {}
-    for config, threshold in zip(configs, thresholds):
-        res = generate(model, prompts, max_new_tokens=max_new_tokens, exit=config)
+    for config, threshold in tqdm(list(zip(configs, thresholds)), desc="calibrating thresholds", disable=not progress):
+        res = generate(model, prompts, max_new_tokens=max_new_tokens, exit=config, batch_size=batch_size)
         layers[float(threshold)] = res.stats["mean_layers_per_token"]
         if scorer is None:
             losses.append([token_disagreement(e, f) for e, f in zip(res.tokens, full.tokens)])
         else:
-            losses.append([1.0 - scorer.score(f, e)["rougeL"].fmeasure for e, f in zip(res.texts, full.texts)])
+            losses.append([0.0 if et == ft else 1.0 - scorer.score(f, e)["rougeL"].fmeasure
+                           for e, f, et, ft in zip(res.texts, full.texts, res.tokens, full.tokens)])
     return learn_then_test(thresholds, np.asarray(losses), delta=delta, epsilon=epsilon), layers

@@ -53,9 +53,10 @@ def check_exit_layers(exit_layers, num_layers: int) -> np.ndarray:
     return e.astype(np.int32)
 
 
-def layer_states(params, tokens, lengths, config, page_size: int = 16):
+def layer_states(params, tokens, lengths, config, skip=None, page_size: int = 16):
     """Hidden states after every layer, [L, B, T, D], of right-padded sequences tokens [B, T]
-    (a causal pass over a scratch paged cache)."""
+    (a causal pass over a scratch paged cache). skip [L, B] bool: row b passes layer l through
+    unchanged (LayerSkip's layer dropout)."""
     m = model_module(config)
     b, t = tokens.shape
     pages = -(-t // page_size)
@@ -64,13 +65,17 @@ def layer_states(params, tokens, lengths, config, page_size: int = 16):
     table = 1 + jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     batch = m.token_batch(config, positions, positions < lengths[:, None], table, lengths, page_size)
+    if skip is None:
+        skip = jnp.zeros((config.num_layers, b), bool)
 
-    def body(carry, layer):
+    def body(carry, xs):
         h, cache = carry
-        h, cache = m.decoder_layer(params, h, cache, layer, batch, config)
+        layer, skipped = xs
+        out, cache = m.decoder_layer(params, h, cache, layer, batch, config)
+        h = jnp.where(skipped[:, None, None], h, out)
         return (h, cache), h
 
-    _, states = jax.lax.scan(body, (m.embed(params, tokens), cache), jnp.arange(config.num_layers))
+    _, states = jax.lax.scan(body, (m.embed(params, tokens), cache), (jnp.arange(config.num_layers), skip))
     return states
 
 
@@ -142,22 +147,24 @@ def train_step(exit_params, opt_state, params, batch: ExitBatch, exit_layers, we
     return optax.apply_updates(exit_params, updates), opt_state, loss
 
 
-def exit_agreement(model, batches) -> np.ndarray:
-    """Share [L - 1] of the valid tokens of `batches` ((tokens [B, T], lengths [B]) pairs) where the
-    exit after l = 1..L-1 layers picks the last layer's argmax."""
+def exit_agreement(model, batches, start: int = 0) -> np.ndarray:
+    """Share [L - 1] of the valid positions >= `start` of `batches` ((tokens [B, T], lengths [B])
+    pairs) where the exit after l = 1..L-1 layers picks the last layer's argmax."""
     config = model.config
     agree = np.zeros((config.num_layers - 1,), np.int64)
     total = 0
     for tokens, lengths in batches:
-        agree += np.asarray(_agreement_counts(model.params, jnp.asarray(tokens), jnp.asarray(lengths), config))
-        total += int(np.sum(lengths))
+        agree += np.asarray(_agreement_counts(model.params, jnp.asarray(tokens), jnp.asarray(lengths), start,
+                                              config))
+        total += int(np.sum(np.maximum(np.asarray(lengths) - start, 0)))
     return agree / max(total, 1)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _agreement_counts(params, tokens, lengths, config):
+def _agreement_counts(params, tokens, lengths, start, config):
     states = layer_states(params, tokens, lengths, config)
-    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+    positions = jnp.arange(tokens.shape[1])[None, :]
+    valid = (positions < lengths[:, None]) & (positions >= start)
     final = jnp.argmax(model_module(config).lm_head(params, states[-1], config), axis=-1)
 
     def count(_, xs):

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eejax.cache import init_cache
 from eejax.decode.steps import model_module
 from eejax.errors import EejaxError
+from eejax.train.exit_training import layer_states
 
 CURRICULA = ("rotational", "gradual", "all")
 
@@ -73,27 +73,10 @@ def exit_loss_scales(cfg: LayerSkipConfig, step: int, num_layers: int) -> np.nda
     return (scaled / scaled.sum()).astype(np.float32)
 
 
-def states_with_layer_dropout(params, tokens, lengths, rates, key, config, page_size: int = 16):
+def states_with_layer_dropout(params, tokens, lengths, rates, key, config):
     """Hidden states after every layer [L, B, T, D]; row b skips layer l with probability rates[l]."""
-    m = model_module(config)
-    b, t = tokens.shape
-    pages = -(-t // page_size)
-    cache = init_cache(config.num_layers, 1 + b * pages, page_size, config.num_kv_heads, config.head_dim,
-                       params["embed"].dtype)
-    table = 1 + jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    batch = m.token_batch(config, positions, positions < lengths[:, None], table, lengths, page_size)
-    drop = jax.random.uniform(key, (config.num_layers, b)) < rates[:, None]
-
-    def body(carry, xs):
-        h, cache = carry
-        layer, dropped = xs
-        out, cache = m.decoder_layer(params, h, cache, layer, batch, config)
-        h = jnp.where(dropped[:, None, None], h, out)
-        return (h, cache), h
-
-    _, states = jax.lax.scan(body, (m.embed(params, tokens), cache), (jnp.arange(config.num_layers), drop))
-    return states
+    drop = jax.random.uniform(key, (config.num_layers, tokens.shape[0])) < rates[:, None]
+    return layer_states(params, tokens, lengths, config, skip=drop)
 
 
 def layerskip_loss(params, tokens, lengths, rates, scales, key, config):
