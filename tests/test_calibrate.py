@@ -120,7 +120,7 @@ def test_calibrating_a_threshold_on_a_model(tiny_checkpoints):
     prompts = random_prompts(40, [5, 9, 14], seed=4)
     thresholds = [1.0, 0.5, 0.2, 0.05, 0.0]
     cal, layers = calibrate_exit_threshold(model, prompts, measure="softmax", thresholds=thresholds, delta=0.3,
-                                           epsilon=0.1, max_new_tokens=6, decay=None, batch_size=8)
+                                           epsilon=0.1, max_new_tokens=6, decay=None, batch_size=20)
     assert cal.certified and cal.risks[0] == 0.0 and layers[1.0] == 3
     assert cal.risks[cal.index] <= 0.3
     assert layers[0.0] < 3  # λ = 0 exits whenever the margin is positive
@@ -135,7 +135,7 @@ def test_calibrate_command(tiny_checkpoints, capsys):
     path = str(tiny_checkpoints["gqa-untied"][2])
     argv = ["calibrate", "--model", path, "--prompt", *[f"Officials said {i}" for i in range(30)], "--measure",
             "softmax", "--thresholds", "1.0", "0.5", "0.0", "--delta", "0.3", "--epsilon", "0.1",
-            "--max-new-tokens", "4", "--exit-decay", "off"]
+            "--max-new-tokens", "4", "--exit-decay", "off", "--batch-size", "30"]
     assert main(argv + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["certified"] and doc["risks"][0] == 0.0 and doc["n"] == 30 and len(doc["p_values"]) == 3

@@ -1,6 +1,5 @@
 """Conversion: every HF weight format, dtypes, atomicity and clear errors."""
 
-import importlib
 import json
 import os
 
@@ -77,7 +76,7 @@ def test_missing_tensor_leaves_nothing_behind(tmp_path, hf_model):
 
 
 def test_failure_while_writing_leaves_nothing(tmp_path, hf_model, monkeypatch):
-    conv = importlib.import_module("conversion.convert")  # the module, not the function
+    import eejax.checkpoint as ckpt  # where the atomic write calls save_checkpoint
 
     hf_model.save_pretrained(tmp_path / "hf")
 
@@ -85,7 +84,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, hf_model, monkeypatch):
         (directory / "params").mkdir(parents=True)
         raise OSError("disk full")
 
-    monkeypatch.setattr(conv, "save_checkpoint", broken_save)
+    monkeypatch.setattr(ckpt, "save_checkpoint", broken_save)
     with pytest.raises(OSError):
         convert(tmp_path / "hf", tmp_path / "out", progress=False)
     assert sorted(os.listdir(tmp_path)) == ["hf"]
