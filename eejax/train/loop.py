@@ -16,6 +16,11 @@ from eejax.train.data import exit_batch
 from eejax.train.exit_training import check_exit_layers, layer_weights, train_step
 
 
+def check_trainable(config) -> None:
+    if config.architecture != "llama":
+        raise UnsupportedModelError(f"exit training runs on decoder-only Llama models, not {config.architecture}")
+
+
 def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e-3, weights: str = "calm",
                         exit_layers=None, ce_weight: float = 0.0, positions_per_row: int | None = None,
                         seed: int = 0, checkpoint_dir: str | Path | None = None, save_every: int = 50,
@@ -27,14 +32,14 @@ def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e
     `ce_weight` adds that much cross-entropy on the data's next tokens. With `checkpoint_dir`,
     (exits, optimizer state, step, losses) are saved every `save_every` steps and at the end, and
     a rerun resumes from the latest (a checkpoint being written when the run is interrupted is
-    finished first). `on_step(step, loss)` is called after each step. Returns (exit_params, losses [steps], the step it started from)."""
+    finished first). `on_step(step, loss)` is called after each step. Returns (exit_params,
+    losses [steps], the step it started from)."""
     import orbax.checkpoint as ocp
 
     from eejax.models.exits import has_adapters
 
     config = model.config
-    if config.architecture != "llama":
-        raise UnsupportedModelError(f"exit training runs on decoder-only Llama models, not {config.architecture}")
+    check_trainable(config)
     if not has_adapters(model.params.get("exits")):
         raise EejaxError("the model has no exit adapters to train; add them with eejax.init_exits(model, adapter_rank=R)")
     if steps < 1 or save_every < 1:
@@ -100,9 +105,10 @@ def fit_exit_adapters(model, prompts, *, adapter_rank: int = 128, continuation_t
     from eejax.models.exits import has_adapters
     from eejax.train.data import continued_sequences, sequence_batches
 
+    check_trainable(model.config)  # the checks that can fail come before the slow part
     if not 0 <= continuation_tokens < max_len:
         raise EejaxError(f"continuation_tokens must lie in [0, max_len = {max_len}), got {continuation_tokens}")
-    if train_options.get("exit_layers") is not None:  # checked before the slow part
+    if train_options.get("exit_layers") is not None:
         check_exit_layers(train_options["exit_layers"], model.config.num_layers)
     ids, _ = prompt_token_ids(model.tokenizer, prompts)
     exits = model.params.get("exits") or {}
