@@ -223,6 +223,40 @@ def cmd_train_exits(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+
+    import eejax
+    from eejax.serve.engine import Engine
+    from eejax.serve.http import create_app
+
+    try:
+        import uvicorn
+    except ImportError:
+        raise EejaxError('eejax serve needs the serve extra: pip install "eejax[serve]"') from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    model = eejax.load(args.model)
+    engine = Engine(model, max_slots=args.max_slots, max_new_tokens=args.max_tokens_limit,
+                    cache_budget=args.cache_budget, exit=args.exit, temperature=args.temperature,
+                    policy=args.policy, bucketing=not args.no_bucketing, pages=args.pages)
+    if args.warmup:
+        engine.warmup(args.warmup)
+    engine.start()
+    app = create_app(engine, served_model_name=args.served_model_name or args.model, max_waiting=args.max_waiting)
+    # uvicorn stops on SIGINT / SIGTERM once the responses in flight have ended, then raises the
+    # signal again: a handler of our own makes that a clean exit after the engine has stopped.
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda sig, frame: stopped.append(sig))
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.stop(cancel=True)
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from eejax.hub import KNOWN_MODELS, cache_dir
 
@@ -366,6 +400,32 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0, help="seed of the position sampling (default 0)")
     tr.add_argument("--quiet", action="store_true", help="no progress bars")
     tr.set_defaults(func=cmd_train_exits)
+    srv = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Continuous batching over one paged KV cache behind POST /v1/completions and "
+        "/v1/chat/completions (stream: true for server-sent events), GET /health and GET /metrics (Prometheus).",
+    )
+    srv.add_argument("--model", required=True, help="eejax checkpoint directory or known model name")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=_positive_int, default=8000, help="port (default 8000)")
+    srv.add_argument("--served-model-name", help="the model name clients must send (default: --model as given)")
+    srv.add_argument("--max-slots", type=_positive_int, default=8, help="rows decoded together (default 8)")
+    srv.add_argument("--max-tokens-limit", type=_positive_int, default=256,
+                     help="the largest max_tokens a request may ask (default 256)")
+    srv.add_argument("--max-waiting", type=_positive_int, default=256,
+                     help="requests queued before new ones get 429 (default 256)")
+    srv.add_argument("--cache-budget", default="1GiB", help="KV cache memory (default 1GiB)")
+    srv.add_argument("--exit", metavar="SPEC", help="early exit for every request, as in eejax generate --exit")
+    srv.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    srv.add_argument("--policy", choices=("fcfs", "sjf", "ljf"), default="fcfs", help="order inside a bucket")
+    srv.add_argument("--no-bucketing", action="store_true", help="one bucket (plain FCFS continuous batching)")
+    srv.add_argument("--pages", choices=("reserve", "grow"), default="reserve",
+                     help="reserve: a request's pages for prompt + max_tokens at admission (never preempts); grow: "
+                     "pages as rows grow, preempting the lowest-priority row (recomputed later) when they run out")
+    srv.add_argument("--warmup", type=_positive_int, metavar="TOKENS",
+                     help="before listening, compile the programs for prompts of up to TOKENS tokens (default: "
+                     "each program compiles on its first request)")
+    srv.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list the known model names and the cache")
     models.set_defaults(func=cmd_models)

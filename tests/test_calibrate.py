@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+import eejax
 from eejax.errors import EejaxError
 from eejax.train.calibrate import binomial_p_value, hoeffding_bentkus_p_value, learn_then_test
 
@@ -112,7 +113,6 @@ def test_token_disagreement():
 def test_calibrating_a_threshold_on_a_model(tiny_checkpoints):
     """Softmax thresholds on a tiny model: λ = 1 never exits (loss 0, certified with 40 prompts);
     the chosen λ's calibration risk is within δ, and later thresholds exit more."""
-    import eejax
     from eejax.train.calibrate import calibrate_exit_threshold
     from tests.conftest import random_prompts
 
@@ -127,12 +127,14 @@ def test_calibrating_a_threshold_on_a_model(tiny_checkpoints):
     assert list(layers) == thresholds
 
 
-def test_calibrate_command(tiny_checkpoints, capsys):
+def test_calibrate_command(tiny_checkpoints, capsys, monkeypatch):
     import json
 
     from eejax.cli import main
 
     path = str(tiny_checkpoints["gqa-untied"][2])
+    model = eejax.load(path)
+    monkeypatch.setattr(eejax, "load", lambda name: model)  # the two runs share compiled programs
     argv = ["calibrate", "--model", path, "--prompt", *[f"Officials said {i}" for i in range(30)], "--measure",
             "softmax", "--thresholds", "1.0", "0.5", "0.0", "--delta", "0.3", "--epsilon", "0.1",
             "--max-new-tokens", "4", "--exit-decay", "off", "--batch-size", "30"]

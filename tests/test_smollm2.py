@@ -56,9 +56,9 @@ def test_early_exit_that_never_fires_equals_full_depth(smollm2, rows):
         assert res.stats["mean_layers_per_token"] == 30
 
 
-@pytest.mark.parametrize("rows,specs", [(1, ["12:3", "29:1"]), (8, ["15:2", "29:4"])],
-                         ids=["batch1", "padded-batch8"])
+@pytest.mark.parametrize("rows,specs", [(1, ["12:3"]), (8, ["15:2"])], ids=["batch1", "padded-batch8"])
 def test_self_speculation_equals_full_depth(smollm2, rows, specs):
+    # (More E:d settings run on the tiny models in test_speculative.py; these are the real model's.)
     # Articles cut to different lengths: one right-padded batch.
     prompts = [row["article"][: 200 + 150 * i] for i, row in enumerate(cnndm_rows(rows))]
     full = eejax.generate(smollm2, prompts, max_new_tokens=NEW_TOKENS - 3)

@@ -1,0 +1,525 @@
+"""The serving engine: a fixed number of decode slots over one preallocated paged KV cache,
+iteration-level (continuous) batching, jitted programs drawn from a bounded set of shapes.
+
+Each `step()`: finished rows leave (their pages return), the scheduler admits waiting requests
+into free slots (a bucketed prefill writes their prompts' K/V and their first token into the
+slot state), and one decode step runs for every slot. The host never waits for a step it just
+dispatched: it dispatches step k + 1, then reads step k's tokens (one step behind), so host work
+overlaps device work; a row that finished at step k idles through step k + 1.
+
+Per-request max_new_tokens rides on device as `limit [slots]`; the decode programs are compiled
+for the engine's `max_new_tokens` (their record width).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed
+from eejax.config import ExitConfig, SpecConfig, T5Config
+from eejax.decode import speculative, steps
+from eejax.decode.buckets import bucket
+from eejax.decode.generate import parse_bytes
+from eejax.decode.prompts import prompt_token_ids
+from eejax.decode.sampling import SamplingParams
+from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.models import exits
+from eejax.serve.scheduler import BucketScheduler, Request
+
+MIN_PROMPT_BUCKET = 16
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A request inside the engine, and what the caller reads back: `tokens` grow as they are
+    generated; `stream()` yields them; `result()` waits for the end."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    priority: int = 0
+    exit: ExitConfig | None = None
+    sampling: SamplingParams = SamplingParams()
+    spec: SpecConfig | None = None
+    drafted: int = 0  # self-speculation drafts judged and accepted (set when the request ends)
+    accepted: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    exit_layers: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS), "length", "cancelled"
+    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    offset: int = 0  # tokens generated before the current admission (a preempted row recomputes them)
+    _events: queue.Queue = dataclasses.field(default_factory=queue.Queue, repr=False)
+    _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Sequence:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} still running after {timeout} s")
+        return self
+
+    def stream(self):
+        """Yields each new token id as it is generated, until the request ends."""
+        while True:
+            token = self._events.get()
+            if token is None:
+                return
+            yield token
+
+
+def _insert_rows(state: steps.DecodeState, new: steps.DecodeState, slots):
+    """`new`'s rows written into `state` at `slots` (out-of-range slots, the prefill's padding
+    rows, are dropped); the PRNG key stays `state`'s."""
+    def put(old, fresh):
+        return old.at[slots].set(fresh, mode="drop")
+
+    rows = {f.name: put(getattr(state, f.name), getattr(new, f.name))
+            for f in dataclasses.fields(state) if f.name not in ("key", "context")}
+    return dataclasses.replace(state, **rows)
+
+
+def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, limit, key, *, config, sampling,
+                  max_new_tokens, eos_ids, attention):
+    """Prefills right-padded prompts tokens [b, T] into decode slots `slots` [b] of `state`
+    (limit [S]: each slot's max new tokens). Returns (state, cache)."""
+    new, cache = steps.prefill(params, cache, tokens, lengths, block_table, key, config=config, sampling=sampling,
+                               max_new_tokens=max_new_tokens, eos_ids=eos_ids, attention=attention)
+    state = _insert_rows(state, new, slots)
+    return dataclasses.replace(state, done=state.done | (state.num_generated >= limit)), cache
+
+
+def decode_slots(params, cache, state, block_table, limit, group, *, config, sampling, max_new_tokens, eos_ids,
+                 exit_config, attention):
+    """One decode step of the slots in `group` [S] bool that are not done (the others wait: they
+    run with their own exit options in another program); a slot ends at its own limit."""
+    waiting = ~group & ~state.done
+    new, cache = steps.decode(params, cache, dataclasses.replace(state, done=state.done | waiting), block_table,
+                              config=config, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                              exit_config=exit_config, attention=attention)
+    done = jnp.where(waiting, False, new.done | (new.num_generated >= limit))
+    return dataclasses.replace(new, done=done), cache
+
+
+def spec_round_slots(params, cache, state, counters, block_table, limit, group, *, config, spec, sampling,
+                     max_new_tokens, eos_ids, attention):
+    """One self-speculation round (d drafts from layers [0, E), one verify pass of the rest) of
+    the slots in `group` that are not done; the others wait. Returns (state, cache, counters)."""
+    waiting = ~group & ~state.done
+    masked = dataclasses.replace(state, done=state.done | waiting)
+    drafts, masked, cache = speculative.draft(params, cache, masked, block_table, config=config, spec=spec,
+                                              num_speculations=spec.num_speculations, sampling=sampling,
+                                              max_new_tokens=max_new_tokens, attention=attention)
+    new, cache, counters = speculative.verify(params, cache, masked, drafts, counters, block_table, config=config,
+                                              spec=spec, sampling=sampling, max_new_tokens=max_new_tokens,
+                                              eos_ids=eos_ids, attention=attention)
+    done = jnp.where(waiting, False, new.done | (new.num_generated >= limit))
+    return dataclasses.replace(new, done=done), cache, counters
+
+
+def empty_state(slots: int, max_new_tokens: int, key) -> steps.DecodeState:
+    zeros = jnp.zeros((slots,), jnp.int32)
+    record = jnp.zeros((slots, max_new_tokens), jnp.int32)
+    return steps.DecodeState(last_token=zeros, seq_len=zeros, num_generated=zeros,
+                             done=jnp.ones((slots,), bool), tokens=record, exit_layers=record,
+                             confident_layers=record, key=key)
+
+
+class Engine:
+    """Continuous batching over `max_slots` decode slots and one paged cache of `cache_budget`;
+    `pages="grow"` hands pages out as rows grow and preempts when they run out.
+
+        engine = Engine(model, max_slots=8)
+        seq = engine.submit("The capital of France is", max_new_tokens=16)
+        engine.run()                     # or engine.start() for a background loop
+        seq.tokens, seq.finish_reason
+    """
+
+    def __init__(self, model, *, max_slots: int = 8, max_new_tokens: int = 256, cache_budget: int | str = "1GiB",
+                 page_size: int = 16, exit: ExitConfig | str | None = None,  # noqa: A002
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 policy: str = "fcfs", bucketing: bool = True, online: bool = True, attention: str = "auto",
+                 pages: str = "reserve"):
+        config = model.config
+        if isinstance(config, T5Config):
+            raise UnsupportedModelError("the serving engine runs decoder-only (Llama) models")
+        if max_slots < 1 or max_new_tokens < 1 or page_size < 1:
+            raise EejaxError("max_slots, max_new_tokens and page_size must be >= 1")
+        self.model, self.config = model, config
+        self.exit_config = self.checked_exit(exit)
+        if pages not in ("reserve", "grow"):
+            raise EejaxError(f"pages must be 'reserve' or 'grow', got {pages!r}")
+        self.slots, self.max_new_tokens, self.page_size = max_slots, max_new_tokens, page_size
+        # reserve: a row gets the pages of prompt + max tokens at admission (never runs out);
+        # grow: the pages of its prompt, then one more as it needs it, preempting the
+        # lowest-priority row (recomputed later) when none is free.
+        self.grow = pages == "grow"
+        per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
+        num_pages = parse_bytes(cache_budget) // per_page
+        self.max_len = min(config.max_position_embeddings, (num_pages - 1) * page_size)
+        if self.max_len < 2:
+            raise EejaxError(f"KV cache budget {cache_budget} holds no sequence")
+        self.table_width = bucket(pages_needed(self.max_len, page_size))
+        self.cache = init_cache(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim,
+                                model.dtype)
+        self.allocator = PageAllocator(num_pages)
+        self.scheduler = BucketScheduler(self.max_len + 1, page_size, policy=policy, bucketing=bucketing,
+                                         online=online, max_rows=max_slots)
+        self.static = dict(config=config, sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
+                           max_new_tokens=max_new_tokens, eos_ids=model.eos_token_ids, attention=attention)
+        self.key = jax.random.PRNGKey(seed)
+        self.state = empty_state(max_slots, max_new_tokens, jax.random.PRNGKey(seed + 1))
+        self.spec_counters = speculative.SpecCounters.zeros(max_slots)
+        self.limit = np.zeros((max_slots,), np.int32)
+        self.block_table = np.zeros((max_slots, self.table_width), np.int32)
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self.waiting: dict[int, Sequence] = {}  # id -> sequence
+        self._requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._pending = None  # (state, slot -> sequence) of the last dispatched step, not read yet
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        from eejax.serve.metrics import ServeMetrics
+
+        self.prometheus = ServeMetrics(config.num_layers)
+        self.counters = {"steps": 0, "prefills": 0, "preemptions": 0, "generated_tokens": 0, "padding_tokens": 0,
+                         "prompt_tokens": 0, "scheduler_s": 0.0, "step_s": 0.0}
+
+    # -- requests ------------------------------------------------------------------------------
+    def checked_exit(self, exit) -> ExitConfig | None:  # noqa: A002
+        """An early-exit option (ExitConfig or its CLI spelling) checked against the model."""
+        config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
+        if config is not None:
+            exit_params = self.model.params.get("exits")
+            exits.check_exits(exit_params, self.config.num_layers, self.config.hidden_size)
+            config.check_model(self.config.num_layers, exits.has_classifier(exit_params))
+        return config
+
+    def submit(self, prompt, *, max_new_tokens: int = 64, priority: int = 0, exit=None,  # noqa: A002
+               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+               spec: SpecConfig | str | None = None) -> Sequence:
+        """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
+        engine's early-exit option for this request ("none" = full depth), `spec` ("E:d") decodes
+        it by self-speculation, `temperature`, `top_k`, `top_p` set its sampling (each distinct
+        option set runs its own compiled programs)."""
+        spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec
+        if spec_config is not None:
+            if exit not in (None, "none"):
+                raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
+            if spec_config.adaptive:
+                raise EejaxError("the engine runs a fixed number of drafts per round: use spec E:d, not adaptive")
+            spec_config.check_model(self.config.num_layers)
+            exits.check_exits(self.model.params.get("exits"), self.config.num_layers, self.config.hidden_size)
+            exit = "none"  # noqa: A001
+        default = self.static["sampling"]
+        sampling = SamplingParams(default.temperature if temperature is None else float(temperature),
+                                  default.top_k if top_k is None else int(top_k),
+                                  default.top_p if top_p is None else float(top_p))
+        exit_config = self.exit_config if exit is None else (None if exit == "none" else self.checked_exit(exit))
+        if not 1 <= max_new_tokens <= self.max_new_tokens:
+            raise EejaxError(f"max_new_tokens must lie in [1, {self.max_new_tokens}], got {max_new_tokens}")
+        (ids,), _ = prompt_token_ids(self.model.tokenizer, [prompt] if isinstance(prompt, str) else [list(prompt)])
+        if len(ids) + max_new_tokens > self.max_len:
+            raise EejaxError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the context of "
+                             f"{self.max_len} tokens")
+        if max(ids) >= self.config.vocab_size or min(ids) < 0:
+            raise EejaxError(f"token ids must lie in [0, {self.config.vocab_size})")
+        with self._lock:
+            seq = Sequence(next(self._ids), ids, max_new_tokens, priority, exit_config, sampling, spec_config)
+            self._queue(seq)
+        self._wake.set()
+        return seq
+
+    def _queue(self, seq: Sequence) -> None:
+        """Hands `seq` (new, or preempted: its prompt then grows by the tokens it has) to the
+        scheduler, which counts the pages admission must find: all of them, or with `grow`,
+        those of the prompt and one token."""
+        prompt_len = len(seq.prompt) + len(seq.tokens)
+        remaining = seq.max_new_tokens - len(seq.tokens)
+        request = Request(seq.id, prompt_len, 1 if self.grow else remaining, arrival=seq.submitted_at,
+                          priority=seq.priority)
+        self._requests[seq.id] = request
+        self.waiting[seq.id] = seq
+        self.scheduler.submit(request)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Ends a request now (a client that went away): its slot and pages are freed."""
+        with self._lock:
+            if seq.finished:
+                return
+            if seq.id in self.waiting:
+                self.scheduler.remove(self._requests[seq.id])
+                del self.waiting[seq.id]
+                self._finish(seq, "cancelled")
+            else:
+                seq.finish_reason = "cancelled"  # released after the step in flight
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting or self._pending)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One iteration: admit into free slots, dispatch a decode step, read the previous one."""
+        start = time.perf_counter()
+        with self._lock:
+            self._admit()
+            if self.grow:
+                self._grow()
+            pending = self._pending
+            if self.running:
+                table, limit = self._table(), jnp.asarray(self.limit)
+                # One program per (early exit, sampling, speculation) option among the running rows
+                # (usually one); the other rows wait through it.
+                for options in {(seq.exit, seq.sampling, seq.spec): None for seq in self.running.values()}:
+                    exit_config, sampling, spec = options
+                    group = np.zeros((self.slots,), bool)
+                    group[[slot for slot, seq in self.running.items()
+                           if (seq.exit, seq.sampling, seq.spec) == options]] = True
+                    if spec is None:
+                        program, args = self._decode_program(table, limit, jnp.asarray(group), exit_config, sampling)
+                        self.state, self.cache = program(*args)
+                    else:
+                        args = (self.model.params, self.cache, self.state, self.spec_counters, table, limit,
+                                jnp.asarray(group))
+                        static = dict(self.static, spec=spec, sampling=sampling)
+                        program = self.model.programs.get(spec_round_slots, args, static, donate_argnums=(1,))
+                        self.state, self.cache, self.spec_counters = program(*args)
+                    self.counters["steps"] += 1
+                self._pending = (self.state, dict(self.running), self.spec_counters)
+            else:
+                self._pending = None
+            if pending is not None:
+                self._read(*pending)
+        self.counters["step_s"] += time.perf_counter() - start
+
+    def run(self) -> None:
+        """Steps until every submitted request has finished."""
+        while self.busy:
+            self.step()
+
+    def generate_offline(self, prompts, *, max_new_tokens: int = 64, progress: bool = True) -> list[Sequence]:
+        """Runs a batch job to the end (in this thread) with a progress bar over finished requests;
+        returns the Sequences in the prompts' order."""
+        from tqdm.auto import tqdm
+
+        seqs = [self.submit(p, max_new_tokens=max_new_tokens) for p in prompts]
+        with tqdm(total=len(seqs), desc="requests", disable=not progress) as bar:
+            while self.busy:
+                self.step()
+                bar.update(sum(s.finished for s in seqs) - bar.n)
+        return seqs
+
+    def start(self) -> None:
+        """Runs the loop in a background thread (what the HTTP server uses) until `stop()`."""
+        if self._thread is not None:
+            return
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="eejax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, cancel: bool = False) -> None:
+        """Stops the background loop after finishing (or, with `cancel`, cancelling) all requests."""
+        if cancel:
+            with self._lock:
+                seqs = list(self.waiting.values()) + list(self.running.values())
+            for seq in seqs:
+                self.cancel(seq)
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            if self.busy:
+                self.step()
+                continue
+            if self._stopping.is_set():
+                return
+            self._wake.wait(0.05)
+            self._wake.clear()
+
+    def _table(self):
+        longest = max(len(s.prompt) + len(s.tokens) + 2 + self._ahead(s) for s in self.running.values())
+        width = min(self.table_width, bucket(pages_needed(longest, self.page_size)))
+        return jnp.asarray(self.block_table[:, :width])
+
+    @staticmethod
+    def _ahead(seq: Sequence) -> int:
+        """Positions a step may write past a row's next one (a speculation round's drafts)."""
+        return 0 if seq.spec is None else seq.spec.num_speculations + 1
+
+    def _admit(self) -> None:
+        free = [s for s in range(self.slots) if s not in self.running]
+        start = time.perf_counter()
+        chosen = self.scheduler.admit(len(free), self.allocator.num_free)
+        self.counters["scheduler_s"] += time.perf_counter() - start
+        seqs = [self.waiting.pop(r.id) for r in chosen]
+        for seq, slot in zip(seqs, free):
+            seq.offset = len(seq.tokens)
+            tokens = len(seq.prompt) + (seq.offset + 1 if self.grow else seq.max_new_tokens)
+            seq.slot, seq.pages = slot, self.allocator.allocate(pages_needed(tokens, self.page_size))
+            self.block_table[slot] = 0
+            self.block_table[slot, : len(seq.pages)] = seq.pages
+            self.limit[slot] = seq.max_new_tokens - seq.offset
+            self.running[slot] = seq
+        # The prefill samples each row's first token: one program per sampling option.
+        for sampling in {seq.sampling: None for seq in seqs}:
+            self._prefill([seq for seq in seqs if seq.sampling == sampling], sampling)
+
+    def _prefill(self, seqs: list[Sequence], sampling: SamplingParams) -> None:
+        b = bucket(len(seqs))  # 1, 2, 3, 4, 6, 8, ...: little row padding, few programs
+        t = bucket(max(len(s.prompt) + s.offset for s in seqs), MIN_PROMPT_BUCKET)
+        tokens = np.zeros((b, t), np.int32)
+        lengths = np.zeros((b,), np.int32)
+        slots = np.full((b,), self.slots, np.int32)  # padding rows: dropped
+        for j, seq in enumerate(seqs):
+            prompt = seq.prompt + seq.tokens[: seq.offset]
+            tokens[j, : len(prompt)] = prompt
+            lengths[j] = len(prompt)
+            slots[j] = seq.slot
+        table = np.zeros((b, self._prefill_width(t)), np.int32)
+        table[: len(seqs)] = self.block_table[slots[: len(seqs)], : table.shape[1]]
+        self.key, key = jax.random.split(self.key)
+        program, args = self._prefill_program(tokens, lengths, table, slots, key, sampling)
+        self.state, self.cache = program(*args)
+        self.spec_counters = jax.tree.map(lambda x: x.at[slots].set(0, mode="drop"), self.spec_counters)
+        self.counters["prefills"] += 1
+        self.counters["prompt_tokens"] += int(lengths.sum())
+        self.counters["padding_tokens"] += int(b * t - lengths.sum())
+
+    def _prefill_width(self, prompt_bucket: int) -> int:
+        return min(self.table_width, bucket(pages_needed(prompt_bucket, self.page_size)))
+
+    def _prefill_program(self, tokens, lengths, table, slots, key, sampling: SamplingParams):
+        args = (self.model.params, self.cache, self.state, jnp.asarray(tokens), jnp.asarray(lengths),
+                jnp.asarray(table), jnp.asarray(slots), jnp.asarray(self.limit), key)
+        static = dict(self.static, sampling=sampling)
+        return self.model.programs.get(prefill_slots, args, static, donate_argnums=(1,)), args
+
+    def _decode_program(self, table, limit, group, exit_config: ExitConfig | None, sampling: SamplingParams):
+        args = (self.model.params, self.cache, self.state, table, limit, group)
+        static = dict(self.static, exit_config=exit_config, sampling=sampling)
+        return self.model.programs.get(decode_slots, args, static, donate_argnums=(1,)), args
+
+    def warmup(self, max_prompt_len: int | None = None, progress: bool = True) -> int:
+        """Compiles ahead of the first requests the programs they will need with the engine's
+        own options: prefill for every batch bucket up to the slots x every prompt bucket up to
+        `max_prompt_len` (default: the context), decode for every page-table width up to that
+        prompt + max new tokens. Nothing runs. Returns how many programs were new."""
+        from tqdm.auto import tqdm
+
+        max_prompt_len = min(max_prompt_len or self.max_len, self.max_len)
+        batches = sorted({bucket(n) for n in range(1, self.slots + 1)})
+        prompts = sorted({bucket(n, MIN_PROMPT_BUCKET) for n in range(1, max_prompt_len + 1)})
+        longest = min(max_prompt_len + self.max_new_tokens + 2, self.max_len)
+        widths = sorted({min(self.table_width, bucket(pages_needed(n, self.page_size)))
+                         for n in range(1, longest + 1)})
+        sampling, before = self.static["sampling"], self.model.programs.num_programs
+        shapes = [(b, t) for b in batches for t in prompts] + [(None, w) for w in widths]
+        for b, n in tqdm(shapes, desc="compiling", disable=not progress):
+            if b is None:  # decode at table width n
+                table = jnp.zeros((self.slots, n), jnp.int32)
+                group = jnp.zeros((self.slots,), bool)
+                self._decode_program(table, jnp.asarray(self.limit), group, self.exit_config, sampling)
+            else:  # prefill of b rows of n tokens
+                zeros = np.zeros((b,), np.int32)
+                self._prefill_program(np.zeros((b, n), np.int32), zeros,
+                                      np.zeros((b, self._prefill_width(n)), np.int32), zeros, self.key, sampling)
+        return self.model.programs.num_programs - before
+
+    def _read(self, state, running: dict[int, Sequence], counters) -> None:
+        """Delivers the tokens a finished step produced; releases rows that ended."""
+        num, done, tokens, layers, drafted, accepted = jax.device_get(
+            (state.num_generated, state.done, state.tokens, state.exit_layers, counters.drafted, counters.accepted))
+        now = time.perf_counter()
+        for slot, seq in running.items():
+            if seq.finished or self.running.get(slot) is not seq:
+                continue  # ended, or preempted (its token of this step is recomputed later)
+            n = min(seq.offset + int(num[slot]), seq.max_new_tokens)  # a round may draft past the limit
+            for i in range(len(seq.tokens), n):
+                seq.tokens.append(int(tokens[slot, i - seq.offset]))
+                seq.exit_layers.append(int(layers[slot, i - seq.offset]))
+                seq.token_times.append(now)
+                seq._events.put(seq.tokens[-1])
+                self.counters["generated_tokens"] += 1
+            if seq.finish_reason == "cancelled" or done[slot]:
+                ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.static["eos_ids"]
+                seq.drafted, seq.accepted = int(drafted[slot]), int(accepted[slot])
+                self._release(seq)
+                self._finish(seq, seq.finish_reason or ("stop" if ended_at_eos else "length"))
+
+    def _grow(self) -> None:
+        """Gives every running row the pages for the tokens it may hold after the step about to
+        be dispatched (its known tokens, one in flight, one more), preempting when none is free."""
+        from eejax.errors import OutOfPagesError
+        from eejax.serve.scheduler import preemption_victim
+
+        for seq in sorted(self.running.values(), key=lambda s: (-s.priority, s.submitted_at)):
+            if seq.slot is None:
+                continue  # preempted in this loop
+            need = pages_needed(min(len(seq.prompt) + len(seq.tokens) + 2 + self._ahead(seq),
+                                    len(seq.prompt) + seq.max_new_tokens), self.page_size)
+            while seq.slot is not None and len(seq.pages) < need:
+                try:
+                    (page,) = self.allocator.allocate(1)
+                except OutOfPagesError:
+                    self._preempt(preemption_victim([self._requests[s.id] for s in self.running.values()]))
+                    continue
+                self.block_table[seq.slot, len(seq.pages)] = page
+                seq.pages.append(page)
+
+    def _preempt(self, request: Request) -> None:
+        """Frees a running row's slot and pages; it waits again and is recomputed (its prompt and
+        the tokens it has) when admitted."""
+        seq = next(s for s in self.running.values() if s.id == request.id)
+        self._release(seq)
+        self._queue(seq)
+        self.counters["preemptions"] += 1
+        self.prometheus.preemptions.inc()
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None and self.running.get(seq.slot) is seq:
+            del self.running[seq.slot]
+            self.block_table[seq.slot] = 0
+            self.limit[seq.slot] = 0
+            # The slot is done on device after the step that ended it; a cancelled row is
+            # stopped here.
+            self.state = dataclasses.replace(self.state, done=self.state.done.at[seq.slot].set(True))
+        if seq.pages:
+            self.allocator.free(seq.pages)
+            seq.pages = []
+        seq.slot = None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.prometheus.finished(seq)
+        self._requests.pop(seq.id, None)
+        seq._events.put(None)
+        seq._done.set()
+
+    # -- reports -------------------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "waiting": len(self.waiting), "running": len(self.running), "slots": self.slots,
+            "kv_pages_used": self.allocator.num_allocated, "kv_pages_total": self.allocator.num_free
+            + self.allocator.num_allocated, "compiled_programs": self.model.programs.num_programs,
+            "buckets": len(self.scheduler.buckets), **self.counters,
+        }

@@ -1,0 +1,105 @@
+"""The serving engine: continuous batching gives exactly `generate`'s tokens, and frees everything."""
+
+import eejax
+from eejax.serve.engine import Engine
+from tests.conftest import random_prompts
+
+
+def test_engine_matches_generate_with_more_requests_than_slots(tiny_model):
+    prompts = random_prompts(11, [3, 17, 9, 30, 1, 12], seed=5)
+    max_new = [5, 12, 1, 8, 20, 3, 7, 12, 2, 9, 16]
+    engine = Engine(tiny_model, max_slots=4, max_new_tokens=32, cache_budget="4MiB", page_size=8)
+    seqs = [engine.submit(p, max_new_tokens=n) for p, n in zip(prompts, max_new)]
+    engine.run()
+    m = engine.metrics()
+    assert m["kv_pages_used"] == 0 and m["running"] == 0 and m["waiting"] == 0
+    assert m["generated_tokens"] == sum(len(s.tokens) for s in seqs)
+    print(m)
+    for p, n, seq in zip(prompts, max_new, seqs):
+        want = eejax.generate(tiny_model, [p], max_new_tokens=n).tokens[0]
+        assert seq.tokens == want, (seq.id, seq.tokens, want)
+        assert seq.finish_reason in ("stop", "length")
+
+
+def test_requests_with_their_own_exit_options_share_the_slots(tiny_model):
+    """Full depth, static:1 and softmax rows decode side by side; each gets what `generate` with
+    its own option gives."""
+    prompts = random_prompts(6, [5, 11, 2], seed=7)
+    options = [None, "static:1", "softmax:0.1", "none", "static:2", "static:1"]
+    engine = Engine(tiny_model, max_slots=4, max_new_tokens=16, cache_budget="4MiB", page_size=8)
+    seqs = engine.generate_offline(prompts[:0], progress=False)
+    assert seqs == []
+    seqs = [engine.submit(p, max_new_tokens=10, exit=o) for p, o in zip(prompts, options)]
+    engine.run()
+    for p, o, seq in zip(prompts, options, seqs):
+        want = eejax.generate(tiny_model, [p], max_new_tokens=10, exit=None if o == "none" else o)
+        assert seq.tokens == want.tokens[0], (o, seq.tokens, want.tokens[0])
+        assert seq.exit_layers == want.exit_layers[0], o
+    assert engine.metrics()["kv_pages_used"] == 0
+
+
+def test_warmup_compiles_every_program_the_requests_then_need(tiny_model):
+    engine = Engine(tiny_model, max_slots=3, max_new_tokens=6, cache_budget="4MiB", page_size=8)
+    # Batch buckets 1, 2, 3 x prompt buckets 16, 24 + decode widths 1, 2, 3, 4 pages (up to 24 + 6 + 2 tokens).
+    assert engine.warmup(max_prompt_len=20, progress=False) == 3 * 2 + 4
+    compiled = tiny_model.programs.num_programs
+    prompts = random_prompts(7, [1, 20, 9, 14], seed=3)
+    seqs = engine.generate_offline(prompts, max_new_tokens=6, progress=False)
+    assert tiny_model.programs.num_programs == compiled  # nothing compiled while serving
+    assert [s.tokens for s in seqs] == eejax.generate(tiny_model, prompts, max_new_tokens=6).tokens
+
+
+def test_generate_offline_keeps_the_order(tiny_model):
+    prompts = random_prompts(5, [4, 9], seed=8)
+    engine = Engine(tiny_model, max_slots=2, max_new_tokens=8, cache_budget="4MiB", page_size=8, policy="sjf")
+    seqs = engine.generate_offline(prompts, max_new_tokens=6, progress=False)
+    assert [s.tokens for s in seqs] == eejax.generate(tiny_model, prompts, max_new_tokens=6).tokens
+
+
+def test_requests_with_their_own_sampling_share_the_slots(tiny_model):
+    """Greedy rows stay exactly greedy beside rows sampled at a high temperature; top_k = 1 is greedy."""
+    prompts = random_prompts(4, [6, 10], seed=9)
+    engine = Engine(tiny_model, max_slots=4, max_new_tokens=16, cache_budget="4MiB", page_size=8, seed=3)
+    greedy = engine.submit(prompts[0], max_new_tokens=12)
+    hot = engine.submit(prompts[1], max_new_tokens=12, temperature=5.0)
+    top1 = engine.submit(prompts[2], max_new_tokens=12, temperature=0.8, top_k=1)
+    hot_copy = engine.submit(prompts[1], max_new_tokens=12, temperature=5.0)
+    engine.run()
+    want = eejax.generate(tiny_model, prompts[:3], max_new_tokens=12).tokens
+    assert greedy.tokens == want[0] and top1.tokens == want[2]
+    assert hot.tokens != want[1] and hot.tokens != hot_copy.tokens  # sampled, and not the same draw twice
+    assert len(hot.tokens) == 12 or hot.finish_reason == "stop"
+
+
+def test_rows_that_run_out_of_pages_are_preempted_and_recomputed(tiny_model):
+    """With pages handed out as rows grow, 6 long requests through 4 slots outgrow a 16-page
+    cache: rows are preempted and recomputed, and every one still gets exactly its greedy tokens."""
+    from eejax.cache import page_bytes
+
+    c = tiny_model.config
+    budget = 16 * page_bytes(c.num_layers, 8, c.num_kv_heads, c.head_dim, tiny_model.dtype)
+    prompts = random_prompts(6, [9, 14, 5], seed=11)
+    engine = Engine(tiny_model, max_slots=4, max_new_tokens=40, cache_budget=budget, page_size=8, pages="grow")
+    seqs = [engine.submit(p, max_new_tokens=36, priority=i % 2) for i, p in enumerate(prompts)]
+    engine.run()
+    assert engine.counters["preemptions"] > 0
+    want = eejax.generate(tiny_model, prompts, max_new_tokens=36, ignore_eos=False).tokens
+    for seq, w in zip(seqs, want):
+        assert seq.tokens == w, seq.id
+    assert engine.metrics()["kv_pages_used"] == 0
+
+
+def test_self_speculation_rows_beside_plain_rows_are_lossless(tiny_model):
+    """Rows speculating with different (E, d) and plain rows in the same slots: every row's greedy
+    tokens equal full depth, limits that are not multiples of d + 1 included."""
+    prompts = random_prompts(6, [7, 13, 3], seed=12)
+    specs = ["1:2", "2:3", None, "1:2", "2:1", None]
+    limits = [11, 7, 9, 5, 13, 3]
+    engine = Engine(tiny_model, max_slots=4, max_new_tokens=16, cache_budget="4MiB", page_size=8)
+    seqs = [engine.submit(p, max_new_tokens=n, spec=s) for p, n, s in zip(prompts, limits, specs)]
+    engine.run()
+    for p, n, s, seq in zip(prompts, limits, specs, seqs):
+        assert seq.tokens == eejax.generate(tiny_model, [p], max_new_tokens=n).tokens[0], (s, n)
+        if s is not None:
+            assert seq.drafted > 0 and 0 <= seq.accepted <= seq.drafted
+    assert engine.metrics()["kv_pages_used"] == 0

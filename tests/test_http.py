@@ -1,0 +1,206 @@
+"""The OpenAI-compatible HTTP API on a real server on 127.0.0.1."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+import eejax
+from eejax.serve.engine import Engine
+from eejax.serve.http import create_app
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    import uvicorn
+
+    engine = Engine(tiny_model, max_slots=4, max_new_tokens=32, cache_budget="4MiB", page_size=8)
+    engine.start()
+    app = create_app(engine, served_model_name="tiny")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join()
+    engine.stop(cancel=True)
+
+
+def test_completions_equal_generate(server, tiny_model):
+    url, _ = server
+    prompts = ["The river rose", "Officials said that the", "Hello"]
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for p in prompts:
+            r = client.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 9})
+            assert r.status_code == 200, r.text
+            want = eejax.generate(tiny_model, [p], max_new_tokens=9)
+            body = r.json()
+            assert body["eejax"]["tokens"] == want.tokens[0]
+            assert body["choices"][0]["text"] == want.texts[0]
+        # Streaming: the concatenated deltas are the text.
+        with client.stream("POST", "/v1/completions", json={"prompt": prompts[0], "max_tokens": 9, "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == eejax.generate(tiny_model, [prompts[0]],
+                                                                                  max_new_tokens=9).texts[0]
+        # eejax extras: a request's own early-exit option.
+        r = client.post("/v1/completions", json={"prompt": prompts[1], "max_tokens": 6, "exit": "static:1"})
+        want = eejax.generate(tiny_model, [prompts[1]], max_new_tokens=6, exit="static:1")
+        assert r.json()["eejax"]["tokens"] == want.tokens[0] and r.json()["eejax"]["exit_layers"] == want.exit_layers[0]
+        r = client.post("/v1/completions", json={"prompt": prompts[1], "max_tokens": 7, "spec": "1:2"}).json()
+        assert r["eejax"]["tokens"] == eejax.generate(tiny_model, [prompts[1]], max_new_tokens=7).tokens[0]
+        assert 0 <= r["eejax"]["acceptance_rate"] <= 1
+        assert client.get("/health").json()["status"] == "ok"
+        metrics = client.get("/metrics").text
+        assert "eejax_kv_pages_used 0.0" in metrics and "eejax_time_to_first_token_seconds_count 6.0" in metrics
+        values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+        assert float(values["eejax_spec_acceptance_rate"]) == pytest.approx(r["eejax"]["acceptance_rate"])
+        assert float(values["eejax_tokens_per_second"]) > 0
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    (b"{not json", 400, "malformed JSON"),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"prompt": "word " * 2000, "max_tokens": 4}, 400, "context"),
+    ({"prompt": "hi", "n": 2}, 400, "n=2"),
+    ({"prompt": "hi", "seed": 7, "temperature": 1.0}, 400, "seed=7"),
+    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": "high"}, 400, "top_p"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "hi", "exit": "entropy:0.5"}, 400, "unknown exit measure"),
+    ({"prompt": "hi", "spec": "9:2"}, 400, "below"),
+])
+def test_bad_input(server, body, status, needle):
+    url, _ = server
+    with httpx.Client(base_url=url, timeout=60) as client:
+        r = (client.post("/v1/completions", content=body) if isinstance(body, bytes)
+             else client.post("/v1/completions", json=body))
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_64_concurrent_clients_some_streaming_some_leaving(server):
+    """Mixed prompt lengths; a third stream, some of those hang up after two chunks; everyone who
+    stayed gets a full answer, and afterwards every KV page is free."""
+    import asyncio
+
+    url, engine = server
+    words = "the river rose above the bank and officials said".split()
+
+    async def client(i: int, http: httpx.AsyncClient):
+        prompt = " ".join(words[j % len(words)] for j in range(1 + (i * 7) % 40))
+        body = {"prompt": prompt, "max_tokens": 4 + i % 9}
+        if i % 3:
+            r = await http.post("/v1/completions", json=body)
+            return r.status_code, r.json()["usage"]["completion_tokens"]
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if i % 2 and chunks == 2:
+                        return "left", None
+            return r.status_code, chunks
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            return await asyncio.gather(*(client(i, http) for i in range(64)))
+
+    results = asyncio.run(main())
+    for i, (status, n) in enumerate(results):
+        if status == "left":
+            continue
+        assert status == 200, (i, status)
+        assert n >= 1
+    deadline = time.time() + 30
+    while engine.metrics()["kv_pages_used"] and time.time() < deadline:
+        time.sleep(0.1)
+    m = engine.metrics()
+    assert m["kv_pages_used"] == 0 and m["running"] == 0 and m["waiting"] == 0, m
+
+
+def test_chat_completions_use_the_chat_template(server, tiny_model):
+    url, engine = server
+    messages = [{"role": "user", "content": "The river rose"}]
+    tokenizer = engine.model.tokenizer
+    with httpx.Client(base_url=url, timeout=120) as client:
+        if getattr(tokenizer, "chat_template", None) is None:
+            r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4})
+            assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+            tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+        try:
+            r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5})
+            assert r.status_code == 200, r.text
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            want = eejax.generate(tiny_model, [list(ids)], max_new_tokens=5)
+            body = r.json()
+            assert body["object"] == "chat.completion" and body["eejax"]["tokens"] == want.tokens[0]
+            assert body["choices"][0]["message"]["role"] == "assistant"
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+            assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+        finally:
+            tokenizer.chat_template = None
+
+
+def test_eejax_serve_finishes_in_flight_requests_on_sigterm(tiny_checkpoints, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ckpt = str(tiny_checkpoints["gqa-untied"][2])
+    proc = subprocess.Popen([sys.executable, "-m", "eejax.cli", "serve", "--model", ckpt, "--port", str(port),
+                             "--max-slots", "2", "--max-tokens-limit", "64", "--cache-budget", "4MiB",
+                             "--pages", "grow", "--warmup", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else "timeout"
+            time.sleep(0.2)
+        with httpx.Client(base_url=url, timeout=120) as client:
+            assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "model": ckpt}).status_code == 200
+            chunks = []
+            with client.stream("POST", "/v1/completions",
+                               json={"prompt": "The river rose", "max_tokens": 40, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(json.loads(line[6:]))
+                        if len(chunks) == 2:
+                            proc.send_signal(signal.SIGTERM)  # mid-stream
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+        assert chunks[-1]["usage"]["completion_tokens"] >= 2
+        assert proc.wait(timeout=60) == 0
+        assert "compiling" in proc.stdout.read()  # the --warmup progress bar
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_over_capacity_is_429(tiny_model):
+    from fastapi.testclient import TestClient
+
+    engine = Engine(tiny_model, max_slots=1, max_new_tokens=8, cache_budget="4MiB", page_size=8)
+    with TestClient(create_app(engine, served_model_name="tiny", max_waiting=0)) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 429 and "capacity" in r.json()["error"]["message"]
