@@ -54,12 +54,20 @@ def test_completions_equal_generate(server, tiny_model):
         r = client.post("/v1/completions", json={"prompt": prompts[1], "max_tokens": 6, "exit": "static:1"})
         want = eejax.generate(tiny_model, [prompts[1]], max_new_tokens=6, exit="static:1")
         assert r.json()["eejax"]["tokens"] == want.tokens[0] and r.json()["eejax"]["exit_layers"] == want.exit_layers[0]
+        # Sampling fields reach the engine: top_k = 1 at temperature 1 is greedy, temperature 5 is not.
+        greedy = eejax.generate(tiny_model, [prompts[2]], max_new_tokens=12).tokens[0]
+        r = client.post("/v1/completions", json={"prompt": prompts[2], "max_tokens": 12, "temperature": 1.0,
+                                                 "top_k": 1}).json()
+        assert r["eejax"]["tokens"] == greedy
+        hot = [client.post("/v1/completions", json={"prompt": prompts[2], "max_tokens": 12, "temperature": 5.0,
+                                                    "top_p": 1.0}).json()["eejax"]["tokens"] for _ in range(2)]
+        assert greedy not in hot and hot[0] != hot[1]
         r = client.post("/v1/completions", json={"prompt": prompts[1], "max_tokens": 7, "spec": "1:2"}).json()
         assert r["eejax"]["tokens"] == eejax.generate(tiny_model, [prompts[1]], max_new_tokens=7).tokens[0]
         assert 0 <= r["eejax"]["acceptance_rate"] <= 1
         assert client.get("/health").json()["status"] == "ok"
         metrics = client.get("/metrics").text
-        assert "eejax_kv_pages_used 0.0" in metrics and "eejax_time_to_first_token_seconds_count 6.0" in metrics
+        assert "eejax_kv_pages_used 0.0" in metrics and "eejax_time_to_first_token_seconds_count 9.0" in metrics
         values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
         assert float(values["eejax_spec_acceptance_rate"]) == pytest.approx(r["eejax"]["acceptance_rate"])
         assert float(values["eejax_tokens_per_second"]) > 0
