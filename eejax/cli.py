@@ -245,9 +245,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine.start()
     app = create_app(engine, served_model_name=args.served_model_name or args.model, max_waiting=args.max_waiting)
     # uvicorn stops on SIGINT / SIGTERM once the responses in flight have ended, then raises the
-    # signal again: a handler of our own makes that a clean exit after the engine has stopped.
-    stopped = []
-    signal.signal(signal.SIGTERM, lambda sig, frame: stopped.append(sig))
+    # signal again: ignoring that second SIGTERM makes it a clean exit after the engine has stopped.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     except KeyboardInterrupt:
