@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eejax  # noqa: E402
 from benchmarks.common import ROOT, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, write_result  # noqa: E402
 from eejax import ExitConfig  # noqa: E402
+from eejax.cli_parsing import OneLineErrorParser
 
 # The paper's thresholds (softmax 0.85, state 0.96) at any layer; then, since SmolLM2's early
 # layers look confident (softmax margin ~0.4, consecutive-state cosine ~0.97 from layer 3 on)
@@ -97,8 +98,8 @@ def label(c: ExitConfig) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=[1, 8])
     parser.add_argument("--prompts", type=int, default=8, help="CNN/DM articles (each batch size runs all of them)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=256)

@@ -21,11 +21,12 @@ from benchmarks.common import (  # noqa: E402
     cnndm_prompts, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, read_bandwidth_gbs, write_result,
 )
 from eejax.models.llama import param_bytes_per_token  # noqa: E402
+from eejax.cli_parsing import OneLineErrorParser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=[1, 8, 32])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="eejax timed runs per batch (best is kept)")

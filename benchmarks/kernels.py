@@ -26,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import write_result  # noqa: E402
+from eejax.cli_parsing import OneLineErrorParser
 
 # Peak HBM bandwidth (GB/s) by `device_kind`; --peak-gbs overrides.
 PEAK_GBS = {"NVIDIA H100 80GB HBM3": 3350, "NVIDIA H100 PCIe": 2000, "NVIDIA H200": 4800,
@@ -147,11 +148,12 @@ def cpu_share(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-share", action="store_true", help="the CPU measurement instead of the GPU benchmark")
-    parser.add_argument("--batches", type=int, nargs="+", default=None,
+    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=None,
                         help="batch sizes (default: 1 8 32 64 on GPU, 1 8 32 on CPU)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="GPU: keys per row")
+    parser.add_argument("--contexts", type=int, nargs="+", action="extend", default=[512, 2048, 8192],
+                        help="GPU: keys per row")
     parser.add_argument("--peak-gbs", type=float, help="GPU: the device's peak memory bandwidth in GB/s")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="CPU: prompt length")
     parser.add_argument("--new-tokens", type=int, default=768, help="CPU: new tokens each row's pages are allocated for")

@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 
 import eejax  # noqa: E402
 from benchmarks.common import ROOT, fmt_ratio, write_result  # noqa: E402
+from eejax.cli_parsing import OneLineErrorParser
 
 CONFIGS = {"fcfs, no buckets": dict(bucketing=False), "bucketserve": dict(bucketing=True),
            "bucketserve + early exit": dict(bucketing=True, exit="softmax:0.9")}
@@ -153,9 +154,10 @@ def offline(model, prompts, args) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0, 16.0], help="requests per second")
+    p.add_argument("--rates", type=float, nargs="+", action="extend", default=[2.0, 4.0, 16.0],
+                   help="requests per second")
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--long-tokens", type=int, default=384)
     p.add_argument("--max-tokens", type=int, default=32)

@@ -32,6 +32,7 @@ from benchmarks.common import ROOT, fmt_ratio, hf_generate_tokens_per_s, load_hf
 from benchmarks.early_exit import summary_prompts  # noqa: E402
 from eejax import SpecConfig  # noqa: E402
 from eejax.decode.spec_policy import break_even_acceptance, speedup  # noqa: E402
+from eejax.cli_parsing import OneLineErrorParser
 
 SPECS = [SpecConfig(8, 2), SpecConfig(15, 2), SpecConfig(22, 2), SpecConfig(22, 4), SpecConfig(27, 1),
          SpecConfig(27, 3)]
@@ -86,9 +87,9 @@ def program_costs(model, batch: int, prompt_tokens: int, exit_layers, ds=(1, 2, 
     counters = speculative.SpecCounters.zeros(batch)
     for e in exit_layers:
         for d in ds:
-            kw = dict(spec=SpecConfig(e, d), **static)
+            kw = dict(spec=SpecConfig(e, d), config=c, sampling=SamplingParams())
             draft = program(speculative.draft, num_speculations=d, **kw)
-            verify = program(speculative.verify, eos_ids=(), **kw)
+            verify = program(speculative.verify, eos_ids=(), max_new_tokens=64, **kw)
             drafts, st, cache = draft(model.params, cache, state, table)
             if d == 1:
                 costs[f"draft_pass_{e}"] = median_s(lambda ca: draft(model.params, ca, state, table)[::2]) / (d + 1)
@@ -116,11 +117,11 @@ def hf_assistant_tokens_per_s(hf, prompts, new_tokens, exit_layer):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=[1, 8])
     parser.add_argument("--prompts", type=int, default=4, help="prompts at batch 1 (batch b uses b prompts)")
     parser.add_argument("--hf-prompts", type=int, default=2, help="prompts for HF assistant_early_exit")
-    parser.add_argument("--hf-exit-layers", type=int, nargs="*", default=[15, 22])
+    parser.add_argument("--hf-exit-layers", type=int, nargs="*", action="extend", default=[15, 22])
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--model", default="smollm2-135m", help="eejax model (e.g. one with trained exits)")

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eejax  # noqa: E402
 from benchmarks.common import ROOT, fmt_ratio, write_result  # noqa: E402
+from eejax.cli_parsing import OneLineErrorParser
 
 SMALL = dict(vocab_size=32128, d_model=512, d_kv=64, d_ff=1024, num_layers=8, num_decoder_layers=8, num_heads=6,
              feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0,
@@ -88,8 +89,8 @@ def eejax_run(model, prompts, new_tokens: int, batch: int, exit=None):  # noqa: 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=[1, 8, 32])
     parser.add_argument("--batch1-prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)

@@ -32,6 +32,7 @@ import eejax  # noqa: E402
 from eejax import ExitConfig, SpecConfig  # noqa: E402
 from benchmarks.common import OUT, fmt_ratio, write_result  # noqa: E402
 from benchmarks.early_exit import rouge_l, summary_prompts  # noqa: E402
+from eejax.cli_parsing import OneLineErrorParser
 
 EVAL_ROWS = 8
 CAL_END = 50
@@ -185,9 +186,9 @@ def write_report(results: dict) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
-    p.add_argument("--exit-layers", type=int, nargs="+", default=[3, 6, 9, 12, 15, 18, 21, 24, 27])
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", nargs="+", action="extend", choices=STAGES, default=list(STAGES))
+    p.add_argument("--exit-layers", type=int, nargs="+", action="extend", default=[3, 6, 9, 12, 15, 18, 21, 24, 27])
     p.add_argument("--rank", type=int, default=256)
     p.add_argument("--steps", type=int, default=240)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -197,15 +198,15 @@ def main() -> int:
     p.add_argument("--continuation-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=256, help="evaluation prompts' tokens")
     p.add_argument("--new-tokens", type=int, default=64, help="evaluation tokens per row")
-    p.add_argument("--thresholds", type=float, nargs="+", default=[0.99, 0.95, 0.9, 0.8, 0.6, 0.4])
+    p.add_argument("--thresholds", type=float, nargs="+", action="extend", default=[0.99, 0.95, 0.9, 0.8, 0.6, 0.4])
     p.add_argument("--delta", type=float, default=0.2, help="tolerated 1 - ROUGE-L to full")
     p.add_argument("--epsilon", type=float, default=0.1)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--batches", type=int, nargs="+", action="extend", default=[1, 8])
     p.add_argument("--prompts-b1", type=int, default=4, help="prompts run one at a time at batch 1")
-    p.add_argument("--speed-thresholds", type=float, nargs="*", default=[0.9, 0.6, 0.3])
-    p.add_argument("--specs", nargs="*", default=["6:2", "9:2", "12:2", "15:1", "15:2", "9:2:adaptive",
+    p.add_argument("--speed-thresholds", type=float, nargs="*", action="extend", default=[0.9, 0.6, 0.3])
+    p.add_argument("--specs", nargs="*", action="extend", default=["6:2", "9:2", "12:2", "15:1", "15:2", "9:2:adaptive",
                                                   "15:2:adaptive"])
-    p.add_argument("--untrained-specs", nargs="*", default=["15:2:adaptive"])
+    p.add_argument("--untrained-specs", nargs="*", action="extend", default=["15:2:adaptive"])
     args = p.parse_args()
 
     results_path = OUT / "train_exits.json"

@@ -32,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     from eejax.cli import run_guarded
+    from eejax.cli_parsing import OneLineErrorParser
 
-    parser = argparse.ArgumentParser(prog="python -m conversion", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(prog="python -m conversion", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run_guarded(lambda: run(parser.parse_args(argv)))

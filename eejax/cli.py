@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from eejax.cli_parsing import OneLineErrorParser
 from eejax.errors import EejaxError
 
 PROMPT_FIELDS = ("prompt", "text", "article", "document")
@@ -63,7 +64,8 @@ def add_model_and_prompts(parser: argparse.ArgumentParser, what: str, model_help
     """--model, --prompt | --prompts-file, --prompt-field, --limit."""
     parser.add_argument("--model", required=True, help=model_help)
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", nargs="+", metavar="TEXT", help=f"one or more {what}")
+    src.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT",
+                     help=f"one or more {what} (repeat --prompt or give several)")
     src.add_argument("--prompts-file", metavar="F.jsonl",
                      help=f"{what}, one JSON string or object per line (field prompt, text, article or document)")
     parser.add_argument("--prompt-field", help="which field of --prompts-file objects holds the prompt")
@@ -266,13 +268,6 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Usage errors as one line (`eejax generate: error: ...`) and exit status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     from conversion import cli as convert_cli
 
@@ -346,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_and_prompts(cal, "calibration prompts", "eejax checkpoint directory or known model name")
     cal.add_argument("--measure", required=True, choices=("softmax", "state", "classifier"))
-    cal.add_argument("--thresholds", type=float, nargs="+", required=True, metavar="λ",
+    cal.add_argument("--thresholds", type=float, nargs="+", action="extend", required=True, metavar="λ",
                      help="candidates, most conservative (largest) first, e.g. 0.99 0.95 0.9 0.8")
     cal.add_argument("--delta", type=float, default=0.1, help="tolerated risk (mean inconsistency), default 0.1")
     cal.add_argument("--epsilon", type=float, default=0.05, help="risk level of the guarantee, default 0.05")

@@ -123,3 +123,37 @@ def prefilled(model, prompts, max_new_tokens=8, temperature=0.0, pages_per_row=4
                                  jax.random.PRNGKey(0), config=c, sampling=SamplingParams(temperature),
                                  max_new_tokens=max_new_tokens, eos_ids=())
     return state, cache, table
+
+
+def serve_in_thread(engine, name: str = "tiny"):
+    """Starts `engine` and an `eejax serve` app for it on a free 127.0.0.1 port in this process;
+    a context manager yielding the base URL, stopping both at exit."""
+    import contextlib
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from eejax.serve.http import create_app
+
+    @contextlib.contextmanager
+    def running():
+        engine.start()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(create_app(engine, served_model_name=name), host="127.0.0.1",
+                                               port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+            thread.join()
+            engine.stop(cancel=True)
+
+    return running()

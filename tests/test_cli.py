@@ -176,3 +176,36 @@ def test_entry_point_subprocess(ckpt, tmp_path):
     assert bad.stderr.strip().splitlines()[-1].startswith("eejax: error: no such file")
     conv = subprocess.run([sys.executable, "-m", "conversion", "--help"], capture_output=True, text=True, env=env)
     assert conv.returncode == 0 and "atomic" in conv.stdout
+
+
+def test_repeated_prompts_accumulate(capsys, ckpt):
+    code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose", "--prompt",
+                           "Officials said", "Hello", "--max-new-tokens", 3, "--json")
+    assert code == 0
+    assert [o["prompt"] for o in json.loads(out)["outputs"]] == ["The river rose", "Officials said", "Hello"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--model", "a", "--model", "b", "--prompt", "x"], "--model given twice"),
+    (["generate", "--model", "a", "--prompt", "x", "--max-new-tokens", "3", "--max-new-tokens", "4"],
+     "--max-new-tokens given twice"),
+    (["convert", "src", "dst", "--dtype", "float32", "--dtype", "bfloat16"], "--dtype given twice"),
+])
+def test_repeated_single_valued_options_are_refused(capsys, argv, needle):
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_repeated_list_options_accumulate_and_keep_their_default_when_absent():
+    from eejax.cli import build_parser
+
+    args = build_parser().parse_args(["calibrate", "--model", "m", "--prompt", "x", "--measure", "softmax",
+                                      "--thresholds", "0.5", "--thresholds", "0.7", "0.9"])
+    assert args.thresholds == [0.5, 0.7, 0.9]
+    from eejax.cli_parsing import OneLineErrorParser
+
+    parser = OneLineErrorParser()
+    parser.add_argument("--batches", type=int, nargs="*", action="extend", default=[1, 8])
+    assert parser.parse_args([]).batches == [1, 8]
+    assert parser.parse_args(["--batches", "2", "--batches", "4"]).batches == [2, 4]
+    assert parser.parse_args(["--batches"]).batches == []  # given empty: off

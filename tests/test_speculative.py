@@ -135,12 +135,12 @@ def test_small_cache_budget_runs_rows_in_turn(model):
 # --- the cache after a round ----------------------------------------------------------------
 
 def spec_round(model, state, cache, table, spec, max_new_tokens, temperature=0.0, counters=None):
-    static = dict(config=model.config, spec=spec, sampling=SamplingParams(temperature),
-                  max_new_tokens=max_new_tokens)
+    static = dict(config=model.config, spec=spec, sampling=SamplingParams(temperature))
     drafts, state, cache = speculative.draft(model.params, cache, state, table,
                                              num_speculations=spec.num_speculations, **static)
     counters = speculative.SpecCounters.zeros(state.done.shape[0]) if counters is None else counters
-    return speculative.verify(model.params, cache, state, drafts, counters, table, eos_ids=(), **static)
+    return speculative.verify(model.params, cache, state, drafts, counters, table, eos_ids=(),
+                              max_new_tokens=max_new_tokens, **static)
 
 
 @pytest.mark.parametrize("spec", [SpecConfig(1, 5), SpecConfig(3, 2)], ids=lambda s: s.spec)
@@ -209,10 +209,11 @@ def test_rejection_sampling_gives_the_target_distribution():
     v, d, n = 12, 3, 40000
     p = rng.dirichlet(np.full(v, 0.5), size=d + 1).astype(np.float32)
     q = rng.dirichlet(np.full(v, 0.5), size=d).astype(np.float32)
-    key_draft, key_accept = jax.random.split(jax.random.PRNGKey(1))
+    key_draft, key_accept, key_resample = jax.random.split(jax.random.PRNGKey(1), 3)
     drafts = jax.random.categorical(key_draft, jnp.log(jnp.asarray(q))[None], shape=(n, d)).astype(jnp.int32)
     pb, qb = jnp.broadcast_to(p, (n, d + 1, v)), jnp.broadcast_to(q, (n, d, v))
-    accepted, tokens = jax.jit(speculative.speculative_sample)(pb, qb, drafts, key_accept)
+    accept_keys, resample_keys = jax.random.split(key_accept, n), jax.random.split(key_resample, n)
+    accepted, tokens = jax.jit(speculative.speculative_sample)(pb, qb, drafts, accept_keys, resample_keys)
     tokens, accepted = np.asarray(tokens), np.asarray(accepted)
     assert 0.05 < np.mean(accepted >= 1) < 0.95
     assert chi_square_p(np.bincount(tokens[:, 0], minlength=v), p[0]) > 1e-3
@@ -234,7 +235,8 @@ def test_speculative_sampling_on_a_model_matches_its_softmax():
     spec = SpecConfig(2, 2)
     state, cache, table = prefilled(model, [prompt] * rows, max_new_tokens=4, temperature=1.0, pages_per_row=2)
     x0 = 9
-    state = dataclasses.replace(state, last_token=jnp.full((rows,), x0, jnp.int32), key=jax.random.PRNGKey(5))
+    keys = jax.random.split(jax.random.PRNGKey(5), rows)  # rows draw independently
+    state = dataclasses.replace(state, last_token=jnp.full((rows,), x0, jnp.int32), keys=keys)
     new_state, _, counters = jax.jit(spec_round, static_argnums=(0, 4, 5, 6))(
         model, state, cache, table, spec, 4, 1.0
     )

@@ -60,12 +60,14 @@ def init_cache(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype) 
 
 
 def slot_indices(block_table, positions, valid, page_size):
-    """Page id and in-page slot of each token; invalid tokens go to the null page.
+    """Page id and in-page slot of each token; invalid tokens, and tokens past the row's block
+    table, go to the null page (a write past the table is lost, never aliased onto a live page).
 
     block_table [B, M] int32, positions [B, T] int32, valid [B, T] bool -> (pages, slots) [B, T].
     """
-    page_idx = jnp.clip(positions // page_size, 0, block_table.shape[1] - 1)
-    pages = jnp.take_along_axis(block_table, page_idx, axis=1)
+    page_idx = positions // page_size
+    valid = valid & (page_idx < block_table.shape[1])
+    pages = jnp.take_along_axis(block_table, jnp.clip(page_idx, 0, block_table.shape[1] - 1), axis=1)
     pages = jnp.where(valid, pages, NULL_PAGE)
     slots = jnp.where(valid, positions % page_size, 0)
     return pages, slots

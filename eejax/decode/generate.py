@@ -20,7 +20,7 @@ from eejax.config import ExitConfig, SpecConfig, T5Config
 from eejax.decode import speculative, steps
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
-from eejax.decode.sampling import SamplingParams
+from eejax.decode.sampling import SamplingParams, row_keys, seed_key
 from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.errors import EejaxError, OutOfPagesError
 from eejax.kernels.attention import IMPLS
@@ -145,7 +145,7 @@ def generate(
     out_layers: list[list[int]] = [[] for _ in rows]
     out_confident: list[list[int]] = [[] for _ in rows]
     compile_before = model.programs.compile_seconds
-    key = jax.random.PRNGKey(seed)
+    key = seed_key(seed)  # row i draws with fold_in(key, i), whatever chunk it runs in
     start = time.perf_counter()
     prefill_s = 0.0
     spec_totals = dict.fromkeys(SPEC_COUNTERS, 0)
@@ -161,9 +161,8 @@ def generate(
                 break
             chunk.append(i)
         pending = pending[len(chunk):]
-        key, chunk_key = jax.random.split(key)
         state, cache, chunk_prefill_s, spec_out = _run_chunk(
-            model, cache, [rows[i] for i in chunk], tables, table_width, chunk_key,
+            model, cache, [rows[i] for i in chunk], tables, table_width, _chunk_keys(key, chunk),
             sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids, exit_config=exit_config,
             spec_config=spec_config, attention=attention,
         )
@@ -229,7 +228,14 @@ def generate(
     return GenerateResult(texts, rows, out_tokens, decoded, out_layers, out_confident, stats)
 
 
-def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_new_tokens, eos_ids, exit_config,
+def _chunk_keys(key, chunk: list[int]):
+    """Per-row PRNG keys [batch bucket, 2] of a chunk of rows (their indices in the call)."""
+    index = np.zeros((batch_bucket(len(chunk)),), np.uint32)
+    index[: len(chunk)] = chunk
+    return row_keys(key, index)
+
+
+def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling, max_new_tokens, eos_ids, exit_config,
                spec_config, attention):
     """Prefill then decode one batch of rows (padded to a batch bucket) on the shared cache.
     Returns (state, cache, seconds the prefill ran, (SpecCounters, SpeculationPolicy) or None)."""
@@ -256,7 +262,7 @@ def _run_chunk(model, cache, rows, tables, table_width, key, *, sampling, max_ne
     decode_static = dict(static, exit_config=exit_config)
     # Tokens in the longest row's cache after the prefill: a Llama's prompt, a T5's start token.
     max_len = 1 if isinstance(model.config, T5Config) else int(lengths.max())
-    args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), key)
+    args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), keys)
     prefill = model.programs.get(steps.prefill, args, static, donate_argnums=(1,))
     start = time.perf_counter()
     state, cache = jax.block_until_ready(prefill(*args))
@@ -280,7 +286,7 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
     policy = SpeculationPolicy(spec)
     counters = speculative.SpecCounters.zeros(state.done.shape[0])
     verify_static = dict(static, spec=spec)
-    draft_static = {k: v for k, v in verify_static.items() if k != "eos_ids"}
+    draft_static = {k: v for k, v in verify_static.items() if k not in ("eos_ids", "max_new_tokens")}
     longest = max_len  # an upper bound on the tokens of the longest row in the cache
     seen = (0, 0)  # accepted, rejections summed over rows, as of the last read
     rounds = 0

@@ -11,12 +11,14 @@ A round has two jitted programs:
   greedy accepts the longest prefix of drafts equal to argmax p (`greedy_accept`); with
   temperature > 0 speculative rejection sampling keeps the output distribution exactly the
   full model's (`speculative_sample`). Either way a row emits n accepted drafts plus one token
-  of the full model, cut at EOS and at max_new_tokens.
+  of the full model, cut at EOS and at the row's own limit.
 
 Every row keeps x_0..x_{k-1} of the k tokens it emitted in the cache and the rest is rolled
 back by `seq_len` alone: the K/V at an accepted position were computed from the same tokens
-as a full-depth decode would have used. Positions a row can never emit (beyond
-max_new_tokens) are written to the null page, so a row never touches pages it does not own.
+as a full-depth decode would have used. Positions a row can never emit (beyond its limit)
+are written to the null page, so a row never writes past the pages of prompt + limit tokens.
+Random draws are per row and position (`sampling.token_keys`): a row's sampled tokens do not
+depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import jax.numpy as jnp
 
 from eejax.cache import KVCache
 from eejax.config import SpecConfig
-from eejax.decode.sampling import SamplingParams, filtered_logits, sample
-from eejax.decode.steps import DecodeState, exit_logits, is_eos, model_module
+from eejax.decode.sampling import ACCEPT, DRAFT, RESAMPLE, SamplingParams, filtered_logits, sample, token_keys
+from eejax.decode.steps import DecodeState, exit_logits, is_eos, model_module, record_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -62,11 +64,11 @@ class SpecCounters:
         return cls(*(jnp.zeros((batch,), jnp.int32) for _ in range(5)))  # distinct buffers: donated
 
 
-def _token_batch(config, state: DecodeState, offsets, block_table, page_size, max_new_tokens, attention):
-    """Positions seq_len + offsets [T] of every row; the ones a row may never emit (and all of an
-    inactive row) go to the null page. Keys valid up to the last of the offsets."""
+def _token_batch(config, state: DecodeState, offsets, block_table, page_size, attention):
+    """Positions seq_len + offsets [T] of every row; the ones a row may never emit (past its
+    limit; all of an inactive row) go to the null page. Keys valid up to the last offset."""
     active = ~state.done
-    room = max_new_tokens - state.num_generated
+    room = state.limit - state.num_generated
     positions = state.seq_len[:, None] + offsets[None, :]
     valid = active[:, None] & (offsets[None, :] < room[:, None])
     kv_len = state.seq_len + jnp.where(active, offsets[-1] + 1, 0)
@@ -75,29 +77,27 @@ def _token_batch(config, state: DecodeState, offsets, block_table, page_size, ma
 
 
 def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, spec: SpecConfig,
-          num_speculations: int, sampling: SamplingParams, max_new_tokens: int, attention: str = "auto"):
+          num_speculations: int, sampling: SamplingParams, attention: str = "auto"):
     """d = num_speculations drafts per row with layers [0, E). Returns (drafts, state, cache);
-    the state only changes its PRNG key."""
+    the state is unchanged."""
     e, m = spec.exit_layer, model_module(config)
 
     def draft_pass(cache, token, i):
-        batch = _token_batch(config, state, jnp.reshape(i, (1,)), block_table, cache.page_size, max_new_tokens,
-                             attention)
+        batch = _token_batch(config, state, jnp.reshape(i, (1,)), block_table, cache.page_size, attention)
         h, cache = m.run_layers(params, m.embed(params, token[:, None]), cache, batch, config, 0, e)
         return h[:, 0], cache
 
     def step(carry, i):
-        cache, token, key = carry
+        cache, token = carry
         h, cache = draft_pass(cache, token, i)
         logits = exit_logits(params, h, e, config)
-        key, step_key = jax.random.split(key)
-        proposal = sample(logits, step_key, sampling)
+        proposal = sample(logits, token_keys(state.keys, state.position + i, DRAFT), sampling)
         q = jnp.zeros(logits.shape[:1] + (0,)) if sampling.greedy else jax.nn.softmax(
             filtered_logits(logits, sampling), axis=-1)
-        return (cache, proposal, key), (token, h, q)
+        return (cache, proposal), (token, h, q)
 
-    (cache, last, key), (tokens, hidden, probs) = jax.lax.scan(
-        step, (cache, state.last_token, state.key), jnp.arange(num_speculations, dtype=jnp.int32)
+    (cache, last), (tokens, hidden, probs) = jax.lax.scan(
+        step, (cache, state.last_token), jnp.arange(num_speculations, dtype=jnp.int32)
     )
     h_last, cache = draft_pass(cache, last, jnp.int32(num_speculations))
     drafts = Drafts(
@@ -105,7 +105,7 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, sp
         hidden=jnp.concatenate([hidden.swapaxes(0, 1), h_last[:, None]], axis=1),
         probs=probs.swapaxes(0, 1),
     )
-    return drafts, dataclasses.replace(state, key=key), cache
+    return drafts, state, cache
 
 
 def greedy_accept(logits, drafts):
@@ -118,18 +118,18 @@ def greedy_accept(logits, drafts):
     return n, target
 
 
-def speculative_sample(p, q, drafts, key):
+def speculative_sample(p, q, drafts, accept_keys, resample_keys):
     """Speculative rejection sampling. p [B, d+1, V] full-model probabilities at x_0..x_d,
-    q [B, d, V] draft probabilities, drafts [B, d] sampled from q -> (n [B], tokens [B, d+1]).
+    q [B, d, V] draft probabilities, drafts [B, d] sampled from q, per-row keys [B, 2] for the
+    acceptance tests and the final draw -> (n [B], tokens [B, d+1]).
 
     Draft i is accepted with probability min(1, p_i(x)/q_i(x)); the row keeps the accepted
     prefix, then samples once more: from max(0, p_n - q_n) normalised after a rejection, from
     p_d when all d were accepted. Each emitted token is then distributed exactly as p."""
     b, d = drafts.shape
-    accept_key, resample_key = jax.random.split(key)
     px = jnp.take_along_axis(p[:, :d], drafts[..., None], axis=-1)[..., 0]
     qx = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(accept_key, (b, d))
+    u = jax.vmap(lambda k: jax.random.uniform(k, (d,)))(accept_keys)
     accepted = u * qx < px  # u < p/q without dividing (q(x) > 0: x was drawn from q)
     n = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
     rows = jnp.arange(b)
@@ -139,32 +139,34 @@ def speculative_sample(p, q, drafts, key):
     total = residual.sum(-1, keepdims=True)
     # p_n == q_n leaves no residual mass; a rejection then has probability 0, keep p_n.
     residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_n)
-    extra = jax.random.categorical(resample_key, jnp.log(residual), axis=-1).astype(jnp.int32)
+    extra = jax.vmap(jax.random.categorical)(resample_keys, jnp.log(residual)).astype(jnp.int32)
     tokens = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1).at[rows, n].set(extra)
     return n, tokens
 
 
 def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters: SpecCounters, block_table, *,
            config, spec: SpecConfig, sampling: SamplingParams, max_new_tokens: int,
-           eos_ids: tuple[int, ...], attention: str = "auto"):
-    """Layers [E, L) over the d + 1 drafted positions, acceptance, and the new tokens recorded.
-    Returns (state, cache, counters)."""
+           eos_ids: tuple[int, ...], attention: str = "auto", logprobs: bool = False):
+    """Layers [E, L) over the d + 1 drafted positions, acceptance, and the new tokens recorded
+    (with `logprobs`, their log-probabilities under the full model). Returns (state, cache,
+    counters)."""
     b, t = drafts.tokens.shape
     d, e, num_layers = t - 1, spec.exit_layer, config.num_layers
     offsets = jnp.arange(t, dtype=jnp.int32)
-    batch = _token_batch(config, state, offsets, block_table, cache.page_size, max_new_tokens, attention)
+    batch = _token_batch(config, state, offsets, block_table, cache.page_size, attention)
     m = model_module(config)
     h, cache = m.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
     logits = m.lm_head(params, h, config)  # [B, d+1, V]
-    key, accept_key = jax.random.split(state.key)
     if sampling.greedy:
         n, new = greedy_accept(logits, drafts.tokens[:, 1:])
     else:
         p = jax.nn.softmax(filtered_logits(logits.reshape(b * t, -1), sampling), axis=-1).reshape(logits.shape)
-        n, new = speculative_sample(p, drafts.probs, drafts.tokens[:, 1:], accept_key)
+        n, new = speculative_sample(p, drafts.probs, drafts.tokens[:, 1:], token_keys(state.keys, state.position,
+                                                                                      ACCEPT),
+                                    token_keys(state.keys, state.position, RESAMPLE))
 
     active = ~state.done
-    room = max_new_tokens - state.num_generated
+    room = state.limit - state.num_generated
     eos = is_eos(new, eos_ids) & (offsets[None] <= n[:, None])
     first_eos = jnp.where(eos.any(1), jnp.argmax(eos, axis=1), t)
     count = jnp.where(active, jnp.minimum(jnp.minimum(n + 1, room), first_eos + 1), 0)
@@ -179,11 +181,11 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
         last_token=jnp.where(count > 0, new[jnp.arange(b), jnp.maximum(count - 1, 0)], state.last_token),
         seq_len=state.seq_len + count,
         num_generated=num_generated,
-        done=state.done | (active & (first_eos < count)) | (num_generated >= max_new_tokens),
+        done=state.done | (active & (first_eos < count)) | (num_generated >= state.limit),
         tokens=state.tokens.at[rows, idx].set(new, mode="drop"),
         exit_layers=state.exit_layers.at[rows, idx].set(layers, mode="drop"),
         confident_layers=state.confident_layers.at[rows, idx].set(layers, mode="drop"),
-        key=key,
+        logprobs=record_logprobs(state, logits, new, idx, emitted, sampling) if logprobs else state.logprobs,
     )
     judged = jnp.where(active, jnp.minimum(d, room), 0)  # drafts past the row's room never count
     new_counters = SpecCounters(

@@ -22,13 +22,44 @@ from eejax.cache import KVCache
 from eejax.config import ExitConfig, T5Config
 from eejax.decode.confidence import exit_threshold
 from eejax.decode.early_exit import ExitFns, early_exit_layers
-from eejax.decode.sampling import SamplingParams, sample
+from eejax.decode.sampling import SAMPLE, SamplingParams, logprobs_of, row_keys, sample, token_keys
 from eejax.models import exits, llama, t5
 
 
 def model_module(config):
     """The pure-functional model module of a config: `llama` or `t5`."""
     return t5 if isinstance(config, T5Config) else llama
+
+
+TOP_LOGPROBS = 20  # the most alternatives a row's log-prob record keeps (OpenAI's bound)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LogprobRecord:
+    """Per generated token (see `sampling.logprobs_of` for which distribution):
+    chosen [B, N] f32: the token's log-probability; top_ids [B, N, K] int32 and top [B, N, K]
+    f32: the K = TOP_LOGPROBS most likely tokens and their log-probabilities."""
+
+    chosen: jax.Array
+    top_ids: jax.Array
+    top: jax.Array
+
+    @classmethod
+    def zeros(cls, rows: int, max_new_tokens: int) -> LogprobRecord:
+        shape = (rows, max_new_tokens)
+        return cls(jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (TOP_LOGPROBS,), jnp.int32),
+                   jnp.zeros(shape + (TOP_LOGPROBS,), jnp.float32))
+
+
+def token_logprobs(logits, tokens, sampling: SamplingParams):
+    """logits [..., V], tokens [...] -> (chosen [...], top_ids [..., K], top [..., K])."""
+    shape = tokens.shape
+    lp = logprobs_of(logits.reshape(-1, logits.shape[-1]), sampling)
+    chosen = jnp.take_along_axis(lp, tokens.reshape(-1, 1), axis=-1)[:, 0]
+    top, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
+    return (chosen.reshape(shape), top_ids.astype(jnp.int32).reshape(shape + (TOP_LOGPROBS,)),
+            top.reshape(shape + (TOP_LOGPROBS,)))
 
 
 @jax.tree_util.register_dataclass
@@ -39,12 +70,18 @@ class DecodeState:
     last_token [B] int32: the newest token, not yet in the cache
     seq_len [B] int32:    tokens already in the cache
     num_generated [B]:    tokens produced so far (EOS included)
-    done [B] bool:        row finished (EOS, max_new_tokens, or padding row)
-    tokens [B, N] int32:  generated ids
+    done [B] bool:        row finished (EOS, its limit, or padding row)
+    tokens [B, N] int32:  generated ids (N = max_new_tokens, the record's width)
     exit_layers [B, N]:   layers run for each token (the batch's exit layer)
     confident_layers [B, N]: the row's first confident layer (the exit layer if none)
-    key:                  PRNG key, split every step for sampling
+    keys [B, 2] uint32:   each row's PRNG key; token t is drawn with `token_keys(keys, t, ...)`
+    start [B] int32:      tokens the request generated before this state took it over (the
+                          engine recomputes a preempted row; 0 in `generate`): the absolute
+                          index of a row's token i is start + i
+    limit [B] int32:      the row's own max new tokens counted from `start` (<= N); the
+                          decaying exit threshold runs over start + limit
     context:              per-row model state besides the KV cache (T5: `t5.CrossKV`; Llama: None)
+    logprobs:             a `LogprobRecord`, or None when nobody asks for log-probabilities
     """
 
     last_token: jax.Array
@@ -54,8 +91,28 @@ class DecodeState:
     tokens: jax.Array
     exit_layers: jax.Array
     confident_layers: jax.Array
-    key: jax.Array
+    keys: jax.Array
+    start: jax.Array
+    limit: jax.Array
     context: Any = None
+    logprobs: LogprobRecord | None = None
+
+    @property
+    def position(self):
+        """[B] the absolute index of each row's next token."""
+        return self.start + self.num_generated
+
+
+def record_logprobs(state: DecodeState, logits, tokens, idx, emitted, sampling: SamplingParams):
+    """`state.logprobs` with the scores of tokens [B, T] (logits [B, T, V]) written at record
+    indices idx [B, T] where `emitted` [B, T]; unchanged when there is no record."""
+    if state.logprobs is None:
+        return None
+    idx = jnp.where(emitted, idx, state.tokens.shape[1])  # out of range: dropped
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    scores = token_logprobs(logits, tokens, sampling)
+    return jax.tree.map(lambda buf, new: buf.at[rows, idx].set(new, mode="drop"), state.logprobs,
+                        LogprobRecord(*scores))
 
 
 def is_eos(tokens, eos_ids: tuple[int, ...]):
@@ -64,29 +121,37 @@ def is_eos(tokens, eos_ids: tuple[int, ...]):
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-def prefill(params, cache: KVCache, tokens, lengths, block_table, key, *, config,
-            sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...], attention: str = "auto"):
+def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=None, limit=None, *, config,
+            sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...], attention: str = "auto",
+            logprobs: bool = False):
     """Runs all layers over right-padded prompts and samples the first new token.
 
-    tokens [B, T] int32, lengths [B] int32 (0 = padding row), block_table [B, M] int32.
+    tokens [B, T] int32, lengths [B] int32 (0 = padding row), block_table [B, M] int32; keys:
+    one PRNG key (row i then draws with fold_in(key, i)) or per-row keys [B, 2]; start [B] (the
+    absolute index of each row's first new token; default 0), limit [B] (each row's max new
+    tokens; default max_new_tokens, the record's width). `logprobs` keeps a `LogprobRecord`.
     Returns (DecodeState, cache). A T5 encodes the prompts and decodes its first token.
     """
+    b = tokens.shape[0]
+    keys = row_keys(keys, jnp.arange(b)) if keys.ndim == 1 else keys
+    start = jnp.zeros((b,), jnp.int32) if start is None else start
+    limit = jnp.full((b,), max_new_tokens, jnp.int32) if limit is None else jnp.minimum(limit, max_new_tokens)
+    record = LogprobRecord.zeros(b, max_new_tokens) if logprobs else None
     if isinstance(config, T5Config):
-        return _prefill_encoder_decoder(params, cache, tokens, lengths, block_table, key, config=config,
-                                        sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                                        attention=attention)
-    b, t = tokens.shape
+        return _prefill_encoder_decoder(params, cache, tokens, lengths, block_table, keys, start, limit, record,
+                                        config=config, sampling=sampling, max_new_tokens=max_new_tokens,
+                                        eos_ids=eos_ids, attention=attention)
+    t = tokens.shape[1]
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     valid = positions < lengths[:, None]
     batch = llama.token_batch(config, positions, valid, block_table, lengths, cache.page_size, attention)
     h, cache = llama.run_layers(params, llama.embed(params, tokens), cache, batch, config)
     last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
     logits = llama.lm_head(params, last, config)
-    key, step_key = jax.random.split(key)
-    first = sample(logits, step_key, sampling)
+    first = sample(logits, token_keys(keys, start, SAMPLE), sampling)
     padding = lengths == 0
     first = jnp.where(padding, 0, first)
-    done = padding | is_eos(first, eos_ids) | (max_new_tokens <= 1)
+    done = padding | is_eos(first, eos_ids) | (limit <= 1)
     out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
     exit_layers = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(config.num_layers)
     state = DecodeState(
@@ -97,19 +162,24 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, key, *, config
         tokens=out,
         exit_layers=exit_layers,
         confident_layers=exit_layers,
-        key=key,
+        keys=keys,
+        start=start,
+        limit=limit,
+        logprobs=record,
     )
-    return state, cache
+    scores = record_logprobs(state, logits[:, None], first[:, None], jnp.zeros((b, 1), jnp.int32),
+                             ~padding[:, None], sampling)
+    return dataclasses.replace(state, logprobs=scores), cache
 
 
-def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_table, key, *, config: T5Config,
-                             sampling, max_new_tokens, eos_ids, attention):
+def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_table, keys, start, limit, record, *,
+                             config: T5Config, sampling, max_new_tokens, eos_ids, attention):
     """T5: the encoder over the prompts, every decoder layer's cross K/V, then one full-depth
     decode step from the decoder start token (position 0)."""
     enc = t5.encode(params, tokens, lengths, config)
     b = tokens.shape[0]
     zeros = jnp.zeros((b,), jnp.int32)
-    record = jnp.zeros((b, max_new_tokens), jnp.int32)
+    logprob_record, record = record, jnp.zeros((b, max_new_tokens), jnp.int32)
     state = DecodeState(
         last_token=jnp.full((b,), config.decoder_start_token_id, jnp.int32),
         seq_len=zeros,
@@ -118,11 +188,15 @@ def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_tabl
         tokens=record,
         exit_layers=record,
         confident_layers=record,
-        key=key,
+        keys=keys,
+        start=start,
+        limit=limit,
         context=t5.cross_kv(params, enc, lengths, config),
+        logprobs=logprob_record,
     )
     return decode(params, cache, state, block_table, config=config, sampling=sampling,
-                  max_new_tokens=max_new_tokens, eos_ids=eos_ids, attention=attention)
+                  max_new_tokens=max_new_tokens, eos_ids=eos_ids, attention=attention,
+                  logprobs=logprob_record is not None)
 
 
 def exit_logits(params, x, layers_run, config):
@@ -156,11 +230,14 @@ def exit_fns(params, batch, config) -> ExitFns:
 
 def decode(params, cache: KVCache, state: DecodeState, block_table, *, config,
            sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...],
-           exit_config: ExitConfig | None = None, attention: str = "auto"):
-    """One decode token for every row that is not done. Returns (state, cache).
+           exit_config: ExitConfig | None = None, attention: str = "auto", logprobs: bool = False):
+    """One decode token for every row that is not done; a row ends at EOS or its own limit.
+    Returns (state, cache).
 
     Full depth when `exit_config` is None; otherwise the early-exit loop decides how many
-    layers run and fills the KV of the rest. `attention` picks the attention implementation.
+    layers run and fills the KV of the rest, with λ(t) at each row's absolute position over its
+    own limit. `attention` picks the attention implementation; `logprobs` records the tokens'
+    log-probabilities in `state.logprobs`.
     """
     m = model_module(config)
     active = ~state.done
@@ -174,15 +251,15 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config,
         logits = m.lm_head(params, h[:, 0], config)
         exit_layer = confident = jnp.full(active.shape, config.num_layers, jnp.int32)
     else:
-        threshold = exit_threshold(exit_config, state.num_generated, max_new_tokens)
+        threshold = exit_threshold(exit_config, state.position, state.start + state.limit)
         out = early_exit_layers(
             exit_fns(params, batch, config), h, cache, active, threshold, batch.pages, batch.slots,
             config=exit_config, num_layers=config.num_layers, vocab_size=config.vocab_size,
         )
         logits, cache, confident = out.logits, out.cache, out.confident_layer
         exit_layer = jnp.full(active.shape, out.exit_layer, jnp.int32)
-    key, step_key = jax.random.split(state.key)
-    token = jnp.where(active, sample(logits, step_key, sampling), state.last_token)
+    token = jnp.where(active, sample(logits, token_keys(state.keys, state.position, SAMPLE), sampling),
+                      state.last_token)
     idx = jnp.minimum(state.num_generated, max_new_tokens - 1)
     rows = jnp.arange(token.shape[0])
 
@@ -190,7 +267,9 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config,
         return buffer.at[rows, idx].set(jnp.where(active, values, buffer[rows, idx]))
 
     num_generated = state.num_generated + active
-    done = state.done | (active & is_eos(token, eos_ids)) | (num_generated >= max_new_tokens)
+    done = state.done | (active & is_eos(token, eos_ids)) | (num_generated >= state.limit)
+    scores = (record_logprobs(state, logits[:, None], token[:, None], idx[:, None], active[:, None], sampling)
+              if logprobs else state.logprobs)
     return dataclasses.replace(
         state,
         last_token=token,
@@ -200,5 +279,5 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config,
         tokens=record(state.tokens, token),
         exit_layers=record(state.exit_layers, exit_layer),
         confident_layers=record(state.confident_layers, confident),
-        key=key,
+        logprobs=scores,
     ), cache

@@ -7,8 +7,13 @@ slot state), and one decode step runs for every slot. The host never waits for a
 dispatched: it dispatches step k + 1, then reads step k's tokens (one step behind), so host work
 overlaps device work; a row that finished at step k idles through step k + 1.
 
-Per-request max_new_tokens rides on device as `limit [slots]`; the decode programs are compiled
-for the engine's `max_new_tokens` (their record width).
+Per-request max_new_tokens, the absolute position of a row's tokens and its PRNG key ride on
+device in the `DecodeState` (`limit`, `start`, `keys`), so a request decodes as `generate` with
+its own options decodes it (its λ(t) schedule, its seed), whatever else shares the slots; the
+programs are compiled for the engine's `max_new_tokens` (their record width).
+
+Pages: a row's pages always cover every position the step being dispatched can write, the step
+still in flight counted (`Engine._span`); writes past a row's block table go to the null page.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from eejax.decode import speculative, steps
 from eejax.decode.buckets import bucket
 from eejax.decode.generate import parse_bytes
 from eejax.decode.prompts import prompt_token_ids
-from eejax.decode.sampling import SamplingParams
+from eejax.decode.sampling import SamplingParams, seed_key
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import exits
 from eejax.serve.scheduler import BucketScheduler, Request
+from eejax.serve.stops import first_stop
 
 MIN_PROMPT_BUCKET = 16
 
@@ -50,18 +56,26 @@ class Sequence:
     exit: ExitConfig | None = None
     sampling: SamplingParams = SamplingParams()
     spec: SpecConfig | None = None
+    key: Any = None  # the request's PRNG key (uint32 [2]): fold_in(PRNGKey(seed), choice)
+    logprobs: int | None = None  # top alternatives to report per token (0: the token's own only); None: off
+    stop: tuple[str, ...] = ()  # strings that end the request (matched on the detokenised text)
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the request (kept, like EOS)
     drafted: int = 0  # self-speculation drafts judged and accepted (set when the request ends)
     accepted: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
     exit_layers: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS), "length", "cancelled"
+    token_logprobs: list[float] = dataclasses.field(default_factory=list)  # with `logprobs`
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "cancelled"
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     token_times: list[float] = dataclasses.field(default_factory=list)
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     offset: int = 0  # tokens generated before the current admission (a preempted row recomputes them)
+    preemptions: int = 0
     _events: queue.Queue = dataclasses.field(default_factory=queue.Queue, repr=False)
     _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+    _listeners: list = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -80,62 +94,76 @@ class Sequence:
                 return
             yield token
 
+    def listen(self, callback) -> None:
+        """Calls `callback()` now and then, from the engine's thread, whenever tokens arrive or
+        the request ends (an event loop's `call_soon_threadsafe`, say: it must be quick)."""
+        self._listeners.append(callback)
+        callback()
+
+    def _notify(self) -> None:
+        for callback in list(self._listeners):
+            try:
+                callback()
+            except Exception:  # a listener that went away (its event loop closed) stops nothing
+                self._listeners.remove(callback)
+
 
 def _insert_rows(state: steps.DecodeState, new: steps.DecodeState, slots):
     """`new`'s rows written into `state` at `slots` (out-of-range slots, the prefill's padding
-    rows, are dropped); the PRNG key stays `state`'s."""
+    rows, are dropped); a log-prob record only when `new` has one."""
     def put(old, fresh):
         return old.at[slots].set(fresh, mode="drop")
 
-    rows = {f.name: put(getattr(state, f.name), getattr(new, f.name))
-            for f in dataclasses.fields(state) if f.name not in ("key", "context")}
+    rows = {f.name: jax.tree.map(put, getattr(state, f.name), getattr(new, f.name))
+            for f in dataclasses.fields(state)
+            if f.name != "context" and getattr(new, f.name) is not None}
     return dataclasses.replace(state, **rows)
 
 
-def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, limit, key, *, config, sampling,
-                  max_new_tokens, eos_ids, attention):
-    """Prefills right-padded prompts tokens [b, T] into decode slots `slots` [b] of `state`
-    (limit [S]: each slot's max new tokens). Returns (state, cache)."""
-    new, cache = steps.prefill(params, cache, tokens, lengths, block_table, key, config=config, sampling=sampling,
-                               max_new_tokens=max_new_tokens, eos_ids=eos_ids, attention=attention)
-    state = _insert_rows(state, new, slots)
-    return dataclasses.replace(state, done=state.done | (state.num_generated >= limit)), cache
+def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, keys, start, limit, *, config, sampling,
+                  max_new_tokens, eos_ids, attention, logprobs):
+    """Prefills right-padded prompts tokens [b, T] into decode slots `slots` [b] of `state`, with
+    the rows' keys [b, 2], start [b] (tokens generated before, recomputed) and limit [b] (max new
+    tokens from there). Returns (state, cache)."""
+    new, cache = steps.prefill(params, cache, tokens, lengths, block_table, keys, start, limit, config=config,
+                               sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                               attention=attention, logprobs=logprobs)
+    return _insert_rows(state, new, slots), cache
 
 
-def decode_slots(params, cache, state, block_table, limit, group, *, config, sampling, max_new_tokens, eos_ids,
-                 exit_config, attention):
+def decode_slots(params, cache, state, block_table, group, *, config, sampling, max_new_tokens, eos_ids,
+                 exit_config, attention, logprobs):
     """One decode step of the slots in `group` [S] bool that are not done (the others wait: they
-    run with their own exit options in another program); a slot ends at its own limit."""
+    run with their own options in another program)."""
     waiting = ~group & ~state.done
     new, cache = steps.decode(params, cache, dataclasses.replace(state, done=state.done | waiting), block_table,
                               config=config, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                              exit_config=exit_config, attention=attention)
-    done = jnp.where(waiting, False, new.done | (new.num_generated >= limit))
-    return dataclasses.replace(new, done=done), cache
+                              exit_config=exit_config, attention=attention, logprobs=logprobs)
+    return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache
 
 
-def spec_round_slots(params, cache, state, counters, block_table, limit, group, *, config, spec, sampling,
-                     max_new_tokens, eos_ids, attention):
+def spec_round_slots(params, cache, state, counters, block_table, group, *, config, spec, sampling,
+                     max_new_tokens, eos_ids, attention, logprobs):
     """One self-speculation round (d drafts from layers [0, E), one verify pass of the rest) of
     the slots in `group` that are not done; the others wait. Returns (state, cache, counters)."""
     waiting = ~group & ~state.done
     masked = dataclasses.replace(state, done=state.done | waiting)
     drafts, masked, cache = speculative.draft(params, cache, masked, block_table, config=config, spec=spec,
                                               num_speculations=spec.num_speculations, sampling=sampling,
-                                              max_new_tokens=max_new_tokens, attention=attention)
+                                              attention=attention)
     new, cache, counters = speculative.verify(params, cache, masked, drafts, counters, block_table, config=config,
                                               spec=spec, sampling=sampling, max_new_tokens=max_new_tokens,
-                                              eos_ids=eos_ids, attention=attention)
-    done = jnp.where(waiting, False, new.done | (new.num_generated >= limit))
-    return dataclasses.replace(new, done=done), cache, counters
+                                              eos_ids=eos_ids, attention=attention, logprobs=logprobs)
+    return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache, counters
 
 
-def empty_state(slots: int, max_new_tokens: int, key) -> steps.DecodeState:
+def empty_state(slots: int, max_new_tokens: int) -> steps.DecodeState:
     zeros = jnp.zeros((slots,), jnp.int32)
     record = jnp.zeros((slots, max_new_tokens), jnp.int32)
     return steps.DecodeState(last_token=zeros, seq_len=zeros, num_generated=zeros,
                              done=jnp.ones((slots,), bool), tokens=record, exit_layers=record,
-                             confident_layers=record, key=key)
+                             confident_layers=record, keys=jnp.zeros((slots, 2), jnp.uint32), start=zeros,
+                             limit=zeros, logprobs=steps.LogprobRecord.zeros(slots, max_new_tokens))
 
 
 class Engine:
@@ -180,10 +208,9 @@ class Engine:
                                          online=online, max_rows=max_slots)
         self.static = dict(config=config, sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
                            max_new_tokens=max_new_tokens, eos_ids=model.eos_token_ids, attention=attention)
-        self.key = jax.random.PRNGKey(seed)
-        self.state = empty_state(max_slots, max_new_tokens, jax.random.PRNGKey(seed + 1))
+        self._seeds = np.random.default_rng(seed)  # a request without a seed draws one from here
+        self.state = empty_state(max_slots, max_new_tokens)
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
-        self.limit = np.zeros((max_slots,), np.int32)
         self.block_table = np.zeros((max_slots, self.table_width), np.int32)
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.waiting: dict[int, Sequence] = {}  # id -> sequence
@@ -210,13 +237,21 @@ class Engine:
             config.check_model(self.config.num_layers, exits.has_classifier(exit_params))
         return config
 
+    def fresh_seed(self) -> int:
+        """A seed for a request that names none (drawn from the engine's own seed)."""
+        return int(self._seeds.integers(0, 2**31 - 1))
+
     def submit(self, prompt, *, max_new_tokens: int = 64, priority: int = 0, exit=None,  # noqa: A002
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-               spec: SpecConfig | str | None = None) -> Sequence:
+               spec: SpecConfig | str | None = None, seed: int | None = None, choice: int = 0,
+               logprobs: int | None = None, stop=(), stop_token_ids=()) -> Sequence:
         """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
         engine's early-exit option for this request ("none" = full depth), `spec` ("E:d") decodes
         it by self-speculation, `temperature`, `top_k`, `top_p` set its sampling (each distinct
-        option set runs its own compiled programs)."""
+        option set runs its own compiled programs). Sampled tokens depend only on the prompt,
+        the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`.
+        `logprobs` (0 to 20 alternatives) records each token's log-probability; `stop` (strings)
+        and `stop_token_ids` end the request like EOS does."""
         spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec
         if spec_config is not None:
             if exit not in (None, "none"):
@@ -239,8 +274,24 @@ class Engine:
                              f"{self.max_len} tokens")
         if max(ids) >= self.config.vocab_size or min(ids) < 0:
             raise EejaxError(f"token ids must lie in [0, {self.config.vocab_size})")
+        if logprobs is not None and not 0 <= logprobs <= steps.TOP_LOGPROBS:
+            raise EejaxError(f"logprobs must lie in [0, {steps.TOP_LOGPROBS}], got {logprobs}")
+        stop, stop_token_ids = tuple(stop), tuple(int(t) for t in stop_token_ids)
+        if not all(isinstance(x, str) and x for x in stop):
+            raise EejaxError("stop strings must be non-empty strings")
+        if stop and self.model.tokenizer is None:
+            raise EejaxError("stop strings need a model with a tokenizer (use stop_token_ids)")
+        if any(not 0 <= t < self.config.vocab_size for t in stop_token_ids):
+            raise EejaxError(f"stop_token_ids must lie in [0, {self.config.vocab_size})")
+        if not 0 <= choice < 2**31:
+            raise EejaxError(f"choice must lie in [0, 2^31), got {choice}")
+        seed = self.fresh_seed() if seed is None else int(seed)
+        if not -(2**63) <= seed < 2**64:
+            raise EejaxError(f"seed must be a 64-bit integer, got {seed}")
+        key = np.asarray(jax.random.fold_in(seed_key(seed), choice))
         with self._lock:
-            seq = Sequence(next(self._ids), ids, max_new_tokens, priority, exit_config, sampling, spec_config)
+            seq = Sequence(next(self._ids), ids, max_new_tokens, priority, exit_config, sampling, spec_config, key,
+                           logprobs, stop, stop_token_ids)
             self._queue(seq)
         self._wake.set()
         return seq
@@ -283,21 +334,21 @@ class Engine:
                 self._grow()
             pending = self._pending
             if self.running:
-                table, limit = self._table(), jnp.asarray(self.limit)
-                # One program per (early exit, sampling, speculation) option among the running rows
-                # (usually one); the other rows wait through it.
-                for options in {(seq.exit, seq.sampling, seq.spec): None for seq in self.running.values()}:
-                    exit_config, sampling, spec = options
+                table = self._table()
+                # One program per (early exit, sampling, speculation, log-probs) option among the
+                # running rows (usually one); the other rows wait through it.
+                for options in {self._options(seq): None for seq in self.running.values()}:
+                    exit_config, sampling, spec, logprobs = options
                     group = np.zeros((self.slots,), bool)
-                    group[[slot for slot, seq in self.running.items()
-                           if (seq.exit, seq.sampling, seq.spec) == options]] = True
+                    group[[slot for slot, seq in self.running.items() if self._options(seq) == options]] = True
                     if spec is None:
-                        program, args = self._decode_program(table, limit, jnp.asarray(group), exit_config, sampling)
+                        program, args = self._decode_program(table, jnp.asarray(group), exit_config, sampling,
+                                                             logprobs)
                         self.state, self.cache = program(*args)
                     else:
-                        args = (self.model.params, self.cache, self.state, self.spec_counters, table, limit,
+                        args = (self.model.params, self.cache, self.state, self.spec_counters, table,
                                 jnp.asarray(group))
-                        static = dict(self.static, spec=spec, sampling=sampling)
+                        static = dict(self.static, spec=spec, sampling=sampling, logprobs=logprobs)
                         program = self.model.programs.get(spec_round_slots, args, static, donate_argnums=(1,))
                         self.state, self.cache, self.spec_counters = program(*args)
                     self.counters["steps"] += 1
@@ -356,15 +407,27 @@ class Engine:
             self._wake.wait(0.05)
             self._wake.clear()
 
+    @staticmethod
+    def _options(seq: Sequence) -> tuple:
+        """What a row's decode program depends on besides shapes; rows alike share one."""
+        return seq.exit, seq.sampling, seq.spec, seq.logprobs is not None
+
     def _table(self):
-        longest = max(len(s.prompt) + len(s.tokens) + 2 + self._ahead(s) for s in self.running.values())
+        longest = max(self._span(s) for s in self.running.values())
         width = min(self.table_width, bucket(pages_needed(longest, self.page_size)))
         return jnp.asarray(self.block_table[:, :width])
 
     @staticmethod
-    def _ahead(seq: Sequence) -> int:
-        """Positions a step may write past a row's next one (a speculation round's drafts)."""
-        return 0 if seq.spec is None else seq.spec.num_speculations + 1
+    def _span(seq: Sequence) -> int:
+        """Cache positions a running row may have written once the step about to be dispatched
+        has run. The host reads a step's tokens after dispatching the next one, so beyond the
+        prompt and the tokens read back the device may hold those of the step in flight (1; a
+        speculation round d + 1) and, until the first read after admission, the prefill's token;
+        the new step then writes up to d positions past the row's last token (a round's drafts).
+        Never more than prompt + max tokens - 1: nothing past a row's limit is written."""
+        d = 0 if seq.spec is None else seq.spec.num_speculations
+        unread = (d + 1) + (len(seq.tokens) == seq.offset)
+        return min(len(seq.prompt) + len(seq.tokens) + unread + d, len(seq.prompt) + seq.max_new_tokens - 1)
 
     def _admit(self) -> None:
         free = [s for s in range(self.slots) if s not in self.running]
@@ -378,27 +441,26 @@ class Engine:
             seq.slot, seq.pages = slot, self.allocator.allocate(pages_needed(tokens, self.page_size))
             self.block_table[slot] = 0
             self.block_table[slot, : len(seq.pages)] = seq.pages
-            self.limit[slot] = seq.max_new_tokens - seq.offset
             self.running[slot] = seq
-        # The prefill samples each row's first token: one program per sampling option.
-        for sampling in {seq.sampling: None for seq in seqs}:
-            self._prefill([seq for seq in seqs if seq.sampling == sampling], sampling)
+        # The prefill samples each row's first token: one program per sampling and log-prob option.
+        for options in {(seq.sampling, seq.logprobs is not None): None for seq in seqs}:
+            self._prefill([seq for seq in seqs if (seq.sampling, seq.logprobs is not None) == options], *options)
 
-    def _prefill(self, seqs: list[Sequence], sampling: SamplingParams) -> None:
+    def _prefill(self, seqs: list[Sequence], sampling: SamplingParams, logprobs: bool) -> None:
         b = bucket(len(seqs))  # 1, 2, 3, 4, 6, 8, ...: little row padding, few programs
         t = bucket(max(len(s.prompt) + s.offset for s in seqs), MIN_PROMPT_BUCKET)
         tokens = np.zeros((b, t), np.int32)
-        lengths = np.zeros((b,), np.int32)
+        lengths, start, limit = (np.zeros((b,), np.int32) for _ in range(3))
+        keys = np.zeros((b, 2), np.uint32)
         slots = np.full((b,), self.slots, np.int32)  # padding rows: dropped
         for j, seq in enumerate(seqs):
             prompt = seq.prompt + seq.tokens[: seq.offset]
             tokens[j, : len(prompt)] = prompt
-            lengths[j] = len(prompt)
-            slots[j] = seq.slot
+            lengths[j], start[j], limit[j] = len(prompt), seq.offset, seq.max_new_tokens - seq.offset
+            keys[j], slots[j] = seq.key, seq.slot
         table = np.zeros((b, self._prefill_width(t)), np.int32)
         table[: len(seqs)] = self.block_table[slots[: len(seqs)], : table.shape[1]]
-        self.key, key = jax.random.split(self.key)
-        program, args = self._prefill_program(tokens, lengths, table, slots, key, sampling)
+        program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, logprobs)
         self.state, self.cache = program(*args)
         self.spec_counters = jax.tree.map(lambda x: x.at[slots].set(0, mode="drop"), self.spec_counters)
         self.counters["prefills"] += 1
@@ -408,15 +470,17 @@ class Engine:
     def _prefill_width(self, prompt_bucket: int) -> int:
         return min(self.table_width, bucket(pages_needed(prompt_bucket, self.page_size)))
 
-    def _prefill_program(self, tokens, lengths, table, slots, key, sampling: SamplingParams):
-        args = (self.model.params, self.cache, self.state, jnp.asarray(tokens), jnp.asarray(lengths),
-                jnp.asarray(table), jnp.asarray(slots), jnp.asarray(self.limit), key)
-        static = dict(self.static, sampling=sampling)
+    def _prefill_program(self, tokens, lengths, table, slots, keys, start, limit, sampling: SamplingParams,
+                         logprobs: bool = False):
+        args = (self.model.params, self.cache, self.state, *map(jnp.asarray, (tokens, lengths, table, slots, keys,
+                                                                               start, limit)))
+        static = dict(self.static, sampling=sampling, logprobs=logprobs)
         return self.model.programs.get(prefill_slots, args, static, donate_argnums=(1,)), args
 
-    def _decode_program(self, table, limit, group, exit_config: ExitConfig | None, sampling: SamplingParams):
-        args = (self.model.params, self.cache, self.state, table, limit, group)
-        static = dict(self.static, exit_config=exit_config, sampling=sampling)
+    def _decode_program(self, table, group, exit_config: ExitConfig | None, sampling: SamplingParams,
+                        logprobs: bool = False):
+        args = (self.model.params, self.cache, self.state, table, group)
+        static = dict(self.static, exit_config=exit_config, sampling=sampling, logprobs=logprobs)
         return self.model.programs.get(decode_slots, args, static, donate_argnums=(1,)), args
 
     def warmup(self, max_prompt_len: int | None = None, progress: bool = True) -> int:
@@ -429,7 +493,7 @@ class Engine:
         max_prompt_len = min(max_prompt_len or self.max_len, self.max_len)
         batches = sorted({bucket(n) for n in range(1, self.slots + 1)})
         prompts = sorted({bucket(n, MIN_PROMPT_BUCKET) for n in range(1, max_prompt_len + 1)})
-        longest = min(max_prompt_len + self.max_new_tokens + 2, self.max_len)
+        longest = min(max_prompt_len + self.max_new_tokens - 1, self.max_len)
         widths = sorted({min(self.table_width, bucket(pages_needed(n, self.page_size)))
                          for n in range(1, longest + 1)})
         sampling, before = self.static["sampling"], self.model.programs.num_programs
@@ -438,33 +502,57 @@ class Engine:
             if b is None:  # decode at table width n
                 table = jnp.zeros((self.slots, n), jnp.int32)
                 group = jnp.zeros((self.slots,), bool)
-                self._decode_program(table, jnp.asarray(self.limit), group, self.exit_config, sampling)
+                self._decode_program(table, group, self.exit_config, sampling)
             else:  # prefill of b rows of n tokens
                 zeros = np.zeros((b,), np.int32)
                 self._prefill_program(np.zeros((b, n), np.int32), zeros,
-                                      np.zeros((b, self._prefill_width(n)), np.int32), zeros, self.key, sampling)
+                                      np.zeros((b, self._prefill_width(n)), np.int32), zeros,
+                                      np.zeros((b, 2), np.uint32), zeros, zeros, sampling)
         return self.model.programs.num_programs - before
 
     def _read(self, state, running: dict[int, Sequence], counters) -> None:
-        """Delivers the tokens a finished step produced; releases rows that ended."""
-        num, done, tokens, layers, drafted, accepted = jax.device_get(
-            (state.num_generated, state.done, state.tokens, state.exit_layers, counters.drafted, counters.accepted))
+        """Delivers the tokens a finished step produced; releases rows that ended (EOS, limit,
+        stop token or string, cancelled)."""
+        wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, counters.drafted,
+                  counters.accepted)
+        scored = any(seq.logprobs is not None for seq in running.values())
+        num, done, tokens, layers, drafted, accepted, record = jax.device_get(
+            wanted + (state.logprobs if scored else None,))
         now = time.perf_counter()
         for slot, seq in running.items():
             if seq.finished or self.running.get(slot) is not seq:
                 continue  # ended, or preempted (its token of this step is recomputed later)
-            n = min(seq.offset + int(num[slot]), seq.max_new_tokens)  # a round may draft past the limit
+            n = min(seq.offset + int(num[slot]), seq.max_new_tokens)
+            stopped = False
             for i in range(len(seq.tokens), n):
-                seq.tokens.append(int(tokens[slot, i - seq.offset]))
-                seq.exit_layers.append(int(layers[slot, i - seq.offset]))
+                j = i - seq.offset
+                seq.tokens.append(int(tokens[slot, j]))
+                seq.exit_layers.append(int(layers[slot, j]))
+                if seq.logprobs is not None:
+                    seq.token_logprobs.append(float(record.chosen[slot, j]))
+                    seq.top_logprobs.append([(int(t), float(x)) for t, x in zip(
+                        record.top_ids[slot, j, : seq.logprobs], record.top[slot, j, : seq.logprobs])])
                 seq.token_times.append(now)
                 seq._events.put(seq.tokens[-1])
                 self.counters["generated_tokens"] += 1
-            if seq.finish_reason == "cancelled" or done[slot]:
+                if self._stops_at(seq):
+                    stopped = True
+                    break
+            seq._notify()
+            if seq.finish_reason == "cancelled" or done[slot] or stopped:
                 ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.static["eos_ids"]
                 seq.drafted, seq.accepted = int(drafted[slot]), int(accepted[slot])
                 self._release(seq)
-                self._finish(seq, seq.finish_reason or ("stop" if ended_at_eos else "length"))
+                self._finish(seq, seq.finish_reason or ("stop" if ended_at_eos or stopped else "length"))
+
+    def _stops_at(self, seq: Sequence) -> bool:
+        """Whether the request's newest token ends it: a stop token, or a stop string now in its text."""
+        if seq.tokens[-1] in seq.stop_token_ids:
+            return True
+        if not seq.stop:
+            return False
+        text = self.model.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        return first_stop(text, seq.stop) is not None
 
     def _grow(self) -> None:
         """Gives every running row the pages for the tokens it may hold after the step about to
@@ -475,8 +563,7 @@ class Engine:
         for seq in sorted(self.running.values(), key=lambda s: (-s.priority, s.submitted_at)):
             if seq.slot is None:
                 continue  # preempted in this loop
-            need = pages_needed(min(len(seq.prompt) + len(seq.tokens) + 2 + self._ahead(seq),
-                                    len(seq.prompt) + seq.max_new_tokens), self.page_size)
+            need = pages_needed(self._span(seq), self.page_size)
             while seq.slot is not None and len(seq.pages) < need:
                 try:
                     (page,) = self.allocator.allocate(1)
@@ -492,6 +579,7 @@ class Engine:
         seq = next(s for s in self.running.values() if s.id == request.id)
         self._release(seq)
         self._queue(seq)
+        seq.preemptions += 1
         self.counters["preemptions"] += 1
         self.prometheus.preemptions.inc()
 
@@ -499,7 +587,6 @@ class Engine:
         if seq.slot is not None and self.running.get(seq.slot) is seq:
             del self.running[seq.slot]
             self.block_table[seq.slot] = 0
-            self.limit[seq.slot] = 0
             # The slot is done on device after the step that ended it; a cancelled row is
             # stopped here.
             self.state = dataclasses.replace(self.state, done=self.state.done.at[seq.slot].set(True))
@@ -514,6 +601,7 @@ class Engine:
         self._requests.pop(seq.id, None)
         seq._events.put(None)
         seq._done.set()
+        seq._notify()
 
     # -- reports -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:

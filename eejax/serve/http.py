@@ -1,10 +1,14 @@
 """OpenAI-compatible HTTP API over an `Engine` (FastAPI; the `serve` extra).
 
 POST /v1/completions, POST /v1/chat/completions (chat template from the tokenizer), `stream: true`
-as server-sent events; GET /health; GET /metrics (Prometheus text). eejax extras: `exit` and
-`priority` (and vLLM's `top_k`) in a request; temperature / top_p / top_k default to the
-server's (`eejax serve --temperature`, greedy by default), each distinct setting compiling its
-own programs; `eejax.tokens` and `eejax.exit_layers` (layers run per token) in a response.
+as server-sent events; GET /v1/models; GET /health; GET /metrics (Prometheus text). Honoured
+besides the prompt: max_tokens / max_completion_tokens, temperature, top_p, top_k (vLLM's), n,
+seed, stop, stop_token_ids (vLLM's), logprobs (completions: 0 to 20 alternatives; chat: logprobs
+and top_logprobs), stream_options.include_usage; see `eejax.serve.schema` for what is refused.
+eejax extras: `exit`, `spec` and `priority` in a request; `eejax.tokens` and `eejax.exit_layers`
+(layers run per token) in a response (of its first choice; each choice has its own with n > 1).
+Temperature / top_p / top_k default to the server's (`eejax serve --temperature`, greedy by
+default); each distinct setting compiles its own programs.
 """
 
 
@@ -13,57 +17,14 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
 
 from eejax.errors import EejaxError
+from eejax.serve.schema import ChatRequest, CompletionRequest, RequestError, parse
+from eejax.serve.stops import visible_text
 
 log = logging.getLogger("eejax.serve")
 
-# OpenAI fields eejax reads; fields it knows but cannot honour (with a value other than the
-# default) are a 400 naming them; anything else is ignored and logged.
-COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "stream", "temperature", "top_p", "n", "stop", "seed", "user",
-                     "logprobs", "echo", "presence_penalty", "frequency_penalty", "best_of", "logit_bias",
-                     "suffix", "stream_options", "priority", "exit", "spec", "top_k"}
-CHAT_FIELDS = (COMPLETION_FIELDS - {"prompt", "echo", "suffix", "best_of", "logprobs"}) | {
-    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice"}
-UNSUPPORTED_DEFAULTS = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None,
-                        "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "suffix": None,
-                        "stop": None, "tools": None, "tool_choice": None, "response_format": None,
-                        "seed": None}  # the engine has one sampling stream (Engine(seed=...)), not one per request
-
-
-class RequestError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-def check_fields(body: Any, known: set[str]) -> dict:
-    """The request body as a dict, or RequestError naming the problem."""
-    if not isinstance(body, dict):
-        raise RequestError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - known)
-    if unknown:
-        log.info("ignoring unknown fields: %s", ", ".join(unknown))
-    for name, default in UNSUPPORTED_DEFAULTS.items():
-        if name in body and body[name] not in (default, None) and body[name] != default:
-            raise RequestError(400, f"eejax does not support {name}={body[name]!r} (only {default!r})", name)
-    for name in ("temperature", "top_p", "top_k"):
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise RequestError(400, f"{name} must be a number", name)
-    return body
-
-
-def max_tokens_of(body: dict, limit: int, field: str = "max_tokens") -> int:
-    value = body.get(field, body.get("max_completion_tokens", 16))
-    if value is None:
-        value = 16
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise RequestError(400, f"{field} must be an integer", field)
-    if not 1 <= value <= limit:
-        raise RequestError(400, f"{field} must lie in [1, {limit}], got {value}", field)
-    return value
+DISCONNECT_POLL_S = 0.5  # how often a request waiting for tokens checks that its client is still there
 
 
 def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
@@ -73,6 +34,7 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
 
     app = FastAPI(title="eejax", version="0.1")
     tokenizer = engine.model.tokenizer
+    created_at = int(time.time())
 
     def error(status: int, message: str, param: str | None = None):
         kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}.get(status, "error")
@@ -84,47 +46,88 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(400, f"malformed JSON: {e}") from None
 
-    def admit(body: dict, prompt) -> Any:
-        model = body.get("model")
-        if model is not None and model != served_model_name:
-            raise RequestError(404, f"model {model!r} is not served here (this server serves {served_model_name!r})",
-                               "model")
-        if len(engine.waiting) >= max_waiting:
+    def admit(req, prompt, max_tokens: int | None, limit_field: str, top_logprobs: int | None) -> list:
+        """Submits the request's n choices; returns their Sequences."""
+        if req.model is not None and req.model != served_model_name:
+            raise RequestError(404, f"model {req.model!r} is not served here (this server serves "
+                               f"{served_model_name!r})", "model")
+        if len(engine.waiting) + req.choices > max_waiting:
             raise RequestError(429, f"the server is at capacity ({max_waiting} requests waiting); retry later")
-        max_tokens = max_tokens_of(body, engine.max_new_tokens)
-        priority = body.get("priority", 0)
-        if not isinstance(priority, int):
-            raise RequestError(400, "priority must be an integer", "priority")
-        exit_option, spec_option = body.get("exit"), body.get("spec")
-        if exit_option is not None and not isinstance(exit_option, str):
-            raise RequestError(400, 'exit must be a string such as "softmax:0.9", "static:15" or "none"', "exit")
-        if spec_option is not None and not isinstance(spec_option, str):
-            raise RequestError(400, 'spec must be a string "E:d" such as "15:3"', "spec")
+        max_tokens = 16 if max_tokens is None else max_tokens
+        if max_tokens > engine.max_new_tokens:
+            raise RequestError(400, f"{limit_field} must lie in [1, {engine.max_new_tokens}], got {max_tokens}",
+                               limit_field)
+        seed = engine.fresh_seed() if req.seed is None else req.seed  # one seed, a key per choice
+        seqs = []
         try:
-            return engine.submit(prompt, max_new_tokens=max_tokens, priority=priority, exit=exit_option,
-                                 spec=spec_option, temperature=body.get("temperature"), top_p=body.get("top_p"),
-                                 top_k=body.get("top_k"))
+            for choice in range(req.choices):
+                seqs.append(engine.submit(
+                    prompt, max_new_tokens=max_tokens, priority=req.priority, exit=req.exit, spec=req.spec,
+                    temperature=req.temperature, top_p=req.top_p,
+                    top_k=None if req.top_k is None else max(req.top_k, 0), seed=seed, choice=choice,
+                    logprobs=top_logprobs, stop=req.stops, stop_token_ids=req.stop_token_ids or ()))
         except EejaxError as e:
+            for seq in seqs:
+                engine.cancel(seq)
             message = str(e)
-            param = next((f for f in ("spec", "exit", "temperature", "top_p", "top_k") if f in message), "prompt")
+            param = next((f for f in ("spec", "exit", "temperature", "top_p", "top_k", "stop_token_ids", "stop",
+                                      "seed", "logprobs") if f in message), "prompt")
             raise RequestError(400, message, param) from None
+        return seqs
 
-    async def wait_tokens(seq, request: Request):
-        """Yields token ids as they come; cancels the sequence if the client goes away."""
+    async def updates(seqs, request: Request):
+        """Yields whenever some of `seqs` has new tokens or ended, until all ended; cancels them
+        if the client goes away. Tokens reach the event loop through `call_soon_threadsafe`."""
         loop = asyncio.get_running_loop()
-        stream = seq.stream()
+        wake = asyncio.Event()
+        for seq in seqs:
+            seq.listen(lambda: loop.call_soon_threadsafe(wake.set))
         try:
             while True:
-                token = await loop.run_in_executor(None, next, stream, None)
-                if token is None:
+                wake.clear()
+                yield
+                if all(seq.finished for seq in seqs):
                     return
-                yield token
+                try:
+                    await asyncio.wait_for(wake.wait(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    pass
                 if await request.is_disconnected():
-                    engine.cancel(seq)
                     return
         finally:
-            if not seq.finished:
-                engine.cancel(seq)
+            for seq in seqs:
+                if not seq.finished:
+                    engine.cancel(seq)
+
+    def text_of(seq, stops) -> str:
+        return visible_text(tokenizer.decode(seq.tokens, skip_special_tokens=True), stops, seq.finished)
+
+    def token_text(token: int) -> str:
+        return tokenizer.decode([token])
+
+    def completion_logprobs(seq, start: int, end: int, offset: int) -> dict:
+        """OpenAI's legacy completions logprobs of tokens [start, end), text offsets from `offset`."""
+        texts = [token_text(t) for t in seq.tokens[start:end]]
+        offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
+
+        def alternatives(top) -> dict:
+            """Keyed by text: of tokens with the same text (bytes of one character, say), the likeliest."""
+            out: dict = {}
+            for token, logprob in top:
+                out.setdefault(token_text(token), logprob)
+            return out
+
+        return {"tokens": texts, "token_logprobs": seq.token_logprobs[start:end],
+                "top_logprobs": [alternatives(top) for top in seq.top_logprobs[start:end]], "text_offset": offsets}
+
+    def chat_logprobs(seq, start: int, end: int) -> dict:
+        def entry(token, logprob):
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                            for t, lp, top in zip(seq.tokens[start:end], seq.token_logprobs[start:end],
+                                                  seq.top_logprobs[start:end])]}
 
     def extras(seq) -> dict:
         out = {"tokens": seq.tokens, "exit_layers": seq.exit_layers}
@@ -132,41 +135,71 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
             out["acceptance_rate"] = seq.accepted / seq.drafted if seq.drafted else 0.0
         return out
 
-    def usage(seq) -> dict:
-        return {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.tokens),
-                "total_tokens": len(seq.prompt) + len(seq.tokens)}
+    def usage(seqs) -> dict:
+        prompt, completion = len(seqs[0].prompt), sum(len(s.tokens) for s in seqs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def respond(request: Request, body: dict, seq, chat: bool):
+    async def respond(request: Request, req, seqs, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        if body.get("stream"):
+        scored = seqs[0].logprobs is not None
+        if req.stream:
+            head = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
+                    "model": served_model_name}
+
+            def chunk(choices, **more) -> str:
+                return f"data: {json.dumps({**head, 'choices': choices, **more})}\n\n"
+
             async def events():
-                sent = ""
-                async for _ in wait_tokens(seq, request):
-                    text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
-                    delta, sent = text[len(sent):], text
-                    choice = ({"index": 0, "delta": {"content": delta}, "finish_reason": None} if chat
-                              else {"index": 0, "text": delta, "finish_reason": None})
-                    chunk = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
-                             "model": served_model_name, "choices": [choice]}
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                final = ({"index": 0, "delta": {}, "finish_reason": seq.finish_reason} if chat
-                         else {"index": 0, "text": "", "finish_reason": seq.finish_reason})
-                done = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
-                        "model": served_model_name, "choices": [final], "usage": usage(seq),
-                        "eejax": extras(seq)}
-                yield f"data: {json.dumps(done)}\n\ndata: [DONE]\n\n"
+                sent = [""] * len(seqs)  # text streamed so far, per choice
+                scored_upto = [0] * len(seqs)  # tokens whose log-probs were streamed
+                ended = [False] * len(seqs)
+                async for _ in updates(seqs, request):
+                    for j, seq in enumerate(seqs):
+                        if ended[j]:
+                            continue
+                        text = text_of(seq, req.stops)
+                        delta, n = text[len(sent[j]):], len(seq.tokens)
+                        if delta or (scored and n > scored_upto[j]):
+                            message = {"content": delta} if sent[j] or scored_upto[j] else {
+                                "role": "assistant", "content": delta}
+                            choice = ({"index": j, "delta": message, "finish_reason": None} if chat
+                                      else {"index": j, "text": delta, "finish_reason": None})
+                            if scored:
+                                choice["logprobs"] = (chat_logprobs(seq, scored_upto[j], n) if chat else
+                                                      completion_logprobs(seq, scored_upto[j], n, len(sent[j])))
+                                scored_upto[j] = n
+                            sent[j] = text
+                            yield chunk([choice])
+                        if seq.finished:
+                            ended[j] = True
+                            final = ({"index": j, "delta": {}, "finish_reason": seq.finish_reason} if chat
+                                     else {"index": j, "text": "", "finish_reason": seq.finish_reason})
+                            yield chunk([final], eejax=extras(seq))
+                if req.include_usage:
+                    yield chunk([], usage=usage(seqs))
+                yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        async for _ in wait_tokens(seq, request):
+        async for _ in updates(seqs, request):
             pass
-        text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": seq.finish_reason}
-                  if chat else {"index": 0, "text": text, "finish_reason": seq.finish_reason, "logprobs": None})
+        choices = []
+        for j, seq in enumerate(seqs):
+            text = text_of(seq, req.stops)
+            if chat:
+                choice = {"index": j, "message": {"role": "assistant", "content": text},
+                          "finish_reason": seq.finish_reason, "logprobs": None}
+                if scored:
+                    choice["logprobs"] = chat_logprobs(seq, 0, len(seq.tokens))
+            else:
+                choice = {"index": j, "text": text, "finish_reason": seq.finish_reason,
+                          "logprobs": completion_logprobs(seq, 0, len(seq.tokens), 0) if scored else None}
+            if len(seqs) > 1:
+                choice["eejax"] = extras(seq)
+            choices.append(choice)
         return JSONResponse({"id": rid, "object": kind, "created": created, "model": served_model_name,
-                             "choices": [choice], "usage": usage(seq),
-                             "eejax": extras(seq)})
+                             "choices": choices, "usage": usage(seqs), "eejax": extras(seqs[0])})
 
     @app.exception_handler(RequestError)
     async def request_error(_, exc: RequestError):
@@ -174,29 +207,41 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = check_fields(await read_body(request), COMPLETION_FIELDS)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not (isinstance(prompt, str) and prompt) and not (
-                isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-            raise RequestError(400, "prompt must be a non-empty string or a list of token ids (one prompt)", "prompt")
-        return await respond(request, body, admit(body, prompt), chat=False)
+        body = await read_body(request)
+        req = parse(body, CompletionRequest)
+        ignored = sorted(set(body) - set(CompletionRequest.model_fields))
+        if ignored:
+            log.info("ignoring unknown fields: %s", ", ".join(ignored))
+        seqs = admit(req, req.prompt, req.max_tokens, "max_tokens", req.top_logprobs)
+        return await respond(request, req, seqs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = check_fields(await read_body(request), CHAT_FIELDS)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise RequestError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+        body = await read_body(request)
+        req = parse(body, ChatRequest)
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # a BatchEncoding
             ids = ids["input_ids"]
-        return await respond(request, body, admit(body, list(ids)), chat=True)
+        seqs = admit(req, list(ids), req.token_limit, req.token_limit_field, req.top_logprobs_wanted)
+        return await respond(request, req, seqs, chat=True)
+
+    def model_card() -> dict:
+        return {"id": served_model_name, "object": "model", "created": created_at, "owned_by": "eejax",
+                "max_model_len": engine.max_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != served_model_name:
+            raise RequestError(404, f"model {model_id!r} is not served here (this server serves "
+                               f"{served_model_name!r})", "model")
+        return model_card()
 
     @app.get("/health")
     async def health():
