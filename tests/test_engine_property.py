@@ -137,3 +137,24 @@ def test_threshold_schedule_uses_the_requests_own_limit():
     want = eejax.generate(m, [prompt], max_new_tokens=12, exit="softmax:0.2")
     assert seq.tokens == want.tokens[0] and seq.exit_layers == want.exit_layers[0]
     assert len(set(want.exit_layers[0][1:])) > 1  # the schedule matters here: exits vary with t
+
+
+def test_a_recomputed_row_keeps_its_absolute_position_and_limit():
+    """A preempted row is prefilled again from its prompt and the tokens it had (offset): its
+    state counts positions from there (start = offset), so λ(t) and its seeded draws continue
+    at the request's own positions, and its limit is what is left of its max tokens."""
+    m = model()
+    c = m.config
+    budget = 9 * page_bytes(c.num_layers, PAGE, c.num_kv_heads, c.head_dim, m.dtype)  # 8 pages: 64 tokens
+    engine = Engine(m, max_slots=2, max_new_tokens=NEW, cache_budget=budget, page_size=PAGE, pages="grow")
+    # Both start (3 pages each) and outgrow the cache (5 pages each): the lower priority yields.
+    victim = engine.submit([9, 20, 31, 42] * 5, max_new_tokens=NEW, exit="softmax:0.2", priority=0)
+    engine.submit([10, 21, 32, 43] * 5, max_new_tokens=NEW, priority=1)
+    seen = []
+    while engine.busy:
+        engine.step()
+        if victim.slot is not None and victim.preemptions:
+            seen.append((victim.offset, int(engine.state.start[victim.slot]), int(engine.state.limit[victim.slot])))
+    assert seen and all(offset > 0 for offset, _, _ in seen)
+    assert all(start == offset and limit == NEW - offset for offset, start, limit in seen)
+    assert len(victim.tokens) == NEW or victim.tokens[-1] == EOS

@@ -91,7 +91,8 @@ def generate(
     equals full depth token for token, sampled output has the full model's distribution (in
     `exit_layers`, accepted drafts show E, tokens of the full model L). `attention` is "auto"
     (Triton on CUDA, the jnp reference elsewhere), "reference" or "triton" (interpreted without
-    a GPU: slow).
+    a GPU: slow). Sampling is seeded per row and position: row i draws with
+    `fold_in(seed_key(seed), i)` folded with each token's index, whatever batch it runs in.
     """
     config = model.config
     if attention not in IMPLS:

@@ -57,7 +57,9 @@ def token_logprobs(logits, tokens, sampling: SamplingParams):
     shape = tokens.shape
     lp = logprobs_of(logits.reshape(-1, logits.shape[-1]), sampling)
     chosen = jnp.take_along_axis(lp, tokens.reshape(-1, 1), axis=-1)[:, 0]
-    top, top_ids = jax.lax.top_k(lp, TOP_LOGPROBS)
+    top, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
+    pad = ((0, 0), (0, TOP_LOGPROBS - top.shape[-1]))  # a vocabulary smaller than the record
+    top, top_ids = jnp.pad(top, pad, constant_values=-jnp.inf), jnp.pad(top_ids, pad)
     return (chosen.reshape(shape), top_ids.astype(jnp.int32).reshape(shape + (TOP_LOGPROBS,)),
             top.reshape(shape + (TOP_LOGPROBS,)))
 

@@ -56,7 +56,7 @@ class Sequence:
     exit: ExitConfig | None = None
     sampling: SamplingParams = SamplingParams()
     spec: SpecConfig | None = None
-    key: Any = None  # the request's PRNG key (uint32 [2]): fold_in(PRNGKey(seed), choice)
+    key: Any = None  # the request's PRNG key (uint32 [2]): fold_in(seed_key(seed), choice)
     logprobs: int | None = None  # top alternatives to report per token (0: the token's own only); None: off
     stop: tuple[str, ...] = ()  # strings that end the request (matched on the detokenised text)
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the request (kept, like EOS)
@@ -531,7 +531,8 @@ class Engine:
                 if seq.logprobs is not None:
                     seq.token_logprobs.append(float(record.chosen[slot, j]))
                     seq.top_logprobs.append([(int(t), float(x)) for t, x in zip(
-                        record.top_ids[slot, j, : seq.logprobs], record.top[slot, j, : seq.logprobs])])
+                        record.top_ids[slot, j, : seq.logprobs], record.top[slot, j, : seq.logprobs])
+                        if np.isfinite(x)])  # tokens that top-k / top-p filtered out cannot be drawn
                 seq.token_times.append(now)
                 seq._events.put(seq.tokens[-1])
                 self.counters["generated_tokens"] += 1
