@@ -13,6 +13,7 @@ default); each distinct setting compiles its own programs.
 
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -46,11 +47,24 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(400, f"malformed JSON: {e}") from None
 
+    def check_served(name: str) -> None:
+        if name != served_model_name:
+            raise RequestError(404, f"model {name!r} is not served here (this server serves {served_model_name!r})",
+                               "model")
+
+    async def read_request(request: Request, schema):
+        """The body validated against `schema`; fields no schema knows are logged and ignored."""
+        body = await read_body(request)
+        req = parse(body, schema)
+        ignored = sorted(set(body) - set(schema.model_fields))
+        if ignored:
+            log.info("ignoring unknown fields: %s", ", ".join(ignored))
+        return req
+
     def admit(req, prompt, max_tokens: int | None, limit_field: str, top_logprobs: int | None) -> list:
         """Submits the request's n choices; returns their Sequences."""
-        if req.model is not None and req.model != served_model_name:
-            raise RequestError(404, f"model {req.model!r} is not served here (this server serves "
-                               f"{served_model_name!r})", "model")
+        if req.model is not None:
+            check_served(req.model)
         if len(engine.waiting) + req.choices > max_waiting:
             raise RequestError(429, f"the server is at capacity ({max_waiting} requests waiting); retry later")
         max_tokens = 16 if max_tokens is None else max_tokens
@@ -88,10 +102,8 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
                 yield
                 if all(seq.finished for seq in seqs):
                     return
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):  # no news: check the client is still there
                     await asyncio.wait_for(wake.wait(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    pass
                 if await request.is_disconnected():
                     return
         finally:
@@ -154,11 +166,13 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
             async def events():
                 sent = [""] * len(seqs)  # text streamed so far, per choice
                 scored_upto = [0] * len(seqs)  # tokens whose log-probs were streamed
+                seen = [0] * len(seqs)  # tokens looked at (decoding the text is the costly part)
                 ended = [False] * len(seqs)
                 async for _ in updates(seqs, request):
                     for j, seq in enumerate(seqs):
-                        if ended[j]:
+                        if ended[j] or (len(seq.tokens) == seen[j] and not seq.finished):
                             continue
+                        seen[j] = len(seq.tokens)
                         text = text_of(seq, req.stops)
                         delta, n = text[len(sent[j]):], len(seq.tokens)
                         if delta or (scored and n > scored_upto[j]):
@@ -207,18 +221,13 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_body(request)
-        req = parse(body, CompletionRequest)
-        ignored = sorted(set(body) - set(CompletionRequest.model_fields))
-        if ignored:
-            log.info("ignoring unknown fields: %s", ", ".join(ignored))
+        req = await read_request(request, CompletionRequest)
         seqs = admit(req, req.prompt, req.max_tokens, "max_tokens", req.top_logprobs)
         return await respond(request, req, seqs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_body(request)
-        req = parse(body, ChatRequest)
+        req = await read_request(request, ChatRequest)
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text} for m in req.messages]
@@ -238,9 +247,7 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != served_model_name:
-            raise RequestError(404, f"model {model_id!r} is not served here (this server serves "
-                               f"{served_model_name!r})", "model")
+        check_served(model_id)
         return model_card()
 
     @app.get("/health")
