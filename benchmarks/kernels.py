@@ -101,7 +101,6 @@ def cpu_share(args) -> int:
     from eejax.cache import init_cache, pages_needed
     from eejax.decode import steps
     from eejax.decode.buckets import bucket
-    from eejax.decode.sampling import SamplingParams
     from eejax.models import llama
 
     model = eejax.load("smollm2-135m")
@@ -113,7 +112,7 @@ def cpu_share(args) -> int:
         table = jnp.asarray(1 + np.arange(b * allocation, dtype=np.int32).reshape(b, allocation))
         tokens = jnp.asarray(np.random.default_rng(0).integers(100, 10000, (b, args.prompt_tokens)), jnp.int32)
         lengths = jnp.full((b,), args.prompt_tokens, jnp.int32)
-        static = dict(config=c, sampling=SamplingParams(), max_new_tokens=args.new_tokens, eos_ids=())
+        static = dict(config=c, max_new_tokens=args.new_tokens, eos_ids=())
         state, cache = jax.jit(functools.partial(steps.prefill, **static))(
             model.params, cache, tokens, lengths, table, jax.random.PRNGKey(0))
         decode = jax.jit(functools.partial(steps.decode, **static), donate_argnums=(1,))

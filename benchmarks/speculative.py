@@ -55,14 +55,13 @@ def program_costs(model, batch: int, prompt_tokens: int, exit_layers, ds=(1, 2, 
 
     from eejax.cache import init_cache
     from eejax.decode import speculative, steps
-    from eejax.decode.sampling import SamplingParams
 
     c = model.config
     pages = -(-(prompt_tokens + 64) // 16)
     table = jnp.asarray(1 + np.arange(batch * pages).reshape(batch, pages), jnp.int32)
     cache = init_cache(c.num_layers, 1 + batch * pages, 16, c.num_kv_heads, c.head_dim, model.dtype)
     tokens = jnp.asarray(np.random.default_rng(0).integers(10, 1000, (batch, prompt_tokens)), jnp.int32)
-    static = dict(config=c, sampling=SamplingParams(), max_new_tokens=64)
+    static = dict(config=c, max_new_tokens=64)
     prefill = jax.jit(functools.partial(steps.prefill, eos_ids=(), **static))
 
     state, cache = prefill(model.params, cache, tokens, jnp.full((batch,), prompt_tokens, jnp.int32), table,
@@ -87,7 +86,7 @@ def program_costs(model, batch: int, prompt_tokens: int, exit_layers, ds=(1, 2, 
     counters = speculative.SpecCounters.zeros(batch)
     for e in exit_layers:
         for d in ds:
-            kw = dict(spec=SpecConfig(e, d), config=c, sampling=SamplingParams())
+            kw = dict(spec=SpecConfig(e, d), config=c)
             draft = program(speculative.draft, num_speculations=d, **kw)
             verify = program(speculative.verify, eos_ids=(), max_new_tokens=64, **kw)
             drafts, st, cache = draft(model.params, cache, state, table)

@@ -22,9 +22,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
     from conversion.convert import convert
 
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM unwinds like Ctrl-C, so the partial checkpoint is removed on the way out.
+        signal.signal(signal.SIGTERM, _interrupt)
     dst = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
     print(f"wrote {dst}")
     return 0

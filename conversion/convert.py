@@ -10,7 +10,7 @@ import numpy as np
 from conversion.llama import llama_params_from_hf
 from conversion.sources import open_checkpoint
 from conversion.t5 import has_lm_head, t5_params_from_hf
-from eejax.checkpoint import write_checkpoint
+from eejax.checkpoint import check_destination, write_checkpoint
 from eejax.config import LlamaConfig, T5Config, check_architecture
 from eejax.errors import EejaxError
 
@@ -25,16 +25,21 @@ def convert(src, dst, *, dtype: str = "float32", overwrite: bool = False, progre
     """
     if dtype not in DTYPES:
         raise EejaxError(f"unsupported dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    dst = Path(dst).expanduser().absolute()
-    if dst.exists() and not overwrite:
-        raise EejaxError(f"{dst} already exists (pass overwrite=True / --overwrite to replace it)")
+    dst = check_destination(dst, overwrite)  # before any work: a bad DST is found at once
     ckpt = open_checkpoint(src)
     check_architecture(ckpt.config.get("model_type"), str(src))
-    if ckpt.config["model_type"] == "t5":
-        config = T5Config.from_hf(ckpt.config, ckpt.generation_config, has_lm_head=has_lm_head(ckpt))
+    t5 = ckpt.config["model_type"] == "t5"
+    try:
+        if t5:
+            config = T5Config.from_hf(ckpt.config, ckpt.generation_config, has_lm_head=has_lm_head(ckpt))
+        else:
+            config = LlamaConfig.from_hf(ckpt.config, ckpt.generation_config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise EejaxError(f"{src}: config.json is not a valid {ckpt.config['model_type']} config "
+                         f"({type(e).__name__}: {e})") from None
+    if t5:
         params = t5_params_from_hf(ckpt, config, DTYPES[dtype], progress=progress)
     else:
-        config = LlamaConfig.from_hf(ckpt.config, ckpt.generation_config)
         params = llama_params_from_hf(ckpt, config, DTYPES[dtype], progress=progress)
 
     return write_checkpoint(dst, config, params, ckpt.tokenizer, {"source": ckpt.source}, overwrite=True)

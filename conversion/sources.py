@@ -51,18 +51,31 @@ def _to_numpy(tensor) -> np.ndarray:
     return tensor.detach().to(torch.float32).numpy()
 
 
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`, or an EejaxError naming the file."""
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EejaxError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise EejaxError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _open_hf_dir(src: Path) -> HFCheckpoint:
     if not (src / "config.json").is_file():
         raise EejaxError(f"{src} is not an HF model directory: no config.json")
-    config = json.loads((src / "config.json").read_text())
+    config = _read_json(src / "config.json")
     check_architecture(config.get("model_type"), str(src))
     gen_path = src / "generation_config.json"
-    generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    generation_config = _read_json(gen_path) if gen_path.is_file() else None
     found = next((name for name in WEIGHT_FILES if (src / name).is_file()), None)
     if found is None:
         raise EejaxError(f"no weights in {src} (looked for {', '.join(WEIGHT_FILES)})")
     if found.endswith(".index.json"):
-        weight_map = json.loads((src / found).read_text())["weight_map"]
+        weight_map = _read_json(src / found).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise EejaxError(f"{src / found} has no weight_map object")
         shards = {name: src / file for name, file in weight_map.items()}
     else:
         shards = None

@@ -42,15 +42,52 @@ def save_checkpoint(directory: str | Path, config, params, tokenizer=None, metad
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def check_destination(dst: str | Path, overwrite: bool = False) -> Path:
+    """`dst` as an absolute path, once it is known that a checkpoint can be written there: it
+    does not exist (or `overwrite`), and its nearest existing ancestor is a writable directory."""
+    dst = Path(dst).expanduser().absolute()
+    if dst.exists() and not overwrite:
+        raise EejaxError(f"{dst} already exists (pass overwrite=True / --overwrite to replace it)")
+    if dst.exists() and not dst.is_dir():
+        raise EejaxError(f"{dst} exists and is not a directory; it cannot be replaced by a checkpoint")
+    ancestor = dst.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise EejaxError(f"cannot create {dst}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise EejaxError(f"cannot create {dst}: {ancestor} is not writable")
+    return dst
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def clean_stale_partials(dst: Path) -> None:
+    """Removes `.DST.partial-PID` / `.DST.old-PID` siblings of `dst` left by writers that died
+    (killed mid-write: nothing could clean up after them)."""
+    for leftover in dst.parent.glob(f".{dst.name}.*-*"):
+        kind, _, pid = leftover.name[len(dst.name) + 2:].rpartition("-")
+        if kind in ("partial", "old") and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
 def write_checkpoint(dst: str | Path, config, params, tokenizer=None, metadata: dict | None = None, *,
                      overwrite: bool = False) -> Path:
     """Writes a checkpoint at `dst` atomically: into a hidden sibling directory first, renamed to
     `dst` when complete, so on any error nothing is left at `dst` (an existing `dst` is replaced
-    only with `overwrite` and only once the new checkpoint is complete)."""
-    dst = Path(dst).expanduser().absolute()
-    if dst.exists() and not overwrite:
-        raise EejaxError(f"{dst} already exists (pass overwrite=True / --overwrite to replace it)")
+    only with `overwrite` and only once the new checkpoint is complete). Partial writes of
+    processes that died are removed first."""
+    dst = check_destination(dst, overwrite)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_partials(dst)
     partial = dst.parent / f".{dst.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     try:
@@ -69,31 +106,91 @@ def write_checkpoint(dst: str | Path, config, params, tokenizer=None, metadata: 
 
 
 def read_metadata(directory: str | Path) -> dict[str, Any]:
+    """`eejax.json` of a checkpoint directory, or an EejaxError naming what is wrong with it."""
     directory = Path(directory)
     if not directory.exists():
         raise EejaxError(f"no such file or directory: {directory}")
-    if not (directory / CONFIG_FILE).is_file():
+    path = directory / CONFIG_FILE
+    if not path.is_file():
         hint = " (an HF model directory? convert it first: eejax convert SRC DST)" if (directory / "config.json").exists() else ""
         raise EejaxError(f"{directory} is not an eejax model: no {CONFIG_FILE}{hint}")
-    return json.loads((directory / CONFIG_FILE).read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EejaxError(f"{path} is not valid JSON ({e}); the checkpoint is damaged: convert it again") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise EejaxError(f"{path} has no config object; the checkpoint is damaged: convert it again")
+    return meta
+
+
+def read_config(directory: Path, meta: dict[str, Any]):
+    """The model config from a checkpoint's metadata."""
+    arch = meta.get("architecture")
+    check_architecture(arch, str(directory))
+    try:
+        return CONFIG_CLASSES[arch].from_dict(meta["config"])
+    except (TypeError, ValueError, KeyError) as e:
+        raise EejaxError(f"{directory / CONFIG_FILE}: its config is not a valid {arch} config ({e})") from None
+
+
+def check_params(config, params, where: str) -> None:
+    """Refuses weights whose names or shapes differ from what `config` describes (say, a
+    `num_layers` edited in eejax.json): the model would run and print wrong text."""
+    from eejax.models import exits, llama, t5
+
+    module = t5 if isinstance(config, T5Config) else llama
+    expected = jax.eval_shape(lambda: module.init_params(config, jax.random.PRNGKey(0)))
+
+    def shapes(tree) -> dict[str, tuple]:
+        return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+    want = shapes(expected)
+    have = shapes({k: v for k, v in params.items() if k != "exits"})
+    for name in sorted(want.keys() | have.keys()):
+        if name not in have:
+            problem = f"weights {name} are missing"
+        elif name not in want:
+            problem = f"weights {name} are not part of this architecture"
+        elif have[name] != want[name]:
+            problem = f"weights {name} have shape {have[name]}, the config asks for {want[name]}"
+        else:
+            continue
+        raise EejaxError(f"{where}: the weights do not match {CONFIG_FILE}'s config: {problem}")
+    if "exits" in params:
+        exits.check_exits(params["exits"], config.num_layers, config.hidden_size)
 
 
 def load_checkpoint(directory: str | Path):
-    """Reads (config, params as jax arrays, tokenizer or None) from a checkpoint directory."""
+    """Reads (config, params as jax arrays, tokenizer or None) from a checkpoint directory.
+    A damaged checkpoint (bad JSON, missing or truncated weights, weights that do not match the
+    config, a broken tokenizer) is an EejaxError naming the file."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
     meta = read_metadata(directory)
-    arch = meta.get("architecture")
-    check_architecture(arch, str(directory))
-    config = CONFIG_CLASSES[arch].from_dict(meta["config"])
+    config = read_config(directory, meta)
+    weights = directory / "params"
+    if not weights.is_dir():
+        raise EejaxError(f"{weights}: no such directory; the checkpoint is damaged: convert it again")
     # Quiet orbax's informational logs about restoring without a target.
     logging.getLogger("absl").setLevel(logging.WARNING)
-    params = ocp.StandardCheckpointer().restore(directory / "params")
-    params = jax.tree.map(jax.numpy.asarray, params)
+    try:
+        params = ocp.StandardCheckpointer().restore(weights)
+        params = jax.tree.map(jax.numpy.asarray, params)
+    except Exception as e:  # noqa: BLE001 - orbax / tensorstore raise many kinds for damaged files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EejaxError(f"cannot read the weights in {weights} ({first[:300]}); the checkpoint is damaged: "
+                         "convert it again") from None
+    if not isinstance(params, dict):
+        raise EejaxError(f"{weights} does not hold a weights dictionary; the checkpoint is damaged")
+    check_params(config, params, str(directory))
     tokenizer = None
     if (directory / "tokenizer").is_dir():
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
+        except Exception as e:  # noqa: BLE001 - tokenizers raise many kinds for damaged files
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise EejaxError(f"cannot read the tokenizer in {directory / 'tokenizer'} ({first[:300]})") from None
     return config, params, tokenizer

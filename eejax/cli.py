@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -79,6 +80,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -227,9 +238,12 @@ def cmd_train_exits(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
+    import os
     import signal
+    import threading
 
     import eejax
+    from eejax.decode.generate import parse_bytes
     from eejax.serve.engine import Engine
     from eejax.serve.http import create_app
 
@@ -237,7 +251,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
     except ImportError:
         raise EejaxError('eejax serve needs the serve extra: pip install "eejax[serve]"') from None
+    max_body = parse_bytes(args.max_body_size)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger("eejax.serve")
     model = eejax.load(args.model)
     engine = Engine(model, max_slots=args.max_slots, max_new_tokens=args.max_tokens_limit,
                     cache_budget=args.cache_budget, exit=args.exit, temperature=args.temperature,
@@ -245,17 +261,51 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.warmup:
         engine.warmup(args.warmup)
     engine.start()
-    app = create_app(engine, served_model_name=args.served_model_name or args.model, max_waiting=args.max_waiting)
-    # uvicorn stops on SIGINT / SIGTERM once the responses in flight have ended, then raises the
-    # signal again: ignoring that second SIGTERM makes it a clean exit after the engine has stopped.
+    app = create_app(engine, served_model_name=args.served_model_name or args.model, max_waiting=args.max_waiting,
+                     max_body_bytes=max_body)
+
+    class Server(uvicorn.Server):
+        """uvicorn, plus a deadline: `--shutdown-timeout` seconds after the first SIGTERM / SIGINT
+        the requests still running end with finish reason "abort" (their clients get that), and
+        connections still open a second later are dropped."""
+
+        deadline: threading.Timer | None = None
+
+        def handle_exit(self, sig, frame):
+            if self.deadline is None:
+                log.info("shutting down: requests in flight have %s s to finish", args.shutdown_timeout)
+                self.deadline = threading.Timer(args.shutdown_timeout, engine.abort)
+                self.deadline.daemon = True
+                self.deadline.start()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                   timeout_graceful_shutdown=args.shutdown_timeout + 1))
+
+    def watchdog():  # a dead engine loop serves nobody: exit non-zero so a supervisor restarts us
+        while engine.error is None and not server.should_exit:
+            time.sleep(0.2)
+        if engine.error is not None:
+            log.critical("the engine loop died (%r); shutting down", engine.error)
+            server.should_exit = True
+
+    threading.Thread(target=watchdog, name="eejax-watchdog", daemon=True).start()
+    # uvicorn raises the signal again once its graceful shutdown is over: ignoring that second
+    # SIGTERM makes it a clean exit after the engine has stopped.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        server.run()
     except KeyboardInterrupt:
         pass
     finally:
-        engine.stop(cancel=True)
-    return 0
+        if server.deadline is not None:
+            server.deadline.cancel()
+        stopped = engine.stop(cancel=True, timeout=5)
+    code = 1 if engine.error is not None else 0
+    if not stopped:  # the loop is stuck inside a program: do not wait for it at interpreter exit
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -416,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--pages", choices=("reserve", "grow"), default="reserve",
                      help="reserve: a request's pages for prompt + max_tokens at admission (never preempts); grow: "
                      "pages as rows grow, preempting the lowest-priority row (recomputed later) when they run out")
+    srv.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0, metavar="SECONDS",
+                     help="on SIGTERM / SIGINT, how long requests in flight may run on; then they end with "
+                     'finish reason "abort" and the server exits (default 30)')
+    srv.add_argument("--max-body-size", default="2MiB", metavar="BYTES",
+                     help="the largest request body read; larger ones get 413 (default 2MiB)")
     srv.add_argument("--warmup", type=_positive_int, metavar="TOKENS",
                      help="before listening, compile the programs for prompts of up to TOKENS tokens (default: "
                      "each program compiles on its first request)")

@@ -320,6 +320,9 @@ class ExitConfig:
         return cls(name, threshold=number, **kw)
 
 
+MAX_SPECULATIONS = 64  # drafts per round: each is a pass of E layers, their K/V written ahead
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Self-speculative decoding (LayerSkip): draft with the first `exit_layer` layers and the
@@ -342,6 +345,10 @@ class SpecConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or int(value) != value or value < 1:
                 raise EejaxError(f"speculation {name} must be an integer >= 1, got {value!r}")
+        for name in ("num_speculations", "max_speculations"):
+            if getattr(self, name) > MAX_SPECULATIONS:
+                raise EejaxError(f"speculation {name} must lie in [1, {MAX_SPECULATIONS}] (drafts per round), "
+                                 f"got {getattr(self, name)}")
         if self.adaptive and self.max_speculations < self.num_speculations:
             raise EejaxError(
                 f"max_speculations ({self.max_speculations}) is below num_speculations ({self.num_speculations})"

@@ -109,7 +109,7 @@ def prefilled(model, prompts, max_new_tokens=8, temperature=0.0, pages_per_row=4
 
     from eejax.cache import init_cache
     from eejax.decode import steps
-    from eejax.decode.sampling import SamplingParams
+    from eejax.decode.sampling import RowSampling, SamplingParams
 
     c = model.config
     b, t = len(prompts), max(map(len, prompts))
@@ -120,7 +120,8 @@ def prefilled(model, prompts, max_new_tokens=8, temperature=0.0, pages_per_row=4
     table = jnp.asarray(1 + np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row))
     cache = init_cache(c.num_layers, 1 + b * pages_per_row, page_size, c.num_kv_heads, c.head_dim, model.dtype)
     state, cache = steps.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table,
-                                 jax.random.PRNGKey(0), config=c, sampling=SamplingParams(temperature),
+                                 jax.random.PRNGKey(0), sampling=RowSampling.of(SamplingParams(temperature), b),
+                                 config=c, sampled=temperature > 0,
                                  max_new_tokens=max_new_tokens, eos_ids=())
     return state, cache, table
 

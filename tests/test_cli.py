@@ -118,6 +118,10 @@ def bad_inputs(tmp_path, ckpt):
         "train-exits exit layers": (train + ["--output", tmp_path / "out", "--exit-layers", "0,2"], "exit layers must"),
         "train-exits no room": (train + ["--output", tmp_path / "out", "--max-len", 8, "--continuation-tokens", 8],
                                 "no room"),
+        "top-k above the vocabulary": (base + ["--prompt", "hi", "--temperature", 0.7, "--top-k", 100000],
+                                       "vocabulary size 320"),
+        "too many drafts": (base + ["--prompt", "hi", "--spec", "1:100000"], "[1, 64]"),
+        "infinite temperature": (base + ["--prompt", "hi", "--temperature", "inf"], "finite"),
     }
 
 
@@ -127,7 +131,8 @@ def bad_inputs(tmp_path, ckpt):
     "unknown exit measure", "exit threshold missing", "exit threshold out of range", "static exit too deep",
     "classifier without exits", "exit options without --exit", "bad exit decay", "bad spec",
     "spec as deep as the model", "spec with exit", "spec max without adaptive", "train-exits output exists",
-    "train-exits exit layers", "train-exits no room"])
+    "train-exits exit layers", "train-exits no room", "top-k above the vocabulary", "too many drafts",
+    "infinite temperature"])
 def test_bad_input_is_one_line_and_status_2(capsys, ckpt, tmp_path, case):
     argv, needle = bad_inputs(tmp_path, ckpt)[case]
     code, out, err = run_cli(capsys, *argv)
@@ -209,3 +214,69 @@ def test_repeated_list_options_accumulate_and_keep_their_default_when_absent():
     assert parser.parse_args([]).batches == [1, 8]
     assert parser.parse_args(["--batches", "2", "--batches", "4"]).batches == [2, 4]
     assert parser.parse_args(["--batches"]).batches == []  # given empty: off
+
+
+# --- damaged checkpoints and conversions: one line naming the file, status 2 ------------------
+
+def _edit_config(path, **changes):
+    meta = json.loads((path / "eejax.json").read_text())
+    meta["config"].update(changes)
+    (path / "eejax.json").write_text(json.dumps(meta))
+
+
+def _truncate_largest_weights(path):
+    largest = max((f for f in (path / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 3])
+
+
+DAMAGE = {
+    "eejax.json not JSON": (lambda p: (p / "eejax.json").write_text('{"config": '), "eejax.json is not valid JSON"),
+    "eejax.json without config": (lambda p: (p / "eejax.json").write_text('{"architecture": "llama"}'),
+                                  "no config object"),
+    "unknown config field": (lambda p: _edit_config(p, wings=2), "not a valid llama config"),
+    "weights missing": (lambda p: __import__("shutil").rmtree(p / "params"), "params: no such directory"),
+    "weights truncated": (_truncate_largest_weights, "cannot read the weights"),
+    "num_layers over the weights": (lambda p: _edit_config(p, num_layers=4), "have shape (3,"),
+    "hidden size over the weights": (lambda p: _edit_config(p, hidden_size=96), "the config asks for"),
+    "tokenizer damaged": (lambda p: (p / "tokenizer" / "tokenizer.json").write_text("{garbage"),
+                          "cannot read the tokenizer"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(capsys, ckpt, tmp_path, damage):
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(ckpt, copy)
+    hurt, needle = DAMAGE[damage]
+    hurt(copy)
+    code, out, err = run_cli(capsys, "generate", "--model", copy, "--prompt", "hi", "--max-new-tokens", 2)
+    lines = [line for line in err.splitlines() if line.strip() and "WARNING" not in line]
+    assert code == 2 and out == "", err
+    assert len(lines) == 1 and needle in lines[0] and str(copy) in lines[0] and "Traceback" not in err, err
+
+
+def test_convert_checks_its_inputs_before_working_and_cleans_dead_partials(capsys, tiny_checkpoints, tmp_path):
+    import shutil
+
+    hf_dir = tiny_checkpoints["mha-tied"][1]
+    (tmp_path / "file").write_text("")
+    code, _, err = run_cli(capsys, "convert", hf_dir, tmp_path / "file" / "dst", "--quiet")
+    assert code == 2 and "is a file, not a directory" in err and len(err.strip().splitlines()) == 1
+    bad = tmp_path / "bad-hf"
+    shutil.copytree(hf_dir, bad)
+    (bad / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    code, _, err = run_cli(capsys, "convert", bad, tmp_path / "dst", "--quiet")
+    assert code == 2 and "config.json is not valid JSON" in err and len(err.strip().splitlines()) == 1
+    (bad / "config.json").write_text('{"model_type": "llama"}')
+    code, _, err = run_cli(capsys, "convert", bad, tmp_path / "dst", "--quiet")
+    assert code == 2 and "not a valid llama config" in err and len(err.strip().splitlines()) == 1
+    # A writer killed mid-conversion left its partial directory: the next conversion removes it
+    # (the process is dead), and leaves a living process's alone.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale, alive = tmp_path / f".dst.partial-{int(dead.stdout)}", tmp_path / f".dst.partial-{os.getppid()}"
+    stale.mkdir()
+    alive.mkdir()
+    code, _, _ = run_cli(capsys, "convert", hf_dir, tmp_path / "dst", "--quiet")
+    assert code == 0 and not stale.exists() and alive.exists() and (tmp_path / "dst" / "eejax.json").is_file()

@@ -15,7 +15,6 @@ from eejax.config import ExitConfig
 from eejax.decode import steps
 from eejax.decode.confidence import exit_threshold, softmax_margin, state_cosine
 from eejax.decode.early_exit import ExitFns, early_exit_layers
-from eejax.decode.sampling import SamplingParams
 from eejax.errors import EejaxError
 from eejax.models import exits, llama
 from tests.conftest import TINY_CONFIGS, prefilled, random_prompts
@@ -71,7 +70,7 @@ def test_minus_inf_exits_at_min_exit_layer(tiny_models):
 # --- one step, looked at directly ------------------------------------------------------------
 
 def decode_step(model, state, cache, block_table, exit_config):
-    return steps.decode(model.params, cache, state, block_table, config=model.config, sampling=SamplingParams(),
+    return steps.decode(model.params, cache, state, block_table, config=model.config,
                         max_new_tokens=8, eos_ids=(), exit_config=exit_config)
 
 

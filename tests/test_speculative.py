@@ -13,7 +13,6 @@ import eejax
 from eejax.cache import init_cache
 from eejax.config import LlamaConfig, SpecConfig
 from eejax.decode import speculative, steps
-from eejax.decode.sampling import SamplingParams
 from eejax.decode.spec_policy import (
     SpeculationPolicy, best_speculations, break_even_acceptance, expected_tokens, speedup,
 )
@@ -135,7 +134,7 @@ def test_small_cache_budget_runs_rows_in_turn(model):
 # --- the cache after a round ----------------------------------------------------------------
 
 def spec_round(model, state, cache, table, spec, max_new_tokens, temperature=0.0, counters=None):
-    static = dict(config=model.config, spec=spec, sampling=SamplingParams(temperature))
+    static = dict(config=model.config, spec=spec, sampled=temperature > 0)
     drafts, state, cache = speculative.draft(model.params, cache, state, table,
                                              num_speculations=spec.num_speculations, **static)
     counters = speculative.SpecCounters.zeros(state.done.shape[0]) if counters is None else counters
@@ -153,7 +152,7 @@ def test_accepted_positions_hold_the_full_depth_kv(model, spec):
     full_state, full_cache = state0, cache0
     for _ in range(int(np.max(state.num_generated)) - 1):
         full_state, full_cache = steps.decode(model.params, full_cache, full_state, table, config=model.config,
-                                              sampling=SamplingParams(), max_new_tokens=20, eos_ids=())
+                                              max_new_tokens=20, eos_ids=())
     seq_len = np.asarray(state.seq_len)
     gen = np.asarray(state.num_generated)
     np.testing.assert_array_equal(np.asarray(state.tokens)[:, : gen.min()], np.asarray(full_state.tokens)[:, : gen.min()])

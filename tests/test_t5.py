@@ -17,7 +17,6 @@ from eejax.cache import init_cache
 from eejax.config import ExitConfig, T5Config
 from eejax.decode import steps
 from eejax.decode.early_exit import early_exit_layers
-from eejax.decode.sampling import SamplingParams
 from eejax.errors import EejaxError
 from eejax.models import t5
 from tests.conftest import ROOT, cnndm_rows, random_prompts
@@ -222,13 +221,13 @@ def prefilled_t5(model, max_new_tokens=8):
     table = jnp.asarray(1 + np.arange(4 * 2).reshape(4, 2), jnp.int32)
     cache = init_cache(c.num_layers, 1 + 4 * 2, 8, c.num_kv_heads, c.head_dim, model.dtype)
     state, cache = steps.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table,
-                                 jax.random.PRNGKey(0), config=c, sampling=SamplingParams(),
+                                 jax.random.PRNGKey(0), config=c,
                                  max_new_tokens=max_new_tokens, eos_ids=())
     return state, cache, table
 
 
 def decode_step(model, state, cache, table, exit_config):
-    return steps.decode(model.params, cache, state, table, config=model.config, sampling=SamplingParams(),
+    return steps.decode(model.params, cache, state, table, config=model.config,
                         max_new_tokens=8, eos_ids=(), exit_config=exit_config)
 
 

@@ -20,7 +20,7 @@ from eejax.config import ExitConfig, SpecConfig, T5Config
 from eejax.decode import speculative, steps
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
-from eejax.decode.sampling import SamplingParams, row_keys, seed_key
+from eejax.decode.sampling import RowSampling, SamplingParams, row_keys, seed_key
 from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.errors import EejaxError, OutOfPagesError
 from eejax.kernels.attention import IMPLS
@@ -119,6 +119,7 @@ def generate(
     if page_size < 1:
         raise EejaxError(f"page_size must be >= 1, got {page_size}")
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
+    sampling.check_vocab(config.vocab_size)
     eos_ids = () if ignore_eos else model.eos_token_ids
     batch_size = batch_size or len(rows)
 
@@ -236,8 +237,8 @@ def _chunk_keys(key, chunk: list[int]):
     return row_keys(key, index)
 
 
-def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling, max_new_tokens, eos_ids, exit_config,
-               spec_config, attention):
+def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling: SamplingParams, max_new_tokens, eos_ids,
+               exit_config, spec_config, attention):
     """Prefill then decode one batch of rows (padded to a batch bucket) on the shared cache.
     Returns (state, cache, seconds the prefill ran, (SpecCounters, SpeculationPolicy) or None)."""
     b = batch_bucket(len(rows))
@@ -258,12 +259,13 @@ def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling, max_n
             widths[w] = jnp.asarray(block_table[:, :w])
         return widths[w]
 
-    static = dict(config=model.config, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+    static = dict(config=model.config, sampled=not sampling.greedy, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                   attention=attention)
     decode_static = dict(static, exit_config=exit_config)
     # Tokens in the longest row's cache after the prefill: a Llama's prompt, a T5's start token.
     max_len = 1 if isinstance(model.config, T5Config) else int(lengths.max())
-    args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), keys)
+    args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), keys, None, None,
+            jax.tree.map(jnp.asarray, RowSampling.of(sampling, b)))
     prefill = model.programs.get(steps.prefill, args, static, donate_argnums=(1,))
     start = time.perf_counter()
     state, cache = jax.block_until_ready(prefill(*args))

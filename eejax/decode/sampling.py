@@ -11,21 +11,23 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eejax.errors import EejaxError
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off."""
+    """One request's sampling options (host side): temperature 0 is greedy; top_k 0 and top_p
+    1.0 switch those filters off. On device they ride per row in a `RowSampling`."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise EejaxError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise EejaxError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise EejaxError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -35,21 +37,53 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuses a top_k larger than the model's vocabulary."""
+        if self.top_k > vocab_size:
+            raise EejaxError(f"top_k must be <= the vocabulary size {vocab_size} (0 = off), got {self.top_k}")
 
-def filtered_logits(logits, params: SamplingParams):
-    """Temperature-scaled logits `[B, V]` with tokens outside top-k / top-p set to -inf."""
-    logits = logits.astype(jnp.float32) / params.temperature
-    if params.top_k > 0:
-        kth = jax.lax.top_k(logits, params.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if params.top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
-        keep = (cum - jax.nn.softmax(sorted_logits, axis=-1)) < params.top_p
-        cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return logits
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RowSampling:
+    """Sampling options per row, traced (so a new temperature compiles nothing):
+    temperature [B] f32 (0: greedy), top_k [B] int32 (0: off), top_p [B] f32 (1: off)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @classmethod
+    def of(cls, params: SamplingParams | list[SamplingParams], rows: int | None = None) -> RowSampling:
+        """Host arrays of one option set for `rows` rows, or of a list of them (one per row)."""
+        params = [params] * rows if isinstance(params, SamplingParams) else list(params)
+        return cls(np.asarray([p.temperature for p in params], np.float32),
+                   np.asarray([p.top_k for p in params], np.int32),
+                   np.asarray([p.top_p for p in params], np.float32))
+
+    @property
+    def greedy(self):
+        """[B] bool: rows that take the argmax."""
+        return (self.temperature == 0) | (self.top_k == 1)
+
+
+def filtered_logits(logits, rows: RowSampling):
+    """Temperature-scaled logits `[B, V]` with each row's tokens outside its top-k / top-p set
+    to -inf (a greedy row's are left unscaled: it draws nothing)."""
+    vocab = logits.shape[-1]
+    t = rows.temperature[:, None]
+    logits = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
+    descending = -jnp.sort(-logits, axis=-1)
+    k = rows.top_k[:, None]
+    kth = jnp.take_along_axis(descending, jnp.clip(k - 1, 0, vocab - 1), axis=-1)
+    kth = jnp.where(k > 0, kth, -jnp.inf)
+    descending = jnp.where(descending < kth, -jnp.inf, descending)
+    probs = jax.nn.softmax(descending, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < rows.top_p[:, None]
+    cutoff = jnp.min(jnp.where(keep, descending, jnp.inf), axis=-1, keepdims=True)
+    cutoff = jnp.where(rows.top_p[:, None] < 1, cutoff, -jnp.inf)
+    return jnp.where(logits < jnp.maximum(kth, cutoff), -jnp.inf, logits)
 
 
 # Streams of random numbers a row draws at one position (see `token_keys`).
@@ -76,18 +110,21 @@ def token_keys(keys, index, stream: int):
     return jax.vmap(lambda k, i: jax.random.fold_in(jax.random.fold_in(k, i), stream))(keys, index)
 
 
-def sample(logits, keys, params: SamplingParams):
-    """logits [B, V], keys [B, 2] (one per row, see `token_keys`) -> token ids [B] int32."""
-    if params.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    filtered = filtered_logits(logits, params)
-    return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+def sample(logits, keys, rows: RowSampling, sampled: bool):
+    """logits [B, V], keys [B, 2] (one per row, see `token_keys`) -> token ids [B] int32.
+    `sampled` (static) is False when every row is greedy: the argmax alone, nothing drawn."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampled:
+        return greedy
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, rows)).astype(jnp.int32)
+    return jnp.where(rows.greedy, greedy, drawn)
 
 
-def logprobs_of(logits, params: SamplingParams):
-    """Log-probabilities [B, V] f32 of the distribution a token is drawn from: the model's softmax
-    at temperature 0 (which draws nothing), else after temperature, top-k and top-p (tokens
-    filtered out get -inf): vLLM's "processed" logprobs."""
-    if params.temperature == 0:
-        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jax.nn.log_softmax(filtered_logits(logits, params), axis=-1)
+def logprobs_of(logits, rows: RowSampling, sampled: bool):
+    """Log-probabilities [B, V] f32 of the distribution a token is drawn from: a greedy row's
+    are the model's softmax (it draws nothing), a sampled row's after temperature, top-k and
+    top-p (tokens filtered out get -inf): vLLM's "processed" logprobs."""
+    model = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    if not sampled:
+        return model
+    return jnp.where(rows.greedy[:, None], model, jax.nn.log_softmax(filtered_logits(logits, rows), axis=-1))

@@ -22,7 +22,7 @@ from eejax.cache import KVCache
 from eejax.config import ExitConfig, T5Config
 from eejax.decode.confidence import exit_threshold
 from eejax.decode.early_exit import ExitFns, early_exit_layers
-from eejax.decode.sampling import SAMPLE, SamplingParams, logprobs_of, row_keys, sample, token_keys
+from eejax.decode.sampling import SAMPLE, RowSampling, SamplingParams, logprobs_of, row_keys, sample, token_keys
 from eejax.models import exits, llama, t5
 
 
@@ -52,10 +52,11 @@ class LogprobRecord:
                    jnp.zeros(shape + (TOP_LOGPROBS,), jnp.float32))
 
 
-def token_logprobs(logits, tokens, sampling: SamplingParams):
-    """logits [..., V], tokens [...] -> (chosen [...], top_ids [..., K], top [..., K])."""
+def token_logprobs(logits, tokens, rows: RowSampling, sampled: bool):
+    """logits [B, T, V], tokens [B, T] -> (chosen [B, T], top_ids [B, T, K], top [B, T, K])."""
     shape = tokens.shape
-    lp = logprobs_of(logits.reshape(-1, logits.shape[-1]), sampling)
+    per_token = jax.tree.map(lambda x: jnp.repeat(x, shape[1]), rows)  # [B * T]
+    lp = logprobs_of(logits.reshape(-1, logits.shape[-1]), per_token, sampled)
     chosen = jnp.take_along_axis(lp, tokens.reshape(-1, 1), axis=-1)[:, 0]
     top, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
     pad = ((0, 0), (0, TOP_LOGPROBS - top.shape[-1]))  # a vocabulary smaller than the record
@@ -82,6 +83,7 @@ class DecodeState:
                           index of a row's token i is start + i
     limit [B] int32:      the row's own max new tokens counted from `start` (<= N); the
                           decaying exit threshold runs over start + limit
+    sampling:             each row's temperature / top-k / top-p (`RowSampling`, traced)
     context:              per-row model state besides the KV cache (T5: `t5.CrossKV`; Llama: None)
     logprobs:             a `LogprobRecord`, or None when nobody asks for log-probabilities
     """
@@ -96,6 +98,7 @@ class DecodeState:
     keys: jax.Array
     start: jax.Array
     limit: jax.Array
+    sampling: RowSampling
     context: Any = None
     logprobs: LogprobRecord | None = None
 
@@ -105,14 +108,14 @@ class DecodeState:
         return self.start + self.num_generated
 
 
-def record_logprobs(state: DecodeState, logits, tokens, idx, emitted, sampling: SamplingParams):
+def record_logprobs(state: DecodeState, logits, tokens, idx, emitted, sampled: bool):
     """`state.logprobs` with the scores of tokens [B, T] (logits [B, T, V]) written at record
     indices idx [B, T] where `emitted` [B, T]; unchanged when there is no record."""
     if state.logprobs is None:
         return None
     idx = jnp.where(emitted, idx, state.tokens.shape[1])  # out of range: dropped
     rows = jnp.arange(tokens.shape[0])[:, None]
-    scores = token_logprobs(logits, tokens, sampling)
+    scores = token_logprobs(logits, tokens, state.sampling, sampled)
     return jax.tree.map(lambda buf, new: buf.at[rows, idx].set(new, mode="drop"), state.logprobs,
                         LogprobRecord(*scores))
 
@@ -123,25 +126,28 @@ def is_eos(tokens, eos_ids: tuple[int, ...]):
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=None, limit=None, *, config,
-            sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...], attention: str = "auto",
+def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=None, limit=None, sampling=None, *,
+            config, max_new_tokens: int, eos_ids: tuple[int, ...], sampled: bool = False, attention: str = "auto",
             logprobs: bool = False):
     """Runs all layers over right-padded prompts and samples the first new token.
 
     tokens [B, T] int32, lengths [B] int32 (0 = padding row), block_table [B, M] int32; keys:
     one PRNG key (row i then draws with fold_in(key, i)) or per-row keys [B, 2]; start [B] (the
     absolute index of each row's first new token; default 0), limit [B] (each row's max new
-    tokens; default max_new_tokens, the record's width). `logprobs` keeps a `LogprobRecord`.
+    tokens; default max_new_tokens, the record's width), sampling: the rows' `RowSampling`
+    (default greedy); `sampled` (static) is False when every row is greedy. `logprobs` keeps a
+    `LogprobRecord`.
     Returns (DecodeState, cache). A T5 encodes the prompts and decodes its first token.
     """
     b = tokens.shape[0]
     keys = row_keys(keys, jnp.arange(b)) if keys.ndim == 1 else keys
     start = jnp.zeros((b,), jnp.int32) if start is None else start
     limit = jnp.full((b,), max_new_tokens, jnp.int32) if limit is None else jnp.minimum(limit, max_new_tokens)
+    sampling = jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(), b) if sampling is None else sampling)
     record = LogprobRecord.zeros(b, max_new_tokens) if logprobs else None
     if isinstance(config, T5Config):
-        return _prefill_encoder_decoder(params, cache, tokens, lengths, block_table, keys, start, limit, record,
-                                        config=config, sampling=sampling, max_new_tokens=max_new_tokens,
+        return _prefill_encoder_decoder(params, cache, tokens, lengths, block_table, keys, start, limit, sampling,
+                                        record, config=config, sampled=sampled, max_new_tokens=max_new_tokens,
                                         eos_ids=eos_ids, attention=attention)
     t = tokens.shape[1]
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -150,7 +156,7 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
     h, cache = llama.run_layers(params, llama.embed(params, tokens), cache, batch, config)
     last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
     logits = llama.lm_head(params, last, config)
-    first = sample(logits, token_keys(keys, start, SAMPLE), sampling)
+    first = sample(logits, token_keys(keys, start, SAMPLE), sampling, sampled)
     padding = lengths == 0
     first = jnp.where(padding, 0, first)
     done = padding | is_eos(first, eos_ids) | (limit <= 1)
@@ -167,15 +173,16 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
         keys=keys,
         start=start,
         limit=limit,
+        sampling=sampling,
         logprobs=record,
     )
     scores = record_logprobs(state, logits[:, None], first[:, None], jnp.zeros((b, 1), jnp.int32),
-                             ~padding[:, None], sampling)
+                             ~padding[:, None], sampled)
     return dataclasses.replace(state, logprobs=scores), cache
 
 
-def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_table, keys, start, limit, record, *,
-                             config: T5Config, sampling, max_new_tokens, eos_ids, attention):
+def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_table, keys, start, limit, sampling,
+                             record, *, config: T5Config, sampled, max_new_tokens, eos_ids, attention):
     """T5: the encoder over the prompts, every decoder layer's cross K/V, then one full-depth
     decode step from the decoder start token (position 0)."""
     enc = t5.encode(params, tokens, lengths, config)
@@ -193,10 +200,11 @@ def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_tabl
         keys=keys,
         start=start,
         limit=limit,
+        sampling=sampling,
         context=t5.cross_kv(params, enc, lengths, config),
         logprobs=logprob_record,
     )
-    return decode(params, cache, state, block_table, config=config, sampling=sampling,
+    return decode(params, cache, state, block_table, config=config, sampled=sampled,
                   max_new_tokens=max_new_tokens, eos_ids=eos_ids, attention=attention,
                   logprobs=logprob_record is not None)
 
@@ -230,16 +238,17 @@ def exit_fns(params, batch, config) -> ExitFns:
     )
 
 
-def decode(params, cache: KVCache, state: DecodeState, block_table, *, config,
-           sampling: SamplingParams, max_new_tokens: int, eos_ids: tuple[int, ...],
-           exit_config: ExitConfig | None = None, attention: str = "auto", logprobs: bool = False):
+def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, max_new_tokens: int,
+           eos_ids: tuple[int, ...], sampled: bool = False, exit_config: ExitConfig | None = None,
+           attention: str = "auto", logprobs: bool = False):
     """One decode token for every row that is not done; a row ends at EOS or its own limit.
     Returns (state, cache).
 
     Full depth when `exit_config` is None; otherwise the early-exit loop decides how many
     layers run and fills the KV of the rest, with λ(t) at each row's absolute position over its
-    own limit. `attention` picks the attention implementation; `logprobs` records the tokens'
-    log-probabilities in `state.logprobs`.
+    own limit. Rows sample with their own `state.sampling` (`sampled` static: False when every
+    row is greedy). `attention` picks the attention implementation; `logprobs` records the
+    tokens' log-probabilities in `state.logprobs`.
     """
     m = model_module(config)
     active = ~state.done
@@ -260,7 +269,7 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config,
         )
         logits, cache, confident = out.logits, out.cache, out.confident_layer
         exit_layer = jnp.full(active.shape, out.exit_layer, jnp.int32)
-    token = jnp.where(active, sample(logits, token_keys(state.keys, state.position, SAMPLE), sampling),
+    token = jnp.where(active, sample(logits, token_keys(state.keys, state.position, SAMPLE), state.sampling, sampled),
                       state.last_token)
     idx = jnp.minimum(state.num_generated, max_new_tokens - 1)
     rows = jnp.arange(token.shape[0])
@@ -270,7 +279,7 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config,
 
     num_generated = state.num_generated + active
     done = state.done | (active & is_eos(token, eos_ids)) | (num_generated >= state.limit)
-    scores = (record_logprobs(state, logits[:, None], token[:, None], idx[:, None], active[:, None], sampling)
+    scores = (record_logprobs(state, logits[:, None], token[:, None], idx[:, None], active[:, None], sampled)
               if logprobs else state.logprobs)
     return dataclasses.replace(
         state,

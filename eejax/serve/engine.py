@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -35,11 +36,13 @@ from eejax.decode import speculative, steps
 from eejax.decode.buckets import bucket
 from eejax.decode.generate import parse_bytes
 from eejax.decode.prompts import prompt_token_ids
-from eejax.decode.sampling import SamplingParams, seed_key
+from eejax.decode.sampling import RowSampling, SamplingParams, seed_key
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import exits
-from eejax.serve.scheduler import BucketScheduler, Request
+from eejax.serve.scheduler import BucketScheduler, Request, safe_pages
 from eejax.serve.stops import first_stop
+
+log = logging.getLogger("eejax.serve")
 
 MIN_PROMPT_BUCKET = 16
 
@@ -66,7 +69,9 @@ class Sequence:
     exit_layers: list[int] = dataclasses.field(default_factory=list)
     token_logprobs: list[float] = dataclasses.field(default_factory=list)  # with `logprobs`
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "cancelled"
+    finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "cancelled",
+    # "abort" (the server shut down before it ended), "error" (a step failed on it: see `error`)
+    error: str | None = None
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     token_times: list[float] = dataclasses.field(default_factory=list)
     slot: int | None = None
@@ -120,39 +125,39 @@ def _insert_rows(state: steps.DecodeState, new: steps.DecodeState, slots):
     return dataclasses.replace(state, **rows)
 
 
-def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, keys, start, limit, *, config, sampling,
-                  max_new_tokens, eos_ids, attention, logprobs):
+def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, keys, start, limit, sampling, *, config,
+                  sampled, max_new_tokens, eos_ids, attention, logprobs):
     """Prefills right-padded prompts tokens [b, T] into decode slots `slots` [b] of `state`, with
-    the rows' keys [b, 2], start [b] (tokens generated before, recomputed) and limit [b] (max new
-    tokens from there). Returns (state, cache)."""
-    new, cache = steps.prefill(params, cache, tokens, lengths, block_table, keys, start, limit, config=config,
-                               sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+    the rows' keys [b, 2], start [b] (tokens generated before, recomputed), limit [b] (max new
+    tokens from there) and sampling (`RowSampling` [b]). Returns (state, cache)."""
+    new, cache = steps.prefill(params, cache, tokens, lengths, block_table, keys, start, limit, sampling,
+                               config=config, sampled=sampled, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                                attention=attention, logprobs=logprobs)
     return _insert_rows(state, new, slots), cache
 
 
-def decode_slots(params, cache, state, block_table, group, *, config, sampling, max_new_tokens, eos_ids,
+def decode_slots(params, cache, state, block_table, group, *, config, sampled, max_new_tokens, eos_ids,
                  exit_config, attention, logprobs):
     """One decode step of the slots in `group` [S] bool that are not done (the others wait: they
     run with their own options in another program)."""
     waiting = ~group & ~state.done
     new, cache = steps.decode(params, cache, dataclasses.replace(state, done=state.done | waiting), block_table,
-                              config=config, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                              config=config, sampled=sampled, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                               exit_config=exit_config, attention=attention, logprobs=logprobs)
     return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache
 
 
-def spec_round_slots(params, cache, state, counters, block_table, group, *, config, spec, sampling,
+def spec_round_slots(params, cache, state, counters, block_table, group, *, config, spec, sampled,
                      max_new_tokens, eos_ids, attention, logprobs):
     """One self-speculation round (d drafts from layers [0, E), one verify pass of the rest) of
     the slots in `group` that are not done; the others wait. Returns (state, cache, counters)."""
     waiting = ~group & ~state.done
     masked = dataclasses.replace(state, done=state.done | waiting)
     drafts, masked, cache = speculative.draft(params, cache, masked, block_table, config=config, spec=spec,
-                                              num_speculations=spec.num_speculations, sampling=sampling,
+                                              num_speculations=spec.num_speculations, sampled=sampled,
                                               attention=attention)
     new, cache, counters = speculative.verify(params, cache, masked, drafts, counters, block_table, config=config,
-                                              spec=spec, sampling=sampling, max_new_tokens=max_new_tokens,
+                                              spec=spec, sampled=sampled, max_new_tokens=max_new_tokens,
                                               eos_ids=eos_ids, attention=attention, logprobs=logprobs)
     return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache, counters
 
@@ -163,7 +168,8 @@ def empty_state(slots: int, max_new_tokens: int) -> steps.DecodeState:
     return steps.DecodeState(last_token=zeros, seq_len=zeros, num_generated=zeros,
                              done=jnp.ones((slots,), bool), tokens=record, exit_layers=record,
                              confident_layers=record, keys=jnp.zeros((slots, 2), jnp.uint32), start=zeros,
-                             limit=zeros, logprobs=steps.LogprobRecord.zeros(slots, max_new_tokens))
+                             limit=zeros, sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(), slots)),
+                             logprobs=steps.LogprobRecord.zeros(slots, max_new_tokens))
 
 
 class Engine:
@@ -197,7 +203,11 @@ class Engine:
         self.grow = pages == "grow"
         per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
         num_pages = parse_bytes(cache_budget) // per_page
-        self.max_len = min(config.max_position_embeddings, (num_pages - 1) * page_size)
+        # The longest request admission can always start: it keeps 10% of the free pages back,
+        # so a request needing more pages than that share of an empty cache would wait forever.
+        # (A preempted row comes back needing up to all of its pages, in either page mode.)
+        self.cache_len = max(safe_pages(num_pages - 1), 0) * page_size
+        self.max_len = min(config.max_position_embeddings, self.cache_len)
         if self.max_len < 2:
             raise EejaxError(f"KV cache budget {cache_budget} holds no sequence")
         self.table_width = bucket(pages_needed(self.max_len, page_size))
@@ -206,8 +216,10 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.scheduler = BucketScheduler(self.max_len + 1, page_size, policy=policy, bucketing=bucketing,
                                          online=online, max_rows=max_slots)
-        self.static = dict(config=config, sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
-                           max_new_tokens=max_new_tokens, eos_ids=model.eos_token_ids, attention=attention)
+        self.sampling = SamplingParams(float(temperature), int(top_k), float(top_p))  # a request's default
+        self.sampling.check_vocab(config.vocab_size)
+        self.static = dict(config=config, max_new_tokens=max_new_tokens, eos_ids=model.eos_token_ids,
+                           attention=attention)
         self._seeds = np.random.default_rng(seed)  # a request without a seed draws one from here
         self.state = empty_state(max_slots, max_new_tokens)
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
@@ -218,6 +230,7 @@ class Engine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._pending = None  # (state, slot -> sequence) of the last dispatched step, not read yet
+        self.error: BaseException | None = None  # what stopped the background loop, if it died
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._wake = threading.Event()
@@ -247,8 +260,8 @@ class Engine:
                logprobs: int | None = None, stop=(), stop_token_ids=()) -> Sequence:
         """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
         engine's early-exit option for this request ("none" = full depth), `spec` ("E:d") decodes
-        it by self-speculation, `temperature`, `top_k`, `top_p` set its sampling (each distinct
-        option set runs its own compiled programs). Sampled tokens depend only on the prompt,
+        it by self-speculation, `temperature`, `top_k`, `top_p` set its sampling (traced values:
+        a new setting compiles nothing). Sampled tokens depend only on the prompt,
         the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`.
         `logprobs` (0 to 20 alternatives) records each token's log-probability; `stop` (strings)
         and `stop_token_ids` end the request like EOS does."""
@@ -261,17 +274,21 @@ class Engine:
             spec_config.check_model(self.config.num_layers)
             exits.check_exits(self.model.params.get("exits"), self.config.num_layers, self.config.hidden_size)
             exit = "none"  # noqa: A001
-        default = self.static["sampling"]
+        default = self.sampling
         sampling = SamplingParams(default.temperature if temperature is None else float(temperature),
                                   default.top_k if top_k is None else int(top_k),
                                   default.top_p if top_p is None else float(top_p))
+        sampling.check_vocab(self.config.vocab_size)
         exit_config = self.exit_config if exit is None else (None if exit == "none" else self.checked_exit(exit))
         if not 1 <= max_new_tokens <= self.max_new_tokens:
             raise EejaxError(f"max_new_tokens must lie in [1, {self.max_new_tokens}], got {max_new_tokens}")
         (ids,), _ = prompt_token_ids(self.model.tokenizer, [prompt] if isinstance(prompt, str) else [list(prompt)])
         if len(ids) + max_new_tokens > self.max_len:
-            raise EejaxError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds the context of "
-                             f"{self.max_len} tokens")
+            bound = (f"the model's context of {self.max_len} tokens" if self.max_len < self.cache_len else
+                     f"the {self.max_len} tokens a request may hold in this server's KV cache "
+                     f"({self.allocator.num_pages - 1} pages of {self.page_size} tokens, of which admission grants at "
+                     f"most 90%)")
+            raise EejaxError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds {bound}")
         if max(ids) >= self.config.vocab_size or min(ids) < 0:
             raise EejaxError(f"token ids must lie in [0, {self.config.vocab_size})")
         if logprobs is not None and not 0 <= logprobs <= steps.TOP_LOGPROBS:
@@ -326,7 +343,8 @@ class Engine:
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> None:
-        """One iteration: admit into free slots, dispatch a decode step, read the previous one."""
+        """One iteration: admit into free slots, dispatch a decode step, read the previous one.
+        A program that fails fails only the requests it ran for (see `_guarded`)."""
         start = time.perf_counter()
         with self._lock:
             self._admit()
@@ -335,29 +353,106 @@ class Engine:
             pending = self._pending
             if self.running:
                 table = self._table()
-                # One program per (early exit, sampling, speculation, log-probs) option among the
+                # One program per (early exit, sampled, speculation, log-probs) option among the
                 # running rows (usually one); the other rows wait through it.
                 for options in {self._options(seq): None for seq in self.running.values()}:
-                    exit_config, sampling, spec, logprobs = options
+                    members = [seq for seq in self.running.values() if self._options(seq) == options]
                     group = np.zeros((self.slots,), bool)
-                    group[[slot for slot, seq in self.running.items() if self._options(seq) == options]] = True
-                    if spec is None:
-                        program, args = self._decode_program(table, jnp.asarray(group), exit_config, sampling,
-                                                             logprobs)
-                        self.state, self.cache = program(*args)
-                    else:
-                        args = (self.model.params, self.cache, self.state, self.spec_counters, table,
-                                jnp.asarray(group))
-                        static = dict(self.static, spec=spec, sampling=sampling, logprobs=logprobs)
-                        program = self.model.programs.get(spec_round_slots, args, static, donate_argnums=(1,))
-                        self.state, self.cache, self.spec_counters = program(*args)
-                    self.counters["steps"] += 1
-                self._pending = (self.state, dict(self.running), self.spec_counters)
-            else:
-                self._pending = None
+                    group[[seq.slot for seq in members]] = True
+                    self._guarded(members, self._dispatch, table, jnp.asarray(group), *options)
+            self._pending = (self.state, dict(self.running), self.spec_counters) if self.running else None
             if pending is not None:
                 self._read(*pending)
         self.counters["step_s"] += time.perf_counter() - start
+
+    def _dispatch(self, table, group, exit_config, sampled: bool, spec, logprobs: bool) -> None:
+        """Dispatches one decode step (or speculation round) of the slots in `group`."""
+        if spec is None:
+            program, args = self._decode_program(table, group, exit_config, sampled, logprobs)
+            self.state, self.cache = program(*args)
+        else:
+            args = (self.model.params, self.cache, self.state, self.spec_counters, table, group)
+            static = dict(self.static, spec=spec, sampled=sampled, logprobs=logprobs)
+            program = self.model.programs.get(spec_round_slots, args, static, donate_argnums=(1,))
+            self.state, self.cache, self.spec_counters = program(*args)
+        self.counters["steps"] += 1
+
+    # -- faults --------------------------------------------------------------------------------
+    def _guarded(self, seqs: list[Sequence], work, *args) -> None:
+        """Runs `work(*args)`, a program over the rows of `seqs`. If it raises, those requests
+        end with finish reason "error" (pages freed) and the others go on; if the device state
+        (cache, slot state) did not survive, every running request fails and it is rebuilt."""
+        try:
+            work(*args)
+        except Exception as e:  # noqa: BLE001 - whatever a program raises fails its requests only
+            log.exception("a step failed; failing requests %s", [seq.id for seq in seqs])
+            if not self._device_state_ok():
+                self._reset_device_state(e)
+            self._fail(seqs, e)
+
+    def _device_state_ok(self) -> bool:
+        try:
+            jax.block_until_ready((self.cache, self.state, self.spec_counters))
+            return True
+        except Exception:  # noqa: BLE001 - donated to a program that failed, or computed by one
+            return False
+
+    def _reset_device_state(self, error: BaseException) -> None:
+        """A fresh cache and slot state after they were lost: every running request fails."""
+        log.error("the device state was lost; failing %d running requests", len(self.running))
+        c = self.config
+        self.cache = init_cache(c.num_layers, self.allocator.num_pages, self.page_size, c.num_kv_heads, c.head_dim,
+                                self.model.dtype)
+        self.state = empty_state(self.slots, self.max_new_tokens)
+        self.spec_counters = speculative.SpecCounters.zeros(self.slots)
+        self._pending = None
+        self._fail(list(self.running.values()), error)
+
+    def _fail(self, seqs: list[Sequence], error: BaseException) -> None:
+        """Ends `seqs` (running or waiting) with finish reason "error"; the lock is held."""
+        for seq in seqs:
+            if seq.finished:
+                continue
+            if self.waiting.pop(seq.id, None) is not None:
+                self.scheduler.remove(self._requests[seq.id])
+            self._release(seq)
+            seq.error = f"{type(error).__name__}: {error}"
+            self._finish(seq, "error")
+
+    def _recover(self, error: BaseException) -> None:
+        """After a step raised outside any one program: its requests (the running ones; the
+        waiting ones if none ran, so that a fault in admission cannot repeat forever) fail."""
+        with self._lock:
+            victims = list(self.running.values()) or list(self.waiting.values())
+            if not self._device_state_ok():
+                self._reset_device_state(error)
+            self._pending = None
+            self._fail(victims, error)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the background loop is running (started, not stopped, not died)."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def abort(self, reason: str = "abort", lock_timeout: float = 1.0) -> int:
+        """Ends every request now with finish reason `reason` (a server shutting down at its
+        deadline); returns how many. If the loop is stuck inside a program for longer than
+        `lock_timeout`, the requests still end for their callers (the engine is going away)."""
+        locked = self._lock.acquire(timeout=lock_timeout)
+        try:
+            seqs = list(self.waiting.values()) + list(self.running.values())
+            for seq in seqs:
+                if seq.finished:
+                    continue
+                if locked:
+                    if self.waiting.pop(seq.id, None) is not None:
+                        self.scheduler.remove(self._requests[seq.id])
+                    self._release(seq)
+                self._finish(seq, reason)
+            return len(seqs)
+        finally:
+            if locked:
+                self._lock.release()
 
     def run(self) -> None:
         """Steps until every submitted request has finished."""
@@ -384,8 +479,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="eejax-engine", daemon=True)
         self._thread.start()
 
-    def stop(self, cancel: bool = False) -> None:
-        """Stops the background loop after finishing (or, with `cancel`, cancelling) all requests."""
+    def stop(self, cancel: bool = False, timeout: float | None = None) -> bool:
+        """Stops the background loop after finishing (or, with `cancel`, cancelling) all requests.
+        Waits at most `timeout` seconds for the loop (None: until it ends); False if it did not end."""
         if cancel:
             with self._lock:
                 seqs = list(self.waiting.values()) + list(self.running.values())
@@ -394,23 +490,37 @@ class Engine:
         self._stopping.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the engine loop did not stop within %s s", timeout)
+                return False
             self._thread = None
+        return True
 
     def _loop(self) -> None:
-        while True:
-            if self.busy:
-                self.step()
-                continue
-            if self._stopping.is_set():
-                return
-            self._wake.wait(0.05)
-            self._wake.clear()
+        try:
+            while True:
+                if self.busy:
+                    try:
+                        self.step()
+                    except Exception as e:  # noqa: BLE001 - the loop lives on for the other requests
+                        log.exception("an engine step failed")
+                        self._recover(e)
+                    continue
+                if self._stopping.is_set():
+                    return
+                self._wake.wait(0.05)
+                self._wake.clear()
+        except BaseException as e:  # the loop itself died: nothing will be served any more
+            self.error = e
+            log.critical("the engine loop died", exc_info=True)
+            self.abort("error", lock_timeout=0)
 
     @staticmethod
     def _options(seq: Sequence) -> tuple:
-        """What a row's decode program depends on besides shapes; rows alike share one."""
-        return seq.exit, seq.sampling, seq.spec, seq.logprobs is not None
+        """What a row's decode program depends on besides shapes; rows alike share one. (Greedy
+        rows never share a program with sampled ones: their argmax runs alone.)"""
+        return seq.exit, not seq.sampling.greedy, seq.spec, seq.logprobs is not None
 
     def _table(self):
         longest = max(self._span(s) for s in self.running.values())
@@ -442,17 +552,22 @@ class Engine:
             self.block_table[slot] = 0
             self.block_table[slot, : len(seq.pages)] = seq.pages
             self.running[slot] = seq
-        # The prefill samples each row's first token: one program per sampling and log-prob option.
-        for options in {(seq.sampling, seq.logprobs is not None): None for seq in seqs}:
-            self._prefill([seq for seq in seqs if (seq.sampling, seq.logprobs is not None) == options], *options)
+        # The prefill samples each row's first token: one program per (sampled, log-probs) option.
+        def options(seq):
+            return not seq.sampling.greedy, seq.logprobs is not None
 
-    def _prefill(self, seqs: list[Sequence], sampling: SamplingParams, logprobs: bool) -> None:
+        for group in {options(seq): None for seq in seqs}:
+            members = [seq for seq in seqs if options(seq) == group]
+            self._guarded(members, self._prefill, members, *group)
+
+    def _prefill(self, seqs: list[Sequence], sampled: bool, logprobs: bool) -> None:
         b = bucket(len(seqs))  # 1, 2, 3, 4, 6, 8, ...: little row padding, few programs
         t = bucket(max(len(s.prompt) + s.offset for s in seqs), MIN_PROMPT_BUCKET)
         tokens = np.zeros((b, t), np.int32)
         lengths, start, limit = (np.zeros((b,), np.int32) for _ in range(3))
         keys = np.zeros((b, 2), np.uint32)
         slots = np.full((b,), self.slots, np.int32)  # padding rows: dropped
+        sampling = RowSampling.of([seq.sampling for seq in seqs] + [SamplingParams()] * (b - len(seqs)))
         for j, seq in enumerate(seqs):
             prompt = seq.prompt + seq.tokens[: seq.offset]
             tokens[j, : len(prompt)] = prompt
@@ -460,7 +575,8 @@ class Engine:
             keys[j], slots[j] = seq.key, seq.slot
         table = np.zeros((b, self._prefill_width(t)), np.int32)
         table[: len(seqs)] = self.block_table[slots[: len(seqs)], : table.shape[1]]
-        program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, logprobs)
+        program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, sampled,
+                                              logprobs)
         self.state, self.cache = program(*args)
         self.spec_counters = jax.tree.map(lambda x: x.at[slots].set(0, mode="drop"), self.spec_counters)
         self.counters["prefills"] += 1
@@ -470,17 +586,17 @@ class Engine:
     def _prefill_width(self, prompt_bucket: int) -> int:
         return min(self.table_width, bucket(pages_needed(prompt_bucket, self.page_size)))
 
-    def _prefill_program(self, tokens, lengths, table, slots, keys, start, limit, sampling: SamplingParams,
-                         logprobs: bool = False):
+    def _prefill_program(self, tokens, lengths, table, slots, keys, start, limit, sampling: RowSampling,
+                         sampled: bool, logprobs: bool = False):
         args = (self.model.params, self.cache, self.state, *map(jnp.asarray, (tokens, lengths, table, slots, keys,
-                                                                               start, limit)))
-        static = dict(self.static, sampling=sampling, logprobs=logprobs)
+                                                                               start, limit)),
+                jax.tree.map(jnp.asarray, sampling))
+        static = dict(self.static, sampled=sampled, logprobs=logprobs)
         return self.model.programs.get(prefill_slots, args, static, donate_argnums=(1,)), args
 
-    def _decode_program(self, table, group, exit_config: ExitConfig | None, sampling: SamplingParams,
-                        logprobs: bool = False):
+    def _decode_program(self, table, group, exit_config: ExitConfig | None, sampled: bool, logprobs: bool = False):
         args = (self.model.params, self.cache, self.state, table, group)
-        static = dict(self.static, exit_config=exit_config, sampling=sampling, logprobs=logprobs)
+        static = dict(self.static, exit_config=exit_config, sampled=sampled, logprobs=logprobs)
         return self.model.programs.get(decode_slots, args, static, donate_argnums=(1,)), args
 
     def warmup(self, max_prompt_len: int | None = None, progress: bool = True) -> int:
@@ -496,55 +612,65 @@ class Engine:
         longest = min(max_prompt_len + self.max_new_tokens - 1, self.max_len)
         widths = sorted({min(self.table_width, bucket(pages_needed(n, self.page_size)))
                          for n in range(1, longest + 1)})
-        sampling, before = self.static["sampling"], self.model.programs.num_programs
+        sampled, before = not self.sampling.greedy, self.model.programs.num_programs
         shapes = [(b, t) for b in batches for t in prompts] + [(None, w) for w in widths]
         for b, n in tqdm(shapes, desc="compiling", disable=not progress):
             if b is None:  # decode at table width n
                 table = jnp.zeros((self.slots, n), jnp.int32)
                 group = jnp.zeros((self.slots,), bool)
-                self._decode_program(table, group, self.exit_config, sampling)
+                self._decode_program(table, group, self.exit_config, sampled)
             else:  # prefill of b rows of n tokens
                 zeros = np.zeros((b,), np.int32)
                 self._prefill_program(np.zeros((b, n), np.int32), zeros,
                                       np.zeros((b, self._prefill_width(n)), np.int32), zeros,
-                                      np.zeros((b, 2), np.uint32), zeros, zeros, sampling)
+                                      np.zeros((b, 2), np.uint32), zeros, zeros, RowSampling.of(self.sampling, b),
+                                      sampled)
         return self.model.programs.num_programs - before
 
     def _read(self, state, running: dict[int, Sequence], counters) -> None:
         """Delivers the tokens a finished step produced; releases rows that ended (EOS, limit,
-        stop token or string, cancelled)."""
+        stop token or string, cancelled). If the step failed on the device, its requests fail."""
         wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, counters.drafted,
                   counters.accepted)
         scored = any(seq.logprobs is not None for seq in running.values())
-        num, done, tokens, layers, drafted, accepted, record = jax.device_get(
-            wanted + (state.logprobs if scored else None,))
+        out = {}
+
+        def fetch():
+            out["host"] = jax.device_get(wanted + (state.logprobs if scored else None,))
+
+        self._guarded(list(running.values()), fetch)
+        if "host" not in out:
+            return
         now = time.perf_counter()
         for slot, seq in running.items():
-            if seq.finished or self.running.get(slot) is not seq:
-                continue  # ended, or preempted (its token of this step is recomputed later)
-            n = min(seq.offset + int(num[slot]), seq.max_new_tokens)
-            stopped = False
-            for i in range(len(seq.tokens), n):
-                j = i - seq.offset
-                seq.tokens.append(int(tokens[slot, j]))
-                seq.exit_layers.append(int(layers[slot, j]))
-                if seq.logprobs is not None:
-                    seq.token_logprobs.append(float(record.chosen[slot, j]))
-                    seq.top_logprobs.append([(int(t), float(x)) for t, x in zip(
-                        record.top_ids[slot, j, : seq.logprobs], record.top[slot, j, : seq.logprobs])
-                        if np.isfinite(x)])  # tokens that top-k / top-p filtered out cannot be drawn
-                seq.token_times.append(now)
-                seq._events.put(seq.tokens[-1])
-                self.counters["generated_tokens"] += 1
-                if self._stops_at(seq):
-                    stopped = True
-                    break
-            seq._notify()
-            if seq.finish_reason == "cancelled" or done[slot] or stopped:
-                ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.static["eos_ids"]
-                seq.drafted, seq.accepted = int(drafted[slot]), int(accepted[slot])
-                self._release(seq)
-                self._finish(seq, seq.finish_reason or ("stop" if ended_at_eos or stopped else "length"))
+            if not seq.finished and self.running.get(slot) is seq:  # else ended, or preempted (recomputed later)
+                self._guarded([seq], self._deliver, seq, slot, *out["host"], now)
+
+    def _deliver(self, seq: Sequence, slot: int, num, done, tokens, layers, drafted, accepted, record, now) -> None:
+        """Appends a row's new tokens (and log-probs) to its Sequence; releases it if it ended."""
+        n = min(seq.offset + int(num[slot]), seq.max_new_tokens)
+        stopped = False
+        for i in range(len(seq.tokens), n):
+            j = i - seq.offset
+            seq.tokens.append(int(tokens[slot, j]))
+            seq.exit_layers.append(int(layers[slot, j]))
+            if seq.logprobs is not None:
+                seq.token_logprobs.append(float(record.chosen[slot, j]))
+                seq.top_logprobs.append([(int(t), float(x)) for t, x in zip(
+                    record.top_ids[slot, j, : seq.logprobs], record.top[slot, j, : seq.logprobs])
+                    if np.isfinite(x)])  # tokens that top-k / top-p filtered out cannot be drawn
+            seq.token_times.append(now)
+            seq._events.put(seq.tokens[-1])
+            self.counters["generated_tokens"] += 1
+            if self._stops_at(seq):
+                stopped = True
+                break
+        seq._notify()
+        if seq.finish_reason == "cancelled" or done[slot] or stopped:
+            ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.static["eos_ids"]
+            seq.drafted, seq.accepted = int(drafted[slot]), int(accepted[slot])
+            self._release(seq)
+            self._finish(seq, seq.finish_reason or ("stop" if ended_at_eos or stopped else "length"))
 
     def _stops_at(self, seq: Sequence) -> bool:
         """Whether the request's newest token ends it: a stop token, or a stop string now in its text."""

@@ -8,7 +8,13 @@ and top_logprobs), stream_options.include_usage; see `eejax.serve.schema` for wh
 eejax extras: `exit`, `spec` and `priority` in a request; `eejax.tokens` and `eejax.exit_layers`
 (layers run per token) in a response (of its first choice; each choice has its own with n > 1).
 Temperature / top_p / top_k default to the server's (`eejax serve --temperature`, greedy by
-default); each distinct setting compiles its own programs.
+default); they are traced values, so no setting compiles a new program.
+
+Hostile input gets a 4xx and never reaches the engine: bodies over `max_body_bytes` (413), bad
+JSON, JSON nested too deep and strings that are not Unicode (a lone surrogate) (400), and every
+field checked by the schema and then against the model and the cache. Tokenizing runs off the
+event loop. A request the engine failed on gets a 500 naming the error; `/health` is 503 once
+the engine's loop has died.
 """
 
 
@@ -26,9 +32,29 @@ from eejax.serve.stops import visible_text
 log = logging.getLogger("eejax.serve")
 
 DISCONNECT_POLL_S = 0.5  # how often a request waiting for tokens checks that its client is still there
+MAX_BODY_BYTES = 2 * 2**20  # the largest request body read (a prompt fills the context long before)
 
 
-def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
+def _unicode_error(body) -> str | None:
+    """Where `body` (parsed JSON) holds a string that is not valid Unicode (a lone surrogate
+    from a "\\ud800" escape), or None. Iterative: the depth is whatever json allowed."""
+    stack = [("body", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f"{where}: not valid Unicode ({e.reason} at character {e.start})"
+        elif isinstance(value, dict):
+            stack.extend((f"{where} key", k) for k in value)
+            stack.extend((f"{where}.{k}" if where != "body" else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{where}.{i}", v) for i, v in enumerate(value))
+    return None
+
+
+def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_body_bytes: int = MAX_BODY_BYTES):
     """The FastAPI app serving `engine` (whose loop must be running: `engine.start()`)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -38,14 +64,31 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
     created_at = int(time.time())
 
     def error(status: int, message: str, param: str | None = None):
-        kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}.get(status, "error")
+        kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+                429: "rate_limit_error", 500: "server_error", 503: "server_error"}.get(status, "error")
         return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
     async def read_body(request: Request):
+        """The parsed JSON body: at most `max_body_bytes` are read (413 beyond)."""
+        too_large = RequestError(413, f"request body over {max_body_bytes} bytes")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_large
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_body_bytes:
+                raise too_large
         try:
-            return json.loads(await request.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(400, f"malformed JSON: {e}") from None
+        except RecursionError:
+            raise RequestError(400, "malformed JSON: nested too deep") from None
+        problem = _unicode_error(body)
+        if problem:
+            raise RequestError(400, problem, problem.split(":")[0].split(".")[0])
+        return body
 
     def check_served(name: str) -> None:
         if name != served_model_name:
@@ -151,6 +194,10 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
         prompt, completion = len(seqs[0].prompt), sum(len(s.tokens) for s in seqs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def failure(seq) -> dict:
+        message = f"the engine failed on this request ({seq.error or 'its loop died'}); other requests go on"
+        return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
+
     async def respond(request: Request, req, seqs, chat: bool):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -186,6 +233,12 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
                                 scored_upto[j] = n
                             sent[j] = text
                             yield chunk([choice])
+                        if seq.finish_reason == "error":  # the engine failed on it: say so, end the stream
+                            for other in seqs:
+                                engine.cancel(other)
+                            yield f"data: {json.dumps(failure(seq))}\n\n"
+                            yield "data: [DONE]\n\n"
+                            return
                         if seq.finished:
                             ended[j] = True
                             final = ({"index": j, "delta": {}, "finish_reason": seq.finish_reason} if chat
@@ -198,6 +251,9 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
             return StreamingResponse(events(), media_type="text/event-stream")
         async for _ in updates(seqs, request):
             pass
+        failed = next((seq for seq in seqs if seq.finish_reason == "error"), None)
+        if failed is not None:
+            return JSONResponse(failure(failed), 500)
         choices = []
         for j, seq in enumerate(seqs):
             text = text_of(seq, req.stops)
@@ -222,19 +278,25 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await read_request(request, CompletionRequest)
-        seqs = admit(req, req.prompt, req.max_tokens, "max_tokens", req.top_logprobs)
+        # Tokenizing (and waiting for the engine's lock) runs off the event loop.
+        seqs = await asyncio.to_thread(admit, req, req.prompt, req.max_tokens, "max_tokens", req.top_logprobs)
         return await respond(request, req, seqs, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = await read_request(request, ChatRequest)
+    def chat_prompt(req) -> list[int]:
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text} for m in req.messages]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # a BatchEncoding
-            ids = ids["input_ids"]
-        seqs = admit(req, list(ids), req.token_limit, req.token_limit_field, req.top_logprobs_wanted)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding, or the ids
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await read_request(request, ChatRequest)
+
+        def submit():
+            return admit(req, chat_prompt(req), req.token_limit, req.token_limit_field, req.top_logprobs_wanted)
+
+        seqs = await asyncio.to_thread(submit)
         return await respond(request, req, seqs, chat=True)
 
     def model_card() -> dict:
@@ -252,6 +314,9 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256):
 
     @app.get("/health")
     async def health():
+        if not engine.alive:
+            reason = f"the engine loop died: {engine.error!r}" if engine.error else "the engine loop is not running"
+            return JSONResponse({"status": "error", "model": served_model_name, "error": reason}, 503)
         return {"status": "ok", "model": served_model_name}
 
     @app.get("/metrics")

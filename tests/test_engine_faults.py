@@ -1,0 +1,163 @@
+"""Fault isolation and admission: a failing step fails only its requests, the loop lives on,
+lost device state is rebuilt, a shutdown deadline ends what still runs, and every request
+the engine accepts can start (one that never could is refused with the numbers)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import eejax
+from eejax.errors import EejaxError
+from eejax.serve.engine import Engine
+from tests.conftest import random_prompts
+
+
+def greedy(model, prompt, n):
+    return eejax.generate(model, [prompt], max_new_tokens=n).tokens[0]
+
+
+def test_a_failing_program_fails_only_its_requests(tiny_model):
+    """The decode program of the rows that record log-probs raises: those requests end with an
+    error, the others decode exactly, every page comes back, and the next request is served."""
+    engine = Engine(tiny_model, max_slots=4, max_new_tokens=12, cache_budget="4MiB", page_size=8)
+    real = engine._decode_program
+
+    def failing(table, group, exit_config, sampled, logprobs=False):
+        if logprobs:
+            raise RuntimeError("injected fault")
+        return real(table, group, exit_config, sampled, logprobs)
+
+    engine._decode_program = failing
+    prompts = random_prompts(3, [5, 9, 3], seed=11)
+    seqs = [engine.submit(prompts[0], max_new_tokens=10), engine.submit(prompts[1], max_new_tokens=10, logprobs=0),
+            engine.submit(prompts[2], max_new_tokens=7)]
+    engine.run()
+    assert seqs[1].finish_reason == "error" and "injected fault" in seqs[1].error
+    for i in (0, 2):
+        assert seqs[i].finish_reason in ("stop", "length")
+        assert seqs[i].tokens == greedy(tiny_model, prompts[i], seqs[i].max_new_tokens)
+    assert engine.metrics()["kv_pages_used"] == 0 and not engine.running and not engine.waiting
+    after = engine.submit(prompts[1], max_new_tokens=6)
+    engine.run()
+    assert after.tokens == greedy(tiny_model, prompts[1], 6)
+
+
+def test_lost_device_state_fails_the_running_requests_and_is_rebuilt(tiny_model):
+    """A program that failed after its donated cache was consumed: every running request fails
+    (their K/V is gone), a fresh cache and slot state are built, and later requests are exact."""
+    engine = Engine(tiny_model, max_slots=2, max_new_tokens=12, cache_budget="4MiB", page_size=8)
+    real, calls = engine._dispatch, []
+
+    def consuming(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            jax.tree.map(lambda x: x.delete(), engine.cache)
+            raise RuntimeError("device fault")
+        return real(*args)
+
+    engine._dispatch = consuming
+    prompts = random_prompts(3, [6, 4, 8], seed=12)
+    first = [engine.submit(p, max_new_tokens=10) for p in prompts[:2]]
+    engine.run()
+    assert [s.finish_reason for s in first] == ["error", "error"] and "device fault" in first[0].error
+    assert engine.metrics()["kv_pages_used"] == 0
+    later = engine.submit(prompts[2], max_new_tokens=9)
+    engine.run()
+    assert later.tokens == greedy(tiny_model, prompts[2], 9)
+
+
+def test_the_background_loop_outlives_a_failing_step_and_reports_its_own_death(tiny_model):
+    engine = Engine(tiny_model, max_slots=2, max_new_tokens=8, cache_budget="4MiB", page_size=8)
+    real_admit, faults = engine.scheduler.admit, ["scheduler fault"]
+
+    def admit(*args):
+        if faults:
+            raise RuntimeError(faults.pop())
+        return real_admit(*args)
+
+    engine.scheduler.admit = admit
+    engine.start()
+    try:
+        doomed = engine.submit([5, 6, 7], max_new_tokens=4).result(timeout=60)
+        assert doomed.finish_reason == "error" and "scheduler fault" in doomed.error
+        assert engine.alive
+        served = engine.submit([5, 6, 7], max_new_tokens=4).result(timeout=60)
+        assert served.tokens == greedy(tiny_model, [5, 6, 7], 4)
+        # A fault the loop cannot recover from: it dies, says so, and ends what waits.
+        def unrecoverable(error):
+            raise SystemError("unrecoverable")
+
+        engine._recover = unrecoverable
+        faults.append("scheduler fault")
+        orphan = engine.submit([5, 6, 7], max_new_tokens=4).result(timeout=60)
+        assert orphan.finish_reason == "error"
+        deadline = time.time() + 10
+        while engine.alive and time.time() < deadline:
+            time.sleep(0.01)
+        assert not engine.alive and isinstance(engine.error, SystemError)
+    finally:
+        engine.stop(timeout=10)
+
+
+def test_abort_ends_what_still_runs(tiny_model):
+    engine = Engine(tiny_model, max_slots=1, max_new_tokens=64, cache_budget="4MiB", page_size=8)
+    seqs = [engine.submit(p, max_new_tokens=64) for p in random_prompts(3, [4], seed=2)]
+    engine.step()
+    assert engine.abort() == 3
+    assert [s.finish_reason for s in seqs] == ["abort"] * 3 and all(s.finished for s in seqs)
+    engine.run()  # reads the step still in flight: nothing of it is delivered
+    assert engine.metrics()["kv_pages_used"] == 0 and not engine.busy
+    assert all(len(s.tokens) <= 1 for s in seqs)
+
+
+# --- admission: what is accepted can always start ---------------------------------------------
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pages=st.integers(2, 40), page_size=st.sampled_from([1, 4, 8, 16]), prompt=st.integers(1, 300),
+       new=st.integers(1, 64), grow=st.booleans())
+def test_every_accepted_request_can_start_on_an_empty_cache(tiny_model, pages, page_size, prompt, new, grow):
+    """Over cache sizes, page sizes and request lengths: `submit` either refuses with the numbers
+    or the scheduler admits the request (and, after a preemption, its recomputation) into the
+    empty cache. Before, a request needing more than the 90% admission grants waited forever."""
+    from eejax.cache import page_bytes
+
+    c = tiny_model.config
+    budget = pages * page_bytes(c.num_layers, page_size, c.num_kv_heads, c.head_dim, tiny_model.dtype)
+    try:
+        engine = Engine(tiny_model, max_slots=2, max_new_tokens=64, cache_budget=budget, page_size=page_size,
+                        pages="grow" if grow else "reserve")
+    except EejaxError as e:
+        assert "holds no sequence" in str(e)
+        return
+    try:
+        seq = engine.submit([3] * prompt, max_new_tokens=new)
+    except EejaxError as e:
+        assert f"prompt of {prompt} tokens + {new} new tokens exceeds" in str(e)
+        assert prompt + new > engine.max_len
+        return
+    free = engine.allocator.num_free
+    assert engine.scheduler.admit(2, free)  # admitted now ...
+    recomputed = engine._requests[seq.id]
+    recomputed.prompt_len, recomputed.max_new_tokens = prompt + new - 1, 1  # ... and after a late preemption
+    engine.scheduler.submit(recomputed)
+    assert engine.scheduler.admit(2, free)
+
+
+def test_a_request_as_long_as_admission_allows_runs_to_the_end(tiny_model):
+    from eejax.cache import page_bytes
+
+    c = tiny_model.config
+    budget = 11 * page_bytes(c.num_layers, 8, c.num_kv_heads, c.head_dim, tiny_model.dtype)
+    engine = Engine(tiny_model, max_slots=2, max_new_tokens=40, cache_budget=budget, page_size=8, pages="grow")
+    assert engine.allocator.num_free == 10 and engine.max_len == 9 * 8  # 90% of 10 pages
+    with pytest.raises(EejaxError, match=r"exceeds the 72 tokens .*\(10 pages of 8 tokens"):
+        engine.submit([3] * 40, max_new_tokens=33)
+    prompt = random_prompts(1, [40], seed=4)[0]
+    seq = engine.submit(prompt, max_new_tokens=32)
+    engine.run()
+    assert seq.tokens == eejax.generate(tiny_model, [prompt], max_new_tokens=32).tokens[0]
