@@ -292,7 +292,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threading.Thread(target=watchdog, name="eejax-watchdog", daemon=True).start()
     # uvicorn raises the signal again once its graceful shutdown is over: ignoring that second
     # SIGTERM makes it a clean exit after the engine has stopped.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run()
     except KeyboardInterrupt:

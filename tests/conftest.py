@@ -158,3 +158,40 @@ def serve_in_thread(engine, name: str = "tiny"):
             engine.stop(cancel=True)
 
     return running()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_eejax_serve(model_dir, *args, timeout: float = 120):
+    """Runs `eejax serve --model model_dir *args` as a subprocess on a free 127.0.0.1 port, output
+    piped; returns (process, base URL) once /health answers 200."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "eejax.cli", "serve", "--model", str(model_dir),
+                             "--port", str(port), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"eejax serve did not start: {proc.stdout.read()}")
+        time.sleep(0.2)

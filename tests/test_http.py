@@ -10,7 +10,7 @@ import pytest
 import eejax
 from eejax.serve.engine import Engine
 from eejax.serve.http import create_app
-from tests.conftest import serve_in_thread
+from tests.conftest import serve_in_thread, start_eejax_serve
 
 
 @pytest.fixture(scope="module")
@@ -156,32 +156,18 @@ def test_chat_completions_use_the_chat_template(server, tiny_model):
             tokenizer.chat_template = None
 
 
-def test_eejax_serve_finishes_in_flight_requests_on_sigterm(tiny_checkpoints, tmp_path):
-    import os
+def test_eejax_serve_finishes_in_flight_requests_on_sigterm_and_exits_by_its_deadline(tiny_checkpoints):
+    """SIGTERM mid-stream: the stream ends normally; a client stuck sending its body (which would
+    hold uvicorn's graceful shutdown open forever) is dropped at --shutdown-timeout."""
     import signal
-    import subprocess
-    import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ckpt = str(tiny_checkpoints["gqa-untied"][2])
-    proc = subprocess.Popen([sys.executable, "-m", "eejax.cli", "serve", "--model", ckpt, "--port", str(port),
-                             "--max-slots", "2", "--max-tokens-limit", "64", "--cache-budget", "4MiB",
-                             "--pages", "grow", "--warmup", "8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc, url = start_eejax_serve(ckpt, "--max-slots", 2, "--max-tokens-limit", 64, "--cache-budget", "4MiB",
+                                  "--pages", "grow", "--warmup", 8, "--shutdown-timeout", 4)
+    stuck = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else "timeout"
-            time.sleep(0.2)
+        stuck.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"prompt\": ")  # and nothing more
         with httpx.Client(base_url=url, timeout=120) as client:
             assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "model": ckpt}).status_code == 200
             chunks = []
@@ -192,11 +178,15 @@ def test_eejax_serve_finishes_in_flight_requests_on_sigterm(tiny_checkpoints, tm
                         chunks.append(json.loads(line[6:]))
                         if len(chunks) == 2:
                             proc.send_signal(signal.SIGTERM)  # mid-stream
+                            signalled = time.time()
         assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
         assert len(chunks[-1]["eejax"]["tokens"]) >= 2
         assert proc.wait(timeout=60) == 0
-        assert "compiling" in proc.stdout.read()  # the --warmup progress bar
+        assert time.time() - signalled < 4 + 1 + 10  # the deadline, a second's grace, this machine's slack
+        out = proc.stdout.read()
+        assert "compiling" in out and "timeout graceful shutdown exceeded" in out  # --warmup's bar; the stuck client
     finally:
+        stuck.close()
         if proc.poll() is None:
             proc.kill()
 
@@ -205,6 +195,61 @@ def test_over_capacity_is_429(tiny_model):
     from fastapi.testclient import TestClient
 
     engine = Engine(tiny_model, max_slots=1, max_new_tokens=8, cache_budget="4MiB", page_size=8)
-    with TestClient(create_app(engine, served_model_name="tiny", max_waiting=0)) as client:
-        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    engine.start()
+    try:
+        with TestClient(create_app(engine, served_model_name="tiny", max_waiting=0)) as client:
+            r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    finally:
+        engine.stop()
     assert r.status_code == 429 and "capacity" in r.json()["error"]["message"]
+
+
+def _break_the_loop(monkeypatch, target):
+    """Every step of `target` (an Engine or the class) raises, and so does recovering from it:
+    the background loop dies at its first request."""
+    def broken(*_):
+        raise SystemError("broken engine")
+
+    monkeypatch.setattr(target, "step", broken)
+    monkeypatch.setattr(target, "_recover", broken)
+
+
+def test_a_request_the_engine_failed_on_is_a_500_and_a_dead_loop_makes_health_503(tiny_model, monkeypatch):
+    engine = Engine(tiny_model, max_slots=2, max_new_tokens=8, cache_budget="4MiB", page_size=8)
+    with serve_in_thread(engine) as url, httpx.Client(base_url=url, timeout=60) as client:
+        assert client.get("/health").status_code == 200
+        _break_the_loop(monkeypatch, engine)
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 500 and "the engine failed" in r.json()["error"]["message"]
+        deadline = time.time() + 10
+        while engine.alive and time.time() < deadline:
+            time.sleep(0.01)
+        health = client.get("/health")
+        assert health.status_code == 503 and "broken engine" in health.json()["error"]
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+
+
+def test_eejax_serve_exits_non_zero_when_its_engine_loop_dies(tiny_checkpoints, monkeypatch):
+    """So that a supervisor restarts it. (In a thread of this process: no signals to catch.)"""
+    import threading
+
+    from eejax.cli import main
+    from tests.conftest import free_port
+
+    _break_the_loop(monkeypatch, Engine)
+    port, codes = free_port(), []
+    ckpt = str(tiny_checkpoints["gqa-untied"][2])
+    thread = threading.Thread(target=lambda: codes.append(main(["serve", "--model", ckpt, "--port", str(port),
+                                                                "--cache-budget", "4MiB"])))
+    thread.start()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    assert r.status_code == 500
+    thread.join(timeout=60)
+    assert codes == [1]

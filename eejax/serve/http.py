@@ -25,6 +25,8 @@ import logging
 import time
 import uuid
 
+from eejax.config import ExitConfig, SpecConfig
+from eejax.decode.prompts import prompt_token_ids
 from eejax.errors import EejaxError
 from eejax.serve.schema import ChatRequest, CompletionRequest, RequestError, parse
 from eejax.serve.stops import visible_text
@@ -108,18 +110,30 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
         """Submits the request's n choices; returns their Sequences."""
         if req.model is not None:
             check_served(req.model)
+        if not engine.alive:
+            raise RequestError(503, "the engine is not running (see /health)")
         if len(engine.waiting) + req.choices > max_waiting:
             raise RequestError(429, f"the server is at capacity ({max_waiting} requests waiting); retry later")
         max_tokens = 16 if max_tokens is None else max_tokens
         if max_tokens > engine.max_new_tokens:
             raise RequestError(400, f"{limit_field} must lie in [1, {engine.max_new_tokens}], got {max_tokens}",
                                limit_field)
+        for field, parse_option in (("exit", ExitConfig.parse), ("spec", SpecConfig.parse)):
+            value = getattr(req, field)
+            if value not in (None, "", "none"):
+                try:
+                    parse_option(value)
+                except EejaxError as e:
+                    raise RequestError(400, f"{field}: {e}", field) from None
         seed = engine.fresh_seed() if req.seed is None else req.seed  # one seed, a key per choice
         seqs = []
         try:
+            if isinstance(prompt, str):  # tokenized once for all n choices
+                (prompt,), _ = prompt_token_ids(tokenizer, [prompt])
             for choice in range(req.choices):
                 seqs.append(engine.submit(
-                    prompt, max_new_tokens=max_tokens, priority=req.priority, exit=req.exit, spec=req.spec,
+                    prompt, max_new_tokens=max_tokens, priority=req.priority, exit=req.exit or None,
+                    spec=None if req.spec in (None, "", "none") else req.spec,
                     temperature=req.temperature, top_p=req.top_p,
                     top_k=None if req.top_k is None else max(req.top_k, 0), seed=seed, choice=choice,
                     logprobs=top_logprobs, stop=req.stops, stop_token_ids=req.stop_token_ids or ()))
