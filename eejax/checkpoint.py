@@ -160,6 +160,12 @@ def check_params(config, params, where: str) -> None:
         exits.check_exits(params["exits"], config.num_layers, config.hidden_size)
 
 
+def _first_line(error: Exception) -> str:
+    """An exception's message cut to its first line (libraries' messages run to pages)."""
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
+
+
 def load_checkpoint(directory: str | Path):
     """Reads (config, params as jax arrays, tokenizer or None) from a checkpoint directory.
     A damaged checkpoint (bad JSON, missing or truncated weights, weights that do not match the
@@ -178,8 +184,7 @@ def load_checkpoint(directory: str | Path):
         params = ocp.StandardCheckpointer().restore(weights)
         params = jax.tree.map(jax.numpy.asarray, params)
     except Exception as e:  # noqa: BLE001 - orbax / tensorstore raise many kinds for damaged files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise EejaxError(f"cannot read the weights in {weights} ({first[:300]}); the checkpoint is damaged: "
+        raise EejaxError(f"cannot read the weights in {weights} ({_first_line(e)}); the checkpoint is damaged: "
                          "convert it again") from None
     if not isinstance(params, dict):
         raise EejaxError(f"{weights} does not hold a weights dictionary; the checkpoint is damaged")
@@ -191,6 +196,5 @@ def load_checkpoint(directory: str | Path):
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(directory / "tokenizer"))
         except Exception as e:  # noqa: BLE001 - tokenizers raise many kinds for damaged files
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise EejaxError(f"cannot read the tokenizer in {directory / 'tokenizer'} ({first[:300]})") from None
+            raise EejaxError(f"cannot read the tokenizer in {directory / 'tokenizer'} ({_first_line(e)})") from None
     return config, params, tokenizer

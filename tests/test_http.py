@@ -132,6 +132,38 @@ def test_64_concurrent_clients_some_streaming_some_leaving(server, tiny_model):
     assert m["kv_pages_used"] == 0 and m["running"] == 0 and m["waiting"] == 0, m
 
 
+def test_a_stream_whose_client_hangs_up_is_cancelled_at_once(server, monkeypatch):
+    """Steps slowed to 30 ms: the 32 tokens would take 0.9 s; the client leaves after two chunks
+    and its request ends (cancelled, slot and pages free) long before that."""
+    url, engine = server
+    real_step = engine.step
+
+    def slow_step():
+        real_step()
+        time.sleep(0.03)
+
+    def cancelled() -> float:
+        text = engine.prometheus.render(engine.metrics()).decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith('eejax_requests_total{finish_reason="cancelled"}'))
+
+    before = cancelled()
+    monkeypatch.setattr(engine, "step", slow_step)
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json={"prompt": "The river", "max_tokens": 32,
+                                                            "stream": True}) as r:
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks == 2:
+                    break
+        left = time.time()
+    while (engine.running or engine.metrics()["kv_pages_used"]) and time.time() < left + 5:
+        time.sleep(0.005)
+    assert time.time() - left < 0.45 and cancelled() == before + 1
+    assert engine.metrics()["kv_pages_used"] == 0
+
+
 def test_chat_completions_use_the_chat_template(server, tiny_model):
     url, engine = server
     messages = [{"role": "user", "content": "The river rose"}]

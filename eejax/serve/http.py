@@ -229,42 +229,42 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
                 scored_upto = [0] * len(seqs)  # tokens whose log-probs were streamed
                 seen = [0] * len(seqs)  # tokens looked at (decoding the text is the costly part)
                 ended = [False] * len(seqs)
-                async for _ in updates(seqs, request):
-                    for j, seq in enumerate(seqs):
-                        if ended[j] or (len(seq.tokens) == seen[j] and not seq.finished):
-                            continue
-                        seen[j] = len(seq.tokens)
-                        text = text_of(seq, req.stops)
-                        delta, n = text[len(sent[j]):], len(seq.tokens)
-                        if delta or (scored and n > scored_upto[j]):
-                            message = {"content": delta} if sent[j] or scored_upto[j] else {
-                                "role": "assistant", "content": delta}
-                            choice = ({"index": j, "delta": message, "finish_reason": None} if chat
-                                      else {"index": j, "text": delta, "finish_reason": None})
-                            if scored:
-                                choice["logprobs"] = (chat_logprobs(seq, scored_upto[j], n) if chat else
-                                                      completion_logprobs(seq, scored_upto[j], n, len(sent[j])))
-                                scored_upto[j] = n
-                            sent[j] = text
-                            yield chunk([choice])
-                        if seq.finish_reason == "error":  # the engine failed on it: say so, end the stream
-                            for other in seqs:
-                                engine.cancel(other)
-                            yield f"data: {json.dumps(failure(seq))}\n\n"
-                            yield "data: [DONE]\n\n"
-                            return
-                        if seq.finished:
-                            ended[j] = True
-                            final = ({"index": j, "delta": {}, "finish_reason": seq.finish_reason} if chat
-                                     else {"index": j, "text": "", "finish_reason": seq.finish_reason})
-                            yield chunk([final], eejax=extras(seq))
-                if req.include_usage:
-                    yield chunk([], usage=usage(seqs))
-                yield "data: [DONE]\n\n"
+                async with contextlib.aclosing(updates(seqs, request)) as ticks:  # closed with the stream
+                    async for _ in ticks:
+                        for j, seq in enumerate(seqs):
+                            if ended[j] or (len(seq.tokens) == seen[j] and not seq.finished):
+                                continue
+                            seen[j] = len(seq.tokens)
+                            text = text_of(seq, req.stops)
+                            delta, n = text[len(sent[j]):], len(seq.tokens)
+                            if delta or (scored and n > scored_upto[j]):
+                                message = {"content": delta} if sent[j] or scored_upto[j] else {
+                                    "role": "assistant", "content": delta}
+                                choice = ({"index": j, "delta": message, "finish_reason": None} if chat
+                                          else {"index": j, "text": delta, "finish_reason": None})
+                                if scored:
+                                    choice["logprobs"] = (chat_logprobs(seq, scored_upto[j], n) if chat else
+                                                          completion_logprobs(seq, scored_upto[j], n, len(sent[j])))
+                                    scored_upto[j] = n
+                                sent[j] = text
+                                yield chunk([choice])
+                            if seq.finish_reason == "error":  # the engine failed on it: say so, end the stream
+                                yield f"data: {json.dumps(failure(seq))}\n\n"
+                                yield "data: [DONE]\n\n"
+                                return
+                            if seq.finished:
+                                ended[j] = True
+                                final = ({"index": j, "delta": {}, "finish_reason": seq.finish_reason} if chat
+                                         else {"index": j, "text": "", "finish_reason": seq.finish_reason})
+                                yield chunk([final], eejax=extras(seq))
+                    if req.include_usage:
+                        yield chunk([], usage=usage(seqs))
+                    yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        async for _ in updates(seqs, request):
-            pass
+        async with contextlib.aclosing(updates(seqs, request)) as ticks:
+            async for _ in ticks:
+                pass
         failed = next((seq for seq in seqs if seq.finish_reason == "error"), None)
         if failed is not None:
             return JSONResponse(failure(failed), 500)
