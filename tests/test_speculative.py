@@ -13,6 +13,7 @@ import eejax
 from eejax.cache import init_cache
 from eejax.config import LlamaConfig, SpecConfig
 from eejax.decode import speculative, steps
+from eejax.decode.sampling import SamplingParams
 from eejax.decode.spec_policy import (
     SpeculationPolicy, best_speculations, break_even_acceptance, expected_tokens, speedup,
 )
@@ -134,7 +135,7 @@ def test_small_cache_budget_runs_rows_in_turn(model):
 # --- the cache after a round ----------------------------------------------------------------
 
 def spec_round(model, state, cache, table, spec, max_new_tokens, temperature=0.0, counters=None):
-    static = dict(config=model.config, spec=spec, sampled=temperature > 0)
+    static = dict(config=model.config, spec=spec, sampler=SamplingParams(temperature).sampler)
     drafts, state, cache = speculative.draft(model.params, cache, state, table,
                                              num_speculations=spec.num_speculations, **static)
     counters = speculative.SpecCounters.zeros(state.done.shape[0]) if counters is None else counters

@@ -259,7 +259,7 @@ def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling: Sampl
             widths[w] = jnp.asarray(block_table[:, :w])
         return widths[w]
 
-    static = dict(config=model.config, sampled=not sampling.greedy, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+    static = dict(config=model.config, sampler=sampling.sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                   attention=attention)
     decode_static = dict(static, exit_config=exit_config)
     # Tokens in the longest row's cache after the prefill: a Llama's prompt, a T5's start token.

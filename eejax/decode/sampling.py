@@ -16,6 +16,11 @@ import numpy as np
 from eejax.errors import EejaxError
 
 
+# Samplers, the static part of sampling (the values ride per row in a `RowSampling`): every row
+# greedy (the argmax alone); temperature only (no row filters: no sort); top-k / top-p filters.
+GREEDY, TEMPERATURE, FILTERED = "greedy", "temperature", "filtered"
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling options (host side): temperature 0 is greedy; top_k 0 and top_p
@@ -36,6 +41,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def sampler(self) -> str:
+        """The code that draws its tokens (a static program option; see `sample`)."""
+        if self.greedy:
+            return GREEDY
+        return FILTERED if self.top_k > 0 or self.top_p < 1 else TEMPERATURE
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuses a top_k larger than the model's vocabulary."""
@@ -67,12 +79,15 @@ class RowSampling:
         return (self.temperature == 0) | (self.top_k == 1)
 
 
-def filtered_logits(logits, rows: RowSampling):
+def filtered_logits(logits, rows: RowSampling, sampler: str = FILTERED):
     """Temperature-scaled logits `[B, V]` with each row's tokens outside its top-k / top-p set
-    to -inf (a greedy row's are left unscaled: it draws nothing)."""
+    to -inf (a greedy row's are left unscaled: it draws nothing). With the TEMPERATURE sampler
+    no row filters: the scaled logits, no sort."""
     vocab = logits.shape[-1]
     t = rows.temperature[:, None]
     logits = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
+    if sampler != FILTERED:
+        return logits
     descending = -jnp.sort(-logits, axis=-1)
     k = rows.top_k[:, None]
     kth = jnp.take_along_axis(descending, jnp.clip(k - 1, 0, vocab - 1), axis=-1)
@@ -110,21 +125,22 @@ def token_keys(keys, index, stream: int):
     return jax.vmap(lambda k, i: jax.random.fold_in(jax.random.fold_in(k, i), stream))(keys, index)
 
 
-def sample(logits, keys, rows: RowSampling, sampled: bool):
+def sample(logits, keys, rows: RowSampling, sampler: str):
     """logits [B, V], keys [B, 2] (one per row, see `token_keys`) -> token ids [B] int32.
-    `sampled` (static) is False when every row is greedy: the argmax alone, nothing drawn."""
+    `sampler` (static): GREEDY when every row is greedy (the argmax alone, nothing drawn),
+    TEMPERATURE when no row filters, else FILTERED; greedy rows take the argmax in any case."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not sampled:
+    if sampler == GREEDY:
         return greedy
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, rows)).astype(jnp.int32)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, rows, sampler)).astype(jnp.int32)
     return jnp.where(rows.greedy, greedy, drawn)
 
 
-def logprobs_of(logits, rows: RowSampling, sampled: bool):
+def logprobs_of(logits, rows: RowSampling, sampler: str):
     """Log-probabilities [B, V] f32 of the distribution a token is drawn from: a greedy row's
     are the model's softmax (it draws nothing), a sampled row's after temperature, top-k and
     top-p (tokens filtered out get -inf): vLLM's "processed" logprobs."""
     model = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    if not sampled:
+    if sampler == GREEDY:
         return model
-    return jnp.where(rows.greedy[:, None], model, jax.nn.log_softmax(filtered_logits(logits, rows), axis=-1))
+    return jnp.where(rows.greedy[:, None], model, jax.nn.log_softmax(filtered_logits(logits, rows, sampler), axis=-1))

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from eejax.cache import KVCache
 from eejax.config import SpecConfig
-from eejax.decode.sampling import ACCEPT, DRAFT, RESAMPLE, filtered_logits, sample, token_keys
+from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, filtered_logits, sample, token_keys
 from eejax.decode.steps import DecodeState, exit_logits, is_eos, model_module, record_logprobs
 
 
@@ -77,7 +77,7 @@ def _token_batch(config, state: DecodeState, offsets, block_table, page_size, at
 
 
 def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, spec: SpecConfig,
-          num_speculations: int, sampled: bool = False, attention: str = "auto"):
+          num_speculations: int, sampler: str = GREEDY, attention: str = "auto"):
     """d = num_speculations drafts per row with layers [0, E). Returns (drafts, state, cache);
     the state is unchanged."""
     e, m = spec.exit_layer, model_module(config)
@@ -91,9 +91,9 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, sp
         cache, token = carry
         h, cache = draft_pass(cache, token, i)
         logits = exit_logits(params, h, e, config)
-        proposal = sample(logits, token_keys(state.keys, state.position + i, DRAFT), state.sampling, sampled)
-        q = jax.nn.softmax(filtered_logits(logits, state.sampling), axis=-1) if sampled else jnp.zeros(
-            logits.shape[:1] + (0,))
+        proposal = sample(logits, token_keys(state.keys, state.position + i, DRAFT), state.sampling, sampler)
+        q = jnp.zeros(logits.shape[:1] + (0,)) if sampler == GREEDY else jax.nn.softmax(
+            filtered_logits(logits, state.sampling, sampler), axis=-1)
         return (cache, proposal), (token, h, q)
 
     (cache, last), (tokens, hidden, probs) = jax.lax.scan(
@@ -145,7 +145,7 @@ def speculative_sample(p, q, drafts, accept_keys, resample_keys):
 
 
 def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters: SpecCounters, block_table, *,
-           config, spec: SpecConfig, max_new_tokens: int, eos_ids: tuple[int, ...], sampled: bool = False,
+           config, spec: SpecConfig, max_new_tokens: int, eos_ids: tuple[int, ...], sampler: str = GREEDY,
            attention: str = "auto", logprobs: bool = False):
     """Layers [E, L) over the d + 1 drafted positions, acceptance, and the new tokens recorded
     (with `logprobs`, their log-probabilities under the full model). Returns (state, cache,
@@ -158,9 +158,10 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
     h, cache = m.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
     logits = m.lm_head(params, h, config)  # [B, d+1, V]
     n, new = greedy_accept(logits, drafts.tokens[:, 1:])
-    if sampled:  # rejection sampling for the rows that sample; greedy rows keep the argmax
+    if sampler != GREEDY:  # rejection sampling for the rows that sample; greedy rows keep the argmax
         per_position = jax.tree.map(lambda x: jnp.repeat(x, t), state.sampling)
-        p = jax.nn.softmax(filtered_logits(logits.reshape(b * t, -1), per_position), axis=-1).reshape(logits.shape)
+        p = jax.nn.softmax(filtered_logits(logits.reshape(b * t, -1), per_position, sampler),
+                           axis=-1).reshape(logits.shape)
         n_sampled, new_sampled = speculative_sample(
             p, drafts.probs, drafts.tokens[:, 1:], token_keys(state.keys, state.position, ACCEPT),
             token_keys(state.keys, state.position, RESAMPLE))
@@ -187,7 +188,7 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
         tokens=state.tokens.at[rows, idx].set(new, mode="drop"),
         exit_layers=state.exit_layers.at[rows, idx].set(layers, mode="drop"),
         confident_layers=state.confident_layers.at[rows, idx].set(layers, mode="drop"),
-        logprobs=record_logprobs(state, logits, new, idx, emitted, sampled) if logprobs else state.logprobs,
+        logprobs=record_logprobs(state, logits, new, idx, emitted, sampler) if logprobs else state.logprobs,
     )
     judged = jnp.where(active, jnp.minimum(d, room), 0)  # drafts past the row's room never count
     new_counters = SpecCounters(

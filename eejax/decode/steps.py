@@ -22,7 +22,7 @@ from eejax.cache import KVCache
 from eejax.config import ExitConfig, T5Config
 from eejax.decode.confidence import exit_threshold
 from eejax.decode.early_exit import ExitFns, early_exit_layers
-from eejax.decode.sampling import SAMPLE, RowSampling, SamplingParams, logprobs_of, row_keys, sample, token_keys
+from eejax.decode.sampling import GREEDY, SAMPLE, RowSampling, SamplingParams, logprobs_of, row_keys, sample, token_keys
 from eejax.models import exits, llama, t5
 
 
@@ -52,11 +52,11 @@ class LogprobRecord:
                    jnp.zeros(shape + (TOP_LOGPROBS,), jnp.float32))
 
 
-def token_logprobs(logits, tokens, rows: RowSampling, sampled: bool):
+def token_logprobs(logits, tokens, rows: RowSampling, sampler: str):
     """logits [B, T, V], tokens [B, T] -> (chosen [B, T], top_ids [B, T, K], top [B, T, K])."""
     shape = tokens.shape
     per_token = jax.tree.map(lambda x: jnp.repeat(x, shape[1]), rows)  # [B * T]
-    lp = logprobs_of(logits.reshape(-1, logits.shape[-1]), per_token, sampled)
+    lp = logprobs_of(logits.reshape(-1, logits.shape[-1]), per_token, sampler)
     chosen = jnp.take_along_axis(lp, tokens.reshape(-1, 1), axis=-1)[:, 0]
     top, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
     pad = ((0, 0), (0, TOP_LOGPROBS - top.shape[-1]))  # a vocabulary smaller than the record
@@ -108,14 +108,14 @@ class DecodeState:
         return self.start + self.num_generated
 
 
-def record_logprobs(state: DecodeState, logits, tokens, idx, emitted, sampled: bool):
+def record_logprobs(state: DecodeState, logits, tokens, idx, emitted, sampler: str):
     """`state.logprobs` with the scores of tokens [B, T] (logits [B, T, V]) written at record
     indices idx [B, T] where `emitted` [B, T]; unchanged when there is no record."""
     if state.logprobs is None:
         return None
     idx = jnp.where(emitted, idx, state.tokens.shape[1])  # out of range: dropped
     rows = jnp.arange(tokens.shape[0])[:, None]
-    scores = token_logprobs(logits, tokens, state.sampling, sampled)
+    scores = token_logprobs(logits, tokens, state.sampling, sampler)
     return jax.tree.map(lambda buf, new: buf.at[rows, idx].set(new, mode="drop"), state.logprobs,
                         LogprobRecord(*scores))
 
@@ -127,7 +127,7 @@ def is_eos(tokens, eos_ids: tuple[int, ...]):
 
 
 def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=None, limit=None, sampling=None, *,
-            config, max_new_tokens: int, eos_ids: tuple[int, ...], sampled: bool = False, attention: str = "auto",
+            config, max_new_tokens: int, eos_ids: tuple[int, ...], sampler: str = GREEDY, attention: str = "auto",
             logprobs: bool = False):
     """Runs all layers over right-padded prompts and samples the first new token.
 
@@ -135,7 +135,7 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
     one PRNG key (row i then draws with fold_in(key, i)) or per-row keys [B, 2]; start [B] (the
     absolute index of each row's first new token; default 0), limit [B] (each row's max new
     tokens; default max_new_tokens, the record's width), sampling: the rows' `RowSampling`
-    (default greedy); `sampled` (static) is False when every row is greedy. `logprobs` keeps a
+    (default greedy); `sampler` (static): see `sampling.sample`. `logprobs` keeps a
     `LogprobRecord`.
     Returns (DecodeState, cache). A T5 encodes the prompts and decodes its first token.
     """
@@ -147,7 +147,7 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
     record = LogprobRecord.zeros(b, max_new_tokens) if logprobs else None
     if isinstance(config, T5Config):
         return _prefill_encoder_decoder(params, cache, tokens, lengths, block_table, keys, start, limit, sampling,
-                                        record, config=config, sampled=sampled, max_new_tokens=max_new_tokens,
+                                        record, config=config, sampler=sampler, max_new_tokens=max_new_tokens,
                                         eos_ids=eos_ids, attention=attention)
     t = tokens.shape[1]
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -156,7 +156,7 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
     h, cache = llama.run_layers(params, llama.embed(params, tokens), cache, batch, config)
     last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
     logits = llama.lm_head(params, last, config)
-    first = sample(logits, token_keys(keys, start, SAMPLE), sampling, sampled)
+    first = sample(logits, token_keys(keys, start, SAMPLE), sampling, sampler)
     padding = lengths == 0
     first = jnp.where(padding, 0, first)
     done = padding | is_eos(first, eos_ids) | (limit <= 1)
@@ -177,12 +177,12 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
         logprobs=record,
     )
     scores = record_logprobs(state, logits[:, None], first[:, None], jnp.zeros((b, 1), jnp.int32),
-                             ~padding[:, None], sampled)
+                             ~padding[:, None], sampler)
     return dataclasses.replace(state, logprobs=scores), cache
 
 
 def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_table, keys, start, limit, sampling,
-                             record, *, config: T5Config, sampled, max_new_tokens, eos_ids, attention):
+                             record, *, config: T5Config, sampler, max_new_tokens, eos_ids, attention):
     """T5: the encoder over the prompts, every decoder layer's cross K/V, then one full-depth
     decode step from the decoder start token (position 0)."""
     enc = t5.encode(params, tokens, lengths, config)
@@ -204,7 +204,7 @@ def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_tabl
         context=t5.cross_kv(params, enc, lengths, config),
         logprobs=logprob_record,
     )
-    return decode(params, cache, state, block_table, config=config, sampled=sampled,
+    return decode(params, cache, state, block_table, config=config, sampler=sampler,
                   max_new_tokens=max_new_tokens, eos_ids=eos_ids, attention=attention,
                   logprobs=logprob_record is not None)
 
@@ -239,15 +239,15 @@ def exit_fns(params, batch, config) -> ExitFns:
 
 
 def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, max_new_tokens: int,
-           eos_ids: tuple[int, ...], sampled: bool = False, exit_config: ExitConfig | None = None,
+           eos_ids: tuple[int, ...], sampler: str = GREEDY, exit_config: ExitConfig | None = None,
            attention: str = "auto", logprobs: bool = False):
     """One decode token for every row that is not done; a row ends at EOS or its own limit.
     Returns (state, cache).
 
     Full depth when `exit_config` is None; otherwise the early-exit loop decides how many
     layers run and fills the KV of the rest, with λ(t) at each row's absolute position over its
-    own limit. Rows sample with their own `state.sampling` (`sampled` static: False when every
-    row is greedy). `attention` picks the attention implementation; `logprobs` records the
+    own limit. Rows sample with their own `state.sampling` (`sampler` static: see
+    `sampling.sample`). `attention` picks the attention implementation; `logprobs` records the
     tokens' log-probabilities in `state.logprobs`.
     """
     m = model_module(config)
@@ -269,7 +269,7 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, m
         )
         logits, cache, confident = out.logits, out.cache, out.confident_layer
         exit_layer = jnp.full(active.shape, out.exit_layer, jnp.int32)
-    token = jnp.where(active, sample(logits, token_keys(state.keys, state.position, SAMPLE), state.sampling, sampled),
+    token = jnp.where(active, sample(logits, token_keys(state.keys, state.position, SAMPLE), state.sampling, sampler),
                       state.last_token)
     idx = jnp.minimum(state.num_generated, max_new_tokens - 1)
     rows = jnp.arange(token.shape[0])
@@ -279,7 +279,7 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, m
 
     num_generated = state.num_generated + active
     done = state.done | (active & is_eos(token, eos_ids)) | (num_generated >= state.limit)
-    scores = (record_logprobs(state, logits[:, None], token[:, None], idx[:, None], active[:, None], sampled)
+    scores = (record_logprobs(state, logits[:, None], token[:, None], idx[:, None], active[:, None], sampler)
               if logprobs else state.logprobs)
     return dataclasses.replace(
         state,

@@ -126,38 +126,38 @@ def _insert_rows(state: steps.DecodeState, new: steps.DecodeState, slots):
 
 
 def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, keys, start, limit, sampling, *, config,
-                  sampled, max_new_tokens, eos_ids, attention, logprobs):
+                  sampler, max_new_tokens, eos_ids, attention, logprobs):
     """Prefills right-padded prompts tokens [b, T] into decode slots `slots` [b] of `state`, with
     the rows' keys [b, 2], start [b] (tokens generated before, recomputed), limit [b] (max new
     tokens from there) and sampling (`RowSampling` [b]). Returns (state, cache)."""
     new, cache = steps.prefill(params, cache, tokens, lengths, block_table, keys, start, limit, sampling,
-                               config=config, sampled=sampled, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                               config=config, sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                                attention=attention, logprobs=logprobs)
     return _insert_rows(state, new, slots), cache
 
 
-def decode_slots(params, cache, state, block_table, group, *, config, sampled, max_new_tokens, eos_ids,
+def decode_slots(params, cache, state, block_table, group, *, config, sampler, max_new_tokens, eos_ids,
                  exit_config, attention, logprobs):
     """One decode step of the slots in `group` [S] bool that are not done (the others wait: they
     run with their own options in another program)."""
     waiting = ~group & ~state.done
     new, cache = steps.decode(params, cache, dataclasses.replace(state, done=state.done | waiting), block_table,
-                              config=config, sampled=sampled, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                              config=config, sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                               exit_config=exit_config, attention=attention, logprobs=logprobs)
     return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache
 
 
-def spec_round_slots(params, cache, state, counters, block_table, group, *, config, spec, sampled,
+def spec_round_slots(params, cache, state, counters, block_table, group, *, config, spec, sampler,
                      max_new_tokens, eos_ids, attention, logprobs):
     """One self-speculation round (d drafts from layers [0, E), one verify pass of the rest) of
     the slots in `group` that are not done; the others wait. Returns (state, cache, counters)."""
     waiting = ~group & ~state.done
     masked = dataclasses.replace(state, done=state.done | waiting)
     drafts, masked, cache = speculative.draft(params, cache, masked, block_table, config=config, spec=spec,
-                                              num_speculations=spec.num_speculations, sampled=sampled,
+                                              num_speculations=spec.num_speculations, sampler=sampler,
                                               attention=attention)
     new, cache, counters = speculative.verify(params, cache, masked, drafts, counters, block_table, config=config,
-                                              spec=spec, sampled=sampled, max_new_tokens=max_new_tokens,
+                                              spec=spec, sampler=sampler, max_new_tokens=max_new_tokens,
                                               eos_ids=eos_ids, attention=attention, logprobs=logprobs)
     return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache, counters
 
@@ -353,7 +353,7 @@ class Engine:
             pending = self._pending
             if self.running:
                 table = self._table()
-                # One program per (early exit, sampled, speculation, log-probs) option among the
+                # One program per (early exit, sampler, speculation, log-probs) option among the
                 # running rows (usually one); the other rows wait through it.
                 for options in {self._options(seq): None for seq in self.running.values()}:
                     members = [seq for seq in self.running.values() if self._options(seq) == options]
@@ -365,14 +365,14 @@ class Engine:
                 self._read(*pending)
         self.counters["step_s"] += time.perf_counter() - start
 
-    def _dispatch(self, table, group, exit_config, sampled: bool, spec, logprobs: bool) -> None:
+    def _dispatch(self, table, group, exit_config, sampler: str, spec, logprobs: bool) -> None:
         """Dispatches one decode step (or speculation round) of the slots in `group`."""
         if spec is None:
-            program, args = self._decode_program(table, group, exit_config, sampled, logprobs)
+            program, args = self._decode_program(table, group, exit_config, sampler, logprobs)
             self.state, self.cache = program(*args)
         else:
             args = (self.model.params, self.cache, self.state, self.spec_counters, table, group)
-            static = dict(self.static, spec=spec, sampled=sampled, logprobs=logprobs)
+            static = dict(self.static, spec=spec, sampler=sampler, logprobs=logprobs)
             program = self.model.programs.get(spec_round_slots, args, static, donate_argnums=(1,))
             self.state, self.cache, self.spec_counters = program(*args)
         self.counters["steps"] += 1
@@ -519,8 +519,9 @@ class Engine:
     @staticmethod
     def _options(seq: Sequence) -> tuple:
         """What a row's decode program depends on besides shapes; rows alike share one. (Greedy
-        rows never share a program with sampled ones: their argmax runs alone.)"""
-        return seq.exit, not seq.sampling.greedy, seq.spec, seq.logprobs is not None
+        rows never share a program with sampled ones: their argmax runs alone; nor do rows that
+        filter (top-k / top-p: a sort) with rows that only scale.)"""
+        return seq.exit, seq.sampling.sampler, seq.spec, seq.logprobs is not None
 
     def _table(self):
         longest = max(self._span(s) for s in self.running.values())
@@ -552,15 +553,15 @@ class Engine:
             self.block_table[slot] = 0
             self.block_table[slot, : len(seq.pages)] = seq.pages
             self.running[slot] = seq
-        # The prefill samples each row's first token: one program per (sampled, log-probs) option.
+        # The prefill samples each row's first token: one program per (sampler, log-probs) option.
         def options(seq):
-            return not seq.sampling.greedy, seq.logprobs is not None
+            return seq.sampling.sampler, seq.logprobs is not None
 
         for group in {options(seq): None for seq in seqs}:
             members = [seq for seq in seqs if options(seq) == group]
             self._guarded(members, self._prefill, members, *group)
 
-    def _prefill(self, seqs: list[Sequence], sampled: bool, logprobs: bool) -> None:
+    def _prefill(self, seqs: list[Sequence], sampler: str, logprobs: bool) -> None:
         b = bucket(len(seqs))  # 1, 2, 3, 4, 6, 8, ...: little row padding, few programs
         t = bucket(max(len(s.prompt) + s.offset for s in seqs), MIN_PROMPT_BUCKET)
         tokens = np.zeros((b, t), np.int32)
@@ -575,7 +576,7 @@ class Engine:
             keys[j], slots[j] = seq.key, seq.slot
         table = np.zeros((b, self._prefill_width(t)), np.int32)
         table[: len(seqs)] = self.block_table[slots[: len(seqs)], : table.shape[1]]
-        program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, sampled,
+        program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, sampler,
                                               logprobs)
         self.state, self.cache = program(*args)
         self.spec_counters = jax.tree.map(lambda x: x.at[slots].set(0, mode="drop"), self.spec_counters)
@@ -587,16 +588,16 @@ class Engine:
         return min(self.table_width, bucket(pages_needed(prompt_bucket, self.page_size)))
 
     def _prefill_program(self, tokens, lengths, table, slots, keys, start, limit, sampling: RowSampling,
-                         sampled: bool, logprobs: bool = False):
+                         sampler: str, logprobs: bool = False):
         args = (self.model.params, self.cache, self.state, *map(jnp.asarray, (tokens, lengths, table, slots, keys,
                                                                                start, limit)),
                 jax.tree.map(jnp.asarray, sampling))
-        static = dict(self.static, sampled=sampled, logprobs=logprobs)
+        static = dict(self.static, sampler=sampler, logprobs=logprobs)
         return self.model.programs.get(prefill_slots, args, static, donate_argnums=(1,)), args
 
-    def _decode_program(self, table, group, exit_config: ExitConfig | None, sampled: bool, logprobs: bool = False):
+    def _decode_program(self, table, group, exit_config: ExitConfig | None, sampler: str, logprobs: bool = False):
         args = (self.model.params, self.cache, self.state, table, group)
-        static = dict(self.static, exit_config=exit_config, sampled=sampled, logprobs=logprobs)
+        static = dict(self.static, exit_config=exit_config, sampler=sampler, logprobs=logprobs)
         return self.model.programs.get(decode_slots, args, static, donate_argnums=(1,)), args
 
     def warmup(self, max_prompt_len: int | None = None, progress: bool = True) -> int:
@@ -612,19 +613,19 @@ class Engine:
         longest = min(max_prompt_len + self.max_new_tokens - 1, self.max_len)
         widths = sorted({min(self.table_width, bucket(pages_needed(n, self.page_size)))
                          for n in range(1, longest + 1)})
-        sampled, before = not self.sampling.greedy, self.model.programs.num_programs
+        sampler, before = self.sampling.sampler, self.model.programs.num_programs
         shapes = [(b, t) for b in batches for t in prompts] + [(None, w) for w in widths]
         for b, n in tqdm(shapes, desc="compiling", disable=not progress):
             if b is None:  # decode at table width n
                 table = jnp.zeros((self.slots, n), jnp.int32)
                 group = jnp.zeros((self.slots,), bool)
-                self._decode_program(table, group, self.exit_config, sampled)
+                self._decode_program(table, group, self.exit_config, sampler)
             else:  # prefill of b rows of n tokens
                 zeros = np.zeros((b,), np.int32)
                 self._prefill_program(np.zeros((b, n), np.int32), zeros,
                                       np.zeros((b, self._prefill_width(n)), np.int32), zeros,
                                       np.zeros((b, 2), np.uint32), zeros, zeros, RowSampling.of(self.sampling, b),
-                                      sampled)
+                                      sampler)
         return self.model.programs.num_programs - before
 
     def _read(self, state, running: dict[int, Sequence], counters) -> None:
