@@ -257,7 +257,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = eejax.load(args.model)
     engine = Engine(model, max_slots=args.max_slots, max_new_tokens=args.max_tokens_limit,
                     cache_budget=args.cache_budget, exit=args.exit, temperature=args.temperature,
-                    policy=args.policy, bucketing=not args.no_bucketing, pages=args.pages)
+                    policy=args.policy, bucketing=not args.no_bucketing, pages=args.pages,
+                    max_decoding_options=args.max_decoding_options)
     if args.warmup:
         engine.warmup(args.warmup)
     engine.start()
@@ -467,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--pages", choices=("reserve", "grow"), default="reserve",
                      help="reserve: a request's pages for prompt + max_tokens at admission (never preempts); grow: "
                      "pages as rows grow, preempting the lowest-priority row (recomputed later) when they run out")
+    srv.add_argument("--max-decoding-options", type=_positive_int, default=16, metavar="N",
+                     help="distinct early-exit / speculation options requests may use (each compiles its own "
+                     "programs; later new ones get 400; default 16)")
     srv.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM / SIGINT, how long requests in flight may run on; then they end with "
                      'finish reason "abort" and the server exits (default 30)')

@@ -161,3 +161,19 @@ def test_a_request_as_long_as_admission_allows_runs_to_the_end(tiny_model):
     seq = engine.submit(prompt, max_new_tokens=32)
     engine.run()
     assert seq.tokens == eejax.generate(tiny_model, [prompt], max_new_tokens=32).tokens[0]
+
+
+def test_distinct_exit_and_speculation_options_are_bounded(tiny_model):
+    """Each early-exit / speculation option compiles its own programs: past the bound a new one
+    is refused (naming those served), the ones served stay accepted."""
+    engine = Engine(tiny_model, max_slots=2, max_new_tokens=8, cache_budget="4MiB", page_size=8,
+                    max_decoding_options=3)
+    for option in ("softmax:0.5", "softmax:0.25"):
+        engine.submit([5, 6], max_new_tokens=2, exit=option)
+    with pytest.raises(EejaxError, match=r"at most 3 .* exit none, exit softmax:0.25, exit softmax:0.5"):
+        engine.submit([5, 6], max_new_tokens=2, exit="softmax:0.125")
+    with pytest.raises(EejaxError, match="at most 3"):
+        engine.submit([5, 6], max_new_tokens=2, spec="1:2")
+    engine.submit([5, 6], max_new_tokens=2, exit="softmax:0.5")
+    engine.submit([5, 6], max_new_tokens=2, exit="none", temperature=0.7, top_k=9)  # sampling is not an option
+    assert len(engine.waiting) == 4

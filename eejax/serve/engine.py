@@ -186,7 +186,7 @@ class Engine:
                  page_size: int = 16, exit: ExitConfig | str | None = None,  # noqa: A002
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  policy: str = "fcfs", bucketing: bool = True, online: bool = True, attention: str = "auto",
-                 pages: str = "reserve"):
+                 pages: str = "reserve", max_decoding_options: int = 16):
         config = model.config
         if isinstance(config, T5Config):
             raise UnsupportedModelError("the serving engine runs decoder-only (Llama) models")
@@ -221,6 +221,10 @@ class Engine:
         self.static = dict(config=config, max_new_tokens=max_new_tokens, eos_ids=model.eos_token_ids,
                            attention=attention)
         self._seeds = np.random.default_rng(seed)  # a request without a seed draws one from here
+        # Early-exit and speculation options are static in the programs (each compiles its own):
+        # at most `max_decoding_options` distinct ones, so that no client keeps the server compiling.
+        self.max_decoding_options = max_decoding_options
+        self.decoding_options: set = {(self.exit_config, None)}
         self.state = empty_state(max_slots, max_new_tokens)
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
         self.block_table = np.zeros((max_slots, self.table_width), np.int32)
@@ -307,11 +311,25 @@ class Engine:
             raise EejaxError(f"seed must be a 64-bit integer, got {seed}")
         key = np.asarray(jax.random.fold_in(seed_key(seed), choice))
         with self._lock:
+            self._count_decoding_options(exit_config, spec_config)
             seq = Sequence(next(self._ids), ids, max_new_tokens, priority, exit_config, sampling, spec_config, key,
                            logprobs, stop, stop_token_ids)
             self._queue(seq)
         self._wake.set()
         return seq
+
+    def _count_decoding_options(self, exit_config, spec_config) -> None:
+        """Adds a request's early-exit / speculation option to those served, or refuses a new one
+        past `max_decoding_options` (each compiles its own programs)."""
+        options = (exit_config, spec_config)
+        if options in self.decoding_options:
+            return
+        if len(self.decoding_options) >= self.max_decoding_options:
+            served = sorted("spec " + s.spec if s else "exit " + (e.spec if e else "none")
+                            for e, s in self.decoding_options)
+            raise EejaxError(f"this server compiles programs for at most {self.max_decoding_options} early-exit / "
+                             f"speculation options and has them all; use one of: {', '.join(served)}")
+        self.decoding_options.add(options)
 
     def _queue(self, seq: Sequence) -> None:
         """Hands `seq` (new, or preempted: its prompt then grows by the tokens it has) to the
