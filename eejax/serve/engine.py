@@ -14,6 +14,12 @@ programs are compiled for the engine's `max_new_tokens` (their record width).
 
 Pages: a row's pages always cover every position the step being dispatched can write, the step
 still in flight counted (`Engine._span`); writes past a row's block table go to the null page.
+A request is accepted only if admission could start it in an empty cache (`max_len`).
+
+Faults: a program that raises fails only the requests it ran for (finish reason "error"); lost
+device state is rebuilt; the background loop survives any step and, if it dies itself, says so
+(`alive`, `error`). Sampling values are traced per row; early-exit / speculation options are
+static, and at most `max_decoding_options` of them are served, so the programs stay bounded.
 """
 
 from __future__ import annotations
