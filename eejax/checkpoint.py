@@ -157,7 +157,8 @@ def check_params(config, params, where: str) -> None:
             continue
         raise EejaxError(f"{where}: the weights do not match {CONFIG_FILE}'s config: {problem}")
     if "exits" in params:
-        exits.check_exits(params["exits"], config.num_layers, config.hidden_size)
+        exits.check_exits(params["exits"], config)
+        exits.check_reduced_head(params, config.tie_embeddings)
 
 
 def _first_line(error: Exception) -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from eejax.config import LlamaConfig, T5Config
 from eejax.decode.programs import ProgramCache
@@ -31,6 +32,12 @@ class Model:
         if tok_eos is not None and tok_eos not in ids:
             ids.append(int(tok_eos))
         return tuple(ids)
+
+
+def cast_floats(params, dtype):
+    """params with every floating-point array cast to `dtype` (integer ids, such as the reduced
+    head's vocabulary, stay integers)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 def init_exits(model: Model, *, adapter_rank: int = 0, classifier: bool = True, seed: int = 0) -> Model:
@@ -61,5 +68,5 @@ def load(path_or_name: str | Path, dtype=None) -> Model:
 
     config, params, tokenizer = load_checkpoint(resolve(path_or_name))
     if dtype is not None:
-        params = jax.tree.map(lambda x: x.astype(dtype), params)
+        params = cast_floats(params, dtype)
     return Model(config, params, tokenizer)

@@ -160,12 +160,14 @@ def test_flags_are_monotone_and_the_batch_waits_for_its_least_confident_row():
         [0.1, 0.1, 0.1, 0.1],  # row 2: padding (inactive): never blocks the batch
     ])
 
+    def head(h, run):
+        return jnp.concatenate([h[:, -1, :1], jnp.full((b, 1), run, jnp.float32)], axis=-1)
+
     fns = ExitFns(
-        run_layer=lambda layer, h, cache: (h + 1.0, cache),
-        exit_logits=lambda h, run: jnp.concatenate([h[:, -1, :1], jnp.full((b, 1), run, jnp.float32)], axis=-1),
+        run_layers=lambda h, cache, start, stop: (h + (stop - start), cache),
+        exit_logits=head, check_logits=head, emit_logits=head,
         exit_prob=lambda h, run: conf[jnp.arange(b), run - 1],
-        kv_all_layers=lambda h: (100.0 + jnp.arange(num_layers, dtype=jnp.float32)[:, None, None, None, None]
-                                 * jnp.ones((num_layers, b, 1, 1, 2)),) * 2,
+        layer_kv=lambda layer, h: ((100.0 + layer) * jnp.ones((b, 1, 1, 2)),) * 2,
     )
     cache = init_cache(num_layers, 4, 2, 1, 2, jnp.float32)
     pages, slots = jnp.array([[1], [2], [0]]), jnp.array([[1], [0], [0]])

@@ -24,7 +24,9 @@ from tests.conftest import prefilled, random_prompts
 # 8 rows of different lengths (one a single token) as one padded batch.
 PROMPTS = random_prompts(8, [5, 17, 1, 11, 3, 9, 24, 2], vocab=60, seed=7)
 NEW = 13  # not a multiple of d + 1 for any d used below
-SPECS = [SpecConfig(1, 1), SpecConfig(2, 3), SpecConfig(3, 4)]  # d = 1, E = L - 1 among them
+# d = 1, E = L - 1 among them; with the bonus pass, without it, and as the policy decides
+SPECS = [SpecConfig(1, 1), SpecConfig(2, 3, bonus=True), SpecConfig(3, 4), SpecConfig(2, 3, bonus=False),
+         SpecConfig(1, 1, bonus=False)]
 
 
 def tiny(num_layers=4, vocab=64, scale=0.3, seed=0, eos=()):
@@ -88,10 +90,10 @@ def test_eos_inside_a_draft_stops_the_row_exactly(model):
     row, stop = next((i, t[6]) for i, t in enumerate(full.tokens) if t.index(t[6]) == 6)
     eos_model = with_eos(perfect, [stop])
     want = [row[: row.index(stop) + 1] if stop in row else row for row in full.tokens]
-    for spec in (SpecConfig(2, 4), SpecConfig(2, 1), SpecConfig(3, 3)):
+    for spec in (SpecConfig(2, 4), SpecConfig(2, 1), SpecConfig(3, 3), SpecConfig(2, 4, bonus=False)):
         res = eejax.generate(eos_model, PROMPTS, max_new_tokens=NEW, spec=spec)
         assert res.tokens == want, spec
-    res = eejax.generate(eos_model, PROMPTS, max_new_tokens=NEW, spec=SpecConfig(2, 4))
+    res = eejax.generate(eos_model, PROMPTS, max_new_tokens=NEW, spec=SpecConfig(2, 4, bonus=True))
     assert res.stats["acceptance_rate"] == 1.0
     # That row emits its EOS at token 7 = 1 (prefill) + 5 (round 1) + 1: an accepted draft of round 2.
     assert res.exit_layers[row] == [4, 2, 2, 2, 2, 4, 2]
@@ -108,7 +110,7 @@ def test_never_more_tokens_than_asked(model, new):
 
 def test_perfect_drafts_are_all_accepted_and_counted(model):
     perfect = perfect_drafts(model, 1)
-    res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec=SpecConfig(1, 4))
+    res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec=SpecConfig(1, 4, bonus=True))
     s, L = res.stats, perfect.config.num_layers
     assert s["acceptance_rate"] == 1.0
     # 10 decode tokens per row in rounds of 5 (4 drafts + 1): 2 rounds, 8 drafts per row.
@@ -117,6 +119,13 @@ def test_perfect_drafts_are_all_accepted_and_counted(model):
     # Each round: 5 draft passes of 1 layer + 1 verify pass of 3; the prefill token: L.
     assert s["mean_layers_per_token"] == pytest.approx((2 * (5 * 1 + 3) + L) / 11)
     assert res.exit_layers == [[L, 1, 1, 1, 1, L, 1, 1, 1, 1, L]] * 3
+    # Without the bonus pass a round of 4 accepted drafts emits those 4: rounds of 4, 4 and 2.
+    res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True,
+                         spec=SpecConfig(1, 4, bonus=False))
+    s = res.stats
+    assert (s["rounds"], s["accepted_tokens"], s["bonus_pass_rate"]) == (9, 30, 0.0)  # every token a draft
+    assert s["mean_layers_per_token"] == pytest.approx((3 * (4 * 1 + 3) + L) / 11)
+    assert res.exit_layers == [[L] + [1] * 10] * 3
 
 
 def test_rows_accept_different_counts_in_one_batch(model):

@@ -1,11 +1,14 @@
 """One decode step with early exit (Algorithm 1 of the early-exit inference framework paper).
 
-The layers run in a `lax.while_loop` with a traced layer index. After each layer a row may turn
-confident (flags only turn on); rows that are padding or finished count as confident from the
-start. The loop stops when every row is confident or the last layer ran, so the whole batch
-exits at one layer E: the batch waits for its least confident row. Then **KV fill** writes the
-K/V of every skipped layer l >= E from the exit hidden state (proj_l(norm_l(h_E)) with rotary),
-computed for all layers at once and masked, and the token comes from the exit head at E.
+Confidence is checked only at the check layers c_1 < ... < c_m (`ExitConfig.check_layers`):
+a `lax.while_loop` runs one whole segment of layers [c_{i-1}, c_i) per iteration (a traced
+`fori_loop` over the stacked params, no per-layer branch), then checks. A row may turn
+confident at a check (flags only turn on); rows that are padding or finished count as confident
+from the start. The loop stops once every row is confident, so the whole batch exits at one
+layer E: the batch waits for its least confident row. If some row is still not confident after
+c_m, the rest of the layers run. Then **KV fill** writes the K/V of every skipped layer
+l in [E, L) from the exit hidden state (proj_l(norm_l(h_E)) with rotary), one layer at a time
+(only the skipped layers' K/V weights are read), and the token comes from the exit head at E.
 
 The loop is model-agnostic: a model supplies `ExitFns` (closures over its params and the step's
 token batch), so Llama and T5 decoders share this code.
@@ -19,7 +22,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eejax.cache import NULL_PAGE, KVCache, write_kv_all_layers
+from eejax.cache import KVCache, write_layer_kv
 from eejax.config import ExitConfig
 from eejax.decode.confidence import softmax_margin, state_cosine
 
@@ -27,17 +30,24 @@ from eejax.decode.confidence import softmax_margin, state_cosine
 class ExitFns(NamedTuple):
     """What the loop needs from a model, for hidden states h [B, T, D] of the new tokens.
 
-    run_layer(layer, h, cache) -> (h, cache): layer `layer` (0-based, traced), writing its K/V.
-    exit_logits(h, layers_run) -> [B, V] float32: the exit head after `layers_run` layers
+    run_layers(h, cache, start, stop) -> (h, cache): layers [start, stop) (traced bounds),
+        each writing its K/V.
+    exit_logits(h, layers_run) -> [B, V] float32: the full exit head after `layers_run` layers
         (last token of each row); the model's own head when layers_run = num_layers.
+    check_logits(h, layers_run) -> [B, K] float32: the head of softmax checks (the reduced
+        exit head, K < V, or `exit_logits`).
+    emit_logits(h, layers_run) -> [B, V] float32: the head of the token at an early exit
+        (`exit_logits`, or the reduced head with -inf outside its vocabulary).
     exit_prob(h, layers_run) -> [B] float32: the exit classifier's P(exit) (classifier only).
-    kv_all_layers(h) -> (k, v) [L, B, T, Hkv, Dh]: every layer's K/V of h (for KV fill).
+    layer_kv(layer, h) -> (k, v) [B, T, Hkv, Dh]: layer `layer`'s (traced) K/V of h (KV fill).
     """
 
-    run_layer: Callable
+    run_layers: Callable
     exit_logits: Callable
+    check_logits: Callable
+    emit_logits: Callable
     exit_prob: Callable | None
-    kv_all_layers: Callable
+    layer_kv: Callable
 
 
 @jax.tree_util.register_dataclass
@@ -52,22 +62,10 @@ class ExitOutcome:
     confident_layer: jax.Array
 
 
-def may_exit(config: ExitConfig, layers_run, num_layers: int):
-    """Whether a row may exit after `layers_run` layers (never at full depth: that is no exit)."""
-    return (layers_run >= config.min_exit_layer) & (layers_run % config.every == 0) & (layers_run < num_layers)
-
-
-def can_exit(config: ExitConfig, num_layers: int) -> bool:
-    """False when the config statically never exits (none, threshold +inf, static at full depth)."""
-    if config.measure == "static":
-        return config.exit_layer < num_layers
-    return config.checks_confidence
-
-
 def confidence(config: ExitConfig, fns: ExitFns, h_prev, h, layers_run):
-    """(confidence [B], exit logits [B, V] or None) after `layers_run` layers; h [B, T, D]."""
+    """(confidence [B], check logits [B, K] or None) after `layers_run` layers; h [B, T, D]."""
     if config.measure == "softmax":
-        logits = fns.exit_logits(h, layers_run)
+        logits = fns.check_logits(h, layers_run)
         return softmax_margin(logits), logits
     if config.measure == "state":
         return state_cosine(h_prev[:, -1], h[:, -1]), None
@@ -76,72 +74,73 @@ def confidence(config: ExitConfig, fns: ExitFns, h_prev, h, layers_run):
     raise ValueError(f"measure {config.measure!r} has no confidence")
 
 
-def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages, slots, *,
-                      config: ExitConfig, num_layers: int, vocab_size: int) -> ExitOutcome:
+def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages, slots, *, config: ExitConfig,
+                      num_layers: int, vocab_size: int, check_layers: tuple[int, ...] | None = None,
+                      reuse_check_logits: bool | None = None) -> ExitOutcome:
     """Runs layers until the whole batch is confident, fills the skipped layers' KV, and
     evaluates the exit head.
 
     h [B, T, D] embedded new tokens; active [B] bool (inactive rows count as confident);
     threshold [B] float32 (λ(t) per row); pages/slots [B, T] the new tokens' cache slots
-    (the null page for inactive rows).
+    (the null page for inactive rows). `check_layers` (static): where confidence is checked
+    (default `config.check_layers(num_layers)`). `reuse_check_logits` (static): the check head
+    is the emitted token's head, so the last check's logits give the token (default: softmax
+    checks, which then use the full head).
     """
     b = h.shape[0]
-    # Softmax confidence computes the exit logits; keep them (and compute them at full depth
-    # too) so the token needs no second head evaluation.
-    reuse_logits = config.measure == "softmax" and config.checks_confidence
+    if config.measure == "static" or not config.checks_confidence:
+        stop = config.exit_layer if config.measure == "static" else num_layers
+        h, cache = fns.run_layers(h, cache, 0, stop)
+        logits = fns.exit_logits(h, stop) if stop == num_layers else fns.emit_logits(h, stop)
+        cache = kv_fill(cache, fns.layer_kv, h, stop, num_layers, pages, slots)
+        return ExitOutcome(logits, cache, jnp.int32(stop), jnp.full((b,), stop, jnp.int32))
+
+    points = config.check_layers(num_layers) if check_layers is None else tuple(check_layers)
+    bounds = jnp.asarray((0,) + points, jnp.int32)
+    reuse = config.measure == "softmax" if reuse_check_logits is None else reuse_check_logits
 
     def cond(carry):
-        layer, _, _, exited, _, _ = carry
-        return (layer < num_layers) & ~jnp.all(exited)
+        i, _, _, exited, _, _ = carry
+        return (i < len(points)) & ~jnp.all(exited)
 
     def body(carry):
-        layer, h, cache, exited, confident_at, logits = carry
-        h_next, cache = fns.run_layer(layer, h, cache)
-        run = layer + 1
-        eligible = may_exit(config, run, num_layers)
-        if config.measure == "static":
-            newly = jnp.full((b,), run == config.exit_layer)
-        elif config.checks_confidence:
-
-            def check(_):
-                conf, lg = confidence(config, fns, h, h_next, run)
-                return conf > threshold, (lg if reuse_logits else logits)
-
-            def skip(_):
-                if reuse_logits:  # full depth: the model's own head gives the token
-                    return jnp.zeros((b,), bool), jax.lax.cond(
-                        run == num_layers, lambda: fns.exit_logits(h_next, run), lambda: logits
-                    )
-                return jnp.zeros((b,), bool), logits
-
-            confident, logits = jax.lax.cond(eligible, check, skip, None)
-            newly = confident & eligible
+        i, h, cache, exited, confident_at, logits = carry
+        start, stop = bounds[i], bounds[i + 1]
+        if config.measure == "state":  # the cosine compares the states around the segment's last layer
+            h_prev, cache = fns.run_layers(h, cache, start, stop - 1)
+            h, cache = fns.run_layers(h_prev, cache, stop - 1, stop)
         else:
-            newly = jnp.zeros((b,), bool)
-        confident_at = jnp.where(newly & ~exited, run, confident_at)  # a row turns confident once
-        return layer + 1, h_next, cache, exited | newly, confident_at, logits
+            h_prev = None
+            h, cache = fns.run_layers(h, cache, start, stop)
+        conf, check = confidence(config, fns, h_prev, h, stop)
+        newly = conf > threshold
+        confident_at = jnp.where(newly & ~exited, stop, confident_at)  # a row turns confident once
+        return i + 1, h, cache, exited | newly, confident_at, (check if reuse else logits)
 
-    logits0 = jnp.zeros((b, vocab_size if reuse_logits else 0), jnp.float32)
+    logits0 = jnp.zeros((b, vocab_size if reuse else 0), jnp.float32)
     carry = (jnp.int32(0), h, cache, ~active, jnp.zeros((b,), jnp.int32), logits0)
-    exit_layer, h, cache, _, confident_at, logits = jax.lax.while_loop(cond, body, carry)
-
-    if can_exit(config, num_layers):
-        cache = jax.lax.cond(
-            exit_layer < num_layers,
-            lambda c: kv_fill(c, fns.kv_all_layers(h), exit_layer, pages, slots),
-            lambda c: c,
-            cache,
-        )
-    if not reuse_logits:
-        logits = fns.exit_logits(h, exit_layer)
+    i, h, cache, exited, confident_at, logits = jax.lax.while_loop(cond, body, carry)
+    exited_early = jnp.all(exited)  # else the rows still unsure run the rest of the layers
+    exit_layer = jnp.where(exited_early, bounds[i], num_layers)
+    h, cache = jax.lax.cond(exited_early, lambda h, c: (h, c),
+                            lambda h, c: fns.run_layers(h, c, bounds[i], num_layers), h, cache)
+    if reuse:
+        logits = jax.lax.cond(exited_early, lambda: logits, lambda: fns.exit_logits(h, num_layers))
+    else:
+        logits = jax.lax.cond(exited_early, lambda: fns.emit_logits(h, exit_layer),
+                              lambda: fns.exit_logits(h, num_layers))
+    cache = kv_fill(cache, fns.layer_kv, h, exit_layer, num_layers, pages, slots)
     confident_layer = jnp.where(confident_at == 0, exit_layer, confident_at)
     return ExitOutcome(logits, cache, exit_layer, confident_layer)
 
 
-def kv_fill(cache: KVCache, kv, exit_layer, pages, slots) -> KVCache:
-    """Writes K/V `[L, B, T, Hkv, Dh]` of the layers >= exit_layer (0-based) at (pages, slots)
-    `[B, T]`; the layers that ran keep what they wrote (masked to the null page)."""
-    k, v = kv
-    skipped = jnp.arange(k.shape[0]) >= exit_layer
-    layer_pages = jnp.where(skipped[:, None, None], pages[None], NULL_PAGE)
-    return write_kv_all_layers(cache, k, v, layer_pages, slots)
+def kv_fill(cache: KVCache, layer_kv: Callable, h, exit_layer, num_layers: int, pages, slots) -> KVCache:
+    """Writes the K/V of layers [exit_layer, num_layers) (exit_layer traced; none at full depth)
+    of hidden states h [B, T, D] at (pages, slots) [B, T], one layer per loop iteration:
+    `layer_kv(layer, h) -> (k, v)` [B, T, Hkv, Dh]."""
+
+    def body(layer, cache):
+        k, v = layer_kv(layer, h)
+        return write_layer_kv(cache, layer, k, v, pages, slots)
+
+    return jax.lax.fori_loop(exit_layer, num_layers, body, cache)

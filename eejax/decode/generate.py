@@ -17,7 +17,7 @@ import numpy as np
 
 from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed
 from eejax.config import ExitConfig, SpecConfig, T5Config
-from eejax.decode import speculative, steps
+from eejax.decode import cost, speculative, steps
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
 from eejax.decode.sampling import RowSampling, SamplingParams, row_keys, seed_key
@@ -47,7 +47,7 @@ class GenerateResult:
     stats: dict[str, Any]
 
 
-SPEC_COUNTERS = ("drafted", "accepted", "rounds", "rejections", "layer_passes")
+SPEC_COUNTERS = ("drafted", "accepted", "rounds", "rejections", "layer_passes", "draft_heads")
 
 
 def parse_bytes(size: int | str) -> int:
@@ -101,13 +101,7 @@ def generate(
     spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec
     if exit_config is not None and spec_config is not None:
         raise EejaxError("choose early exit (exit=) or self-speculation (spec=), not both")
-    exit_params = model.params.get("exits")
-    if exit_config is not None or spec_config is not None:  # both read the exit modules
-        exits.check_exits(exit_params, config.num_layers, config.hidden_size)
-    if exit_config is not None:
-        exit_config.check_model(config.num_layers, exits.has_classifier(exit_params))
-    if spec_config is not None:
-        spec_config.check_model(config.num_layers)
+    exit_config, spec_config = exits.resolve_options(model.params, config, exit_config, spec_config)
     rows, texts = prompt_token_ids(model.tokenizer, batch)
     if truncate_prompt_tokens is not None:
         if truncate_prompt_tokens < 1:
@@ -152,6 +146,7 @@ def generate(
     prefill_s = 0.0
     spec_totals = dict.fromkeys(SPEC_COUNTERS, 0)
     speculations: list[int] = []
+    bonuses: list[bool] = []
     measured_costs: list[tuple[float, float]] = []
     pending = list(range(len(rows)))
     while pending:
@@ -174,6 +169,7 @@ def generate(
             for name in SPEC_COUNTERS:
                 spec_totals[name] += int(np.asarray(getattr(counters, name))[: len(chunk)].sum())
             speculations += policy.chosen
+            bonuses += policy.bonuses
             if policy.c_draft is not None:
                 measured_costs.append((policy.c_draft, policy.c_verify(spec_config.num_speculations)))
         toks, layers, confident, counts = jax.device_get(
@@ -194,6 +190,7 @@ def generate(
     layers_run = sum(sum(x) for x in out_layers)
     if spec_config is not None:  # draft and verify passes, plus the prefill's first tokens
         layers_run = spec_totals["layer_passes"] + config.num_layers * sum(1 for t in out_tokens if t)
+    weights_per_token = _weights_per_token(model, exit_config, spec_config, out_layers, spec_totals, decoded_tokens)
     confident_sum = sum(sum(x) for x in out_confident)
     decoded = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer else None for t in out_tokens]
     stats = {
@@ -205,6 +202,8 @@ def generate(
             config.num_layers - layers_run / generated if generated and spec_config is None else 0.0
         ),
         "mean_confident_layer": confident_sum / generated if generated else 0.0,
+        "weights_per_token": weights_per_token,
+        "ideal_speedup": cost.ideal_speedup(cost.WeightCounts.of(model.params, config), weights_per_token),
         "num_layers": config.num_layers,
         "exit": "full" if exit_config is None else exit_config.spec,
         "spec": None if spec_config is None else spec_config.spec,
@@ -224,10 +223,36 @@ def generate(
             accepted_tokens=t["accepted"],
             rounds=t["rounds"],
             mean_speculations=float(np.mean(speculations)) if speculations else 0.0,
+            bonus_pass_rate=float(np.mean(bonuses)) if bonuses else 0.0,
         )
         if measured_costs:  # adaptive: measured seconds per draft pass, and of a verify pass at the first d
             stats["draft_pass_s"], stats["verify_pass_s"] = map(float, np.mean(measured_costs, axis=0))
     return GenerateResult(texts, rows, out_tokens, decoded, out_layers, out_confident, stats)
+
+
+def _weights_per_token(model, exit_config, spec_config, exit_layers, spec_totals, decoded_tokens: int) -> float:
+    """Weights the decode tokens read per token, by the cost model (`eejax.decode.cost`); the
+    first token of each row comes from the prefill in every configuration and is left out."""
+    w = cost.WeightCounts.of(model.params, model.config)
+    if not decoded_tokens:
+        return float("nan")
+    if spec_config is not None:
+        t, e = spec_totals, spec_config.exit_layer
+        passes = (t["layer_passes"] - t["rounds"] * (w.num_layers - e)) / e
+        reduced = spec_config.uses_reduced_head(exits.has_reduced_head(model.params.get("exits")))
+        return cost.spec_weights(w, e, passes, t["draft_heads"], t["rounds"], reduced) / decoded_tokens
+    if exit_config is None:
+        return w.full_depth
+    checks = exit_config.check_layers(w.num_layers)
+    reduced = exit_config.uses_reduced_head(exits.has_reduced_head(model.params.get("exits")))
+    per_layer = {}
+    total = 0.0
+    for row in exit_layers:
+        for e in row[1:]:
+            if e not in per_layer:
+                per_layer[e] = cost.exit_step_weights(w, exit_config, e, checks, *reduced)
+            total += per_layer[e]
+    return total / decoded_tokens
 
 
 def _chunk_keys(key, chunk: list[int]):
@@ -286,7 +311,11 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
     policy)). With a fixed d the host only polls every few rounds; adaptive rounds are
     timed (draft and verify programs apart) and their acceptance read back to choose d."""
     programs, params = model.programs, model.params
-    policy = SpeculationPolicy(spec)
+    w = cost.WeightCounts.of(params, model.config)
+    reduced = spec.uses_reduced_head(exits.has_reduced_head(params.get("exits")))
+    e = spec.exit_layer
+    policy = SpeculationPolicy(spec, unit_costs=(e * w.layer, (w.reduced_head if reduced else w.head) + w.adapter,
+                                                 (w.num_layers - e) * w.layer + w.head))
     counters = speculative.SpecCounters.zeros(state.done.shape[0])
     verify_static = dict(static, spec=spec)
     draft_static = {k: v for k, v in verify_static.items() if k not in ("eos_ids", "max_new_tokens")}
@@ -296,9 +325,11 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
     done = bool(jnp.all(state.done))  # max_new_tokens = 1, or every row ended at its first token
     while not done:
         d = policy.next_speculations()
+        bonus = policy.bonus(d)
         table = table_for(longest + d + 1)
         args = (params, cache, state, table)
-        draft = programs.get(speculative.draft, args, dict(draft_static, num_speculations=d), donate_argnums=(1, 2))
+        draft = programs.get(speculative.draft, args, dict(draft_static, num_speculations=d, bonus=bonus),
+                             donate_argnums=(1, 2))
         start = time.perf_counter()
         drafts, state, cache = draft(*args)
         if spec.adaptive:
@@ -314,10 +345,9 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
             row_done, seq_len, accepted, rejections = jax.device_get(
                 (state.done, state.seq_len, counters.accepted.sum(), counters.rejections.sum())
             )
-            if spec.adaptive:
-                policy.observe(d, int(accepted) - seen[0], int(rejections) - seen[1],
-                               drafted_at - start, time.perf_counter() - verify_start)
-                seen = (int(accepted), int(rejections))
+            timed = (drafted_at - start, time.perf_counter() - verify_start) if spec.adaptive else (None, None)
+            policy.observe(d, int(accepted) - seen[0], int(rejections) - seen[1], *timed, passes=d + bonus)
+            seen = (int(accepted), int(rejections))
             done = bool(row_done.all())
             longest = int(seq_len.max())
     return state, cache, (jax.device_get(counters), policy)

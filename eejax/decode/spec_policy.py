@@ -13,6 +13,11 @@ small d, on a CPU it grows with the tokens, which the line learns once a second 
 Against plain decoding (c_full a step) the speed-up is
 `expected_tokens(α, d) * c_full / ((d + 1) c_draft + c_verify)`; `break_even_acceptance`
 solves it for 1.
+
+The bonus pass (the (d + 1)-th pass over x_d, see `speculative`) buys one token only when all
+d drafts are accepted (probability α^d) and costs E layers every round. The policy turns it on
+when it pays under the weights-read cost model (`eejax.decode.cost`), with the acceptance
+measured so far: fixed-d rounds update α each time the host reads the counters.
 """
 
 from __future__ import annotations
@@ -50,6 +55,16 @@ def speedup(alpha: float, d: int, c_draft: float, c_verify, c_full: float) -> fl
     return expected_tokens(alpha, d) * c_full / ((d + 1) * c_draft + _verify_cost(c_verify, d))
 
 
+def bonus_pays(alpha: float, d: int, pass_cost: float, head_cost: float, verify_cost: float) -> bool:
+    """Whether the bonus pass raises expected tokens per cost: with it a round emits
+    `expected_tokens(α, d)` for (d + 1) passes, without it α^d fewer for d passes (each round
+    also pays d draft heads and one verify)."""
+    fixed = d * head_cost + verify_cost
+    with_bonus = expected_tokens(alpha, d) / ((d + 1) * pass_cost + fixed)
+    without = (expected_tokens(alpha, d) - alpha**d) / (d * pass_cost + fixed)
+    return with_bonus > without
+
+
 def break_even_acceptance(c_draft: float, c_verify, c_full: float, max_speculations: int = 8) -> float:
     """The smallest α at which the best d breaks even with plain decoding (1.0 if none does)."""
     lo, hi = 0.0, 1.0
@@ -67,12 +82,14 @@ class SpeculationPolicy:
     """Host-side choice of d per round (see the module docstring for the rule)."""
 
     spec: SpecConfig
+    unit_costs: tuple[float, float, float] | None = None  # weights of a draft pass, a draft head, a verify
     accepted: float = PRIOR[0]
     rejected: float = PRIOR[1]
     c_draft: float | None = None  # seconds per draft pass
     verify_s: dict[int, float] = dataclasses.field(default_factory=dict)  # d -> mean seconds of a verify
     timed_rounds: dict[int, int] = dataclasses.field(default_factory=dict)  # d -> rounds timed
     chosen: list[int] = dataclasses.field(default_factory=list)
+    bonuses: list[bool] = dataclasses.field(default_factory=list)
 
     @property
     def alpha(self) -> float:
@@ -100,15 +117,26 @@ class SpeculationPolicy:
         self.chosen.append(d)
         return d
 
+    def bonus(self, d: int) -> bool:
+        """Whether the next round runs the bonus pass: `spec.bonus` when set, else whether it
+        pays at the acceptance measured so far (always, without unit costs)."""
+        if self.spec.bonus is not None:
+            choice = self.spec.bonus
+        else:
+            choice = self.unit_costs is None or bonus_pays(self.alpha, d, *self.unit_costs)
+        self.bonuses.append(choice)
+        return choice
+
     def observe(self, d: int, accepted: int, rejected: int, draft_s: float | None = None,
-                verify_s: float | None = None) -> None:
-        """One round: drafts accepted and rows that rejected one (summed over the batch), and
-        the wall times of its draft and verify programs (None when not timed)."""
+                verify_s: float | None = None, passes: int | None = None) -> None:
+        """One round (or the rounds since the last call): drafts accepted and rows that rejected
+        one (summed over the batch), and the wall times of its draft (`passes` draft passes,
+        default d + 1) and verify programs (None when not timed)."""
         self.accepted = FORGET * self.accepted + accepted
         self.rejected = FORGET * self.rejected + rejected
         if draft_s is None or verify_s is None:
             return
-        per_pass = draft_s / (d + 1)
+        per_pass = draft_s / (d + 1 if passes is None else passes)
         total = sum(self.timed_rounds.values()) + 1
         self.c_draft = per_pass if self.c_draft is None else self.c_draft + (per_pass - self.c_draft) / min(total, 16)
         n = self.timed_rounds[d] = self.timed_rounds.get(d, 0) + 1

@@ -2,16 +2,22 @@
 
 A round has two jitted programs:
 
-- `draft`: d + 1 passes of layers [0, E) over one token per row (x_0 = the row's last token,
-  then each draft), writing those layers' K/V at positions seq_len + i. The exit head after E
-  layers proposes x_{i+1} (greedy, or sampled from its distribution q_i); the layer-E hidden
-  state of every x_i is kept (the exit query cache). The last pass (x_d) needs no head.
-- `verify`: ONE pass of layers [E, L) over the d + 1 positions, starting from the kept states
-  and writing those layers' K/V; the full model's distributions p_0..p_d decide:
+- `draft`: d passes of layers [0, E) over one token per row (x_0 = the row's last token,
+  then each draft), writing those layers' K/V at positions seq_len + i. The draft head after E
+  layers (the reduced-vocabulary exit head when the checkpoint has one) proposes x_{i+1}
+  (greedy, or sampled from its distribution q_i); the layer-E hidden state of every x_i is kept
+  (the exit query cache). With the **bonus** pass, x_d runs layers [0, E) too (no head), so
+  that verification also yields the full model's token after x_d: it buys one token when all
+  d drafts are accepted (probability ~α^d) for E layers every round, so the host turns it on
+  only when that pays (`spec_policy`).
+- `verify`: ONE pass of layers [E, L) over the P scored positions (d + 1 with the bonus pass,
+  else d), starting from the kept states and writing those layers' K/V; the full model's
+  distributions p_0..p_{P-1} decide:
   greedy accepts the longest prefix of drafts equal to argmax p (`greedy_accept`); with
   temperature > 0 speculative rejection sampling keeps the output distribution exactly the
   full model's (`speculative_sample`). Either way a row emits n accepted drafts plus one token
-  of the full model, cut at EOS and at the row's own limit.
+  of the full model (none when all d were accepted without the bonus pass), cut at EOS and at
+  the row's own limit.
 
 Every row keeps x_0..x_{k-1} of the k tokens it emitted in the cache and the rest is rolled
 back by `seq_len` alone: the K/V at an accepted position were computed from the same tokens
@@ -31,15 +37,18 @@ import jax.numpy as jnp
 from eejax.cache import KVCache
 from eejax.config import SpecConfig
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, filtered_logits, sample, token_keys
-from eejax.decode.steps import DecodeState, exit_logits, is_eos, model_module, record_logprobs
+from eejax.decode.steps import (DecodeState, exit_logits, expand_logits, is_eos, model_module, record_logprobs,
+                                reduced_logits)
+from eejax.models import exits
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Drafts:
-    """tokens [B, d+1] int32: x_0 (the last token) then the d drafts; hidden [B, d+1, D]: each
-    token's hidden state after E layers; probs [B, d, V] f32: the draft distribution q_i each
-    draft was sampled from ([B, d, 0] when greedy)."""
+    """tokens [B, d+1] int32: x_0 (the last token) then the d drafts; hidden [B, P, D]: the
+    hidden state after E layers of x_0..x_{P-1}, the positions verification scores (P = d + 1
+    with the bonus pass, else d); probs [B, d, V] f32: the draft distribution q_i each draft was
+    sampled from ([B, d, 0] when greedy)."""
 
     tokens: jax.Array
     hidden: jax.Array
@@ -50,18 +59,19 @@ class Drafts:
 @dataclasses.dataclass
 class SpecCounters:
     """Per row, summed over rounds: drafts that could count (at most the tokens the row still
-    had room for), drafts accepted, rounds, rounds that rejected a draft, and layer passes run
-    (draft + verify)."""
+    had room for), drafts accepted, rounds, rounds that rejected a draft, layer passes run
+    (draft + verify) and draft-head evaluations."""
 
     drafted: jax.Array
     accepted: jax.Array
     rounds: jax.Array
     rejections: jax.Array
     layer_passes: jax.Array
+    draft_heads: jax.Array
 
     @classmethod
     def zeros(cls, batch: int) -> SpecCounters:
-        return cls(*(jnp.zeros((batch,), jnp.int32) for _ in range(5)))  # distinct buffers: donated
+        return cls(*(jnp.zeros((batch,), jnp.int32) for _ in range(6)))  # distinct buffers: donated
 
 
 def _token_batch(config, state: DecodeState, offsets, block_table, page_size, attention):
@@ -77,63 +87,81 @@ def _token_batch(config, state: DecodeState, offsets, block_table, page_size, at
 
 
 def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, spec: SpecConfig,
-          num_speculations: int, sampler: str = GREEDY, attention: str = "auto"):
-    """d = num_speculations drafts per row with layers [0, E). Returns (drafts, state, cache);
-    the state is unchanged."""
+          num_speculations: int, sampler: str = GREEDY, attention: str = "auto", bonus: bool = True):
+    """d = num_speculations drafts per row with layers [0, E) and the draft head (the reduced
+    exit head when `spec` uses it). `bonus`: one more pass of layers [0, E) over x_d, so that
+    verification also scores the token after the last draft (a round emits up to d + 1 tokens
+    instead of d). Returns (drafts, state, cache); the state is unchanged."""
     e, m = spec.exit_layer, model_module(config)
+    exit_params = params.get("exits")
+    reduced = spec.uses_reduced_head(exits.has_reduced_head(exit_params))
 
     def draft_pass(cache, token, i):
         batch = _token_batch(config, state, jnp.reshape(i, (1,)), block_table, cache.page_size, attention)
         h, cache = m.run_layers(params, m.embed(params, token[:, None]), cache, batch, config, 0, e)
         return h[:, 0], cache
 
+    def propose(h, i):
+        """(proposal [B], q [B, V] or [B, 0] when greedy) of the draft head at hidden state h."""
+        keys = token_keys(state.keys, state.position + i, DRAFT)
+        if reduced and sampler == GREEDY:  # argmax over the reduced set; ids increase, so ties agree
+            logits = reduced_logits(params, h, e, config)
+            return exit_params["vocab_ids"][jnp.argmax(logits, axis=-1)].astype(jnp.int32), logits[:, :0]
+        logits = exit_logits(params, h, e, config) if not reduced else expand_logits(
+            reduced_logits(params, h, e, config), exit_params["vocab_ids"], config.vocab_size)
+        proposal = sample(logits, keys, state.sampling, sampler)
+        q = logits[:, :0] if sampler == GREEDY else jax.nn.softmax(filtered_logits(logits, state.sampling, sampler),
+                                                                   axis=-1)
+        return proposal, q
+
     def step(carry, i):
         cache, token = carry
         h, cache = draft_pass(cache, token, i)
-        logits = exit_logits(params, h, e, config)
-        proposal = sample(logits, token_keys(state.keys, state.position + i, DRAFT), state.sampling, sampler)
-        q = jnp.zeros(logits.shape[:1] + (0,)) if sampler == GREEDY else jax.nn.softmax(
-            filtered_logits(logits, state.sampling, sampler), axis=-1)
+        proposal, q = propose(h, i)
         return (cache, proposal), (token, h, q)
 
     (cache, last), (tokens, hidden, probs) = jax.lax.scan(
         step, (cache, state.last_token), jnp.arange(num_speculations, dtype=jnp.int32)
     )
-    h_last, cache = draft_pass(cache, last, jnp.int32(num_speculations))
-    drafts = Drafts(
-        tokens=jnp.concatenate([tokens.T, last[:, None]], axis=1),
-        hidden=jnp.concatenate([hidden.swapaxes(0, 1), h_last[:, None]], axis=1),
-        probs=probs.swapaxes(0, 1),
-    )
+    hidden = hidden.swapaxes(0, 1)
+    if bonus:
+        h_last, cache = draft_pass(cache, last, jnp.int32(num_speculations))
+        hidden = jnp.concatenate([hidden, h_last[:, None]], axis=1)
+    drafts = Drafts(tokens=jnp.concatenate([tokens.T, last[:, None]], axis=1), hidden=hidden,
+                    probs=probs.swapaxes(0, 1))
     return drafts, state, cache
 
 
 def greedy_accept(logits, drafts):
-    """logits [B, d+1, V] of the full model at x_0..x_d, drafts [B, d] (x_1..x_d) ->
-    (n [B] accepted drafts, tokens [B, d+1]): the row emits tokens[:, :n+1] (the accepted
-    drafts equal the full model's argmax, so all emitted tokens are the argmax)."""
+    """logits [B, P, V] of the full model at x_0..x_{P-1} (P = d + 1, or d without the bonus
+    pass), drafts [B, d] (x_1..x_d) -> (n [B] accepted drafts, tokens [B, P]): the row emits
+    tokens[:, :min(n+1, P)] (the accepted drafts equal the full model's argmax, so all emitted
+    tokens are the argmax)."""
     target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    match = target[:, :-1] == drafts
+    match = target[:, :drafts.shape[1]] == drafts
     n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
     return n, target
 
 
 def speculative_sample(p, q, drafts, accept_keys, resample_keys):
-    """Speculative rejection sampling. p [B, d+1, V] full-model probabilities at x_0..x_d,
-    q [B, d, V] draft probabilities, drafts [B, d] sampled from q, per-row keys [B, 2] for the
-    acceptance tests and the final draw -> (n [B], tokens [B, d+1]).
+    """Speculative rejection sampling. p [B, P, V] full-model probabilities at x_0..x_{P-1}
+    (P = d + 1, or d without the bonus pass), q [B, d, V] draft probabilities, drafts [B, d]
+    sampled from q, per-row keys [B, 2] for the acceptance tests and the final draw ->
+    (n [B], tokens [B, P]).
 
     Draft i is accepted with probability min(1, p_i(x)/q_i(x)); the row keeps the accepted
     prefix, then samples once more: from max(0, p_n - q_n) normalised after a rejection, from
-    p_d when all d were accepted. Each emitted token is then distributed exactly as p."""
+    p_d when all d were accepted (with the bonus pass; without it the row emits the d drafts).
+    Each emitted token is then distributed exactly as p."""
     b, d = drafts.shape
+    positions = p.shape[1]
     px = jnp.take_along_axis(p[:, :d], drafts[..., None], axis=-1)[..., 0]
     qx = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     u = jax.vmap(lambda k: jax.random.uniform(k, (d,)))(accept_keys)
     accepted = u * qx < px  # u < p/q without dividing (q(x) > 0: x was drawn from q)
     n = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
     rows = jnp.arange(b)
-    p_n = p[rows, n]
+    p_n = p[rows, jnp.minimum(n, positions - 1)]  # n = P = d: nothing more is emitted
     q_n = jnp.where((n < d)[:, None], q[rows, jnp.minimum(n, d - 1)], 0.0)
     residual = jnp.maximum(p_n - q_n, 0.0)
     total = residual.sum(-1, keepdims=True)
@@ -141,7 +169,7 @@ def speculative_sample(p, q, drafts, accept_keys, resample_keys):
     residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_n)
     extra = jax.vmap(jax.random.categorical)(resample_keys, jnp.log(residual)).astype(jnp.int32)
     tokens = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1).at[rows, n].set(extra)
-    return n, tokens
+    return n, tokens[:, :positions]
 
 
 def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters: SpecCounters, block_table, *,
@@ -150,14 +178,14 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
     """Layers [E, L) over the d + 1 drafted positions, acceptance, and the new tokens recorded
     (with `logprobs`, their log-probabilities under the full model). Returns (state, cache,
     counters)."""
-    b, t = drafts.tokens.shape
-    d, e, num_layers = t - 1, spec.exit_layer, config.num_layers
+    b, t = drafts.hidden.shape[:2]  # t positions scored: d + 1 with the bonus pass, else d
+    d, e, num_layers = drafts.tokens.shape[1] - 1, spec.exit_layer, config.num_layers
     offsets = jnp.arange(t, dtype=jnp.int32)
     batch = _token_batch(config, state, offsets, block_table, cache.page_size, attention)
     m = model_module(config)
     h, cache = m.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
     logits = m.lm_head(params, h, config)  # [B, d+1, V]
-    n, new = greedy_accept(logits, drafts.tokens[:, 1:])
+    n, new = greedy_accept(logits, drafts.tokens[:, 1:])  # [B], [B, t]
     if sampler != GREEDY:  # rejection sampling for the rows that sample; greedy rows keep the argmax
         per_position = jax.tree.map(lambda x: jnp.repeat(x, t), state.sampling)
         p = jax.nn.softmax(filtered_logits(logits.reshape(b * t, -1), per_position, sampler),
@@ -172,7 +200,7 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
     room = state.limit - state.num_generated
     eos = is_eos(new, eos_ids) & (offsets[None] <= n[:, None])
     first_eos = jnp.where(eos.any(1), jnp.argmax(eos, axis=1), t)
-    count = jnp.where(active, jnp.minimum(jnp.minimum(n + 1, room), first_eos + 1), 0)
+    count = jnp.where(active, jnp.minimum(jnp.minimum(jnp.minimum(n + 1, t), room), first_eos + 1), 0)
     emitted = offsets[None] < count[:, None]
     rows = jnp.arange(b)[:, None]
     idx = jnp.where(emitted, state.num_generated[:, None] + offsets[None], max_new_tokens)  # out of range: dropped
@@ -196,6 +224,7 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
         accepted=counters.accepted + jnp.minimum(n, judged),
         rounds=counters.rounds + active,
         rejections=counters.rejections + (n < judged),
-        layer_passes=counters.layer_passes + active * ((d + 1) * e + num_layers - e),
+        layer_passes=counters.layer_passes + active * (t * e + num_layers - e),
+        draft_heads=counters.draft_heads + active * d,
     )
     return new_state, cache, new_counters

@@ -5,7 +5,7 @@ the cache so it is updated in place. `DecodeState` holds everything the token lo
 device, so the host only checks `done` now and then.
 
 One implementation serves every architecture: `model_module(config)` gives the model's pure
-functions (`token_batch`, `embed`, `decoder_layer`, `run_layers`, `lm_head`, `kv_all_layers`):
+functions (`token_batch`, `embed`, `decoder_layer`, `run_layers`, `lm_head`, `kv_of_layer`):
 a decoder-only Llama, or the decoder of an encoder-decoder T5 whose per-row cross-attention
 K/V ride in `DecodeState.context`.
 """
@@ -209,32 +209,60 @@ def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_tabl
                   logprobs=logprob_record is not None)
 
 
+def adapted(params, x, layers_run, config):
+    """x [B, D] through the adapter of the exit after `layers_run` layers (none at full depth,
+    or without adapters)."""
+    exit_params = params.get("exits")
+    if not exits.has_adapters(exit_params):
+        return x
+    return jnp.where(layers_run < config.num_layers, exits.adapt(exit_params, x, jnp.maximum(layers_run - 1, 0)), x)
+
+
 def exit_logits(params, x, layers_run, config):
     """The exit head after `layers_run` layers (adapter, if any, then the shared final norm and
     LM head): x [B, D] -> float32 logits [B, V]. At full depth it is the model's own head."""
-    exit_params = params.get("exits")
-    if exits.has_adapters(exit_params):
-        adapted = exits.adapt(exit_params, x, jnp.maximum(layers_run - 1, 0))
-        x = jnp.where(layers_run < config.num_layers, adapted, x)
-    return model_module(config).lm_head(params, x, config)
+    return model_module(config).lm_head(params, adapted(params, x, layers_run, config), config)
 
 
-def exit_fns(params, batch, config) -> ExitFns:
-    """The early-exit loop's view of a model: layers, exit head (+ adapters), classifier, KV."""
+def reduced_logits(params, x, layers_run, config):
+    """The reduced-vocabulary exit head (`exits.set_exit_vocab`): x [B, D] -> float32 [B, K],
+    logits of the tokens `params["exits"]["vocab_ids"]` only (the same values the full head
+    gives them)."""
+    weight = params["exits"]["vocab_head"]
+    return model_module(config).lm_head(params, adapted(params, x, layers_run, config), config, weight=weight)
+
+
+def expand_logits(reduced, ids, vocab_size: int):
+    """Reduced logits [..., K] of tokens `ids` [K] -> [..., V] with -inf for every other token."""
+    full = jnp.full(reduced.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., ids].set(reduced)
+
+
+def exit_fns(params, batch, config, *, check_reduced: bool = False, emit_reduced: bool = False) -> ExitFns:
+    """The early-exit loop's view of a model: layers, exit heads (+ adapters), classifier, KV.
+    `check_reduced` / `emit_reduced`: softmax checks / the emitted token use the reduced head."""
     exit_params = params.get("exits")
     m = model_module(config)
 
-    def run_layer(layer, h, cache):
-        return m.decoder_layer(params, h, cache, layer, batch, config)
+    def full(h, layers_run):
+        return exit_logits(params, h[:, -1], layers_run, config)
+
+    def reduced(h, layers_run):
+        return reduced_logits(params, h[:, -1], layers_run, config)
+
+    def emit(h, layers_run):
+        return expand_logits(reduced(h, layers_run), exit_params["vocab_ids"], config.vocab_size)
 
     def exit_prob(h, layers_run):
         return exits.classifier_prob(exit_params, h[:, -1], layers_run - 1)
 
     return ExitFns(
-        run_layer=run_layer,
-        exit_logits=lambda h, layers_run: exit_logits(params, h[:, -1], layers_run, config),
+        run_layers=lambda h, cache, start, stop: m.run_layers(params, h, cache, batch, config, start, stop),
+        exit_logits=full,
+        check_logits=reduced if check_reduced else full,
+        emit_logits=emit if emit_reduced else full,
         exit_prob=exit_prob if exits.has_classifier(exit_params) else None,
-        kv_all_layers=lambda h: m.kv_all_layers(params, h, batch, config),
+        layer_kv=lambda layer, h: m.kv_of_layer(params, h, layer, batch, config),
     )
 
 
@@ -263,9 +291,12 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, m
         exit_layer = confident = jnp.full(active.shape, config.num_layers, jnp.int32)
     else:
         threshold = exit_threshold(exit_config, state.position, state.start + state.limit)
+        check_reduced, emit_reduced = exit_config.uses_reduced_head(exits.has_reduced_head(params.get("exits")))
+        fns = exit_fns(params, batch, config, check_reduced=check_reduced, emit_reduced=emit_reduced)
         out = early_exit_layers(
-            exit_fns(params, batch, config), h, cache, active, threshold, batch.pages, batch.slots,
-            config=exit_config, num_layers=config.num_layers, vocab_size=config.vocab_size,
+            fns, h, cache, active, threshold, batch.pages, batch.slots, config=exit_config,
+            num_layers=config.num_layers, vocab_size=config.vocab_size,
+            reuse_check_logits=exit_config.measure == "softmax" and not (check_reduced or emit_reduced),
         )
         logits, cache, confident = out.logits, out.cache, out.confident_layer
         exit_layer = jnp.full(active.shape, out.exit_layer, jnp.int32)

@@ -10,17 +10,29 @@ exit after l + 1 layers. The last index is never used: full depth runs the model
 
 The model's final norm and LM head are shared by all exits (LayerSkip, CALM). Functions take the
 whole `exits` dict (or None) and a possibly traced index.
+
+Entries that are not per layer:
+
+    vocab_ids [K] int32, vocab_head: the reduced-vocabulary exit head (FR-Spec): the K most
+        frequent token ids, increasing, and the head's rows for them in the head's own layout
+        ([K, D] when tied to the embedding, [D, K] for an `lm_head`); see `set_exit_vocab`.
+    exit_layers [n] int32: the exits the checkpoint was trained at (layers run): the default
+        check points of early exit.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eejax.errors import EejaxError
 
 ADAPTER_KEYS = ("adapter_norm", "adapter_down", "adapter_up")
 CLASSIFIER_KEYS = ("classifier_w", "classifier_b")
+VOCAB_KEYS = ("vocab_ids", "vocab_head")
 EPS = 1e-6
 
 
@@ -30,6 +42,49 @@ def has_adapters(exits) -> bool:
 
 def has_classifier(exits) -> bool:
     return bool(exits) and "classifier_w" in exits
+
+
+def has_reduced_head(exits) -> bool:
+    return bool(exits) and "vocab_ids" in exits
+
+
+def trained_layers(exits) -> tuple[int, ...] | None:
+    """The exits the checkpoint was trained at (layers run), if it records them."""
+    if not exits or "exit_layers" not in exits:
+        return None
+    return tuple(int(e) for e in np.asarray(exits["exit_layers"]))
+
+
+def head_weight(params, tied: bool):
+    """The LM head's weight in its own layout: embed [V, D] when tied, lm_head [D, V]."""
+    return params["embed"] if tied else params["lm_head"]
+
+
+def set_exit_vocab(params, ids, tied: bool) -> dict:
+    """A copy of `params` whose exits hold the reduced head of token `ids` [K] (any order; kept
+    increasing): `vocab_ids` and the head's rows for them (see the module docstring)."""
+    ids = np.unique(np.asarray(ids, np.int64))
+    head = head_weight(params, tied)
+    vocab = head.shape[0] if tied else head.shape[1]
+    if ids.size == 0 or ids[0] < 0 or ids[-1] >= vocab:
+        raise EejaxError(f"reduced vocabulary ids must lie in [0, {vocab}) and be at least one, "
+                         f"got {ids.size} ids in [{ids.min(initial=0)}, {ids.max(initial=0)}]")
+    rows = jnp.asarray(ids, jnp.int32)
+    gathered = head[rows] if tied else head[:, rows]
+    return {**params, "exits": {**(params.get("exits") or {}), "vocab_ids": rows, "vocab_head": gathered}}
+
+
+def check_reduced_head(params, tied: bool) -> None:
+    """Raises EejaxError when the stored reduced head is not the head's rows for its ids (the
+    head changed after `eejax exit-vocab`: run it again)."""
+    e = params.get("exits")
+    if not has_reduced_head(e):
+        return
+    head, ids = head_weight(params, tied), e["vocab_ids"]
+    want = head[ids] if tied else head[:, ids]
+    if not bool(jnp.array_equal(want, e["vocab_head"])):
+        raise EejaxError("the reduced exit head does not match the model's head rows for its vocabulary ids "
+                         "(the head changed since eejax exit-vocab ran): run eejax exit-vocab again")
 
 
 def init_exits(num_layers: int, hidden: int, key, *, adapter_rank: int = 0, classifier: bool = True,
@@ -52,13 +107,31 @@ def init_exits(num_layers: int, hidden: int, key, *, adapter_rank: int = 0, clas
     return exits
 
 
-def check_exits(exits, num_layers: int, hidden: int) -> None:
-    """Raises EejaxError naming the first entry whose shape does not fit the model."""
+def check_exits(exits, config) -> None:
+    """Raises EejaxError naming the first entry that does not fit the model `config`."""
     if not exits:
         return
-    unknown = set(exits) - set(ADAPTER_KEYS) - set(CLASSIFIER_KEYS)
+    num_layers, hidden, vocab = config.num_layers, config.hidden_size, config.vocab_size
+    unknown = set(exits) - set(ADAPTER_KEYS) - set(CLASSIFIER_KEYS) - set(VOCAB_KEYS) - {"exit_layers"}
     if unknown:
         raise EejaxError(f"unknown entries in params['exits']: {sorted(unknown)}")
+    if "exit_layers" in exits:
+        layers = np.asarray(exits["exit_layers"])
+        if layers.ndim != 1 or not np.all((layers >= 1) & (layers < num_layers)) or np.any(np.diff(layers) <= 0):
+            raise EejaxError(f"params['exits']['exit_layers'] must be increasing layer counts in [1, {num_layers - 1}], "
+                             f"got {layers.tolist()}")
+    if has_reduced_head(exits) or "vocab_head" in exits:
+        if set(VOCAB_KEYS) - set(exits):
+            raise EejaxError(f"params['exits'] needs both {list(VOCAB_KEYS)} for a reduced head")
+        ids = exits["vocab_ids"]
+        k = ids.shape[0] if ids.ndim == 1 else -1
+        if not 1 <= k <= vocab or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise EejaxError(f"params['exits']['vocab_ids'] must be 1 to {vocab} integer ids, got shape "
+                             f"{tuple(ids.shape)} {ids.dtype}")
+        shape = (k, hidden) if config.tie_embeddings else (hidden, k)
+        if tuple(exits["vocab_head"].shape) != shape:
+            raise EejaxError(f"params['exits']['vocab_head'] has shape {tuple(exits['vocab_head'].shape)}, "
+                             f"the model's head needs {shape} for {k} ids")
     for group in (ADAPTER_KEYS, CLASSIFIER_KEYS):
         present = [k for k in group if k in exits]
         if present and len(present) != len(group):
@@ -70,8 +143,25 @@ def check_exits(exits, num_layers: int, hidden: int) -> None:
         "classifier_b": (num_layers,),
     }
     for name, x in exits.items():
-        if tuple(x.shape) != want[name]:
+        if name in want and tuple(x.shape) != want[name]:
             raise EejaxError(f"params['exits'][{name!r}] has shape {tuple(x.shape)}, the model needs {want[name]}")
+
+
+def resolve_options(params, config, exit=None, spec=None):  # noqa: A002
+    """Checks an early-exit `ExitConfig` and a speculation `SpecConfig` against this model (its
+    exit modules included; EejaxError for what it cannot honour) and returns them, the exit's
+    check layers made explicit from the checkpoint's trained exits when it asks for the default."""
+    e = params.get("exits")
+    check_exits(e, config)
+    if exit is not None:
+        exit.check_model(config.num_layers, has_classifier(e), has_reduced_head(e))
+        trained = trained_layers(e)
+        if trained and exit.exit_layers is None and exit.checks_confidence and exit.measure != "static" \
+                and (exit.min_exit_layer, exit.every) == (1, 1):
+            exit = dataclasses.replace(exit, exit_layers=trained)  # noqa: A001
+    if spec is not None:
+        spec.check_model(config.num_layers, has_reduced_head(e))
+    return exit, spec
 
 
 def _normalise(h):

@@ -24,6 +24,7 @@ from eejax.models.stack import run_layer_range
 from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+KV_KEYS = ("attn_norm", "wk", "wv")
 
 
 @jax.tree_util.register_dataclass
@@ -81,10 +82,11 @@ def layer_kv(lp, h, batch: TokenBatch, config: LlamaConfig):
     return apply_rope(k, batch.cos, batch.sin), v
 
 
-def kv_all_layers(params, h, batch: TokenBatch, config: LlamaConfig):
-    """Every layer's K and V of the same hidden states h: `[L, B, T, Hkv, Dh]` each (KV fill)."""
-    kv_params = {k: params["layers"][k] for k in ("attn_norm", "wk", "wv")}
-    return jax.vmap(lambda lp: layer_kv(lp, h, batch, config))(kv_params)
+def kv_of_layer(params, h, layer, batch: TokenBatch, config: LlamaConfig):
+    """Layer `layer`'s (traced) K and V `[B, T, Hkv, Dh]` of hidden states h (KV fill); reads
+    only that layer's input norm, wk and wv."""
+    lp = {k: jax.lax.dynamic_index_in_dim(params["layers"][k], layer, keepdims=False) for k in KV_KEYS}
+    return layer_kv(lp, h, batch, config)
 
 
 def layer_forward(lp, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
@@ -112,12 +114,20 @@ def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig
     return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop)
 
 
-def lm_head(params, h, config: LlamaConfig):
-    """Final norm + LM head: hidden [..., D] -> float32 logits [..., V]."""
+def lm_head(params, h, config: LlamaConfig, weight=None):
+    """Final norm + LM head: hidden [..., D] -> float32 logits [..., V]. `weight` replaces the
+    head's matrix in its own layout ([K, D] tied, [D, K] untied): a reduced head gives [..., K]."""
     x = rms_norm(h, params["final_norm"], config.rms_norm_eps)
-    if config.tie_embeddings:  # contract with embed's rows directly: `embed.T` would be copied
-        return jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
+    return head_matmul(x, params, config.tie_embeddings, weight)
+
+
+def head_matmul(x, params, tied: bool, weight=None):
+    """x [..., D] against the head (embed [V, D] when tied, lm_head [D, V]) or `weight` in the
+    same layout: float32 [..., V]."""
+    if tied:  # contract with embed's rows directly: `embed.T` would be copied
+        w = params["embed"] if weight is None else weight
+        return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    return jnp.matmul(x, params["lm_head"] if weight is None else weight, preferred_element_type=jnp.float32)
 
 
 def init_params(config: LlamaConfig, key, dtype=jnp.float32, scale: float = 0.02):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import T5Config
 from eejax.kernels import paged_attention
+from eejax.models.llama import head_matmul
 from eejax.models.stack import run_layer_range
 from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 
@@ -203,10 +204,9 @@ def layer_kv(lp, h, batch: TokenBatch, config: T5Config):
     return _heads(x @ lp["wk"], config), _heads(x @ lp["wv"], config)
 
 
-def kv_all_layers(params, h, batch: TokenBatch, config: T5Config):
-    """Every decoder layer's self-attention K/V of the same h: [L, B, T, H, Dk] each (KV fill)."""
-    kv_params = {k: params["decoder"]["layers"][k] for k in ("attn_norm", "wk", "wv")}
-    return jax.vmap(lambda lp: layer_kv(lp, h, batch, config))(kv_params)
+def kv_of_layer(params, h, layer, batch: TokenBatch, config: T5Config):
+    """Decoder layer `layer`'s (traced) self-attention K/V [B, T, H, Dk] of h (KV fill)."""
+    return layer_kv(layer_params(params["decoder"]["layers"], layer, ("attn_norm", "wk", "wv")), h, batch, config)
 
 
 def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: T5Config):
@@ -235,14 +235,13 @@ def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: T5Config, s
     return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop)
 
 
-def lm_head(params, h, config: T5Config):
-    """Decoder final norm (+ v1.0's d_model^-0.5 scaling) + head: [..., D] -> float32 [..., V]."""
+def lm_head(params, h, config: T5Config, weight=None):
+    """Decoder final norm (+ v1.0's d_model^-0.5 scaling) + head: [..., D] -> float32 [..., V];
+    `weight` as in `llama.lm_head`."""
     x = rms_norm(h, params["decoder"]["final_norm"], config.layer_norm_eps)
     if config.scale_decoder_outputs:
         x = x * config.hidden_size**-0.5
-    if config.tie_embeddings:
-        return jnp.einsum("...d,vd->...v", x, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.matmul(x, params["lm_head"], preferred_element_type=jnp.float32)
+    return head_matmul(x, params, config.tie_embeddings, weight)
 
 
 def init_params(config: T5Config, key, dtype=jnp.float32, scale: float = 0.05):

@@ -255,9 +255,7 @@ class Engine:
         """An early-exit option (ExitConfig or its CLI spelling) checked against the model."""
         config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
         if config is not None:
-            exit_params = self.model.params.get("exits")
-            exits.check_exits(exit_params, self.config.num_layers, self.config.hidden_size)
-            config.check_model(self.config.num_layers, exits.has_classifier(exit_params))
+            config, _ = exits.resolve_options(self.model.params, self.config, exit=config)
         return config
 
     def fresh_seed(self) -> int:
@@ -281,8 +279,7 @@ class Engine:
                 raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
             if spec_config.adaptive:
                 raise EejaxError("the engine runs a fixed number of drafts per round: use spec E:d, not adaptive")
-            spec_config.check_model(self.config.num_layers)
-            exits.check_exits(self.model.params.get("exits"), self.config.num_layers, self.config.hidden_size)
+            exits.resolve_options(self.model.params, self.config, spec=spec_config)
             exit = "none"  # noqa: A001
         default = self.sampling
         sampling = SamplingParams(default.temperature if temperature is None else float(temperature),

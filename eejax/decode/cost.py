@@ -1,0 +1,99 @@
+"""What a decoding configuration should cost: weights read per generated token, and so its ideal
+speed-up over full depth.
+
+Decoding a small batch is bound by reading weights, so the ideal cost of a token is the number
+of weights its step reads (counted once per step: the batch shares them). Full depth reads
+every layer and the LM head. An early-exit step that exits after E layers reads E layers, the
+K/V projections of the L - E skipped layers (KV fill), one exit head per confidence check (the
+reduced head of K rows, or the full head; a classifier's D weights), and the head of its token
+(no extra one when the last softmax check used the full head). A self-speculation round with
+d drafts reads P passes of the E draft layers (P = d + 1 with the bonus pass), d draft heads,
+the L - E verify layers and the full head once, and emits the tokens it accepted.
+
+`ideal speed-up = full-depth weights per token / the configuration's weights per token`, and a
+measured speed-up divided by it is the **machinery efficiency**: how much of what skipping
+layers could give the implementation delivers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from eejax.config import ExitConfig, T5Config
+from eejax.models import exits
+
+# T5 decoder layers: the cross-attention K/V projections run once per prompt, not per token.
+PREFILL_ONLY = ("ck", "cv")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightCounts:
+    """Weights (parameters) read by each part of a decode step.
+
+    layer: one decoder layer; kv: one layer's K/V projections and input norm (KV fill);
+    head: final norm + LM head; reduced_head: the reduced exit head's rows (0 without one);
+    adapter: one exit adapter (0 without); classifier: one exit classifier; num_layers: L.
+    """
+
+    layer: float
+    kv: float
+    head: float
+    reduced_head: float
+    adapter: float
+    classifier: float
+    num_layers: int
+
+    @classmethod
+    def of(cls, params, config) -> WeightCounts:
+        t5 = isinstance(config, T5Config)
+        layers = params["decoder"]["layers"] if t5 else params["layers"]
+        L = config.num_layers
+        per_layer = sum(int(np.prod(x.shape)) for k, x in layers.items() if not (t5 and k in PREFILL_ONLY)) / L
+        kv = sum(int(np.prod(layers[k].shape)) for k in ("attn_norm", "wk", "wv")) / L
+        e = params.get("exits") or {}
+        adapter = sum(int(np.prod(e[k].shape)) for k in exits.ADAPTER_KEYS if k in e) / L
+        classifier = sum(int(np.prod(e[k].shape)) for k in exits.CLASSIFIER_KEYS if k in e) / L
+        reduced = int(np.prod(e["vocab_head"].shape)) if "vocab_head" in e else 0
+        return cls(layer=per_layer, kv=kv, head=config.vocab_size * config.hidden_size + config.hidden_size,
+                   reduced_head=reduced + config.hidden_size * bool(reduced), adapter=adapter,
+                   classifier=classifier, num_layers=L)
+
+    @property
+    def full_depth(self) -> float:
+        """Weights read by one full-depth token."""
+        return self.num_layers * self.layer + self.head
+
+
+def exit_step_weights(w: WeightCounts, config: ExitConfig, exit_layer: int, check_layers: tuple[int, ...],
+                      reduced_checks: bool, reduced_emit: bool) -> float:
+    """Weights read by one early-exit step whose batch ran `exit_layer` layers."""
+    L = w.num_layers
+    if exit_layer >= L:
+        checks = len(check_layers)
+    else:
+        checks = sum(1 for c in check_layers if c <= exit_layer)
+    check = {"softmax": (w.reduced_head if reduced_checks else w.head) + w.adapter, "classifier": w.classifier,
+             }.get(config.measure, 0.0)
+    if exit_layer >= L:
+        token = w.head
+    elif config.measure == "softmax" and not (reduced_checks or reduced_emit):
+        token = 0.0  # the last check's full-head logits give the token
+    else:
+        token = (w.reduced_head if reduced_emit else w.head) + w.adapter
+    return min(exit_layer, L) * w.layer + (L - min(exit_layer, L)) * w.kv + checks * check + token
+
+
+def spec_weights(w: WeightCounts, exit_layer: int, passes: float, draft_heads: float, rounds: float,
+                 reduced_drafts: bool) -> float:
+    """Weights read by self-speculation rounds at E = `exit_layer`: `passes` draft passes of E
+    layers, `draft_heads` draft-head evaluations and `rounds` verify passes (the other layers
+    and the full head)."""
+    head = (w.reduced_head if reduced_drafts else w.head) + w.adapter
+    return passes * exit_layer * w.layer + draft_heads * head + rounds * ((w.num_layers - exit_layer) * w.layer + w.head)
+
+
+def ideal_speedup(w: WeightCounts, weights_per_token: float) -> float:
+    """Full-depth weights per token over the configuration's."""
+    return w.full_depth / weights_per_token if weights_per_token > 0 else float("nan")
