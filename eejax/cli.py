@@ -108,18 +108,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.exit is not None:
         decay = None if args.exit_decay in ("off", "none") else _float(args.exit_decay, "--exit-decay")
         exit_config = eejax.ExitConfig.parse(
-            args.exit, decay=decay, min_exit_layer=args.min_exit_layer, every=args.exit_every
+            args.exit, decay=decay, min_exit_layer=args.min_exit_layer, every=args.exit_every,
+            exit_layers=args.exit_layers, head=args.exit_head or "auto", emit=args.exit_emit or "full",
         )
-    elif (args.exit_decay, args.min_exit_layer, args.exit_every) != ("4", 1, 1):
-        raise EejaxError("--exit-decay, --min-exit-layer and --exit-every need --exit")
+    elif (args.exit_decay, args.min_exit_layer, args.exit_every) != ("4", 1, 1) or any(
+            x is not None for x in (args.exit_layers, args.exit_head, args.exit_emit)):
+        raise EejaxError("--exit-decay, --min-exit-layer, --exit-every, --exit-layers, --exit-head and --exit-emit "
+                         "need --exit")
     spec = None
     if args.spec is not None:
         if args.exit is not None:
             raise EejaxError("choose --exit or --spec, not both")
-        spec = eejax.SpecConfig.parse(args.spec, **({} if args.spec_max_d is None else
-                                                     {"max_speculations": args.spec_max_d}))
+        options = {} if args.spec_max_d is None else {"max_speculations": args.spec_max_d}
+        spec = eejax.SpecConfig.parse(args.spec, head=args.spec_head or "auto",
+                                      bonus={"on": True, "off": False, "auto": None}[args.spec_bonus or "auto"],
+                                      **options)
     if args.spec_max_d is not None and not (spec and spec.adaptive):
         raise EejaxError("--spec-max-d needs --spec E:d:adaptive")
+    if spec is None and (args.spec_head or args.spec_bonus):
+        raise EejaxError("--spec-head and --spec-bonus need --spec")
     model = eejax.load(args.model)
     result = eejax.generate(
         model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -149,6 +156,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
            else f"(self-speculation {stats['spec']}: acceptance {stats['acceptance_rate']:.1%}, "
                 f"{stats['tokens_per_round']:.2f} tokens per round, mean d {stats['mean_speculations']:.1f})")
     )
+    return 0
+
+
+def cmd_exit_vocab(args: argparse.Namespace) -> int:
+    import eejax
+    from eejax.checkpoint import check_destination
+    from eejax.decode.prompts import prompt_token_ids
+    from eejax.train.exit_vocab import add_exit_vocab, count_tokens, most_frequent
+
+    output = Path(args.output).expanduser()
+    check_destination(output, overwrite=args.overwrite)
+    texts = prompts_from_args(args)
+    model = eejax.load(args.model)
+    if not 1 <= args.size <= model.config.vocab_size:
+        raise EejaxError(f"--size {args.size} must lie in [1, {model.config.vocab_size}] (the model's vocabulary)")
+    prompts, _ = prompt_token_ids(model.tokenizer, texts)
+    prompts = [p[: args.max_prompt_tokens] for p in prompts]
+    counts = count_tokens(model, prompts, corpus=args.corpus, new_tokens=args.continuation_tokens,
+                          batch_size=args.batch_size, progress=not args.quiet)
+    ids = most_frequent(counts, args.size, always=model.eos_token_ids)
+    covered = counts[ids].sum() / max(counts.sum(), 1)
+    eejax.save(add_exit_vocab(model, ids), output, overwrite=args.overwrite, metadata={"exit_vocab": {
+        "base": str(args.model), "size": args.size, "corpus": args.corpus, "prompts": len(prompts),
+        "continuation_tokens": args.continuation_tokens, "tokens_counted": int(counts.sum()),
+        "coverage": float(covered)}})
+    print(f"wrote {output}: a reduced exit head of {args.size} of {model.config.vocab_size} tokens, covering "
+          f"{covered:.1%} of the {int(counts.sum())} tokens counted ({args.corpus} of {len(prompts)} prompts)")
     return 0
 
 
@@ -373,6 +407,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="never exit before K layers ran (default 1)")
     gen.add_argument("--exit-every", type=_positive_int, default=1, metavar="k",
                      help="exit only after a multiple of k layers (default 1: after any layer)")
+    gen.add_argument("--exit-layers", type=_exit_layers, action="extend", metavar="E,E,...",
+                     help="check confidence only after these layer counts, e.g. 8,16,24 (default: the checkpoint's "
+                     "trained exits, else every layer allowed by --min-exit-layer / --exit-every)")
+    gen.add_argument("--exit-head", choices=("auto", "full", "reduced"),
+                     help="head of the softmax checks: the reduced-vocabulary head of eejax exit-vocab, the full "
+                     "head, or auto (reduced when the checkpoint has one; default)")
+    gen.add_argument("--exit-emit", choices=("full", "reduced"),
+                     help="head of the token at an early exit (default full: one full-head evaluation per exit)")
     gen.add_argument(
         "--spec", metavar="E:d",
         help="self-speculative decoding (LayerSkip): draft d tokens with the first E layers and the exit head, "
@@ -381,6 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--spec-max-d", type=_positive_int, metavar="N",
                      help="the largest d that E:d:adaptive may choose (default 8)")
+    gen.add_argument("--spec-head", choices=("auto", "full", "reduced"),
+                     help="head of the drafts (default auto: the reduced-vocabulary head when the checkpoint has one)")
+    gen.add_argument("--spec-bonus", choices=("auto", "on", "off"),
+                     help="the (d+1)-th draft pass that lets a fully accepted round emit d+1 tokens: on, off, or auto "
+                     "(when it pays at the measured acceptance; default)")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     gen.set_defaults(func=cmd_generate)
 
@@ -409,6 +456,29 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     cal.set_defaults(func=cmd_calibrate)
 
+    ev = sub.add_parser(
+        "exit-vocab", help="add a reduced-vocabulary exit head (cheap exit checks and drafts)",
+        description="Count token frequencies over a corpus (by default the model's own greedy continuations of "
+        "the prompts) and store the --size most frequent tokens (EOS always among them) with the LM head's rows "
+        "for them in a new checkpoint's exits. Softmax exit checks and self-speculation drafts then evaluate "
+        "that reduced head (FR-Spec) instead of the whole vocabulary; verification and, by default, the emitted "
+        "token of an early exit still use the full head, so self-speculation stays lossless.",
+    )
+    add_model_and_prompts(ev, "prompts of the corpus", "eejax checkpoint directory or known model name")
+    ev.add_argument("--output", required=True, metavar="DIR", help="where to write the model with the reduced head")
+    ev.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    ev.add_argument("--size", type=_positive_int, default=8192, metavar="K",
+                    help="tokens in the reduced vocabulary (default 8192; the vocabulary size gives the full head)")
+    ev.add_argument("--corpus", choices=("continuations", "prompts", "both"), default="continuations",
+                    help="count the model's greedy continuations of the prompts (default), the prompts, or both")
+    ev.add_argument("--continuation-tokens", type=_positive_int, default=64, metavar="N",
+                    help="greedy tokens generated per prompt (default 64)")
+    ev.add_argument("--max-prompt-tokens", type=_positive_int, default=512, metavar="T",
+                    help="cut each prompt to its first T tokens (default 512)")
+    ev.add_argument("--batch-size", type=_positive_int, default=8, help="rows generated together (default 8)")
+    ev.add_argument("--quiet", action="store_true", help="no progress bar")
+    ev.set_defaults(func=cmd_exit_vocab)
+
     tr = sub.add_parser(
         "train-exits", help="train exit adapters on a frozen model (self-distillation)",
         description="Make a model exit-capable: add an adapter before the shared final norm and LM head at each "
@@ -427,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="greedy tokens generated after each prompt (default 64; 0 = the prompts alone)")
     tr.add_argument("--max-len", type=_positive_int, default=512, metavar="T",
                     help="tokens per training sequence, prompt cut to fit (default 512)")
-    tr.add_argument("--exit-layers", type=_exit_layers, metavar="E,E,...",
+    tr.add_argument("--exit-layers", type=_exit_layers, action="extend", metavar="E,E,...",
                     help="the exits to train, as layers run, e.g. 3,6,9 (default: every layer 1..L-1)")
     tr.add_argument("--adapter-rank", type=_positive_int, default=128, metavar="R",
                     help="rank of each adapter's D x D map; the hidden size is a full map (default 128)")

@@ -20,7 +20,7 @@ from eejax.config import ExitConfig, SpecConfig, T5Config
 from eejax.decode import cost, speculative, steps
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
-from eejax.decode.sampling import RowSampling, SamplingParams, row_keys, seed_key
+from eejax.decode.sampling import GREEDY, RowSampling, SamplingParams, row_keys, seed_key
 from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.errors import EejaxError, OutOfPagesError
 from eejax.kernels.attention import IMPLS
@@ -315,7 +315,8 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
     reduced = spec.uses_reduced_head(exits.has_reduced_head(params.get("exits")))
     e = spec.exit_layer
     policy = SpeculationPolicy(spec, unit_costs=(e * w.layer, (w.reduced_head if reduced else w.head) + w.adapter,
-                                                 (w.num_layers - e) * w.layer + w.head))
+                                                 (w.num_layers - e) * w.layer + w.head),
+                                sampled=static["sampler"] != GREEDY)
     counters = speculative.SpecCounters.zeros(state.done.shape[0])
     verify_static = dict(static, spec=spec)
     draft_static = {k: v for k, v in verify_static.items() if k not in ("eos_ids", "max_new_tokens")}

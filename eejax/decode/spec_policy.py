@@ -17,7 +17,10 @@ solves it for 1.
 The bonus pass (the (d + 1)-th pass over x_d, see `speculative`) buys one token only when all
 d drafts are accepted (probability α^d) and costs E layers every round. The policy turns it on
 when it pays under the weights-read cost model (`eejax.decode.cost`), with the acceptance
-measured so far: fixed-d rounds update α each time the host reads the counters.
+measured so far: fixed-d rounds update α each time the host reads the counters. Greedy
+tokens do not depend on the choice; sampled ones do (draws are keyed by position, and rounds
+would start elsewhere), so a sampling run keeps the bonus pass on and a row's tokens stay
+independent of the rest of its batch.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class SpeculationPolicy:
 
     spec: SpecConfig
     unit_costs: tuple[float, float, float] | None = None  # weights of a draft pass, a draft head, a verify
+    sampled: bool = False  # rows sample: the bonus pass stays on (see `bonus`)
     accepted: float = PRIOR[0]
     rejected: float = PRIOR[1]
     c_draft: float | None = None  # seconds per draft pass
@@ -122,6 +126,8 @@ class SpeculationPolicy:
         pays at the acceptance measured so far (always, without unit costs)."""
         if self.spec.bonus is not None:
             choice = self.spec.bonus
+        elif self.sampled:  # a sampled row's tokens depend on where rounds start: keep them batch-independent
+            choice = True
         else:
             choice = self.unit_costs is None or bonus_pays(self.alpha, d, *self.unit_costs)
         self.bonuses.append(choice)

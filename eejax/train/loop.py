@@ -32,11 +32,12 @@ def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e
     `ce_weight` adds that much cross-entropy on the data's next tokens. With `checkpoint_dir`,
     (exits, optimizer state, step, losses) are saved every `save_every` steps and at the end, and
     a rerun resumes from the latest (a checkpoint being written when the run is interrupted is
-    finished first). `on_step(step, loss)` is called after each step. Returns (exit_params,
-    losses [steps], the step it started from)."""
+    finished first). `on_step(step, loss)` is called after each step. Only the adapters and
+    classifiers train. Returns (exit_params: the model's exits with the trained ones and
+    `exit_layers`, the trained exits; losses [steps]; the step it started from)."""
     import orbax.checkpoint as ocp
 
-    from eejax.models.exits import has_adapters
+    from eejax.models.exits import ADAPTER_KEYS, CLASSIFIER_KEYS, has_adapters
 
     config = model.config
     check_trainable(config)
@@ -51,7 +52,9 @@ def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e
     trained = check_exit_layers(range(1, config.num_layers) if exit_layers is None else exit_layers, config.num_layers)
     optimizer = optax.adam(optax.cosine_decay_schedule(learning_rate, steps))
     w = jnp.asarray(layer_weights(weights, config.num_layers, trained))
-    state = {"exits": model.params["exits"], "opt": optimizer.init(model.params["exits"]), "step": jnp.int32(0)}
+    stored = model.params["exits"]
+    trainable = {k: v for k, v in stored.items() if k in ADAPTER_KEYS + CLASSIFIER_KEYS}
+    state = {"exits": trainable, "opt": optimizer.init(trainable), "step": jnp.int32(0)}
     history: list[float] = []
     manager = None
     if checkpoint_dir is not None:
@@ -89,7 +92,9 @@ def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e
         if manager is not None:
             manager.wait_until_finished()
             manager.close()
-    return jax.tree.map(jnp.asarray, exit_params), losses, start
+    # The trained exits become the default check points of early exit (`ExitConfig.check_layers`).
+    kept = {**stored, **jax.tree.map(jnp.asarray, exit_params), "exit_layers": jnp.asarray(trained, jnp.int32)}
+    return kept, losses, start
 
 
 def fit_exit_adapters(model, prompts, *, adapter_rank: int = 128, continuation_tokens: int = 64, max_len: int = 512,
