@@ -75,3 +75,25 @@ def write_result(name: str, payload: dict) -> Path:
 
 def fmt_ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 and np.isfinite(a) else "n/a"
+
+
+def with_exit_vocab(model, size: int = 8192, articles: range = range(20, 68), new_tokens: int = 64):
+    """`model` with a reduced exit head of its `size` most frequent tokens, counted over its own
+    greedy continuations of CNN/DM `articles` (not the benchmarks' prompts, which are the first
+    ones) as `eejax exit-vocab` does; the ids are cached under the eejax cache directory."""
+    from eejax.hub import cache_dir
+    from eejax.train.exit_vocab import add_exit_vocab, count_tokens, most_frequent
+
+    path = cache_dir() / "exit-vocab" / f"smollm2-135m-{size}-{articles.start}-{articles.stop}-{new_tokens}.json"
+    if path.exists():
+        ids = json.loads(path.read_text())["ids"]
+    else:
+        with (ROOT / "data" / "cnndm_test_dev100.jsonl").open() as f:
+            texts = [json.loads(line)["article"] for line in f]
+        prompts = [model.tokenizer(texts[i])["input_ids"][:512] for i in articles]
+        counts = count_tokens(model, prompts, new_tokens=new_tokens)
+        ids = most_frequent(counts, size, always=model.eos_token_ids).tolist()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"ids": ids, "articles": [articles.start, articles.stop], "new_tokens": new_tokens,
+                                    "coverage": float(counts[ids].sum() / counts.sum())}))
+    return add_exit_vocab(model, ids)

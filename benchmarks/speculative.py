@@ -5,11 +5,16 @@ per row with EOS ignored, batch 1 and 8. Measured in one run: eejax full-depth d
 self-speculation at several (E, d) and adaptive d, and at batch 1 HF transformers `generate`
 plain and with `assistant_early_exit=E` (HF's LayerSkip decoding, batch 1 only; on fewer
 prompts since it is slow here). Every eejax speculation's tokens are checked against full
-depth. The adaptive runs measure a draft pass and a verify pass; with the full-depth step time
-they give the cost model's predicted break-even acceptance rate (see
-`eejax.decode.spec_policy`). Writes benchmarks/out/speculative.{json,md}.
+depth. eejax speeds are decode tokens/s (prefill excluded) against eejax's own full depth in
+the same run, with the cost model's ideal speed-up (weights read per token,
+`eejax.decode.cost`) and the machinery efficiency = measured / ideal. Drafts use a reduced exit
+head of --vocab-size tokens (counted as `eejax exit-vocab` does, over the model's continuations
+of other CNN/DM articles) except the row marked "full head". Programs timed alone give the
+cost of one draft token (vs (E + 1) / L of a full-depth step), a draft and a verify pass, and
+the predicted break-even acceptance rate (see `eejax.decode.spec_policy`). Writes
+benchmarks/out/speculative.{json,md}.
 
-    python benchmarks/speculative.py [--batches 1 8] [--prompts 4] [--exits path/to/model]
+    python benchmarks/speculative.py [--batches 1 8] [--prompts 4] [--model path/to/model]
 
 SmolLM2 was not trained for early exit: its layer-E drafts rarely agree with its last layer,
 so this measures the machinery and the honest curve, not a LayerSkip-trained model.
@@ -28,15 +33,23 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eejax  # noqa: E402
-from benchmarks.common import ROOT, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, write_result  # noqa: E402
+from benchmarks.common import (ROOT, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, with_exit_vocab,  # noqa: E402
+                               write_result)
 from benchmarks.early_exit import summary_prompts  # noqa: E402
 from eejax import SpecConfig  # noqa: E402
 from eejax.decode.spec_policy import break_even_acceptance, speedup  # noqa: E402
 from eejax.cli_parsing import OneLineErrorParser
 
-SPECS = [SpecConfig(8, 2), SpecConfig(15, 2), SpecConfig(22, 2), SpecConfig(22, 4), SpecConfig(27, 1),
-         SpecConfig(27, 3)]
-ADAPTIVE = [SpecConfig(e, 2, adaptive=True) for e in (8, 15, 22, 27)]
+# 15:2 with the full head and the bonus pass always on is how self-speculation ran before the
+# reduced head; every other configuration drafts with the reduced head and lets the cost model
+# decide the bonus pass.
+SPECS = [SpecConfig(15, 2, head="full", bonus=True), SpecConfig(15, 2), SpecConfig(8, 2), SpecConfig(22, 2),
+         SpecConfig(22, 4), SpecConfig(27, 3)]
+ADAPTIVE = [SpecConfig(e, 2, adaptive=True) for e in (15, 22)]
+
+
+def spec_label(spec: SpecConfig) -> str:
+    return spec.spec + (" [full head, bonus]" if spec.head == "full" else "")
 
 
 def run(model, prompts, batch, new_tokens, **kw):
@@ -83,6 +96,9 @@ def program_costs(model, batch: int, prompt_tokens: int, exit_layers, ds=(1, 2, 
 
     decode = program(steps.decode, eos_ids=(), **static)
     costs = {"full_step": median_s(lambda ca: decode(model.params, ca, state, table))}
+    for e in exit_layers:  # one draft token: 4 drafts without the bonus pass, per draft
+        draft = program(speculative.draft, num_speculations=4, bonus=False, spec=SpecConfig(e, 4), config=c)
+        costs[f"draft_token_{e}"] = median_s(lambda ca: draft(model.params, ca, state, table)[::2]) / 4
     counters = speculative.SpecCounters.zeros(batch)
     for e in exit_layers:
         for d in ds:
@@ -117,7 +133,8 @@ def hf_assistant_tokens_per_s(hf, prompts, new_tokens, exit_layer):
 
 def main() -> int:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=[1, 8])
+    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=None,
+                        help="batch sizes (default 1 8)")
     parser.add_argument("--prompts", type=int, default=4, help="prompts at batch 1 (batch b uses b prompts)")
     parser.add_argument("--hf-prompts", type=int, default=2, help="prompts for HF assistant_early_exit")
     parser.add_argument("--hf-exit-layers", type=int, nargs="*", action="extend", default=[15, 22])
@@ -125,20 +142,24 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--model", default="smollm2-135m", help="eejax model (e.g. one with trained exits)")
     parser.add_argument("--name", default="speculative", help="output name under benchmarks/out/")
+    parser.add_argument("--vocab-size", type=int, default=8192,
+                        help="tokens of the reduced exit head the drafts use (0: none; SmolLM2 only)")
     args = parser.parse_args()
 
     model = eejax.load(args.model)
+    if args.vocab_size:
+        model = with_exit_vocab(model, args.vocab_size)
     L = model.config.num_layers
     hf = load_hf_smollm2() if args.model == "smollm2-135m" else None
     results = {"model": args.model, "num_layers": L, "new_tokens": args.new_tokens,
                "prompt_tokens": args.prompt_tokens, "batches": {}}
     lines = [f"# Self-speculation on {args.model} ({L} layers), {args.new_tokens} new tokens, "
              f"{args.prompt_tokens}-token CNN/DM prompts\n"]
-    for batch in args.batches:
+    for batch in args.batches or [1, 8]:
         n = max(batch, args.prompts) if batch == 1 else batch
         prompts, _ = summary_prompts(model.tokenizer, n, args.prompt_tokens)
         full = run(model, prompts, batch, args.new_tokens)
-        full_tps = full.stats["tokens_per_s"]
+        full_tps = full.stats["decode_tokens_per_s"]
         rows = []
         out = {"full_depth": full.stats, "speculation": {}}
         if batch == 1 and hf is not None:
@@ -147,13 +168,13 @@ def main() -> int:
             per_prompt = [hf_generate_tokens_per_s(hf, [p], args.new_tokens, pad) for p in prompts]
             hf_tps = len(per_prompt) / sum(1 / x for x in per_prompt)
             out["hf_tokens_per_s"] = hf_tps
-            rows.append(("HF transformers generate", hf_tps, None, None, None, "yes"))
+            rows.append(("HF transformers generate (prefill included)", hf_tps, None, None, None, "yes"))
             for e in args.hf_exit_layers:
                 tps, toks = hf_assistant_tokens_per_s(hf, prompts[: args.hf_prompts], args.new_tokens, e)
                 same = toks == full.tokens[: args.hf_prompts]
                 out[f"hf_assistant_early_exit_{e}"] = {"tokens_per_s": tps, "identical": same}
-                rows.append((f"HF assistant_early_exit={e} ({args.hf_prompts} prompts)", tps, None, None, None,
-                             "yes" if same else "no"))
+                rows.append((f"HF assistant_early_exit={e} ({args.hf_prompts} prompts, prefill included)", tps, None,
+                             None, None, "yes" if same else "no"))
         rows.append(("eejax full depth", full_tps, None, None, float(L), "-"))
         for spec in SPECS + ADAPTIVE:
             if spec.exit_layer >= L:
@@ -161,12 +182,17 @@ def main() -> int:
             res = run(model, prompts, batch, args.new_tokens, spec=spec)
             s = res.stats
             same = res.tokens == full.tokens
-            out["speculation"][spec.spec] = {**s, "identical": same}
-            label = f"eejax spec {spec.spec}" + (f" (mean d {s['mean_speculations']:.1f})" if spec.adaptive else "")
-            rows.append((label, s["tokens_per_s"], s["acceptance_rate"], s["tokens_per_round"],
-                         s["mean_layers_per_token"], "yes" if same else "NO"))
-            print(f"batch {batch} {spec.spec}: {s['tokens_per_s']:.1f} tok/s ({fmt_ratio(s['tokens_per_s'], full_tps)}"
-                  f" of full depth), acceptance {s['acceptance_rate']:.2f}, identical {same}", flush=True)
+            tps = s["decode_tokens_per_s"]
+            efficiency = tps / full_tps / s["ideal_speedup"]
+            out["speculation"][spec_label(spec)] = {**s, "identical": same, "speedup": tps / full_tps,
+                                                    "efficiency": efficiency}
+            label = f"eejax spec {spec_label(spec)}" + (
+                f" (mean d {s['mean_speculations']:.1f})" if spec.adaptive else "")
+            rows.append((label, tps, s["acceptance_rate"], s["tokens_per_round"], s["mean_layers_per_token"],
+                         "yes" if same else "NO", s["ideal_speedup"], efficiency, s["bonus_pass_rate"]))
+            print(f"batch {batch} {spec_label(spec)}: {tps:.1f} tok/s ({fmt_ratio(tps, full_tps)} of full depth, "
+                  f"ideal {s['ideal_speedup']:.2f}x, efficiency {efficiency:.2f}), acceptance "
+                  f"{s['acceptance_rate']:.2f}, bonus rounds {s['bonus_pass_rate']:.0%}, identical {same}", flush=True)
         # The cost model from programs timed alone (d = 1, 2, 4; the verify cost in between and
         # beyond is the line through them), with the acceptance each E measured.
         exit_layers = sorted({s.exit_layer for s in ADAPTIVE if s.exit_layer < L})
@@ -178,28 +204,33 @@ def main() -> int:
             c_verify = lambda d, line=verify_line: float(np.polyval(line, d + 1))  # noqa: E731
             c_draft = timed[f"draft_pass_{e}"]
             alpha = break_even_acceptance(c_draft, c_verify, step_s)
-            measured = out["speculation"][SpecConfig(e, 2, adaptive=True).spec]["acceptance_rate"]
+            measured = out["speculation"][spec_label(SpecConfig(e, 2, adaptive=True))]["acceptance_rate"]
             best = max(speedup(1.0, d, c_draft, c_verify, step_s) for d in range(1, 9))
-            model_rows.append((e, c_draft / step_s, c_verify(1) / step_s, c_verify(4) / step_s, alpha, measured, best))
+            model_rows.append((e, c_draft / step_s, c_verify(1) / step_s, c_verify(4) / step_s, alpha, measured, best,
+                               timed[f"draft_token_{e}"] / step_s, (e + 1) / L))
         out["cost_model"] = [dict(zip(("exit_layer", "draft_pass_over_step", "verify_d1_over_step",
                                        "verify_d4_over_step", "break_even_acceptance", "measured_acceptance",
-                                       "speedup_at_full_acceptance"), r)) for r in model_rows]
+                                       "speedup_at_full_acceptance", "draft_token_over_step", "target_e_plus_1_over_l"),
+                                      r)) for r in model_rows]
         out["program_seconds"] = timed
         results["batches"][str(batch)] = out
 
         lines.append(f"\n## batch {batch} ({len(prompts)} prompts)\n")
-        lines.append("| decoding | tok/s | vs eejax full | acceptance | tokens/round | layers/token | identical |")
-        lines.append("|---|---|---|---|---|---|---|")
-        for label, tps, acc, tpr, layers, same in rows:
+        lines.append("| decoding | decode tok/s | vs eejax full | ideal | efficiency | acceptance | tokens/round | "
+                     "bonus rounds | layers/token | identical |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for label, tps, acc, tpr, layers, same, *more in rows:
             f = lambda x, p: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
-            lines.append(f"| {label} | {tps:.1f} | {fmt_ratio(tps, full_tps)} | {f(acc, 2)} | {f(tpr, 2)} | "
-                         f"{f(layers, 1)} | {same} |")
+            ideal, eff, bonus = more or (None, None, None)
+            lines.append(f"| {label} | {tps:.1f} | {fmt_ratio(tps, full_tps)} | {f(ideal, 2)} | {f(eff, 2)} | "
+                         f"{f(acc, 2)} | {f(tpr, 2)} | {f(bonus, 2)} | {f(layers, 1)} | {same} |")
         lines.append(f"\nCost model (programs timed alone; full-depth decode step {step_s * 1e3:.1f} ms = 1):\n")
-        lines.append("| E | draft pass | verify d=1 | verify d=4 | break-even acceptance | measured acceptance | "
-                     "speed-up if all accepted (best d <= 8) |")
-        lines.append("|---|---|---|---|---|---|---|")
-        for e, cd, cv1, cv4, alpha, measured, best in model_rows:
-            lines.append(f"| {e} | {cd:.3f} | {cv1:.3f} | {cv4:.3f} | {alpha:.2f} | {measured:.2f} | {best:.2f}x |")
+        lines.append("| E | draft token (d=4, reduced head) | target (E+1)/L | draft pass (bonus) | verify d=1 | "
+                     "verify d=4 | break-even acceptance | measured acceptance | speed-up if all accepted (best d <= 8) |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for e, cd, cv1, cv4, alpha, measured, best, token, target in model_rows:
+            lines.append(f"| {e} | {token:.3f} | {target:.3f} | {cd:.3f} | {cv1:.3f} | {cv4:.3f} | {alpha:.2f} | "
+                         f"{measured:.2f} | {best:.2f}x |")
     path = write_result(args.name, results)
     md = ROOT / "benchmarks" / "out" / f"{args.name}.md"
     md.write_text("\n".join(lines) + "\n")

@@ -24,6 +24,17 @@ def hf_smollm2():
     return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def smollm2_reduced(smollm2):
+    """SmolLM2 with a reduced exit head of 8192 tokens, counted over 40 other CNN/DM articles."""
+    from eejax.train.exit_vocab import add_exit_vocab, count_tokens, most_frequent
+
+    articles = [row["article"] for row in cnndm_rows(60)[20:]]
+    prompts = [smollm2.tokenizer(a)["input_ids"][:512] for a in articles]
+    counts = count_tokens(smollm2, prompts, corpus="prompts", progress=False)
+    return add_exit_vocab(smollm2, most_frequent(counts, 8192, always=smollm2.eos_token_ids))
+
+
 def test_config_is_smollm2(smollm2):
     c = smollm2.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
@@ -56,13 +67,24 @@ def test_early_exit_that_never_fires_equals_full_depth(smollm2, rows):
         assert res.stats["mean_layers_per_token"] == 30
 
 
-@pytest.mark.parametrize("rows,specs", [(1, ["12:3"]), (8, ["15:2"])], ids=["batch1", "padded-batch8"])
-def test_self_speculation_equals_full_depth(smollm2, rows, specs):
-    # (More E:d settings run on the tiny models in test_speculative.py; these are the real model's.)
+@pytest.mark.parametrize("rows,specs", [(1, ["12:3", "12:3:reduced"]), (8, ["15:2:reduced"])],
+                         ids=["batch1", "padded-batch8"])
+def test_self_speculation_equals_full_depth(smollm2, smollm2_reduced, rows, specs):
+    # (More E:d settings run on the tiny models in test_speculative.py; these are the real model's,
+    # drafting with the full head or the reduced head of 8192 tokens.)
     # Articles cut to different lengths: one right-padded batch.
     prompts = [row["article"][: 200 + 150 * i] for i, row in enumerate(cnndm_rows(rows))]
     full = eejax.generate(smollm2, prompts, max_new_tokens=NEW_TOKENS - 3)
     for spec in specs:
-        res = eejax.generate(smollm2, prompts, max_new_tokens=NEW_TOKENS - 3, spec=spec)
+        model = smollm2_reduced if spec.endswith(":reduced") else smollm2
+        res = eejax.generate(model, prompts, max_new_tokens=NEW_TOKENS - 3, spec=spec.removesuffix(":reduced"))
         assert res.tokens == full.tokens, spec
         assert 0 < res.stats["acceptance_rate"] <= 1
+
+
+def test_reduced_head_checks_that_never_fire_equal_full_depth(smollm2, smollm2_reduced):
+    prompts = [row["article"][: 300 + 400 * i] for i, row in enumerate(cnndm_rows(2))]
+    full = eejax.generate(smollm2, prompts, max_new_tokens=16)
+    never = eejax.ExitConfig("softmax", threshold=1.0, decay=None, exit_layers=(8, 16, 24))
+    res = eejax.generate(smollm2_reduced, prompts, max_new_tokens=16, exit=never)
+    assert res.tokens == full.tokens and res.stats["mean_layers_per_token"] == 30
