@@ -8,7 +8,6 @@ from eejax.cache.paged import (
     pages_for_budget,
     pages_needed,
     slot_indices,
-    write_kv_all_layers,
     write_layer_kv,
 )
 
@@ -21,6 +20,5 @@ __all__ = [
     "pages_for_budget",
     "pages_needed",
     "slot_indices",
-    "write_kv_all_layers",
     "write_layer_kv",
 ]

@@ -80,14 +80,3 @@ def write_layer_kv(cache: KVCache, layer, k, v, pages, slots) -> KVCache:
         k=cache.k.at[layer, heads, pages, slots].set(k.transpose(2, 0, 1, 3).astype(cache.k.dtype)),
         v=cache.v.at[layer, heads, pages, slots].set(v.transpose(2, 0, 1, 3).astype(cache.v.dtype)),
     )
-
-
-def write_kv_all_layers(cache: KVCache, k, v, pages, slots) -> KVCache:
-    """Writes every layer's keys/values `[L, B, T, Hkv, Dh]` at pages `[L, B, T]`, slots `[B, T]`."""
-    layers = jnp.arange(cache.k.shape[0])[:, None, None, None]
-    heads = jnp.arange(cache.k.shape[1])[None, :, None, None]
-    idx = (layers, heads, pages[:, None], slots[None, None])
-    return KVCache(
-        k=cache.k.at[idx].set(k.transpose(0, 3, 1, 2, 4).astype(cache.k.dtype)),
-        v=cache.v.at[idx].set(v.transpose(0, 3, 1, 2, 4).astype(cache.v.dtype)),
-    )

@@ -65,6 +65,10 @@ class WeightCounts:
         """Weights read by one full-depth token."""
         return self.num_layers * self.layer + self.head
 
+    def exit_head(self, reduced: bool) -> float:
+        """One exit-head evaluation: the adapter, then the reduced or the full head."""
+        return (self.reduced_head if reduced else self.head) + self.adapter
+
 
 def exit_step_weights(w: WeightCounts, config: ExitConfig, exit_layer: int, check_layers: tuple[int, ...],
                       reduced_checks: bool, reduced_emit: bool) -> float:
@@ -74,14 +78,13 @@ def exit_step_weights(w: WeightCounts, config: ExitConfig, exit_layer: int, chec
         checks = len(check_layers)
     else:
         checks = sum(1 for c in check_layers if c <= exit_layer)
-    check = {"softmax": (w.reduced_head if reduced_checks else w.head) + w.adapter, "classifier": w.classifier,
-             }.get(config.measure, 0.0)
+    check = {"softmax": w.exit_head(reduced_checks), "classifier": w.classifier}.get(config.measure, 0.0)
     if exit_layer >= L:
         token = w.head
     elif config.measure == "softmax" and not (reduced_checks or reduced_emit):
         token = 0.0  # the last check's full-head logits give the token
     else:
-        token = (w.reduced_head if reduced_emit else w.head) + w.adapter
+        token = w.exit_head(reduced_emit)
     return min(exit_layer, L) * w.layer + (L - min(exit_layer, L)) * w.kv + checks * check + token
 
 
@@ -90,8 +93,14 @@ def spec_weights(w: WeightCounts, exit_layer: int, passes: float, draft_heads: f
     """Weights read by self-speculation rounds at E = `exit_layer`: `passes` draft passes of E
     layers, `draft_heads` draft-head evaluations and `rounds` verify passes (the other layers
     and the full head)."""
-    head = (w.reduced_head if reduced_drafts else w.head) + w.adapter
-    return passes * exit_layer * w.layer + draft_heads * head + rounds * ((w.num_layers - exit_layer) * w.layer + w.head)
+    draft_pass, draft_head, verify = spec_unit_weights(w, exit_layer, reduced_drafts)
+    return passes * draft_pass + draft_heads * draft_head + rounds * verify
+
+
+def spec_unit_weights(w: WeightCounts, exit_layer: int, reduced_drafts: bool) -> tuple[float, float, float]:
+    """Weights of one draft pass (E layers), one draft head, one verify pass (L - E layers and
+    the full head)."""
+    return exit_layer * w.layer, w.exit_head(reduced_drafts), (w.num_layers - exit_layer) * w.layer + w.head
 
 
 def ideal_speedup(w: WeightCounts, weights_per_token: float) -> float:

@@ -311,12 +311,9 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
     policy)). With a fixed d the host only polls every few rounds; adaptive rounds are
     timed (draft and verify programs apart) and their acceptance read back to choose d."""
     programs, params = model.programs, model.params
-    w = cost.WeightCounts.of(params, model.config)
     reduced = spec.uses_reduced_head(exits.has_reduced_head(params.get("exits")))
-    e = spec.exit_layer
-    policy = SpeculationPolicy(spec, unit_costs=(e * w.layer, (w.reduced_head if reduced else w.head) + w.adapter,
-                                                 (w.num_layers - e) * w.layer + w.head),
-                                sampled=static["sampler"] != GREEDY)
+    unit_costs = cost.spec_unit_weights(cost.WeightCounts.of(params, model.config), spec.exit_layer, reduced)
+    policy = SpeculationPolicy(spec, unit_costs=unit_costs, sampled=static["sampler"] != GREEDY)
     counters = speculative.SpecCounters.zeros(state.done.shape[0])
     verify_static = dict(static, spec=spec)
     draft_static = {k: v for k, v in verify_static.items() if k not in ("eos_ids", "max_new_tokens")}

@@ -114,21 +114,28 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, sp
                                                                    axis=-1)
         return proposal, q
 
+    d = num_speculations
+    q_width = 0 if sampler == GREEDY else config.vocab_size
+
     def step(carry, i):
         cache, token = carry
         h, cache = draft_pass(cache, token, i)
-        proposal, q = propose(h, i)
+        if bonus:  # the bonus pass (i = d) runs the layers only
+            proposal, q = jax.lax.cond(i < d, lambda: propose(h, i), lambda: (
+                token, jnp.zeros((token.shape[0], q_width), jnp.float32)))
+        else:
+            proposal, q = propose(h, i)
         return (cache, proposal), (token, h, q)
 
+    # One scan runs every pass, the bonus one included: a second loop over the layers after it
+    # would cost a copy of the weights it reads (see `early_exit`).
     (cache, last), (tokens, hidden, probs) = jax.lax.scan(
-        step, (cache, state.last_token), jnp.arange(num_speculations, dtype=jnp.int32)
+        step, (cache, state.last_token), jnp.arange(d + bonus, dtype=jnp.int32)
     )
-    hidden = hidden.swapaxes(0, 1)
-    if bonus:
-        h_last, cache = draft_pass(cache, last, jnp.int32(num_speculations))
-        hidden = jnp.concatenate([hidden, h_last[:, None]], axis=1)
-    drafts = Drafts(tokens=jnp.concatenate([tokens.T, last[:, None]], axis=1), hidden=hidden,
-                    probs=probs.swapaxes(0, 1))
+    tokens, hidden, probs = tokens.T, hidden.swapaxes(0, 1), probs.swapaxes(0, 1)
+    if not bonus:  # x_d: the last proposal, never run through the layers
+        tokens = jnp.concatenate([tokens, last[:, None]], axis=1)
+    drafts = Drafts(tokens=tokens, hidden=hidden, probs=probs[:, :d])
     return drafts, state, cache
 
 
