@@ -326,8 +326,8 @@ def test_adaptive_generation_is_lossless(model, monkeypatch):
     # chooses depends only on the acceptance generate() reports to it.
     observe = SpeculationPolicy.observe
 
-    def gpu_like_costs(self, d, accepted, rejected, draft_s=None, verify_s=None):
-        observe(self, d, accepted, rejected, 0.1 * (d + 1), 0.3)
+    def gpu_like_costs(self, d, accepted, rejected, draft_s=None, verify_s=None, passes=None):
+        observe(self, d, accepted, rejected, 0.1 * (d + 1), 0.3, passes=d + 1)
 
     monkeypatch.setattr(SpeculationPolicy, "observe", gpu_like_costs)
     perfect = perfect_drafts(model, 1)
