@@ -128,6 +128,9 @@ def check_exits(exits, config) -> None:
         if not 1 <= k <= vocab or not jnp.issubdtype(ids.dtype, jnp.integer):
             raise EejaxError(f"params['exits']['vocab_ids'] must be 1 to {vocab} integer ids, got shape "
                              f"{tuple(ids.shape)} {ids.dtype}")
+        values = np.asarray(ids)
+        if values[0] < 0 or values[-1] >= vocab or np.any(np.diff(values) <= 0):
+            raise EejaxError(f"params['exits']['vocab_ids'] must be increasing token ids in [0, {vocab})")
         shape = (k, hidden) if config.tie_embeddings else (hidden, k)
         if tuple(exits["vocab_head"].shape) != shape:
             raise EejaxError(f"params['exits']['vocab_head'] has shape {tuple(exits['vocab_head'].shape)}, "
