@@ -25,8 +25,7 @@ from tests.conftest import prefilled, random_prompts
 PROMPTS = random_prompts(8, [5, 17, 1, 11, 3, 9, 24, 2], vocab=60, seed=7)
 NEW = 13  # not a multiple of d + 1 for any d used below
 # d = 1, E = L - 1 among them; with the bonus pass, without it, and as the policy decides
-SPECS = [SpecConfig(1, 1), SpecConfig(2, 3, bonus=True), SpecConfig(3, 4), SpecConfig(2, 3, bonus=False),
-         SpecConfig(1, 1, bonus=False)]
+SPECS = [SpecConfig(1, 1), SpecConfig(2, 3, bonus=True), SpecConfig(3, 4), SpecConfig(2, 3, bonus=False)]
 
 
 def tiny(num_layers=4, vocab=64, scale=0.3, seed=0, eos=()):
