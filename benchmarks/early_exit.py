@@ -168,7 +168,8 @@ def plot(results: dict) -> None:
     markers = {"softmax": "o", "state": "s", "static": "^"}
     for ax, (b, r) in zip(axes[0], results["batches"].items()):
         for measure, marker in markers.items():
-            pts = sorted((row for row in r["rows"] if row.get("measure") == measure), key=lambda p: p["rouge_l_to_full"])
+            pts = sorted((row for row in r["rows"] if row.get("measure") == measure),
+                         key=lambda p: p["rouge_l_to_full"])
             ax.plot([p["rouge_l_to_full"] for p in pts], [p["speedup"] for p in pts], marker=marker, label=measure)
             for p in pts:
                 ax.annotate(p["config"], (p["rouge_l_to_full"], p["speedup"]), fontsize=6)

@@ -33,8 +33,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eejax  # noqa: E402
-from benchmarks.common import (ROOT, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, with_exit_vocab,  # noqa: E402
-                               write_result)
+from benchmarks.common import (  # noqa: E402
+    ROOT, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, with_exit_vocab, write_result)
 from benchmarks.early_exit import summary_prompts  # noqa: E402
 from eejax import SpecConfig  # noqa: E402
 from eejax.decode.spec_policy import break_even_acceptance, speedup  # noqa: E402
@@ -226,7 +226,8 @@ def main() -> int:
                          f"{f(acc, 2)} | {f(tpr, 2)} | {f(bonus, 2)} | {f(layers, 1)} | {same} |")
         lines.append(f"\nCost model (programs timed alone; full-depth decode step {step_s * 1e3:.1f} ms = 1):\n")
         lines.append("| E | draft token (d=4, reduced head) | target (E+1)/L | draft pass (bonus) | verify d=1 | "
-                     "verify d=4 | break-even acceptance | measured acceptance | speed-up if all accepted (best d <= 8) |")
+                     "verify d=4 | break-even acceptance | measured acceptance | "
+                     "speed-up if all accepted (best d <= 8) |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for e, cd, cv1, cv4, alpha, measured, best, token, target in model_rows:
             lines.append(f"| {e} | {token:.3f} | {target:.3f} | {cd:.3f} | {cv1:.3f} | {cv4:.3f} | {alpha:.2f} | "

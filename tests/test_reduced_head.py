@@ -19,14 +19,8 @@ from eejax.decode.early_exit import early_exit_layers, kv_fill
 from eejax.errors import EejaxError
 from eejax.models import exits, llama
 from eejax.train.exit_vocab import add_exit_vocab, count_tokens, most_frequent
-from tests.conftest import prefilled, random_prompts
-
-PROMPTS = random_prompts(3, [5, 14, 9], seed=3)  # a padded batch of 4 (3 rows + 1 padding row)
-NEW = 10
-
-
-def gen(model, batch=PROMPTS, **kw):
-    return eejax.generate(model, batch, max_new_tokens=NEW, ignore_eos=True, **kw)
+from tests.conftest import prefilled
+from tests.test_early_exit import NEW, PROMPTS, gen  # a padded batch of 4 (3 rows + 1 padding row)
 
 
 @pytest.fixture(scope="module")

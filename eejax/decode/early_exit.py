@@ -5,9 +5,10 @@ a `lax.while_loop` runs one whole segment of layers [c_{i-1}, c_i) per iteration
 `fori_loop` over the stacked params, no per-layer branch), then checks; its last segment is
 [c_m, L). A row may turn confident at a check (flags only turn on); rows that are padding or
 finished count as confident from the start. The loop stops once every row is confident, so the
-whole batch exits at one layer E: the batch waits for its least confident row. Then **KV fill** writes the K/V of every skipped layer
-l in [E, L) from the exit hidden state (proj_l(norm_l(h_E)) with rotary), one layer at a time
-(only the skipped layers' K/V weights are read), and the token comes from the exit head at E.
+whole batch exits at one layer E: the batch waits for its least confident row. Then **KV
+fill** writes the K/V of every skipped layer l in [E, L) from the exit hidden state
+(proj_l(norm_l(h_E)) with rotary), one layer at a time (only the skipped layers' K/V weights
+are read), and the token comes from the exit head at E.
 
 The loop is model-agnostic: a model supplies `ExitFns` (closures over its params and the step's
 token batch), so Llama and T5 decoders share this code.
@@ -74,15 +75,14 @@ def confidence(config: ExitConfig, fns: ExitFns, h_prev, h, layers_run):
 
 
 def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages, slots, *, config: ExitConfig,
-                      num_layers: int, vocab_size: int, check_layers: tuple[int, ...] | None = None,
-                      reuse_check_logits: bool | None = None) -> ExitOutcome:
+                      num_layers: int, vocab_size: int, reuse_check_logits: bool | None = None) -> ExitOutcome:
     """Runs layers until the whole batch is confident, fills the skipped layers' KV, and
     evaluates the exit head.
 
     h [B, T, D] embedded new tokens; active [B] bool (inactive rows count as confident);
     threshold [B] float32 (λ(t) per row); pages/slots [B, T] the new tokens' cache slots
-    (the null page for inactive rows). `check_layers` (static): where confidence is checked
-    (default `config.check_layers(num_layers)`). `reuse_check_logits` (static): the check head
+    (the null page for inactive rows). Confidence is checked at `config.check_layers`.
+    `reuse_check_logits` (static): the check head
     is the emitted token's head, so the last check's logits give the token (default: softmax
     checks, which then use the full head).
     """
@@ -94,7 +94,7 @@ def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages,
         cache = kv_fill(cache, fns.layer_kv, h, stop, num_layers, pages, slots)
         return ExitOutcome(logits, cache, jnp.int32(stop), jnp.full((b,), stop, jnp.int32))
 
-    points = config.check_layers(num_layers) if check_layers is None else tuple(check_layers)
+    points = config.check_layers(num_layers)
     # Segment i runs layers [bounds[i], bounds[i + 1]); the last one, [c_m, L), checks nothing.
     bounds = jnp.asarray((0,) + points + (num_layers,), jnp.int32)
     reuse = config.measure == "softmax" if reuse_check_logits is None else reuse_check_logits

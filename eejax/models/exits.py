@@ -118,8 +118,8 @@ def check_exits(exits, config) -> None:
     if "exit_layers" in exits:
         layers = np.asarray(exits["exit_layers"])
         if layers.ndim != 1 or not np.all((layers >= 1) & (layers < num_layers)) or np.any(np.diff(layers) <= 0):
-            raise EejaxError(f"params['exits']['exit_layers'] must be increasing layer counts in [1, {num_layers - 1}], "
-                             f"got {layers.tolist()}")
+            raise EejaxError("params['exits']['exit_layers'] must be increasing layer counts in "
+                             f"[1, {num_layers - 1}], got {layers.tolist()}")
     if has_reduced_head(exits) or "vocab_head" in exits:
         if set(VOCAB_KEYS) - set(exits):
             raise EejaxError(f"params['exits'] needs both {list(VOCAB_KEYS)} for a reduced head")
