@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -64,6 +67,49 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         best = min(best, time.perf_counter() - start)
     del x
     return nbytes / best / 1e9
+
+
+@dataclasses.dataclass
+class Paired:
+    """Speeds of configurations against a peer timed around each of them (see `paired_runs`).
+    peer / results: the last repeat's results; speedups[i]: median over repeats of config i's
+    speed over its peer's; speeds[i] and peer_speed: medians of the speeds themselves."""
+
+    peer: Any
+    results: list
+    speedups: list[float]
+    speeds: list[float]
+    peer_speed: float
+
+
+def paired_runs(run: Callable[[Any], Any], configs: list, repeats: int,
+                speed: Callable[[Any], float] = lambda r: r.stats["decode_tokens_per_s"]) -> Paired:
+    """Times `run(c)` for every config c against `run(None)` (the peer: full depth, say).
+
+    This machine's speed drifts by 10-40% over minutes (shared cores), so after one warm-up
+    (compiling) run each, every repeat runs peer, c_1, peer, c_2, ..., c_n, peer, and c_i's
+    speed-up is its speed over the mean of the two peer runs around it; the median over
+    repeats is reported."""
+    for c in [None, *configs]:
+        run(c)
+    ratios: list[list[float]] = [[] for _ in configs]
+    speeds: list[list[float]] = [[] for _ in configs]
+    peer_speeds: list[float] = []
+    results: list = [None] * len(configs)
+    for _ in range(repeats):
+        peer = run(None)
+        before = speed(peer)
+        peer_speeds.append(before)
+        for i, c in enumerate(configs):
+            results[i] = run(c)
+            peer = run(None)
+            after = speed(peer)
+            peer_speeds.append(after)
+            speeds[i].append(speed(results[i]))
+            ratios[i].append(speeds[i][-1] / ((before + after) / 2))
+            before = after
+    return Paired(peer, results, [statistics.median(r) for r in ratios], [statistics.median(s) for s in speeds],
+                  statistics.median(peer_speeds))
 
 
 def write_result(name: str, payload: dict) -> Path:

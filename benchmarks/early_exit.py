@@ -2,10 +2,11 @@
 
 CNN/DM articles (first --prompt-tokens tokens, then "\\n\\nSummary:"), --new-tokens greedy tokens
 per row with EOS ignored, batch 1 and 8, one process. For each configuration: decode speed
-(prefill excluded; best of interleaved runs, since this machine's timings move by 10-15%) vs
-eejax's own full depth measured in the same run, layers per token, the ideal speed-up of the
-cost model (weights read per token: layers run, KV-fill projections, exit heads full or
-reduced, classifiers; `eejax.decode.cost`) and the machinery efficiency = measured / ideal.
+(prefill excluded) vs eejax's own full depth timed just before and after it (this machine's
+speed drifts by 10-40% over minutes; the median over --repeats is kept), layers per token,
+the ideal speed-up of the cost model (weights read per token: layers run, KV-fill
+projections, exit heads full or reduced, classifiers; `eejax.decode.cost`) and the machinery
+efficiency = measured / ideal.
 Quality as in Table 1 of the early-exit inference paper: ROUGE-L (rouge-score) of the early-exit
 text against eejax's full-depth text ("to full") and against the reference highlights ("to
 label"). The reduced exit head (8192 tokens) is counted as `eejax exit-vocab` does, over the
@@ -28,7 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eejax  # noqa: E402
-from benchmarks.common import ROOT, with_exit_vocab, write_result  # noqa: E402
+from benchmarks.common import ROOT, Paired, paired_runs, with_exit_vocab, write_result  # noqa: E402
 from eejax import ExitConfig  # noqa: E402
 from eejax.cli_parsing import OneLineErrorParser
 
@@ -65,19 +66,12 @@ def rouge_l(predictions: list[str], references: list[str]) -> float:
     return sum(scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references)) / len(references)
 
 
-def decode_runs(model, prompts, batch, configs, new_tokens, repeats):
-    """Per config, the run with the best decode speed (tokens/s, prefill excluded) of `repeats`
-    interleaved runs after a warm-up (compiling) run, so this machine's noise hits all alike."""
-    kws = [dict(max_new_tokens=new_tokens, ignore_eos=True, batch_size=batch, exit=c) for c in configs]
-    for kw in kws:
-        eejax.generate(model, prompts[:batch], **kw)
-    best = [None] * len(configs)
-    for _ in range(repeats):
-        for i, kw in enumerate(kws):
-            r = eejax.generate(model, prompts, **kw)
-            if best[i] is None or r.stats["decode_tokens_per_s"] > best[i].stats["decode_tokens_per_s"]:
-                best[i] = r
-    return best
+def decode_runs(model, prompts, batch, configs, new_tokens, repeats) -> Paired:
+    """Decode speed (prefill excluded) of each config against full depth, paired (`paired_runs`)."""
+    def run(c):
+        return eejax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True, batch_size=batch, exit=c)
+
+    return paired_runs(run, configs, repeats)
 
 
 def label(c: ExitConfig) -> str:
@@ -97,7 +91,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=8, help="CNN/DM articles (each batch size runs all of them)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=160)
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved timed runs per configuration (best kept)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs per configuration, each between two full-depth runs (median kept)")
     parser.add_argument("--vocab-size", type=int, default=8192, help="tokens of the reduced exit head")
     args = parser.parse_args(argv)
     batches = args.batches or [1, 8]
@@ -110,14 +105,13 @@ def main(argv=None) -> int:
                "prompts": args.prompts, "num_layers": L, "vocab_size": args.vocab_size}
     for b in batches:
         print(f"\n=== batch {b}: {args.prompts} articles, {args.new_tokens} new tokens ===", flush=True)
-        full, *runs = decode_runs(model, prompts, b, [None, *SWEEP], args.new_tokens, args.repeats)
-        base = full.stats["decode_tokens_per_s"]
+        paired = decode_runs(model, prompts, b, SWEEP, args.new_tokens, args.repeats)
+        full, base = paired.peer, paired.peer_speed
         print(f"eejax full depth: {base:.1f} decode tok/s", flush=True)
         rows = []
-        for cfg, r in zip(SWEEP, runs):
+        for cfg, r, speedup, tps in zip(SWEEP, paired.results, paired.speedups, paired.speeds):
             s = r.stats
-            speedup = s["decode_tokens_per_s"] / base
-            row = dict(config=label(cfg), measure=cfg.measure, decode_tokens_per_s=s["decode_tokens_per_s"],
+            row = dict(config=label(cfg), measure=cfg.measure, decode_tokens_per_s=tps,
                        speedup=speedup, ideal_speedup=s["ideal_speedup"], efficiency=speedup / s["ideal_speedup"],
                        layers=s["mean_layers_per_token"], kv_fill_layers=s["kv_fill_layers_per_token"],
                        exit_rate=sum(e < L for t in r.exit_layers for e in t[1:]) / sum(len(t) - 1 for t in r.tokens),
@@ -138,9 +132,10 @@ def main(argv=None) -> int:
 def write_table(results: dict) -> None:
     lines = [f"SmolLM2-135M fp32, {results['prompts']} CNN/DM articles ({results['prompt_tokens']}-token prompts), "
              f"{results['new_tokens']} new tokens, reduced exit head of {results['vocab_size']} tokens unless "
-             f"marked, {time.strftime('%Y-%m-%d')}. Speeds are decode tokens/s (prefill excluded), vs eejax's "
-             "own full depth in the same run; the ideal speed-up is the cost model's (weights read per token, "
-             "eejax/decode/cost.py); efficiency = measured / ideal.", ""]
+             f"marked, {time.strftime('%Y-%m-%d')}. Speeds are decode tokens/s (prefill excluded, "
+             "medians); 'vs full' is the median ratio to eejax's full depth timed just before and after "
+             "each run; the ideal speed-up is the cost model's (weights read per token, eejax/decode/cost.py); "
+             "efficiency = measured / ideal.", ""]
     for b, r in results["batches"].items():
         lines += [f"### batch {b}", "", f"Full depth {r['full_decode_tokens_per_s']:.1f} decode tok/s.", "",
                   "| exit | tok/s | vs full | ideal | efficiency | layers/token | KV-fill layers | exit rate | "

@@ -5,14 +5,14 @@ per row with EOS ignored, batch 1 and 8. Measured in one run: eejax full-depth d
 self-speculation at several (E, d) and adaptive d, and at batch 1 HF transformers `generate`
 plain and with `assistant_early_exit=E` (HF's LayerSkip decoding, batch 1 only; on fewer
 prompts since it is slow here). Every eejax speculation's tokens are checked against full
-depth. eejax speeds are decode tokens/s (prefill excluded) against eejax's own full depth in
-the same run, with the cost model's ideal speed-up (weights read per token,
-`eejax.decode.cost`) and the machinery efficiency = measured / ideal. Drafts use a reduced exit
-head of --vocab-size tokens (counted as `eejax exit-vocab` does, over the model's continuations
-of other CNN/DM articles) except the row marked "full head". Programs timed alone give the
-cost of one draft token (vs (E + 1) / L of a full-depth step), a draft and a verify pass, and
-the predicted break-even acceptance rate (see `eejax.decode.spec_policy`). Writes
-benchmarks/out/speculative.{json,md}.
+depth. eejax speeds are decode tokens/s (prefill excluded; medians over --repeats) against
+eejax's own full depth timed just before and after each run, with the cost model's ideal
+speed-up (weights read per token, `eejax.decode.cost`) and the machinery efficiency =
+measured / ideal. Drafts use a reduced exit head of --vocab-size tokens (counted as `eejax
+exit-vocab` does, over the model's continuations of other CNN/DM articles) except the row
+marked "full head". Programs timed alone give the cost of one draft token (vs (E + 1) / L of
+a full-depth step), a draft and a verify pass, and the predicted break-even acceptance rate
+(see `eejax.decode.spec_policy`). Writes benchmarks/out/speculative.{json,md}.
 
     python benchmarks/speculative.py [--batches 1 8] [--prompts 4] [--model path/to/model]
 
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eejax  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ROOT, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, with_exit_vocab, write_result)
+    ROOT, hf_generate_tokens_per_s, load_hf_smollm2, paired_runs, with_exit_vocab, write_result)
 from benchmarks.early_exit import summary_prompts  # noqa: E402
 from eejax import SpecConfig  # noqa: E402
 from eejax.decode.spec_policy import break_even_acceptance, speedup  # noqa: E402
@@ -50,13 +50,6 @@ ADAPTIVE = [SpecConfig(e, 2, adaptive=True) for e in (15, 22)]
 
 def spec_label(spec: SpecConfig) -> str:
     return spec.spec + (" [full head, bonus]" if spec.head == "full" else "")
-
-
-def run(model, prompts, batch, new_tokens, **kw):
-    """One timed run after a warm-up call (which compiles every program the run needs)."""
-    args = dict(max_new_tokens=new_tokens, ignore_eos=True, batch_size=batch, **kw)
-    eejax.generate(model, prompts, **args)
-    return eejax.generate(model, prompts, **args)
 
 
 def program_costs(model, batch: int, prompt_tokens: int, exit_layers, ds=(1, 2, 4), repeats: int = 20):
@@ -142,6 +135,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--model", default="smollm2-135m", help="eejax model (e.g. one with trained exits)")
     parser.add_argument("--name", default="speculative", help="output name under benchmarks/out/")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs per configuration, each between two full-depth runs (median kept)")
     parser.add_argument("--vocab-size", type=int, default=8192,
                         help="tokens of the reduced exit head the drafts use (0: none; SmolLM2 only)")
     args = parser.parse_args()
@@ -158,8 +153,14 @@ def main() -> int:
     for batch in args.batches or [1, 8]:
         n = max(batch, args.prompts) if batch == 1 else batch
         prompts, _ = summary_prompts(model.tokenizer, n, args.prompt_tokens)
-        full = run(model, prompts, batch, args.new_tokens)
-        full_tps = full.stats["decode_tokens_per_s"]
+        specs = [s for s in SPECS + ADAPTIVE if s.exit_layer < L]
+
+        def run(spec, prompts=prompts, batch=batch):
+            return eejax.generate(model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, batch_size=batch,
+                                  spec=spec)
+
+        paired = paired_runs(run, specs, args.repeats)
+        full, full_tps = paired.peer, paired.peer_speed
         rows = []
         out = {"full_depth": full.stats, "speculation": {}}
         if batch == 1 and hf is not None:
@@ -176,21 +177,17 @@ def main() -> int:
                 rows.append((f"HF assistant_early_exit={e} ({args.hf_prompts} prompts, prefill included)", tps, None,
                              None, None, "yes" if same else "no"))
         rows.append(("eejax full depth", full_tps, None, None, float(L), "-"))
-        for spec in SPECS + ADAPTIVE:
-            if spec.exit_layer >= L:
-                continue
-            res = run(model, prompts, batch, args.new_tokens, spec=spec)
+        for spec, res, ratio, tps in zip(specs, paired.results, paired.speedups, paired.speeds):
             s = res.stats
             same = res.tokens == full.tokens
-            tps = s["decode_tokens_per_s"]
-            efficiency = tps / full_tps / s["ideal_speedup"]
-            out["speculation"][spec_label(spec)] = {**s, "identical": same, "speedup": tps / full_tps,
-                                                    "efficiency": efficiency}
+            efficiency = ratio / s["ideal_speedup"]
+            out["speculation"][spec_label(spec)] = {**s, "identical": same, "speedup": ratio,
+                                                    "efficiency": efficiency, "median_decode_tokens_per_s": tps}
             label = f"eejax spec {spec_label(spec)}" + (
                 f" (mean d {s['mean_speculations']:.1f})" if spec.adaptive else "")
             rows.append((label, tps, s["acceptance_rate"], s["tokens_per_round"], s["mean_layers_per_token"],
-                         "yes" if same else "NO", s["ideal_speedup"], efficiency, s["bonus_pass_rate"]))
-            print(f"batch {batch} {spec_label(spec)}: {tps:.1f} tok/s ({fmt_ratio(tps, full_tps)} of full depth, "
+                         "yes" if same else "NO", s["ideal_speedup"], efficiency, s["bonus_pass_rate"], ratio))
+            print(f"batch {batch} {spec_label(spec)}: {tps:.1f} tok/s ({ratio:.2f}x of full depth, "
                   f"ideal {s['ideal_speedup']:.2f}x, efficiency {efficiency:.2f}), acceptance "
                   f"{s['acceptance_rate']:.2f}, bonus rounds {s['bonus_pass_rate']:.0%}, identical {same}", flush=True)
         # The cost model from programs timed alone (d = 1, 2, 4; the verify cost in between and
@@ -221,8 +218,8 @@ def main() -> int:
         lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for label, tps, acc, tpr, layers, same, *more in rows:
             f = lambda x, p: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
-            ideal, eff, bonus = more or (None, None, None)
-            lines.append(f"| {label} | {tps:.1f} | {fmt_ratio(tps, full_tps)} | {f(ideal, 2)} | {f(eff, 2)} | "
+            ideal, eff, bonus, ratio = more or (None, None, None, tps / full_tps)
+            lines.append(f"| {label} | {tps:.1f} | {ratio:.2f}x | {f(ideal, 2)} | {f(eff, 2)} | "
                          f"{f(acc, 2)} | {f(tpr, 2)} | {f(bonus, 2)} | {f(layers, 1)} | {same} |")
         lines.append(f"\nCost model (programs timed alone; full-depth decode step {step_s * 1e3:.1f} ms = 1):\n")
         lines.append("| E | draft token (d=4, reduced head) | target (E+1)/L | draft pass (bonus) | verify d=1 | "

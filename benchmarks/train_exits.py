@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 import eejax  # noqa: E402
 from eejax import ExitConfig, SpecConfig  # noqa: E402
-from benchmarks.common import OUT, fmt_ratio, write_result  # noqa: E402
+from benchmarks.common import OUT, paired_runs, write_result  # noqa: E402
 from benchmarks.early_exit import rouge_l, summary_prompts  # noqa: E402
 from eejax.cli_parsing import OneLineErrorParser
 
@@ -115,40 +115,44 @@ def stage_calibrate(args, trained) -> dict:
 
 
 def stage_speed(args, base, trained, calibrated: float | None) -> dict:
-    from benchmarks.early_exit import timed
-    from benchmarks.speculative import run
-
+    """Tokens/s (prefill included) of early exit and self-speculation, trained exits and not,
+    against the trained model's full depth timed around each run (`paired_runs`)."""
     thresholds = sorted({*args.speed_thresholds, *([calibrated] if calibrated is not None else [])}, reverse=True)
+    runs = [(f"early exit softmax:{t:g}" + (" (calibrated)" if t == calibrated else ""), trained,
+             dict(exit=exit_config(args, t))) for t in thresholds]
+    if calibrated is not None:
+        runs.append((f"early exit softmax:{calibrated:g}, untrained exits", base,
+                     dict(exit=exit_config(args, calibrated))))
+    runs += [(f"self-speculation {x}", trained, dict(spec=SpecConfig.parse(x))) for x in args.specs]
+    runs += [(f"self-speculation {x}, untrained exits", base, dict(spec=SpecConfig.parse(x)))
+             for x in args.untrained_specs]
     out = {}
     for batch in args.batches:
         prompts = article_prompts(trained.tokenizer, range(0, max(batch, args.prompts_b1)), args.prompt_tokens)
-        full = timed(trained, prompts, batch, None, args.new_tokens)
-        full_tps = full.stats["tokens_per_s"]
-        rows = [{"decoding": "full depth", "tokens_per_s": full_tps, "speedup": 1.0,
+
+        def run(i, prompts=prompts, batch=batch):
+            model, kw = (trained, {}) if i is None else runs[i][1:]
+            return eejax.generate(model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, batch_size=batch,
+                                  **kw)
+
+        paired = paired_runs(run, list(range(len(runs))), args.repeats, speed=lambda r: r.stats["tokens_per_s"])
+        full = paired.peer
+        rows = [{"decoding": "full depth", "tokens_per_s": paired.peer_speed, "speedup": 1.0,
                  "layers_per_token": float(trained.config.num_layers)}]
-        print(f"batch {batch}: full depth {full_tps:.1f} tok/s", flush=True)
-        runs = [(f"early exit softmax:{t:g}" + (" (calibrated)" if t == calibrated else ""), trained,
-                 exit_config(args, t)) for t in thresholds]
-        if calibrated is not None:
-            runs.append((f"early exit softmax:{calibrated:g}, untrained exits", base, exit_config(args, calibrated)))
-        for name, model, cfg in runs:
-            res = timed(model, prompts, batch, cfg, args.new_tokens)
+        print(f"batch {batch}: full depth {paired.peer_speed:.1f} tok/s", flush=True)
+        for (name, _, kw), res, speedup, tps in zip(runs, paired.results, paired.speedups, paired.speeds):
             s = res.stats
-            rows.append({"decoding": name, "tokens_per_s": s["tokens_per_s"], "speedup": s["tokens_per_s"] / full_tps,
-                         "layers_per_token": s["mean_layers_per_token"], "rouge_l_to_full": rouge_l(res.texts, full.texts)})
-            print(f"  {name}: {fmt_ratio(s['tokens_per_s'], full_tps)}, {s['mean_layers_per_token']:.1f} layers/token, "
-                  f"ROUGE-L to full {rows[-1]['rouge_l_to_full']:.3f}", flush=True)
-        specs = [(SpecConfig.parse(x), trained, "") for x in args.specs]
-        specs += [(SpecConfig.parse(x), base, ", untrained exits") for x in args.untrained_specs]
-        for spec, model, note in specs:
-            res = run(model, prompts, batch, args.new_tokens, spec=spec)
-            s = res.stats
-            rows.append({"decoding": f"self-speculation {spec.spec}{note}", "tokens_per_s": s["tokens_per_s"],
-                         "speedup": s["tokens_per_s"] / full_tps, "layers_per_token": s["mean_layers_per_token"],
-                         "acceptance": s["acceptance_rate"], "tokens_per_round": s["tokens_per_round"],
-                         "identical": res.tokens == full.tokens})
-            print(f"  spec {spec.spec}{note}: {fmt_ratio(s['tokens_per_s'], full_tps)}, acceptance "
-                  f"{s['acceptance_rate']:.2f}, identical {rows[-1]['identical']}", flush=True)
+            row = {"decoding": name, "tokens_per_s": tps, "speedup": speedup,
+                   "layers_per_token": s["mean_layers_per_token"]}
+            if "spec" in kw:
+                row.update(acceptance=s["acceptance_rate"], tokens_per_round=s["tokens_per_round"],
+                           identical=res.tokens == full.tokens)
+            else:
+                row.update(rouge_l_to_full=rouge_l(res.texts, full.texts))
+            rows.append(row)
+            print(f"  {name}: {speedup:.2f}x, {row['layers_per_token']:.1f} layers/token, "
+                  + (f"acceptance {row['acceptance']:.2f}, identical {row['identical']}" if "spec" in kw
+                     else f"ROUGE-L to full {row['rouge_l_to_full']:.3f}"), flush=True)
         out[str(batch)] = rows
     return out
 
@@ -198,6 +202,8 @@ def main() -> int:
     p.add_argument("--continuation-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=256, help="evaluation prompts' tokens")
     p.add_argument("--new-tokens", type=int, default=64, help="evaluation tokens per row")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per decoding, each between two full-depth runs (median kept)")
     p.add_argument("--thresholds", type=float, nargs="+", action="extend", default=[0.99, 0.95, 0.9, 0.8, 0.6, 0.4])
     p.add_argument("--delta", type=float, default=0.2, help="tolerated 1 - ROUGE-L to full")
     p.add_argument("--epsilon", type=float, default=0.1)

@@ -154,7 +154,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"mean layers per token {stats['mean_layers_per_token']:.1f} of {stats['num_layers']} "
         + (f"(exit {stats['exit']}, KV fill {stats['kv_fill_layers_per_token']:.1f} layers per token)" if spec is None
            else f"(self-speculation {stats['spec']}: acceptance {stats['acceptance_rate']:.1%}, "
-                f"{stats['tokens_per_round']:.2f} tokens per round, mean d {stats['mean_speculations']:.1f})")
+                f"{stats['tokens_per_round']:.2f} tokens per round, mean d {stats['mean_speculations']:.1f}"
+                + (f", {stats['plain_step_rate']:.0%} of tokens by plain steps" if stats["plain_step_rate"] else "")
+                + ")")
     )
     return 0
 
@@ -381,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
         "full-depth prompt pass; with --spec, E for an accepted draft and L for a token of the full model), "
         "confident_layers the row's own first confident layer, and tokens_per_s excludes compilation. "
         "With --spec, stats add acceptance_rate, tokens_per_round, drafted_tokens, accepted_tokens, rounds, "
-        "mean_speculations.",
+        "mean_speculations (mean d of the rounds), bonus_pass_rate, and plain_step_rate (the share of tokens "
+        "an adaptive run decoded at full depth because no round paid).",
     )
     add_model_and_prompts(gen, "prompts", 'eejax checkpoint directory, or a known name such as "smollm2-135m" '
                           "(see `eejax models`)")

@@ -391,7 +391,8 @@ class SpecConfig:
     exit_layer:        E, the draft layers (1 <= E < num_layers).
     num_speculations:  d, drafts per round (the first round's d when adaptive).
     adaptive:          choose d per round from the measured acceptance rate and the measured
-                       cost of a draft pass vs a verify pass (see `speculative.SpeculationPolicy`).
+                       cost of a draft pass vs a verify pass, or a plain full-depth step while
+                       no d pays (see `spec_policy.SpeculationPolicy`).
     max_speculations:  the largest d the adaptive policy may choose.
     head:              the head that drafts: "reduced" (the checkpoint's reduced-vocabulary
                        exit head), "full", or "auto" (reduced when there is one). Lossless

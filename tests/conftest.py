@@ -18,6 +18,10 @@ os.environ.setdefault("EEJAX_CACHE", str(ROOT / ".cache" / "eejax"))
 # No GPU here: Triton kernels run in Triton's interpreter, which must be chosen before triton
 # is first imported (eejax would set it itself, but a test may import triton first).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Many tests (and the CLI and server processes they start) compile the same programs for the same
+# tiny models: JAX's persistent compilation cache, shared by the test workers, compiles each once.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
 def cnndm_rows(n: int) -> list[dict]:

@@ -15,7 +15,7 @@ from eejax.config import LlamaConfig, SpecConfig
 from eejax.decode import speculative, steps
 from eejax.decode.sampling import SamplingParams
 from eejax.decode.spec_policy import (
-    SpeculationPolicy, best_speculations, break_even_acceptance, expected_tokens, speedup,
+    PROBE_EVERY, SpeculationPolicy, best_speculations, break_even_acceptance, expected_tokens, speedup,
 )
 from eejax.errors import EejaxError
 from eejax.models import llama
@@ -311,7 +311,24 @@ def test_policy_follows_acceptance_and_costs():
     assert policy.c_verify(0) >= 0 and policy.c_verify(8) > policy.c_verify(2)
     for _ in range(30):
         policy.observe(8, accepted=0, rejected=8, draft_s=0.9, verify_s=1.0)
-    assert policy.alpha < 0.05 and policy.next_speculations() == 1
+    assert policy.alpha < 0.05 and best_speculations(policy.alpha, policy.c_draft, policy.c_verify, 8) == 1
+    assert policy.next_speculations() == 0  # and even d = 1 does not pay: a plain step
+
+
+def test_adaptive_policy_falls_back_to_plain_steps_while_no_round_pays():
+    policy = SpeculationPolicy(SpecConfig(2, 2, adaptive=True, max_speculations=4), unit_costs=(1.0, 0.1, 1.0))
+    for _ in range(10):  # nothing accepted; a draft pass 0.5 s and a verify 0.5 s: a round cannot pay
+        policy.observe(2, accepted=0, rejected=8, draft_s=1.0, verify_s=0.5, passes=2)
+    assert policy.predicted_speedup(1) < 1
+    chosen = [policy.next_speculations() for _ in range(2 * PROBE_EVERY + 2)]
+    assert chosen == ([0] * PROBE_EVERY + [1]) * 2  # a probe round every PROBE_EVERY plain steps
+    policy.observe_plain(2.0)  # plain steps dearer than thought: rounds pay again
+    for _ in range(10):
+        policy.observe(1, accepted=8, rejected=0, draft_s=1.0, verify_s=0.5, passes=2)
+    assert policy.predicted_speedup(4) > 1 and policy.next_speculations() >= 1
+    fixed = SpeculationPolicy(SpecConfig(2, 2), unit_costs=(1.0, 0.1, 1.0))
+    fixed.observe(2, accepted=0, rejected=8)
+    assert [fixed.next_speculations() for _ in range(3)] == [2, 2, 2]  # a fixed d never falls back
 
 
 def test_adaptive_generation_is_lossless(model, monkeypatch):
@@ -333,6 +350,16 @@ def test_adaptive_generation_is_lossless(model, monkeypatch):
     res = eejax.generate(perfect, PROMPTS, max_new_tokens=40, ignore_eos=True,
                          spec=SpecConfig(1, 1, adaptive=True, max_speculations=6))
     assert res.stats["mean_speculations"] > 2  # all accepted: the policy lengthens the rounds
+    # CPU-like costs where no round pays: plain full-depth steps, a probe round every few, same tokens.
+    monkeypatch.setattr(SpeculationPolicy, "observe", lambda self, d, a, r, *t, passes=None: observe(
+        self, d, a, r, 1.0 * (d + 1), 1.0, passes=d + 1))
+    res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
+                         spec=SpecConfig(3, 2, adaptive=True, max_speculations=5))
+    assert res.tokens == full.tokens
+    s = res.stats
+    assert 0.5 < s["plain_step_rate"] < 1 and s["rounds"] > 0
+    decoded = s["generated_tokens"] - len(PROMPTS)
+    assert s["tokens_per_round"] == pytest.approx(decoded * (1 - s["plain_step_rate"]) / s["rounds"])
 
 
 # --- bad settings ---------------------------------------------------------------------------

@@ -47,7 +47,7 @@ class GenerateResult:
     stats: dict[str, Any]
 
 
-SPEC_COUNTERS = ("drafted", "accepted", "rounds", "rejections", "layer_passes", "draft_heads")
+SPEC_COUNTERS = ("drafted", "accepted", "rounds", "rejections", "layer_passes", "draft_heads", "plain_steps")
 
 
 def parse_bytes(size: int | str) -> int:
@@ -168,7 +168,7 @@ def generate(
             counters, policy = spec_out
             for name in SPEC_COUNTERS:
                 spec_totals[name] += int(np.asarray(getattr(counters, name))[: len(chunk)].sum())
-            speculations += policy.chosen
+            speculations += [d for d in policy.chosen if d]  # rounds only; plain steps are counted apart
             bonuses += policy.bonuses
             if policy.c_draft is not None:
                 measured_costs.append((policy.c_draft, policy.c_verify(spec_config.num_speculations)))
@@ -188,8 +188,9 @@ def generate(
     decoded_tokens = generated - sum(1 for t in out_tokens if t)  # the first token comes from prefill
     decode_s = run_s - prefill_s
     layers_run = sum(sum(x) for x in out_layers)
-    if spec_config is not None:  # draft and verify passes, plus the prefill's first tokens
-        layers_run = spec_totals["layer_passes"] + config.num_layers * sum(1 for t in out_tokens if t)
+    if spec_config is not None:  # draft and verify passes and plain steps, plus the prefill's first tokens
+        plain_and_first = spec_totals["plain_steps"] + sum(1 for t in out_tokens if t)
+        layers_run = spec_totals["layer_passes"] + config.num_layers * plain_and_first
     weights_per_token = _weights_per_token(model, exit_config, spec_config, out_layers, spec_totals, decoded_tokens)
     confident_sum = sum(sum(x) for x in out_confident)
     decoded = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer else None for t in out_tokens]
@@ -218,7 +219,8 @@ def generate(
         t = spec_totals
         stats.update(
             acceptance_rate=t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
-            tokens_per_round=decoded_tokens / t["rounds"] if t["rounds"] else 0.0,
+            tokens_per_round=(decoded_tokens - t["plain_steps"]) / t["rounds"] if t["rounds"] else 0.0,
+            plain_step_rate=t["plain_steps"] / decoded_tokens if decoded_tokens else 0.0,
             drafted_tokens=t["drafted"],
             accepted_tokens=t["accepted"],
             rounds=t["rounds"],
@@ -240,7 +242,8 @@ def _weights_per_token(model, exit_config, spec_config, exit_layers, spec_totals
         t, e = spec_totals, spec_config.exit_layer
         passes = (t["layer_passes"] - t["rounds"] * (w.num_layers - e)) / e
         reduced = spec_config.uses_reduced_head(exits.has_reduced_head(model.params.get("exits")))
-        return cost.spec_weights(w, e, passes, t["draft_heads"], t["rounds"], reduced) / decoded_tokens
+        rounds = cost.spec_weights(w, e, passes, t["draft_heads"], t["rounds"], reduced)
+        return (rounds + t["plain_steps"] * w.full_depth) / decoded_tokens
     if exit_config is None:
         return w.full_depth
     checks = exit_config.check_layers(w.num_layers)
@@ -309,7 +312,8 @@ def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling: Sampl
 def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static):
     """Self-speculation rounds until every row is done. Returns (state, cache, (counters,
     policy)). With a fixed d the host only polls every few rounds; adaptive rounds are
-    timed (draft and verify programs apart) and their acceptance read back to choose d."""
+    timed (draft and verify programs apart) and their acceptance read back to choose d, or a
+    plain full-depth step (d = 0, `speculative.plain_step`) while no round pays."""
     programs, params = model.programs, model.params
     reduced = spec.uses_reduced_head(exits.has_reduced_head(params.get("exits")))
     unit_costs = cost.spec_unit_weights(cost.WeightCounts.of(params, model.config), spec.exit_layer, reduced)
@@ -323,6 +327,15 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
     done = bool(jnp.all(state.done))  # max_new_tokens = 1, or every row ended at its first token
     while not done:
         d = policy.next_speculations()
+        if d == 0:  # adaptive, and no round pays at the measured acceptance: one plain step
+            args = (params, cache, state, counters, table_for(longest + 1))
+            plain = programs.get(speculative.plain_step, args, static, donate_argnums=(1, 2, 3))
+            start = time.perf_counter()
+            state, cache, counters = jax.block_until_ready(plain(*args))
+            policy.observe_plain(time.perf_counter() - start)
+            row_done, seq_len = jax.device_get((state.done, state.seq_len))
+            done, longest = bool(row_done.all()), int(seq_len.max())
+            continue
         bonus = policy.bonus(d)
         table = table_for(longest + d + 1)
         args = (params, cache, state, table)

@@ -14,6 +14,14 @@ Against plain decoding (c_full a step) the speed-up is
 `expected_tokens(α, d) * c_full / ((d + 1) c_draft + c_verify)`; `break_even_acceptance`
 solves it for 1.
 
+**Plain steps.** When no d is predicted to beat plain decoding at the measured acceptance
+(an exit that rarely agrees with the last layer: untrained exits, text the early layers cannot
+guess), the adaptive policy answers d = 0, one plain full-depth step, whose time it measures
+(c_full; until a plain step ran, a draft pass without its head plus a one-token verify stand
+for it). Every `PROBE_EVERY`-th such step runs a speculation round instead, so the acceptance
+estimate keeps following the text and speculation resumes once it pays. A fixed d never falls
+back.
+
 The bonus pass (the (d + 1)-th pass over x_d, see `speculative`) buys one token only when all
 d drafts are accepted (probability α^d) and costs E layers every round. The policy turns it on
 when it pays under the weights-read cost model (`eejax.decode.cost`), with the acceptance
@@ -32,6 +40,7 @@ import numpy as np
 from eejax.config import SpecConfig
 
 FORGET = 0.8  # weight of the past per round in the acceptance estimate
+PROBE_EVERY = 8  # plain steps between speculation rounds while speculation does not pay
 PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected) before any round: α = 0.5
 
 
@@ -90,6 +99,9 @@ class SpeculationPolicy:
     accepted: float = PRIOR[0]
     rejected: float = PRIOR[1]
     c_draft: float | None = None  # seconds per draft pass
+    c_full: float | None = None  # seconds per plain full-depth step (adaptive, once one ran)
+    plain_steps: int = 0  # plain steps chosen since the last speculation round
+    plain_timed: int = 0  # plain steps timed
     verify_s: dict[int, float] = dataclasses.field(default_factory=dict)  # d -> mean seconds of a verify
     timed_rounds: dict[int, int] = dataclasses.field(default_factory=dict)  # d -> rounds timed
     chosen: list[int] = dataclasses.field(default_factory=list)
@@ -113,25 +125,50 @@ class SpeculationPolicy:
         return float(intercept + slope * (d + 1))
 
     def next_speculations(self) -> int:
-        """d for the next round."""
+        """d for the next round; 0 (adaptive only): a plain full-depth step instead."""
         if not self.spec.adaptive or self.c_draft is None:
             d = self.spec.num_speculations
         else:
             d = best_speculations(self.alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
+            if self.predicted_speedup(d) < 1.0 and self.plain_steps < PROBE_EVERY:
+                d = 0
+        self.plain_steps = self.plain_steps + 1 if d == 0 else 0
         self.chosen.append(d)
         return d
+
+    def predicted_speedup(self, d: int) -> float:
+        """A round of d drafts (the bonus pass as `bonus` would choose it) over a plain step,
+        at the measured acceptance and times."""
+        c_full = self.c_full if self.c_full is not None else self.plain_step_estimate()
+        bonus = self._bonus_choice(d)
+        tokens = expected_tokens(self.alpha, d) - (0.0 if bonus else self.alpha**d)
+        return tokens * c_full / ((d + bonus) * self.c_draft + self.c_verify(d))
+
+    def plain_step_estimate(self) -> float:
+        """Seconds of a plain step before one ran: a draft pass without its head (the head's share
+        by the unit costs' weights) plus a one-token verify."""
+        head_share = 0.0 if self.unit_costs is None else self.unit_costs[1] / sum(self.unit_costs[:2])
+        return self.c_draft * (1.0 - head_share) + self.c_verify(0)
 
     def bonus(self, d: int) -> bool:
         """Whether the next round runs the bonus pass: `spec.bonus` when set, else whether it
         pays at the acceptance measured so far (always, without unit costs)."""
-        if self.spec.bonus is not None:
-            choice = self.spec.bonus
-        elif self.sampled:  # a sampled row's tokens depend on where rounds start: keep them batch-independent
-            choice = True
-        else:
-            choice = self.unit_costs is None or bonus_pays(self.alpha, d, *self.unit_costs)
+        choice = self._bonus_choice(d)
         self.bonuses.append(choice)
         return choice
+
+    def _bonus_choice(self, d: int) -> bool:
+        if self.spec.bonus is not None:
+            return self.spec.bonus
+        if self.sampled:  # a sampled row's tokens depend on where rounds start: keep them batch-independent
+            return True
+        return self.unit_costs is None or bonus_pays(self.alpha, d, *self.unit_costs)
+
+    def observe_plain(self, seconds: float) -> None:
+        """A plain full-depth step took `seconds` (running mean, recent 16 weigh most)."""
+        self.plain_timed += 1
+        mean = seconds if self.c_full is None else self.c_full
+        self.c_full = mean + (seconds - mean) / min(self.plain_timed, 16)
 
     def observe(self, d: int, accepted: int, rejected: int, draft_s: float | None = None,
                 verify_s: float | None = None, passes: int | None = None) -> None:

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from eejax.cache import KVCache
 from eejax.config import SpecConfig
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, filtered_logits, sample, token_keys
-from eejax.decode.steps import (DecodeState, exit_logits, expand_logits, is_eos, model_module, record_logprobs,
-                                reduced_logits)
+from eejax.decode.steps import (DecodeState, decode, exit_logits, expand_logits, is_eos, model_module,
+                                record_logprobs, reduced_logits)
 from eejax.models import exits
 
 
@@ -60,7 +60,8 @@ class Drafts:
 class SpecCounters:
     """Per row, summed over rounds: drafts that could count (at most the tokens the row still
     had room for), drafts accepted, rounds, rounds that rejected a draft, layer passes run
-    (draft + verify) and draft-head evaluations."""
+    (draft + verify), draft-head evaluations, and plain full-depth steps run instead of a round
+    (`plain_step`)."""
 
     drafted: jax.Array
     accepted: jax.Array
@@ -68,10 +69,12 @@ class SpecCounters:
     rejections: jax.Array
     layer_passes: jax.Array
     draft_heads: jax.Array
+    plain_steps: jax.Array
 
     @classmethod
     def zeros(cls, batch: int) -> SpecCounters:
-        return cls(*(jnp.zeros((batch,), jnp.int32) for _ in range(6)))  # distinct buffers: donated
+        fields = dataclasses.fields(cls)
+        return cls(*(jnp.zeros((batch,), jnp.int32) for _ in fields))  # distinct buffers: donated
 
 
 def _token_batch(config, state: DecodeState, offsets, block_table, page_size, attention):
@@ -233,5 +236,14 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
         rejections=counters.rejections + (n < judged),
         layer_passes=counters.layer_passes + active * (t * e + num_layers - e),
         draft_heads=counters.draft_heads + active * d,
+        plain_steps=counters.plain_steps,
     )
     return new_state, cache, new_counters
+
+
+def plain_step(params, cache: KVCache, state: DecodeState, counters: SpecCounters, block_table, **decode_options):
+    """One full-depth decode token (`steps.decode`) in place of a round, when speculation does
+    not pay (`spec_policy`); counted in `counters.plain_steps`. Returns (state, cache, counters)."""
+    active = ~state.done
+    state, cache = decode(params, cache, state, block_table, **decode_options)
+    return state, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + active)
