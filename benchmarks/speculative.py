@@ -52,9 +52,12 @@ def spec_label(spec: SpecConfig) -> str:
     return spec.spec + (" [full head, bonus]" if spec.head == "full" else "")
 
 
-def program_costs(model, batch: int, prompt_tokens: int, exit_layers, ds=(1, 2, 4), repeats: int = 20):
-    """Best-of-N seconds of one full-depth decode step, of one draft pass (per E) and of a verify
-    pass (per E and d), timed as jitted programs on a cache holding `prompt_tokens` per row."""
+def program_costs(model, batch: int, prompt_tokens: int, exit_layers, ds=(1, 2, 4), repeats: int = 15):
+    """Seconds of one full-depth decode step, of one draft token and one draft pass (per E) and
+    of a verify pass (per E and d), as jitted programs on a cache holding `prompt_tokens` per
+    row. The programs run in turn, `repeats` rounds, and each is reported as the median over
+    rounds of its time over the full step's in the same round (times the full step's median),
+    so the machine's drift does not enter the ratios."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -73,37 +76,37 @@ def program_costs(model, batch: int, prompt_tokens: int, exit_layers, ds=(1, 2, 
     state, cache = prefill(model.params, cache, tokens, jnp.full((batch,), prompt_tokens, jnp.int32), table,
                            jax.random.PRNGKey(0))
 
-    def median_s(f):
-        """f(cache) -> (output, cache), the cache donated and threaded through as in generate."""
-        nonlocal cache
-        out, cache = f(cache)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out, cache = jax.block_until_ready(f(cache))
-            times.append(time.perf_counter() - start)
-        return float(np.min(times))  # best of: this machine's noise only ever adds time
-
     def program(fn, **kw):
         return jax.jit(functools.partial(fn, **kw), donate_argnums=(1,))
 
+    # name -> (f(cache) -> (output, cache), the cache donated and threaded through as in generate;
+    # what the time is divided by)
+    runs = {}
     decode = program(steps.decode, eos_ids=(), **static)
-    costs = {"full_step": median_s(lambda ca: decode(model.params, ca, state, table))}
-    for e in exit_layers:  # one draft token: 4 drafts without the bonus pass, per draft
-        draft = program(speculative.draft, num_speculations=4, bonus=False, spec=SpecConfig(e, 4), config=c)
-        costs[f"draft_token_{e}"] = median_s(lambda ca: draft(model.params, ca, state, table)[::2]) / 4
+    runs["full_step"] = (lambda ca: decode(model.params, ca, state, table), 1)
     counters = speculative.SpecCounters.zeros(batch)
     for e in exit_layers:
+        # One draft token: 4 drafts without the bonus pass, per draft.
+        token = program(speculative.draft, num_speculations=4, bonus=False, spec=SpecConfig(e, 4), config=c)
+        runs[f"draft_token_{e}"] = (lambda ca, f=token: f(model.params, ca, state, table)[::2], 4)
         for d in ds:
             kw = dict(spec=SpecConfig(e, d), config=c)
             draft = program(speculative.draft, num_speculations=d, **kw)
             verify = program(speculative.verify, eos_ids=(), max_new_tokens=64, **kw)
             drafts, st, cache = draft(model.params, cache, state, table)
             if d == 1:
-                costs[f"draft_pass_{e}"] = median_s(lambda ca: draft(model.params, ca, state, table)[::2]) / (d + 1)
-            costs[f"verify_{e}_{d}"] = median_s(
-                lambda ca: verify(model.params, ca, st, drafts, counters, table)[:2])
-    return costs
+                runs[f"draft_pass_{e}"] = (lambda ca, f=draft: f(model.params, ca, state, table)[::2], d + 1)
+            runs[f"verify_{e}_{d}"] = (
+                lambda ca, f=verify, st=st, drafts=drafts: f(model.params, ca, st, drafts, counters, table)[:2], 1)
+    times = {name: [] for name in runs}
+    for round_ in range(repeats + 1):  # round 0 warms up (compiles)
+        for name, (f, per) in runs.items():
+            start = time.perf_counter()
+            out, cache = jax.block_until_ready(f(cache))
+            if round_:
+                times[name].append((time.perf_counter() - start) / per)
+    full = np.asarray(times["full_step"])
+    return {name: float(np.median(np.asarray(t) / full) * np.median(full)) for name, t in times.items()}
 
 
 def hf_assistant_tokens_per_s(hf, prompts, new_tokens, exit_layer):
