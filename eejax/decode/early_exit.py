@@ -82,9 +82,8 @@ def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages,
     h [B, T, D] embedded new tokens; active [B] bool (inactive rows count as confident);
     threshold [B] float32 (λ(t) per row); pages/slots [B, T] the new tokens' cache slots
     (the null page for inactive rows). Confidence is checked at `config.check_layers`.
-    `reuse_check_logits` (static): the check head
-    is the emitted token's head, so the last check's logits give the token (default: softmax
-    checks, which then use the full head).
+    `reuse_check_logits` (static): the check head is the emitted token's head, so the last
+    check's logits give the token (default: softmax checks, which then use the full head).
     """
     b = h.shape[0]
     if config.measure == "static" or not config.checks_confidence:

@@ -62,9 +62,11 @@ def best_speculations(alpha: float, c_draft: float, c_verify, max_speculations: 
                key=lambda d: expected_tokens(alpha, d) / ((d + 1) * c_draft + _verify_cost(c_verify, d)))
 
 
-def speedup(alpha: float, d: int, c_draft: float, c_verify, c_full: float) -> float:
-    """Predicted tokens/s of self-speculation over plain decoding."""
-    return expected_tokens(alpha, d) * c_full / ((d + 1) * c_draft + _verify_cost(c_verify, d))
+def speedup(alpha: float, d: int, c_draft: float, c_verify, c_full: float, bonus: bool = True) -> float:
+    """Predicted tokens/s of self-speculation over plain decoding; without the bonus pass a
+    round runs d draft passes and loses the token after d accepted drafts (probability α^d)."""
+    tokens = expected_tokens(alpha, d) - (0.0 if bonus else alpha**d)
+    return tokens * c_full / ((d + bonus) * c_draft + _verify_cost(c_verify, d))
 
 
 def bonus_pays(alpha: float, d: int, pass_cost: float, head_cost: float, verify_cost: float) -> bool:
@@ -140,9 +142,7 @@ class SpeculationPolicy:
         """A round of d drafts (the bonus pass as `bonus` would choose it) over a plain step,
         at the measured acceptance and times."""
         c_full = self.c_full if self.c_full is not None else self.plain_step_estimate()
-        bonus = self._bonus_choice(d)
-        tokens = expected_tokens(self.alpha, d) - (0.0 if bonus else self.alpha**d)
-        return tokens * c_full / ((d + bonus) * self.c_draft + self.c_verify(d))
+        return speedup(self.alpha, d, self.c_draft, self.c_verify, c_full, bonus=self._bonus_choice(d))
 
     def plain_step_estimate(self) -> float:
         """Seconds of a plain step before one ran: a draft pass without its head (the head's share
