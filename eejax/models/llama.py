@@ -73,13 +73,41 @@ def layer_params(params, layer):
     return {k: jax.lax.dynamic_index_in_dim(params["layers"][k], layer, keepdims=False) for k in LAYER_KEYS}
 
 
-def layer_kv(lp, h, batch: TokenBatch, config: LlamaConfig):
-    """This layer's K and V `[B, T, Hkv, Dh]` for hidden states h (input norm, projection, rotary)."""
+def linear(x, lp, name):
+    """x @ lp[name], plus LoRA's low-rank update x @ a @ b when the layer params carry one
+    (`name + "_a"` [D, r], `name + "_b"` [r, O]: training, before the update is merged)."""
+    y = x @ lp[name]
+    if name + "_a" in lp:
+        y = y + (x @ lp[name + "_a"]) @ lp[name + "_b"]
+    return y
+
+
+def _qkv(lp, h, cos, sin, config: LlamaConfig):
+    """Rotated q `[B, T, Hq, Dh]`, k and v `[B, T, Hkv, Dh]` of hidden states h."""
     b, t, _ = h.shape
     x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
-    k = (x @ lp["wk"]).reshape(b, t, config.num_kv_heads, config.head_dim)
-    v = (x @ lp["wv"]).reshape(b, t, config.num_kv_heads, config.head_dim)
-    return apply_rope(k, batch.cos, batch.sin), v
+    q = apply_rope(linear(x, lp, "wq").reshape(b, t, config.num_heads, config.head_dim), cos, sin)
+    k, v = _kv(lp, x, cos, sin, config)
+    return q, k, v
+
+
+def _kv(lp, x, cos, sin, config: LlamaConfig):
+    b, t, _ = x.shape
+    k = linear(x, lp, "wk").reshape(b, t, config.num_kv_heads, config.head_dim)
+    v = linear(x, lp, "wv").reshape(b, t, config.num_kv_heads, config.head_dim)
+    return apply_rope(k, cos, sin), v
+
+
+def _residual_mlp(lp, h, attn, config: LlamaConfig):
+    """The attention output projection and the gated MLP, each with its residual."""
+    h = h + linear(attn.reshape(*h.shape[:2], -1), lp, "wo")
+    x = rms_norm(h, lp["mlp_norm"], config.rms_norm_eps)
+    return h + linear(jax.nn.silu(linear(x, lp, "w_gate")) * linear(x, lp, "w_up"), lp, "w_down")
+
+
+def layer_kv(lp, h, batch: TokenBatch, config: LlamaConfig):
+    """This layer's K and V `[B, T, Hkv, Dh]` for hidden states h (input norm, projection, rotary)."""
+    return _kv(lp, rms_norm(h, lp["attn_norm"], config.rms_norm_eps), batch.cos, batch.sin, config)
 
 
 def kv_of_layer(params, h, layer, batch: TokenBatch, config: LlamaConfig):
@@ -91,17 +119,34 @@ def kv_of_layer(params, h, layer, batch: TokenBatch, config: LlamaConfig):
 
 def layer_forward(lp, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
     """One decoder layer: writes its K/V for the new tokens, returns (h, cache)."""
-    b, t, _ = h.shape
-    x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
-    q = (x @ lp["wq"]).reshape(b, t, config.num_heads, config.head_dim)
-    q = apply_rope(q, batch.cos, batch.sin)
-    k, v = layer_kv(lp, h, batch, config)
+    q, k, v = _qkv(lp, h, batch.cos, batch.sin, config)
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
     attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len,
                            impl=batch.attention)
-    h = h + attn.reshape(b, t, -1) @ lp["wo"]
-    x = rms_norm(h, lp["mlp_norm"], config.rms_norm_eps)
-    return h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"], cache
+    return _residual_mlp(lp, h, attn, config), cache
+
+
+def causal_layer(lp, h, cos, sin, valid, config: LlamaConfig):
+    """One decoder layer over whole right-padded sequences without a KV cache (training):
+    h [B, T, D], cos/sin [B, T, Dh], valid [B, T] bool -> h [B, T, D]. `lp` may carry LoRA
+    updates (see `linear`)."""
+    q, k, v = _qkv(lp, h, cos, sin, config)
+    return _residual_mlp(lp, h, causal_attention(q, k, v, valid), config)
+
+
+def causal_attention(q, k, v, valid):
+    """Dense causal GQA attention: q [B, T, Hq, Dh], k/v [B, T, Hkv, Dh], keys masked by valid
+    [B, T] -> [B, T, Hq, Dh] (a query with no valid key gets zeros)."""
+    b, t, hq, dh = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * dh**-0.5
+    mask = (jnp.arange(t)[:, None] >= jnp.arange(t)[None, :])[None] & valid[:, None, :]  # [B, T, S]
+    mask = mask[:, None, None]
+    has_key = mask.any(-1, keepdims=True)
+    probs = jax.nn.softmax(jnp.where(mask, scores, jnp.where(has_key, -jnp.inf, 0.0)), axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, dh).astype(q.dtype)
 
 
 def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eejax.cache import init_cache
 from eejax.decode.steps import exit_logits, model_module
 from eejax.errors import EejaxError
+from eejax.train.forward import layer_states
 
 LAYER_WEIGHTS = ("calm", "layerskip", "uniform")
 
@@ -51,32 +51,6 @@ def check_exit_layers(exit_layers, num_layers: int) -> np.ndarray:
     if e.size == 0 or e[0] < 1 or e[-1] >= num_layers:
         raise EejaxError(f"exit layers must be layer counts in [1, {num_layers - 1}], got {list(exit_layers)}")
     return e.astype(np.int32)
-
-
-def layer_states(params, tokens, lengths, config, skip=None, page_size: int = 16):
-    """Hidden states after every layer, [L, B, T, D], of right-padded sequences tokens [B, T]
-    (a causal pass over a scratch paged cache). skip [L, B] bool: row b passes layer l through
-    unchanged (LayerSkip's layer dropout)."""
-    m = model_module(config)
-    b, t = tokens.shape
-    pages = -(-t // page_size)
-    cache = init_cache(config.num_layers, 1 + b * pages, page_size, config.num_kv_heads, config.head_dim,
-                       params["embed"].dtype)
-    table = 1 + jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    batch = m.token_batch(config, positions, positions < lengths[:, None], table, lengths, page_size)
-    if skip is None:
-        skip = jnp.zeros((config.num_layers, b), bool)
-
-    def body(carry, xs):
-        h, cache = carry
-        layer, skipped = xs
-        out, cache = m.decoder_layer(params, h, cache, layer, batch, config)
-        h = jnp.where(skipped[:, None, None], h, out)
-        return (h, cache), h
-
-    _, states = jax.lax.scan(body, (m.embed(params, tokens), cache), (jnp.arange(config.num_layers), skip))
-    return states
 
 
 def distillation_loss(exit_params, params, states, valid, exit_layers, weights, config, labels=None,
