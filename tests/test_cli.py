@@ -187,11 +187,17 @@ def test_train_layerskip_command(capsys, ckpt, tmp_path):
     code, out, err = run_cli(capsys, *argv)  # the same command, without the budget, finishes the run
     assert code == 0, err
     assert "trained 4 steps" in out and (out_dir / "delta.safetensors").exists()
-    assert (out_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for png in ("loss.png", "kl.png"):
+        assert (out_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     run = json.loads((out_dir / "run.json").read_text())
     assert run["data"]["skip"] == 1 and run["settings"]["layerskip"]["exit_layers"] == [1, 2]
     trained = eejax.load(out_dir / "model")
     assert np.asarray(trained.params["exits"]["exit_layers"]).tolist() == [1, 2]
+    from eejax.train.layerskip_run import load_run, probe_logits
+
+    at_end, step = load_run(out_dir)  # the latest checkpoint is the trained model
+    assert step == 4
+    np.testing.assert_array_equal(probe_logits(at_end)[1], probe_logits(trained)[1])
     code, _, err = run_cli(capsys, *argv[:-1], "--p-max", 0.2, "--quiet")
     assert code == 2 and "other settings (settings.layerskip.p_max)" in err
 

@@ -254,3 +254,31 @@ def test_exported_delta_rebuilds_the_trained_model(tiny_model, tmp_path):
     other = eejax.Model(tiny_model.config, jax.tree.map(lambda x: x * 1.01, tiny_model.params), tiny_model.tokenizer)
     with pytest.raises(EejaxError, match="does not reproduce the logits"):
         apply_delta(other, tmp_path / "delta.safetensors")
+
+
+def test_known_model_built_from_a_base_and_a_shipped_delta(tiny_checkpoints, tmp_path, monkeypatch):
+    """A known name with a delta: `eejax.load(name)` applies the delta to its base once and caches
+    the result like a converted model."""
+    from eejax import hub
+    from eejax.train.layerskip_run import probe_logits
+    from eejax.train.lora import apply_delta
+
+    base_dir = tiny_checkpoints["gqa-tied"][2]
+    base = eejax.load(base_dir)
+    factors = jax.tree.map(lambda x: x + 0.02, init_lora(base.params["layers"], 2, jax.random.PRNGKey(3)))
+    trained = eejax.Model(base.config, merge_lora(base.params, factors), base.tokenizer)
+    ids, logits = probe_logits(trained)
+    top = np.argsort(-logits)[:64]
+    save_delta(tmp_path / "tiny-layerskip.safetensors", factors, {"exit_vocab_ids": np.arange(3, 40, dtype=np.int32)},
+               {"base": "tiny", "settings": {"layerskip": {"exit_layers": [2]}}, "probe_ids": ids,
+                "probe_top_ids": top.tolist(), "probe_top_logits": logits[top].tolist()})
+    monkeypatch.setenv("EEJAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub, "ASSETS", tmp_path)
+    monkeypatch.setitem(hub.KNOWN_MODELS, "tiny-layerskip", hub.KnownModel(
+        requirement="unused", member="unused", description="test", base=str(base_dir),
+        delta="tiny-layerskip.safetensors"))
+    loaded = eejax.load("tiny-layerskip")
+    assert (tmp_path / "cache" / "models" / "tiny-layerskip").is_dir()
+    assert np.asarray(loaded.params["exits"]["exit_layers"]).tolist() == [2]
+    np.testing.assert_array_equal(probe_logits(loaded)[1], probe_logits(apply_delta(base, tmp_path /
+                                                                                     "tiny-layerskip.safetensors"))[1])

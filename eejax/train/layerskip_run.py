@@ -111,8 +111,9 @@ def train_layerskip(model, data: DistillData, settings: RunSettings, checkpoint_
     """Runs the steps from the latest checkpoint in `checkpoint_dir` (or from the start) until
     `settings.steps` are done or `hours` have passed, saving every `save_every` steps and at the
     end. `on_step(step, loss)` is called after each step. Returns (trainable, log, done): log
-    holds per step the loss, the early exits' (layer index, loss) pairs, the layers computed, the
-    heads evaluated and the seconds; done is whether the last step ran."""
+    holds per step the loss, the (layer index, KL) pairs of the heads evaluated (the last layer's
+    included), the layers computed, the heads evaluated and the seconds; done is whether the last
+    step ran."""
     import orbax.checkpoint as ocp
 
     if save_every < 1:
@@ -155,7 +156,7 @@ def train_layerskip(model, data: DistillData, settings: RunSettings, checkpoint_
                 raise EejaxError(f"the loss became {loss} at step {step}; lower the learning rate "
                                  f"(the last checkpoint, before this step, is kept)")
             log["loss"].append(loss)
-            log["exit_losses"].append([[int(i), float(x)] for i, x in zip(index[:-1], np.asarray(losses)[:-1])])
+            log["exit_losses"].append([[int(i), float(x)] for i, x in zip(index, np.asarray(losses))])
             log["layers_run"].append(int(layers_run))
             log["heads"].append(int(heads))
             log["seconds"].append(time.perf_counter() - t0)
@@ -233,3 +234,33 @@ def export_run(model, trainable: dict, settings: RunSettings, data: DistillData,
                    {**meta, "probe_ids": ids, "probe_top_ids": top.tolist(),
                                                   "probe_top_logits": logits[top].tolist()})
     return run_dir / "model"
+
+
+def load_run(run_dir: str | Path):
+    """(the model at a run's latest checkpoint, as `trained_model` builds it; the step it is at):
+    for looking at a run while it trains, or after."""
+    import orbax.checkpoint as ocp
+
+    from eejax.model import load
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").exists():
+        raise EejaxError(f"{run_dir} is not a LayerSkip run directory (no run.json)")
+    run = json.loads((run_dir / "run.json").read_text())
+    settings = RunSettings.from_json(run["settings"])
+    model = load(run["model"])
+    trainable, _ = initial_trainable(model, settings)
+    manager = _manager(run_dir / "checkpoints")
+    try:
+        step = manager.latest_step()
+        if step is None:
+            raise EejaxError(f"{run_dir} has no checkpoint yet")
+        optimizer = optimizer_for(settings)
+        state = {"trainable": trainable, "opt": optimizer.init(trainable), "step": jnp.int32(0)}
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(state)))
+    finally:
+        manager.close()
+    data = DistillData.load(run_dir / "data.npz")
+    trained = trained_model(model, restored.state["trainable"], settings, data,
+                            exit_vocab_size=run.get("exit_vocab_size", 8192))
+    return trained, step

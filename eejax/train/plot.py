@@ -35,3 +35,37 @@ def save_loss_plot(losses, path: str | Path, title: str = "exit training loss") 
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def save_layerskip_plot(log: dict, path: str | Path, num_layers: int) -> Path:
+    """A LayerSkip run's curves: the KL of each head it evaluated (exit after l layers, and the
+    last layer) over the steps that evaluated it, as 20-point running means (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise EejaxError('the loss plot needs matplotlib: pip install "eejax[bench]"') from e
+    series: dict[int, list[tuple[int, float]]] = {}
+    for step, pairs in enumerate(log["exit_losses"]):
+        for layer, kl in pairs:
+            series.setdefault(int(layer), []).append((step + 1, kl))
+    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=120)
+    for layer in sorted(series):
+        steps, kls = map(np.asarray, zip(*series[layer]))
+        window = min(20, len(kls))
+        smooth = np.convolve(kls, np.ones(window) / window, mode="valid")
+        label = "last layer" if layer == num_layers - 1 else f"exit after {layer + 1} layers"
+        ax.plot(steps[window - 1:], smooth, lw=1.6, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL to the original model (nats)")
+    ax.set_title("LayerSkip training: KL per head")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
