@@ -43,6 +43,8 @@ class RunSettings:
             raise EejaxError("steps and batch_size must be >= 1, lora_rank and exit_positions >= 0")
         if not self.learning_rate > 0:
             raise EejaxError(f"the learning rate must be > 0, got {self.learning_rate}")
+        if self.layerskip.total_steps != self.steps:  # the curricula's T is the run's length
+            object.__setattr__(self, "layerskip", dataclasses.replace(self.layerskip, total_steps=self.steps))
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
