@@ -9,8 +9,8 @@ import numpy as np
 from eejax.errors import EejaxError
 
 
-def save_loss_plot(losses, path: str | Path, title: str = "exit training loss") -> Path:
-    """Writes the per-step losses and their 20-step running mean to `path` (PNG)."""
+def _pyplot():
+    """matplotlib.pyplot with the file-only Agg backend (a named error without matplotlib)."""
     try:
         import matplotlib
 
@@ -18,6 +18,21 @@ def save_loss_plot(losses, path: str | Path, title: str = "exit training loss") 
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise EejaxError('the loss plot needs matplotlib: pip install "eejax[bench]"') from e
+    return plt
+
+
+def _save(plt, fig, path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def save_loss_plot(losses, path: str | Path, title: str = "exit training loss") -> Path:
+    """Writes the per-step losses and their 20-step running mean to `path` (PNG)."""
+    plt = _pyplot()
     losses = np.asarray(losses, np.float64)
     steps = np.arange(1, len(losses) + 1)
     window = min(20, len(losses))
@@ -29,24 +44,13 @@ def save_loss_plot(losses, path: str | Path, title: str = "exit training loss") 
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def save_layerskip_plot(log: dict, path: str | Path, num_layers: int) -> Path:
     """A LayerSkip run's curves: the KL of each head it evaluated (exit after l layers, and the
     last layer) over the steps that evaluated it, as 20-point running means (PNG)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise EejaxError('the loss plot needs matplotlib: pip install "eejax[bench]"') from e
+    plt = _pyplot()
     series: dict[int, list[tuple[int, float]]] = {}
     for step, pairs in enumerate(log["exit_losses"]):
         for layer, kl in pairs:
@@ -63,9 +67,4 @@ def save_layerskip_plot(log: dict, path: str | Path, num_layers: int) -> Path:
     ax.set_ylabel("KL to the original model (nats)")
     ax.set_title("LayerSkip training: KL per head")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
