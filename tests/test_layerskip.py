@@ -275,7 +275,7 @@ def test_known_model_built_from_a_base_and_a_shipped_delta(tiny_checkpoints, tmp
     monkeypatch.setenv("EEJAX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(hub, "ASSETS", tmp_path)
     monkeypatch.setitem(hub.KNOWN_MODELS, "tiny-layerskip", hub.KnownModel(
-        requirement="unused", member="unused", description="test", base=str(base_dir),
+        description="test", base=str(base_dir),
         delta="tiny-layerskip.safetensors"))
     loaded = eejax.load("tiny-layerskip")
     assert (tmp_path / "cache" / "models" / "tiny-layerskip").is_dir()
