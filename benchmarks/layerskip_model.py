@@ -123,14 +123,16 @@ def stage_speed(args, base, trained, calibrated) -> dict:
         rows = []
         for (name, model, kw), res, speedup in zip(runs, paired.results, paired.speedups):
             s = res.stats
-            row = {"decoding": name, "speedup": speedup, "layers_per_token": s["mean_layers_per_token"]}
+            row = {"decoding": name, "speedup": speedup, "ideal_speedup": s["ideal_speedup"],
+                   "layers_per_token": s["mean_layers_per_token"]}
             if "spec" in kw:
                 same = res.tokens == (full.tokens if model is trained else None)
                 row.update(acceptance=s["acceptance_rate"], identical=same if model is trained else None)
             else:
                 row.update(rouge_l_to_full=rouge_l(res.texts, full.texts))
             rows.append(row)
-            print(f"  {name}: {speedup:.2f}x, {row['layers_per_token']:.1f} layers/token, "
+            print(f"  {name}: {speedup:.2f}x (ideal {row['ideal_speedup']:.2f}x, efficiency "
+                  f"{speedup / row['ideal_speedup']:.2f}), {row['layers_per_token']:.1f} layers/token, "
                   + (f"acceptance {row['acceptance']:.2f}" + (f", identical {row['identical']}"
                                                                if row["identical"] is not None else "")
                      if "spec" in kw else f"ROUGE-L to full {row['rouge_l_to_full']:.3f}"), flush=True)

@@ -456,7 +456,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     from eejax.hub import KNOWN_MODELS, cache_dir
 
     for name, known in KNOWN_MODELS.items():
-        state = "converted" if (cache_dir() / "models" / name).exists() else "not fetched yet"
+        built = (cache_dir() / "models" / name).exists()
+        state = "converted" if built else "not fetched yet" if known.delta is None else "built on first load"
         print(f"{name}\t{known.description} [{state}]")
     print(f"cache: {cache_dir()} (set EEJAX_CACHE to move it)")
     return 0
