@@ -15,8 +15,8 @@ from eejax.config import LlamaConfig
 from eejax.errors import EejaxError
 from eejax.models import llama
 from eejax.train.forward import layer_states, layer_states_and_count
-from eejax.train.layerskip import (DistillBatch, LayerSkipConfig, dropout_rates, enabled_exits, exit_loss_scales,
-                                   label_batch, layerskip_train_step, skipped_layers)
+from eejax.train.layerskip import (DistillBatch, LayerSkipConfig, distill_loss, dropout_rates, enabled_exits,
+                                   exit_loss_scales, label_batch, layerskip_train_step, skipped_layers)
 from eejax.train.lora import init_lora, load_delta, merge_lora, save_delta, with_lora
 
 
@@ -55,6 +55,29 @@ def test_exit_loss_scales():
         LayerSkipConfig(exit_layers=(6, 3))
     with pytest.raises(EejaxError, match=r"layer counts in \[1, 11\]"):
         LayerSkipConfig(exit_layers=(3, 12)).eligible(12)
+
+
+def test_distill_loss_keeps_the_teachers_tail():
+    # A top-3 target of a 10-token teacher, its missing mass one more outcome: the teacher itself
+    # scores 0 (no pull to sharpen), and any student scores its KL over the 4 outcomes.
+    teacher = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 10))
+    logp = jax.nn.log_softmax(teacher)
+    top_logp, ids = jax.lax.top_k(logp, 3)
+    batch = DistillBatch(jnp.zeros((2, 5), jnp.int32), jnp.full((2,), 5), jnp.ones((2, 5)), ids, jnp.exp(top_logp))
+    assert abs(float(distill_loss(teacher, batch))) < 1e-6
+    assert float(jnp.abs(jax.grad(distill_loss)(teacher, batch)).max()) < 1e-6
+    student = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 10))
+    q = np.asarray(jax.nn.softmax(student))
+    q_top = np.take_along_axis(q, np.asarray(ids), -1)
+    p_top = np.exp(np.asarray(top_logp))
+    p4 = np.concatenate([p_top, 1 - p_top.sum(-1, keepdims=True)], -1)
+    q4 = np.concatenate([q_top, 1 - q_top.sum(-1, keepdims=True)], -1)
+    assert float(distill_loss(student, batch)) == pytest.approx(float(np.mean(np.sum(p4 * np.log(p4 / q4), -1))),
+                                                                rel=1e-5)
+    # Targets summing to 1 (labels, a full distribution) have no rest: the plain KL.
+    labels = label_batch(np.ones((1, 4), np.int32), np.array([4]))
+    assert float(distill_loss(student[:1, :4], labels)) == pytest.approx(
+        float(-np.log(q[0, :3, 1]).mean()), rel=1e-5)
 
 
 def tiny_config(**kw):

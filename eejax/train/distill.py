@@ -1,6 +1,6 @@
 """Self-distillation data for LayerSkip training: windows of the prompt texts, each followed by
 the model's own continuation (greedy, or sampled), with the original model's next-token
-distribution (its top-k, renormalised) at every position as the target."""
+distribution (its top k, and the rest of its mass as one outcome) at every position as the target."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class DistillData:
     """Right-padded sequences and their teacher targets (numpy; saved with `save`).
 
     tokens [N, T] int32, lengths [N] int32, target_ids [N, T, K] int32, target_probs [N, T, K]
-    float16 (the teacher's top-K next-token probabilities at each position, renormalised)."""
+    float16 (the teacher's top-K next-token probabilities at each position; 1 - their sum is its tail)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -92,12 +92,13 @@ def _teacher_top_k(params, tokens, lengths, *, config, top_k):
 
     logits = llama.lm_head(params, layer_states(params, tokens, lengths, config)[-1], config)
     logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
-    return ids, jax.nn.softmax(logp, axis=-1)
+    return ids, jnp.exp(logp)  # not renormalised: the rest of the mass is the tail's
 
 
 def teacher_targets(model, sequences: list[list[int]], *, top_k: int = 32, batch_size: int = 8,
                     progress: bool = True) -> DistillData:
-    """The model's own top-`top_k` next-token distribution at every position of `sequences`."""
+    """The model's own next-token distribution at every position of `sequences`: its `top_k`
+    most likely ids and their probabilities, whose sum falls short of 1 by the tail's mass."""
     from tqdm.auto import tqdm
 
     if not sequences or min(map(len, sequences)) < 1:

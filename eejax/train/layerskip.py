@@ -118,7 +118,8 @@ class DistillBatch(NamedTuple):
 
     tokens [B, T] int32, lengths [B] int32, weights [B, T] float32 (how much position t's loss
     counts; 0 for padding), target_ids / target_probs [B, T, K]: the next-token distribution
-    to learn at position t over K token ids (probabilities summing to 1)."""
+    to learn at position t: the probabilities of K token ids, and 1 - their sum on all the other
+    tokens together (a teacher's top K keeps its tail's mass this way)."""
 
     tokens: jax.Array
     lengths: jax.Array
@@ -143,13 +144,20 @@ def merged_params(trainable: dict, frozen: dict) -> dict:
 
 
 def distill_loss(logits, batch: DistillBatch):
-    """Weighted mean over positions of KL(target || softmax(logits)): the cross-entropy from the
-    target distribution less the target's entropy (0 for a one-hot target), so a model that
-    matches its targets scores 0."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    """Weighted mean over positions of KL(target || softmax(logits)) over K + 1 outcomes: the K
+    target ids and "any other token" (the target's missing mass against the model's mass off
+    the K ids), so a model that matches its targets scores 0 and a top-K target does not teach
+    the model to drop its tail. logits [B, T, V] (any float), batch targets [B, T, K]."""
+    logits = logits.astype(jnp.float32)
+    norm = jax.nn.logsumexp(logits, axis=-1)
     p = batch.target_probs
-    kl = jnp.sum(p * (jnp.log(jnp.maximum(p, 1e-30)) - jnp.take_along_axis(logp, batch.target_ids, axis=-1)), -1)
-    return jnp.sum(kl * batch.weights) / jnp.maximum(jnp.sum(batch.weights), 1e-9)
+    logq = jnp.take_along_axis(logits, batch.target_ids, axis=-1) - norm[..., None]
+    kl = jnp.sum(p * (jnp.log(jnp.maximum(p, 1e-30)) - logq), -1)
+    p_rest = jnp.maximum(1.0 - jnp.sum(p, -1), 0.0)
+    others = jnp.put_along_axis(logits, batch.target_ids, -jnp.inf, axis=-1, inplace=False)
+    logq_rest = jax.nn.logsumexp(others, axis=-1) - norm
+    rest = jnp.where(p_rest > 1e-6, p_rest * (jnp.log(jnp.maximum(p_rest, 1e-30)) - logq_rest), 0.0)
+    return jnp.sum((kl + rest) * batch.weights) / jnp.maximum(jnp.sum(batch.weights), 1e-9)
 
 
 def at_positions(batch: DistillBatch, positions) -> DistillBatch:
