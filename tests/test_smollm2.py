@@ -104,7 +104,6 @@ def test_layerskip_model_speculates_losslessly_and_accepts_more(smollm2, smollm2
     full = eejax.generate(smollm2_layerskip, prompts, max_new_tokens=NEW_TOKENS)
     res = eejax.generate(smollm2_layerskip, prompts, max_new_tokens=NEW_TOKENS, spec="15:3")
     assert res.tokens == full.tokens
-    # Its layer 15 drafts what its last layer says far more often than the original's does (here
-    # 0.11 against 0.03).
+    # Its layer 15 drafts what its last layer says far more often than the original's does.
     original = eejax.generate(smollm2, prompts, max_new_tokens=NEW_TOKENS, spec="15:3")
     assert res.stats["acceptance_rate"] > 2 * original.stats["acceptance_rate"] > 0
