@@ -33,15 +33,22 @@ from eejax.errors import EejaxError
 from eejax.kernels.position_bias import RelativePositionBias
 
 tl = None  # triton.language, bound by `_kernel` when the kernel is first needed
-constexpr = "constexpr"  # the annotation text triton looks for
+# The annotation of compile-time parameters: triton reads its text ("constexpr", which postponed
+# annotations keep) to find them, and its compiler looks the name up, so `_kernel` rebinds it to
+# `triton.language.constexpr` (a plain string is a global the compiler refuses).
+constexpr = "constexpr"
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16 on GPUs
-KEY_BLOCK = 64  # keys per inner-loop step (several pages when pages are small)
+# Keys x head_dim per inner-loop step: 64 keys of 64 dims, 32 of 128, half that for blocks of 64
+# query rows and for T5's bias (a block may span several pages or part of one). The sizes come
+# from `python -m eejax.kernels.aot`: with 4 warps, or 64 keys of 128 dims, ptxas needs 216-255
+# registers per thread and spills; with these it needs 80-190 and spills at most 8 bytes.
+KEY_ELEMENTS = 4096
+NUM_WARPS = 8
+NUM_STAGES = 2
 SPLIT_TARGET_PROGRAMS = 132  # about one program per SM of an H100
 
 
-# Parameters annotated `constexpr` are compile-time constants (triton reads the annotation's
-# text, which postponed annotations keep as "constexpr").
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, layer_ptr, table_ptr, qpos_ptr, kvlen_ptr, bias_ptr,
     stride_qb, stride_qt, stride_qh,
@@ -131,7 +138,7 @@ class LaunchPlan:
     grid: tuple[int, int, int]
     num_splits: int
     keys_per_split: int
-    scalars: tuple[int, ...]  # strides, num_tokens, keys_per_split (scale and bias_log_scale follow)
+    scalars: tuple  # the kernel's scalar arguments in order: strides, num_tokens, keys_per_split, scale, bias_log_scale
     constexprs: dict
     out_shapes: tuple[tuple[int, ...], ...]  # acc [B, S, T, Hq, Dh]; m, l [B, S, T, Hq]
 
@@ -145,9 +152,11 @@ def _pow2(n: int) -> int:
 
 
 def plan_launch(q_shape, cache_shape, table_shape, dtype, *, interpret: bool = False,
-                num_splits: int | None = None, bias: RelativePositionBias | None = None) -> LaunchPlan:
+                num_splits: int | None = None, scale: float | None = None,
+                bias: RelativePositionBias | None = None) -> LaunchPlan:
     """The launch of `_paged_attention_kernel` for q [B, T, Hq, Dh] over a cache
-    [L, Hkv, P, S, Dh] with a block table [B, M]; `interpret` for Triton's CPU interpreter."""
+    [L, Hkv, P, S, Dh] with a block table [B, M]; `interpret` for Triton's CPU interpreter;
+    `scale` of the scores (default Dh^-0.5)."""
     b, t, hq, dh = q_shape
     _, hkv, _, page, _ = cache_shape
     max_keys = table_shape[1] * page
@@ -155,7 +164,7 @@ def plan_launch(q_shape, cache_shape, table_shape, dtype, *, interpret: bool = F
     if dh < MIN_DOT or dh != _pow2(dh):
         raise ValueError(f"the Triton attention kernel needs a power-of-two head_dim >= {MIN_DOT}, got {dh}")
     block_m = max(MIN_DOT, min(_pow2(t * group), 64))
-    block_n = max(KEY_BLOCK, _pow2(page))
+    block_n = max(MIN_DOT, KEY_ELEMENTS // dh // (2 if block_m > MIN_DOT or bias else 1))
     m_blocks = math.ceil(t * group / block_m)
     programs = b * hkv * m_blocks
     if num_splits is None:  # split the keys only when the batch alone cannot fill the device
@@ -173,6 +182,8 @@ def plan_launch(q_shape, cache_shape, table_shape, dtype, *, interpret: bool = F
         os_[0], os_[1], os_[2], os_[3],
         ms[0], ms[1], ms[2],
         t, keys_per_split,
+        # float32 scalars: jax-triton types a Python float as fp64, which the kernel cannot take
+        np.float32(dh ** -0.5 if scale is None else scale), np.float32(bias.log_scale if bias else 0.0),
     )
     constexprs = dict(GROUP=group, PAGE=page, HEAD_DIM=dh, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
                       # fp32 inputs: exact products (no TF32); bf16: tensor cores with the default
@@ -201,7 +212,7 @@ def _kernel(interpret: bool):
     or interpreted, so a process runs one or the other: the interpreter needs TRITON_INTERPRET=1
     before triton is first imported, which this sets when it imports triton itself.
     """
-    global tl
+    global tl, constexpr
     if interpret and "triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
@@ -215,11 +226,11 @@ def _kernel(interpret: bool):
             f"cannot run the Triton kernel {mode}: triton was imported with TRITON_INTERPRET="
             f"{os.environ.get('TRITON_INTERPRET', '')!r}; a process runs Triton either compiled or interpreted"
         )
-    tl = triton.language
+    tl, constexpr = triton.language, triton.language.constexpr
     return triton.jit(_paged_attention_kernel)
 
 
-def _interpret_on_host(plan: LaunchPlan, floats: tuple[float, float], q, k, v, layer, table, q_pos, kv_len, bias):
+def _interpret_on_host(plan: LaunchPlan, q, k, v, layer, table, q_pos, kv_len, bias):
     """Runs the kernel in Triton's interpreter on torch CPU tensors (numpy in, numpy out)."""
     import torch
 
@@ -231,7 +242,8 @@ def _interpret_on_host(plan: LaunchPlan, floats: tuple[float, float], q, k, v, l
 
     outs = [torch.zeros(s, dtype=torch.float32) for s in plan.out_shapes]
     args = [tensor(x) for x in (q, k, v, np.asarray(layer, np.int32).reshape(1), table, q_pos, kv_len, bias)]
-    _kernel(interpret=True)[plan.grid](*args, *plan.scalars, *floats, *outs, **plan.constexprs)
+    scalars = [float(x) if isinstance(x, np.floating) else x for x in plan.scalars]  # the interpreter's types
+    _kernel(interpret=True)[plan.grid](*args, *scalars, *outs, **plan.constexprs)
     return tuple(o.numpy() for o in outs)
 
 
@@ -241,20 +253,19 @@ def triton_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions,
     """`paged_attention` (same arguments and result) through the Triton kernel; `interpret`
     runs it in Triton's interpreter on the host (CPU), otherwise through jax-triton (CUDA)."""
     plan = plan_launch(q.shape, k_cache.shape, block_table.shape, q.dtype, interpret=interpret,
-                       num_splits=num_splits, bias=bias)
-    floats = (float(q.shape[-1] ** -0.5 if scale is None else scale), float(bias.log_scale if bias else 0.0))
+                       num_splits=num_splits, scale=scale, bias=bias)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     bias_table = jnp.zeros((1, q.shape[2]), jnp.float32) if bias_table is None else bias_table.astype(jnp.float32)
     args = (q, k_cache, v_cache, layer, block_table.astype(jnp.int32), q_positions.astype(jnp.int32),
             kv_len.astype(jnp.int32), bias_table)
     out_shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in plan.out_shapes)
     if interpret:
-        acc, m, l = jax.pure_callback(functools.partial(_interpret_on_host, plan, floats), out_shapes, *args)
+        acc, m, l = jax.pure_callback(functools.partial(_interpret_on_host, plan), out_shapes, *args)
     else:
         import jax_triton
 
         acc, m, l = jax_triton.triton_call(
-            *args, *plan.scalars, *floats, kernel=_kernel(interpret=False), out_shape=out_shapes, grid=plan.grid,
-            num_warps=4, num_stages=2, **plan.constexprs,
+            *args, *plan.scalars, kernel=_kernel(interpret=False), out_shape=out_shapes, grid=plan.grid,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **plan.constexprs,
         )
     return merge_splits(acc, m, l, q.dtype)
