@@ -16,6 +16,7 @@ import jax
 class ProgramCache:
     def __init__(self):
         self._compiled: dict[Any, Any] = {}
+        self._sources: dict[Any, tuple] = {}  # key -> (fn, abstract args, static, donate_argnums)
         self.compile_seconds = 0.0
 
     @property
@@ -39,4 +40,16 @@ class ProgramCache:
             program = jitted.lower(*args).compile()
             self.compile_seconds += time.perf_counter() - start
             self._compiled[key] = program
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+            self._sources[key] = (fn, abstract, static, donate_argnums)
         return program
+
+    def lower_for(self, platform: str) -> list[tuple[str, jax.stages.Lowered]]:
+        """Every program compiled so far, lowered again for `platform` ("cuda", "rocm", "tpu",
+        "cpu") without a device of that kind: [(function name, Lowered)]. Static options that
+        were resolved for this process's backend (attention "auto") keep their resolution."""
+        lowered = []
+        for fn, args, static, donate in self._sources.values():
+            jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
+            lowered.append((fn.__qualname__, jitted.trace(*args).lower(lowering_platforms=(platform,))))
+        return lowered
