@@ -199,3 +199,19 @@ def start_eejax_serve(model_dir, *args, timeout: float = 120):
             proc.kill()
             raise AssertionError(f"eejax serve did not start: {proc.stdout.read()}")
         time.sleep(0.2)
+
+
+def sequence_logits(model, ids, page_size: int = 16):
+    """float32 logits [T, V] at every position of one token sequence: a Llama prefill through the
+    paged cache (in the model's dtype) and the head."""
+    from eejax.cache import init_cache
+    from eejax.models import llama
+
+    c, t = model.config, len(ids)
+    pages = -(-t // page_size)
+    cache = init_cache(c.num_layers, 1 + pages, page_size, c.num_kv_heads, c.head_dim, model.dtype)
+    positions = np.arange(t, dtype=np.int32)[None]
+    batch = llama.token_batch(c, positions, np.ones((1, t), bool), np.arange(1, 1 + pages, dtype=np.int32)[None],
+                              np.array([t], np.int32), page_size)
+    h, _ = llama.run_layers(model.params, llama.embed(model.params, np.array([ids], np.int32)), cache, batch, c)
+    return np.asarray(llama.lm_head(model.params, h, c))[0]

@@ -5,10 +5,16 @@ generate at full depth, sampling, each early-exit measure (KV fill included), se
 Not covered here: jax-triton's custom call, which only its CUDA jaxlib plugin can build (jax_triton
 does not import without one); the kernel itself is compiled for sm_80 / sm_90 by test_triton_aot."""
 
+import dataclasses
+
 import jax
+import pytest
 
 import eejax
-from eejax.config import SpecConfig, T5Config
+from eejax.config import ExitConfig, SpecConfig, T5Config
+from eejax.decode import early_exit
+from eejax.decode.control_flow import control_flow
+from eejax.models import exits
 from eejax.models import t5
 from eejax.serve.engine import Engine
 from tests.conftest import random_prompts
@@ -61,3 +67,44 @@ def test_t5_programs_lower_for_cuda():
     texts = lowered_for_cuda(model)
     assert {"prefill", "decode", "draft", "verify"} <= set(texts)
     assert_cuda_modules(texts, model.programs.num_programs)
+
+
+# (exit, data-dependent loops of the GPU's structure): the segment loop, and the layer loop of
+# the segments' layers beyond the shortest segment's (none when the segments are equally long)
+EXIT_OPTIONS = [(ExitConfig("softmax", threshold=0.3, decay=None, head="full"), 1),  # checks after every layer
+                (ExitConfig("state", threshold=0.5), 1),
+                (ExitConfig("classifier", threshold=0.5, exit_layers=(2, 4, 6)), 1),  # segments of 2
+                (ExitConfig("softmax", threshold=0.05, decay=None, head="reduced", exit_layers=(2, 3, 5)), 2)]
+
+
+@pytest.mark.parametrize(("exit_config", "gpu_loops"), EXIT_OPTIONS, ids=["softmax", "state", "classifier", "reduced"])
+def test_static_loops_keep_the_tokens_and_cut_the_gpu_round_trips(monkeypatch, exit_config, gpu_loops):
+    # On GPU a while iteration or a conditional costs a host round trip, a loop of known trip
+    # count none. With `static_loops` (the GPU's choice) KV fill and the layers every segment
+    # has run in loops of known trip count, and the reduced check has no conditional: fewer
+    # data-dependent loops, same tokens and exit layers.
+    base = eejax.init_exits(tiny(num_layers=8), classifier=True)
+    base = dataclasses.replace(base, params=exits.set_exit_vocab(base.params, range(0, 64, 2), tied=False))
+    results, flows = {}, {}
+    for static in (False, True):
+        monkeypatch.setattr(early_exit, "static_loops", lambda static=static: static)
+        model = eejax.Model(base.config, base.params)  # its own program cache
+        results[static] = eejax.generate(model, PROMPTS, max_new_tokens=6, ignore_eos=True, exit=exit_config)
+        flows[static] = [control_flow(p.as_text()) for name, p in model.programs.compiled() if name == "decode"]
+    assert results[True].tokens == results[False].tokens
+    assert results[True].exit_layers == results[False].exit_layers
+    assert min(map(min, results[True].exit_layers)) < 8  # some steps exit early: KV fill runs
+    print(exit_config.measure, flows)
+    for loops, static in zip(flows[False], flows[True]):
+        # traced: the segment loop, its layer loop, KV fill
+        assert (loops.dynamic_loops, static.dynamic_loops) == (3, gpu_loops)
+        assert static.conditionals == loops.conditionals - (exit_config.head == "reduced")  # the check's
+
+
+def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
+    model = tiny(num_layers=4)
+    for kw in (dict(), dict(exit="static:2"), dict(spec="2:2"), dict(spec="1:2:adaptive")):
+        eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, **kw)
+    for name, program in model.programs.compiled():
+        flow = control_flow(program.as_text())
+        assert flow.dynamic_loops == 0 and flow.conditionals == 0, (name, flow)

@@ -30,8 +30,8 @@ from eejax.decode.confidence import softmax_margin, state_cosine
 class ExitFns(NamedTuple):
     """What the loop needs from a model, for hidden states h [B, T, D] of the new tokens.
 
-    run_layers(h, cache, start, stop) -> (h, cache): layers [start, stop) (traced bounds),
-        each writing its K/V.
+    run_layers(h, cache, start, stop=None, length=None) -> (h, cache): layers [start, stop)
+        (traced bounds), or [start, start + length) for a static length; each writes its K/V.
     exit_logits(h, layers_run) -> [B, V] float32: the full exit head after `layers_run` layers
         (last token of each row); the model's own head when layers_run = num_layers.
     check_logits(h, layers_run) -> [B, K] float32: the head of softmax checks (the reduced
@@ -95,11 +95,27 @@ def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages,
 
     points = config.check_layers(num_layers)
     # Segment i runs layers [bounds[i], bounds[i + 1]); the last one, [c_m, L), checks nothing.
+    lengths = [b - a for a, b in zip((0,) + points, points + (num_layers,))]
     bounds = jnp.asarray((0,) + points + (num_layers,), jnp.int32)
     reuse = config.measure == "softmax" if reuse_check_logits is None else reuse_check_logits
+    few_round_trips = static_loops()
+
+    def run_segment(h, cache, start, stop, short: int = 0):
+        """Layers [start, stop) of a segment less its last `short` layers (traced bounds). For
+        fewer round trips, the layers every segment has run in a loop of known length, and the
+        rest (none when all segments are as long) in a traced one."""
+        if few_round_trips:
+            common = min(lengths) - short
+            if common > 0:
+                h, cache = fns.run_layers(h, cache, start, length=common)
+            if len(set(lengths)) == 1:
+                return h, cache
+            start = start + max(common, 0)
+        return fns.run_layers(h, cache, start, stop)
 
     def check(h_prev, h, stop):
-        if config.measure == "softmax" and not reuse:  # no reduced check at full depth (nothing to decide)
+        # No reduced check at full depth (nothing to decide), unless a branch costs more than the check
+        if config.measure == "softmax" and not reuse and not few_round_trips:
             width = jax.eval_shape(fns.check_logits, h, stop).shape[-1]
             return jax.lax.cond(stop < num_layers, lambda: confidence(config, fns, h_prev, h, stop),
                                 lambda: (jnp.zeros((b,), jnp.float32), jnp.zeros((b, width), jnp.float32)))
@@ -114,11 +130,11 @@ def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages,
         i, h, cache, exited, confident_at, logits = carry
         start, stop = bounds[i], bounds[i + 1]
         if config.measure == "state":  # the cosine compares the states around the segment's last layer
-            h_prev, cache = fns.run_layers(h, cache, start, stop - 1)
-            h, cache = fns.run_layers(h_prev, cache, stop - 1, stop)
+            h_prev, cache = run_segment(h, cache, start, stop - 1, short=1)
+            h, cache = fns.run_layers(h_prev, cache, stop - 1, length=1)
         else:
             h_prev = None
-            h, cache = fns.run_layers(h, cache, start, stop)
+            h, cache = run_segment(h, cache, start, stop)
         conf, checked = check(h_prev, h, stop)
         newly = (conf > threshold) & (stop < num_layers)
         confident_at = jnp.where(newly & ~exited, stop, confident_at)  # a row turns confident once
@@ -134,18 +150,33 @@ def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages,
     if not reuse:
         logits = jax.lax.cond(exit_layer < num_layers, lambda: fns.emit_logits(h, exit_layer),
                               lambda: fns.exit_logits(h, num_layers))
-    cache = kv_fill(cache, fns.layer_kv, h, exit_layer, num_layers, pages, slots)
+    cache = kv_fill(cache, fns.layer_kv, h, exit_layer, num_layers, pages, slots,
+                    first=points[0] if few_round_trips else None)
     confident_layer = jnp.where(confident_at == 0, exit_layer, confident_at)
     return ExitOutcome(logits, cache, exit_layer, confident_layer)
 
 
-def kv_fill(cache: KVCache, layer_kv: Callable, h, exit_layer, num_layers: int, pages, slots) -> KVCache:
+def static_loops() -> bool:
+    """Whether the early-exit step trades a little compute for host round trips: on a GPU a loop
+    with a traced trip count reads its predicate back to the host every iteration and a
+    conditional its branch (10-20 us each, `eejax.decode.control_flow`); on CPU they cost
+    nothing. Then KV fill runs a loop of known length from the first check layer (projecting,
+    and dropping, the K/V of the layers between it and the exit), and the reduced-head check runs
+    at full depth too instead of behind a conditional."""
+    return jax.default_backend() != "cpu"
+
+
+def kv_fill(cache: KVCache, layer_kv: Callable, h, exit_layer, num_layers: int, pages, slots,
+            first: int | None = None) -> KVCache:
     """Writes the K/V of layers [exit_layer, num_layers) (exit_layer traced; none at full depth)
     of hidden states h [B, T, D] at (pages, slots) [B, T], one layer per loop iteration:
-    `layer_kv(layer, h) -> (k, v)` [B, T, Hkv, Dh]."""
+    `layer_kv(layer, h) -> (k, v)` [B, T, Hkv, Dh]. With `first` (static, <= exit_layer) the loop
+    runs layers [first, num_layers), a known trip count, and the layers below exit_layer write to
+    the null page (page 0), which no row reads."""
 
     def body(layer, cache):
         k, v = layer_kv(layer, h)
-        return write_layer_kv(cache, layer, k, v, pages, slots)
+        to = pages if first is None else jnp.where(layer >= exit_layer, pages, 0)
+        return write_layer_kv(cache, layer, k, v, to, slots)
 
-    return jax.lax.fori_loop(exit_layer, num_layers, body, cache)
+    return jax.lax.fori_loop(exit_layer if first is None else first, num_layers, body, cache)

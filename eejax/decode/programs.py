@@ -44,6 +44,10 @@ class ProgramCache:
             self._sources[key] = (fn, abstract, static, donate_argnums)
         return program
 
+    def compiled(self) -> list[tuple[str, jax.stages.Compiled]]:
+        """[(function name, compiled program)] of every program compiled so far."""
+        return [(source[0].__qualname__, self._compiled[key]) for key, source in self._sources.items()]
+
     def lower_for(self, platform: str) -> list[tuple[str, jax.stages.Lowered]]:
         """Every program compiled so far, lowered again for `platform` ("cuda", "rocm", "tpu",
         "cpu") without a device of that kind: [(function name, Lowered)]. Static options that

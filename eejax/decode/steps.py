@@ -257,7 +257,8 @@ def exit_fns(params, batch, config, *, check_reduced: bool = False, emit_reduced
         return exits.classifier_prob(exit_params, h[:, -1], layers_run - 1)
 
     return ExitFns(
-        run_layers=lambda h, cache, start, stop: m.run_layers(params, h, cache, batch, config, start, stop),
+        run_layers=lambda h, cache, start, stop=None, length=None: m.run_layers(params, h, cache, batch, config,
+                                                                             start, stop, length),
         exit_logits=full,
         check_logits=reduced if check_reduced else full,
         emit_logits=emit if emit_reduced else full,

@@ -75,11 +75,12 @@ def layer_params(params, layer):
 
 def linear(x, lp, name):
     """x @ lp[name], plus LoRA's low-rank update x @ a @ b when the layer params carry one
-    (`name + "_a"` [D, r], `name + "_b"` [r, O]: training, before the update is merged)."""
-    y = x @ lp[name]
+    (`name + "_a"` [D, r], `name + "_b"` [r, O]: training, before the update is merged).
+    Accumulated in float32 and rounded once to x's dtype (bf16 weights: as cuBLAS does)."""
+    y = jnp.matmul(x, lp[name], preferred_element_type=jnp.float32)
     if name + "_a" in lp:
         y = y + (x @ lp[name + "_a"]) @ lp[name + "_b"]
-    return y
+    return y.astype(x.dtype)
 
 
 def _qkv(lp, h, cos, sin, config: LlamaConfig):
@@ -158,9 +159,10 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
     return layer_forward(layer_params(params, layer), h, cache, layer, batch, config)
 
 
-def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig, start=0, stop=None):
-    """Layers [start, stop) with a traced layer index (lax.fori_loop over the stacked params)."""
-    return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop)
+def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig, start=0, stop=None,
+               length: int | None = None):
+    """Layers [start, stop), or [start, start + length), with a traced layer index (`run_layer_range`)."""
+    return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop, length)
 
 
 def lm_head(params, h, config: LlamaConfig, weight=None):

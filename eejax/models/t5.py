@@ -230,9 +230,10 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: T
     return h + feed_forward(lp, rms_norm(h, lp["mlp_norm"], config.layer_norm_eps), config), cache
 
 
-def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: T5Config, start=0, stop=None):
-    """Decoder layers [start, stop) with a traced layer index."""
-    return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop)
+def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: T5Config, start=0, stop=None,
+               length: int | None = None):
+    """Decoder layers [start, stop), or [start, start + length), with a traced layer index."""
+    return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop, length)
 
 
 def lm_head(params, h, config: T5Config, weight=None):
