@@ -39,7 +39,7 @@ def assert_cuda_modules(texts: dict[str, list[str]], lowered_count: int):
             assert "callback" not in text, name  # no host callback (the interpreted kernel would be one)
 
 
-def test_llama_programs_lower_for_cuda():
+def test_llama_programs_lower_for_cuda(monkeypatch):
     model = eejax.init_exits(tiny(num_layers=4), classifier=True)
     runs = [dict(), dict(temperature=0.8, top_k=5, seed=1), dict(exit="softmax:0.3"), dict(exit="static:2"),
             dict(exit="state:0.5"), dict(exit="classifier:0.5"), dict(spec="2:2"), dict(spec="1:3:adaptive"),
@@ -50,12 +50,14 @@ def test_llama_programs_lower_for_cuda():
     for kw in (dict(), dict(exit="softmax:0.3"), dict(spec="2:2"), dict(temperature=0.9, seed=4)):
         engine.submit(PROMPTS[0], max_new_tokens=5, **kw)
     engine.run()
-    texts = lowered_for_cuda(model)
-    print({name: len(modules) for name, modules in texts.items()})
-    assert {"prefill", "decode", "plain_step", "draft", "verify", "prefill_slots", "decode_slots",
-            "spec_round_slots"} <= set(texts)
-    assert_cuda_modules(texts, model.programs.num_programs)
-    assert any("stablehlo.while" in text for text in texts["decode"])  # the early-exit segment loop
+    for static in (False, True):  # the CPU's loop structure, and the GPU's (`early_exit.static_loops`)
+        monkeypatch.setattr(early_exit, "static_loops", lambda static=static: static)
+        texts = lowered_for_cuda(model)
+        print({name: len(modules) for name, modules in texts.items()})
+        assert {"prefill", "decode", "plain_step", "draft", "verify", "prefill_slots", "decode_slots",
+                "spec_round_slots"} <= set(texts)
+        assert_cuda_modules(texts, model.programs.num_programs)
+        assert any("stablehlo.while" in text for text in texts["decode"])  # the early-exit segment loop
 
 
 def test_t5_programs_lower_for_cuda():
@@ -71,7 +73,7 @@ def test_t5_programs_lower_for_cuda():
 
 # (exit, data-dependent loops of the GPU's structure): the segment loop, and the layer loop of
 # the segments' layers beyond the shortest segment's (none when the segments are equally long)
-EXIT_OPTIONS = [(ExitConfig("softmax", threshold=0.3, decay=None, head="full"), 1),  # checks after every layer
+EXIT_OPTIONS = [(ExitConfig("softmax", threshold=0.05, decay=None, head="full"), 1),  # checks after every layer
                 (ExitConfig("state", threshold=0.5), 1),
                 (ExitConfig("classifier", threshold=0.5, exit_layers=(2, 4, 6)), 1),  # segments of 2
                 (ExitConfig("softmax", threshold=0.05, decay=None, head="reduced", exit_layers=(2, 3, 5)), 2)]
