@@ -205,6 +205,13 @@ def test_kv_fill_of_the_skipped_layers_writes_what_the_masked_fill_wrote(models)
         np.testing.assert_allclose(got.v, want_v, rtol=1e-6, atol=1e-6)
         # Exactly the slots of the skipped layers changed, nothing else.
         np.testing.assert_array_equal(np.asarray(got.k) != np.asarray(cache.k), want_k != np.asarray(cache.k))
+        # The GPU's loop of known length from layer `first`: the same, and the layers in [first, E)
+        # wrote to the null page only.
+        first = min(e, 1)
+        fixed = kv_fill(cache, lambda layer, x: llama.kv_of_layer(p, x, layer, batch, c), h, jnp.int32(e),
+                        c.num_layers, batch.pages, batch.slots, first=first)
+        np.testing.assert_array_equal(np.asarray(fixed.k)[:, :, 1:], np.asarray(got.k)[:, :, 1:])
+        np.testing.assert_array_equal(np.asarray(fixed.v)[:, :, 1:], np.asarray(got.v)[:, :, 1:])
 
 
 # --- the cost model against hand counts ----------------------------------------------------------

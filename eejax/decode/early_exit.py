@@ -10,6 +10,11 @@ fill** writes the K/V of every skipped layer l in [E, L) from the exit hidden st
 (proj_l(norm_l(h_E)) with rotary), one layer at a time (only the skipped layers' K/V weights
 are read), and the token comes from the exit head at E.
 
+On a GPU every iteration of a loop with a traced trip count, and every conditional, is a host
+round trip (`decode.control_flow`); there (`static_loops`) the layers every segment has run and
+KV fill run in loops of known trip count instead, leaving the segment loop (and, when the check
+layers are unevenly spaced, a loop over each segment's layers beyond the shortest segment's).
+
 The loop is model-agnostic: a model supplies `ExitFns` (closures over its params and the step's
 token batch), so Llama and T5 decoders share this code.
 """
@@ -114,7 +119,8 @@ def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages,
         return fns.run_layers(h, cache, start, stop)
 
     def check(h_prev, h, stop):
-        # No reduced check at full depth (nothing to decide), unless a branch costs more than the check
+        # No reduced check at full depth (nothing to decide), except on GPU, where the conditional's
+        # host round trip costs more than the check
         if config.measure == "softmax" and not reuse and not few_round_trips:
             width = jax.eval_shape(fns.check_logits, h, stop).shape[-1]
             return jax.lax.cond(stop < num_layers, lambda: confidence(config, fns, h_prev, h, stop),
