@@ -1,6 +1,6 @@
 """Paged KV cache: the device pytree (`KVCache`) and the host `PageAllocator`."""
 
-from eejax.cache.allocator import NULL_PAGE, PageAllocator
+from eejax.cache.allocator import NULL_PAGE, PageAllocator, prefix_keys
 from eejax.cache.paged import (
     KVCache,
     init_cache,
@@ -15,6 +15,7 @@ __all__ = [
     "NULL_PAGE",
     "KVCache",
     "PageAllocator",
+    "prefix_keys",
     "init_cache",
     "page_bytes",
     "pages_for_budget",

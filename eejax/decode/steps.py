@@ -126,12 +126,15 @@ def is_eos(tokens, eos_ids: tuple[int, ...]):
     return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
-def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=None, limit=None, sampling=None, *,
-            config, max_new_tokens: int, eos_ids: tuple[int, ...], sampler: str = GREEDY, attention: str = "auto",
-            logprobs: bool = False):
+def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=None, limit=None, sampling=None,
+            offset=None, *, config, max_new_tokens: int, eos_ids: tuple[int, ...], sampler: str = GREEDY,
+            attention: str = "auto", logprobs: bool = False):
     """Runs all layers over right-padded prompts and samples the first new token.
 
-    tokens [B, T] int32, lengths [B] int32 (0 = padding row), block_table [B, M] int32; keys:
+    tokens [B, T] int32, lengths [B] int32 (0 = padding row), block_table [B, M] int32; offset
+    [B] (Llama only; default 0): the row's first `offset` positions are already in the cache
+    (a shared prefix), tokens holds positions offset..lengths-1 and lengths stays the whole
+    prompt's; keys:
     one PRNG key (row i then draws with fold_in(key, i)) or per-row keys [B, 2]; start [B] (the
     absolute index of each row's first new token; default 0), limit [B] (each row's max new
     tokens; default max_new_tokens, the record's width), sampling: the rows' `RowSampling`
@@ -150,11 +153,12 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
                                         record, config=config, sampler=sampler, max_new_tokens=max_new_tokens,
                                         eos_ids=eos_ids, attention=attention)
     t = tokens.shape[1]
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    offset = jnp.zeros((b,), jnp.int32) if offset is None else offset
+    positions = offset[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = positions < lengths[:, None]
     batch = llama.token_batch(config, positions, valid, block_table, lengths, cache.page_size, attention)
     h, cache = llama.run_layers(params, llama.embed(params, tokens), cache, batch, config)
-    last = h[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
+    last = h[jnp.arange(b), jnp.maximum(lengths - offset - 1, 0)]
     logits = llama.lm_head(params, last, config)
     first = sample(logits, token_keys(keys, start, SAMPLE), sampling, sampler)
     padding = lengths == 0
