@@ -400,7 +400,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = Engine(model, max_slots=args.max_slots, max_new_tokens=args.max_tokens_limit,
                     cache_budget=args.cache_budget, exit=args.exit, temperature=args.temperature,
                     policy=args.policy, bucketing=not args.no_bucketing, pages=args.pages,
-                    max_decoding_options=args.max_decoding_options)
+                    max_decoding_options=args.max_decoding_options, prefix_caching=not args.no_prefix_caching)
     if args.warmup:
         engine.warmup(args.warmup)
     engine.start()
@@ -700,6 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     srv.add_argument("--policy", choices=("fcfs", "sjf", "ljf"), default="fcfs", help="order inside a bucket")
     srv.add_argument("--no-bucketing", action="store_true", help="one bucket (plain FCFS continuous batching)")
+    srv.add_argument("--no-prefix-caching", action="store_true",
+                     help="do not share the KV pages of prompt prefixes between requests (shared by default: full "
+                     "pages of prompt tokens are kept, least recently used evicted first)")
     srv.add_argument("--pages", choices=("reserve", "grow"), default="reserve",
                      help="reserve: a request's pages for prompt + max_tokens at admission (never preempts); grow: "
                      "pages as rows grow, preempting the lowest-priority row (recomputed later) when they run out")

@@ -1,7 +1,8 @@
 """The engine under random request mixes (hypothesis): every row equals `generate` token for token
-(greedy rows; sampled rows with their seed), whatever the prompt lengths, limits, decoding modes
-(plain, early exit, self-speculation with d from 1 to 8, sampling), page modes, cache sizes (tiny
-ones force preemption) and arrival times; and every page is free at the end."""
+(greedy rows; sampled rows with their seed), whatever the prompt lengths, shared prompt prefixes
+(the prefix cache), limits, decoding modes (plain, early exit, self-speculation with d from 1 to
+8, sampling), page modes, cache sizes (tiny ones force preemption) and arrival times; and every
+page is free at the end."""
 
 from __future__ import annotations
 
@@ -65,7 +66,14 @@ MODES = st.one_of(
     st.tuples(st.just("exit"), st.sampled_from(["static:1", "static:3"])),
     st.tuples(st.just("sampled"), st.integers(0, 2**31 - 1)),  # the request's seed
 )
-REQUEST = st.tuples(st.lists(st.integers(8, 63), min_size=1, max_size=NEW), st.integers(1, NEW), MODES,
+# Prompts: random, or one of two shared prefixes (1 and 2 pages; the prefix cache shares their
+# pages once a prompt with them was prefilled) and a random rest.
+PREFIXES = ([8 + i for i in range(PAGE)], [40 + i % 5 for i in range(2 * PAGE)])
+PROMPT = st.one_of(
+    st.lists(st.integers(8, 63), min_size=1, max_size=NEW),
+    st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(8, 63), max_size=PAGE)).map(lambda p: p[0] + p[1]),
+)
+REQUEST = st.tuples(PROMPT, st.integers(1, NEW), MODES,
                     st.integers(0, 3))  # the last: steps to run before this request arrives
 
 
@@ -101,6 +109,7 @@ def test_engine_equals_generate_on_random_mixes(requests, pages, softmax_row):
         submitted.append((engine.submit(prompt, max_new_tokens=limit, **kw), tuple(prompt), limit, mode, option))
     engine.run()
     assert engine.allocator.num_allocated == 0 and not engine.running and not engine.waiting
+    assert engine.allocator.num_free == 8  # cached prefixes are idle, not held
     for seq, prompt, limit, mode, option in submitted:
         assert seq.finish_reason in ("stop", "length")
         assert 1 <= len(seq.tokens) <= limit and (len(seq.tokens) == limit or seq.tokens[-1] == EOS)

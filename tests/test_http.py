@@ -10,7 +10,7 @@ import pytest
 import eejax
 from eejax.serve.engine import Engine
 from eejax.serve.http import create_app
-from tests.conftest import serve_in_thread, start_eejax_serve
+from tests.conftest import cnndm_rows, serve_in_thread, start_eejax_serve
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +284,21 @@ def test_eejax_serve_exits_non_zero_when_its_engine_loop_dies(tiny_checkpoints, 
     assert r.status_code == 500
     thread.join(timeout=60)
     assert codes == [1]
+
+
+def test_requests_sharing_a_prefix_reuse_its_pages_and_equal_generate(server, tiny_model):
+    url, engine = server
+    article = cnndm_rows(1)[0]["article"][:300]
+    prompts = [article + ending for ending in (" The", " Officials said", " In short,")]
+    want = eejax.generate(tiny_model, prompts, max_new_tokens=8)
+    before = engine.counters["prefix_cache_hit_tokens"]
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for prompt, tokens in zip(prompts, want.tokens):
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8})
+            assert r.json()["eejax"]["tokens"] == tokens
+        values = dict(line.rsplit(" ", 1) for line in client.get("/metrics").text.splitlines()
+                      if line and not line.startswith("#"))
+    shared = len(tiny_model.tokenizer(article)["input_ids"]) // engine.page_size * engine.page_size
+    assert engine.counters["prefix_cache_hit_tokens"] - before >= 2 * (shared - engine.page_size)
+    assert float(values["eejax_prefix_cache_hit_tokens_total"]) >= engine.counters["prefix_cache_hit_tokens"] - before
+    assert float(values["eejax_kv_pages_cached"]) > 0 and float(values["eejax_prefill_chunk_tokens_count"]) > 0

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed
+from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed, prefix_keys
 from eejax.config import ExitConfig, SpecConfig, T5Config
 from eejax.decode import speculative, steps
 from eejax.decode.buckets import bucket
@@ -83,6 +83,7 @@ class Sequence:
     slot: int | None = None
     pages: list[int] = dataclasses.field(default_factory=list)
     offset: int = 0  # tokens generated before the current admission (a preempted row recomputes them)
+    cached: int = 0  # prompt tokens whose K/V this admission shares from the prefix cache (not prefilled)
     preemptions: int = 0
     _events: queue.Queue = dataclasses.field(default_factory=queue.Queue, repr=False)
     _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
@@ -131,12 +132,13 @@ def _insert_rows(state: steps.DecodeState, new: steps.DecodeState, slots):
     return dataclasses.replace(state, **rows)
 
 
-def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, keys, start, limit, sampling, *, config,
-                  sampler, max_new_tokens, eos_ids, attention, logprobs):
-    """Prefills right-padded prompts tokens [b, T] into decode slots `slots` [b] of `state`, with
+def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, keys, start, limit, sampling, offset,
+                  *, config, sampler, max_new_tokens, eos_ids, attention, logprobs):
+    """Prefills right-padded prompts into decode slots `slots` [b] of `state`: tokens [b, T] are
+    positions offset..lengths-1 of each row (offset [b]: a shared prefix already cached), with
     the rows' keys [b, 2], start [b] (tokens generated before, recomputed), limit [b] (max new
     tokens from there) and sampling (`RowSampling` [b]). Returns (state, cache)."""
-    new, cache = steps.prefill(params, cache, tokens, lengths, block_table, keys, start, limit, sampling,
+    new, cache = steps.prefill(params, cache, tokens, lengths, block_table, keys, start, limit, sampling, offset,
                                config=config, sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                                attention=attention, logprobs=logprobs)
     return _insert_rows(state, new, slots), cache
@@ -192,7 +194,7 @@ class Engine:
                  page_size: int = 16, exit: ExitConfig | str | None = None,  # noqa: A002
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  policy: str = "fcfs", bucketing: bool = True, online: bool = True, attention: str = "auto",
-                 pages: str = "reserve", max_decoding_options: int = 16):
+                 pages: str = "reserve", max_decoding_options: int = 16, prefix_caching: bool = True):
         config = model.config
         if isinstance(config, T5Config):
             raise UnsupportedModelError("the serving engine runs decoder-only (Llama) models")
@@ -207,6 +209,9 @@ class Engine:
         # grow: the pages of its prompt, then one more as it needs it, preempting the
         # lowest-priority row (recomputed later) when none is free.
         self.grow = pages == "grow"
+        # Full pages of prompt tokens are kept under a key of their prefix and shared by later
+        # prompts that start alike (`PageAllocator.match`): a prefill then starts after them.
+        self.prefix_caching = prefix_caching
         per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
         num_pages = parse_bytes(cache_budget) // per_page
         # The longest request admission can always start: it keeps 10% of the free pages back,
@@ -248,7 +253,7 @@ class Engine:
 
         self.prometheus = ServeMetrics(config.num_layers)
         self.counters = {"steps": 0, "prefills": 0, "preemptions": 0, "generated_tokens": 0, "padding_tokens": 0,
-                         "prompt_tokens": 0, "scheduler_s": 0.0, "step_s": 0.0}
+                         "prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "scheduler_s": 0.0, "step_s": 0.0}
 
     # -- requests ------------------------------------------------------------------------------
     def checked_exit(self, exit) -> ExitConfig | None:  # noqa: A002
@@ -570,7 +575,13 @@ class Engine:
         for seq, slot in zip(seqs, free):
             seq.offset = len(seq.tokens)
             tokens = len(seq.prompt) + (seq.offset + 1 if self.grow else seq.max_new_tokens)
-            seq.slot, seq.pages = slot, self.allocator.allocate(pages_needed(tokens, self.page_size))
+            shared = self._shared_prefix(seq)
+            try:  # (admission counted every page as fresh: a shared one only lowers the need)
+                fresh = self.allocator.allocate(pages_needed(tokens, self.page_size) - len(shared))
+            except BaseException:
+                self.allocator.free(shared)
+                raise
+            seq.slot, seq.pages, seq.cached = slot, shared + fresh, len(shared) * self.page_size
             self.block_table[slot] = 0
             self.block_table[slot, : len(seq.pages)] = seq.pages
             self.running[slot] = seq
@@ -582,37 +593,63 @@ class Engine:
             members = [seq for seq in seqs if options(seq) == group]
             self._guarded(members, self._prefill, members, *group)
 
+    def _shared_prefix(self, seq: Sequence) -> list[int]:
+        """The cached pages of the longest prefix of `seq`'s prompt that it shares, one more
+        hold each; at least the last token is left to prefill (it gives the first new token)."""
+        if not self.prefix_caching:
+            return []
+        shareable = (len(seq.prompt) + seq.offset - 1) // self.page_size
+        return self.allocator.match(prefix_keys(seq.prompt, self.page_size)[:shareable])
+
+    def _publish(self, seq: Sequence) -> None:
+        """Keys the row's full prompt pages, now written (prefills run in order on the device):
+        later prompts that start alike share them. Only prompt pages, computed at full depth by
+        the prefill, so they are valid for any early-exit or speculation setting."""
+        if self.prefix_caching:
+            for page, key in zip(seq.pages, prefix_keys(seq.prompt, self.page_size)):
+                self.allocator.publish(page, key)
+
     def _prefill(self, seqs: list[Sequence], sampler: str, logprobs: bool) -> None:
         b = bucket(len(seqs))  # 1, 2, 3, 4, 6, 8, ...: little row padding, few programs
-        t = bucket(max(len(s.prompt) + s.offset for s in seqs), MIN_PROMPT_BUCKET)
+        t = bucket(max(len(s.prompt) + s.offset - s.cached for s in seqs), MIN_PROMPT_BUCKET)
+        longest = bucket(max(len(s.prompt) + s.offset for s in seqs), MIN_PROMPT_BUCKET)
         tokens = np.zeros((b, t), np.int32)
-        lengths, start, limit = (np.zeros((b,), np.int32) for _ in range(3))
+        lengths, start, limit, offset = (np.zeros((b,), np.int32) for _ in range(4))
         keys = np.zeros((b, 2), np.uint32)
         slots = np.full((b,), self.slots, np.int32)  # padding rows: dropped
         sampling = RowSampling.of([seq.sampling for seq in seqs] + [SamplingParams()] * (b - len(seqs)))
         for j, seq in enumerate(seqs):
             prompt = seq.prompt + seq.tokens[: seq.offset]
-            tokens[j, : len(prompt)] = prompt
+            tokens[j, : len(prompt) - seq.cached] = prompt[seq.cached:]
             lengths[j], start[j], limit[j] = len(prompt), seq.offset, seq.max_new_tokens - seq.offset
-            keys[j], slots[j] = seq.key, seq.slot
-        table = np.zeros((b, self._prefill_width(t)), np.int32)
+            keys[j], slots[j], offset[j] = seq.key, seq.slot, seq.cached
+            # The prefill writes positions cached.. only, into pages no one shares.
+            assert all(self.allocator.writable(p) for p in seq.pages[seq.cached // self.page_size:]), seq.id
+        table = np.zeros((b, self._prefill_width(longest)), np.int32)
         table[: len(seqs)] = self.block_table[slots[: len(seqs)], : table.shape[1]]
-        program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, sampler,
-                                              logprobs)
+        program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, offset,
+                                              sampler, logprobs)
         self.state, self.cache = program(*args)
+        for seq in seqs:
+            self._publish(seq)
         self.spec_counters = jax.tree.map(lambda x: x.at[slots].set(0, mode="drop"), self.spec_counters)
         self.counters["prefills"] += 1
         self.counters["prompt_tokens"] += int(lengths.sum())
-        self.counters["padding_tokens"] += int(b * t - lengths.sum())
+        self.counters["prefix_cache_hit_tokens"] += int(offset.sum())
+        self.prometheus.prompt_tokens.inc(int(lengths.sum()))
+        self.prometheus.prefix_hits.inc(int(offset.sum()))
+        for n in (lengths - offset)[: len(seqs)]:
+            self.prometheus.prefill_chunk.observe(int(n))
+        self.counters["padding_tokens"] += int(b * t - (lengths - offset).sum())
 
     def _prefill_width(self, prompt_bucket: int) -> int:
         return min(self.table_width, bucket(pages_needed(prompt_bucket, self.page_size)))
 
-    def _prefill_program(self, tokens, lengths, table, slots, keys, start, limit, sampling: RowSampling,
+    def _prefill_program(self, tokens, lengths, table, slots, keys, start, limit, sampling: RowSampling, offset,
                          sampler: str, logprobs: bool = False):
         args = (self.model.params, self.cache, self.state, *map(jnp.asarray, (tokens, lengths, table, slots, keys,
                                                                                start, limit)),
-                jax.tree.map(jnp.asarray, sampling))
+                jax.tree.map(jnp.asarray, sampling), jnp.asarray(offset))
         static = dict(self.static, sampler=sampler, logprobs=logprobs)
         return self.model.programs.get(prefill_slots, args, static, donate_argnums=(1,)), args
 
@@ -646,7 +683,7 @@ class Engine:
                 self._prefill_program(np.zeros((b, n), np.int32), zeros,
                                       np.zeros((b, self._prefill_width(n)), np.int32), zeros,
                                       np.zeros((b, 2), np.uint32), zeros, zeros, RowSampling.of(self.sampling, b),
-                                      sampler)
+                                      zeros, sampler)
         return self.model.programs.num_programs - before
 
     def _read(self, state, running: dict[int, Sequence], counters) -> None:
@@ -757,6 +794,7 @@ class Engine:
         return {
             "waiting": len(self.waiting), "running": len(self.running), "slots": self.slots,
             "kv_pages_used": self.allocator.num_allocated, "kv_pages_total": self.allocator.num_free
-            + self.allocator.num_allocated, "compiled_programs": self.model.programs.num_programs,
+            + self.allocator.num_allocated, "kv_pages_cached": self.allocator.num_cached,
+            "prefix_cache_evictions": self.allocator.evictions, "compiled_programs": self.model.programs.num_programs,
             "buckets": len(self.scheduler.buckets), **self.counters,
         }

@@ -24,6 +24,13 @@ class ServeMetrics:
         self.tokens = Counter("eejax_generated_tokens", "tokens generated", registry=r)
         self.requests = Counter("eejax_requests", "requests ended", ["finish_reason"], registry=r)
         self.preemptions = Counter("eejax_preemptions", "rows preempted for pages", registry=r)
+        self.prompt_tokens = Counter("eejax_prompt_tokens", "prompt tokens of admitted rows", registry=r)
+        self.prefix_hits = Counter("eejax_prefix_cache_hit_tokens", "prompt tokens whose KV pages came from the "
+                                   "prefix cache (not prefilled)", registry=r)
+        self.prefill_chunk = Histogram("eejax_prefill_chunk_tokens", "prompt tokens a row prefilled in one program",
+                                       registry=r, buckets=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+        self.pages_cached = Gauge("eejax_kv_pages_cached", "KV pages kept by the prefix cache (held or idle)",
+                                  registry=r)
         self.drafted = Counter("eejax_spec_drafted_tokens", "self-speculation drafts", registry=r)
         self.accepted = Counter("eejax_spec_accepted_tokens", "self-speculation drafts accepted", registry=r)
         self.acceptance = Gauge("eejax_spec_acceptance_rate", "accepted / drafted, over all requests", registry=r)
@@ -53,6 +60,7 @@ class ServeMetrics:
         self.pages_used.set(engine_metrics["kv_pages_used"])
         self.pages_total.set(engine_metrics["kv_pages_total"])
         self.programs.set(engine_metrics["compiled_programs"])
+        self.pages_cached.set(engine_metrics["kv_pages_cached"])
         self.tokens_per_s.set(engine_metrics["generated_tokens"] / max(engine_metrics["step_s"], 1e-9))
         self.acceptance.set(self.accepted_total / self.drafted_total if self.drafted_total else 0.0)
         return generate_latest(self.registry)
