@@ -90,19 +90,23 @@ def test_bad_input(server, body, status, needle):
 
 
 def test_64_concurrent_clients_some_streaming_some_leaving(server, tiny_model):
-    """Mixed prompt lengths; a third stream, some of those hang up after two chunks; everyone who
-    stayed gets exactly the greedy tokens the request gets alone, and afterwards every KV page
-    is free."""
+    """Mixed prompt lengths, half of them after one long shared prefix (the prefix cache); a third
+    stream, some of those hang up after two chunks; everyone who stayed gets exactly the greedy
+    tokens the request gets alone, and afterwards every KV page is free."""
     import asyncio
 
     url, engine = server
     words = "the river rose above the bank and officials said".split()
-    prompts = [" ".join(words[j % len(words)] for j in range(1 + (i * 7) % 40)) for i in range(64)]
+    prefix = cnndm_rows(2)[1]["article"][:150] + " "
+    prompts = [prefix + " ".join(words[: 1 + i % 9]) if i % 2 else
+               " ".join(words[j % len(words)] for j in range(1 + (i * 7) % 40)) for i in range(64)]
+    hits = engine.counters["prefix_cache_hit_tokens"]
 
     async def client(i: int, http: httpx.AsyncClient):
         body = {"prompt": prompts[i], "max_tokens": 4 + i % 9}
         if i % 3:
             r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
             return r.status_code, r.json()["eejax"]["tokens"]
         async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             chunks = []
@@ -129,6 +133,7 @@ def test_64_concurrent_clients_some_streaming_some_leaving(server, tiny_model):
         time.sleep(0.1)
     m = engine.metrics()
     assert m["kv_pages_used"] == 0 and m["running"] == 0 and m["waiting"] == 0, m
+    assert m["prefix_cache_hit_tokens"] - hits >= 16 * 32  # most of the 32 prefixed prompts shared its pages
 
 
 def test_a_stream_whose_client_hangs_up_is_cancelled_at_once(server, monkeypatch):
