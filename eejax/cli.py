@@ -84,6 +84,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    """An integer >= 0 (0: the option is off)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0: off), got {value}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -400,7 +411,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = Engine(model, max_slots=args.max_slots, max_new_tokens=args.max_tokens_limit,
                     cache_budget=args.cache_budget, exit=args.exit, temperature=args.temperature,
                     policy=args.policy, bucketing=not args.no_bucketing, pages=args.pages,
-                    max_decoding_options=args.max_decoding_options, prefix_caching=not args.no_prefix_caching)
+                    max_decoding_options=args.max_decoding_options, prefix_caching=not args.no_prefix_caching,
+                    prefill_chunk=args.prefill_chunk or None)
     if args.warmup:
         engine.warmup(args.warmup)
     engine.start()
@@ -700,6 +712,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     srv.add_argument("--policy", choices=("fcfs", "sjf", "ljf"), default="fcfs", help="order inside a bucket")
     srv.add_argument("--no-bucketing", action="store_true", help="one bucket (plain FCFS continuous batching)")
+    srv.add_argument("--prefill-chunk", type=_non_negative_int, default=0, metavar="TOKENS",
+                     help="chunked prefill: at most TOKENS prompt tokens prefilled per engine step, between decode "
+                     "steps, so that long prompts do not stall the running requests (default 0: whole prompts)")
     srv.add_argument("--no-prefix-caching", action="store_true",
                      help="do not share the KV pages of prompt prefixes between requests (shared by default: full "
                      "pages of prompt tokens are kept, least recently used evicted first)")

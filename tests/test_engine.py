@@ -106,3 +106,45 @@ def test_self_speculation_rows_beside_plain_rows_are_lossless(tiny_model):
         if s is not None:
             assert seq.drafted > 0 and 0 <= seq.accepted <= seq.drafted
     assert engine.metrics()["kv_pages_used"] == 0
+
+
+def test_chunked_prefill_interleaves_a_long_prompt_with_decoding(tiny_model):
+    """A 70-token prompt prefills 8 tokens per step while a short row decodes one token every
+    step; both end with exactly their greedy tokens."""
+    short, long = random_prompts(2, [4, 70], seed=21)
+    engine = Engine(tiny_model, max_slots=2, max_new_tokens=24, cache_budget="4MiB", page_size=8, prefill_chunk=8)
+    a = engine.submit(short, max_new_tokens=24)
+    for _ in range(3):
+        engine.step()
+    b = engine.submit(long, max_new_tokens=5)
+    seen = []
+    while b.slot is None or engine.prefilling:
+        engine.step()
+        seen.append((b.prefilled, len(a.tokens)))
+    assert [p for p, _ in seen] == list(range(8, 70, 8)) + [70]  # 8 prompt tokens per step
+    assert all(n2 == n1 + 1 for (_, n1), (_, n2) in zip(seen, seen[1:]))  # the short row never waited
+    engine.run()
+    want = eejax.generate(tiny_model, [short, long], max_new_tokens=24).tokens
+    assert a.tokens == want[0] and b.tokens == want[1][:5]
+    assert engine.metrics()["kv_pages_used"] == 0
+
+
+def test_preemption_with_chunked_prefill_and_shared_prefixes(tiny_model):
+    """Pages handed out as rows grow over a 16-page cache, prompts that share a 3-page prefix,
+    prefill in chunks of 12: rows are preempted and recomputed (sharing the cached prefix again),
+    and every one gets exactly its greedy tokens; afterwards nothing is held."""
+    from eejax.cache import page_bytes
+
+    c = tiny_model.config
+    budget = 16 * page_bytes(c.num_layers, 8, c.num_kv_heads, c.head_dim, tiny_model.dtype)
+    prefix = random_prompts(1, [24], seed=5)[0]
+    prompts = [prefix + rest for rest in random_prompts(6, [3, 9, 1], seed=13)]
+    engine = Engine(tiny_model, max_slots=4, max_new_tokens=40, cache_budget=budget, page_size=8, pages="grow",
+                    prefill_chunk=12)
+    seqs = [engine.submit(p, max_new_tokens=30, priority=i % 2) for i, p in enumerate(prompts)]
+    engine.run()
+    assert engine.counters["preemptions"] > 0 and engine.counters["prefix_cache_hit_tokens"] >= 5 * 24
+    want = eejax.generate(tiny_model, prompts, max_new_tokens=30).tokens
+    for seq, w in zip(seqs, want):
+        assert seq.tokens == w, seq.id
+    assert engine.metrics()["kv_pages_used"] == 0 and engine.allocator.num_cached >= 3

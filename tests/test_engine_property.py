@@ -1,6 +1,6 @@
 """The engine under random request mixes (hypothesis): every row equals `generate` token for token
 (greedy rows; sampled rows with their seed), whatever the prompt lengths, shared prompt prefixes
-(the prefix cache), limits, decoding modes (plain, early exit, self-speculation with d from 1 to
+(the prefix cache), chunked prefill budgets, limits, decoding modes (plain, early exit, self-speculation with d from 1 to
 8, sampling), page modes, cache sizes (tiny ones force preemption) and arrival times; and every
 page is free at the end."""
 
@@ -80,15 +80,16 @@ REQUEST = st.tuples(PROMPT, st.integers(1, NEW), MODES,
 @settings(max_examples=int(os.environ.get("EEJAX_ENGINE_EXAMPLES", "100")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(requests=st.lists(REQUEST, min_size=1, max_size=7), pages=st.sampled_from(["reserve", "grow"]),
-       softmax_row=st.one_of(st.none(), st.integers(0, 6)))
-def test_engine_equals_generate_on_random_mixes(requests, pages, softmax_row):
+       softmax_row=st.one_of(st.none(), st.integers(0, 6)), chunk=st.sampled_from([None, None, 5, 12]))
+def test_engine_equals_generate_on_random_mixes(requests, pages, softmax_row, chunk):
     """3 slots over a cache of 8 pages of 8 tokens (a request needs up to 4): rows wait for pages
-    (reserve) or are preempted and recomputed (grow). One slot count and cache size, as each
-    compiles its own programs."""
+    (reserve) or are preempted and recomputed (grow); prompts prefill whole or in chunks of 5 or
+    12 tokens per step. One slot count and cache size, as each compiles its own programs."""
     m = model()
     c = m.config
     budget = 9 * page_bytes(c.num_layers, PAGE, c.num_kv_heads, c.head_dim, m.dtype)  # + the null page
-    engine = Engine(m, max_slots=3, max_new_tokens=NEW, cache_budget=budget, page_size=PAGE, pages=pages)
+    engine = Engine(m, max_slots=3, max_new_tokens=NEW, cache_budget=budget, page_size=PAGE, pages=pages,
+                    prefill_chunk=chunk)
     # One request (at most) decodes with a softmax exit and CALM's decaying threshold: alone in
     # its option group, so its exits depend on its own limit and positions only.
     submitted = []

@@ -84,6 +84,7 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     offset: int = 0  # tokens generated before the current admission (a preempted row recomputes them)
     cached: int = 0  # prompt tokens whose K/V this admission shares from the prefix cache (not prefilled)
+    prefilled: int = 0  # positions of this admission's prompt in the cache so far (chunked prefill)
     preemptions: int = 0
     _events: queue.Queue = dataclasses.field(default_factory=queue.Queue, repr=False)
     _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
@@ -194,12 +195,16 @@ class Engine:
                  page_size: int = 16, exit: ExitConfig | str | None = None,  # noqa: A002
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  policy: str = "fcfs", bucketing: bool = True, online: bool = True, attention: str = "auto",
-                 pages: str = "reserve", max_decoding_options: int = 16, prefix_caching: bool = True):
+                 pages: str = "reserve", max_decoding_options: int = 16, prefix_caching: bool = True,
+                 prefill_chunk: int | None = None):
         config = model.config
         if isinstance(config, T5Config):
             raise UnsupportedModelError("the serving engine runs decoder-only (Llama) models")
         if max_slots < 1 or max_new_tokens < 1 or page_size < 1:
             raise EejaxError("max_slots, max_new_tokens and page_size must be >= 1")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise EejaxError(f"prefill_chunk must be >= 1 prompt tokens per step (or None: whole prompts), "
+                             f"got {prefill_chunk}")
         self.model, self.config = model, config
         self.exit_config = self.checked_exit(exit)
         if pages not in ("reserve", "grow"):
@@ -212,6 +217,9 @@ class Engine:
         # Full pages of prompt tokens are kept under a key of their prefix and shared by later
         # prompts that start alike (`PageAllocator.match`): a prefill then starts after them.
         self.prefix_caching = prefix_caching
+        # Chunked prefill: at most this many prompt tokens are prefilled per step (oldest
+        # admission first), between the decode steps of the running rows; None: whole prompts.
+        self.prefill_chunk = prefill_chunk
         per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
         num_pages = parse_bytes(cache_budget) // per_page
         # The longest request admission can always start: it keeps 10% of the free pages back,
@@ -240,6 +248,7 @@ class Engine:
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
         self.block_table = np.zeros((max_slots, self.table_width), np.int32)
         self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self.prefilling: dict[int, Sequence] = {}  # slot -> admitted sequence whose prompt is not all cached yet
         self.waiting: dict[int, Sequence] = {}  # id -> sequence
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -360,12 +369,15 @@ class Engine:
                 self.scheduler.remove(self._requests[seq.id])
                 del self.waiting[seq.id]
                 self._finish(seq, "cancelled")
+            elif seq.slot is not None and self.prefilling.get(seq.slot) is seq:  # no tokens in flight
+                self._release(seq)
+                self._finish(seq, "cancelled")
             else:
                 seq.finish_reason = "cancelled"  # released after the step in flight
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.waiting or self._pending)
+        return bool(self.running or self.prefilling or self.waiting or self._pending)
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> None:
@@ -374,6 +386,7 @@ class Engine:
         start = time.perf_counter()
         with self._lock:
             self._admit()
+            self._prefill_some()
             if self.grow:
                 self._grow()
             pending = self._pending
@@ -432,7 +445,7 @@ class Engine:
         self.state = empty_state(self.slots, self.max_new_tokens)
         self.spec_counters = speculative.SpecCounters.zeros(self.slots)
         self._pending = None
-        self._fail(list(self.running.values()), error)
+        self._fail(list(self.running.values()) + list(self.prefilling.values()), error)
 
     def _fail(self, seqs: list[Sequence], error: BaseException) -> None:
         """Ends `seqs` (running or waiting) with finish reason "error"; the lock is held."""
@@ -449,7 +462,7 @@ class Engine:
         """After a step raised outside any one program: its requests (the running ones; the
         waiting ones if none ran, so that a fault in admission cannot repeat forever) fail."""
         with self._lock:
-            victims = list(self.running.values()) or list(self.waiting.values())
+            victims = list(self.running.values()) + list(self.prefilling.values()) or list(self.waiting.values())
             if not self._device_state_ok():
                 self._reset_device_state(error)
             self._pending = None
@@ -466,7 +479,7 @@ class Engine:
         `lock_timeout`, the requests still end for their callers (the engine is going away)."""
         locked = self._lock.acquire(timeout=lock_timeout)
         try:
-            seqs = list(self.waiting.values()) + list(self.running.values())
+            seqs = list(self.waiting.values()) + list(self.running.values()) + list(self.prefilling.values())
             for seq in seqs:
                 if seq.finished:
                     continue
@@ -510,7 +523,7 @@ class Engine:
         Waits at most `timeout` seconds for the loop (None: until it ends); False if it did not end."""
         if cancel:
             with self._lock:
-                seqs = list(self.waiting.values()) + list(self.running.values())
+                seqs = list(self.waiting.values()) + list(self.running.values()) + list(self.prefilling.values())
             for seq in seqs:
                 self.cancel(seq)
         self._stopping.set()
@@ -567,7 +580,7 @@ class Engine:
         return min(len(seq.prompt) + len(seq.tokens) + unread + d, len(seq.prompt) + seq.max_new_tokens - 1)
 
     def _admit(self) -> None:
-        free = [s for s in range(self.slots) if s not in self.running]
+        free = [s for s in range(self.slots) if s not in self.running and s not in self.prefilling]
         start = time.perf_counter()
         chosen = self.scheduler.admit(len(free), self.allocator.num_free)
         self.counters["scheduler_s"] += time.perf_counter() - start
@@ -582,16 +595,31 @@ class Engine:
                 self.allocator.free(shared)
                 raise
             seq.slot, seq.pages, seq.cached = slot, shared + fresh, len(shared) * self.page_size
+            seq.prefilled = seq.cached
             self.block_table[slot] = 0
             self.block_table[slot, : len(seq.pages)] = seq.pages
-            self.running[slot] = seq
-        # The prefill samples each row's first token: one program per (sampler, log-probs) option.
-        def options(seq):
-            return seq.sampling.sampler, seq.logprobs is not None
+            self.prefilling[slot] = seq
 
-        for group in {options(seq): None for seq in seqs}:
-            members = [seq for seq in seqs if options(seq) == group]
-            self._guarded(members, self._prefill, members, *group)
+    def _prefill_some(self) -> None:
+        """Prefills the admitted rows' prompts: whole, or with `prefill_chunk`, that many tokens
+        in all this step, the oldest admission first. A row whose prompt is then complete has
+        sampled its first token and decodes from the next step."""
+        budget = self.prefill_chunk or float("inf")
+        work = []
+        for seq in self.prefilling.values():
+            if budget <= 0:
+                break
+            end = int(min(len(seq.prompt) + seq.offset, seq.prefilled + budget))
+            budget -= end - seq.prefilled
+            work.append((seq, end))
+
+        # The prefill samples each row's first token: one program per (sampler, log-probs) option.
+        def options(item):
+            return item[0].sampling.sampler, item[0].logprobs is not None
+
+        for group in {options(item): None for item in work}:
+            members = [item for item in work if options(item) == group]
+            self._guarded([seq for seq, _ in members], self._prefill, members, *group)
 
     def _shared_prefix(self, seq: Sequence) -> list[int]:
         """The cached pages of the longest prefix of `seq`'s prompt that it shares, one more
@@ -609,37 +637,44 @@ class Engine:
             for page, key in zip(seq.pages, prefix_keys(seq.prompt, self.page_size)):
                 self.allocator.publish(page, key)
 
-    def _prefill(self, seqs: list[Sequence], sampler: str, logprobs: bool) -> None:
-        b = bucket(len(seqs))  # 1, 2, 3, 4, 6, 8, ...: little row padding, few programs
-        t = bucket(max(len(s.prompt) + s.offset - s.cached for s in seqs), MIN_PROMPT_BUCKET)
-        longest = bucket(max(len(s.prompt) + s.offset for s in seqs), MIN_PROMPT_BUCKET)
+    def _prefill(self, work: list[tuple[Sequence, int]], sampler: str, logprobs: bool) -> None:
+        """One prefill program over rows (seq, end): positions seq.prefilled..end-1 of each. A row
+        that ends its prompt there is written into its decode slot; the others only fill the
+        cache (their slot index is out of range, so the row is dropped)."""
+        b = bucket(len(work))  # 1, 2, 3, 4, 6, 8, ...: little row padding, few programs
+        t = bucket(max(end - seq.prefilled for seq, end in work), MIN_PROMPT_BUCKET)
+        longest = bucket(max(end for _, end in work), MIN_PROMPT_BUCKET)
         tokens = np.zeros((b, t), np.int32)
         lengths, start, limit, offset = (np.zeros((b,), np.int32) for _ in range(4))
         keys = np.zeros((b, 2), np.uint32)
-        slots = np.full((b,), self.slots, np.int32)  # padding rows: dropped
-        sampling = RowSampling.of([seq.sampling for seq in seqs] + [SamplingParams()] * (b - len(seqs)))
-        for j, seq in enumerate(seqs):
-            prompt = seq.prompt + seq.tokens[: seq.offset]
-            tokens[j, : len(prompt) - seq.cached] = prompt[seq.cached:]
-            lengths[j], start[j], limit[j] = len(prompt), seq.offset, seq.max_new_tokens - seq.offset
-            keys[j], slots[j], offset[j] = seq.key, seq.slot, seq.cached
-            # The prefill writes positions cached.. only, into pages no one shares.
-            assert all(self.allocator.writable(p) for p in seq.pages[seq.cached // self.page_size:]), seq.id
+        slots = np.full((b,), self.slots, np.int32)  # padding rows and unfinished prompts: dropped
         table = np.zeros((b, self._prefill_width(longest)), np.int32)
-        table[: len(seqs)] = self.block_table[slots[: len(seqs)], : table.shape[1]]
+        sampling = RowSampling.of([seq.sampling for seq, _ in work] + [SamplingParams()] * (b - len(work)))
+        for j, (seq, end) in enumerate(work):
+            prompt = seq.prompt + seq.tokens[: seq.offset]
+            tokens[j, : end - seq.prefilled] = prompt[seq.prefilled:end]
+            lengths[j], start[j], limit[j] = end, seq.offset, seq.max_new_tokens - seq.offset
+            keys[j], offset[j] = seq.key, seq.prefilled
+            slots[j] = seq.slot if end == len(prompt) else self.slots
+            table[j] = self.block_table[seq.slot, : table.shape[1]]
+            # The prefill writes positions prefilled.. only, into pages no one shares.
+            assert all(self.allocator.writable(p) for p in seq.pages[seq.prefilled // self.page_size:]), seq.id
         program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, offset,
                                               sampler, logprobs)
         self.state, self.cache = program(*args)
-        for seq in seqs:
-            self._publish(seq)
         self.spec_counters = jax.tree.map(lambda x: x.at[slots].set(0, mode="drop"), self.spec_counters)
+        for seq, end in work:
+            self.prometheus.prefill_chunk.observe(end - seq.prefilled)
+            seq.prefilled = end
+            if end == len(seq.prompt) + seq.offset:  # the prompt is complete: the row decodes
+                del self.prefilling[seq.slot]
+                self.running[seq.slot] = seq
+                self._publish(seq)
+                self.counters["prompt_tokens"] += end
+                self.counters["prefix_cache_hit_tokens"] += seq.cached
+                self.prometheus.prompt_tokens.inc(end)
+                self.prometheus.prefix_hits.inc(seq.cached)
         self.counters["prefills"] += 1
-        self.counters["prompt_tokens"] += int(lengths.sum())
-        self.counters["prefix_cache_hit_tokens"] += int(offset.sum())
-        self.prometheus.prompt_tokens.inc(int(lengths.sum()))
-        self.prometheus.prefix_hits.inc(int(offset.sum()))
-        for n in (lengths - offset)[: len(seqs)]:
-            self.prometheus.prefill_chunk.observe(int(n))
         self.counters["padding_tokens"] += int(b * t - (lengths - offset).sum())
 
     def _prefill_width(self, prompt_bucket: int) -> int:
@@ -770,6 +805,9 @@ class Engine:
         self.prometheus.preemptions.inc()
 
     def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None and self.prefilling.get(seq.slot) is seq:
+            del self.prefilling[seq.slot]
+            self.block_table[seq.slot] = 0
         if seq.slot is not None and self.running.get(seq.slot) is seq:
             del self.running[seq.slot]
             self.block_table[seq.slot] = 0
@@ -792,7 +830,8 @@ class Engine:
     # -- reports -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         return {
-            "waiting": len(self.waiting), "running": len(self.running), "slots": self.slots,
+            "waiting": len(self.waiting), "running": len(self.running), "prefilling": len(self.prefilling),
+            "slots": self.slots,
             "kv_pages_used": self.allocator.num_allocated, "kv_pages_total": self.allocator.num_free
             + self.allocator.num_allocated, "kv_pages_cached": self.allocator.num_cached,
             "prefix_cache_evictions": self.allocator.evictions, "compiled_programs": self.model.programs.num_programs,
