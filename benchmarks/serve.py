@@ -2,9 +2,12 @@
 
 Requests: CNN/DM articles cut to --long-tokens (long) and their first sentence (short), mixed
 half and half, each asking --max-tokens tokens, streamed (so the client sees the first token).
-For each configuration (FCFS without buckets, BucketServe bucketing, bucketing + early exit) and
-each arrival rate, a fresh engine behind a uvicorn server on 127.0.0.1 takes the same request
-sequence, every program it can need compiled beforehand (`Engine.warmup`). Reported: throughput
+With --shared-prefix N, every other request starts with the same N tokens (an article's: a long
+system prompt) before its own. For each configuration (FCFS without buckets, BucketServe
+bucketing, + chunked prefill, + early exit, without the prefix cache; --configs picks) and each
+arrival rate, a fresh engine behind a uvicorn server on 127.0.0.1 takes the same request
+sequence after the same requests at a high rate have compiled what it needs (`Engine.warmup`
+first); the compile seconds left inside the measured run are reported. Reported: throughput
 (completion tokens/s over the run), time to first token and time per output token (p50/p99), the
 share of requests within the SLO, the prefill padding waste (padding / (prompt + padding)
 tokens), the scheduler's share of step time, and lost requests.
@@ -32,20 +35,25 @@ from benchmarks.common import ROOT, fmt_ratio, write_result  # noqa: E402
 from eejax.cli_parsing import OneLineErrorParser
 
 CONFIGS = {"fcfs, no buckets": dict(bucketing=False), "bucketserve": dict(bucketing=True),
-           "bucketserve + early exit": dict(bucketing=True, exit="softmax:0.9")}
+           "bucketserve + chunked prefill": dict(bucketing=True, prefill_chunk=128),
+           "bucketserve + early exit": dict(bucketing=True, exit="softmax:0.9"),
+           "bucketserve, no prefix cache": dict(bucketing=True, prefix_caching=False)}
+DEFAULT_CONFIGS = ["fcfs, no buckets", "bucketserve", "bucketserve + chunked prefill", "bucketserve + early exit"]
 
 
-def workload(tokenizer, n: int, long_tokens: int, seed: int) -> list[list[int]]:
+def workload(tokenizer, n: int, long_tokens: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
     with (ROOT / "data" / "cnndm_test_dev100.jsonl").open() as f:
         articles = [json.loads(line)["article"] for line in f]
     rng = np.random.default_rng(seed)
+    prefix = tokenizer(articles[-1])["input_ids"][:shared_prefix]  # (the last article: no request's own)
     prompts = []
     for i in range(n):
         text = articles[i % len(articles)]
         if rng.random() < 0.5:
-            prompts.append(tokenizer(text)["input_ids"][:long_tokens])
+            prompt = tokenizer(text)["input_ids"][:long_tokens]
         else:
-            prompts.append(tokenizer(text.split(". ")[0] + ".")["input_ids"][:64])
+            prompt = tokenizer(text.split(". ")[0] + ".")["input_ids"][:64]
+        prompts.append(prefix + prompt if i % 2 else prompt)
     return prompts
 
 
@@ -122,7 +130,8 @@ def summarise(results, wall, engine, slo_ttft, slo_tpot) -> dict:
         "slo_share": within / len(results),
         "padding_waste": m["padding_tokens"] / max(m["padding_tokens"] + m["prompt_tokens"], 1),
         "scheduler_share": m["scheduler_s"] / max(m["step_s"], 1e-9), "compiled_programs": m["compiled_programs"],
-        "kv_pages_used_after": m["kv_pages_used"],
+        "kv_pages_used_after": m["kv_pages_used"], "prefix_cache_hit_share": m["prefix_cache_hit_tokens"]
+        / max(m["prompt_tokens"], 1),
     }
 
 
@@ -164,39 +173,56 @@ def main() -> int:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--slo-ttft", type=float, default=5.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.5, help="seconds per output token")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every other request starts with the same N tokens (default 0: none)")
+    p.add_argument("--configs", nargs="+", action="extend", choices=list(CONFIGS), default=None,
+                   help="configurations to run (default: all but 'bucketserve, no prefix cache')")
+    p.add_argument("--no-offline", action="store_true", help="skip the offline batch job comparison")
+    p.add_argument("--name", default="serve", help="the result file: benchmarks/out/NAME.json")
     args = p.parse_args()
+    configs = args.configs or DEFAULT_CONFIGS
 
     model = eejax.load(args.model)
-    prompts = workload(model.tokenizer, args.requests, args.long_tokens, seed=0)
-    warm = workload(model.tokenizer, 16, args.long_tokens, seed=1)
-    results: dict = {"requests": args.requests, "rates": args.rates, "configs": {}}
-    for name, options in CONFIGS.items():
+    prompts = workload(model.tokenizer, args.requests, args.long_tokens, seed=0, shared_prefix=args.shared_prefix)
+    results: dict = {"requests": args.requests, "rates": args.rates, "shared_prefix": args.shared_prefix,
+                     "configs": {}}
+    for name in configs:
+        options = CONFIGS[name]
         results["configs"][name] = {}
         for rate in args.rates:
             server = Server(model, max(len(p) for p in prompts), max_slots=args.slots,
                             max_new_tokens=args.max_tokens, cache_budget="256MiB", **options)
-            asyncio.run(drive(server.port, warm, args.max_tokens, 100.0, seed=1))  # warm the HTTP path too
+            # The same requests at a high rate compile the shapes this workload needs (chunks and
+            # shared prefixes give prefill shapes `warmup` does not cover) and warm the HTTP path.
+            asyncio.run(drive(server.port, prompts, args.max_tokens, 100.0, seed=1))
+            server.engine.allocator.evict_idle()  # the measured run starts with an empty prefix cache
             for key in server.engine.counters:
                 server.engine.counters[key] = 0 if isinstance(server.engine.counters[key], int) else 0.0
+            compile_before = model.programs.compile_seconds
             out, wall = asyncio.run(drive(server.port, prompts, args.max_tokens, rate, seed=2))
             time.sleep(0.5)
             s = summarise(out, wall, server.engine, args.slo_ttft, args.slo_tpot)
+            s["compile_s_in_run"] = model.programs.compile_seconds - compile_before
             server.close()
             results["configs"][name][str(rate)] = s
             print(f"{name:<26} rate {rate:>4}/s: {s['tokens_per_s']:6.1f} tok/s, {s['layers_per_token']:.1f} "
                   f"layers/token, TTFT p50/p99 {s['ttft_p50']:.2f}/"
                   f"{s['ttft_p99']:.2f} s, TPOT p50/p99 {s['tpot_p50'] * 1e3:.0f}/{s['tpot_p99'] * 1e3:.0f} ms, "
                   f"SLO {s['slo_share']:.0%}, padding {s['padding_waste']:.0%}, scheduler "
-                  f"{s['scheduler_share']:.2%} of step time, lost {s['lost']}", flush=True)
-    base = results["configs"]["fcfs, no buckets"]
-    for name in CONFIGS:
-        ratios = [fmt_ratio(results["configs"][name][str(r)]["tokens_per_s"], base[str(r)]["tokens_per_s"])
-                  for r in args.rates]
-        print(f"{name:<26} throughput vs FCFS without buckets: " + ", ".join(ratios))
-    results["offline"] = offline(model, prompts, args)
+                  f"{s['scheduler_share']:.2%} of step time, prefix cache {s['prefix_cache_hit_share']:.0%} of "
+                  f"prompt tokens, compiling {s['compile_s_in_run']:.1f} s, lost {s['lost']}", flush=True)
+    base_name = configs[0]
+    base = results["configs"][base_name]
+    for name in configs[1:]:
+        row = results["configs"][name]
+        tput = [fmt_ratio(row[str(r)]["tokens_per_s"], base[str(r)]["tokens_per_s"]) for r in args.rates]
+        tpot = [fmt_ratio(row[str(r)]["tpot_p99"], base[str(r)]["tpot_p99"]) for r in args.rates]
+        print(f"{name:<30} vs {base_name}: throughput {', '.join(tput)}; TPOT p99 {', '.join(tpot)}")
+    if not args.no_offline:
+        results["offline"] = offline(model, prompts, args)
     results["compiled_programs"] = model.programs.num_programs
     print(f"programs compiled in all (every configuration, rate and shape): {model.programs.num_programs}")
-    write_result("serve", results)
+    write_result(args.name, results)
     return 0
 
 

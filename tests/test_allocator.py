@@ -139,3 +139,6 @@ def test_shared_prefix_pages_are_matched_and_evicted_tail_first():
     fresh = alloc.allocate(3)  # 2 free pages, then the least recently used idle one: the tail
     assert row[2] in fresh and alloc.evictions == 1
     assert alloc.match(keys) == row[:2]
+    alloc.free(row[:2])
+    assert alloc.evict_idle() == 2 and alloc.num_cached == 0 and alloc.match(keys) == []
+    assert alloc.num_free == 5 - len(fresh)

@@ -76,10 +76,7 @@ class PageAllocator:
         if n > self.num_free:
             raise OutOfPagesError(n, self.num_free)
         while len(self._free) < n:
-            page, _ = self._idle.popitem(last=False)
-            del self._by_key[self._key_of.pop(page)]
-            self._free.append(page)
-            self.evictions += 1
+            self._evict()
         pages = [self._free.pop() for _ in range(n)]
         self._refs.update((p, 1) for p in pages)
         return pages
@@ -131,3 +128,17 @@ class PageAllocator:
     def writable(self, page: int) -> bool:
         """Whether exactly one holder has `page` and it is not shared through the prefix cache."""
         return self._refs.get(page) == 1 and page not in self._key_of
+
+    def evict_idle(self) -> int:
+        """Evicts every idle page (an empty prefix cache, as far as no row holds it); returns how many."""
+        n = len(self._idle)
+        while self._idle:
+            self._evict()
+        return n
+
+    def _evict(self) -> None:
+        """The least recently used idle page loses its key and becomes free."""
+        page, _ = self._idle.popitem(last=False)
+        del self._by_key[self._key_of.pop(page)]
+        self._free.append(page)
+        self.evictions += 1
