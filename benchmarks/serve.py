@@ -8,9 +8,11 @@ bucketing, + chunked prefill, + early exit, without the prefix cache; --configs 
 arrival rate, a fresh engine behind a uvicorn server on 127.0.0.1 takes the same request
 sequence after the same requests at a high rate have compiled what it needs (`Engine.warmup`
 first); the compile seconds left inside the measured run are reported. Reported: throughput
-(completion tokens/s over the run), time to first token and time per output token (p50/p99), the
-share of requests within the SLO, the prefill padding waste (padding / (prompt + padding)
-tokens), the scheduler's share of step time, and lost requests.
+(completion tokens/s over the run), time to first token, time per output token (a request's
+mean) and inter-token latency (every gap between two tokens of a stream: what chunked prefill
+bounds), p50/p99, the share of requests within the SLO, the prefill padding waste (padding /
+(prompt + padding) tokens), the share of prompt tokens the prefix cache gave, the scheduler's
+share of step time, and lost requests (no stream, or a single token).
 
     pip install -e ".[serve,bench]"; python benchmarks/serve.py [--rates 2 4 16] [--requests 96]
 """
@@ -35,7 +37,7 @@ from benchmarks.common import ROOT, fmt_ratio, write_result  # noqa: E402
 from eejax.cli_parsing import OneLineErrorParser
 
 CONFIGS = {"fcfs, no buckets": dict(bucketing=False), "bucketserve": dict(bucketing=True),
-           "bucketserve + chunked prefill": dict(bucketing=True, prefill_chunk=128),
+           "bucketserve + chunked prefill": dict(bucketing=True),  # prefill_chunk from --prefill-chunk
            "bucketserve + early exit": dict(bucketing=True, exit="softmax:0.9"),
            "bucketserve, no prefix cache": dict(bucketing=True, prefix_caching=False)}
 DEFAULT_CONFIGS = ["fcfs, no buckets", "bucketserve", "bucketserve + chunked prefill", "bucketserve + early exit"]
@@ -118,6 +120,7 @@ def summarise(results, wall, engine, slo_ttft, slo_tpot) -> dict:
     done = [r for r in results if r is not None and r[1]]
     ttft = np.array([t[0] - s for s, t, _ in done])
     tpot = np.array([(t[-1] - t[0]) / (len(t) - 1) for s, t, _ in done if len(t) > 1])
+    itl = np.array([b - a for _, t, _ in done for a, b in zip(t, t[1:])])  # every gap between two tokens
     tokens = sum(len(t) for _, t, _ in done)
     m = engine.metrics()
     within = sum(1 for s, t, _ in done
@@ -127,6 +130,7 @@ def summarise(results, wall, engine, slo_ttft, slo_tpot) -> dict:
         "completed": len(done), "lost": len(results) - len(done),
         "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
         "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p99": float(np.percentile(tpot, 99)),
+        "itl_p50": float(np.percentile(itl, 50)), "itl_p99": float(np.percentile(itl, 99)),
         "slo_share": within / len(results),
         "padding_waste": m["padding_tokens"] / max(m["padding_tokens"] + m["prompt_tokens"], 1),
         "scheduler_share": m["scheduler_s"] / max(m["step_s"], 1e-9), "compiled_programs": m["compiled_programs"],
@@ -178,6 +182,8 @@ def main() -> int:
     p.add_argument("--configs", nargs="+", action="extend", choices=list(CONFIGS), default=None,
                    help="configurations to run (default: all but 'bucketserve, no prefix cache')")
     p.add_argument("--no-offline", action="store_true", help="skip the offline batch job comparison")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="TOKENS",
+                   help="prompt tokens per step of the chunked-prefill configuration (default 256)")
     p.add_argument("--name", default="serve", help="the result file: benchmarks/out/NAME.json")
     args = p.parse_args()
     configs = args.configs or DEFAULT_CONFIGS
@@ -187,7 +193,7 @@ def main() -> int:
     results: dict = {"requests": args.requests, "rates": args.rates, "shared_prefix": args.shared_prefix,
                      "configs": {}}
     for name in configs:
-        options = CONFIGS[name]
+        options = dict(CONFIGS[name], **({"prefill_chunk": args.prefill_chunk} if "chunked" in name else {}))
         results["configs"][name] = {}
         for rate in args.rates:
             server = Server(model, max(len(p) for p in prompts), max_slots=args.slots,
@@ -208,6 +214,7 @@ def main() -> int:
             print(f"{name:<26} rate {rate:>4}/s: {s['tokens_per_s']:6.1f} tok/s, {s['layers_per_token']:.1f} "
                   f"layers/token, TTFT p50/p99 {s['ttft_p50']:.2f}/"
                   f"{s['ttft_p99']:.2f} s, TPOT p50/p99 {s['tpot_p50'] * 1e3:.0f}/{s['tpot_p99'] * 1e3:.0f} ms, "
+                  f"ITL p50/p99 {s['itl_p50'] * 1e3:.0f}/{s['itl_p99'] * 1e3:.0f} ms, "
                   f"SLO {s['slo_share']:.0%}, padding {s['padding_waste']:.0%}, scheduler "
                   f"{s['scheduler_share']:.2%} of step time, prefix cache {s['prefix_cache_hit_share']:.0%} of "
                   f"prompt tokens, compiling {s['compile_s_in_run']:.1f} s, lost {s['lost']}", flush=True)
@@ -217,7 +224,9 @@ def main() -> int:
         row = results["configs"][name]
         tput = [fmt_ratio(row[str(r)]["tokens_per_s"], base[str(r)]["tokens_per_s"]) for r in args.rates]
         tpot = [fmt_ratio(row[str(r)]["tpot_p99"], base[str(r)]["tpot_p99"]) for r in args.rates]
-        print(f"{name:<30} vs {base_name}: throughput {', '.join(tput)}; TPOT p99 {', '.join(tpot)}")
+        itl = [fmt_ratio(row[str(r)]["itl_p99"], base[str(r)]["itl_p99"]) for r in args.rates]
+        print(f"{name:<30} vs {base_name}: throughput {', '.join(tput)}; TPOT p99 {', '.join(tpot)}; "
+              f"ITL p99 {', '.join(itl)}")
     if not args.no_offline:
         results["offline"] = offline(model, prompts, args)
     results["compiled_programs"] = model.programs.num_programs

@@ -22,6 +22,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # tiny models: JAX's persistent compilation cache, shared by the test workers, compiles each once.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# A size cap turns on JAX's file lock around cache reads and writes: without it a worker can read
+# an entry another worker is still writing, and deserialising half an executable segfaults
+# (seen once in the suite: tests/test_gpu_lowering.py reading what a test_speculative.py worker wrote).
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 
 def cnndm_rows(n: int) -> list[dict]:

@@ -1,8 +1,8 @@
 """The engine under random request mixes (hypothesis): every row equals `generate` token for token
 (greedy rows; sampled rows with their seed), whatever the prompt lengths, shared prompt prefixes
-(the prefix cache), chunked prefill budgets, limits, decoding modes (plain, early exit, self-speculation with d from 1 to
-8, sampling), page modes, cache sizes (tiny ones force preemption) and arrival times; and every
-page is free at the end."""
+(the prefix cache), chunked prefill budgets, limits, decoding modes (plain, early exit,
+self-speculation with d from 1 to 8, sampling), page modes, cache sizes (tiny ones force
+preemption) and arrival times; and every page is free at the end."""
 
 from __future__ import annotations
 

@@ -375,6 +375,10 @@ class Engine:
             else:
                 seq.finish_reason = "cancelled"  # released after the step in flight
 
+    def _in_slots(self) -> list[Sequence]:
+        """The rows that hold a slot: decoding, or prefilling their prompt."""
+        return list(self.running.values()) + list(self.prefilling.values())
+
     @property
     def busy(self) -> bool:
         return bool(self.running or self.prefilling or self.waiting or self._pending)
@@ -445,7 +449,7 @@ class Engine:
         self.state = empty_state(self.slots, self.max_new_tokens)
         self.spec_counters = speculative.SpecCounters.zeros(self.slots)
         self._pending = None
-        self._fail(list(self.running.values()) + list(self.prefilling.values()), error)
+        self._fail(self._in_slots(), error)
 
     def _fail(self, seqs: list[Sequence], error: BaseException) -> None:
         """Ends `seqs` (running or waiting) with finish reason "error"; the lock is held."""
@@ -462,7 +466,7 @@ class Engine:
         """After a step raised outside any one program: its requests (the running ones; the
         waiting ones if none ran, so that a fault in admission cannot repeat forever) fail."""
         with self._lock:
-            victims = list(self.running.values()) + list(self.prefilling.values()) or list(self.waiting.values())
+            victims = self._in_slots() or list(self.waiting.values())
             if not self._device_state_ok():
                 self._reset_device_state(error)
             self._pending = None
@@ -479,7 +483,7 @@ class Engine:
         `lock_timeout`, the requests still end for their callers (the engine is going away)."""
         locked = self._lock.acquire(timeout=lock_timeout)
         try:
-            seqs = list(self.waiting.values()) + list(self.running.values()) + list(self.prefilling.values())
+            seqs = list(self.waiting.values()) + self._in_slots()
             for seq in seqs:
                 if seq.finished:
                     continue
@@ -523,7 +527,7 @@ class Engine:
         Waits at most `timeout` seconds for the loop (None: until it ends); False if it did not end."""
         if cancel:
             with self._lock:
-                seqs = list(self.waiting.values()) + list(self.running.values()) + list(self.prefilling.values())
+                seqs = list(self.waiting.values()) + self._in_slots()
             for seq in seqs:
                 self.cancel(seq)
         self._stopping.set()
