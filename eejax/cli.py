@@ -74,11 +74,15 @@ def add_model_and_prompts(parser: argparse.ArgumentParser, what: str, model_help
     parser.add_argument("--limit", type=_positive_int, help="use only the first N prompts")
 
 
-def _positive_int(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
@@ -86,10 +90,7 @@ def _positive_int(text: str) -> int:
 
 def _non_negative_int(text: str) -> int:
     """An integer >= 0 (0: the option is off)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0: off), got {value}")
     return value
