@@ -136,9 +136,10 @@ def read_config(directory: Path, meta: dict[str, Any]):
 def check_params(config, params, where: str) -> None:
     """Refuses weights whose names or shapes differ from what `config` describes (say, a
     `num_layers` edited in eejax.json): the model would run and print wrong text."""
-    from eejax.models import exits, llama, t5
+    from eejax.models import exits
+    from eejax.models.registry import model_module
 
-    module = t5 if isinstance(config, T5Config) else llama
+    module = model_module(config)
     expected = jax.eval_shape(lambda: module.init_params(config, jax.random.PRNGKey(0)))
 
     def shapes(tree) -> dict[str, tuple]:

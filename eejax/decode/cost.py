@@ -21,11 +21,9 @@ import dataclasses
 
 import numpy as np
 
-from eejax.config import ExitConfig, T5Config
+from eejax.config import ExitConfig
 from eejax.models import exits
-
-# T5 decoder layers: the cross-attention K/V projections run once per prompt, not per token.
-PREFILL_ONLY = ("ck", "cv")
+from eejax.models.registry import model_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +45,10 @@ class WeightCounts:
 
     @classmethod
     def of(cls, params, config) -> WeightCounts:
-        t5 = isinstance(config, T5Config)
-        layers = params["decoder"]["layers"] if t5 else params["layers"]
+        m = model_module(config)
+        layers = m.decoder_layers(params)
         L = config.num_layers
-        per_layer = sum(int(np.prod(x.shape)) for k, x in layers.items() if not (t5 and k in PREFILL_ONLY)) / L
+        per_layer = sum(int(np.prod(x.shape)) for k, x in layers.items() if k not in m.DECODE_ONLY_SKIPS) / L
         kv = sum(int(np.prod(layers[k].shape)) for k in ("attn_norm", "wk", "wv")) / L
         e = params.get("exits") or {}
         adapter = sum(int(np.prod(e[k].shape)) for k in exits.ADAPTER_KEYS if k in e) / L

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed
-from eejax.config import ExitConfig, SpecConfig, T5Config
+from eejax.config import ExitConfig, SpecConfig
 from eejax.decode import cost, speculative, steps
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
@@ -25,6 +25,7 @@ from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.errors import EejaxError, OutOfPagesError
 from eejax.kernels.attention import IMPLS
 from eejax.models import exits
+from eejax.models.registry import model_module
 
 MIN_PROMPT_BUCKET = 16
 POLL_EVERY = 4  # decode steps between host checks of "all rows done"
@@ -123,7 +124,7 @@ def generate(
     # The cache holds a Llama's prompt and new tokens, a T5 decoder's new tokens only (its
     # prompt is the encoder's). A speculation round may draft past max_new_tokens; those
     # positions go to the null page.
-    prompt_in_cache = not isinstance(config, T5Config)
+    prompt_in_cache = not model_module(config).ENCODER_DECODER
     need = [pages_needed(len(r) * prompt_in_cache + max_new_tokens, page_size) for r in rows]
     if budget_pages < 1 + max(need):
         longest = int(np.argmax(need))
@@ -291,7 +292,7 @@ def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling: Sampl
                   attention=attention)
     decode_static = dict(static, exit_config=exit_config)
     # Tokens in the longest row's cache after the prefill: a Llama's prompt, a T5's start token.
-    max_len = 1 if isinstance(model.config, T5Config) else int(lengths.max())
+    max_len = 1 if model_module(model.config).ENCODER_DECODER else int(lengths.max())
     args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), keys, None, None,
             jax.tree.map(jnp.asarray, RowSampling.of(sampling, b)))
     prefill = model.programs.get(steps.prefill, args, static, donate_argnums=(1,))

@@ -37,9 +37,10 @@ import jax.numpy as jnp
 from eejax.cache import KVCache
 from eejax.config import SpecConfig
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, filtered_logits, sample, token_keys
-from eejax.decode.steps import (DecodeState, decode, exit_logits, expand_logits, is_eos, model_module,
-                                record_logprobs, reduced_logits)
+from eejax.decode.steps import (DecodeState, decode, exit_logits, expand_logits, is_eos, record_logprobs,
+                                reduced_logits)
 from eejax.models import exits
+from eejax.models.registry import model_module
 
 
 @jax.tree_util.register_dataclass

@@ -5,9 +5,8 @@ the cache so it is updated in place. `DecodeState` holds everything the token lo
 device, so the host only checks `done` now and then.
 
 One implementation serves every architecture: `model_module(config)` gives the model's pure
-functions (`token_batch`, `embed`, `decoder_layer`, `run_layers`, `lm_head`, `kv_of_layer`):
-a decoder-only Llama, or the decoder of an encoder-decoder T5 whose per-row cross-attention
-K/V ride in `DecodeState.context`.
+functions (`eejax.models.registry.ModelModule`): a decoder-only Llama, or the decoder of an
+encoder-decoder T5 whose per-row cross-attention K/V ride in `DecodeState.context`.
 """
 
 from __future__ import annotations
@@ -19,16 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.config import ExitConfig, T5Config
+from eejax.config import ExitConfig
 from eejax.decode.confidence import exit_threshold
 from eejax.decode.early_exit import ExitFns, early_exit_layers
 from eejax.decode.sampling import GREEDY, SAMPLE, RowSampling, SamplingParams, logprobs_of, row_keys, sample, token_keys
-from eejax.models import exits, llama, t5
-
-
-def model_module(config):
-    """The pure-functional model module of a config: `llama` or `t5`."""
-    return t5 if isinstance(config, T5Config) else llama
+from eejax.models import exits
+from eejax.models.registry import model_module
 
 
 TOP_LOGPROBS = 20  # the most alternatives a row's log-prob record keeps (OpenAI's bound)
@@ -148,7 +143,8 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
     limit = jnp.full((b,), max_new_tokens, jnp.int32) if limit is None else jnp.minimum(limit, max_new_tokens)
     sampling = jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(), b) if sampling is None else sampling)
     record = LogprobRecord.zeros(b, max_new_tokens) if logprobs else None
-    if isinstance(config, T5Config):
+    m = model_module(config)
+    if m.ENCODER_DECODER:
         return _prefill_encoder_decoder(params, cache, tokens, lengths, block_table, keys, start, limit, sampling,
                                         record, config=config, sampler=sampler, max_new_tokens=max_new_tokens,
                                         eos_ids=eos_ids, attention=attention)
@@ -156,10 +152,10 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
     offset = jnp.zeros((b,), jnp.int32) if offset is None else offset
     positions = offset[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = positions < lengths[:, None]
-    batch = llama.token_batch(config, positions, valid, block_table, lengths, cache.page_size, attention)
-    h, cache = llama.run_layers(params, llama.embed(params, tokens), cache, batch, config)
+    batch = m.token_batch(config, positions, valid, block_table, lengths, cache.page_size, attention)
+    h, cache = m.run_layers(params, m.embed(params, tokens), cache, batch, config)
     last = h[jnp.arange(b), jnp.maximum(lengths - offset - 1, 0)]
-    logits = llama.lm_head(params, last, config)
+    logits = m.lm_head(params, last, config)
     first = sample(logits, token_keys(keys, start, SAMPLE), sampling, sampler)
     padding = lengths == 0
     first = jnp.where(padding, 0, first)
@@ -186,10 +182,10 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
 
 
 def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_table, keys, start, limit, sampling,
-                             record, *, config: T5Config, sampler, max_new_tokens, eos_ids, attention):
-    """T5: the encoder over the prompts, every decoder layer's cross K/V, then one full-depth
-    decode step from the decoder start token (position 0)."""
-    enc = t5.encode(params, tokens, lengths, config)
+                             record, *, config, sampler, max_new_tokens, eos_ids, attention):
+    """An encoder-decoder (T5): the encoder over the prompts and whatever context the decoder
+    needs of them (`encode_context`), then one full-depth decode step from the decoder start
+    token (position 0)."""
     b = tokens.shape[0]
     zeros = jnp.zeros((b,), jnp.int32)
     logprob_record, record = record, jnp.zeros((b, max_new_tokens), jnp.int32)
@@ -205,7 +201,7 @@ def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_tabl
         start=start,
         limit=limit,
         sampling=sampling,
-        context=t5.cross_kv(params, enc, lengths, config),
+        context=model_module(config).encode_context(params, tokens, lengths, config),
         logprobs=logprob_record,
     )
     return decode(params, cache, state, block_table, config=config, sampler=sampler,

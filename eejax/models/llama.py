@@ -20,9 +20,12 @@ import numpy as np
 from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import LlamaConfig
 from eejax.kernels import paged_attention
+from eejax.models.common import embed, head_matmul, rms_norm
 from eejax.models.stack import run_layer_range
 from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
 
+ENCODER_DECODER = False  # the prompt is decoded into the paged cache (see `eejax.models.registry`)
+DECODE_ONLY_SKIPS = ()  # layer weights a decode step never reads (none)
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 KV_KEYS = ("attn_norm", "wk", "wv")
 
@@ -54,18 +57,6 @@ def token_batch(config: LlamaConfig, positions, valid, block_table, kv_len, page
     inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     cos, sin = rope_tables(positions, inv_freq)
     return TokenBatch(positions, pages, slots, block_table, kv_len, cos, sin, attention)
-
-
-def rms_norm(x, weight, eps):
-    """HF Llama RMSNorm: normalise in float32, cast back, then scale."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
-
-
-def embed(params, tokens):
-    """tokens [B, T] int32 -> hidden [B, T, D]."""
-    return params["embed"][tokens]
 
 
 def layer_params(params, layer):
@@ -154,6 +145,32 @@ def causal_attention(q, k, v, valid):
     return out.reshape(b, hkv, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, dh).astype(q.dtype)
 
 
+def forward_states(params, tokens, lengths, config: LlamaConfig, skip=None):
+    """The training forward: whole right-padded sequences tokens [B, T] (lengths [B]) through
+    dense causal attention, no KV cache. Returns (states [L, B, T, D], layers computed int32);
+    states[l] is the hidden state after layer l. skip [L] bool: layer l passes its input through
+    unchanged, and a `lax.cond` runs nothing else for it (LayerSkip's layer dropout, one decision
+    per layer for the whole batch). The layers may carry LoRA factors (see `linear`)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    valid = positions < lengths[:, None]
+    cos, sin = rope_tables(positions, inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling))
+    if skip is None:
+        skip = jnp.zeros((config.num_layers,), bool)
+
+    def compute(h, lp):
+        return causal_layer(lp, h, cos, sin, valid, config), jnp.int32(1)
+
+    def body(carry, xs):
+        h, count = carry
+        lp, skipped = xs
+        h, ran = jax.lax.cond(skipped, lambda h, lp: (h, jnp.int32(0)), compute, h, lp)
+        return (h, count + ran), h
+
+    (_, count), states = jax.lax.scan(body, (embed(params, tokens), jnp.int32(0)), (params["layers"], skip))
+    return states, count
+
+
 def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
     """Layer `layer` (possibly traced) of the whole params: (h, cache)."""
     return layer_forward(layer_params(params, layer), h, cache, layer, batch, config)
@@ -165,20 +182,16 @@ def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig
     return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop, length)
 
 
+def decoder_layers(params) -> dict:
+    """The stacked weights of the layers a decode step runs, {name: [L, ...]}."""
+    return params["layers"]
+
+
 def lm_head(params, h, config: LlamaConfig, weight=None):
     """Final norm + LM head: hidden [..., D] -> float32 logits [..., V]. `weight` replaces the
     head's matrix in its own layout ([K, D] tied, [D, K] untied): a reduced head gives [..., K]."""
     x = rms_norm(h, params["final_norm"], config.rms_norm_eps)
     return head_matmul(x, params, config.tie_embeddings, weight)
-
-
-def head_matmul(x, params, tied: bool, weight=None):
-    """x [..., D] against the head (embed [V, D] when tied, lm_head [D, V]) or `weight` in the
-    same layout: float32 [..., V]."""
-    if tied:  # contract with embed's rows directly: `embed.T` would be copied
-        w = params["embed"] if weight is None else weight
-        return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
-    return jnp.matmul(x, params["lm_head"] if weight is None else weight, preferred_element_type=jnp.float32)
 
 
 def init_params(config: LlamaConfig, key, dtype=jnp.float32, scale: float = 0.02):

@@ -25,11 +25,14 @@ import jax.numpy as jnp
 
 from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import T5Config
+from eejax.errors import UnsupportedModelError
 from eejax.kernels import paged_attention
-from eejax.models.llama import head_matmul
+from eejax.models.common import embed, head_matmul, rms_norm
 from eejax.models.stack import run_layer_range
 from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 
+ENCODER_DECODER = True  # the prompt goes to the encoder; the paged cache holds decoder tokens
+DECODE_ONLY_SKIPS = ("ck", "cv")  # cross-attention K/V weights: read once per request, by `cross_kv`
 ENCODER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "wo_ff")
 CROSS_KEYS = ("cross_norm", "cq", "ck", "cv", "co")
 
@@ -74,13 +77,6 @@ def token_batch(config: T5Config, positions, valid, block_table, kv_len, page_si
     """`context`: the rows' cross-attention K/V (`cross_kv`)."""
     pages, slots = slot_indices(block_table, positions, valid, page_size)
     return TokenBatch(positions, pages, slots, block_table, kv_len, context, attention)
-
-
-def rms_norm(x, weight, eps):
-    """T5LayerNorm: x / rms(x) computed in float32 (no mean, no bias), cast back, then scaled."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
 
 
 def gelu_new(x):
@@ -194,8 +190,10 @@ def cross_kv(params, enc_out, lengths, config: T5Config) -> CrossKV:
     return CrossKV(k, v, lengths)
 
 
-def embed(params, tokens):
-    return params["embed"][tokens]
+def encode_context(params, tokens, lengths, config: T5Config) -> CrossKV:
+    """What a decode step needs of the prompt besides the cache: the encoder over right-padded
+    prompts tokens [B, S] (lengths [B]), projected into every decoder layer's cross K/V."""
+    return cross_kv(params, encode(params, tokens, lengths, config), lengths, config)
 
 
 def layer_kv(lp, h, batch: TokenBatch, config: T5Config):
@@ -234,6 +232,17 @@ def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: T5Config, s
                length: int | None = None):
     """Decoder layers [start, stop), or [start, start + length), with a traced layer index."""
     return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop, length)
+
+
+def decoder_layers(params) -> dict:
+    """The stacked weights of the decoder layers, {name: [L, ...]}."""
+    return params["decoder"]["layers"]
+
+
+def forward_states(params, tokens, lengths, config: T5Config, skip=None):
+    """The training forward (`llama.forward_states`) is written for decoder-only models."""
+    raise UnsupportedModelError("training exits runs decoder-only (Llama) models; T5 decodes with exits it was "
+                                "given (CALM-style checkpoints)")
 
 
 def lm_head(params, h, config: T5Config, weight=None):

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed, prefix_keys
-from eejax.config import ExitConfig, SpecConfig, T5Config
+from eejax.config import ExitConfig, SpecConfig
 from eejax.decode import speculative, steps
 from eejax.decode.buckets import bucket
 from eejax.decode.generate import parse_bytes
@@ -45,6 +45,7 @@ from eejax.decode.prompts import prompt_token_ids
 from eejax.decode.sampling import RowSampling, SamplingParams, seed_key
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import exits
+from eejax.models.registry import model_module
 from eejax.serve.scheduler import BucketScheduler, Request, safe_pages
 from eejax.serve.stops import first_stop
 
@@ -198,7 +199,7 @@ class Engine:
                  pages: str = "reserve", max_decoding_options: int = 16, prefix_caching: bool = True,
                  prefill_chunk: int | None = None):
         config = model.config
-        if isinstance(config, T5Config):
+        if model_module(config).ENCODER_DECODER:
             raise UnsupportedModelError("the serving engine runs decoder-only (Llama) models")
         if max_slots < 1 or max_new_tokens < 1 or page_size < 1:
             raise EejaxError("max_slots, max_new_tokens and page_size must be >= 1")

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.errors import EejaxError
+from eejax.models.registry import model_module
 from eejax.train.forward import layer_states
 
 
@@ -88,9 +89,7 @@ class DistillData:
 
 @functools.partial(jax.jit, static_argnames=("config", "top_k"))
 def _teacher_top_k(params, tokens, lengths, *, config, top_k):
-    from eejax.models import llama
-
-    logits = llama.lm_head(params, layer_states(params, tokens, lengths, config)[-1], config)
+    logits = model_module(config).lm_head(params, layer_states(params, tokens, lengths, config)[-1], config)
     logp, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), top_k)
     return ids, jnp.exp(logp)  # not renormalised: the rest of the mass is the tail's
 

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eejax.decode.steps import exit_logits, model_module
+from eejax.decode.steps import exit_logits
+from eejax.models.registry import model_module
 from eejax.errors import EejaxError
 from eejax.train.forward import layer_states
 

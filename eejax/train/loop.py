@@ -12,12 +12,14 @@ import optax
 from tqdm.auto import tqdm
 
 from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.models.registry import model_module
 from eejax.train.data import exit_batch
 from eejax.train.exit_training import check_exit_layers, layer_weights, train_step
 
 
 def check_trainable(config) -> None:
-    if config.architecture != "llama":
+    """Exit training runs the training forward (`forward_states`), which decoder-only models have."""
+    if model_module(config).ENCODER_DECODER:
         raise UnsupportedModelError(f"exit training runs on decoder-only Llama models, not {config.architecture}")
 
 

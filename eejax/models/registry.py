@@ -1,0 +1,59 @@
+"""The model interface: every architecture is a module of pure functions over stacked params,
+found by the config's `architecture` name. Nothing outside `eejax.models` asks which one it is;
+it asks the module (`model_module(config)`) and, where an encoder-decoder differs, its flags.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Protocol
+
+from eejax.errors import UnsupportedModelError
+from eejax.models import llama, t5
+
+
+class ModelModule(Protocol):
+    """What an architecture's module provides (shapes: B rows, T tokens each, D hidden, V vocabulary).
+
+    ENCODER_DECODER: the prompt goes to an encoder (`encode_context`) and the paged cache holds
+        decoder tokens only; otherwise the prompt is decoded into the cache.
+    DECODE_ONLY_SKIPS: names of decoder-layer weights a decode step never reads (cost model).
+    init_params(config, key, dtype, scale) -> params in the eejax layout.
+    token_batch(config, positions, valid, block_table, kv_len, page_size, attention, ...) -> the
+        per-step positions, cache slots and rotary tables (a pytree), built once per step.
+    embed(params, tokens [B, T]) -> h [B, T, D].
+    decoder_layer(params, h, cache, layer, batch, config) -> (h, cache): one layer at a traced index.
+    run_layers(params, h, cache, batch, config, start, stop, length) -> (h, cache): a range of them.
+    kv_of_layer(params, h, layer, batch, config) -> (k, v) [B, T, Hkv, Dh]: K/V projection (KV fill).
+    lm_head(params, h [..., D], config, weight=None) -> float32 logits [..., V].
+    decoder_layers(params) -> {name: [L, ...]}: the stacked decoder-layer weights.
+    forward_states(params, tokens, lengths, config, skip) -> (states [L, B, T, D], layers run):
+        the forward without a cache that training uses.
+    encode_context(params, tokens, lengths, config) -> per-row context (encoder-decoders only).
+    """
+
+    ENCODER_DECODER: bool
+    DECODE_ONLY_SKIPS: tuple[str, ...]
+
+    def init_params(self, config, key, dtype: Any = ..., scale: float = ...) -> dict: ...
+    def token_batch(self, config, positions, valid, block_table, kv_len, page_size, attention: str = ...): ...
+    def embed(self, params, tokens): ...
+    def decoder_layer(self, params, h, cache, layer, batch, config): ...
+    def run_layers(self, params, h, cache, batch, config, start=..., stop=..., length=...): ...
+    def kv_of_layer(self, params, h, layer, batch, config): ...
+    def lm_head(self, params, h, config, weight=...): ...
+    def decoder_layers(self, params) -> dict: ...
+    def forward_states(self, params, tokens, lengths, config, skip=...): ...
+
+
+ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "t5": t5}
+
+
+def model_module(config) -> ModelModule:
+    """The module of pure functions for `config.architecture`."""
+    try:
+        return ARCHITECTURES[config.architecture]  # type: ignore[return-value]
+    except (AttributeError, KeyError):
+        name = getattr(config, "architecture", type(config).__name__)
+        raise UnsupportedModelError(f"no model module for architecture {name!r}; eejax has: "
+                                    + ", ".join(ARCHITECTURES)) from None
