@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    from eejax.cli import run_guarded
+    from eejax.cli.args import run_guarded
     from eejax.cli_parsing import OneLineErrorParser
 
     parser = OneLineErrorParser(prog="python -m conversion", description=DESCRIPTION,

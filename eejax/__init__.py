@@ -9,7 +9,8 @@
     out = eejax.generate(t5, ["summarize: ..."], exit="softmax:0.9")
 """
 
-from eejax.config import ExitConfig, LlamaConfig, RopeScaling, SpecConfig, T5Config
+from eejax.config import LlamaConfig, RopeScaling, T5Config
+from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import GenerateResult, SamplingParams, generate
 from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
 from eejax.model import Model, init_exits, load, save

@@ -11,7 +11,7 @@ import pytest
 import eejax
 from eejax.cache import init_cache
 from eejax.checkpoint import load_checkpoint, save_checkpoint
-from eejax.config import ExitConfig
+from eejax.options import ExitConfig
 from eejax.decode import steps
 from eejax.decode.confidence import exit_threshold, softmax_margin, state_cosine
 from eejax.decode.early_exit import ExitFns, early_exit_layers

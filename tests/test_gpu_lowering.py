@@ -14,7 +14,8 @@ import jax
 import pytest
 
 import eejax
-from eejax.config import ExitConfig, SpecConfig, T5Config
+from eejax.config import T5Config
+from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import early_exit
 from eejax.decode.control_flow import control_flow
 from eejax.models import exits

@@ -12,7 +12,7 @@ import pytest
 import eejax
 from eejax import cli
 from eejax.checkpoint import load_checkpoint
-from eejax.config import ExitConfig, SpecConfig
+from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import cost, steps
 from eejax.decode.confidence import softmax_margin, state_cosine
 from eejax.decode.early_exit import early_exit_layers, kv_fill

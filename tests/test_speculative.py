@@ -11,7 +11,8 @@ from scipy import stats as scipy_stats
 
 import eejax
 from eejax.cache import init_cache
-from eejax.config import LlamaConfig, SpecConfig
+from eejax.config import LlamaConfig
+from eejax.options import SpecConfig
 from eejax.decode import speculative, steps
 from eejax.decode.sampling import SamplingParams
 from eejax.decode.spec_policy import (

@@ -14,7 +14,8 @@ import torch
 
 import eejax
 from eejax.cache import init_cache
-from eejax.config import ExitConfig, T5Config
+from eejax.config import T5Config
+from eejax.options import ExitConfig
 from eejax.decode import steps
 from eejax.decode.early_exit import early_exit_layers
 from eejax.errors import EejaxError

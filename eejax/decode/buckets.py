@@ -4,6 +4,8 @@ bounded while padding wastes at most a third."""
 
 from __future__ import annotations
 
+MIN_PROMPT_BUCKET = 16  # the shortest prompt bucket: shorter prompts pad to 16 tokens
+
 
 def bucket(n: int, minimum: int = 1) -> int:
     """Smallest size in {2^k, 3*2^(k-1)} that is >= max(n, minimum)."""

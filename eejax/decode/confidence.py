@@ -6,7 +6,7 @@ import math
 
 import jax.numpy as jnp
 
-from eejax.config import ExitConfig
+from eejax.options import ExitConfig
 
 
 def softmax_margin(logits):

@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from eejax.config import ExitConfig
+from eejax.options import ExitConfig
 from eejax.models import exits
 from eejax.models.registry import model_module
 

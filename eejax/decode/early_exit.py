@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache, write_layer_kv
-from eejax.config import ExitConfig
+from eejax.options import ExitConfig
 from eejax.decode.confidence import softmax_margin, state_cosine
 
 

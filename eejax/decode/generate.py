@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed
-from eejax.config import ExitConfig, SpecConfig
+from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import cost, speculative, steps
-from eejax.decode.buckets import batch_bucket, bucket
+from eejax.decode.buckets import MIN_PROMPT_BUCKET, batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
 from eejax.decode.sampling import GREEDY, RowSampling, SamplingParams, row_keys, seed_key
 from eejax.decode.spec_policy import SpeculationPolicy
@@ -27,7 +27,6 @@ from eejax.kernels.attention import IMPLS
 from eejax.models import exits
 from eejax.models.registry import model_module
 
-MIN_PROMPT_BUCKET = 16
 POLL_EVERY = 4  # decode steps between host checks of "all rows done"
 
 

@@ -37,7 +37,7 @@ import dataclasses
 
 import numpy as np
 
-from eejax.config import SpecConfig
+from eejax.options import SpecConfig
 
 FORGET = 0.8  # weight of the past per round in the acceptance estimate
 PROBE_EVERY = 8  # plain steps between speculation rounds while speculation does not pay

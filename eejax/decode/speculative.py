@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.config import SpecConfig
+from eejax.options import SpecConfig
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, filtered_logits, sample, token_keys
 from eejax.decode.steps import (DecodeState, decode, exit_logits, expand_logits, is_eos, record_logprobs,
                                 reduced_logits)

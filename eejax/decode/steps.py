@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.config import ExitConfig
+from eejax.options import ExitConfig
 from eejax.decode.confidence import exit_threshold
 from eejax.decode.early_exit import ExitFns, early_exit_layers
 from eejax.decode.sampling import GREEDY, SAMPLE, RowSampling, SamplingParams, logprobs_of, row_keys, sample, token_keys

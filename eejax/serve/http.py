@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 
-from eejax.config import ExitConfig, SpecConfig
+from eejax.options import ExitConfig, SpecConfig
 from eejax.decode.prompts import prompt_token_ids
 from eejax.errors import EejaxError
 from eejax.serve.schema import ChatRequest, CompletionRequest, RequestError, parse

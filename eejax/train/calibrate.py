@@ -149,7 +149,7 @@ def calibrate_exit_threshold(model, prompts, *, measure: str, thresholds, delta:
     Returns (Calibration, {λ: mean layers per token}).
     """
     from eejax import generate
-    from eejax.config import ExitConfig
+    from eejax.options import ExitConfig
 
     if consistency not in ("tokens", "rouge"):
         raise EejaxError(f"unknown consistency {consistency!r}; choose tokens or rouge")

@@ -1,0 +1,119 @@
+"""What the `eejax` commands share: running a command with one-line errors, reading prompts,
+and argparse types that name what they expected."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+from eejax.errors import EejaxError
+
+
+PROMPT_FIELDS = ("prompt", "text", "article", "document")
+
+
+def run_guarded(fn: Callable[[], int]) -> int:
+    """Runs a command; bad input becomes one line on stderr and exit status 2."""
+    try:
+        return fn()
+    except EejaxError as e:
+        print(f"eejax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("eejax: interrupted", file=sys.stderr)
+        return 130
+
+
+def read_prompts_file(path: str, field: str | None) -> list[str]:
+    """Prompts from a .jsonl file: one JSON string or object per line."""
+    p = Path(path)
+    if not p.is_file():
+        raise EejaxError(f"prompts file not found: {path}")
+    prompts = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EejaxError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if isinstance(row, str):
+            prompts.append(row)
+            continue
+        if not isinstance(row, dict):
+            raise EejaxError(f"{path}:{n}: expected a JSON string or object")
+        name = field or next((f for f in PROMPT_FIELDS if f in row), None)
+        if name is None or name not in row:
+            wanted = field or " / ".join(PROMPT_FIELDS)
+            raise EejaxError(f"{path}:{n}: no {wanted} field (choose one with --prompt-field)")
+        prompts.append(str(row[name]))
+    if not prompts:
+        raise EejaxError(f"no prompts in {path}")
+    return prompts
+
+
+def prompts_from_args(args: argparse.Namespace) -> list[str]:
+    """The prompts of --prompt or --prompts-file, cut to --limit."""
+    prompts = args.prompt if args.prompt is not None else read_prompts_file(args.prompts_file, args.prompt_field)
+    return prompts[: args.limit] if args.limit else prompts
+
+
+def add_model_and_prompts(parser: argparse.ArgumentParser, what: str, model_help: str) -> None:
+    """--model, --prompt | --prompts-file, --prompt-field, --limit."""
+    parser.add_argument("--model", required=True, help=model_help)
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT",
+                     help=f"one or more {what} (repeat --prompt or give several)")
+    src.add_argument("--prompts-file", metavar="F.jsonl",
+                     help=f"{what}, one JSON string or object per line (field prompt, text, article or document)")
+    parser.add_argument("--prompt-field", help="which field of --prompts-file objects holds the prompt")
+    parser.add_argument("--limit", type=positive_int, help="use only the first N prompts")
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (0: the option is off)."""
+    value = integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0: off), got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def number_or_off(text: str, option: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise EejaxError(f"{option}: expected a number or 'off', got {text!r}") from None
+
+
+def layer_counts(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer counts such as 3,6,9, got {text!r}") from None

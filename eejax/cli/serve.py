@@ -1,0 +1,142 @@
+"""`eejax serve` (the OpenAI-style HTTP server) and `eejax models` (known names, the cache)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from eejax.cli.args import non_negative_float, non_negative_int, positive_int
+from eejax.errors import EejaxError
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+    import signal
+    import threading
+
+    import eejax
+    from eejax.decode.generate import parse_bytes
+    from eejax.serve.engine import Engine
+    from eejax.serve.http import create_app
+
+    try:
+        import uvicorn
+    except ImportError:
+        raise EejaxError('eejax serve needs the serve extra: pip install "eejax[serve]"') from None
+    max_body = parse_bytes(args.max_body_size)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger("eejax.serve")
+    model = eejax.load(args.model)
+    engine = Engine(model, max_slots=args.max_slots, max_new_tokens=args.max_tokens_limit,
+                    cache_budget=args.cache_budget, exit=args.exit, temperature=args.temperature,
+                    policy=args.policy, bucketing=not args.no_bucketing, pages=args.pages,
+                    max_decoding_options=args.max_decoding_options, prefix_caching=not args.no_prefix_caching,
+                    prefill_chunk=args.prefill_chunk or None)
+    if args.warmup:
+        engine.warmup(args.warmup)
+    engine.start()
+    app = create_app(engine, served_model_name=args.served_model_name or args.model, max_waiting=args.max_waiting,
+                     max_body_bytes=max_body)
+
+    class Server(uvicorn.Server):
+        """uvicorn, plus a deadline: `--shutdown-timeout` seconds after the first SIGTERM / SIGINT
+        the requests still running end with finish reason "abort" (their clients get that), and
+        connections still open a second later are dropped."""
+
+        deadline: threading.Timer | None = None
+
+        def handle_exit(self, sig, frame):
+            if self.deadline is None:
+                log.info("shutting down: requests in flight have %s s to finish", args.shutdown_timeout)
+                self.deadline = threading.Timer(args.shutdown_timeout, engine.abort)
+                self.deadline.daemon = True
+                self.deadline.start()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                   timeout_graceful_shutdown=args.shutdown_timeout + 1))
+
+    def watchdog():  # a dead engine loop serves nobody: exit non-zero so a supervisor restarts us
+        while engine.error is None and not server.should_exit:
+            time.sleep(0.2)
+        if engine.error is not None:
+            log.critical("the engine loop died (%r); shutting down", engine.error)
+            server.should_exit = True
+
+    threading.Thread(target=watchdog, name="eejax-watchdog", daemon=True).start()
+    # uvicorn raises the signal again once its graceful shutdown is over: ignoring that second
+    # SIGTERM makes it a clean exit after the engine has stopped.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if server.deadline is not None:
+            server.deadline.cancel()
+        stopped = engine.stop(cancel=True, timeout=5)
+    code = 1 if engine.error is not None else 0
+    if not stopped:  # the loop is stuck inside a program: do not wait for it at interpreter exit
+        logging.shutdown()
+        os._exit(code)
+    return code
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from eejax.hub import KNOWN_MODELS, cache_dir
+
+    for name, known in KNOWN_MODELS.items():
+        built = (cache_dir() / "models" / name).exists()
+        state = "converted" if built else "not fetched yet" if known.delta is None else "built on first load"
+        print(f"{name}\t{known.description} [{state}]")
+    print(f"cache: {cache_dir()} (set EEJAX_CACHE to move it)")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """Adds this module's commands to the `eejax` subparsers."""
+    srv = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Continuous batching over one paged KV cache behind POST /v1/completions and "
+        "/v1/chat/completions (stream: true for server-sent events), GET /health and GET /metrics (Prometheus).",
+    )
+    srv.add_argument("--model", required=True, help="eejax checkpoint directory or known model name")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=positive_int, default=8000, help="port (default 8000)")
+    srv.add_argument("--served-model-name", help="the model name clients must send (default: --model as given)")
+    srv.add_argument("--max-slots", type=positive_int, default=8, help="rows decoded together (default 8)")
+    srv.add_argument("--max-tokens-limit", type=positive_int, default=256,
+                     help="the largest max_tokens a request may ask (default 256)")
+    srv.add_argument("--max-waiting", type=positive_int, default=256,
+                     help="requests queued before new ones get 429 (default 256)")
+    srv.add_argument("--cache-budget", default="1GiB", help="KV cache memory (default 1GiB)")
+    srv.add_argument("--exit", metavar="SPEC", help="early exit for every request, as in eejax generate --exit")
+    srv.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    srv.add_argument("--policy", choices=("fcfs", "sjf", "ljf"), default="fcfs", help="order inside a bucket")
+    srv.add_argument("--no-bucketing", action="store_true", help="one bucket (plain FCFS continuous batching)")
+    srv.add_argument("--prefill-chunk", type=non_negative_int, default=0, metavar="TOKENS",
+                     help="chunked prefill: at most TOKENS prompt tokens prefilled per engine step, between decode "
+                     "steps, so that long prompts do not stall the running requests (default 0: whole prompts)")
+    srv.add_argument("--no-prefix-caching", action="store_true",
+                     help="do not share the KV pages of prompt prefixes between requests (shared by default: full "
+                     "pages of prompt tokens are kept, least recently used evicted first)")
+    srv.add_argument("--pages", choices=("reserve", "grow"), default="reserve",
+                     help="reserve: a request's pages for prompt + max_tokens at admission (never preempts); grow: "
+                     "pages as rows grow, preempting the lowest-priority row (recomputed later) when they run out")
+    srv.add_argument("--max-decoding-options", type=positive_int, default=16, metavar="N",
+                     help="distinct early-exit / speculation options requests may use (each compiles its own "
+                     "programs; later new ones get 400; default 16)")
+    srv.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
+                     help="on SIGTERM / SIGINT, how long requests in flight may run on; then they end with "
+                     'finish reason "abort" and the server exits (default 30)')
+    srv.add_argument("--max-body-size", default="2MiB", metavar="BYTES",
+                     help="the largest request body read; larger ones get 413 (default 2MiB)")
+    srv.add_argument("--warmup", type=positive_int, metavar="TOKENS",
+                     help="before listening, compile the programs for prompts of up to TOKENS tokens (default: "
+                     "each program compiles on its first request)")
+    srv.set_defaults(func=cmd_serve)
+
+    models = sub.add_parser("models", help="list the known model names and the cache")
+    models.set_defaults(func=cmd_models)

@@ -1,0 +1,73 @@
+"""Device programs over a fixed number of decode slots (the serving engine's): a prefill into
+chosen slots, and one decode step or self-speculation round of a group of slots while the
+others wait. Pure functions of (params, cache, state, ...), jitted by the engine's program cache."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eejax.decode import speculative, steps
+from eejax.decode.sampling import RowSampling, SamplingParams
+
+
+def insert_rows(state: steps.DecodeState, new: steps.DecodeState, slots):
+    """`new`'s rows written into `state` at `slots` (out-of-range slots, the prefill's padding
+    rows, are dropped); a log-prob record only when `new` has one."""
+    def put(old, fresh):
+        return old.at[slots].set(fresh, mode="drop")
+
+    rows = {f.name: jax.tree.map(put, getattr(state, f.name), getattr(new, f.name))
+            for f in dataclasses.fields(state)
+            if f.name != "context" and getattr(new, f.name) is not None}
+    return dataclasses.replace(state, **rows)
+
+
+def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, keys, start, limit, sampling, offset,
+                  *, config, sampler, max_new_tokens, eos_ids, attention, logprobs):
+    """Prefills right-padded prompts into decode slots `slots` [b] of `state`: tokens [b, T] are
+    positions offset..lengths-1 of each row (offset [b]: a shared prefix already cached), with
+    the rows' keys [b, 2], start [b] (tokens generated before, recomputed), limit [b] (max new
+    tokens from there) and sampling (`RowSampling` [b]). Returns (state, cache)."""
+    new, cache = steps.prefill(params, cache, tokens, lengths, block_table, keys, start, limit, sampling, offset,
+                               config=config, sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                               attention=attention, logprobs=logprobs)
+    return insert_rows(state, new, slots), cache
+
+
+def decode_slots(params, cache, state, block_table, group, *, config, sampler, max_new_tokens, eos_ids,
+                 exit_config, attention, logprobs):
+    """One decode step of the slots in `group` [S] bool that are not done (the others wait: they
+    run with their own options in another program)."""
+    waiting = ~group & ~state.done
+    new, cache = steps.decode(params, cache, dataclasses.replace(state, done=state.done | waiting), block_table,
+                              config=config, sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                              exit_config=exit_config, attention=attention, logprobs=logprobs)
+    return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache
+
+
+def spec_round_slots(params, cache, state, counters, block_table, group, *, config, spec, sampler,
+                     max_new_tokens, eos_ids, attention, logprobs):
+    """One self-speculation round (d drafts from layers [0, E), one verify pass of the rest) of
+    the slots in `group` that are not done; the others wait. Returns (state, cache, counters)."""
+    waiting = ~group & ~state.done
+    masked = dataclasses.replace(state, done=state.done | waiting)
+    drafts, masked, cache = speculative.draft(params, cache, masked, block_table, config=config, spec=spec,
+                                              num_speculations=spec.num_speculations, sampler=sampler,
+                                              attention=attention)
+    new, cache, counters = speculative.verify(params, cache, masked, drafts, counters, block_table, config=config,
+                                              spec=spec, sampler=sampler, max_new_tokens=max_new_tokens,
+                                              eos_ids=eos_ids, attention=attention, logprobs=logprobs)
+    return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache, counters
+
+
+def empty_state(slots: int, max_new_tokens: int) -> steps.DecodeState:
+    zeros = jnp.zeros((slots,), jnp.int32)
+    record = jnp.zeros((slots, max_new_tokens), jnp.int32)
+    return steps.DecodeState(last_token=zeros, seq_len=zeros, num_generated=zeros,
+                             done=jnp.ones((slots,), bool), tokens=record, exit_layers=record,
+                             confident_layers=record, keys=jnp.zeros((slots, 2), jnp.uint32), start=zeros,
+                             limit=zeros, sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(), slots)),
+                             logprobs=steps.LogprobRecord.zeros(slots, max_new_tokens))

@@ -1,0 +1,243 @@
+"""Decoding options, frozen (they key compiled programs): `ExitConfig` (when a decode step may
+stop early) and `SpecConfig` (self-speculation), each with its CLI spelling (`parse`, `spec`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from eejax.errors import EejaxError
+
+EXIT_MEASURES = ("none", "static", "softmax", "state", "classifier")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitConfig:
+    """When a decode step may stop early (the batch exits when every row is confident).
+
+    measure:    "none" (full depth through the early-exit loop), "static" (always exit after
+                `exit_layer` layers), "softmax" (top-1 minus top-2 probability of the exit head),
+                "state" (cosine of a row's hidden state before and after the layer), or
+                "classifier" (a per-layer head's P(exit); needs `params["exits"]`).
+    threshold:  λ; a row is confident when its measure is > λ(t). ±inf mean never / always
+                and are used as given.
+    decay:      τ of CALM's decaying threshold λ(t) = clip(0.9·λ + 0.1·exp(-τ·t/N), 0, 1),
+                t the generated position, N max_new_tokens; None keeps λ constant.
+    min_exit_layer, every: a row may exit after E layers when E >= min_exit_layer and
+                E % every == 0. Layer counts are "layers run": full depth is E = num_layers.
+    exit_layers: the check points themselves (layers run, increasing, each below the model's
+                depth), instead of min_exit_layer / every. Default: the checkpoint's trained
+                exits when it records them, else every layer from min_exit_layer by `every`.
+                Each check costs an exit-head evaluation: check where an exit can pay.
+    head:       the head of the softmax checks: "reduced" (the checkpoint's reduced-vocabulary
+                exit head, `eejax exit-vocab`), "full", or "auto" (reduced when there is one).
+    emit:       the head that gives the token at an early exit: "full" (default; one full-head
+                evaluation per exit) or "reduced" (the token is then one of the reduced set).
+    """
+
+    measure: str = "none"
+    threshold: float | None = None
+    exit_layer: int | None = None
+    decay: float | None = 4.0
+    min_exit_layer: int = 1
+    every: int = 1
+    exit_layers: tuple[int, ...] | None = None
+    head: str = "auto"
+    emit: str = "full"
+
+    def __post_init__(self):
+        if self.exit_layers is not None:
+            object.__setattr__(self, "exit_layers", _check_points(self.exit_layers))
+            if self.measure in ("none", "static"):
+                raise EejaxError(f"exit_layers are check points of a confidence measure, not of {self.measure!r}")
+            if (self.min_exit_layer, self.every) != (1, 1):
+                raise EejaxError("give exit_layers or min_exit_layer / every, not both")
+        if self.head not in HEADS:
+            raise EejaxError(f"exit head must be one of {', '.join(HEADS)}, got {self.head!r}")
+        if self.emit not in ("full", "reduced"):
+            raise EejaxError(f"exit emit must be 'full' or 'reduced', got {self.emit!r}")
+        if self.measure not in EXIT_MEASURES:
+            raise EejaxError(f"unknown exit measure {self.measure!r}; choose one of: " + ", ".join(EXIT_MEASURES))
+        if self.measure == "static":
+            if self.exit_layer is None or int(self.exit_layer) != self.exit_layer or self.exit_layer < 1:
+                raise EejaxError(f"static exit needs exit_layer >= 1 (layers to run), got {self.exit_layer}")
+        elif self.exit_layer is not None:
+            raise EejaxError(f"exit_layer is only for measure='static' (got measure={self.measure!r})")
+        if self.measure in ("softmax", "state", "classifier"):
+            if self.threshold is None or math.isnan(self.threshold):
+                raise EejaxError(f"measure {self.measure!r} needs a threshold (a number, inf or -inf)")
+            low = -1.0 if self.measure == "state" else 0.0
+            if math.isfinite(self.threshold) and not low <= self.threshold <= 1.0:
+                raise EejaxError(
+                    f"{self.measure} threshold must lie in [{low:g}, 1] (or be ±inf), got {self.threshold}"
+                )
+        elif self.threshold is not None:
+            raise EejaxError(f"measure {self.measure!r} takes no threshold")
+        if self.decay is not None and not (math.isfinite(self.decay) and self.decay >= 0):
+            raise EejaxError(f"exit decay τ must be a number >= 0 or None (off), got {self.decay}")
+        if int(self.min_exit_layer) != self.min_exit_layer or self.min_exit_layer < 1:
+            raise EejaxError(f"min_exit_layer must be an integer >= 1, got {self.min_exit_layer}")
+        if int(self.every) != self.every or self.every < 1:
+            raise EejaxError(f"exit every must be an integer >= 1, got {self.every}")
+
+    @property
+    def spec(self) -> str:
+        """The CLI spelling of the measure: `none`, `static:12`, `softmax:0.9` (see `parse`)."""
+        if self.measure == "static":
+            return f"static:{self.exit_layer}"
+        return self.measure if self.threshold is None else f"{self.measure}:{self.threshold:g}"
+
+    @property
+    def checks_confidence(self) -> bool:
+        """Whether a confidence measure must be computed (+inf can never be exceeded)."""
+        return self.measure in ("softmax", "state", "classifier") and self.threshold != math.inf
+
+    def check_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layer counts after which a confidence check runs: `exit_layers`, else every
+        layer from min_exit_layer by `every` below full depth; none when no confidence is
+        computed (none, static, threshold +inf). `models.exits.resolve_options` sets
+        exit_layers to a checkpoint's trained exits."""
+        if self.measure == "static" or not self.checks_confidence:
+            return ()
+        if self.exit_layers is not None:
+            return self.exit_layers
+        return tuple(e for e in range(self.min_exit_layer, num_layers) if e % self.every == 0)
+
+    def uses_reduced_head(self, has_reduced: bool) -> tuple[bool, bool]:
+        """(softmax checks use the reduced head, the emitted token does)."""
+        checks = self.measure == "softmax" and (self.head == "reduced" or (self.head == "auto" and has_reduced))
+        return checks, self.emit == "reduced"
+
+    def check_model(self, num_layers: int, has_classifier: bool, has_reduced: bool = False) -> None:
+        """Errors for settings this model cannot honour."""
+        if self.measure == "static" and self.exit_layer > num_layers:
+            raise EejaxError(f"static exit_layer {self.exit_layer} is deeper than the model ({num_layers} layers)")
+        if self.min_exit_layer > num_layers:
+            raise EejaxError(f"min_exit_layer {self.min_exit_layer} is deeper than the model ({num_layers} layers)")
+        if self.exit_layers is not None and self.exit_layers[-1] >= num_layers:
+            raise EejaxError(f"exit_layers {list(self.exit_layers)} must lie below the model's {num_layers} layers "
+                             "(full depth is no exit)")
+        if (self.head == "reduced" or self.emit == "reduced") and not has_reduced:
+            raise EejaxError("this exit asks for the reduced-vocabulary exit head, which the checkpoint does not "
+                             "have; add one with eejax exit-vocab (or use head='full')")
+        if self.measure == "classifier" and not has_classifier:
+            raise EejaxError(
+                "measure 'classifier' needs exit classifiers in the checkpoint (params['exits']); "
+                "add untrained ones with eejax.init_exits(model) or train them"
+            )
+
+    @classmethod
+    def parse(cls, spec: str, **kw) -> ExitConfig:
+        """`none`, `static:E`, `softmax:λ`, `state:λ`, `classifier:λ` (λ may be inf / -inf)."""
+        name, _, value = spec.partition(":")
+        if name not in EXIT_MEASURES:
+            raise EejaxError(f"unknown exit measure {name!r} in {spec!r}; choose one of: " + ", ".join(EXIT_MEASURES))
+        if name == "none":
+            if value:
+                raise EejaxError(f"exit 'none' takes no value, got {spec!r}")
+            return cls("none", **kw)
+        if not value:
+            what = "E (layers to run)" if name == "static" else "λ"
+            raise EejaxError(f"exit {name!r} needs a value: {name}:{what}")
+        try:
+            number = int(value) if name == "static" else float(value)
+        except ValueError:
+            raise EejaxError(f"cannot read {value!r} in {spec!r} as a number") from None
+        if name == "static":
+            return cls("static", exit_layer=number, **kw)
+        return cls(name, threshold=number, **kw)
+
+
+HEADS = ("auto", "full", "reduced")
+
+
+def _check_points(layers) -> tuple[int, ...]:
+    """Check layers as a tuple of increasing integers >= 1, or an EejaxError naming them."""
+    try:
+        points = tuple(layers)
+    except TypeError:
+        raise EejaxError(f"exit_layers must be a list of layer counts, got {layers!r}") from None
+    if not points or any(isinstance(e, bool) or int(e) != e or e < 1 for e in points):
+        raise EejaxError(f"exit_layers must be layer counts >= 1, got {list(points)}")
+    points = tuple(int(e) for e in points)
+    if any(b <= a for a, b in zip(points, points[1:])):
+        raise EejaxError(f"exit_layers must be increasing without repeats, got {list(points)}")
+    return points
+
+
+MAX_SPECULATIONS = 64  # drafts per round: each is a pass of E layers, their K/V written ahead
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Self-speculative decoding (LayerSkip): draft with the first `exit_layer` layers and the
+    exit head, verify with the rest.
+
+    exit_layer:        E, the draft layers (1 <= E < num_layers).
+    num_speculations:  d, drafts per round (the first round's d when adaptive).
+    adaptive:          choose d per round from the measured acceptance rate and the measured
+                       cost of a draft pass vs a verify pass, or a plain full-depth step while
+                       no d pays (see `spec_policy.SpeculationPolicy`).
+    max_speculations:  the largest d the adaptive policy may choose.
+    head:              the head that drafts: "reduced" (the checkpoint's reduced-vocabulary
+                       exit head), "full", or "auto" (reduced when there is one). Lossless
+                       either way: verification uses the full head.
+    bonus:             run the (d + 1)-th draft pass so a round whose d drafts were all accepted
+                       emits d + 1 tokens (True), never (False), or when it pays under the cost
+                       model at the measured acceptance (None, default; see `spec_policy`).
+    """
+
+    exit_layer: int
+    num_speculations: int = 4
+    adaptive: bool = False
+    max_speculations: int = 8
+    head: str = "auto"
+    bonus: bool | None = None
+
+    def __post_init__(self):
+        if self.bonus not in (None, True, False):
+            raise EejaxError(f"speculation bonus must be True, False or None (decided per round), got {self.bonus!r}")
+        if self.head not in HEADS:
+            raise EejaxError(f"speculation head must be one of {', '.join(HEADS)}, got {self.head!r}")
+        for name in ("exit_layer", "num_speculations", "max_speculations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise EejaxError(f"speculation {name} must be an integer >= 1, got {value!r}")
+        for name in ("num_speculations", "max_speculations"):
+            if getattr(self, name) > MAX_SPECULATIONS:
+                raise EejaxError(f"speculation {name} must lie in [1, {MAX_SPECULATIONS}] (drafts per round), "
+                                 f"got {getattr(self, name)}")
+        if self.adaptive and self.max_speculations < self.num_speculations:
+            raise EejaxError(
+                f"max_speculations ({self.max_speculations}) is below num_speculations ({self.num_speculations})"
+            )
+
+    @property
+    def spec(self) -> str:
+        """The CLI spelling: `E:d`, or `E:d:adaptive` (d is then the first round's)."""
+        return f"{self.exit_layer}:{self.num_speculations}" + (":adaptive" if self.adaptive else "")
+
+    def uses_reduced_head(self, has_reduced: bool) -> bool:
+        return self.head == "reduced" or (self.head == "auto" and has_reduced)
+
+    def check_model(self, num_layers: int, has_reduced: bool = False) -> None:
+        if self.head == "reduced" and not has_reduced:
+            raise EejaxError("this speculation asks for the reduced-vocabulary exit head, which the checkpoint does "
+                             "not have; add one with eejax exit-vocab (or use head='full')")
+        if self.exit_layer >= num_layers:
+            raise EejaxError(
+                f"speculation exit_layer {self.exit_layer} must be below the model's {num_layers} layers "
+                "(the draft runs E layers, the verification the other L - E)"
+            )
+
+    @classmethod
+    def parse(cls, spec: str, **kw) -> SpecConfig:
+        """`E:d` (d drafts per round) or `E:d:adaptive`."""
+        parts = spec.split(":")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "adaptive"):
+            raise EejaxError(f"cannot read speculation {spec!r}; expected E:d or E:d:adaptive (e.g. 12:4)")
+        try:
+            e, d = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise EejaxError(f"cannot read speculation {spec!r}: E and d must be integers (e.g. 12:4)") from None
+        return cls(e, d, adaptive=len(parts) == 3, **kw)

@@ -1,0 +1,197 @@
+"""Admission and prefill, a part of `Engine`: which waiting requests get a decode slot and
+pages, how their prompts reach the cache (whole, or `prefill_chunk` tokens per step, after the
+pages of a prefix the cache already holds), pages for rows that grow, and preemption when none
+is left. A mixin: it works on the engine's slots, pages, block table and device state."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eejax.cache import pages_needed, prefix_keys
+from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
+from eejax.decode.sampling import RowSampling, SamplingParams
+from eejax.decode.slots import prefill_slots
+from eejax.errors import OutOfPagesError
+from eejax.serve.scheduler import Request, preemption_victim
+from eejax.serve.sequence import Sequence
+
+
+class Admission:
+    @staticmethod
+    def _span(seq: Sequence) -> int:
+        """Cache positions a running row may have written once the step about to be dispatched
+        has run. The host reads a step's tokens after dispatching the next one, so beyond the
+        prompt and the tokens read back the device may hold those of the step in flight (1; a
+        speculation round d + 1) and, until the first read after admission, the prefill's token;
+        the new step then writes up to d positions past the row's last token (a round's drafts).
+        Never more than prompt + max tokens - 1: nothing past a row's limit is written."""
+        d = 0 if seq.spec is None else seq.spec.num_speculations
+        unread = (d + 1) + (len(seq.tokens) == seq.offset)
+        return min(len(seq.prompt) + len(seq.tokens) + unread + d, len(seq.prompt) + seq.max_new_tokens - 1)
+
+    def _admit(self) -> None:
+        free = [s for s in range(self.slots) if s not in self.running and s not in self.prefilling]
+        start = time.perf_counter()
+        chosen = self.scheduler.admit(len(free), self.allocator.num_free)
+        self.counters["scheduler_s"] += time.perf_counter() - start
+        seqs = [self.waiting.pop(r.id) for r in chosen]
+        for seq, slot in zip(seqs, free):
+            seq.offset = len(seq.tokens)
+            tokens = len(seq.prompt) + (seq.offset + 1 if self.grow else seq.max_new_tokens)
+            shared = self._shared_prefix(seq)
+            try:  # (admission counted every page as fresh: a shared one only lowers the need)
+                fresh = self.allocator.allocate(pages_needed(tokens, self.page_size) - len(shared))
+            except BaseException:
+                self.allocator.free(shared)
+                raise
+            seq.slot, seq.pages, seq.cached = slot, shared + fresh, len(shared) * self.page_size
+            seq.prefilled = seq.cached
+            self.block_table[slot] = 0
+            self.block_table[slot, : len(seq.pages)] = seq.pages
+            self.prefilling[slot] = seq
+
+    def _prefill_some(self) -> None:
+        """Prefills the admitted rows' prompts: whole, or with `prefill_chunk`, that many tokens
+        in all this step, the oldest admission first. A row whose prompt is then complete has
+        sampled its first token and decodes from the next step."""
+        budget = self.prefill_chunk or float("inf")
+        work = []
+        for seq in self.prefilling.values():
+            if budget <= 0:
+                break
+            end = int(min(len(seq.prompt) + seq.offset, seq.prefilled + budget))
+            budget -= end - seq.prefilled
+            work.append((seq, end))
+
+        # The prefill samples each row's first token: one program per (sampler, log-probs) option.
+        def options(item):
+            return item[0].sampling.sampler, item[0].logprobs is not None
+
+        for group in {options(item): None for item in work}:
+            members = [item for item in work if options(item) == group]
+            self._guarded([seq for seq, _ in members], self._prefill, members, *group)
+
+    def _shared_prefix(self, seq: Sequence) -> list[int]:
+        """The cached pages of the longest prefix of `seq`'s prompt that it shares, one more
+        hold each; at least the last token is left to prefill (it gives the first new token)."""
+        if not self.prefix_caching:
+            return []
+        shareable = (len(seq.prompt) + seq.offset - 1) // self.page_size
+        return self.allocator.match(prefix_keys(seq.prompt, self.page_size)[:shareable])
+
+    def _publish(self, seq: Sequence) -> None:
+        """Keys the row's full prompt pages, now written (prefills run in order on the device):
+        later prompts that start alike share them. Only prompt pages, computed at full depth by
+        the prefill, so they are valid for any early-exit or speculation setting."""
+        if self.prefix_caching:
+            for page, key in zip(seq.pages, prefix_keys(seq.prompt, self.page_size)):
+                self.allocator.publish(page, key)
+
+    def _prefill(self, work: list[tuple[Sequence, int]], sampler: str, logprobs: bool) -> None:
+        """One prefill program over rows (seq, end): positions seq.prefilled..end-1 of each. A row
+        that ends its prompt there is written into its decode slot; the others only fill the
+        cache (their slot index is out of range, so the row is dropped)."""
+        b = bucket(len(work))  # 1, 2, 3, 4, 6, 8, ...: little row padding, few programs
+        t = bucket(max(end - seq.prefilled for seq, end in work), MIN_PROMPT_BUCKET)
+        longest = bucket(max(end for _, end in work), MIN_PROMPT_BUCKET)
+        tokens = np.zeros((b, t), np.int32)
+        lengths, start, limit, offset = (np.zeros((b,), np.int32) for _ in range(4))
+        keys = np.zeros((b, 2), np.uint32)
+        slots = np.full((b,), self.slots, np.int32)  # padding rows and unfinished prompts: dropped
+        table = np.zeros((b, self._prefill_width(longest)), np.int32)
+        sampling = RowSampling.of([seq.sampling for seq, _ in work] + [SamplingParams()] * (b - len(work)))
+        for j, (seq, end) in enumerate(work):
+            prompt = seq.prompt + seq.tokens[: seq.offset]
+            tokens[j, : end - seq.prefilled] = prompt[seq.prefilled:end]
+            lengths[j], start[j], limit[j] = end, seq.offset, seq.max_new_tokens - seq.offset
+            keys[j], offset[j] = seq.key, seq.prefilled
+            slots[j] = seq.slot if end == len(prompt) else self.slots
+            table[j] = self.block_table[seq.slot, : table.shape[1]]
+            # The prefill writes positions prefilled.. only, into pages no one shares.
+            assert all(self.allocator.writable(p) for p in seq.pages[seq.prefilled // self.page_size:]), seq.id
+        program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, offset,
+                                              sampler, logprobs)
+        self.state, self.cache = program(*args)
+        self.spec_counters = jax.tree.map(lambda x: x.at[slots].set(0, mode="drop"), self.spec_counters)
+        for seq, end in work:
+            self.prometheus.prefill_chunk.observe(end - seq.prefilled)
+            seq.prefilled = end
+            if end == len(seq.prompt) + seq.offset:  # the prompt is complete: the row decodes
+                del self.prefilling[seq.slot]
+                self.running[seq.slot] = seq
+                self._publish(seq)
+                self.counters["prompt_tokens"] += end
+                self.counters["prefix_cache_hit_tokens"] += seq.cached
+                self.prometheus.prompt_tokens.inc(end)
+                self.prometheus.prefix_hits.inc(seq.cached)
+        self.counters["prefills"] += 1
+        self.counters["padding_tokens"] += int(b * t - (lengths - offset).sum())
+
+    def _prefill_width(self, prompt_bucket: int) -> int:
+        return min(self.table_width, bucket(pages_needed(prompt_bucket, self.page_size)))
+
+    def _prefill_program(self, tokens, lengths, table, slots, keys, start, limit, sampling: RowSampling, offset,
+                         sampler: str, logprobs: bool = False):
+        args = (self.model.params, self.cache, self.state, *map(jnp.asarray, (tokens, lengths, table, slots, keys,
+                                                                               start, limit)),
+                jax.tree.map(jnp.asarray, sampling), jnp.asarray(offset))
+        static = dict(self.static, sampler=sampler, logprobs=logprobs)
+        return self.model.programs.get(prefill_slots, args, static, donate_argnums=(1,)), args
+
+    def warmup(self, max_prompt_len: int | None = None, progress: bool = True) -> int:
+        """Compiles ahead of the first requests the programs they will need with the engine's
+        own options: prefill for every batch bucket up to the slots x every prompt bucket up to
+        `max_prompt_len` (default: the context), decode for every page-table width up to that
+        prompt + max new tokens. Nothing runs. Returns how many programs were new."""
+        from tqdm.auto import tqdm
+
+        max_prompt_len = min(max_prompt_len or self.max_len, self.max_len)
+        batches = sorted({bucket(n) for n in range(1, self.slots + 1)})
+        prompts = sorted({bucket(n, MIN_PROMPT_BUCKET) for n in range(1, max_prompt_len + 1)})
+        longest = min(max_prompt_len + self.max_new_tokens - 1, self.max_len)
+        widths = sorted({min(self.table_width, bucket(pages_needed(n, self.page_size)))
+                         for n in range(1, longest + 1)})
+        sampler, before = self.sampling.sampler, self.model.programs.num_programs
+        shapes = [(b, t) for b in batches for t in prompts] + [(None, w) for w in widths]
+        for b, n in tqdm(shapes, desc="compiling", disable=not progress):
+            if b is None:  # decode at table width n
+                table = jnp.zeros((self.slots, n), jnp.int32)
+                group = jnp.zeros((self.slots,), bool)
+                self._decode_program(table, group, self.exit_config, sampler)
+            else:  # prefill of b rows of n tokens
+                zeros = np.zeros((b,), np.int32)
+                self._prefill_program(np.zeros((b, n), np.int32), zeros,
+                                      np.zeros((b, self._prefill_width(n)), np.int32), zeros,
+                                      np.zeros((b, 2), np.uint32), zeros, zeros, RowSampling.of(self.sampling, b),
+                                      zeros, sampler)
+        return self.model.programs.num_programs - before
+
+    def _grow(self) -> None:
+        """Gives every running row the pages for the tokens it may hold after the step about to
+        be dispatched (its known tokens, one in flight, one more), preempting when none is free."""
+        for seq in sorted(self.running.values(), key=lambda s: (-s.priority, s.submitted_at)):
+            if seq.slot is None:
+                continue  # preempted in this loop
+            need = pages_needed(self._span(seq), self.page_size)
+            while seq.slot is not None and len(seq.pages) < need:
+                try:
+                    (page,) = self.allocator.allocate(1)
+                except OutOfPagesError:
+                    self._preempt(preemption_victim([self._requests[s.id] for s in self.running.values()]))
+                    continue
+                self.block_table[seq.slot, len(seq.pages)] = page
+                seq.pages.append(page)
+
+    def _preempt(self, request: Request) -> None:
+        """Frees a running row's slot and pages; it waits again and is recomputed (its prompt and
+        the tokens it has) when admitted."""
+        seq = next(s for s in self.running.values() if s.id == request.id)
+        self._release(seq)
+        self._queue(seq)
+        seq.preemptions += 1
+        self.counters["preemptions"] += 1
+        self.prometheus.preemptions.inc()

@@ -1,0 +1,157 @@
+"""The engine's life, a part of `Engine`: running steps (in this thread or a background one),
+stopping, aborting, and faults: a program that raises fails only the requests it ran for, lost
+device state is rebuilt, and a loop that dies says so. A mixin over the engine's state."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import jax
+
+from eejax.cache import init_cache
+from eejax.decode import speculative
+from eejax.decode.slots import empty_state
+from eejax.serve.sequence import Sequence
+
+log = logging.getLogger("eejax.serve")
+
+
+class Lifecycle:
+    def _guarded(self, seqs: list[Sequence], work, *args) -> None:
+        """Runs `work(*args)`, a program over the rows of `seqs`. If it raises, those requests
+        end with finish reason "error" (pages freed) and the others go on; if the device state
+        (cache, slot state) did not survive, every running request fails and it is rebuilt."""
+        try:
+            work(*args)
+        except Exception as e:  # noqa: BLE001 - whatever a program raises fails its requests only
+            log.exception("a step failed; failing requests %s", [seq.id for seq in seqs])
+            if not self._device_state_ok():
+                self._reset_device_state(e)
+            self._fail(seqs, e)
+
+    def _device_state_ok(self) -> bool:
+        try:
+            jax.block_until_ready((self.cache, self.state, self.spec_counters))
+            return True
+        except Exception:  # noqa: BLE001 - donated to a program that failed, or computed by one
+            return False
+
+    def _reset_device_state(self, error: BaseException) -> None:
+        """A fresh cache and slot state after they were lost: every running request fails."""
+        log.error("the device state was lost; failing %d running requests", len(self.running))
+        c = self.config
+        self.cache = init_cache(c.num_layers, self.allocator.num_pages, self.page_size, c.num_kv_heads, c.head_dim,
+                                self.model.dtype)
+        self.state = empty_state(self.slots, self.max_new_tokens)
+        self.spec_counters = speculative.SpecCounters.zeros(self.slots)
+        self._pending = None
+        self._fail(self._in_slots(), error)
+
+    def _fail(self, seqs: list[Sequence], error: BaseException) -> None:
+        """Ends `seqs` (running or waiting) with finish reason "error"; the lock is held."""
+        for seq in seqs:
+            if seq.finished:
+                continue
+            if self.waiting.pop(seq.id, None) is not None:
+                self.scheduler.remove(self._requests[seq.id])
+            self._release(seq)
+            seq.error = f"{type(error).__name__}: {error}"
+            self._finish(seq, "error")
+
+    def _recover(self, error: BaseException) -> None:
+        """After a step raised outside any one program: its requests (the running ones; the
+        waiting ones if none ran, so that a fault in admission cannot repeat forever) fail."""
+        with self._lock:
+            victims = self._in_slots() or list(self.waiting.values())
+            if not self._device_state_ok():
+                self._reset_device_state(error)
+            self._pending = None
+            self._fail(victims, error)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the background loop is running (started, not stopped, not died)."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def abort(self, reason: str = "abort", lock_timeout: float = 1.0) -> int:
+        """Ends every request now with finish reason `reason` (a server shutting down at its
+        deadline); returns how many. If the loop is stuck inside a program for longer than
+        `lock_timeout`, the requests still end for their callers (the engine is going away)."""
+        locked = self._lock.acquire(timeout=lock_timeout)
+        try:
+            seqs = list(self.waiting.values()) + self._in_slots()
+            for seq in seqs:
+                if seq.finished:
+                    continue
+                if locked:
+                    if self.waiting.pop(seq.id, None) is not None:
+                        self.scheduler.remove(self._requests[seq.id])
+                    self._release(seq)
+                self._finish(seq, reason)
+            return len(seqs)
+        finally:
+            if locked:
+                self._lock.release()
+
+    def run(self) -> None:
+        """Steps until every submitted request has finished."""
+        while self.busy:
+            self.step()
+
+    def generate_offline(self, prompts, *, max_new_tokens: int = 64, progress: bool = True) -> list[Sequence]:
+        """Runs a batch job to the end (in this thread) with a progress bar over finished requests;
+        returns the Sequences in the prompts' order."""
+        from tqdm.auto import tqdm
+
+        seqs = [self.submit(p, max_new_tokens=max_new_tokens) for p in prompts]
+        with tqdm(total=len(seqs), desc="requests", disable=not progress) as bar:
+            while self.busy:
+                self.step()
+                bar.update(sum(s.finished for s in seqs) - bar.n)
+        return seqs
+
+    def start(self) -> None:
+        """Runs the loop in a background thread (what the HTTP server uses) until `stop()`."""
+        if self._thread is not None:
+            return
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="eejax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, cancel: bool = False, timeout: float | None = None) -> bool:
+        """Stops the background loop after finishing (or, with `cancel`, cancelling) all requests.
+        Waits at most `timeout` seconds for the loop (None: until it ends); False if it did not end."""
+        if cancel:
+            with self._lock:
+                seqs = list(self.waiting.values()) + self._in_slots()
+            for seq in seqs:
+                self.cancel(seq)
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the engine loop did not stop within %s s", timeout)
+                return False
+            self._thread = None
+        return True
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                if self.busy:
+                    try:
+                        self.step()
+                    except Exception as e:  # noqa: BLE001 - the loop lives on for the other requests
+                        log.exception("an engine step failed")
+                        self._recover(e)
+                    continue
+                if self._stopping.is_set():
+                    return
+                self._wake.wait(0.05)
+                self._wake.clear()
+        except BaseException as e:  # the loop itself died: nothing will be served any more
+            self.error = e
+            log.critical("the engine loop died", exc_info=True)
+            self.abort("error", lock_timeout=0)

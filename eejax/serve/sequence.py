@@ -1,0 +1,80 @@
+"""A request inside the engine, and what its caller reads back (tokens, stream, result)."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any
+
+from eejax.options import ExitConfig, SpecConfig
+from eejax.decode.sampling import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A request inside the engine, and what the caller reads back: `tokens` grow as they are
+    generated; `stream()` yields them; `result()` waits for the end."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    priority: int = 0
+    exit: ExitConfig | None = None
+    sampling: SamplingParams = SamplingParams()
+    spec: SpecConfig | None = None
+    key: Any = None  # the request's PRNG key (uint32 [2]): fold_in(seed_key(seed), choice)
+    logprobs: int | None = None  # top alternatives to report per token (0: the token's own only); None: off
+    stop: tuple[str, ...] = ()  # strings that end the request (matched on the detokenised text)
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the request (kept, like EOS)
+    drafted: int = 0  # self-speculation drafts judged and accepted (set when the request ends)
+    accepted: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    exit_layers: list[int] = dataclasses.field(default_factory=list)
+    token_logprobs: list[float] = dataclasses.field(default_factory=list)  # with `logprobs`
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "cancelled",
+    # "abort" (the server shut down before it ended), "error" (a step failed on it: see `error`)
+    error: str | None = None
+    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    offset: int = 0  # tokens generated before the current admission (a preempted row recomputes them)
+    cached: int = 0  # prompt tokens whose K/V this admission shares from the prefix cache (not prefilled)
+    prefilled: int = 0  # positions of this admission's prompt in the cache so far (chunked prefill)
+    preemptions: int = 0
+    _events: queue.Queue = dataclasses.field(default_factory=queue.Queue, repr=False)
+    _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+    _listeners: list = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Sequence:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} still running after {timeout} s")
+        return self
+
+    def stream(self):
+        """Yields each new token id as it is generated, until the request ends."""
+        while True:
+            token = self._events.get()
+            if token is None:
+                return
+            yield token
+
+    def listen(self, callback) -> None:
+        """Calls `callback()` now and then, from the engine's thread, whenever tokens arrive or
+        the request ends (an event loop's `call_soon_threadsafe`, say: it must be quick)."""
+        self._listeners.append(callback)
+        callback()
+
+    def _notify(self) -> None:
+        for callback in list(self._listeners):
+            try:
+                callback()
+            except Exception:  # a listener that went away (its event loop closed) stops nothing
+                self._listeners.remove(callback)
