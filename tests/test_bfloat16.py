@@ -9,7 +9,7 @@ import numpy as np
 import eejax
 from conversion import convert
 from eejax.serve.engine import Engine
-from tests.conftest import random_prompts, sequence_logits
+from tests.helpers import random_prompts, sequence_logits
 
 PROMPTS = random_prompts(4, [6, 19, 3, 11], seed=11)
 

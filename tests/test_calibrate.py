@@ -114,7 +114,7 @@ def test_calibrating_a_threshold_on_a_model(tiny_checkpoints):
     """Softmax thresholds on a tiny model: λ = 1 never exits (loss 0, certified with 40 prompts);
     the chosen λ's calibration risk is within δ, and later thresholds exit more."""
     from eejax.train.calibrate import calibrate_exit_threshold
-    from tests.conftest import random_prompts
+    from tests.helpers import random_prompts
 
     model = eejax.load(tiny_checkpoints["gqa-untied"][2])
     prompts = random_prompts(40, [5, 9, 14], seed=4)

@@ -10,7 +10,7 @@ import pytest
 import eejax
 from conversion import convert
 from eejax.errors import EejaxError, UnsupportedModelError
-from tests.conftest import make_hf_llama
+from tests.helpers import make_hf_llama
 
 
 def params_of(path):

@@ -17,7 +17,7 @@ from eejax.decode.confidence import exit_threshold, softmax_margin, state_cosine
 from eejax.decode.early_exit import ExitFns, early_exit_layers
 from eejax.errors import EejaxError
 from eejax.models import exits, llama
-from tests.conftest import TINY_CONFIGS, prefilled, random_prompts
+from tests.helpers import TINY_CONFIGS, prefilled, random_prompts
 
 PROMPTS = random_prompts(3, [5, 14, 9], seed=3)  # a padded batch of 4 (3 rows + 1 padding row)
 NEW = 10

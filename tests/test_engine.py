@@ -2,7 +2,7 @@
 
 import eejax
 from eejax.serve.engine import Engine
-from tests.conftest import random_prompts
+from tests.helpers import random_prompts
 
 
 def test_engine_matches_generate_with_more_requests_than_slots(tiny_model):

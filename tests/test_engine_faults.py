@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import eejax
 from eejax.errors import EejaxError
 from eejax.serve.engine import Engine
-from tests.conftest import random_prompts
+from tests.helpers import random_prompts
 
 
 def greedy(model, prompt, n):

@@ -13,7 +13,7 @@ from eejax.errors import EejaxError
 from eejax.models import llama
 from eejax.train.data import exit_batch
 from eejax.train.exit_training import layer_states, layer_weights, train_step
-from tests.conftest import random_prompts
+from tests.helpers import random_prompts
 
 
 def tiny_model():

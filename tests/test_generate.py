@@ -9,7 +9,7 @@ import eejax
 from eejax.decode.buckets import bucket
 from eejax.decode.generate import parse_bytes
 from eejax.errors import EejaxError
-from tests.conftest import random_prompts
+from tests.helpers import random_prompts
 
 PROMPTS = random_prompts(3, [4, 13, 9], seed=7)
 

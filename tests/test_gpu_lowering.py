@@ -21,7 +21,7 @@ from eejax.decode.control_flow import control_flow
 from eejax.models import exits
 from eejax.models import t5
 from eejax.serve.engine import Engine
-from tests.conftest import random_prompts
+from tests.helpers import random_prompts
 from tests.test_speculative import tiny
 
 PROMPTS = random_prompts(3, [5, 12, 2], vocab=60, seed=3)

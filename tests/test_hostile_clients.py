@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 import eejax
-from tests.conftest import start_eejax_serve
+from tests.helpers import start_eejax_serve
 
 CANARY = {"prompt": "The river rose", "max_tokens": 8}
 LONG_PROMPT = "word " * 2000

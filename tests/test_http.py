@@ -10,7 +10,7 @@ import pytest
 import eejax
 from eejax.serve.engine import Engine
 from eejax.serve.http import create_app
-from tests.conftest import cnndm_rows, serve_in_thread, start_eejax_serve
+from tests.helpers import cnndm_rows, serve_in_thread, start_eejax_serve
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +271,7 @@ def test_eejax_serve_exits_non_zero_when_its_engine_loop_dies(tiny_checkpoints, 
     import threading
 
     from eejax.cli import main
-    from tests.conftest import free_port
+    from tests.helpers import free_port
 
     _break_the_loop(monkeypatch, Engine)
     port, codes = free_port(), []

@@ -90,7 +90,7 @@ def test_training_forward_matches_hf_and_the_paged_inference_path(tiny_checkpoin
     the token that `generate` (the paged path) emits first."""
     import torch
 
-    from tests.conftest import random_prompts
+    from tests.helpers import random_prompts
 
     hf, _, path = tiny_checkpoints["gqa-untied"]
     base = eejax.load(path)
@@ -256,7 +256,7 @@ def test_exported_delta_rebuilds_the_trained_model(tiny_model, tmp_path):
     from eejax.train.distill import DistillData
     from eejax.train.layerskip_run import RunSettings, export_run, probe_logits, train_layerskip
     from eejax.train.lora import apply_delta
-    from tests.conftest import random_prompts
+    from tests.helpers import random_prompts
 
     rows = random_prompts(8, [12, 16])
     tokens = np.zeros((8, 16), np.int32)

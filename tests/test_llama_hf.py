@@ -8,7 +8,7 @@ import torch
 import eejax
 from eejax.cache import init_cache
 from eejax.models import llama
-from tests.conftest import TINY_CONFIGS, random_prompts
+from tests.helpers import TINY_CONFIGS, random_prompts
 
 LENGTHS = [5, 17, 1, 11]
 DECODE_STEPS = 8

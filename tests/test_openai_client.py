@@ -9,7 +9,7 @@ import pytest
 
 import eejax
 from eejax.serve.engine import Engine
-from tests.conftest import serve_in_thread
+from tests.helpers import serve_in_thread
 
 openai = pytest.importorskip("openai")
 

@@ -19,7 +19,7 @@ from eejax.decode.early_exit import early_exit_layers, kv_fill
 from eejax.errors import EejaxError
 from eejax.models import exits, llama
 from eejax.train.exit_vocab import add_exit_vocab, count_tokens, most_frequent
-from tests.conftest import prefilled
+from tests.helpers import prefilled
 from tests.test_early_exit import NEW, PROMPTS, gen  # a padded batch of 4 (3 rows + 1 padding row)
 
 

@@ -7,7 +7,7 @@ import torch
 
 import eejax
 from eejax.hub import fetch_original
-from tests.conftest import cnndm_rows, sequence_logits
+from tests.helpers import cnndm_rows, sequence_logits
 
 pytestmark = pytest.mark.real_model
 NEW_TOKENS = 32

@@ -20,7 +20,7 @@ from eejax.decode.spec_policy import (
 )
 from eejax.errors import EejaxError
 from eejax.models import llama
-from tests.conftest import prefilled, random_prompts
+from tests.helpers import prefilled, random_prompts
 
 # 8 rows of different lengths (one a single token) as one padded batch.
 PROMPTS = random_prompts(8, [5, 17, 1, 11, 3, 9, 24, 2], vocab=60, seed=7)

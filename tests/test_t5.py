@@ -20,7 +20,7 @@ from eejax.decode import steps
 from eejax.decode.early_exit import early_exit_layers
 from eejax.errors import EejaxError
 from eejax.models import t5
-from tests.conftest import ROOT, cnndm_rows, random_prompts
+from tests.helpers import ROOT, cnndm_rows, random_prompts
 
 KINDS = ("v1.0", "v1.1")
 VOCAB = 200

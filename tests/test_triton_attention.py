@@ -11,7 +11,7 @@ import eejax
 from eejax.kernels.attention import paged_attention, reference_paged_attention, resolve_impl
 from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 from eejax.kernels.triton_attention import merge_splits, plan_launch, triton_paged_attention
-from tests.conftest import random_prompts
+from tests.helpers import random_prompts
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 

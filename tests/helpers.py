@@ -1,0 +1,168 @@
+"""Helpers the tests share (not fixtures): tiny HF Llamas, random prompts, a prefilled cache, a
+server in a thread or a process, the CNN/DM sample, a model's logits along a sequence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+CNNDM = ROOT / "data" / "cnndm_test_dev100.jsonl"
+
+
+def cnndm_rows(n: int) -> list[dict]:
+    with CNNDM.open() as f:
+        return [json.loads(line) for _, line in zip(range(n), f)]
+
+
+TINY_CONFIGS = {
+    "gqa-tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "gqa-untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "mha-tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    "mha-untied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "llama3-rope": dict(
+        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+}
+
+
+def make_hf_llama(kind: str, seed: int = 0):
+    """A tiny random HF LlamaForCausalLM (fp32) of one of TINY_CONFIGS."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **TINY_CONFIGS[kind],
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # random norms, so a norm weight that is dropped or misplaced shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def random_prompts(n: int, lengths, vocab: int = 300, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=int(lengths[i % len(lengths)])).tolist() for i in range(n)]
+
+
+def prefilled(model, prompts, max_new_tokens=8, temperature=0.0, pages_per_row=4, page_size=8):
+    """(state, cache, block_table) after the full-depth prefill of `prompts` (right-padded), each
+    row owning `pages_per_row` consecutive pages of `page_size`."""
+    import jax
+    import jax.numpy as jnp
+
+    from eejax.cache import init_cache
+    from eejax.decode import steps
+    from eejax.decode.sampling import RowSampling, SamplingParams
+
+    c = model.config
+    b, t = len(prompts), max(map(len, prompts))
+    tokens = np.zeros((b, t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    table = jnp.asarray(1 + np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row))
+    cache = init_cache(c.num_layers, 1 + b * pages_per_row, page_size, c.num_kv_heads, c.head_dim, model.dtype)
+    state, cache = steps.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table,
+                                 jax.random.PRNGKey(0), sampling=RowSampling.of(SamplingParams(temperature), b),
+                                 config=c, sampler=SamplingParams(temperature).sampler,
+                                 max_new_tokens=max_new_tokens, eos_ids=())
+    return state, cache, table
+
+
+def serve_in_thread(engine, name: str = "tiny"):
+    """Starts `engine` and an `eejax serve` app for it on a free 127.0.0.1 port in this process;
+    a context manager yielding the base URL, stopping both at exit."""
+    import contextlib
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from eejax.serve.http import create_app
+
+    @contextlib.contextmanager
+    def running():
+        engine.start()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(create_app(engine, served_model_name=name), host="127.0.0.1",
+                                               port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+            thread.join()
+            engine.stop(cancel=True)
+
+    return running()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_eejax_serve(model_dir, *args, timeout: float = 120):
+    """Runs `eejax serve --model model_dir *args` as a subprocess on a free 127.0.0.1 port, output
+    piped; returns (process, base URL) once /health answers 200."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "eejax.cli", "serve", "--model", str(model_dir),
+                             "--port", str(port), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"eejax serve did not start: {proc.stdout.read()}")
+        time.sleep(0.2)
+
+
+def sequence_logits(model, ids, page_size: int = 16):
+    """float32 logits [T, V] at every position of one token sequence: a Llama prefill through the
+    paged cache (in the model's dtype) and the head."""
+    from eejax.cache import init_cache
+    from eejax.models import llama
+
+    c, t = model.config, len(ids)
+    pages = -(-t // page_size)
+    cache = init_cache(c.num_layers, 1 + pages, page_size, c.num_kv_heads, c.head_dim, model.dtype)
+    positions = np.arange(t, dtype=np.int32)[None]
+    batch = llama.token_batch(c, positions, np.ones((1, t), bool), np.arange(1, 1 + pages, dtype=np.int32)[None],
+                              np.array([t], np.int32), page_size)
+    h, _ = llama.run_layers(model.params, llama.embed(model.params, np.array([ids], np.int32)), cache, batch, c)
+    return np.asarray(llama.lm_head(model.params, h, c))[0]
