@@ -5,7 +5,8 @@ tokens per row with EOS ignored, batch 1 / 8 / 32, both measured in this run. Pr
 of each, the ratio, layers executed per token, and at batch 1 the memory-bandwidth bound
 (weight bytes read per token / measured read bandwidth).
 
-    python benchmarks/full_depth.py [--batches 1 8 32] [--new-tokens 64] [--prompt-tokens 256]
+    python benchmarks/full_depth.py [--batches 1 8 32] [--new-tokens 64] [--prompt-tokens 256] \
+        [--layer-buffers stacked|split]
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="eejax timed runs per batch (best is kept)")
     parser.add_argument("--skip-hf", action="store_true", help="measure eejax only")
+    parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="stacked",
+                        help="how eejax's decode steps read the layer weights (see eejax.Model.run_params)")
     args = parser.parse_args(argv)
 
-    model = eejax.load("smollm2-135m")
+    model = eejax.load("smollm2-135m", layer_buffers=args.layer_buffers)
     hf = None if args.skip_hf else load_hf_smollm2()
     bw = read_bandwidth_gbs()
     weight_bytes = param_bytes_per_token(model.params, model.config)
@@ -56,9 +59,11 @@ def main(argv=None) -> int:
         extra = f", {ours / bound:.0%} of the bandwidth bound" if b == 1 else ""
         print(f"batch {b:3d}: eejax {ours:7.1f} tok/s | HF {peer:7.1f} tok/s | ratio {fmt_ratio(ours, peer)} | "
               f"layers/token {row['layers_per_token']:.0f}{extra}", flush=True)
-    path = write_result("full_depth", {"read_bandwidth_gbs": bw, "weight_bytes_per_token": weight_bytes,
+    name = "full_depth" if args.layer_buffers == "stacked" else f"full_depth_{args.layer_buffers}"
+    path = write_result(name, {"read_bandwidth_gbs": bw, "weight_bytes_per_token": weight_bytes,
                                        "bandwidth_bound_tokens_per_s": bound, "prompt_tokens": args.prompt_tokens,
-                                       "new_tokens": args.new_tokens, "rows": rows})
+                                       "new_tokens": args.new_tokens, "layer_buffers": args.layer_buffers,
+                                       "rows": rows})
     print(f"wrote {path}")
     return 0
 

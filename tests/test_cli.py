@@ -38,10 +38,11 @@ def test_generate_json_contract(capsys, ckpt, tmp_path):
     s = doc["stats"]
     assert {"tokens_per_s", "generated_tokens", "mean_layers_per_token", "num_layers", "compile_s"} <= set(s)
     assert s["generated_tokens"] == 18 and s["num_layers"] == 3 and s["mean_layers_per_token"] == 3
-    # The same prompts given with --prompt give the same tokens.
-    code, out2, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose",
-                            "--max-new-tokens", 6, "--ignore-eos", "--json")
-    assert json.loads(out2)["outputs"][0]["tokens"] == doc["outputs"][0]["tokens"]
+    # The same prompts given with --prompt give the same tokens, with either layout of the weights.
+    for layout in ("stacked", "split"):
+        code, out2, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose",
+                                "--max-new-tokens", 6, "--ignore-eos", "--json", "--layer-buffers", layout)
+        assert json.loads(out2)["outputs"][0]["tokens"] == doc["outputs"][0]["tokens"]
 
 
 def test_generate_with_exit_json(capsys, ckpt):

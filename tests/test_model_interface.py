@@ -2,6 +2,7 @@
 `eejax.models` asking which architecture it runs."""
 
 import ast
+import dataclasses
 import pathlib
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 from eejax.config import LlamaConfig, T5Config
 from eejax.errors import UnsupportedModelError
 from eejax.models.registry import ARCHITECTURES, ModelModule, model_module
+from eejax.models.stack import is_split, on_layer, split_stack
 from eejax.train.forward import layer_states
 
 LLAMA = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -69,3 +71,52 @@ def test_no_architecture_checks_outside_models():
                 if "architecture" in ast.unparse(node.left):
                     offenders.append(f"{rel}:{node.lineno}")
     assert not offenders
+
+
+@pytest.mark.parametrize("options", [dict(), dict(exit="softmax:0.02"), dict(exit="state:0.9"), dict(spec="1:2"),
+                                     dict(temperature=0.9, top_k=8, seed=3)], ids=str)
+def test_per_layer_weight_buffers_give_the_stacked_layouts_tokens(options):
+    """A CPU reads each layer's weights from its own buffer (`Model.run_params`); a GPU from the
+    stack. Both layouts give the same tokens and exit layers (static and traced layer ranges)."""
+    import eejax
+
+    config = dataclasses.replace(LLAMA, num_layers=4)
+    params = model_module(config).init_params(config, jax.random.PRNGKey(1), scale=0.3)
+    prompts = [[3, 9, 27, 5, 8], [11, 4], [7, 7, 7, 2, 40, 41, 42]]
+    out = {}
+    for layout in ("stacked", "split"):
+        model = eejax.Model(config, params, layer_buffers=layout)
+        assert is_split(model.run_params["layers"]) == (layout == "split")
+        r = eejax.generate(model, prompts, max_new_tokens=6, ignore_eos=True, **options)
+        out[layout] = (r.tokens, r.exit_layers)
+    assert out["split"] == out["stacked"]
+    if "exit" in options:
+        assert min(map(min, out["split"][1])) < config.num_layers  # some steps exited: traced layer ranges ran
+
+
+def test_on_layer_reads_the_same_weights_in_both_layouts():
+    stack = {"w": jnp.arange(24.0).reshape(4, 2, 3)}
+    split = split_stack(stack)
+    for layer in (0, 3, jnp.int32(2)):
+        assert np.array_equal(on_layer(stack, ("w",), layer, lambda lp: lp["w"] * 2),
+                              on_layer(split, ("w",), layer, lambda lp: lp["w"] * 2))
+    traced = jax.jit(lambda i: on_layer(split, ("w",), i, lambda lp: lp["w"].sum()))
+    assert [float(traced(i)) for i in range(4)] == [float(stack["w"][i].sum()) for i in range(4)]
+
+
+def test_the_engine_reads_per_layer_buffers_too():
+    import eejax
+    from eejax.errors import EejaxError
+    from eejax.serve.engine import Engine
+
+    config = dataclasses.replace(LLAMA, num_layers=4)
+    params = model_module(config).init_params(config, jax.random.PRNGKey(2), scale=0.3)
+    prompts = [[3, 9, 27, 5, 8], [11, 4, 6]]
+    want = eejax.generate(eejax.Model(config, params), prompts, max_new_tokens=5, ignore_eos=True).tokens
+    engine = Engine(eejax.Model(config, params, layer_buffers="split"), max_slots=2, max_new_tokens=8,
+                    cache_budget="1MiB", page_size=8)
+    seqs = [engine.submit(p, max_new_tokens=5) for p in prompts]
+    engine.run()
+    assert [s.tokens for s in seqs] == want  # (the config names no EOS: every row runs to 5 tokens)
+    with pytest.raises(EejaxError, match="layer_buffers"):
+        eejax.Model(config, params, layer_buffers="rows")

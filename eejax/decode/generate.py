@@ -292,7 +292,7 @@ def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling: Sampl
     decode_static = dict(static, exit_config=exit_config)
     # Tokens in the longest row's cache after the prefill: a Llama's prompt, a T5's start token.
     max_len = 1 if model_module(model.config).ENCODER_DECODER else int(lengths.max())
-    args = (model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), keys, None, None,
+    args = (model.run_params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), keys, None, None,
             jax.tree.map(jnp.asarray, RowSampling.of(sampling, b)))
     prefill = model.programs.get(steps.prefill, args, static, donate_argnums=(1,))
     start = time.perf_counter()
@@ -304,7 +304,7 @@ def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling: Sampl
     for step in range(1, max_new_tokens):
         if step % POLL_EVERY == 0 and bool(jnp.all(state.done)):
             break
-        args = (model.params, cache, state, table_for(max_len + step))
+        args = (model.run_params, cache, state, table_for(max_len + step))
         state, cache = model.programs.get(steps.decode, args, decode_static, donate_argnums=(1, 2))(*args)
     return state, cache, prefill_s, None
 
@@ -314,9 +314,9 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
     policy)). With a fixed d the host only polls every few rounds; adaptive rounds are
     timed (draft and verify programs apart) and their acceptance read back to choose d, or a
     plain full-depth step (d = 0, `speculative.plain_step`) while no round pays."""
-    programs, params = model.programs, model.params
-    reduced = spec.uses_reduced_head(exits.has_reduced_head(params.get("exits")))
-    unit_costs = cost.spec_unit_weights(cost.WeightCounts.of(params, model.config), spec.exit_layer, reduced)
+    programs, params = model.programs, model.run_params
+    reduced = spec.uses_reduced_head(exits.has_reduced_head(model.params.get("exits")))
+    unit_costs = cost.spec_unit_weights(cost.WeightCounts.of(model.params, model.config), spec.exit_layer, reduced)
     policy = SpeculationPolicy(spec, unit_costs=unit_costs, sampled=static["sampler"] != GREEDY)
     counters = speculative.SpecCounters.zeros(state.done.shape[0])
     verify_static = dict(static, spec=spec)

@@ -21,13 +21,15 @@ from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import LlamaConfig
 from eejax.kernels import paged_attention
 from eejax.models.common import embed, head_matmul, rms_norm
-from eejax.models.stack import run_layer_range
+from eejax.models.stack import on_layer, run_layer_range, split_stack
 from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
 
 ENCODER_DECODER = False  # the prompt is decoded into the paged cache (see `eejax.models.registry`)
 DECODE_ONLY_SKIPS = ()  # layer weights a decode step never reads (none)
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 KV_KEYS = ("attn_norm", "wk", "wv")
+QKV_KEYS = ("attn_norm", "wq", "wk", "wv")
+OUT_KEYS = ("wo", "mlp_norm", "w_gate", "w_up", "w_down")
 
 
 @jax.tree_util.register_dataclass
@@ -57,11 +59,6 @@ def token_batch(config: LlamaConfig, positions, valid, block_table, kv_len, page
     inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     cos, sin = rope_tables(positions, inv_freq)
     return TokenBatch(positions, pages, slots, block_table, kv_len, cos, sin, attention)
-
-
-def layer_params(params, layer):
-    """One layer's weights, picked with a (possibly traced) layer index."""
-    return {k: jax.lax.dynamic_index_in_dim(params["layers"][k], layer, keepdims=False) for k in LAYER_KEYS}
 
 
 def linear(x, lp, name):
@@ -105,17 +102,7 @@ def layer_kv(lp, h, batch: TokenBatch, config: LlamaConfig):
 def kv_of_layer(params, h, layer, batch: TokenBatch, config: LlamaConfig):
     """Layer `layer`'s (traced) K and V `[B, T, Hkv, Dh]` of hidden states h (KV fill); reads
     only that layer's input norm, wk and wv."""
-    lp = {k: jax.lax.dynamic_index_in_dim(params["layers"][k], layer, keepdims=False) for k in KV_KEYS}
-    return layer_kv(lp, h, batch, config)
-
-
-def layer_forward(lp, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
-    """One decoder layer: writes its K/V for the new tokens, returns (h, cache)."""
-    q, k, v = _qkv(lp, h, batch.cos, batch.sin, config)
-    cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
-    attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len,
-                           impl=batch.attention)
-    return _residual_mlp(lp, h, attn, config), cache
+    return on_layer(params["layers"], KV_KEYS, layer, lambda lp: layer_kv(lp, h, batch, config))
 
 
 def causal_layer(lp, h, cos, sin, valid, config: LlamaConfig):
@@ -172,14 +159,27 @@ def forward_states(params, tokens, lengths, config: LlamaConfig, skip=None):
 
 
 def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
-    """Layer `layer` (possibly traced) of the whole params: (h, cache)."""
-    return layer_forward(layer_params(params, layer), h, cache, layer, batch, config)
+    """Layer `layer` (possibly traced) of the whole params: writes its K/V for the new tokens,
+    returns (h, cache). The projections before and after attention each read the layer's
+    weights (`on_layer`); the cache write and the attention over the cache run between them."""
+    layers = params["layers"]
+    q, k, v = on_layer(layers, QKV_KEYS, layer, lambda lp: _qkv(lp, h, batch.cos, batch.sin, config))
+    cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
+    attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len,
+                           impl=batch.attention)
+    return on_layer(layers, OUT_KEYS, layer, lambda lp: _residual_mlp(lp, h, attn, config)), cache
 
 
 def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig, start=0, stop=None,
                length: int | None = None):
     """Layers [start, stop), or [start, start + length), with a traced layer index (`run_layer_range`)."""
     return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop, length)
+
+
+def with_layer_buffers(params) -> dict:
+    """params with each layer's weights in their own buffers (`stack.split_stack`): how a CPU
+    decode step reads them once."""
+    return {**params, "layers": split_stack(params["layers"])}
 
 
 def decoder_layers(params) -> dict:

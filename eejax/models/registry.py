@@ -27,6 +27,8 @@ class ModelModule(Protocol):
     kv_of_layer(params, h, layer, batch, config) -> (k, v) [B, T, Hkv, Dh]: K/V projection (KV fill).
     lm_head(params, h [..., D], config, weight=None) -> float32 logits [..., V].
     decoder_layers(params) -> {name: [L, ...]}: the stacked decoder-layer weights.
+    with_layer_buffers(params) -> params whose decoder-layer weights each sit in their own
+        buffer where the architecture supports it (`eejax.models.stack`; what a CPU reads fastest).
     forward_states(params, tokens, lengths, config, skip) -> (states [L, B, T, D], layers run):
         the forward without a cache that training uses.
     encode_context(params, tokens, lengths, config) -> per-row context (encoder-decoders only).
@@ -43,6 +45,7 @@ class ModelModule(Protocol):
     def kv_of_layer(self, params, h, layer, batch, config): ...
     def lm_head(self, params, h, config, weight=...): ...
     def decoder_layers(self, params) -> dict: ...
+    def with_layer_buffers(self, params) -> dict: ...
     def forward_states(self, params, tokens, lengths, config, skip=...): ...
 
 

@@ -1,15 +1,57 @@
-"""Running a range of stacked layers with a traced layer index, shared by the model modules."""
+"""Stacked layer weights: one layer's weights picked by a (possibly traced) index, and a range of
+layers run in a loop; shared by the model modules.
+
+A stack is a dict {name: weights of every layer}, in one of two layouts:
+- stacked: each entry one array [L, ...] (the checkpoint's layout, training's, a GPU's);
+- per-layer buffers (`split_stack`): each entry a tuple of L arrays. On CPU, XLA copies a
+  dynamic slice of a weight before a matmul reads it, so a stacked decode step reads every
+  weight three times (read, write the copy, read it); per-layer buffers are read in place: a
+  static range of layers runs unrolled, a traced one with each layer's matmuls inside a
+  `lax.switch` branch on the layer index. (SmolLM2-135M on a 2-core CPU, batch 1, 256-token
+  context: 46 -> 32 ms per decode step, paired; equal at batch 8; ~3x the compile time.)
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 
 
+def is_split(stack: dict) -> bool:
+    """Whether `stack` holds per-layer buffers (tuples) rather than stacked arrays."""
+    return isinstance(next(iter(stack.values())), (tuple, list))
+
+
+def split_stack(stack: dict) -> dict:
+    """Stacked arrays [L, ...] -> tuples of L arrays, each layer's weights in its own buffer."""
+    if is_split(stack):
+        return stack
+    return {k: tuple(v[i] for i in range(v.shape[0])) for k, v in stack.items()}
+
+
+def num_stacked(stack: dict) -> int:
+    first = next(iter(stack.values()))
+    return len(first) if is_split(stack) else first.shape[0]
+
+
+def on_layer(stack: dict, keys, layer, fn: Callable):
+    """fn(weights of layer `layer`, {name: array} over `keys`). `layer` may be traced: stacked
+    weights are then sliced dynamically; per-layer buffers are read in place inside a
+    `lax.switch` branch per layer (keep what `fn` returns small: a switch copies its results)."""
+    if not is_split(stack):
+        return fn({k: jax.lax.dynamic_index_in_dim(stack[k], layer, keepdims=False) for k in keys})
+    if isinstance(layer, int):
+        return fn({k: stack[k][layer] for k in keys})
+    branches = [lambda i=i: fn({k: stack[k][i] for k in keys}) for i in range(num_stacked(stack))]
+    return jax.lax.switch(layer, branches)
+
+
 def run_layer_range(decoder_layer, params, h, cache, batch, config, start=0, stop=None, length: int | None = None):
     """Layers [start, stop) of `decoder_layer(params, h, cache, layer, batch, config) -> (h,
-    cache)` in a `lax.fori_loop` (a traced index into the stacked params); with a static
-    `length`, layers [start, start + length) (start may be traced), a loop of known trip count,
-    which on GPU costs no host round trip per layer. Returns (h, cache)."""
+    cache)` in a `lax.fori_loop` (a traced layer index); with a static `length`, layers
+    [start, start + length) (start may be traced), a loop of known trip count, which on GPU
+    costs no host round trip per layer. Returns (h, cache)."""
 
     def body(layer, carry):
         h, cache = carry
@@ -18,4 +60,14 @@ def run_layer_range(decoder_layer, params, h, cache, batch, config, start=0, sto
     if length is not None:
         return jax.lax.fori_loop(0, length, lambda j, carry: body(start + j, carry), (h, cache))
     stop = config.num_layers if stop is None else stop
+    if isinstance(start, int) and isinstance(stop, int) and _has_layer_buffers(params):
+        # A static range over per-layer buffers runs unrolled: no loop, no switch (a switch per
+        # layer costs ~10% at batch 8 on CPU; unrolling costs compile time, ~3 s per program).
+        for layer in range(start, stop):
+            h, cache = body(layer, (h, cache))
+        return h, cache
     return jax.lax.fori_loop(start, stop, body, (h, cache))
+
+
+def _has_layer_buffers(params) -> bool:
+    return any(isinstance(v, dict) and v and is_split(v) for v in params.values())

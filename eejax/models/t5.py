@@ -234,6 +234,11 @@ def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: T5Config, s
     return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop, length)
 
 
+def with_layer_buffers(params) -> dict:
+    """T5 keeps its stacked layout (its decoder layers pick weights by dynamic slices)."""
+    return params
+
+
 def decoder_layers(params) -> dict:
     """The stacked weights of the decoder layers, {name: [L, ...]}."""
     return params["decoder"]["layers"]

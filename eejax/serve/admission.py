@@ -136,7 +136,7 @@ class Admission:
 
     def _prefill_program(self, tokens, lengths, table, slots, keys, start, limit, sampling: RowSampling, offset,
                          sampler: str, logprobs: bool = False):
-        args = (self.model.params, self.cache, self.state, *map(jnp.asarray, (tokens, lengths, table, slots, keys,
+        args = (self.model.run_params, self.cache, self.state, *map(jnp.asarray, (tokens, lengths, table, slots, keys,
                                                                                start, limit)),
                 jax.tree.map(jnp.asarray, sampling), jnp.asarray(offset))
         static = dict(self.static, sampler=sampler, logprobs=logprobs)

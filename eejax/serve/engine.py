@@ -290,7 +290,7 @@ class Engine(Admission, Lifecycle):
             program, args = self._decode_program(table, group, exit_config, sampler, logprobs)
             self.state, self.cache = program(*args)
         else:
-            args = (self.model.params, self.cache, self.state, self.spec_counters, table, group)
+            args = (self.model.run_params, self.cache, self.state, self.spec_counters, table, group)
             static = dict(self.static, spec=spec, sampler=sampler, logprobs=logprobs)
             program = self.model.programs.get(spec_round_slots, args, static, donate_argnums=(1,))
             self.state, self.cache, self.spec_counters = program(*args)
@@ -309,7 +309,7 @@ class Engine(Admission, Lifecycle):
         return jnp.asarray(self.block_table[:, :width])
 
     def _decode_program(self, table, group, exit_config: ExitConfig | None, sampler: str, logprobs: bool = False):
-        args = (self.model.params, self.cache, self.state, table, group)
+        args = (self.model.run_params, self.cache, self.state, table, group)
         static = dict(self.static, exit_config=exit_config, sampler=sampler, logprobs=logprobs)
         return self.model.programs.get(decode_slots, args, static, donate_argnums=(1,)), args
 
