@@ -12,7 +12,9 @@ first); the compile seconds left inside the measured run are reported. Reported:
 mean) and inter-token latency (every gap between two tokens of a stream: what chunked prefill
 bounds), p50/p99, the share of requests within the SLO, the prefill padding waste (padding /
 (prompt + padding) tokens), the share of prompt tokens the prefix cache gave, the scheduler's
-share of step time, and lost requests (no stream, or a single token).
+share of step time, and lost requests (refused, or a stream that never said it finished; a
+request whose first token is EOS streams no text and is finished, not lost: 3 of the default
+96 do).
 
     pip install -e ".[serve,bench]"; python benchmarks/serve.py [--rates 2 4 16] [--requests 96]
 """
@@ -90,7 +92,7 @@ class Server:
 async def one_request(http, prompt, max_tokens, delay):
     await asyncio.sleep(delay)
     start = time.perf_counter()
-    times, layers = [], []
+    times, layers = [], None
     async with http.stream("POST", "/v1/completions",
                            json={"prompt": prompt, "max_tokens": max_tokens, "stream": True}) as r:
         if r.status_code != 200:
@@ -102,7 +104,7 @@ async def one_request(http, prompt, max_tokens, delay):
                     times.append(time.perf_counter())
                 else:
                     layers = chunk["eejax"]["exit_layers"]
-    return start, times, layers
+    return None if layers is None else (start, times, layers)  # None: the stream never finished
 
 
 async def drive(port, prompts, max_tokens, rate, seed):
@@ -117,7 +119,8 @@ async def drive(port, prompts, max_tokens, rate, seed):
 
 
 def summarise(results, wall, engine, slo_ttft, slo_tpot) -> dict:
-    done = [r for r in results if r is not None and r[1]]
+    finished = [r for r in results if r is not None]
+    done = [r for r in finished if r[1]]  # with a streamed token (EOS first streams none)
     ttft = np.array([t[0] - s for s, t, _ in done])
     tpot = np.array([(t[-1] - t[0]) / (len(t) - 1) for s, t, _ in done if len(t) > 1])
     itl = np.array([b - a for _, t, _ in done for a, b in zip(t, t[1:])])  # every gap between two tokens
@@ -127,7 +130,7 @@ def summarise(results, wall, engine, slo_ttft, slo_tpot) -> dict:
                  if t[0] - s <= slo_ttft and (len(t) < 2 or (t[-1] - t[0]) / (len(t) - 1) <= slo_tpot))
     return {
         "tokens_per_s": tokens / wall, "layers_per_token": float(np.mean([x for *_, ls in done for x in ls])),
-        "completed": len(done), "lost": len(results) - len(done),
+        "completed": len(finished), "lost": len(results) - len(finished),
         "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
         "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p99": float(np.percentile(tpot, 99)),
         "itl_p50": float(np.percentile(itl, 50)), "itl_p99": float(np.percentile(itl, 99)),
