@@ -94,15 +94,20 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs per configuration, each between two full-depth runs (median kept)")
     parser.add_argument("--vocab-size", type=int, default=8192, help="tokens of the reduced exit head")
+    parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="stacked",
+                        help="how decode steps read the layer weights (see eejax.Model.run_params)")
+    parser.add_argument("--name", default="early_exit", help="the result files: benchmarks/out/NAME.{json,md,png}")
     args = parser.parse_args(argv)
     batches = args.batches or [1, 8]
 
     # Untrained classifiers (for the check cost only) and the reduced exit head.
-    model = with_exit_vocab(eejax.init_exits(eejax.load("smollm2-135m")), args.vocab_size)
+    model = with_exit_vocab(eejax.init_exits(eejax.load("smollm2-135m", layer_buffers=args.layer_buffers)),
+                            args.vocab_size)
     L = model.config.num_layers
     prompts, highlights = summary_prompts(model.tokenizer, args.prompts, args.prompt_tokens)
     results = {"batches": {}, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
-               "prompts": args.prompts, "num_layers": L, "vocab_size": args.vocab_size}
+               "prompts": args.prompts, "num_layers": L, "vocab_size": args.vocab_size,
+               "layer_buffers": args.layer_buffers}
     for b in batches:
         print(f"\n=== batch {b}: {args.prompts} articles, {args.new_tokens} new tokens ===", flush=True)
         paired = decode_runs(model, prompts, b, SWEEP, args.new_tokens, args.repeats)
@@ -123,13 +128,13 @@ def main(argv=None) -> int:
                   f"ROUGE-L to full {row['rouge_l_to_full']:.3f}", flush=True)
         results["batches"][b] = dict(full_decode_tokens_per_s=base, rows=rows,
                                      full_rouge_l_to_label=rouge_l(full.texts, highlights))
-    write_result("early_exit", results)
-    write_table(results)
-    plot(results)
+    write_result(args.name, results)
+    write_table(results, args.name)
+    plot(results, args.name)
     return 0
 
 
-def write_table(results: dict) -> None:
+def write_table(results: dict, name: str = "early_exit") -> None:
     lines = [f"SmolLM2-135M fp32, {results['prompts']} CNN/DM articles ({results['prompt_tokens']}-token prompts), "
              f"{results['new_tokens']} new tokens, reduced exit head of {results['vocab_size']} tokens unless "
              f"marked, {time.strftime('%Y-%m-%d')}. Speeds are decode tokens/s (prefill excluded, "
@@ -147,13 +152,13 @@ def write_table(results: dict) -> None:
                          f"{row['kv_fill_layers']:.1f} | {row['exit_rate']:.1%} | {row['rouge_l_to_full']:.3f} | "
                          f"{row['rouge_l_to_label']:.3f} |")
         lines.append("")
-    path = ROOT / "benchmarks" / "out" / "early_exit.md"
+    path = ROOT / "benchmarks" / "out" / f"{name}.md"
     path.write_text("\n".join(lines))
     print("\n".join(lines))
     print(f"wrote {path}")
 
 
-def plot(results: dict) -> None:
+def plot(results: dict, name: str = "early_exit") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,7 +178,7 @@ def plot(results: dict) -> None:
                xlim=(0, 1.02))
         ax.legend()
     fig.tight_layout()
-    path = ROOT / "benchmarks" / "out" / "early_exit.png"
+    path = ROOT / "benchmarks" / "out" / f"{name}.png"
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
 

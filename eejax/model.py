@@ -46,6 +46,10 @@ class Model:
             self._run = (self.params, split, run)
         return self._run[2]
 
+    def with_params(self, params: dict) -> "Model":
+        """The same model (config, tokenizer, layer layout) with other params and its own programs."""
+        return Model(self.config, params, self.tokenizer, layer_buffers=self.layer_buffers)
+
     @property
     def dtype(self):
         return jax.tree.leaves(self.params)[0].dtype
@@ -75,7 +79,7 @@ def init_exits(model: Model, *, adapter_rank: int = 0, classifier: bool = True, 
     c = model.config
     new = exits.init_exits(c.num_layers, c.hidden_size, jax.random.PRNGKey(seed), adapter_rank=adapter_rank,
                            classifier=classifier, dtype=model.dtype)
-    return Model(c, {**model.params, "exits": new}, model.tokenizer, layer_buffers=model.layer_buffers)
+    return model.with_params({**model.params, "exits": new})
 
 
 def save(model: Model, path: str | Path, *, overwrite: bool = False, metadata: dict | None = None) -> Path:

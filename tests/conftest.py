@@ -72,3 +72,23 @@ def pytest_collection_modifyitems(items):
     """The torch-free unit tests run first (a broken invariant shows in seconds), parity and
     end-to-end tests after; the sort is stable, so each file keeps its own order."""
     items.sort(key=lambda item: item.path.name not in UNIT_FIRST)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs_after_each_module(request):
+    """A test worker runs many files: after each, JAX's caches (and what only they held) go, so
+    compiled programs do not pile up in one process (a worker that had grown to 9 GB crashed
+    inside jaxlib). EEJAX_TEST_RSS_LOG=FILE appends each module's peak RSS to FILE."""
+    yield
+    import gc
+    import resource
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    log = os.environ.get("EEJAX_TEST_RSS_LOG")
+    if log:
+        with open(log, "a") as f:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+            f.write(f"{os.getpid()} {request.module.__name__} peak {peak} MB\n")

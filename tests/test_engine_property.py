@@ -55,6 +55,15 @@ def _generate(prompt, max_new_tokens, exit, seed):  # noqa: A002
                           cache_budget="1MiB", **kw).tokens[0]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _forget_the_model_after_this_module():
+    """The model and the reference outputs are cached for the module's examples, then freed
+    (their compiled programs with them)."""
+    yield
+    model.cache_clear()
+    _generate.cache_clear()
+
+
 # A request: prompt, limit, and one decoding mode: self-speculation from E = 2 (every draft
 # accepted) with d from 1 to 8 or from E = 1 (some rejected), a static exit (batch-independent),
 # or sampling with the request's own seed. (Every (E, d) and block-table width compiles its own programs: the space is kept

@@ -75,10 +75,10 @@ def test_llama_programs_lower_for_cuda(monkeypatch):
         monkeypatch.setattr(early_exit, "static_loops", lambda static=static: static)
         texts = lowered_for_cuda(model)
         print({name: len(modules) for name, modules in texts.items()})
-        assert {"prefill", "decode", "plain_step", "draft", "verify", "prefill_slots", "decode_slots",
+        assert {"prefill", "decode_steps", "plain_step", "draft", "verify", "prefill_slots", "decode_slots",
                 "spec_round_slots"} <= set(texts)
         assert_cuda_modules(texts, model.programs.num_programs)
-        assert any("stablehlo.while" in text for text in texts["decode"])  # the early-exit segment loop
+        assert any("stablehlo.while" in text for text in texts["decode_steps"])  # the early-exit segment loop
 
 
 @fresh_process_only
@@ -89,7 +89,7 @@ def test_t5_programs_lower_for_cuda():
     for kw in (dict(), dict(exit="softmax:0.3"), dict(spec=SpecConfig(1, 2))):
         eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, **kw)
     texts = lowered_for_cuda(model)
-    assert {"prefill", "decode", "draft", "verify"} <= set(texts)
+    assert {"prefill", "decode_steps", "draft", "verify"} <= set(texts)
     assert_cuda_modules(texts, model.programs.num_programs)
 
 
@@ -114,7 +114,7 @@ def test_static_loops_keep_the_tokens_and_cut_the_gpu_round_trips(monkeypatch, e
         monkeypatch.setattr(early_exit, "static_loops", lambda static=static: static)
         model = eejax.Model(base.config, base.params)  # its own program cache
         results[static] = eejax.generate(model, PROMPTS, max_new_tokens=6, ignore_eos=True, exit=exit_config)
-        flows[static] = [control_flow(p.as_text()) for name, p in model.programs.compiled() if name == "decode"]
+        flows[static] = [control_flow(p.as_text()) for name, p in model.programs.compiled() if name == "decode_steps"]
     assert results[True].tokens == results[False].tokens
     assert results[True].exit_layers == results[False].exit_layers
     assert min(map(min, results[True].exit_layers)) < 8  # some steps exit early: KV fill runs

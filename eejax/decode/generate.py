@@ -1,7 +1,8 @@
 """`generate`: batched generation (full depth or early exit) over one preallocated paged KV cache.
 
 Host side: tokenize, bucket shapes, hand out pages, then drive the jitted prefill and decode
-steps; the token loop state stays on device and the host only polls `done` every few steps.
+steps; the token loop state stays on device, a program runs several decode steps
+(`steps.decode_steps`) and the host checks `done` once per program.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from eejax.kernels.attention import IMPLS
 from eejax.models import exits
 from eejax.models.registry import model_module
 
-POLL_EVERY = 4  # decode steps between host checks of "all rows done"
+POLL_EVERY = 4  # decode steps per dispatch (and speculation rounds between host checks of "all rows done")
 
 
 @dataclasses.dataclass
@@ -301,11 +302,14 @@ def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling: Sampl
     if spec_config is not None:
         state, cache, spec_out = _speculate(model, cache, state, table_for, max_len, spec_config, static)
         return state, cache, prefill_s, spec_out
-    for step in range(1, max_new_tokens):
-        if step % POLL_EVERY == 0 and bool(jnp.all(state.done)):
+    # POLL_EVERY decode steps per program (`steps.decode_steps`), then one check of "all rows
+    # done"; a last program may run past max_new_tokens: its rows are done and idle.
+    decode_static = dict(decode_static, num_steps=POLL_EVERY)
+    for step in range(1, max_new_tokens, POLL_EVERY):
+        args = (model.run_params, cache, state, table_for(max_len + step + POLL_EVERY - 1))
+        state, cache = model.programs.get(steps.decode_steps, args, decode_static, donate_argnums=(1, 2))(*args)
+        if bool(jnp.all(state.done)):
             break
-        args = (model.run_params, cache, state, table_for(max_len + step))
-        state, cache = model.programs.get(steps.decode, args, decode_static, donate_argnums=(1, 2))(*args)
     return state, cache, prefill_s, None
 
 

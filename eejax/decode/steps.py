@@ -324,3 +324,15 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, m
         confident_layers=record(state.confident_layers, confident),
         logprobs=scores,
     ), cache
+
+
+def decode_steps(params, cache: KVCache, state: DecodeState, block_table, *, num_steps: int, **options):
+    """`num_steps` decode steps (`decode`, same options) in one program: a loop of known trip
+    count, so the host dispatches and syncs once per `num_steps` tokens, and a GPU reads nothing
+    back between them. Rows that end inside idle through the rest. Returns (state, cache)."""
+
+    def body(_, carry):
+        state, cache = carry
+        return decode(params, cache, state, block_table, **options)
+
+    return jax.lax.fori_loop(0, num_steps, body, (state, cache))

@@ -53,7 +53,5 @@ def most_frequent(counts: np.ndarray, size: int, always=()) -> np.ndarray:
 
 def add_exit_vocab(model, ids):
     """A copy of `model` with the reduced exit head of token `ids` (replacing any it had)."""
-    from eejax.model import Model
-
     params = exits.set_exit_vocab(model.params, ids, model.config.tie_embeddings)
-    return Model(model.config, params, model.tokenizer)
+    return model.with_params(params)

@@ -197,7 +197,6 @@ def trained_model(model, trainable: dict, settings: RunSettings, data: DistillDa
     """The model the run trained: the LoRA factors merged (or the fine-tuned params), its trained
     exits recorded as the default check layers, and a reduced exit head of the `exit_vocab_size`
     most frequent tokens of the training data (0: none)."""
-    from eejax.model import Model
     from eejax.models.exits import set_exit_vocab
     from eejax.train.exit_vocab import most_frequent
     from eejax.train.lora import merge_lora
@@ -213,7 +212,7 @@ def trained_model(model, trainable: dict, settings: RunSettings, data: DistillDa
                              minlength=model.config.vocab_size)
         ids = most_frequent(counts, exit_vocab_size, always=model.eos_token_ids)
         params = set_exit_vocab(params, ids, model.config.tie_embeddings)
-    return Model(model.config, params, model.tokenizer)
+    return model.with_params(params)
 
 
 def export_run(model, trainable: dict, settings: RunSettings, data: DistillData, run_dir: str | Path, *,

@@ -108,7 +108,7 @@ def fit_exit_adapters(model, prompts, *, adapter_rank: int = 128, continuation_t
     `train_exit_adapters`). `prompts` are strings or token-id lists. Returns (the model with
     trained exits, losses [steps])."""
     from eejax.decode.prompts import prompt_token_ids
-    from eejax.model import Model, init_exits
+    from eejax.model import init_exits
     from eejax.models.exits import has_adapters
     from eejax.train.data import continued_sequences, sequence_batches
 
@@ -121,9 +121,9 @@ def fit_exit_adapters(model, prompts, *, adapter_rank: int = 128, continuation_t
     exits = model.params.get("exits") or {}
     if not has_adapters(exits):
         adapters = init_exits(model, adapter_rank=adapter_rank, classifier=False).params["exits"]
-        model = Model(model.config, {**model.params, "exits": {**exits, **adapters}}, model.tokenizer)
+        model = model.with_params({**model.params, "exits": {**exits, **adapters}})
     sequences = continued_sequences(model, [p[: max_len - continuation_tokens] for p in ids],
                                     continuation_tokens, progress=progress)
     batches = sequence_batches(sequences, batch_size, max_len)
     trained, losses, _ = train_exit_adapters(model, batches, steps=steps, progress=progress, **train_options)
-    return Model(model.config, {**model.params, "exits": trained}, model.tokenizer), losses
+    return model.with_params({**model.params, "exits": trained}), losses

@@ -102,7 +102,6 @@ def apply_delta(model, path, *, check: bool = True):
     the trained exits as the default check layers and the reduced exit head it names. With
     `check`, the probe's logits recorded at training time must come out again (within 1e-4 of
     the largest): a named error otherwise (a different base model, or a damaged delta)."""
-    from eejax.model import Model
     from eejax.models.exits import set_exit_vocab
 
     factors, extra, meta = load_delta(path)
@@ -112,7 +111,7 @@ def apply_delta(model, path, *, check: bool = True):
         params["exits"] = {"exit_layers": jnp.asarray(exit_layers, jnp.int32)}
     if "exit_vocab_ids" in extra:
         params = set_exit_vocab(params, extra["exit_vocab_ids"], model.config.tie_embeddings)
-    trained = Model(model.config, params, model.tokenizer)
+    trained = model.with_params(params)
     if check and "probe_top_ids" in meta:
         from eejax.train.layerskip_run import probe_logits
 
