@@ -50,6 +50,18 @@ class Model:
         """The same model (config, tokenizer, layer layout) with other params and its own programs."""
         return Model(self.config, params, self.tokenizer, layer_buffers=self.layer_buffers)
 
+    def logical_axes(self) -> dict:
+        """The logical axis names of every array in `params`, a tree of `PartitionSpec`s like it:
+        the annotations of the architecture's Flax modules and of the exits. A mesh shards by
+        these through Flax's rules (`flax.linen.logical_to_mesh_sharding`)."""
+        from eejax.models import exits
+        from eejax.models.registry import model_module
+
+        specs = model_module(self.config).logical_axes(self.config)
+        if self.params.get("exits"):
+            specs["exits"] = exits.logical_axes(self.params["exits"], self.config.tie_embeddings)
+        return specs
+
     @property
     def dtype(self):
         return jax.tree.leaves(self.params)[0].dtype

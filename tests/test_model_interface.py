@@ -73,7 +73,7 @@ def test_no_architecture_checks_outside_models():
     assert not offenders
 
 
-@pytest.mark.parametrize("options", [dict(), dict(exit="softmax:0.02"), dict(exit="state:0.9"), dict(spec="1:2"),
+@pytest.mark.parametrize("options", [dict(), dict(exit="softmax:0.02"), dict(exit="state:0.7"), dict(spec="1:2"),
                                      dict(temperature=0.9, top_k=8, seed=3)], ids=str)
 def test_per_layer_weight_buffers_give_the_stacked_layouts_tokens(options):
     """A CPU reads each layer's weights from its own buffer (`Model.run_params`); a GPU from the
@@ -120,3 +120,83 @@ def test_the_engine_reads_per_layer_buffers_too():
     assert [s.tokens for s in seqs] == want  # (the config names no EOS: every row runs to 5 tokens)
     with pytest.raises(EejaxError, match="layer_buffers"):
         eejax.Model(config, params, layer_buffers="rows")
+
+
+AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "mlp", "norm", "layers", "relpos_buckets", "adapter"}
+CONFIGS = {
+    "llama-untied": LLAMA, "llama-tied": dataclasses.replace(LLAMA, tie_embeddings=True),
+    "t5-v1.0": T5, "t5-v1.1": dataclasses.replace(T5, gated=True, activation="gelu_new", tie_embeddings=False,
+                                                  scale_decoder_outputs=False),
+}
+
+
+def is_spec(x):
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
+def test_flax_init_gives_every_param_its_logical_axes(config):
+    """Params come from the Flax model's `init`; each array has one logical axis name per
+    dimension (what a mesh shards by), the stacked layers' first one `layers`."""
+    m = model_module(config)
+    params = m.init_params(config, jax.random.PRNGKey(0))
+    specs = m.logical_axes(config)
+    assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(params)
+    for spec, x in zip(jax.tree.leaves(specs, is_leaf=is_spec), jax.tree.leaves(params)):
+        assert len(spec) == x.ndim and set(spec) <= AXIS_NAMES
+    layer_specs = m.decoder_layers(specs)
+    assert {s[0] for s in jax.tree.leaves(layer_specs, is_leaf=is_spec)} == {"layers"}
+    assert layer_specs["wk"][1:] == ("embed", "kv_heads")  # the paged cache's head axis
+
+
+def test_model_logical_axes_cover_the_exits_and_the_reduced_head():
+    import eejax
+    from eejax.models import exits
+
+    model = eejax.init_exits(eejax.Model(LLAMA, model_module(LLAMA).init_params(LLAMA, jax.random.PRNGKey(0))),
+                             adapter_rank=4)
+    model = model.with_params(exits.set_exit_vocab(model.params, [1, 5, 9], tied=False))
+    specs = model.logical_axes()
+    assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(model.params)
+    assert tuple(specs["exits"]["adapter_down"]) == ("layers", "embed", "adapter")
+    assert tuple(specs["exits"]["vocab_head"]) == ("embed", "vocab")
+    h = jax.random.normal(jax.random.PRNGKey(1), (3, LLAMA.hidden_size))
+    e = model.params["exits"]
+    assert np.array_equal(exits.adapt(e, h, 1), h)  # untrained adapters are the identity
+    assert np.allclose(exits.classifier_prob(e, h, 2), 0.5)
+
+
+def test_the_flax_forward_without_a_cache_gives_the_paged_prefills_logits():
+    """`Llama.__call__` (what `init` runs: dense causal attention, scanned layers) and the paged
+    prefill the decoder runs are the same model."""
+    from eejax.models.llama import Llama
+    from tests.helpers import sequence_logits
+    import eejax
+
+    params = model_module(LLAMA).init_params(LLAMA, jax.random.PRNGKey(3), scale=0.3)
+    rows = [[5, 9, 2, 33, 7, 1], [8, 8, 40]]
+    tokens = np.zeros((2, 6), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+    dense = Llama(LLAMA).apply({"params": params}, tokens, np.array([6, 3], np.int32))
+    for i, r in enumerate(rows):
+        np.testing.assert_allclose(dense[i, :len(r)], sequence_logits(eejax.Model(LLAMA, params), r),
+                                   rtol=2e-5, atol=2e-5)
+
+
+def test_the_t5_flax_forward_without_a_cache_gives_the_paged_decoders_logits():
+    from eejax.cache import init_cache
+    from eejax.models import t5
+
+    config = CONFIGS["t5-v1.1"]
+    params = t5.init_params(config, jax.random.PRNGKey(4), scale=0.3)
+    prompt, lengths = np.array([[4, 9, 13, 2, 0], [6, 7, 8, 9, 10]], np.int32), np.array([4, 5], np.int32)
+    dec = np.array([[0, 12, 30, 5], [0, 3, 3, 3]], np.int32)
+    dense = t5.T5(config).apply({"params": params}, prompt, lengths, dec, np.array([4, 4], np.int32))
+    b, t = dec.shape
+    cache = init_cache(config.num_layers, 1 + b, 8, config.num_kv_heads, config.head_dim, jnp.float32)
+    batch = t5.token_batch(config, np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)), np.ones((b, t), bool),
+                           np.arange(1, 1 + b, dtype=np.int32)[:, None], np.full((b,), t, np.int32), 8,
+                           context=t5.encode_context(params, prompt, lengths, config))
+    h, _ = t5.run_layers(params, t5.embed(params, dec), cache, batch, config)
+    np.testing.assert_allclose(dense, t5.lm_head(params, h, config), rtol=2e-5, atol=2e-5)

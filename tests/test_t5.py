@@ -19,7 +19,7 @@ from eejax.options import ExitConfig
 from eejax.decode import steps
 from eejax.decode.early_exit import early_exit_layers
 from eejax.errors import EejaxError
-from eejax.models import t5
+from eejax.models import t5, t5_attention
 from tests.helpers import ROOT, cnndm_rows, random_prompts
 
 KINDS = ("v1.0", "v1.1")
@@ -130,7 +130,7 @@ def test_encoder_attention_in_row_groups_equals_whole(t5_models, monkeypatch):
     hf, model = t5_models["v1.1"]
     tokens, lengths = padded(PROMPTS)
     whole = np.asarray(t5.encode(model.params, jnp.asarray(tokens), jnp.asarray(lengths), model.config))
-    monkeypatch.setattr(t5, "SCORES_CHUNK_BYTES", 2 * 4 * 30 * 30 * 4)  # groups of 2 rows
+    monkeypatch.setattr(t5_attention, "SCORES_CHUNK_BYTES", 2 * 4 * 30 * 30 * 4)  # groups of 2 rows
     grouped = np.asarray(t5.encode(model.params, jnp.asarray(tokens), jnp.asarray(lengths), model.config))
     np.testing.assert_allclose(grouped, whole, atol=1e-6, rtol=0)
 

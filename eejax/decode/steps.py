@@ -79,7 +79,7 @@ class DecodeState:
     limit [B] int32:      the row's own max new tokens counted from `start` (<= N); the
                           decaying exit threshold runs over start + limit
     sampling:             each row's temperature / top-k / top-p (`RowSampling`, traced)
-    context:              per-row model state besides the KV cache (T5: `t5.CrossKV`; Llama: None)
+    context:              per-row model state besides the KV cache (T5: `t5_attention.CrossKV`; Llama: None)
     logprobs:             a `LogprobRecord`, or None when nobody asks for log-probabilities
     """
 

@@ -1,4 +1,4 @@
-"""Per-layer exit modules: an adapter before the shared exit head, and an exit classifier.
+"""Per-layer exit modules (Flax): an adapter before the shared exit head, and an exit classifier.
 
 Optional entries of `params["exits"]`, each stacked on a leading L axis; index l belongs to the
 exit after l + 1 layers. The last index is never used: full depth runs the model's own head.
@@ -23,12 +23,18 @@ Entries that are not per layer:
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from eejax.errors import EejaxError
+from eejax.models import modules
+from eejax.models.modules import share_scope, unboxed_init
 
 ADAPTER_KEYS = ("adapter_norm", "adapter_down", "adapter_up")
 CLASSIFIER_KEYS = ("classifier_w", "classifier_b")
@@ -87,24 +93,91 @@ def check_reduced_head(params, tied: bool) -> None:
                          "(the head changed since eejax exit-vocab ran): run eejax exit-vocab again")
 
 
+class ExitAdapter(nn.Module):
+    """One exit's adapter (Flax): h [..., D] -> h + (rms_normalise(h) * adapter_norm) @ adapter_down
+    @ adapter_up. Initialised as the identity: adapter_up = 0, adapter_down normal(0, D^-1/2)."""
+
+    rank: int
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, h):
+        d = h.shape[-1]
+        norm = self.param("adapter_norm", _init(nn.initializers.ones, ("norm",)), (d,), self.param_dtype)
+        down = self.param("adapter_down", _init(nn.initializers.normal(d**-0.5), ("embed", "adapter")),
+                          (d, self.rank), self.param_dtype)
+        up = self.param("adapter_up", _init(nn.initializers.zeros, ("adapter", "embed")), (self.rank, d),
+                        self.param_dtype)
+        x = (_normalise(h) * norm.astype(jnp.float32)).astype(h.dtype)
+        return h + (x @ down) @ up
+
+
+class ExitClassifier(nn.Module):
+    """One exit's classifier (Flax): P(exit) = sigmoid(rms_normalise(h) . classifier_w + classifier_b),
+    h [..., D] -> float32 [...]. Initialised to zeros: P(exit) = 0.5 everywhere."""
+
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, h):
+        w = self.param("classifier_w", _init(nn.initializers.zeros, ("embed",)), (h.shape[-1],), self.param_dtype)
+        b = self.param("classifier_b", _init(nn.initializers.zeros, ()), (), self.param_dtype)
+        return jax.nn.sigmoid(_normalise(h) @ w.astype(jnp.float32) + b.astype(jnp.float32))
+
+
+class Exits(nn.Module):
+    """Every layer's exit modules (Flax), stacked on a leading axis (logical axis `layers`):
+    `init` creates `params["exits"]`' per-layer entries in the layout of the module docstring."""
+
+    num_layers: int
+    adapter_rank: int = 0
+    classifier: bool = True
+    param_dtype: Any = jnp.float32
+
+    def setup(self):
+        stack = functools.partial(nn.vmap, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None,
+                                  axis_size=self.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+        self.adapters = stack(ExitAdapter)(self.adapter_rank, self.param_dtype) if self.adapter_rank else None
+        self.classifiers = stack(ExitClassifier)(self.param_dtype) if self.classifier else None
+        share_scope(self, *(m for m in (self.adapters, self.classifiers) if m is not None))
+
+    def __call__(self, h):
+        """Every exit applied to h [..., D]: (adapted [L, ..., D] or None, P(exit) [L, ...] or None)."""
+        return (self.adapters(h) if self.adapters is not None else None,
+                self.classifiers(h) if self.classifiers is not None else None)
+
+
+def _init(initializer, axes):
+    return nn.with_logical_partitioning(initializer, axes)
+
+
 def init_exits(num_layers: int, hidden: int, key, *, adapter_rank: int = 0, classifier: bool = True,
                dtype=jnp.float32) -> dict:
-    """Deterministic untrained exits: adapters are the identity (adapter_up = 0, adapter_down
-    normal with std D^-1/2 from `key`), classifiers give P(exit) = 0.5 everywhere."""
+    """Deterministic untrained exits (`Exits.init` from `key`): adapters are the identity,
+    classifiers give P(exit) = 0.5 everywhere."""
     if adapter_rank < 0 or adapter_rank > hidden:
         raise EejaxError(f"adapter_rank must be in [0, {hidden}] (0 = no adapters), got {adapter_rank}")
     if not adapter_rank and not classifier:
         raise EejaxError("init_exits: nothing to add (adapter_rank is 0 and classifier is False)")
-    exits = {}
-    if adapter_rank:
-        down = jax.random.normal(key, (num_layers, hidden, adapter_rank), jnp.float32) * hidden**-0.5
-        exits["adapter_norm"] = jnp.ones((num_layers, hidden), dtype)
-        exits["adapter_down"] = down.astype(dtype)
-        exits["adapter_up"] = jnp.zeros((num_layers, adapter_rank, hidden), dtype)
-    if classifier:
-        exits["classifier_w"] = jnp.zeros((num_layers, hidden), dtype)
-        exits["classifier_b"] = jnp.zeros((num_layers,), dtype)
-    return exits
+    module = Exits(num_layers, adapter_rank, classifier, dtype)
+    return jax.jit(lambda key: unboxed_init(module, key, jnp.zeros((1, hidden), dtype)))(key)
+
+
+def logical_axes(exits, tied: bool) -> dict:
+    """The logical axis names of every entry of `exits` (PartitionSpecs, same keys): the exit
+    modules' own, and the reduced head's in the head's layout."""
+    specs = {}
+    if has_adapters(exits) or has_classifier(exits):
+        first = exits["adapter_norm"] if has_adapters(exits) else exits["classifier_w"]  # [L, D]
+        rank = exits["adapter_down"].shape[-1] if has_adapters(exits) else 0
+        module = Exits(first.shape[0], rank, has_classifier(exits))
+        specs = modules.logical_axes(module, jnp.zeros((1, first.shape[1])))
+    if has_reduced_head(exits):
+        specs["vocab_ids"] = P("vocab")
+        specs["vocab_head"] = P("vocab", "embed") if tied else P("embed", "vocab")
+    if "exit_layers" in exits:
+        specs["exit_layers"] = P(None)
+    return specs
 
 
 def check_exits(exits, config) -> None:
@@ -176,13 +249,11 @@ def adapt(exits, h, index):
     """The adapter of exit `index` applied to hidden states h [..., D]; identity without adapters."""
     if not has_adapters(exits):
         return h
-    pick = lambda k: jax.lax.dynamic_index_in_dim(exits[k], index, keepdims=False)  # noqa: E731
-    x = (_normalise(h) * pick("adapter_norm").astype(jnp.float32)).astype(h.dtype)
-    return h + (x @ pick("adapter_down")) @ pick("adapter_up")
+    lp = {k: jax.lax.dynamic_index_in_dim(exits[k], index, keepdims=False) for k in ADAPTER_KEYS}
+    return ExitAdapter(lp["adapter_down"].shape[-1]).apply({"params": lp}, h)
 
 
 def classifier_prob(exits, h, index):
     """P(exit) [...] float32 of exit `index` for hidden states h [..., D]."""
-    w = jax.lax.dynamic_index_in_dim(exits["classifier_w"], index, keepdims=False)
-    b = jax.lax.dynamic_index_in_dim(exits["classifier_b"], index, keepdims=False)
-    return jax.nn.sigmoid(_normalise(h) @ w.astype(jnp.float32) + b.astype(jnp.float32))
+    lp = {k: jax.lax.dynamic_index_in_dim(exits[k], index, keepdims=False) for k in CLASSIFIER_KEYS}
+    return ExitClassifier().apply({"params": lp}, h)

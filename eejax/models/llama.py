@@ -1,4 +1,5 @@
-"""Pure-functional Llama on the paged KV cache.
+"""Llama on the paged KV cache: Flax modules (`DecoderLayer`, `Llama`) applied to stacked params
+by plain functions (the model interface, `eejax.models.registry`).
 
 Params (x @ W convention, per-layer weights stacked on a leading L axis):
     embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied to embed)
@@ -12,7 +13,9 @@ layer writes the new tokens' K/V into the cache, then attends through the cache.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +23,9 @@ import numpy as np
 from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import LlamaConfig
 from eejax.kernels import paged_attention
-from eejax.models.common import embed, head_matmul, rms_norm
+from eejax.models import modules
+from eejax.models.modules import (Dtype, Embedder, Linear, RMSNorm, Unembed, embed, scan_layers, share_scope,
+                                  unboxed_init)
 from eejax.models.stack import on_layer, run_layer_range, split_stack
 from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
 
@@ -61,56 +66,117 @@ def token_batch(config: LlamaConfig, positions, valid, block_table, kv_len, page
     return TokenBatch(positions, pages, slots, block_table, kv_len, cos, sin, attention)
 
 
-def linear(x, lp, name):
-    """x @ lp[name], plus LoRA's low-rank update x @ a @ b when the layer params carry one
-    (`name + "_a"` [D, r], `name + "_b"` [r, O]: training, before the update is merged).
-    Accumulated in float32 and rounded once to x's dtype (bf16 weights: as cuBLAS does)."""
-    y = jnp.matmul(x, lp[name], preferred_element_type=jnp.float32)
-    if name + "_a" in lp:
-        y = y + (x @ lp[name + "_a"]) @ lp[name + "_b"]
-    return y.astype(x.dtype)
+class DecoderLayer(nn.Module):
+    """One Llama decoder layer (Flax): pre-norm GQA attention and a gated SiLU MLP, each with its
+    residual. Weights in the eejax layout (see the module docstring, less the L axis), each with
+    its logical axes; LoRA factors ride along (`modules.Linear`). The paged decode step runs it in
+    two halves around the cache write and the attention over the cache (`qkv`, `out_mlp`); KV fill
+    runs `kv`; training runs the whole layer over dense causal attention (`__call__`)."""
+
+    config: LlamaConfig
+    init_scale: float = 0.02
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        linear = functools.partial(Linear, init_scale=self.init_scale, param_dtype=self.param_dtype)
+        norm = functools.partial(RMSNorm, eps=c.rms_norm_eps, param_dtype=self.param_dtype)
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.input_norm = norm("attn_norm")
+        self.q_proj = linear("wq", q_dim, ("embed", "heads"))
+        self.k_proj = linear("wk", kv_dim, ("embed", "kv_heads"))
+        self.v_proj = linear("wv", kv_dim, ("embed", "kv_heads"))
+        self.o_proj = linear("wo", c.hidden_size, ("heads", "embed"))
+        self.post_norm = norm("mlp_norm")
+        self.gate_proj = linear("w_gate", c.intermediate_size, ("embed", "mlp"))
+        self.up_proj = linear("w_up", c.intermediate_size, ("embed", "mlp"))
+        self.down_proj = linear("w_down", c.hidden_size, ("mlp", "embed"))
+        share_scope(self, self.input_norm, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.post_norm,
+                    self.gate_proj, self.up_proj, self.down_proj)
+
+    def qkv(self, h, cos, sin):
+        """Rotated q [B, T, Hq, Dh], k and v [B, T, Hkv, Dh] of hidden states h [B, T, D]."""
+        b, t, _ = h.shape
+        x = self.input_norm(h)
+        q = apply_rope(self.q_proj(x).reshape(b, t, self.config.num_heads, self.config.head_dim), cos, sin)
+        return (q, *self._kv(x, cos, sin))
+
+    def kv(self, h, cos, sin):
+        """This layer's K and V [B, T, Hkv, Dh] of hidden states h (norm, projection, rotary)."""
+        return self._kv(self.input_norm(h), cos, sin)
+
+    def _kv(self, x, cos, sin):
+        b, t, _ = x.shape
+        k = self.k_proj(x).reshape(b, t, self.config.num_kv_heads, self.config.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.config.num_kv_heads, self.config.head_dim)
+        return apply_rope(k, cos, sin), v
+
+    def out_mlp(self, h, attn):
+        """The attention output projection of attn [B, T, Hq, Dh] and the gated MLP, each with
+        its residual: h [B, T, D] -> h."""
+        h = h + self.o_proj(attn.reshape(*h.shape[:2], -1))
+        x = self.post_norm(h)
+        return h + self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def __call__(self, h, cos, sin, valid):
+        """The whole layer over right-padded sequences without a KV cache (training): h [B, T, D],
+        cos/sin [B, T, Dh], valid [B, T] bool -> h [B, T, D]."""
+        return self.out_mlp(h, causal_attention(*self.qkv(h, cos, sin), valid))
 
 
-def _qkv(lp, h, cos, sin, config: LlamaConfig):
-    """Rotated q `[B, T, Hq, Dh]`, k and v `[B, T, Hkv, Dh]` of hidden states h."""
-    b, t, _ = h.shape
-    x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
-    q = apply_rope(linear(x, lp, "wq").reshape(b, t, config.num_heads, config.head_dim), cos, sin)
-    k, v = _kv(lp, x, cos, sin, config)
-    return q, k, v
+class Llama(nn.Module):
+    """The whole Llama (Flax): embedding, stacked decoder layers, final norm, head (tied to the
+    embedding or its own). `init` creates params in the eejax layout with logical axes; decoding
+    applies the pieces to given params (`embed`, `logits`, and `DecoderLayer` per layer);
+    `__call__` is the no-cache forward: tokens [B, T], lengths [B] -> float32 logits [B, T, V]."""
+
+    config: LlamaConfig
+    init_scale: float = 0.02
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        self.embedder = Embedder(c.vocab_size, c.hidden_size, self.init_scale, self.param_dtype)
+        self.layers = DecoderLayer(c, self.init_scale, self.param_dtype)
+        self.norm = RMSNorm("final_norm", c.rms_norm_eps, self.param_dtype)
+        self.unembed = None if c.tie_embeddings else Unembed(c.vocab_size, self.init_scale, self.param_dtype)
+        share_scope(self, *(m for m in (self.embedder, self.norm, self.unembed) if m is not None))
+
+    def embed(self, tokens):
+        return self.embedder(tokens)
+
+    def logits(self, h, weight=None):
+        """Final norm + head: [..., D] -> float32 [..., V]; `weight` replaces the head's matrix in
+        its own layout ([K, D] tied, [D, K] untied): a reduced head gives [..., K]."""
+        x = self.norm(h)
+        return self.embedder.attend(x, weight) if self.unembed is None else self.unembed(x, weight)
+
+    def __call__(self, tokens, lengths):
+        _, valid, cos, sin = _dense_positions(self.config, tokens, lengths)
+        h = scan_layers(self.layers, self.embed(tokens), cos, sin, valid, length=self.config.num_layers)
+        return self.logits(h)
 
 
-def _kv(lp, x, cos, sin, config: LlamaConfig):
-    b, t, _ = x.shape
-    k = linear(x, lp, "wk").reshape(b, t, config.num_kv_heads, config.head_dim)
-    v = linear(x, lp, "wv").reshape(b, t, config.num_kv_heads, config.head_dim)
-    return apply_rope(k, cos, sin), v
+def _dense_positions(config: LlamaConfig, tokens, lengths):
+    """Positions [B, T], valid [B, T] and rotary cos/sin [B, T, Dh] of right-padded sequences."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    valid = positions < lengths[:, None]
+    cos, sin = rope_tables(positions, inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling))
+    return positions, valid, cos, sin
 
 
-def _residual_mlp(lp, h, attn, config: LlamaConfig):
-    """The attention output projection and the gated MLP, each with its residual."""
-    h = h + linear(attn.reshape(*h.shape[:2], -1), lp, "wo")
-    x = rms_norm(h, lp["mlp_norm"], config.rms_norm_eps)
-    return h + linear(jax.nn.silu(linear(x, lp, "w_gate")) * linear(x, lp, "w_up"), lp, "w_down")
-
-
-def layer_kv(lp, h, batch: TokenBatch, config: LlamaConfig):
-    """This layer's K and V `[B, T, Hkv, Dh]` for hidden states h (input norm, projection, rotary)."""
-    return _kv(lp, rms_norm(h, lp["attn_norm"], config.rms_norm_eps), batch.cos, batch.sin, config)
+def _layer_apply(config: LlamaConfig, lp: dict, method: str | None, *args):
+    """`DecoderLayer.<method>(*args)` (None: the whole layer) on one layer's weights `lp` (a
+    slice of the stack)."""
+    return DecoderLayer(config).apply({"params": lp}, *args, method=method)
 
 
 def kv_of_layer(params, h, layer, batch: TokenBatch, config: LlamaConfig):
     """Layer `layer`'s (traced) K and V `[B, T, Hkv, Dh]` of hidden states h (KV fill); reads
     only that layer's input norm, wk and wv."""
-    return on_layer(params["layers"], KV_KEYS, layer, lambda lp: layer_kv(lp, h, batch, config))
-
-
-def causal_layer(lp, h, cos, sin, valid, config: LlamaConfig):
-    """One decoder layer over whole right-padded sequences without a KV cache (training):
-    h [B, T, D], cos/sin [B, T, Dh], valid [B, T] bool -> h [B, T, D]. `lp` may carry LoRA
-    updates (see `linear`)."""
-    q, k, v = _qkv(lp, h, cos, sin, config)
-    return _residual_mlp(lp, h, causal_attention(q, k, v, valid), config)
+    return on_layer(params["layers"], KV_KEYS, layer,
+                    lambda lp: _layer_apply(config, lp, "kv", h, batch.cos, batch.sin))
 
 
 def causal_attention(q, k, v, valid):
@@ -137,16 +203,13 @@ def forward_states(params, tokens, lengths, config: LlamaConfig, skip=None):
     dense causal attention, no KV cache. Returns (states [L, B, T, D], layers computed int32);
     states[l] is the hidden state after layer l. skip [L] bool: layer l passes its input through
     unchanged, and a `lax.cond` runs nothing else for it (LayerSkip's layer dropout, one decision
-    per layer for the whole batch). The layers may carry LoRA factors (see `linear`)."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    valid = positions < lengths[:, None]
-    cos, sin = rope_tables(positions, inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling))
+    per layer for the whole batch). The layers may carry LoRA factors (see `modules.Linear`)."""
+    _, valid, cos, sin = _dense_positions(config, tokens, lengths)
     if skip is None:
         skip = jnp.zeros((config.num_layers,), bool)
 
     def compute(h, lp):
-        return causal_layer(lp, h, cos, sin, valid, config), jnp.int32(1)
+        return _layer_apply(config, lp, None, h, cos, sin, valid), jnp.int32(1)
 
     def body(carry, xs):
         h, count = carry
@@ -160,14 +223,14 @@ def forward_states(params, tokens, lengths, config: LlamaConfig, skip=None):
 
 def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
     """Layer `layer` (possibly traced) of the whole params: writes its K/V for the new tokens,
-    returns (h, cache). The projections before and after attention each read the layer's
-    weights (`on_layer`); the cache write and the attention over the cache run between them."""
+    returns (h, cache). The halves before and after attention each read the layer's weights
+    (`on_layer`); the cache write and the attention over the cache run between them."""
     layers = params["layers"]
-    q, k, v = on_layer(layers, QKV_KEYS, layer, lambda lp: _qkv(lp, h, batch.cos, batch.sin, config))
+    q, k, v = on_layer(layers, QKV_KEYS, layer, lambda lp: _layer_apply(config, lp, "qkv", h, batch.cos, batch.sin))
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
     attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len,
                            impl=batch.attention)
-    return on_layer(layers, OUT_KEYS, layer, lambda lp: _residual_mlp(lp, h, attn, config)), cache
+    return on_layer(layers, OUT_KEYS, layer, lambda lp: _layer_apply(config, lp, "out_mlp", h, attn)), cache
 
 
 def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig, start=0, stop=None,
@@ -188,37 +251,24 @@ def decoder_layers(params) -> dict:
 
 
 def lm_head(params, h, config: LlamaConfig, weight=None):
-    """Final norm + LM head: hidden [..., D] -> float32 logits [..., V]. `weight` replaces the
-    head's matrix in its own layout ([K, D] tied, [D, K] untied): a reduced head gives [..., K]."""
-    x = rms_norm(h, params["final_norm"], config.rms_norm_eps)
-    return head_matmul(x, params, config.tie_embeddings, weight)
+    """Final norm + LM head: hidden [..., D] -> float32 logits [..., V] (`Llama.logits`)."""
+    head = {k: params[k] for k in ("final_norm", "embed" if config.tie_embeddings else "lm_head")}
+    return Llama(config).apply({"params": head}, h, weight, method="logits")
 
 
 def init_params(config: LlamaConfig, key, dtype=jnp.float32, scale: float = 0.02):
-    """Random params with the eejax layout (normal(0, scale) weights, unit norms)."""
-    c = config
-    L, D, F = c.num_layers, c.hidden_size, c.intermediate_size
-    shapes = {
-        "wq": (L, D, c.num_heads * c.head_dim),
-        "wk": (L, D, c.num_kv_heads * c.head_dim),
-        "wv": (L, D, c.num_kv_heads * c.head_dim),
-        "wo": (L, c.num_heads * c.head_dim, D),
-        "w_gate": (L, D, F),
-        "w_up": (L, D, F),
-        "w_down": (L, F, D),
-    }
-    keys = jax.random.split(key, len(shapes) + 2)
-    layers = {n: scale * jax.random.normal(k, s, dtype) for k, (n, s) in zip(keys, shapes.items())}
-    layers["attn_norm"] = jnp.ones((L, D), dtype)
-    layers["mlp_norm"] = jnp.ones((L, D), dtype)
-    params = {
-        "embed": scale * jax.random.normal(keys[-2], (c.vocab_size, D), dtype),
-        "layers": layers,
-        "final_norm": jnp.ones((D,), dtype),
-    }
-    if not c.tie_embeddings:
-        params["lm_head"] = scale * jax.random.normal(keys[-1], (D, c.vocab_size), dtype)
-    return params
+    """Random params in the eejax layout, created by `Llama.init`: normal(0, scale) weights,
+    unit norms."""
+    return jax.jit(lambda key: unboxed_init(Llama(config, scale, dtype), key, *_init_inputs()))(key)
+
+
+def logical_axes(config: LlamaConfig) -> dict:
+    """The logical axis names of every param `init_params` creates (PartitionSpecs, same tree)."""
+    return modules.logical_axes(Llama(config), *_init_inputs())
+
+
+def _init_inputs():
+    return jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
 
 
 def param_bytes_per_token(params, config: LlamaConfig) -> int:

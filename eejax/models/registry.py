@@ -1,5 +1,6 @@
-"""The model interface: every architecture is a module of pure functions over stacked params,
-found by the config's `architecture` name. Nothing outside `eejax.models` asks which one it is;
+"""The model interface: every architecture is a module of plain functions over stacked params that
+apply its Flax modules to them (one layer's slice at a time), found by the config's
+`architecture` name. Nothing outside `eejax.models` asks which one it is;
 it asks the module (`model_module(config)`) and, where an encoder-decoder differs, its flags.
 """
 
@@ -18,7 +19,8 @@ class ModelModule(Protocol):
     ENCODER_DECODER: the prompt goes to an encoder (`encode_context`) and the paged cache holds
         decoder tokens only; otherwise the prompt is decoded into the cache.
     DECODE_ONLY_SKIPS: names of decoder-layer weights a decode step never reads (cost model).
-    init_params(config, key, dtype, scale) -> params in the eejax layout.
+    init_params(config, key, dtype, scale) -> params in the eejax layout (the Flax model's `init`).
+    logical_axes(config) -> the logical axis names of init_params' arrays (PartitionSpecs, same tree).
     token_batch(config, positions, valid, block_table, kv_len, page_size, attention, ...) -> the
         per-step positions, cache slots and rotary tables (a pytree), built once per step.
     embed(params, tokens [B, T]) -> h [B, T, D].
@@ -38,6 +40,7 @@ class ModelModule(Protocol):
     DECODE_ONLY_SKIPS: tuple[str, ...]
 
     def init_params(self, config, key, dtype: Any = ..., scale: float = ...) -> dict: ...
+    def logical_axes(self, config) -> dict: ...
     def token_batch(self, config, positions, valid, block_table, kv_len, page_size, attention: str = ...): ...
     def embed(self, params, tokens): ...
     def decoder_layer(self, params, h, cache, layer, batch, config): ...

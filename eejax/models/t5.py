@@ -19,7 +19,9 @@ self-attention K/V live in the paged cache like a Llama's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -27,8 +29,11 @@ from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import T5Config
 from eejax.errors import UnsupportedModelError
 from eejax.kernels import paged_attention
-from eejax.models.common import embed, head_matmul, rms_norm
+from eejax.models import modules
+from eejax.models.modules import (Dtype, Embedder, Linear, RMSNorm, Unembed, embed, normal, scan_layers, share_scope,
+                                  unboxed_init)
 from eejax.models.stack import run_layer_range
+from eejax.models.t5_attention import CrossKV, cross_attention, dense_attention, encoder_attention
 from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 
 ENCODER_DECODER = True  # the prompt goes to the encoder; the paged cache holds decoder tokens
@@ -39,22 +44,6 @@ CROSS_KEYS = ("cross_norm", "cq", "ck", "cv", "co")
 
 def ff_keys(config: T5Config) -> tuple[str, ...]:
     return ("wi_0", "wi_1") if config.gated else ("wi",)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class CrossKV:
-    """Every decoder layer's cross-attention keys/values of the encoder output: k, v tuples of
-    L arrays [B, H, S, Dk], and the encoder length of each row enc_len [B] int32.
-
-    One array per layer, picked with `lax.switch` on the traced layer index: slicing one
-    stacked [L, ...] array inside the layer loop copies the layer's K/V every step (measured on
-    CPU at batch 32: cross-attention of 8 layers 63 ms sliced, 15 ms switched). Heads come
-    before positions so the score and value matmuls need no transpose."""
-
-    k: tuple
-    v: tuple
-    enc_len: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -84,72 +73,186 @@ def gelu_new(x):
     return 0.5 * x * (1.0 + jnp.tanh(jnp.sqrt(2.0 / jnp.pi) * (x + 0.044715 * x**3)))
 
 
-def feed_forward(lp, x, config: T5Config):
-    act = jax.nn.relu if config.activation == "relu" else gelu_new
-    if config.gated:
-        return (act(x @ lp["wi_0"]) * (x @ lp["wi_1"])) @ lp["wo_ff"]
-    return act(x @ lp["wi"]) @ lp["wo_ff"]
-
-
 def position_bias(config: T5Config, bidirectional: bool) -> RelativePositionBias:
     return RelativePositionBias(config.num_buckets, config.max_distance, bidirectional)
 
 
-def dense_attention(q, k, v, mask, bias=None):
-    """q [B, T, H, Dk], k/v [B, S, H, Dk], mask [B, T, S] bool, bias [H, T, S] or None ->
-    [B, T, H*Dk]. No score scaling (T5); rows without a valid key give zeros."""
-    b, t, h, dk = q.shape
-    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
-    if bias is not None:
-        scores = scores + bias[None]
-    mask = mask[:, None]
-    has_key = mask.any(-1, keepdims=True)
-    scores = jnp.where(mask, scores, jnp.where(has_key, -jnp.inf, 0.0))
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = jnp.where(has_key.transpose(0, 2, 1, 3), out, 0.0)
-    return out.astype(q.dtype).reshape(b, t, h * dk)
+class T5Block(nn.Module):
+    """One T5 layer (Flax): self-attention, cross-attention over the encoder output (decoder
+    layers, `cross`), and the feed-forward, each pre-norm with its residual. Weights in the eejax
+    layout (the module docstring, less the L axis) with logical axes; products in the weights'
+    dtype, as HF's T5. The paged decode step runs it in pieces around the cache write and the
+    attentions (`self_qkv`, `attn_out`, `cross_q`, `cross_out`, `feed_forward`); `__call__` is the
+    whole layer over dense attention (the encoder, the no-cache forward)."""
+
+    config: T5Config
+    cross: bool = False
+    init_scale: float = 0.05
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        linear = functools.partial(Linear, init_scale=self.init_scale, param_dtype=self.param_dtype,
+                                   accumulate=False)
+        norm = functools.partial(RMSNorm, eps=c.layer_norm_eps, param_dtype=self.param_dtype)
+        hd, d, f = c.num_heads * c.head_dim, c.hidden_size, c.intermediate_size
+        self.input_norm, self.post_norm = norm("attn_norm"), norm("mlp_norm")
+        self.q_proj = linear("wq", hd, ("embed", "heads"))
+        self.k_proj, self.v_proj = (linear(w, hd, ("embed", "kv_heads")) for w in ("wk", "wv"))  # the paged cache's
+        self.o_proj = linear("wo", d, ("heads", "embed"))
+        self.in_projs = [linear(w, f, ("embed", "mlp")) for w in ff_keys(c)]
+        self.ff_out = linear("wo_ff", d, ("mlp", "embed"))
+        blocks = [self.input_norm, self.post_norm, self.q_proj, self.k_proj, self.v_proj, self.o_proj, *self.in_projs,
+                  self.ff_out]
+        if self.cross:
+            self.cross_input_norm = norm("cross_norm")
+            self.cq_proj, self.ck_proj, self.cv_proj = (linear(w, hd, ("embed", "heads")) for w in ("cq", "ck", "cv"))
+            self.co_proj = linear("co", d, ("heads", "embed"))
+            blocks += [self.cross_input_norm, self.cq_proj, self.ck_proj, self.cv_proj, self.co_proj]
+        share_scope(self, *blocks)
+
+    def _heads(self, x):
+        return x.reshape(*x.shape[:-1], self.config.num_heads, self.config.head_dim)
+
+    def self_qkv(self, h):
+        """Self-attention q, k, v [B, T, H, Dk] of hidden states h [B, T, D]."""
+        x = self.input_norm(h)
+        return tuple(self._heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+
+    def self_kv(self, h):
+        """Self-attention K and V [B, T, H, Dk] of h (KV fill)."""
+        x = self.input_norm(h)
+        return self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+
+    def attn_out(self, h, attn):
+        """h + the output projection of self-attention attn [B, T, H*Dk]."""
+        return h + self.o_proj(attn)
+
+    def cross_q(self, h):
+        return self._heads(self.cq_proj(self.cross_input_norm(h)))
+
+    def cross_out(self, h, attn):
+        return h + self.co_proj(attn)
+
+    def cross_kv(self, enc_out):
+        """Cross-attention K and V [B, H, S, Dk] of the encoder output [B, S, D]: heads first,
+        straight out of the product (no transpose copy)."""
+        c = self.config
+        if self.is_initializing():  # the projections declare their weights
+            self.ck_proj(enc_out), self.cv_proj(enc_out)
+        ws = (nn.unbox(self.get_variable("params", w)) for w in ("ck", "cv"))
+        return tuple(jnp.einsum("bsd,dhe->bhse", enc_out, w.reshape(w.shape[0], c.num_heads, c.head_dim)) for w in ws)
+
+    def feed_forward(self, h):
+        act = jax.nn.relu if self.config.activation == "relu" else gelu_new
+        x = self.post_norm(h)
+        if self.config.gated:
+            wi_0, wi_1 = self.in_projs
+            return h + self.ff_out(act(wi_0(x)) * wi_1(x))
+        return h + self.ff_out(act(self.in_projs[0](x)))
+
+    def __call__(self, h, mask, bias, enc_out=None, enc_mask=None):
+        """The whole layer without a cache: h [B, T, D], self-attention mask [B, T, T] bool and
+        position bias [H, T, T]; decoder layers also attend to enc_out [B, S, D] under enc_mask
+        [B, T, S]."""
+        h = self.attn_out(h, encoder_attention(*self.self_qkv(h), mask, bias))
+        if self.cross:
+            k, v = (x.transpose(0, 2, 1, 3) for x in self.cross_kv(enc_out))
+            h = self.cross_out(h, dense_attention(self.cross_q(h), k, v, enc_mask))
+        return self.feed_forward(h)
 
 
-def cross_attention(q, cross: CrossKV, layer):
-    """q [B, T, H, Dk] against layer `layer` of the encoder K/V -> [B, T, H*Dk] (no scaling,
-    no position bias; padding positions of the encoder masked)."""
-    b, t, h, dk = q.shape
+class PositionBiasTable(nn.Module):
+    """The relative-position bias table `rel_bias` [num_buckets, H]: buckets [T, S] -> float32
+    bias [H, T, S]."""
 
-    def attend(k, v):  # [B, H, S, Dk] each
-        scores = jnp.einsum("bthd,bhsd->bhts", q, k, preferred_element_type=jnp.float32)
-        valid = (jnp.arange(k.shape[2])[None, :] < cross.enc_len[:, None])[:, None, None, :]
-        probs = jax.nn.softmax(jnp.where(valid, scores, -jnp.inf), axis=-1)
-        probs = jnp.where(cross.enc_len[:, None, None, None] > 0, probs, 0.0)  # padding rows: zeros
-        return jnp.einsum("bhts,bhsd->bthd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    num_buckets: int
+    num_heads: int
+    init_scale: float = 0.05
+    param_dtype: Dtype = jnp.float32
 
-    branches = [lambda k=k, v=v: attend(k, v) for k, v in zip(cross.k, cross.v)]
-    out = jax.lax.switch(layer, branches) if len(branches) > 1 else branches[0]()
-    return out.astype(q.dtype).reshape(b, t, h * dk)
-
-
-SCORES_CHUNK_BYTES = 32 << 20
+    @nn.compact
+    def __call__(self, buckets):
+        table = self.param("rel_bias", normal(self.init_scale, ("relpos_buckets", "heads")),
+                           (self.num_buckets, self.num_heads), self.param_dtype)
+        return table.astype(jnp.float32)[buckets].transpose(2, 0, 1)
 
 
-def encoder_attention(q, k, v, mask, bias):
-    """`dense_attention` over groups of rows whose float32 scores [rows, H, S, S] stay within
-    SCORES_CHUNK_BYTES: the softmax passes then run in cache, not memory (measured on CPU for
-    batch 32 x 512 tokens: the encoder's attention 1.9 s whole, 0.9 s in groups of 4 rows)."""
-    b, s, h, _ = q.shape
-    per_row = h * s * k.shape[1] * 4
-    rows = max([r for r in range(1, b + 1) if b % r == 0 and r * per_row <= SCORES_CHUNK_BYTES] or [1])
-    if rows == b:
-        return dense_attention(q, k, v, mask, bias)
+class T5Stack(nn.Module):
+    """The encoder or the decoder (Flax): stacked `T5Block`s, the relative-position bias table
+    `rel_bias` [num_buckets, H] of the first layer (shared by all) and the final norm."""
 
-    def group(x):
-        return x.reshape(b // rows, rows, *x.shape[1:])
+    config: T5Config
+    decoder: bool
+    init_scale: float = 0.05
+    param_dtype: Dtype = jnp.float32
 
-    out = jax.lax.map(lambda a: dense_attention(*a, bias), tuple(map(group, (q, k, v, mask))))
-    return out.reshape(b, *out.shape[2:])
+    def setup(self):
+        c = self.config
+        self.layers = T5Block(c, self.decoder, self.init_scale, self.param_dtype)
+        self.bias = PositionBiasTable(c.num_buckets, c.num_heads, self.init_scale, self.param_dtype)
+        self.norm = RMSNorm("final_norm", c.layer_norm_eps, self.param_dtype)
+        share_scope(self, self.bias, self.norm)
+
+    def position_bias(self, t: int):
+        """The bias [H, T, T] between T positions (bidirectional in the encoder, causal in the decoder)."""
+        pos = jnp.arange(t, dtype=jnp.int32)
+        return self.bias(relative_position_bucket(pos[None, :] - pos[:, None],
+                                                  position_bias(self.config, not self.decoder)))
+
+    def final_norm(self, h):
+        return self.norm(h)
+
+    def __call__(self, h, valid, enc_out=None, enc_valid=None):
+        """The stack without a cache over right-padded h [B, T, D] (valid [B, T] bool); the
+        decoder is causal and attends to enc_out [B, S, D] (enc_valid [B, S])."""
+        b, t, _ = h.shape
+        mask = jnp.broadcast_to(valid[:, None, :], (b, t, t))
+        enc_mask = None
+        if self.decoder:
+            mask = mask & jnp.tril(jnp.ones((t, t), bool))[None]
+            enc_mask = jnp.broadcast_to(enc_valid[:, None, :], (b, t, enc_valid.shape[1]))
+        n = self.config.num_layers if self.decoder else self.config.num_encoder_layers
+        h = scan_layers(self.layers, h, mask, self.position_bias(t), enc_out, enc_mask, length=n)
+        return self.final_norm(h)
 
 
-def _heads(x, config: T5Config):
-    return x.reshape(*x.shape[:-1], config.num_heads, config.head_dim)
+class T5(nn.Module):
+    """The whole T5 (Flax): the shared embedding, encoder, decoder, head. `init` creates params in
+    the eejax layout with logical axes; `__call__` is the no-cache forward: prompts tokens [B, S]
+    (lengths [B]) and decoder inputs [B, T] (dec_lengths [B]) -> float32 logits [B, T, V]."""
+
+    config: T5Config
+    init_scale: float = 0.05
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        c, kw = self.config, dict(init_scale=self.init_scale, param_dtype=self.param_dtype)
+        self.embedder = Embedder(c.vocab_size, c.hidden_size, 1.0, self.param_dtype)
+        self.encoder = T5Stack(c, False, **kw)
+        self.decoder = T5Stack(c, True, **kw)
+        self.unembed = None if c.tie_embeddings else Unembed(c.vocab_size, **kw)
+        share_scope(self, *(m for m in (self.embedder, self.unembed) if m is not None))
+
+    def logits(self, h, weight=None):
+        """Decoder final norm (+ v1.0's d_model^-0.5 scaling) + head: [..., D] -> float32 [..., V];
+        `weight` as in `llama.Llama.logits`."""
+        x = self.decoder.final_norm(h)
+        if self.config.scale_decoder_outputs:
+            x = x * self.config.hidden_size**-0.5
+        return self.embedder.attend(x, weight) if self.unembed is None else self.unembed(x, weight)
+
+    def __call__(self, tokens, lengths, dec_tokens, dec_lengths):
+        valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        dec_valid = jnp.arange(dec_tokens.shape[1])[None, :] < dec_lengths[:, None]
+        enc_out = self.encoder(self.embedder(tokens), valid)
+        h = self.decoder(self.embedder(dec_tokens), dec_valid, enc_out, valid)
+        return self.logits(h)
+
+
+def _block(config: T5Config, lp: dict, method: str | None, *args, cross: bool = True):
+    """`T5Block.<method>(*args)` (None: the whole layer) on one layer's weights `lp`."""
+    return T5Block(config, cross).apply({"params": lp}, *args, method=method)
 
 
 def layer_params(stack, layer, keys):
@@ -160,34 +263,25 @@ def encode(params, tokens, lengths, config: T5Config):
     """The encoder over right-padded prompts: tokens [B, S] int32, lengths [B] -> [B, S, D]."""
     enc = params["encoder"]
     _, s = tokens.shape
-    pos = jnp.arange(s, dtype=jnp.int32)
-    valid = pos[None, :] < lengths[:, None]
+    valid = jnp.arange(s, dtype=jnp.int32)[None, :] < lengths[:, None]
     mask = jnp.broadcast_to(valid[:, None, :], (tokens.shape[0], s, s))
-    buckets = relative_position_bucket(pos[None, :] - pos[:, None], position_bias(config, True))  # [S, S]
-    bias = enc["rel_bias"].astype(jnp.float32)[buckets].transpose(2, 0, 1)  # [H, S, S]
+    stack = T5Stack(config, decoder=False)
+    bias = stack.apply({"params": {"rel_bias": enc["rel_bias"]}}, s, method="position_bias")
     keys = ENCODER_KEYS + ff_keys(config)
 
     def body(layer, h):
-        lp = layer_params(enc["layers"], layer, keys)
-        x = rms_norm(h, lp["attn_norm"], config.layer_norm_eps)
-        q, k, v = (_heads(x @ lp[w], config) for w in ("wq", "wk", "wv"))
-        h = h + encoder_attention(q, k, v, mask, bias) @ lp["wo"]
-        return h + feed_forward(lp, rms_norm(h, lp["mlp_norm"], config.layer_norm_eps), config)
+        return _block(config, layer_params(enc["layers"], layer, keys), None, h, mask, bias, cross=False)
 
     h = jax.lax.fori_loop(0, config.num_encoder_layers, body, embed(params, tokens))
-    return rms_norm(h, enc["final_norm"], config.layer_norm_eps)
+    return stack.apply({"params": {"final_norm": enc["final_norm"]}}, h, method="final_norm")
 
 
 def cross_kv(params, enc_out, lengths, config: T5Config) -> CrossKV:
     """Every decoder layer's cross-attention K/V of the encoder output (computed once)."""
     layers = params["decoder"]["layers"]
-
-    def project(w):  # [D, H*Dk] -> [B, H, S, Dk]
-        return jnp.einsum("bsd,dhe->bhse", enc_out, w.reshape(w.shape[0], config.num_heads, config.head_dim))
-
-    k = tuple(project(layers["ck"][layer]) for layer in range(config.num_layers))
-    v = tuple(project(layers["cv"][layer]) for layer in range(config.num_layers))
-    return CrossKV(k, v, lengths)
+    kv = [_block(config, {w: layers[w][layer] for w in ("ck", "cv")}, "cross_kv", enc_out)
+          for layer in range(config.num_layers)]
+    return CrossKV(tuple(k for k, _ in kv), tuple(v for _, v in kv), lengths)
 
 
 def encode_context(params, tokens, lengths, config: T5Config) -> CrossKV:
@@ -196,15 +290,10 @@ def encode_context(params, tokens, lengths, config: T5Config) -> CrossKV:
     return cross_kv(params, encode(params, tokens, lengths, config), lengths, config)
 
 
-def layer_kv(lp, h, batch: TokenBatch, config: T5Config):
-    """This decoder layer's self-attention K and V [B, T, H, Dk] of hidden states h."""
-    x = rms_norm(h, lp["attn_norm"], config.layer_norm_eps)
-    return _heads(x @ lp["wk"], config), _heads(x @ lp["wv"], config)
-
-
 def kv_of_layer(params, h, layer, batch: TokenBatch, config: T5Config):
     """Decoder layer `layer`'s (traced) self-attention K/V [B, T, H, Dk] of h (KV fill)."""
-    return layer_kv(layer_params(params["decoder"]["layers"], layer, ("attn_norm", "wk", "wv")), h, batch, config)
+    lp = layer_params(params["decoder"]["layers"], layer, ("attn_norm", "wk", "wv"))
+    return _block(config, lp, "self_kv", h)
 
 
 def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: T5Config):
@@ -213,19 +302,14 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: T
     dec = params["decoder"]
     lp = layer_params(dec["layers"], layer, ENCODER_KEYS + CROSS_KEYS + ff_keys(config))
     b, t, _ = h.shape
-    x = rms_norm(h, lp["attn_norm"], config.layer_norm_eps)
-    q = _heads(x @ lp["wq"], config)
-    k, v = layer_kv(lp, h, batch, config)
+    q, k, v = _block(config, lp, "self_qkv", h)
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
     attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len,
                            impl=batch.attention, scale=1.0, bias_table=dec["rel_bias"],
                            bias=position_bias(config, False))
-    h = h + attn.reshape(b, t, -1) @ lp["wo"]
-
-    x = rms_norm(h, lp["cross_norm"], config.layer_norm_eps)
-    q = _heads(x @ lp["cq"], config)
-    h = h + cross_attention(q, batch.cross, layer) @ lp["co"]
-    return h + feed_forward(lp, rms_norm(h, lp["mlp_norm"], config.layer_norm_eps), config), cache
+    h = _block(config, lp, "attn_out", h, attn.reshape(b, t, -1))
+    h = _block(config, lp, "cross_out", h, cross_attention(_block(config, lp, "cross_q", h), batch.cross, layer))
+    return _block(config, lp, "feed_forward", h), cache
 
 
 def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: T5Config, start=0, stop=None,
@@ -251,41 +335,24 @@ def forward_states(params, tokens, lengths, config: T5Config, skip=None):
 
 
 def lm_head(params, h, config: T5Config, weight=None):
-    """Decoder final norm (+ v1.0's d_model^-0.5 scaling) + head: [..., D] -> float32 [..., V];
-    `weight` as in `llama.lm_head`."""
-    x = rms_norm(h, params["decoder"]["final_norm"], config.layer_norm_eps)
-    if config.scale_decoder_outputs:
-        x = x * config.hidden_size**-0.5
-    return head_matmul(x, params, config.tie_embeddings, weight)
+    """Decoder final norm (+ v1.0's d_model^-0.5 scaling) + head: [..., D] -> float32 [..., V]
+    (`T5.logits`); `weight` as in `llama.lm_head`."""
+    head = {"decoder": {"final_norm": params["decoder"]["final_norm"]},
+            **{k: params[k] for k in ("embed" if config.tie_embeddings else "lm_head",)}}
+    return T5(config).apply({"params": head}, h, weight, method="logits")
 
 
 def init_params(config: T5Config, key, dtype=jnp.float32, scale: float = 0.05):
-    """Random params with the eejax T5 layout (normal(0, scale) weights, unit norms)."""
-    c = config
-    D, F, HD = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
-    keys = iter(jax.random.split(key, 64))
+    """Random params in the eejax T5 layout, created by `T5.init`: normal(0, scale) weights,
+    normal(0, 1) embedding, unit norms."""
+    return jax.jit(lambda key: unboxed_init(T5(config, scale, dtype), key, *_init_inputs()))(key)
 
-    def normal(*shape):
-        return scale * jax.random.normal(next(keys), shape, dtype)
 
-    def stack(n, cross: bool):
-        layers = {"attn_norm": jnp.ones((n, D), dtype), "mlp_norm": jnp.ones((n, D), dtype),
-                  "wq": normal(n, D, HD), "wk": normal(n, D, HD), "wv": normal(n, D, HD), "wo": normal(n, HD, D),
-                  "wo_ff": normal(n, F, D)}
-        for k in ff_keys(c):
-            layers[k] = normal(n, D, F)
-        if cross:
-            layers.update(cross_norm=jnp.ones((n, D), dtype), cq=normal(n, D, HD), ck=normal(n, D, HD),
-                          cv=normal(n, D, HD), co=normal(n, HD, D))
-        return layers
+def logical_axes(config: T5Config) -> dict:
+    """The logical axis names of every param `init_params` creates (PartitionSpecs, same tree)."""
+    return modules.logical_axes(T5(config), *_init_inputs())
 
-    params = {
-        "embed": normal(c.vocab_size, D) / scale,
-        "encoder": {"layers": stack(c.num_encoder_layers, False), "rel_bias": normal(c.num_buckets, c.num_heads),
-                    "final_norm": jnp.ones((D,), dtype)},
-        "decoder": {"layers": stack(c.num_layers, True), "rel_bias": normal(c.num_buckets, c.num_heads),
-                    "final_norm": jnp.ones((D,), dtype)},
-    }
-    if not c.tie_embeddings:
-        params["lm_head"] = normal(D, c.vocab_size)
-    return params
+
+def _init_inputs():
+    one = jnp.ones((1,), jnp.int32)
+    return jnp.zeros((1, 1), jnp.int32), one, jnp.zeros((1, 1), jnp.int32), one

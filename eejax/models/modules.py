@@ -1,0 +1,145 @@
+"""Flax (linen) building blocks the architectures share: a linear map, RMSNorm, the token
+embedding and the LM head. Each declares its weight with a logical axis name per dimension
+(MaxText's vocabulary: vocab, embed, heads, kv_heads, mlp, norm; `layers` is added by the stacking
+transform), so a mesh maps them with Flax's own rules (`nn.logical_to_mesh_sharding`).
+
+Layout. eejax's params are flat per layer ({"wq": [D, H*Dh], "attn_norm": [D], ...}): checkpoints,
+conversion, LoRA factors, the cost model and the KV fill name weights so. A block therefore
+names its one weight (`weight`) and shares its parent's scope (`share_scope`): a layer's params
+stay one flat dict, and a method that runs part of a layer needs only the weights it reads
+(KV fill passes a layer's norm, wk and wv, nothing else).
+
+Models run these blocks with `Module.apply` on params they are given (one layer's slice inside a
+traced layer loop); the blocks hold no state, and jit sees exactly the jnp it saw before Flax.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from eejax.models.common import rms_norm
+
+Dtype = Any
+
+
+def share_scope(parent: nn.Module, *children: nn.Module) -> None:
+    """Children declare their weights in `parent`'s scope (call from `parent.setup`)."""
+    for child in children:
+        nn.share_scope(parent, child)
+
+
+def normal(scale: float, axes: tuple[str, ...]):
+    return nn.with_logical_partitioning(nn.initializers.normal(scale), axes)
+
+
+class Linear(nn.Module):
+    """y = x @ W for W [D_in, features] named `weight`, plus LoRA's low-rank update x @ a @ b when
+    the params carry `weight + "_a"` [D_in, r] and `weight + "_b"` [r, features] (training,
+    before the update is merged). `accumulate`: accumulate in float32 and round once to x's dtype
+    (bf16 weights: as cuBLAS does; Llama); otherwise x's dtype throughout (HF T5's products)."""
+
+    weight: str
+    features: int
+    axes: tuple[str, str]
+    init_scale: float = 0.02
+    param_dtype: Dtype = jnp.float32
+    accumulate: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param(self.weight, normal(self.init_scale, self.axes), (x.shape[-1], self.features),
+                       self.param_dtype)
+        if self.accumulate:
+            y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+        else:
+            y = x @ w
+        if self.has_variable("params", self.weight + "_a"):
+            a, b = (self.get_variable("params", self.weight + s) for s in ("_a", "_b"))
+            y = y + (x @ a) @ b
+        return y.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (`common.rms_norm`) with its scale [D] named `weight`, initialised to ones."""
+
+    weight: str
+    eps: float
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param(self.weight, nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                           (x.shape[-1],), self.param_dtype)
+        return rms_norm(x, scale, self.eps)
+
+
+class Embedder(nn.Module):
+    """The token embedding `embed` [V, D]; `attend` is the head tied to it."""
+
+    vocab_size: int
+    dim: int
+    init_scale: float = 0.02
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        self.embed = self.param("embed", normal(self.init_scale, ("vocab", "embed")), (self.vocab_size, self.dim),
+                                self.param_dtype)
+
+    def __call__(self, tokens):
+        """tokens [B, T] int32 -> hidden [B, T, D]."""
+        return self.embed[tokens]
+
+    def attend(self, x, weight=None):
+        """x [..., D] against the embedding's rows (or `weight` [K, D]): float32 [..., V or K].
+        Contracts with the rows directly: `embed.T` would be copied."""
+        w = self.embed if weight is None else weight
+        return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+
+
+class Unembed(nn.Module):
+    """An untied LM head `lm_head` [D, V]: x [..., D] -> float32 [..., V]; `weight` [D, K]
+    replaces it (a reduced head)."""
+
+    vocab_size: int
+    init_scale: float = 0.02
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, weight=None):
+        w = self.param("lm_head", normal(self.init_scale, ("embed", "vocab")), (x.shape[-1], self.vocab_size),
+                       self.param_dtype)
+        return jnp.matmul(x, w if weight is None else weight, preferred_element_type=jnp.float32)
+
+
+def scan_layers(layer: nn.Module, h, *broadcast, length: int):
+    """Runs `layer(h, *broadcast) -> h` once per stacked weight slice (a leading axis of
+    `length`, logical axis `layers`): the no-cache forward, and how `init` creates the stack."""
+
+    def body(module, h, *broadcast):
+        return module(h, *broadcast), None
+
+    scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
+                   in_axes=nn.broadcast, metadata_params={nn.PARTITION_NAME: "layers"})
+    return scan(layer, h, *broadcast)[0]
+
+
+def embed(params, tokens):
+    """tokens [B, T] int32 -> hidden [B, T, D]: rows of params["embed"] [V, D] (`Embedder`)."""
+    table = params["embed"]
+    return Embedder(*table.shape).apply({"params": {"embed": table}}, tokens)
+
+
+def unboxed_init(module: nn.Module, key, *args, **kwargs) -> dict:
+    """`module.init(key, *args)`'s params as plain arrays (logical axis metadata dropped)."""
+    return nn.unbox(module.init(key, *args, **kwargs)["params"])
+
+
+def logical_axes(module: nn.Module, *args, **kwargs) -> dict:
+    """The logical axis names of every param `module.init` creates, as a pytree of
+    `PartitionSpec`s like the params (computed from shapes alone: nothing is initialised)."""
+    boxed = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), *args, **kwargs)["params"])
+    return nn.get_partition_spec(boxed)
