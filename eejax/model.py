@@ -25,6 +25,8 @@ class Model:
     # How the generation programs read the layer weights: "stacked" (the params as they are) or
     # "split" (each layer's weights in their own buffers: see `run_params`).
     layer_buffers: str = "stacked"
+    # The device mesh the params are placed on (`eejax.sharding.shard`), or None: one device.
+    mesh: Any = None
     _run: tuple | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -47,8 +49,20 @@ class Model:
         return self._run[2]
 
     def with_params(self, params: dict) -> "Model":
-        """The same model (config, tokenizer, layer layout) with other params and its own programs."""
-        return Model(self.config, params, self.tokenizer, layer_buffers=self.layer_buffers)
+        """The same model (config, tokenizer, layer layout, mesh) with other params and its own programs."""
+        return Model(self.config, params, self.tokenizer, layer_buffers=self.layer_buffers, mesh=self.mesh)
+
+    def new_cache(self, num_pages: int, page_size: int):
+        """A zeroed paged KV cache for this model, on its mesh when it has one (split by KV heads)."""
+        from eejax.cache import init_cache
+
+        c = self.config
+        cache = init_cache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, self.dtype)
+        if self.mesh is None:
+            return cache
+        from eejax.sharding import cache_sharding
+
+        return jax.device_put(cache, cache_sharding(c, self.mesh))
 
     def logical_axes(self) -> dict:
         """The logical axis names of every array in `params`, a tree of `PartitionSpec`s like it:

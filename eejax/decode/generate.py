@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed
+from eejax.cache import PageAllocator, page_bytes, pages_needed
 from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import cost, speculative, steps
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, batch_bucket, bucket
@@ -135,7 +135,7 @@ def generate(
         )
     table_width = bucket(max(need))
     num_pages = min(budget_pages, 1 + bucket(batch_bucket(min(batch_size, len(rows))) * table_width))
-    cache = init_cache(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim, dtype)
+    cache = model.new_cache(num_pages, page_size)
     allocator = PageAllocator(num_pages)
 
     out_tokens: list[list[int]] = [[] for _ in rows]

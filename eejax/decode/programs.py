@@ -31,7 +31,7 @@ class ProgramCache:
             fn.__qualname__,
             tuple(sorted(static.items())),
             treedef,
-            tuple((x.shape, str(x.dtype)) for x in leaves),
+            tuple((x.shape, str(x.dtype), _sharding(x)) for x in leaves),
         )
         program = self._compiled.get(key)
         if program is None:
@@ -57,3 +57,10 @@ class ProgramCache:
             jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
             lowered.append((fn.__qualname__, jitted.trace(*args).lower(lowering_platforms=(platform,))))
         return lowered
+
+
+def _sharding(x):
+    """A committed array's sharding on a mesh (programs are compiled for their inputs' placement);
+    None for host arrays and single-device arrays."""
+    sharding = getattr(x, "sharding", None)
+    return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eejax.cache import PageAllocator, init_cache, page_bytes, pages_needed
+from eejax.cache import PageAllocator, page_bytes, pages_needed
 from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import speculative, steps
 from eejax.decode.buckets import bucket
@@ -106,8 +106,7 @@ class Engine(Admission, Lifecycle):
         if self.max_len < 2:
             raise EejaxError(f"KV cache budget {cache_budget} holds no sequence")
         self.table_width = bucket(pages_needed(self.max_len, page_size))
-        self.cache = init_cache(config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim,
-                                model.dtype)
+        self.cache = model.new_cache(num_pages, page_size)
         self.allocator = PageAllocator(num_pages)
         self.scheduler = BucketScheduler(self.max_len + 1, page_size, policy=policy, bucketing=bucketing,
                                          online=online, max_rows=max_slots)

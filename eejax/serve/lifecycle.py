@@ -9,7 +9,6 @@ import threading
 
 import jax
 
-from eejax.cache import init_cache
 from eejax.decode import speculative
 from eejax.decode.slots import empty_state
 from eejax.serve.sequence import Sequence
@@ -40,9 +39,7 @@ class Lifecycle:
     def _reset_device_state(self, error: BaseException) -> None:
         """A fresh cache and slot state after they were lost: every running request fails."""
         log.error("the device state was lost; failing %d running requests", len(self.running))
-        c = self.config
-        self.cache = init_cache(c.num_layers, self.allocator.num_pages, self.page_size, c.num_kv_heads, c.head_dim,
-                                self.model.dtype)
+        self.cache = self.model.new_cache(self.allocator.num_pages, self.page_size)
         self.state = empty_state(self.slots, self.max_new_tokens)
         self.spec_counters = speculative.SpecCounters.zeros(self.slots)
         self._pending = None

@@ -1,0 +1,90 @@
+"""Models on a device mesh: params and the paged KV cache placed by the Flax modules' logical axes.
+
+A mesh has two axes, `data` (rows) and `tensor` (heads, MLP columns, vocabulary). `RULES` maps
+the logical axis names the modules declare (`Model.logical_axes()`) onto them, and Flax turns
+them into shardings (`nn.logical_to_mesh_sharding`). A dimension the mesh axis does not divide
+is replicated instead: GQA's KV heads when the tensor axis exceeds them, an odd vocabulary.
+The KV cache [L, Hkv, pages, page_size, Dh] is split by KV heads the same way, so attention
+stays on each device's heads. Programs are the single-device programs, partitioned by XLA
+(GSPMD) from the shardings of their inputs: `generate` and the `Engine` run unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from eejax.errors import EejaxError
+
+MESH_AXES = ("data", "tensor")
+RULES = (
+    ("batch", "data"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("embed", None),
+    ("norm", None),
+    ("layers", None),
+    ("relpos_buckets", None),
+    ("adapter", None),
+)
+
+
+def make_mesh(tensor: int = 1, data: int = 1, devices=None) -> Mesh:
+    """A (data, tensor) mesh over the first data * tensor devices (`jax.devices()` by default)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if tensor < 1 or data < 1:
+        raise EejaxError(f"a mesh needs tensor >= 1 and data >= 1, got tensor={tensor} data={data}")
+    if tensor * data > len(devices):
+        raise EejaxError(f"a mesh of tensor {tensor} x data {data} needs {tensor * data} devices; "
+                         f"this process has {len(devices)} ({devices[0].platform})")
+    return Mesh(np.array(devices[: tensor * data]).reshape(data, tensor), MESH_AXES)
+
+
+def check_fits(config, mesh: Mesh) -> None:
+    """EejaxError unless the tensor axis divides the model's attention heads."""
+    tensor = mesh.shape["tensor"]
+    if config.num_heads % tensor:
+        raise EejaxError(f"tensor parallelism {tensor} does not divide the model's {config.num_heads} attention "
+                         f"heads; use a divisor of {config.num_heads}")
+
+
+def param_shardings(model, mesh: Mesh, rules=RULES):
+    """The sharding of every array in `model.params` (a tree like it). A dimension is split only
+    where the mesh axis divides what it counts: attention heads for `heads` / `kv_heads` (a
+    split never cuts a head), the size otherwise."""
+    c = model.config
+    counts = {"heads": c.num_heads, "kv_heads": c.num_kv_heads}
+    specs = model.logical_axes()
+
+    def place(x, logical: P):
+        mesh_axes = nn.logical_to_mesh_axes(logical, rules)
+        fixed = [axis if axis is None or counts.get(name, dim) % _size(mesh, axis) == 0 else None
+                 for name, axis, dim in zip(logical, mesh_axes, x.shape)]
+        return NamedSharding(mesh, P(*fixed))
+
+    return jax.tree.map(place, model.params, specs)
+
+
+def cache_sharding(config, mesh: Mesh) -> NamedSharding:
+    """The paged KV cache's sharding: split by KV heads where the tensor axis divides them."""
+    split = config.num_kv_heads % mesh.shape["tensor"] == 0
+    return NamedSharding(mesh, P(None, "tensor" if split else None))
+
+
+def shard(model, mesh: Mesh, rules=RULES):
+    """A copy of `model` whose params are placed on `mesh` by the logical axis rules, and whose
+    caches are created there (`Model.new_cache`)."""
+    check_fits(model.config, mesh)
+    params = jax.device_put(model.params, param_shardings(model, mesh, rules))
+    return dataclasses.replace(model.with_params(params), mesh=mesh)
+
+
+def _size(mesh: Mesh, axis) -> int:
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return int(np.prod([mesh.shape[n] for n in names]))

@@ -1,0 +1,99 @@
+"""Models on a device mesh (8 virtual CPU devices, in a fresh process): greedy tokens, early exit
+and self-speculation identical to one device; params and cache placed by the logical axes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from eejax.config import LlamaConfig
+from eejax.errors import EejaxError
+from eejax.sharding import check_fits, make_mesh
+from tests.helpers import ROOT
+
+SCRIPT = r'''
+import json, jax, eejax
+from eejax.config import LlamaConfig, T5Config
+from eejax.models.registry import model_module
+from eejax.serve.engine import Engine
+from eejax.sharding import make_mesh, shard
+
+prompts = [[3, 9, 27, 5, 8], [11, 4], [7, 7, 7, 2, 40, 41, 42], [5, 6]]
+results = []
+
+def check(name, base, mesh, **kw):
+    want = eejax.generate(base, prompts, max_new_tokens=6, ignore_eos=True, **kw)
+    model = shard(base, mesh)
+    got = eejax.generate(model, prompts, max_new_tokens=6, ignore_eos=True, **kw)
+    results.append(dict(name=name, mesh=dict(mesh.shape), options=str(kw), same=got.tokens == want.tokens,
+                        same_layers=got.exit_layers == want.exit_layers, exited=min(map(min, got.exit_layers))))
+    return model, want
+
+for kv in (4, 1):
+    c = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=kv,
+                    head_dim=8, max_position_embeddings=64)
+    base = eejax.Model(c, model_module(c).init_params(c, jax.random.PRNGKey(1), scale=0.3))
+    every = (dict(), dict(exit="softmax:0.05"), dict(exit="state:0.7"), dict(exit="static:2"), dict(spec="2:2"))
+    some = (dict(), dict(exit="softmax:0.05"), dict(spec="2:2"))
+    meshes = {(2, 1): every, (2, 2): every, (4, 1): some, (1, 2): some} if kv == 4 else {(2, 1): some, (4, 1): some}
+    for (t, d), options in meshes.items():
+        for kw in options:
+            model, want = check(f"llama-kv{kv}", base, make_mesh(t, d), **kw)
+        layers = model.params["layers"]
+        results.append(dict(name=f"llama-kv{kv}-placement", mesh=dict(model.mesh.shape),
+                            wq=list(layers["wq"].sharding.spec), wk=list(layers["wk"].sharding.spec),
+                            embed=list(model.params["embed"].sharding.spec),
+                            cache=list(model.new_cache(4, 8).k.sharding.spec)))
+    model = shard(base, make_mesh(2, 1))
+    engine = Engine(model, max_slots=4, max_new_tokens=8, cache_budget="1MiB", page_size=8)
+    seqs = [engine.submit(p, max_new_tokens=6) for p in prompts]
+    engine.run()
+    want = eejax.generate(base, prompts, max_new_tokens=6, ignore_eos=True).tokens
+    results.append(dict(name=f"engine-kv{kv}", same=[s.tokens for s in seqs] == want))
+
+tc = T5Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_encoder_layers=2, num_heads=4,
+              head_dim=8, gated=True, activation="gelu_new", tie_embeddings=False)
+t5 = eejax.Model(tc, model_module(tc).init_params(tc, jax.random.PRNGKey(2), scale=0.3))
+for kw in (dict(), dict(exit="softmax:0.05")):
+    check("t5", t5, make_mesh(2, 1), **kw)
+print("RESULTS" + json.dumps(results))
+'''
+
+
+@pytest.fixture(scope="module")
+def mesh_results():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.split("RESULTS", 1)[1])
+
+
+def test_sharded_decoding_gives_one_devices_tokens_and_exit_layers(mesh_results):
+    runs = [r for r in mesh_results if "options" in r]
+    assert len(runs) == 24
+    assert [r for r in runs if not (r["same"] and r["same_layers"])] == []
+    assert any(r["exited"] < 4 for r in runs if "exit" in r["options"])  # early exits ran on the mesh
+    assert all(r["same"] for r in mesh_results if r["name"].startswith("engine"))
+
+
+def test_params_and_cache_are_placed_by_the_logical_axes(mesh_results):
+    placed = {(r["name"], r["mesh"]["tensor"], r["mesh"]["data"]): r for r in mesh_results
+              if r["name"].endswith("placement")}
+    gqa = placed[("llama-kv4-placement", 2, 1)]
+    assert gqa["wq"] == gqa["wk"] == [None, None, "tensor"]
+    assert gqa["embed"] == ["tensor", None] and gqa["cache"] == [None, "tensor"]
+    mqa = placed[("llama-kv1-placement", 4, 1)]  # one KV head: replicated, never cut inside a head
+    assert mqa["wq"] == [None, None, "tensor"]
+    assert mqa["wk"] == [None, None, None] and mqa["cache"] == [None, None]
+
+
+def test_a_mesh_that_does_not_fit_is_one_clear_error():
+    with pytest.raises(EejaxError, match="needs 16 devices; this process has"):
+        make_mesh(tensor=8, data=2, devices=jax.devices() * 8)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    with pytest.raises(EejaxError, match="tensor parallelism 3 does not divide the model's 4 attention heads"):
+        check_fits(config, make_mesh(tensor=3, devices=jax.devices() * 3))
