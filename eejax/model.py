@@ -50,7 +50,8 @@ class Model:
 
     def with_params(self, params: dict) -> "Model":
         """The same model (config, tokenizer, layer layout, mesh) with other params and its own programs."""
-        return Model(self.config, params, self.tokenizer, layer_buffers=self.layer_buffers, mesh=self.mesh)
+        return Model(self.config, params, self.tokenizer, layer_buffers=self.layer_buffers, mesh=self.mesh,
+                     programs=ProgramCache(self.programs.mesh, self.programs.rules))
 
     def new_cache(self, num_pages: int, page_size: int):
         """A zeroed paged KV cache for this model, on its mesh when it has one (split by KV heads)."""

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from eejax.decode.programs import ProgramCache
 from eejax.errors import EejaxError
 
 MESH_AXES = ("data", "tensor")
@@ -82,7 +83,7 @@ def shard(model, mesh: Mesh, rules=RULES):
     caches are created there (`Model.new_cache`)."""
     check_fits(model.config, mesh)
     params = jax.device_put(model.params, param_shardings(model, mesh, rules))
-    return dataclasses.replace(model.with_params(params), mesh=mesh)
+    return dataclasses.replace(model.with_params(params), mesh=mesh, programs=ProgramCache(mesh, rules))
 
 
 def _size(mesh: Mesh, axis) -> int:

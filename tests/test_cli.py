@@ -45,6 +45,16 @@ def test_generate_json_contract(capsys, ckpt, tmp_path):
         assert json.loads(out2)["outputs"][0]["tokens"] == doc["outputs"][0]["tokens"]
 
 
+def test_a_mesh_that_does_not_fit_is_one_line_with_status_2(capsys, ckpt):
+    """(Sharded generation itself is tested on 8 virtual devices in test_sharding.py.)"""
+    code, _, err = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "x", "--tensor-parallel", 2,
+                           "--data-parallel", 2)
+    assert code == 2 and err.strip().splitlines() == [
+        "eejax: error: a mesh of tensor 2 x data 2 needs 4 devices; this process has 1 (cpu)"]
+    code, _, err = run_cli(capsys, "serve", "--model", ckpt, "--tensor-parallel", 0)
+    assert code == 2 and "--tensor-parallel" in err
+
+
 def test_generate_with_exit_json(capsys, ckpt):
     code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose", "Officials said",
                            "--max-new-tokens", 5, "--ignore-eos", "--json", "--exit", "static:2")

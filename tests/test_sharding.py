@@ -1,5 +1,6 @@
 """Models on a device mesh (8 virtual CPU devices, in a fresh process): greedy tokens, early exit
-and self-speculation identical to one device; params and cache placed by the logical axes."""
+and self-speculation identical to one device (tiny Llamas with 4 and 1 KV heads, a T5, SmolLM2 at
+tensor 3, the engine); params and cache placed by the logical axes, rows split over data."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import jax
 import pytest
 
 from eejax.config import LlamaConfig
+from eejax.decode.collectives import collectives
 from eejax.errors import EejaxError
 from eejax.sharding import check_fits, make_mesh
 from tests.helpers import ROOT
@@ -18,6 +20,7 @@ SCRIPT = r'''
 import json, jax, eejax
 from eejax.config import LlamaConfig, T5Config
 from eejax.models.registry import model_module
+from eejax.decode.collectives import collectives
 from eejax.serve.engine import Engine
 from eejax.sharding import make_mesh, shard
 
@@ -43,10 +46,20 @@ for kv in (4, 1):
         for kw in options:
             model, want = check(f"llama-kv{kv}", base, make_mesh(t, d), **kw)
         layers = model.params["layers"]
+        if (t, d, kv) == (2, 1, 4):  # what a full-depth decode program communicates
+            fresh = shard(base, make_mesh(2, 1))
+            eejax.generate(fresh, prompts, max_new_tokens=6, ignore_eos=True)
+            text = [p for n, p in fresh.programs.compiled() if n == "decode_steps"][0].as_text()
+            results.append(dict(name="decode-collectives", **collectives(text).bytes))
         results.append(dict(name=f"llama-kv{kv}-placement", mesh=dict(model.mesh.shape),
                             wq=list(layers["wq"].sharding.spec), wk=list(layers["wk"].sharding.spec),
                             embed=list(model.params["embed"].sharding.spec),
                             cache=list(model.new_cache(4, 8).k.sharding.spec)))
+    if kv == 4:  # rows split over data: each device's decode step runs half of the 4 rows
+        model = shard(base, make_mesh(1, 2))
+        eejax.generate(model, prompts, max_new_tokens=6, ignore_eos=True)
+        text = [p for n, p in model.programs.compiled() if n == "decode_steps"][0].as_text()
+        results.append(dict(name="rows-over-data", half="f32[2,1,32]" in text, whole="f32[4,1,32]" in text))
     model = shard(base, make_mesh(2, 1))
     engine = Engine(model, max_slots=4, max_new_tokens=8, cache_budget="1MiB", page_size=8)
     seqs = [engine.submit(p, max_new_tokens=6) for p in prompts]
@@ -59,6 +72,11 @@ tc = T5Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
 t5 = eejax.Model(tc, model_module(tc).init_params(tc, jax.random.PRNGKey(2), scale=0.3))
 for kw in (dict(), dict(exit="softmax:0.05")):
     check("t5", t5, make_mesh(2, 1), **kw)
+smol = eejax.load("smollm2-135m")  # 9 heads, 3 KV heads: tensor 3 splits both
+smol_prompts = [smol.tokenizer(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):")]
+want = eejax.generate(smol, smol_prompts, max_new_tokens=8, ignore_eos=True)
+got = eejax.generate(shard(smol, make_mesh(3, 1)), smol_prompts, max_new_tokens=8, ignore_eos=True)
+results.append(dict(name="smollm2-tensor3", same=got.tokens == want.tokens))
 print("RESULTS" + json.dumps(results))
 '''
 
@@ -76,7 +94,7 @@ def test_sharded_decoding_gives_one_devices_tokens_and_exit_layers(mesh_results)
     assert len(runs) == 24
     assert [r for r in runs if not (r["same"] and r["same_layers"])] == []
     assert any(r["exited"] < 4 for r in runs if "exit" in r["options"])  # early exits ran on the mesh
-    assert all(r["same"] for r in mesh_results if r["name"].startswith("engine"))
+    assert [r["same"] for r in mesh_results if r["name"].startswith(("engine", "smollm2"))] == [True] * 3
 
 
 def test_params_and_cache_are_placed_by_the_logical_axes(mesh_results):
@@ -88,6 +106,43 @@ def test_params_and_cache_are_placed_by_the_logical_axes(mesh_results):
     mqa = placed[("llama-kv1-placement", 4, 1)]  # one KV head: replicated, never cut inside a head
     assert mqa["wq"] == [None, None, "tensor"]
     assert mqa["wk"] == [None, None, None] and mqa["cache"] == [None, None]
+
+
+def test_tensor_parallel_decoding_moves_only_the_hidden_states(mesh_results):
+    """Per decode step at tensor 2: Megatron's two all-reduces of the rows' hidden states per
+    layer plus the embedding's, and the head's per-shard (max, index) pairs; nothing that grows
+    with the context (the cache write and the attention run on each device's own KV heads)."""
+    moved = next(r for r in mesh_results if r["name"] == "decode-collectives")
+    steps, layers, rows, hidden = 4, 4, 4, 32  # POLL_EVERY steps per program
+    assert moved["all-reduce"] == steps * (2 * layers + 1) * rows * hidden * 4
+    assert moved["all-gather"] == steps * 2 * rows * 2 * 4  # float and int32 [rows, 2 shards]
+    assert set(moved) == {"name", "all-reduce", "all-gather"}
+
+
+def test_collectives_count_each_loop_trip():
+    text = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0} all-reduce(%x), channel_id=1, to_apply=%add
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %lt = pred[] compare(%a, %b), direction=LT
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]{0}) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"30"}}
+  %ag = f32[2,4]{1,0} all-gather(%y), channel_id=2, dimensions={0}
+}
+"""
+    moved = collectives(text)
+    assert moved.bytes == {"all-reduce": 30 * 8 * 4, "all-gather": 8 * 4} and moved.ops == 2
+    assert moved.unknown_loops == 0
+
+
+def test_rows_split_over_the_data_axis(mesh_results):
+    rows = next(r for r in mesh_results if r["name"] == "rows-over-data")
+    assert rows["half"] and not rows["whole"]
 
 
 def test_a_mesh_that_does_not_fit_is_one_clear_error():

@@ -15,9 +15,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from eejax.cache.allocator import NULL_PAGE
 from eejax.errors import EejaxError
+from eejax.kernels.head_parallel import head_mesh, on_head_shards
 
 
 @jax.tree_util.register_dataclass
@@ -74,7 +76,19 @@ def slot_indices(block_table, positions, valid, page_size):
 
 
 def write_layer_kv(cache: KVCache, layer, k, v, pages, slots) -> KVCache:
-    """Writes one layer's new keys/values `[B, T, Hkv, Dh]` at (pages, slots) `[B, T]`."""
+    """Writes one layer's new keys/values `[B, T, Hkv, Dh]` at (pages, slots) `[B, T]`; on a
+    mesh that splits the cache by KV heads, each device writes its own heads (every row: the
+    cache is the same on every data replica)."""
+    mesh = head_mesh(cache.k.shape[1])
+    if mesh is None:
+        return _write_layer_kv(cache, layer, k, v, pages, slots)
+    heads, cache_spec = P(None, None, "tensor", None), P(None, "tensor")
+    in_specs = (KVCache(cache_spec, cache_spec), P(), heads, heads, P(), P())
+    return on_head_shards(_write_layer_kv, mesh, in_specs, KVCache(cache_spec, cache_spec))(
+        cache, layer, k, v, pages, slots)
+
+
+def _write_layer_kv(cache: KVCache, layer, k, v, pages, slots) -> KVCache:
     heads = jnp.arange(cache.k.shape[1])[:, None, None]
     return KVCache(
         k=cache.k.at[layer, heads, pages, slots].set(k.transpose(2, 0, 1, 3).astype(cache.k.dtype)),

@@ -73,6 +73,28 @@ def add_model_and_prompts(parser: argparse.ArgumentParser, what: str, model_help
     parser.add_argument("--limit", type=positive_int, help="use only the first N prompts")
 
 
+def add_model_placement(parser: argparse.ArgumentParser, layer_buffers_help: str) -> None:
+    """--layer-buffers, --tensor-parallel, --data-parallel: how the model's weights are laid out."""
+    parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="stacked", help=layer_buffers_help)
+    parser.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="T",
+                        help="split attention heads, MLP columns and the vocabulary over T devices (default 1; "
+                        "T must divide the attention heads)")
+    parser.add_argument("--data-parallel", type=positive_int, default=1, metavar="D",
+                        help="split the rows of a batch over D devices (default 1); the mesh uses T x D devices")
+
+
+def load_model(args: argparse.Namespace):
+    """The model of --model, laid out as --layer-buffers / --tensor-parallel / --data-parallel say."""
+    import eejax
+
+    model = eejax.load(args.model, layer_buffers=args.layer_buffers)
+    if (args.tensor_parallel, args.data_parallel) != (1, 1):
+        from eejax.sharding import make_mesh, shard
+
+        model = shard(model, make_mesh(tensor=args.tensor_parallel, data=args.data_parallel))
+    return model
+
+
 def integer(text: str) -> int:
     try:
         return int(text)

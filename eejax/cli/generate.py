@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from eejax.cli.args import add_model_and_prompts, layer_counts, number_or_off, positive_int, prompts_from_args
+from eejax.cli.args import (add_model_and_prompts, add_model_placement, layer_counts, load_model, number_or_off,
+                             positive_int, prompts_from_args)
 from eejax.errors import EejaxError
 
 
@@ -37,7 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise EejaxError("--spec-max-d needs --spec E:d:adaptive")
     if spec is None and (args.spec_head or args.spec_bonus):
         raise EejaxError("--spec-head and --spec-bonus need --spec")
-    model = eejax.load(args.model, layer_buffers=args.layer_buffers)
+    model = load_model(args)
     result = eejax.generate(
         model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
@@ -135,9 +136,8 @@ def add_parsers(sub) -> None:
     gen.add_argument("--spec-bonus", choices=("auto", "on", "off"),
                      help="the (d+1)-th draft pass that lets a fully accepted round emit d+1 tokens: on, off, or auto "
                      "(when it pays at the measured acceptance; default)")
-    gen.add_argument("--layer-buffers", choices=("stacked", "split"), default="stacked",
-                     help="how decode steps read the layer weights: stacked (default) or split (each layer's in "
-                     "its own buffer: on a CPU ~1.4x faster decoding at batch 1, for twice the layer weights' "
-                     "memory and ~3x the compile time)")
+    add_model_placement(gen, "how decode steps read the layer weights: stacked (default) or split (each layer's in "
+                        "its own buffer: on a CPU ~1.4x faster decoding at batch 1, for twice the layer weights' "
+                        "memory and ~3x the compile time)")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     gen.set_defaults(func=cmd_generate)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from eejax.cli.args import non_negative_float, non_negative_int, positive_int
+from eejax.cli.args import add_model_placement, load_model, non_negative_float, non_negative_int, positive_int
 from eejax.errors import EejaxError
 
 
@@ -15,7 +15,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    import eejax
     from eejax.decode.generate import parse_bytes
     from eejax.serve.engine import Engine
     from eejax.serve.http import create_app
@@ -27,7 +26,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     max_body = parse_bytes(args.max_body_size)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("eejax.serve")
-    model = eejax.load(args.model, layer_buffers=args.layer_buffers)
+    model = load_model(args)
     engine = Engine(model, max_slots=args.max_slots, max_new_tokens=args.max_tokens_limit,
                     cache_budget=args.cache_budget, exit=args.exit, temperature=args.temperature,
                     policy=args.policy, bucketing=not args.no_bucketing, pages=args.pages,
@@ -107,10 +106,9 @@ def add_parsers(sub) -> None:
     srv.add_argument("--port", type=positive_int, default=8000, help="port (default 8000)")
     srv.add_argument("--served-model-name", help="the model name clients must send (default: --model as given)")
     srv.add_argument("--max-slots", type=positive_int, default=8, help="rows decoded together (default 8)")
-    srv.add_argument("--layer-buffers", choices=("stacked", "split"), default="stacked",
-                     help="how decode steps read the layer weights: stacked (default) or split (each layer's in "
-                     "its own buffer: on a CPU faster at small batches, for twice the layer weights' memory and "
-                     "~3x the compile time)")
+    add_model_placement(srv, "how decode steps read the layer weights: stacked (default) or split (each layer's in "
+                        "its own buffer: on a CPU faster at small batches, for twice the layer weights' memory and "
+                        "~3x the compile time)")
     srv.add_argument("--max-tokens-limit", type=positive_int, default=256,
                      help="the largest max_tokens a request may ask (default 256)")
     srv.add_argument("--max-waiting", type=positive_int, default=256,

@@ -6,6 +6,7 @@ of programs; `num_programs` and `compile_seconds` report how many and for how lo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import Any, Callable
@@ -14,7 +15,12 @@ import jax
 
 
 class ProgramCache:
-    def __init__(self):
+    """`mesh` and `rules`: programs are traced with that mesh and those logical axis rules in
+    context (`jax.set_mesh`, `flax.linen.logical_axis_rules`), so the models' logical sharding
+    constraints apply (rows over `data`); none without a mesh."""
+
+    def __init__(self, mesh=None, rules=()):
+        self.mesh, self.rules = mesh, tuple(rules)
         self._compiled: dict[Any, Any] = {}
         self._sources: dict[Any, tuple] = {}  # key -> (fn, abstract args, static, donate_argnums)
         self.compile_seconds = 0.0
@@ -37,12 +43,23 @@ class ProgramCache:
         if program is None:
             start = time.perf_counter()
             jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate_argnums)
-            program = jitted.lower(*args).compile()
+            with self._placement():
+                program = jitted.lower(*args).compile()
             self.compile_seconds += time.perf_counter() - start
             self._compiled[key] = program
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
             self._sources[key] = (fn, abstract, static, donate_argnums)
         return program
+
+    def _placement(self):
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        import flax.linen as nn
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(nn.logical_axis_rules(self.rules))
+        return stack
 
     def compiled(self) -> list[tuple[str, jax.stages.Compiled]]:
         """[(function name, compiled program)] of every program compiled so far."""
@@ -55,7 +72,8 @@ class ProgramCache:
         lowered = []
         for fn, args, static, donate in self._sources.values():
             jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
-            lowered.append((fn.__qualname__, jitted.trace(*args).lower(lowering_platforms=(platform,))))
+            with self._placement():
+                lowered.append((fn.__qualname__, jitted.trace(*args).lower(lowering_platforms=(platform,))))
         return lowered
 
 

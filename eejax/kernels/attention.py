@@ -17,7 +17,9 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from eejax.kernels.head_parallel import head_mesh, on_head_shards, row_axis
 from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 
 IMPLS = ("auto", "reference", "triton")
@@ -51,8 +53,32 @@ def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len
     """
     if (bias_table is None) != (bias is None):
         raise ValueError("bias_table and bias (the bucketing) go together")
-    extra = dict(scale=scale, bias_table=bias_table, bias=bias)
     impl = resolve_impl(impl, q.shape[-1])
+    mesh = head_mesh(k_cache.shape[1])
+    if mesh is not None:
+        return _head_parallel(mesh, impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, scale=scale,
+                              bias_table=bias_table, bias=bias)
+    return _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, scale=scale,
+                   bias_table=bias_table, bias=bias)
+
+
+def _head_parallel(mesh, impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table,
+                   bias):
+    """Attention on each device's own heads (`head_parallel`), rows over `data` where it divides them."""
+    rows = row_axis(mesh, q.shape[0])
+    heads, per_row, cache = P(rows, None, "tensor", None), P(rows), P(None, "tensor")
+    in_specs = (heads, cache, cache, P(), per_row, per_row, per_row, None if bias_table is None else P(None, "tensor"))
+
+    def local(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, bias_table):
+        return _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, scale=scale,
+                       bias_table=bias_table, bias=bias)
+
+    return on_head_shards(local, mesh, in_specs, heads)(q, k_cache, v_cache, layer, block_table, q_positions, kv_len,
+                                                        bias_table)
+
+
+def _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table, bias):
+    extra = dict(scale=scale, bias_table=bias_table, bias=bias)
     if impl == "triton":
         from eejax.kernels.triton_attention import triton_paged_attention
 

@@ -128,9 +128,13 @@ def scan_layers(layer: nn.Module, h, *broadcast, length: int):
 
 
 def embed(params, tokens):
-    """tokens [B, T] int32 -> hidden [B, T, D]: rows of params["embed"] [V, D] (`Embedder`)."""
+    """tokens [B, T] int32 -> hidden [B, T, D]: rows of params["embed"] [V, D] (`Embedder`),
+    constrained to the logical axes (batch, -, embed)."""
     table = params["embed"]
-    return Embedder(*table.shape).apply({"params": {"embed": table}}, tokens)
+    h = Embedder(*table.shape).apply({"params": {"embed": table}}, tokens)
+    # Rows are the `batch` axis: on a mesh with a data axis they split over it from here on
+    # (a no-op without a mesh and rules in context: see `ProgramCache`).
+    return nn.with_logical_constraint(h, ("batch", None, "embed"))
 
 
 def unboxed_init(module: nn.Module, key, *args, **kwargs) -> dict:
