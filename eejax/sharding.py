@@ -86,6 +86,31 @@ def shard(model, mesh: Mesh, rules=RULES):
     return dataclasses.replace(model.with_params(params), mesh=mesh, programs=ProgramCache(mesh, rules))
 
 
+def to_host(tree):
+    """numpy values of a tree of device arrays. An array that spans devices of several processes
+    is gathered from all of them (`multihost_utils.process_allgather`: a collective, so every
+    process reads the same arrays at the same point, as SPMD programs do)."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
+
+
+def initialize_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
+    """Joins this process to a multi-process JAX runtime (`jax.distributed.initialize`) before any
+    device is used; on CPU, collectives between processes go through gloo."""
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise EejaxError(f"--process-id must be in [0, {num_processes}), got {process_id}")
+    if ":" not in coordinator:
+        raise EejaxError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+
+
 def _size(mesh: Mesh, axis) -> int:
     names = axis if isinstance(axis, tuple) else (axis,)
     return int(np.prod([mesh.shape[n] for n in names]))

@@ -53,6 +53,10 @@ def test_a_mesh_that_does_not_fit_is_one_line_with_status_2(capsys, ckpt):
         "eejax: error: a mesh of tensor 2 x data 2 needs 4 devices; this process has 1 (cpu)"]
     code, _, err = run_cli(capsys, "serve", "--model", ckpt, "--tensor-parallel", 0)
     assert code == 2 and "--tensor-parallel" in err
+    code, _, err = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "x", "--num-processes", 2)
+    assert code == 2 and err.strip() == "eejax: error: --num-processes needs --coordinator HOST:PORT and --process-id"
+    code, _, err = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "x", "--process-id", 1)
+    assert code == 2 and err.strip() == "eejax: error: --process-id needs --coordinator and --num-processes"
 
 
 def test_generate_with_exit_json(capsys, ckpt):

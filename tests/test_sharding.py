@@ -145,6 +145,29 @@ def test_rows_split_over_the_data_axis(mesh_results):
     assert rows["half"] and not rows["whole"]
 
 
+def test_two_processes_give_one_processes_tokens(tiny_checkpoints):
+    """`eejax generate` in two processes on 127.0.0.1 (jax.distributed, gloo collectives), two CPU
+    devices each, one tensor 2 x data 2 mesh over both: the tokens and exit layers of one process."""
+    from tests.helpers import free_port
+
+    ckpt = tiny_checkpoints["gqa-untied"][2]
+    argv = ["generate", "--model", str(ckpt), "--prompt", "The river rose", "Officials said", "A storm", "x",
+            "--max-new-tokens", "6", "--ignore-eos", "--json", "--exit", "softmax:0.05"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    one = subprocess.run([sys.executable, "-m", "eejax.cli", *argv], env=dict(env, XLA_FLAGS=""), capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    address = f"127.0.0.1:{free_port()}"
+    mesh = ["--tensor-parallel", "2", "--data-parallel", "2", "--coordinator", address, "--num-processes", "2"]
+    procs = [subprocess.Popen([sys.executable, "-m", "eejax.cli", *argv, *mesh, "--process-id", str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert outs[1][0] == ""  # process 0 prints the result
+    want, got = json.loads(one.stdout)["outputs"], json.loads(outs[0][0])["outputs"]
+    assert [(o["tokens"], o["exit_layers"]) for o in got] == [(o["tokens"], o["exit_layers"]) for o in want]
+
+
 def test_a_mesh_that_does_not_fit_is_one_clear_error():
     with pytest.raises(EejaxError, match="needs 16 devices; this process has"):
         make_mesh(tensor=8, data=2, devices=jax.devices() * 8)

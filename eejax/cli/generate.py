@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 
 from eejax.cli.args import (add_model_and_prompts, add_model_placement, layer_counts, load_model, number_or_off,
@@ -38,14 +40,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise EejaxError("--spec-max-d needs --spec E:d:adaptive")
     if spec is None and (args.spec_head or args.spec_bonus):
         raise EejaxError("--spec-head and --spec-bonus need --spec")
-    model = load_model(args)
-    result = eejax.generate(
-        model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
-        batch_size=args.batch_size, cache_budget=args.cache_budget,
-        truncate_prompt_tokens=args.truncate_prompt_tokens, exit=exit_config, spec=spec,
-    )
+    if args.coordinator is not None or args.num_processes != 1:
+        if args.coordinator is None or args.process_id is None:
+            raise EejaxError("--num-processes needs --coordinator HOST:PORT and --process-id")
+        from eejax.sharding import initialize_distributed
+
+        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    elif args.process_id is not None:
+        raise EejaxError("--process-id needs --coordinator and --num-processes")
+    # Collective libraries (gloo) print on stdout; the result must be alone there.
+    with _stdout_to_stderr(args.num_processes > 1):
+        model = load_model(args)
+        result = eejax.generate(
+            model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+            batch_size=args.batch_size, cache_budget=args.cache_budget,
+            truncate_prompt_tokens=args.truncate_prompt_tokens, exit=exit_config, spec=spec,
+        )
     stats = result.stats
+    if args.num_processes > 1 and args.process_id != 0:
+        return 0  # every process computed the same result; process 0 prints it
     if args.json:
         outputs = [
             {"prompt": p, "text": t, "tokens": toks, "exit_layers": layers, "confident_layers": confident}
@@ -70,6 +84,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 + ")")
     )
     return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool):
+    """While active, what anything in this process writes to file descriptor 1 goes to 2."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def add_parsers(sub) -> None:
@@ -139,5 +170,12 @@ def add_parsers(sub) -> None:
     add_model_placement(gen, "how decode steps read the layer weights: stacked (default) or split (each layer's in "
                         "its own buffer: on a CPU ~1.4x faster decoding at batch 1, for twice the layer weights' "
                         "memory and ~3x the compile time)")
+    gen.add_argument("--coordinator", metavar="HOST:PORT",
+                     help="join a multi-process run (jax.distributed) whose process 0 listens at HOST:PORT: every "
+                     "process runs the same command with its own --process-id; the mesh of --tensor-parallel x "
+                     "--data-parallel spans all processes' devices; process 0 prints the result")
+    gen.add_argument("--num-processes", type=positive_int, default=1, metavar="N",
+                     help="processes in the multi-process run (default 1)")
+    gen.add_argument("--process-id", type=int, metavar="I", help="this process's index in [0, N)")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     gen.set_defaults(func=cmd_generate)

@@ -27,6 +27,7 @@ from eejax.errors import EejaxError, OutOfPagesError
 from eejax.kernels.attention import IMPLS
 from eejax.models import exits
 from eejax.models.registry import model_module
+from eejax.sharding import to_host
 
 POLL_EVERY = 4  # decode steps per dispatch (and speculation rounds between host checks of "all rows done")
 
@@ -173,7 +174,7 @@ def generate(
             bonuses += policy.bonuses
             if policy.c_draft is not None:
                 measured_costs.append((policy.c_draft, policy.c_verify(spec_config.num_speculations)))
-        toks, layers, confident, counts = jax.device_get(
+        toks, layers, confident, counts = to_host(
             (state.tokens, state.exit_layers, state.confident_layers, state.num_generated)
         )
         for j, i in enumerate(chunk):
@@ -308,7 +309,7 @@ def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling: Sampl
     for step in range(1, max_new_tokens, POLL_EVERY):
         args = (model.run_params, cache, state, table_for(max_len + step + POLL_EVERY - 1))
         state, cache = model.programs.get(steps.decode_steps, args, decode_static, donate_argnums=(1, 2))(*args)
-        if bool(jnp.all(state.done)):
+        if bool(to_host(state.done).all()):
             break
     return state, cache, prefill_s, None
 
@@ -328,7 +329,7 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
     longest = max_len  # an upper bound on the tokens of the longest row in the cache
     seen = (0, 0)  # accepted, rejections summed over rows, as of the last read
     rounds = 0
-    done = bool(jnp.all(state.done))  # max_new_tokens = 1, or every row ended at its first token
+    done = bool(to_host(state.done).all())  # max_new_tokens = 1, or every row ended at its first token
     while not done:
         d = policy.next_speculations()
         if d == 0:  # adaptive, and no round pays at the measured acceptance: one plain step
@@ -337,7 +338,7 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
             start = time.perf_counter()
             state, cache, counters = jax.block_until_ready(plain(*args))
             policy.observe_plain(time.perf_counter() - start)
-            row_done, seq_len = jax.device_get((state.done, state.seq_len))
+            row_done, seq_len = to_host((state.done, state.seq_len))
             done, longest = bool(row_done.all()), int(seq_len.max())
             continue
         bonus = policy.bonus(d)
@@ -357,7 +358,7 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
         longest += d + 1
         rounds += 1
         if spec.adaptive or rounds % POLL_EVERY == 0:
-            row_done, seq_len, accepted, rejections = jax.device_get(
+            row_done, seq_len, accepted, rejections = to_host(
                 (state.done, state.seq_len, counters.accepted.sum(), counters.rejections.sum())
             )
             timed = (drafted_at - start, time.perf_counter() - verify_start) if spec.adaptive else (None, None)
@@ -365,4 +366,4 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
             seen = (int(accepted), int(rejections))
             done = bool(row_done.all())
             longest = int(seq_len.max())
-    return state, cache, (jax.device_get(counters), policy)
+    return state, cache, (to_host(counters), policy)
