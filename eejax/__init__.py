@@ -7,6 +7,7 @@
     out = eejax.generate(model, prompts, spec=eejax.SpecConfig(exit_layer=12, num_speculations=4))
     t5 = eejax.load("path/to/converted-t5")          # encoder-decoder: prompts go to the encoder
     out = eejax.generate(t5, ["summarize: ..."], exit="softmax:0.9")
+    sharded = eejax.shard(model, eejax.make_mesh(tensor=2))   # several devices: same calls, same tokens
 """
 
 from eejax.config import LlamaConfig, RopeScaling, T5Config
@@ -14,6 +15,7 @@ from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import GenerateResult, SamplingParams, generate
 from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
 from eejax.model import Model, init_exits, load, save
+from eejax.sharding import make_mesh, shard
 
 __version__ = "0.1.0"
 
@@ -41,5 +43,7 @@ __all__ = [
     "generate",
     "init_exits",
     "load",
+    "make_mesh",
     "save",
+    "shard",
 ]

@@ -20,9 +20,12 @@ SCRIPT = r'''
 import json, jax, eejax
 from eejax.config import LlamaConfig, T5Config
 from eejax.models.registry import model_module
+from eejax import ExitConfig, SpecConfig
 from eejax.decode.collectives import collectives
+from eejax.models.exits import set_exit_vocab
 from eejax.serve.engine import Engine
 from eejax.sharding import make_mesh, shard
+from jax.sharding import PartitionSpec as P
 
 prompts = [[3, 9, 27, 5, 8], [11, 4], [7, 7, 7, 2, 40, 41, 42], [5, 6]]
 results = []
@@ -60,12 +63,24 @@ for kv in (4, 1):
         eejax.generate(model, prompts, max_new_tokens=6, ignore_eos=True)
         text = [p for n, p in model.programs.compiled() if n == "decode_steps"][0].as_text()
         results.append(dict(name="rows-over-data", half="f32[2,1,32]" in text, whole="f32[4,1,32]" in text))
-    model = shard(base, make_mesh(2, 1))
-    engine = Engine(model, max_slots=4, max_new_tokens=8, cache_budget="1MiB", page_size=8)
-    seqs = [engine.submit(p, max_new_tokens=6) for p in prompts]
-    engine.run()
     want = eejax.generate(base, prompts, max_new_tokens=6, ignore_eos=True).tokens
-    results.append(dict(name=f"engine-kv{kv}", same=[s.tokens for s in seqs] == want))
+    for t, d in ((2, 1), (2, 2)):
+        engine = Engine(shard(base, make_mesh(t, d)), max_slots=4, max_new_tokens=8, cache_budget="1MiB", page_size=8)
+        seqs = [engine.submit(p, max_new_tokens=6) for p in prompts]
+        engine.run()
+        results.append(dict(name=f"engine-kv{kv}-{t}x{d}", same=[s.tokens for s in seqs] == want))
+    if kv == 4:  # the reduced exit head (vocabulary-sharded) in checks and drafts
+        reduced = base.with_params(set_exit_vocab(base.params, range(0, 64, 2), tied=False))
+        for kw in (dict(exit=ExitConfig("softmax", 0.05, head="reduced")), dict(spec=SpecConfig(2, 2, head="reduced"))):
+            check("llama-reduced-head", reduced, make_mesh(2, 2), **kw)
+        model = shard(reduced, make_mesh(2, 1))
+        specs = jax.tree.leaves(model.logical_axes(), is_leaf=lambda x: isinstance(x, P))
+        arrays = jax.tree.leaves(model.params)
+        counts = dict(heads=4, kv_heads=kv)
+        unsplit = [str(spec) for spec, x in zip(specs, arrays)
+                   if any(name in ("vocab", "heads", "kv_heads", "mlp") and counts.get(name, dim) % 2 == 0
+                          for name, dim in zip(spec, x.shape)) and "tensor" not in tuple(x.sharding.spec)]
+        results.append(dict(name="silently-replicated", arrays=unsplit))
 
 tc = T5Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_encoder_layers=2, num_heads=4,
               head_dim=8, gated=True, activation="gelu_new", tie_embeddings=False)
@@ -91,10 +106,10 @@ def mesh_results():
 
 def test_sharded_decoding_gives_one_devices_tokens_and_exit_layers(mesh_results):
     runs = [r for r in mesh_results if "options" in r]
-    assert len(runs) == 24
+    assert len(runs) == 26
     assert [r for r in runs if not (r["same"] and r["same_layers"])] == []
     assert any(r["exited"] < 4 for r in runs if "exit" in r["options"])  # early exits ran on the mesh
-    assert [r["same"] for r in mesh_results if r["name"].startswith(("engine", "smollm2"))] == [True] * 3
+    assert [r["same"] for r in mesh_results if r["name"].startswith(("engine", "smollm2"))] == [True] * 5
 
 
 def test_params_and_cache_are_placed_by_the_logical_axes(mesh_results):
@@ -106,6 +121,12 @@ def test_params_and_cache_are_placed_by_the_logical_axes(mesh_results):
     mqa = placed[("llama-kv1-placement", 4, 1)]  # one KV head: replicated, never cut inside a head
     assert mqa["wq"] == [None, None, "tensor"]
     assert mqa["wk"] == [None, None, None] and mqa["cache"] == [None, None]
+
+
+def test_no_array_the_rules_split_is_silently_replicated(mesh_results):
+    """At tensor 2 every param with a vocab, heads, KV heads or MLP axis that 2 divides is split
+    (the reduced exit head included)."""
+    assert next(r for r in mesh_results if r["name"] == "silently-replicated")["arrays"] == []
 
 
 def test_tensor_parallel_decoding_moves_only_the_hidden_states(mesh_results):
