@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -187,6 +188,55 @@ def test_two_processes_give_one_processes_tokens(tiny_checkpoints):
     assert outs[1][0] == ""  # process 0 prints the result
     want, got = json.loads(one.stdout)["outputs"], json.loads(outs[0][0])["outputs"]
     assert [(o["tokens"], o["exit_layers"]) for o in got] == [(o["tokens"], o["exit_layers"]) for o in want]
+
+
+def test_a_server_over_two_processes_answers_like_one_process(tiny_checkpoints):
+    """`eejax serve` in two processes (tensor 2 x data 2 over both): process 0 serves HTTP and
+    schedules, process 1 follows its steps; concurrent greedy completions equal one process's
+    `generate`, and both processes exit cleanly when process 0 is stopped."""
+    import concurrent.futures
+
+    import httpx
+
+    from tests.helpers import free_port
+
+    ckpt = str(tiny_checkpoints["gqa-untied"][2])
+    prompts = ["The river rose", "Officials said", "A storm", "x"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    one = subprocess.run([sys.executable, "-m", "eejax.cli", "generate", "--model", ckpt, "--prompt", *prompts,
+                          "--max-new-tokens", "6", "--json"], env=dict(env, XLA_FLAGS=""), capture_output=True,
+                         text=True, timeout=300)
+    want = [o["text"] for o in json.loads(one.stdout)["outputs"]]
+    port, address = free_port(), f"127.0.0.1:{free_port()}"
+    argv = ["serve", "--model", ckpt, "--port", str(port), "--tensor-parallel", "2", "--data-parallel", "2",
+            "--coordinator", address, "--num-processes", "2", "--max-slots", "4", "--cache-budget", "1MiB"]
+    procs = [subprocess.Popen([sys.executable, "-m", "eejax.cli", *argv, "--process-id", str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline and all(p.poll() is None for p in procs), "the servers did not start"
+            time.sleep(0.3)
+
+        def complete(prompt):
+            body = dict(model=ckpt, prompt=prompt, max_tokens=6, temperature=0)
+            return httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(complete, prompts)) == want
+        procs[0].terminate()
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def test_a_mesh_that_does_not_fit_is_one_clear_error():

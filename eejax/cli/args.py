@@ -83,6 +83,29 @@ def add_model_placement(parser: argparse.ArgumentParser, layer_buffers_help: str
                         help="split the rows of a batch over D devices (default 1); the mesh uses T x D devices")
 
 
+def add_processes(parser: argparse.ArgumentParser, what_process_0_does: str) -> None:
+    """--coordinator, --num-processes, --process-id: one run over several processes."""
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="join a multi-process run (jax.distributed) whose process 0 listens at HOST:PORT: every "
+                        "process runs the same command with its own --process-id; the mesh of --tensor-parallel x "
+                        f"--data-parallel spans all processes' devices; {what_process_0_does}")
+    parser.add_argument("--num-processes", type=positive_int, default=1, metavar="N",
+                        help="processes in the multi-process run (default 1)")
+    parser.add_argument("--process-id", type=int, metavar="I", help="this process's index in [0, N)")
+
+
+def join_processes(args: argparse.Namespace) -> None:
+    """Joins the multi-process run --coordinator / --num-processes / --process-id name, if any."""
+    if args.coordinator is not None or args.num_processes != 1:
+        if args.coordinator is None or args.process_id is None:
+            raise EejaxError("--num-processes needs --coordinator HOST:PORT and --process-id")
+        from eejax.sharding import initialize_distributed
+
+        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+    elif args.process_id is not None:
+        raise EejaxError("--process-id needs --coordinator and --num-processes")
+
+
 def load_model(args: argparse.Namespace):
     """The model of --model, laid out as --layer-buffers / --tensor-parallel / --data-parallel say."""
     import eejax

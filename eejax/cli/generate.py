@@ -8,8 +8,8 @@ import json
 import os
 import sys
 
-from eejax.cli.args import (add_model_and_prompts, add_model_placement, layer_counts, load_model, number_or_off,
-                             positive_int, prompts_from_args)
+from eejax.cli.args import (add_model_and_prompts, add_model_placement, add_processes, join_processes, layer_counts,
+                             load_model, number_or_off, positive_int, prompts_from_args)
 from eejax.errors import EejaxError
 
 
@@ -40,14 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise EejaxError("--spec-max-d needs --spec E:d:adaptive")
     if spec is None and (args.spec_head or args.spec_bonus):
         raise EejaxError("--spec-head and --spec-bonus need --spec")
-    if args.coordinator is not None or args.num_processes != 1:
-        if args.coordinator is None or args.process_id is None:
-            raise EejaxError("--num-processes needs --coordinator HOST:PORT and --process-id")
-        from eejax.sharding import initialize_distributed
-
-        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
-    elif args.process_id is not None:
-        raise EejaxError("--process-id needs --coordinator and --num-processes")
+    join_processes(args)
     # Collective libraries (gloo) print on stdout; the result must be alone there.
     with _stdout_to_stderr(args.num_processes > 1):
         model = load_model(args)
@@ -170,12 +163,6 @@ def add_parsers(sub) -> None:
     add_model_placement(gen, "how decode steps read the layer weights: stacked (default) or split (each layer's in "
                         "its own buffer: on a CPU ~1.4x faster decoding at batch 1, for twice the layer weights' "
                         "memory and ~3x the compile time)")
-    gen.add_argument("--coordinator", metavar="HOST:PORT",
-                     help="join a multi-process run (jax.distributed) whose process 0 listens at HOST:PORT: every "
-                     "process runs the same command with its own --process-id; the mesh of --tensor-parallel x "
-                     "--data-parallel spans all processes' devices; process 0 prints the result")
-    gen.add_argument("--num-processes", type=positive_int, default=1, metavar="N",
-                     help="processes in the multi-process run (default 1)")
-    gen.add_argument("--process-id", type=int, metavar="I", help="this process's index in [0, N)")
+    add_processes(gen, "process 0 prints the result")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     gen.set_defaults(func=cmd_generate)

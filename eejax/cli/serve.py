@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from eejax.cli.args import add_model_placement, load_model, non_negative_float, non_negative_int, positive_int
+from eejax.cli.args import (add_model_placement, add_processes, join_processes, load_model, non_negative_float,
+                             non_negative_int, positive_int)
 from eejax.errors import EejaxError
 
 
@@ -26,6 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     max_body = parse_bytes(args.max_body_size)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("eejax.serve")
+    join_processes(args)
     model = load_model(args)
     engine = Engine(model, max_slots=args.max_slots, max_new_tokens=args.max_tokens_limit,
                     cache_budget=args.cache_budget, exit=args.exit, temperature=args.temperature,
@@ -34,6 +36,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     prefill_chunk=args.prefill_chunk or None)
     if args.warmup:
         engine.warmup(args.warmup)
+    if args.num_processes > 1 and args.process_id != 0:  # a replica: steps with process 0 until it stops
+        from eejax.serve.replicas import follow
+
+        log.info("process %d follows process 0's engine", args.process_id)
+        follow(engine)
+        return 0
     engine.start()
     app = create_app(engine, served_model_name=args.served_model_name or args.model, max_waiting=args.max_waiting,
                      max_body_bytes=max_body)
@@ -109,6 +117,7 @@ def add_parsers(sub) -> None:
     add_model_placement(srv, "how decode steps read the layer weights: stacked (default) or split (each layer's in "
                         "its own buffer: on a CPU faster at small batches, for twice the layer weights' memory and "
                         "~3x the compile time)")
+    add_processes(srv, "process 0 serves HTTP and schedules, the others follow its steps")
     srv.add_argument("--max-tokens-limit", type=positive_int, default=256,
                      help="the largest max_tokens a request may ask (default 256)")
     srv.add_argument("--max-waiting", type=positive_int, default=256,

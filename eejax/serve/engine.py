@@ -46,10 +46,12 @@ from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import exits
 from eejax.models.registry import model_module
 from eejax.serve.admission import Admission
+from eejax.serve import replicas
 from eejax.serve.lifecycle import Lifecycle
 from eejax.serve.scheduler import BucketScheduler, Request, safe_pages
 from eejax.serve.sequence import Sequence
 from eejax.serve.stops import first_stop
+from eejax.sharding import to_host
 
 __all__ = ["Engine", "Sequence"]
 
@@ -127,7 +129,11 @@ class Engine(Admission, Lifecycle):
         self.waiting: dict[int, Sequence] = {}  # id -> sequence
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        # Across processes (jax.distributed): process 0's changes since the last step, which its
+        # replicas apply before stepping with it (`serve.replicas`); None in one process.
+        self._changes: list | None = [] if jax.process_count() > 1 else None
+        self._by_id: dict[int, Sequence] = {}
         self._pending = None  # (state, slot -> sequence) of the last dispatched step, not read yet
         self.error: BaseException | None = None  # what stopped the background loop, if it died
         self._thread: threading.Thread | None = None
@@ -207,6 +213,9 @@ class Engine(Admission, Lifecycle):
             seq = Sequence(next(self._ids), ids, max_new_tokens, priority, exit_config, sampling, spec_config, key,
                            logprobs, stop, stop_token_ids)
             self._queue(seq)
+            if self._changes is not None:
+                self._changes.append(replicas.submitted(seq))
+                self._by_id[seq.id] = seq
         self._wake.set()
         return seq
 
@@ -238,17 +247,23 @@ class Engine(Admission, Lifecycle):
     def cancel(self, seq: Sequence) -> None:
         """Ends a request now (a client that went away): its slot and pages are freed."""
         with self._lock:
-            if seq.finished:
-                return
-            if seq.id in self.waiting:
-                self.scheduler.remove(self._requests[seq.id])
-                del self.waiting[seq.id]
-                self._finish(seq, "cancelled")
-            elif seq.slot is not None and self.prefilling.get(seq.slot) is seq:  # no tokens in flight
-                self._release(seq)
-                self._finish(seq, "cancelled")
-            else:
-                seq.finish_reason = "cancelled"  # released after the step in flight
+            if self._changes is not None and not seq.finished:
+                self._changes.append(replicas.cancelled(seq))
+            self._cancel_locked(seq)
+
+    def _cancel_locked(self, seq: Sequence) -> None:
+        """`cancel` with the lock held."""
+        if seq.finished:
+            return
+        if seq.id in self.waiting:
+            self.scheduler.remove(self._requests[seq.id])
+            del self.waiting[seq.id]
+            self._finish(seq, "cancelled")
+        elif seq.slot is not None and self.prefilling.get(seq.slot) is seq:  # no tokens in flight
+            self._release(seq)
+            self._finish(seq, "cancelled")
+        else:
+            seq.finish_reason = "cancelled"  # released after the step in flight
 
     def _in_slots(self) -> list[Sequence]:
         """The rows that hold a slot: decoding, or prefilling their prompt."""
@@ -321,7 +336,7 @@ class Engine(Admission, Lifecycle):
         out = {}
 
         def fetch():
-            out["host"] = jax.device_get(wanted + (state.logprobs if scored else None,))
+            out["host"] = to_host(wanted + (state.logprobs if scored else None,))
 
         self._guarded(list(running.values()), fetch)
         if "host" not in out:

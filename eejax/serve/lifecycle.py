@@ -11,6 +11,7 @@ import jax
 
 from eejax.decode import speculative
 from eejax.decode.slots import empty_state
+from eejax.serve import replicas
 from eejax.serve.sequence import Sequence
 
 log = logging.getLogger("eejax.serve")
@@ -134,15 +135,46 @@ class Lifecycle:
             self._thread = None
         return True
 
+    def _step_or_recover(self) -> None:
+        try:
+            self.step()
+        except Exception as e:  # noqa: BLE001 - the loop lives on for the other requests
+            log.exception("an engine step failed")
+            self._recover(e)
+
+    def _forget_finished(self) -> None:
+        """Drops finished requests from the id index the replicas keep (`serve.replicas`)."""
+        with self._lock:
+            for seq_id in [i for i, seq in self._by_id.items() if seq.finished]:
+                del self._by_id[seq_id]
+
+    def _replicated_iteration(self) -> bool:
+        """Process 0 of several: sends its changes to the replicas and steps with them (the lock
+        held throughout, so no request slips in between); False once it has told them to stop."""
+        with self._lock:
+            changes, self._changes = self._changes, []
+            busy = self.busy
+            stopping = self._stopping.is_set() and not busy
+            replicas.broadcast(replicas.STOP if stopping else (changes, busy))
+            if stopping:
+                return False
+            if busy:
+                self._step_or_recover()
+        self._forget_finished()
+        if not busy:
+            self._wake.wait(replicas.HEARTBEAT_S)
+            self._wake.clear()
+        return True
+
     def _loop(self) -> None:
         try:
             while True:
+                if self._changes is not None:
+                    if not self._replicated_iteration():
+                        return
+                    continue
                 if self.busy:
-                    try:
-                        self.step()
-                    except Exception as e:  # noqa: BLE001 - the loop lives on for the other requests
-                        log.exception("an engine step failed")
-                        self._recover(e)
+                    self._step_or_recover()
                     continue
                 if self._stopping.is_set():
                     return

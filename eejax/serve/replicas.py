@@ -1,0 +1,78 @@
+"""One engine over several processes (`jax.distributed`): process 0 serves HTTP and schedules;
+every other process keeps a replica of its engine and runs the same steps, as SPMD programs need
+(every process dispatches every program).
+
+Before each step, process 0 broadcasts what changed its engine since the last one: requests
+submitted (with their ids, seeds and arrival times) and cancelled, and whether to step. The
+replicas apply the same changes and step with it. An engine decides from nothing else (no
+clocks, no randomness of its own once a request's seed is drawn), so the replicas stay
+identical; results spanning processes are read collectively (`sharding.to_host`) at the same
+points of the same step. An idle process 0 sends a heartbeat every `HEARTBEAT_S`, and `STOP`
+when it stops.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import jax
+import numpy as np
+
+HEARTBEAT_S = 0.5
+STOP = "stop"
+SEQUENCE_FIELDS = ("id", "prompt", "max_new_tokens", "priority", "exit", "sampling", "spec", "key", "logprobs",
+                   "stop", "stop_token_ids", "submitted_at")
+
+
+def submitted(seq) -> tuple:
+    """The change `seq`'s submission made, as it travels to the replicas."""
+    return ("submit", {name: getattr(seq, name) for name in SEQUENCE_FIELDS})
+
+
+def cancelled(seq) -> tuple:
+    return ("cancel", seq.id)
+
+
+def broadcast(message=None):
+    """Process 0's `message` (any picklable value), returned on every process. The payload is
+    padded to a power of two, so the broadcast compiles once per size class."""
+    from jax.experimental import multihost_utils
+
+    source = jax.process_index() == 0
+    data = pickle.dumps(message) if source else b""
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(len(data))))
+    buf = np.zeros(max(256, 1 << (n - 1).bit_length()), np.uint8)
+    if source:
+        buf[:n] = np.frombuffer(data, np.uint8)
+    buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    return pickle.loads(buf[:n].tobytes())
+
+
+def apply(engine, changes: list[tuple]) -> None:
+    """Applies process 0's changes to a replica engine (the lock is held)."""
+    from eejax.serve.sequence import Sequence
+
+    for kind, value in changes:
+        if kind == "submit":
+            engine._count_decoding_options(value["exit"], value["spec"])
+            seq = Sequence(**value)
+            engine._by_id[seq.id] = seq
+            engine._queue(seq)
+        else:
+            seq = engine._by_id.get(value)
+            if seq is not None:
+                engine._cancel_locked(seq)
+
+
+def follow(engine) -> None:
+    """A replica's loop: applies process 0's changes and steps with it, until it stops."""
+    while True:
+        message = broadcast()
+        if message == STOP:
+            return
+        changes, step = message
+        with engine._lock:
+            apply(engine, changes)
+        if step:
+            engine._step_or_recover()
+        engine._forget_finished()
