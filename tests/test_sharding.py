@@ -45,7 +45,8 @@ for kv in (4, 1):
     base = eejax.Model(c, model_module(c).init_params(c, jax.random.PRNGKey(1), scale=0.3))
     every = (dict(), dict(exit="softmax:0.05"), dict(exit="state:0.7"), dict(exit="static:2"), dict(spec="2:2"))
     some = (dict(), dict(exit="softmax:0.05"), dict(spec="2:2"))
-    meshes = {(2, 1): every, (2, 2): every, (4, 1): some, (1, 2): some} if kv == 4 else {(2, 1): some, (4, 1): some}
+    meshes = {(2, 1): every, (2, 2): every, (4, 1): some, (1, 2): some} if kv == 4 else \
+        {(2, 1): some, (4, 1): some, (1, 2): some, (2, 2): some}
     for (t, d), options in meshes.items():
         for kw in options:
             model, want = check(f"llama-kv{kv}", base, make_mesh(t, d), **kw)
@@ -55,6 +56,10 @@ for kv in (4, 1):
             eejax.generate(fresh, prompts, max_new_tokens=6, ignore_eos=True)
             text = [p for n, p in fresh.programs.compiled() if n == "decode_steps"][0].as_text()
             results.append(dict(name="decode-collectives", **collectives(text).bytes))
+            fresh = shard(base, make_mesh(2, 1))  # softmax checks over the vocabulary-sharded head
+            eejax.generate(fresh, prompts, max_new_tokens=6, ignore_eos=True, exit="softmax:0.05")
+            text = [p for n, p in fresh.programs.compiled() if n == "decode_steps"][0].as_text()
+            results.append(dict(name="softmax-largest-collective", bytes=collectives(text).largest))
         results.append(dict(name=f"llama-kv{kv}-placement", mesh=dict(model.mesh.shape),
                             wq=list(layers["wq"].sharding.spec), wk=list(layers["wk"].sharding.spec),
                             embed=list(model.params["embed"].sharding.spec),
@@ -107,7 +112,7 @@ def mesh_results():
 
 def test_sharded_decoding_gives_one_devices_tokens_and_exit_layers(mesh_results):
     runs = [r for r in mesh_results if "options" in r]
-    assert len(runs) == 26
+    assert len(runs) == 32
     assert [r for r in runs if not (r["same"] and r["same_layers"])] == []
     assert any(r["exited"] < 4 for r in runs if "exit" in r["options"])  # early exits ran on the mesh
     assert [r["same"] for r in mesh_results if r["name"].startswith(("engine", "smollm2"))] == [True] * 5
@@ -139,6 +144,9 @@ def test_tensor_parallel_decoding_moves_only_the_hidden_states(mesh_results):
     assert moved["all-reduce"] == steps * (2 * layers + 1) * rows * hidden * 4
     assert moved["all-gather"] == steps * 2 * rows * 2 * 4  # float and int32 [rows, 2 shards]
     assert set(moved) == {"name", "all-reduce", "all-gather"}
+    # The softmax margin over a head split by vocabulary gathers per-shard values, never the
+    # logits [rows, 64]: nothing larger than a row's hidden state moves.
+    assert next(r for r in mesh_results if r["name"] == "softmax-largest-collective")["bytes"] == rows * hidden * 4
 
 
 def test_collectives_count_each_loop_trip():
@@ -158,7 +166,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 }
 """
     moved = collectives(text)
-    assert moved.bytes == {"all-reduce": 30 * 8 * 4, "all-gather": 8 * 4} and moved.ops == 2
+    assert moved.bytes == {"all-reduce": 30 * 8 * 4, "all-gather": 8 * 4} and moved.ops == 2 and moved.largest == 32
     assert moved.unknown_loops == 0
 
 

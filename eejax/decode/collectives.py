@@ -29,10 +29,12 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, 
 @dataclasses.dataclass(frozen=True)
 class Collectives:
     """bytes: {kind: bytes per execution of the program}; ops: how many collective instructions;
-    unknown_loops: loops whose trip count the compiler does not know (counted once)."""
+    largest: the largest one result in bytes; unknown_loops: loops whose trip count the compiler
+    does not know (counted once)."""
 
     bytes: dict
     ops: int
+    largest: int
     unknown_loops: int
 
     @property
@@ -62,14 +64,14 @@ def collectives(hlo_text: str) -> Collectives:
         for callee, k in edges.get(name, ()):
             times[callee] += times[name] * k
     totals: collections.Counter = collections.Counter()
-    ops = 0
+    sizes = []
     for name, lines in computations.items():
         for line in lines:
             hit = _COLLECTIVE.search(line)
             if hit and times[name]:
-                ops += 1
-                totals[hit.group(2)] += times[name] * _shape_bytes(hit.group(1))
-    return Collectives(dict(totals), ops, unknown)
+                sizes.append(_shape_bytes(hit.group(1)))
+                totals[hit.group(2)] += times[name] * sizes[-1]
+    return Collectives(dict(totals), len(sizes), max(sizes, default=0), unknown)
 
 
 def _callers_first(edges: dict, entry: str) -> list[str]:

@@ -244,27 +244,6 @@ class Engine(Admission, Lifecycle):
         self.waiting[seq.id] = seq
         self.scheduler.submit(request)
 
-    def cancel(self, seq: Sequence) -> None:
-        """Ends a request now (a client that went away): its slot and pages are freed."""
-        with self._lock:
-            if self._changes is not None and not seq.finished:
-                self._changes.append(replicas.cancelled(seq))
-            self._cancel_locked(seq)
-
-    def _cancel_locked(self, seq: Sequence) -> None:
-        """`cancel` with the lock held."""
-        if seq.finished:
-            return
-        if seq.id in self.waiting:
-            self.scheduler.remove(self._requests[seq.id])
-            del self.waiting[seq.id]
-            self._finish(seq, "cancelled")
-        elif seq.slot is not None and self.prefilling.get(seq.slot) is seq:  # no tokens in flight
-            self._release(seq)
-            self._finish(seq, "cancelled")
-        else:
-            seq.finish_reason = "cancelled"  # released after the step in flight
-
     def _in_slots(self) -> list[Sequence]:
         """The rows that hold a slot: decoding, or prefilling their prompt."""
         return list(self.running.values()) + list(self.prefilling.values())

@@ -1,6 +1,7 @@
-"""The engine's life, a part of `Engine`: running steps (in this thread or a background one),
-stopping, aborting, and faults: a program that raises fails only the requests it ran for, lost
-device state is rebuilt, and a loop that dies says so. A mixin over the engine's state."""
+"""The engine's life, a part of `Engine`: running steps (in this thread or a background one, or in
+step with process 0 across processes), stopping, aborting and cancelling, and faults: a program
+that raises fails only the requests it ran for, lost device state is rebuilt, and a loop that
+dies says so. A mixin over the engine's state."""
 
 from __future__ import annotations
 
@@ -134,6 +135,27 @@ class Lifecycle:
                 return False
             self._thread = None
         return True
+
+    def cancel(self, seq: Sequence) -> None:
+        """Ends a request now (a client that went away): its slot and pages are freed."""
+        with self._lock:
+            if self._changes is not None and not seq.finished:
+                self._changes.append(replicas.cancelled(seq))
+            self._cancel_locked(seq)
+
+    def _cancel_locked(self, seq: Sequence) -> None:
+        """`cancel` with the lock held."""
+        if seq.finished:
+            return
+        if seq.id in self.waiting:
+            self.scheduler.remove(self._requests[seq.id])
+            del self.waiting[seq.id]
+            self._finish(seq, "cancelled")
+        elif seq.slot is not None and self.prefilling.get(seq.slot) is seq:  # no tokens in flight
+            self._release(seq)
+            self._finish(seq, "cancelled")
+        else:
+            seq.finish_reason = "cancelled"  # released after the step in flight
 
     def _step_or_recover(self) -> None:
         try:
