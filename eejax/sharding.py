@@ -2,12 +2,13 @@
 
 A mesh has two axes, `data` (rows) and `tensor` (heads, MLP columns, vocabulary). `RULES` maps
 the logical axis names the modules declare (`Model.logical_axes()`) onto them, and Flax turns
-them into shardings (`nn.logical_to_mesh_sharding`). A dimension the mesh axis does not divide
-is replicated instead: GQA's KV heads when the tensor axis exceeds them, an odd vocabulary.
-The KV cache [L, Hkv, pages, page_size, Dh] is split by KV heads the same way, so attention
-stays on each device's heads. Programs are the single-device programs, partitioned by XLA
-(GSPMD) from the shardings of their inputs: `generate` and the `Engine` run unchanged.
-"""
+them into shardings (`nn.logical_to_mesh_axes`). A dimension the mesh axis does not divide is
+replicated instead: GQA's KV heads when the tensor axis exceeds them, an odd vocabulary. The KV
+cache [L, Hkv, pages, page_size, Dh] is split by KV heads the same way, and the cache write and
+attention run on each device's own heads (`kernels.head_parallel`). Programs are the
+single-device programs, partitioned by XLA (GSPMD) from their inputs' shardings and the
+models' logical constraints (rows over `data`): `generate` and the `Engine` run unchanged. Over
+several processes (`initialize_distributed`), results are read with `to_host`."""
 
 from __future__ import annotations
 

@@ -65,8 +65,8 @@ def tiny_model(tiny_checkpoints):
     return eejax.load(tiny_checkpoints["gqa-untied"][2])
 
 
-UNIT_FIRST = ("test_allocator.py", "test_scheduler.py", "test_spec_policy.py", "test_model_interface.py",
-              "test_attention.py")
+UNIT_FIRST = ("test_allocator.py", "test_scheduler.py", "test_buckets.py", "test_sampling.py", "test_confidence.py",
+              "test_spec_policy.py", "test_model_interface.py", "test_attention.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 
 import eejax
-from eejax.decode.buckets import bucket
-from eejax.decode.generate import parse_bytes
 from eejax.errors import EejaxError
 from tests.helpers import random_prompts
 
@@ -114,11 +112,3 @@ def test_compiled_programs_are_bounded(tiny_model):
     gen(model, random_prompts(4, [14, 16, 11, 13], seed=2))
     assert model.programs.num_programs == first
     assert first <= 3  # prefill + at most two decode widths here
-
-
-def test_buckets_and_sizes():
-    assert [bucket(n) for n in (1, 2, 3, 4, 5, 7, 9, 13, 17, 100)] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 128]
-    assert all(bucket(n) >= n and bucket(n) <= max(2, 1.5 * n) for n in range(1, 3000))
-    assert parse_bytes("1GiB") == 2**30 and parse_bytes("512MB") == 512 * 10**6 and parse_bytes(42) == 42
-    with pytest.raises(EejaxError):
-        parse_bytes("lots")

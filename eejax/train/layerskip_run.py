@@ -140,9 +140,11 @@ def train_layerskip(model, data: DistillData, settings: RunSettings, checkpoint_
                unit="step", disable=not progress)
 
     def save(done):
+        # A copy of the log: orbax saves in the background while the next steps append to it (a
+        # resumed run then re-ran steps its restored log already had).
         manager.save(done, args=ocp.args.Composite(
             state=ocp.args.StandardSave({"trainable": trainable, "opt": opt_state, "step": jnp.int32(done)}),
-            log=ocp.args.JsonSave(log)))
+            log=ocp.args.JsonSave({k: list(v) for k, v in log.items()})))
 
     done = start
     try:

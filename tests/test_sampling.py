@@ -1,0 +1,88 @@
+"""Torch-free unit tests of sampling: top-k / top-p filtering against numpy, greedy rows, draws
+that stay inside each row's filtered set, per-row keys independent of the batch, option checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eejax.decode.sampling import (FILTERED, GREEDY, TEMPERATURE, RowSampling, SamplingParams, filtered_logits,
+                                   logprobs_of, row_keys, sample, seed_key, token_keys)
+from eejax.errors import EejaxError
+
+ROWS = [SamplingParams(0.7, 5, 1.0), SamplingParams(1.3, 0, 0.6), SamplingParams(1.0, 3, 0.5),
+        SamplingParams(0.0, 0, 1.0), SamplingParams(2.0, 0, 1.0)]
+
+
+def numpy_kept(logits, p: SamplingParams) -> np.ndarray:
+    """The tokens a row may draw: its top-k, then the smallest prefix of those whose
+    probability mass reaches top_p (the most likely token always stays)."""
+    scaled = logits / (p.temperature or 1.0)
+    order = np.argsort(-scaled, kind="stable")
+    k = p.top_k or len(logits)
+    top = order[:k]
+    probs = np.exp(scaled[top] - scaled[top].max())
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    return np.sort(top[before < p.top_p])
+
+
+def test_filtered_logits_keep_each_rows_top_k_and_top_p_set():
+    logits = np.random.default_rng(0).normal(size=(len(ROWS), 40)).astype(np.float32) * 2
+    got = np.asarray(filtered_logits(jnp.asarray(logits), RowSampling.of(ROWS), FILTERED))
+    for row, p in enumerate(ROWS):
+        kept = np.flatnonzero(np.isfinite(got[row]))
+        if p.greedy:
+            continue  # a greedy row draws nothing
+        np.testing.assert_array_equal(kept, numpy_kept(logits[row], p))
+        np.testing.assert_allclose(got[row, kept], logits[row, kept] / p.temperature, rtol=1e-6)
+    scaled = np.asarray(filtered_logits(jnp.asarray(logits), RowSampling.of(ROWS), TEMPERATURE))
+    assert np.isfinite(scaled).all()  # the temperature sampler filters nothing
+
+
+def test_draws_stay_in_the_filtered_set_and_greedy_rows_take_the_argmax():
+    logits = np.random.default_rng(1).normal(size=(len(ROWS), 40)).astype(np.float32) * 2
+    rows = RowSampling.of(ROWS)
+    keys = row_keys(seed_key(7), np.arange(len(ROWS)))
+    seen = [set() for _ in ROWS]
+    for t in range(200):
+        drawn = np.asarray(sample(jnp.asarray(logits), token_keys(keys, jnp.full((len(ROWS),), t), 0), rows, FILTERED))
+        for row, token in enumerate(drawn):
+            seen[row].add(int(token))
+    for row, p in enumerate(ROWS):
+        if p.greedy:
+            assert seen[row] == {int(np.argmax(logits[row]))}
+        else:
+            kept = set(numpy_kept(logits[row], p).tolist())
+            assert seen[row] <= kept and (len(seen[row]) > 1 or len(kept) == 1)  # drawn, within the set
+    greedy = np.asarray(sample(jnp.asarray(logits), keys, rows, GREEDY))
+    np.testing.assert_array_equal(greedy, np.argmax(logits, axis=-1))
+
+
+def test_logprobs_are_the_distribution_drawn_from():
+    logits = np.random.default_rng(2).normal(size=(len(ROWS), 40)).astype(np.float32)
+    got = np.asarray(logprobs_of(jnp.asarray(logits), RowSampling.of(ROWS), FILTERED))
+    np.testing.assert_allclose(np.exp(got).sum(-1), 1.0, rtol=1e-5)
+    model = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(got[3], model[3], rtol=1e-6)  # greedy: the model's own softmax
+    assert np.isinf(got[2]).sum() == 40 - len(numpy_kept(logits[2], ROWS[2]))
+
+
+def test_a_rows_key_does_not_depend_on_the_batch():
+    key = seed_key(123)
+    alone = np.asarray(row_keys(key, [5]))[0]
+    in_batch = np.asarray(row_keys(key, [2, 9, 5]))[2]
+    np.testing.assert_array_equal(alone, in_batch)
+    assert not np.array_equal(np.asarray(seed_key(1)), np.asarray(seed_key(1 + 2**32)))  # all 64 bits count
+
+
+def test_sampling_options_are_checked_and_pick_their_sampler():
+    assert SamplingParams().sampler == GREEDY and SamplingParams(0.8, top_k=1).sampler == GREEDY
+    assert SamplingParams(0.8).sampler == TEMPERATURE
+    assert SamplingParams(0.8, top_p=0.9).sampler == FILTERED and SamplingParams(0.8, top_k=4).sampler == FILTERED
+    for bad, match in [(dict(temperature=-1.0), "temperature"), (dict(temperature=float("inf")), "temperature"),
+                       (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")]:
+        with pytest.raises(EejaxError, match=match):
+            SamplingParams(**bad)
+    with pytest.raises(EejaxError, match="vocabulary size 40"):
+        SamplingParams(1.0, top_k=41).check_vocab(40)
