@@ -44,10 +44,7 @@ MODES = {"full depth": {}, "softmax:0.9 @8,16,24": dict(exit=eejax.ExitConfig("s
 def per_token_bytes(model, stats, rows: int) -> tuple[float, int]:
     """(collective bytes per generated token and row, loops of unknown trip count) of the decode
     programs `model` compiled: a decode step's, or a speculation round's over its tokens."""
-    programs = {}
-    for (fn, _, static, _), (name, compiled) in zip(model.programs._sources.values(), model.programs.compiled()):
-        moved = collectives(compiled.as_text())
-        programs[name] = (moved, static)
+    programs = {name: (collectives(compiled.as_text()), static) for name, static, compiled in model.programs.entries()}
     if "decode_steps" in programs:
         moved, static = programs["decode_steps"]
         return moved.total / (static["num_steps"] * rows), moved.unknown_loops

@@ -129,9 +129,6 @@ def start_eejax_serve(model_dir, *args, timeout: float = 120):
     import os
     import subprocess
     import sys
-    import time
-
-    import httpx
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "eejax.cli", "serve", "--model", str(model_dir),
@@ -139,17 +136,27 @@ def start_eejax_serve(model_dir, *args, timeout: float = 120):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
     url = f"http://127.0.0.1:{port}"
+    if not wait_until_healthy(url, [proc], timeout):
+        proc.kill()
+        raise AssertionError(f"eejax serve did not start: {proc.stdout.read()}")
+    return proc, url
+
+
+def wait_until_healthy(url: str, procs, timeout: float) -> bool:
+    """Whether `url`/health answered 200 within `timeout` seconds while all of `procs` ran."""
+    import time
+
+    import httpx
+
     deadline = time.time() + timeout
-    while True:
+    while time.time() < deadline and all(p.poll() is None for p in procs):
         try:
             if httpx.get(url + "/health").status_code == 200:
-                return proc, url
+                return True
         except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise AssertionError(f"eejax serve did not start: {proc.stdout.read()}")
+            pass  # not listening yet
         time.sleep(0.2)
+    return False
 
 
 def sequence_logits(model, ids, page_size: int = 16):

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import jax
 import pytest
@@ -198,7 +197,7 @@ def test_two_processes_give_one_processes_tokens(tiny_checkpoints):
     assert [(o["tokens"], o["exit_layers"]) for o in got] == [(o["tokens"], o["exit_layers"]) for o in want]
 
 
-def test_a_server_over_two_processes_answers_like_one_process(tiny_checkpoints):
+def test_a_server_over_two_processes_answers_like_one_process(tiny_checkpoints, tmp_path):
     """`eejax serve` in two processes (tensor 2 x data 2 over both): process 0 serves HTTP and
     schedules, process 1 follows its steps; concurrent greedy completions equal one process's
     `generate`, and both processes exit cleanly when process 0 is stopped."""
@@ -206,7 +205,7 @@ def test_a_server_over_two_processes_answers_like_one_process(tiny_checkpoints):
 
     import httpx
 
-    from tests.helpers import free_port
+    from tests.helpers import free_port, wait_until_healthy
 
     ckpt = str(tiny_checkpoints["gqa-untied"][2])
     prompts = ["The river rose", "Officials said", "A storm", "x"]
@@ -219,19 +218,14 @@ def test_a_server_over_two_processes_answers_like_one_process(tiny_checkpoints):
     port, address = free_port(), f"127.0.0.1:{free_port()}"
     argv = ["serve", "--model", ckpt, "--port", str(port), "--tensor-parallel", "2", "--data-parallel", "2",
             "--coordinator", address, "--num-processes", "2", "--max-slots", "4", "--cache-budget", "1MiB"]
+    # (logs to a file: a pipe nobody reads could fill and block a server)
+    logs = [open(tmp_path / f"serve-{i}.log", "w") for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "eejax.cli", *argv, "--process-id", str(i)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+                              stdout=logs[i], stderr=subprocess.STDOUT, text=True) for i in range(2)]
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline and all(p.poll() is None for p in procs), "the servers did not start"
-            time.sleep(0.3)
+        assert wait_until_healthy(url, procs, 180), "the servers did not start: " + "".join(
+            (tmp_path / f"serve-{i}.log").read_text()[-2000:] for i in range(2))
 
         def complete(prompt):
             body = dict(model=ckpt, prompt=prompt, max_tokens=6, temperature=0)
@@ -242,9 +236,10 @@ def test_a_server_over_two_processes_answers_like_one_process(tiny_checkpoints):
         procs[0].terminate()
         assert [p.wait(timeout=60) for p in procs] == [0, 0]
     finally:
-        for p in procs:
+        for p, log in zip(procs, logs):
             if p.poll() is None:
                 p.kill()
+            log.close()
 
 
 def test_a_mesh_that_does_not_fit_is_one_clear_error():

@@ -63,7 +63,11 @@ class ProgramCache:
 
     def compiled(self) -> list[tuple[str, jax.stages.Compiled]]:
         """[(function name, compiled program)] of every program compiled so far."""
-        return [(source[0].__qualname__, self._compiled[key]) for key, source in self._sources.items()]
+        return [(name, program) for name, _, program in self.entries()]
+
+    def entries(self) -> list[tuple[str, dict, jax.stages.Compiled]]:
+        """[(function name, static options, compiled program)] of every program compiled so far."""
+        return [(source[0].__qualname__, source[2], self._compiled[key]) for key, source in self._sources.items()]
 
     def lower_for(self, platform: str) -> list[tuple[str, jax.stages.Lowered]]:
         """Every program compiled so far, lowered again for `platform` ("cuda", "rocm", "tpu",
