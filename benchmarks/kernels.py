@@ -102,6 +102,7 @@ def cpu_share(args) -> int:
     from eejax.decode import steps
     from eejax.decode.buckets import bucket
     from eejax.models import llama
+    from eejax.options import StepOptions
 
     model = eejax.load("smollm2-135m")
     c = model.config
@@ -112,7 +113,7 @@ def cpu_share(args) -> int:
         table = jnp.asarray(1 + np.arange(b * allocation, dtype=np.int32).reshape(b, allocation))
         tokens = jnp.asarray(np.random.default_rng(0).integers(100, 10000, (b, args.prompt_tokens)), jnp.int32)
         lengths = jnp.full((b,), args.prompt_tokens, jnp.int32)
-        static = dict(config=c, max_new_tokens=args.new_tokens, eos_ids=())
+        static = dict(config=c, options=StepOptions(args.new_tokens))
         state, cache = jax.jit(functools.partial(steps.prefill, **static))(
             model.params, cache, tokens, lengths, table, jax.random.PRNGKey(0))
         decode = jax.jit(functools.partial(steps.decode, **static), donate_argnums=(1,))

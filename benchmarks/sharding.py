@@ -44,10 +44,11 @@ MODES = {"full depth": {}, "softmax:0.9 @8,16,24": dict(exit=eejax.ExitConfig("s
 def per_token_bytes(model, stats, rows: int) -> tuple[float, int]:
     """(collective bytes per generated token and row, loops of unknown trip count) of the decode
     programs `model` compiled: a decode step's, or a speculation round's over its tokens."""
-    programs = {name: (collectives(compiled.as_text()), static) for name, static, compiled in model.programs.entries()}
+    programs = {name: (collectives(compiled.as_text()), options)
+                for name, options, compiled in model.programs.entries()}
     if "decode_steps" in programs:
-        moved, static = programs["decode_steps"]
-        return moved.total / (static["num_steps"] * rows), moved.unknown_loops
+        moved, options = programs["decode_steps"]
+        return moved.total / (options.num_steps * rows), moved.unknown_loops
     draft, verify = programs["draft"][0], programs["verify"][0]
     return (draft.total + verify.total) / (stats["tokens_per_round"] * rows), draft.unknown_loops + verify.unknown_loops
 

@@ -37,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     ROOT, hf_generate_tokens_per_s, load_hf_smollm2, paired_runs, with_exit_vocab, write_result)
 from benchmarks.early_exit import summary_prompts  # noqa: E402
 from eejax import SpecConfig  # noqa: E402
+from eejax.options import StepOptions  # noqa: E402
 from eejax.decode.spec_policy import break_even_acceptance, speedup  # noqa: E402
 from eejax.cli_parsing import OneLineErrorParser
 
@@ -70,29 +71,29 @@ def program_costs(model, batch: int, prompt_tokens: int, exit_layers, ds=(1, 2, 
     table = jnp.asarray(1 + np.arange(batch * pages).reshape(batch, pages), jnp.int32)
     cache = init_cache(c.num_layers, 1 + batch * pages, 16, c.num_kv_heads, c.head_dim, model.dtype)
     tokens = jnp.asarray(np.random.default_rng(0).integers(10, 1000, (batch, prompt_tokens)), jnp.int32)
-    static = dict(config=c, max_new_tokens=64)
-    prefill = jax.jit(functools.partial(steps.prefill, eos_ids=(), **static))
+    options = StepOptions(64)
+    prefill = jax.jit(functools.partial(steps.prefill, config=c, options=options))
 
     state, cache = prefill(model.params, cache, tokens, jnp.full((batch,), prompt_tokens, jnp.int32), table,
                            jax.random.PRNGKey(0))
 
-    def program(fn, **kw):
-        return jax.jit(functools.partial(fn, **kw), donate_argnums=(1,))
+    def program(fn, options):
+        return jax.jit(functools.partial(fn, config=c, options=options), donate_argnums=(1,))
 
     # name -> (f(cache) -> (output, cache), the cache donated and threaded through as in generate;
     # what the time is divided by)
     runs = {}
-    decode = program(steps.decode, eos_ids=(), **static)
+    decode = program(steps.decode, options)
     runs["full_step"] = (lambda ca: decode(model.params, ca, state, table), 1)
     counters = speculative.SpecCounters.zeros(batch)
     for e in exit_layers:
         # One draft token: 4 drafts without the bonus pass, per draft.
-        token = program(speculative.draft, num_speculations=4, bonus=False, spec=SpecConfig(e, 4), config=c)
+        token = program(speculative.draft, StepOptions(64, spec=SpecConfig(e, 4)).round(4).drafting())
         runs[f"draft_token_{e}"] = (lambda ca, f=token: f(model.params, ca, state, table)[::2], 4)
         for d in ds:
-            kw = dict(spec=SpecConfig(e, d), config=c)
-            draft = program(speculative.draft, num_speculations=d, **kw)
-            verify = program(speculative.verify, eos_ids=(), max_new_tokens=64, **kw)
+            round_options = StepOptions(64, spec=SpecConfig(e, d)).round(d, bonus=True)
+            draft = program(speculative.draft, round_options.drafting())
+            verify = program(speculative.verify, round_options.verifying())
             drafts, st, cache = draft(model.params, cache, state, table)
             if d == 1:
                 runs[f"draft_pass_{e}"] = (lambda ca, f=draft: f(model.params, ca, state, table)[::2], d + 1)

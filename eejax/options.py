@@ -1,5 +1,6 @@
 """Decoding options, frozen (they key compiled programs): `ExitConfig` (when a decode step may
-stop early) and `SpecConfig` (self-speculation), each with its CLI spelling (`parse`, `spec`)."""
+stop early) and `SpecConfig` (self-speculation), each with its CLI spelling (`parse`, `spec`),
+and `StepOptions`, all that a compiled generation program depends on besides shapes."""
 
 from __future__ import annotations
 
@@ -241,3 +242,64 @@ class SpecConfig:
         except ValueError:
             raise EejaxError(f"cannot read speculation {spec!r}: E and d must be integers (e.g. 12:4)") from None
         return cls(e, d, adaptive=len(parts) == 3, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """Everything a compiled generation program depends on besides its input shapes and the
+    model: one frozen value, the key of the program cache (`ProgramCache.get`). Values that vary
+    per row (sampling temperature / top-k / top-p, seeds, limits) are traced, not options.
+
+    max_new_tokens: the width of the per-row token record (a row's own limit is traced).
+    eos_ids:        the tokens that end a row.
+    sampler:        "greedy", "temperature" or "filtered" (`sampling.sample`).
+    exit:           early exit in decode steps (a resolved `ExitConfig`), None: full depth.
+    spec:           self-speculation; in a round's programs `spec.num_speculations` is that
+                    round's d (see `round`).
+    bonus:          a draft program runs the (d + 1)-th pass (`speculative.draft`).
+    attention:      the attention implementation (`kernels.attention.IMPLS`).
+    logprobs:       keep a log-prob record of the generated tokens.
+    num_steps:      decode steps per program (`steps.decode_steps`).
+
+    Each program reads some of these; the views below keep those and reset the rest, so that
+    options a program ignores never compile it twice.
+    """
+
+    max_new_tokens: int
+    eos_ids: tuple[int, ...] = ()
+    sampler: str = "greedy"
+    exit: ExitConfig | None = None
+    spec: SpecConfig | None = None
+    bonus: bool = False
+    attention: str = "auto"
+    logprobs: bool = False
+    num_steps: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "eos_ids", tuple(int(t) for t in self.eos_ids))
+        if self.exit is not None and self.spec is not None:
+            raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
+        if isinstance(self.num_steps, bool) or int(self.num_steps) != self.num_steps or self.num_steps < 1:
+            raise EejaxError(f"num_steps (decode steps per program) must be an integer >= 1, got {self.num_steps}")
+
+    def prefilling(self) -> StepOptions:
+        """What a prefill reads: no early exit (prompts run at full depth), speculation or steps."""
+        return dataclasses.replace(self, exit=None, spec=None, bonus=False, num_steps=1)
+
+    def decoding(self, num_steps: int = 1) -> StepOptions:
+        """What `num_steps` decode steps read (no speculation)."""
+        return dataclasses.replace(self, spec=None, bonus=False, num_steps=num_steps)
+
+    def round(self, num_speculations: int, bonus: bool = False) -> StepOptions:
+        """A speculation round of d = `num_speculations` drafts: only the draft layers, d, the
+        draft head and `bonus` of `spec` matter to its programs (not adaptive, max, or bonus policy)."""
+        spec = SpecConfig(self.spec.exit_layer, num_speculations, head=self.spec.head)
+        return dataclasses.replace(self, exit=None, spec=spec, bonus=bonus, num_steps=1)
+
+    def drafting(self) -> StepOptions:
+        """What a round's draft program reads: no limits, EOS or log-probs (`round` first)."""
+        return StepOptions(0, sampler=self.sampler, spec=self.spec, bonus=self.bonus, attention=self.attention)
+
+    def verifying(self) -> StepOptions:
+        """What a round's verify program reads (the number of scored positions is a shape)."""
+        return dataclasses.replace(self, bonus=False)

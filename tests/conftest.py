@@ -66,7 +66,8 @@ def tiny_model(tiny_checkpoints):
 
 
 UNIT_FIRST = ("test_allocator.py", "test_scheduler.py", "test_buckets.py", "test_sampling.py", "test_confidence.py",
-              "test_spec_policy.py", "test_model_interface.py", "test_attention.py")
+              "test_spec_policy.py", "test_step_options.py", "test_model_interface.py",
+              "test_attention.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -65,6 +65,7 @@ def prefilled(model, prompts, max_new_tokens=8, temperature=0.0, pages_per_row=4
     from eejax.cache import init_cache
     from eejax.decode import steps
     from eejax.decode.sampling import RowSampling, SamplingParams
+    from eejax.options import StepOptions
 
     c = model.config
     b, t = len(prompts), max(map(len, prompts))
@@ -76,8 +77,7 @@ def prefilled(model, prompts, max_new_tokens=8, temperature=0.0, pages_per_row=4
     cache = init_cache(c.num_layers, 1 + b * pages_per_row, page_size, c.num_kv_heads, c.head_dim, model.dtype)
     state, cache = steps.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table,
                                  jax.random.PRNGKey(0), sampling=RowSampling.of(SamplingParams(temperature), b),
-                                 config=c, sampler=SamplingParams(temperature).sampler,
-                                 max_new_tokens=max_new_tokens, eos_ids=())
+                                 config=c, options=StepOptions(max_new_tokens, sampler=SamplingParams(temperature).sampler))
     return state, cache, table
 
 

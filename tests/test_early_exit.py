@@ -10,7 +10,7 @@ import pytest
 
 import eejax
 from eejax.checkpoint import load_checkpoint, save_checkpoint
-from eejax.options import ExitConfig
+from eejax.options import ExitConfig, StepOptions
 from eejax.decode import steps
 from eejax.decode.early_exit import early_exit_layers
 from eejax.errors import EejaxError
@@ -69,7 +69,7 @@ def test_minus_inf_exits_at_min_exit_layer(tiny_models):
 
 def decode_step(model, state, cache, block_table, exit_config):
     return steps.decode(model.params, cache, state, block_table, config=model.config,
-                        max_new_tokens=8, eos_ids=(), exit_config=exit_config)
+                        options=StepOptions(8, exit=exit_config))
 
 
 def step_batch(model, state, block_table):

@@ -132,7 +132,7 @@ def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
     for kw in (dict(), dict(exit="static:2"), dict(spec=SpecConfig(2, 2, bonus=False)),
                dict(spec=SpecConfig(2, 2, bonus=True)), dict(spec="1:2:adaptive")):
         eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, **kw)
-    for name, static, program in model.programs.entries():
+    for name, options, program in model.programs.entries():
         flow = control_flow(program.as_text())
-        bonus_draft = name == "draft" and static["bonus"]
+        bonus_draft = name == "draft" and options.bonus
         assert flow.dynamic_loops == 0 and flow.conditionals == int(bonus_draft), (name, flow)

@@ -12,7 +12,7 @@ from scipy import stats as scipy_stats
 import eejax
 from eejax.cache import init_cache
 from eejax.config import LlamaConfig
-from eejax.options import SpecConfig
+from eejax.options import SpecConfig, StepOptions
 from eejax.decode import speculative, steps
 from eejax.decode.sampling import SamplingParams
 from eejax.decode.spec_policy import SpeculationPolicy
@@ -142,12 +142,13 @@ def test_small_cache_budget_runs_rows_in_turn(model):
 # --- the cache after a round ----------------------------------------------------------------
 
 def spec_round(model, state, cache, table, spec, max_new_tokens, temperature=0.0, counters=None):
-    static = dict(config=model.config, spec=spec, sampler=SamplingParams(temperature).sampler)
-    drafts, state, cache = speculative.draft(model.params, cache, state, table,
-                                             num_speculations=spec.num_speculations, **static)
+    options = StepOptions(max_new_tokens, sampler=SamplingParams(temperature).sampler, spec=spec).round(
+        spec.num_speculations, bonus=True)
+    drafts, state, cache = speculative.draft(model.params, cache, state, table, config=model.config,
+                                             options=options.drafting())
     counters = speculative.SpecCounters.zeros(state.done.shape[0]) if counters is None else counters
-    return speculative.verify(model.params, cache, state, drafts, counters, table, eos_ids=(),
-                              max_new_tokens=max_new_tokens, **static)
+    return speculative.verify(model.params, cache, state, drafts, counters, table, config=model.config,
+                              options=options.verifying())
 
 
 @pytest.mark.parametrize("spec", [SpecConfig(1, 5), SpecConfig(3, 2)], ids=lambda s: s.spec)
@@ -160,7 +161,7 @@ def test_accepted_positions_hold_the_full_depth_kv(model, spec):
     full_state, full_cache = state0, cache0
     for _ in range(int(np.max(state.num_generated)) - 1):
         full_state, full_cache = steps.decode(model.params, full_cache, full_state, table, config=model.config,
-                                              max_new_tokens=20, eos_ids=())
+                                              options=StepOptions(20))
     seq_len = np.asarray(state.seq_len)
     gen = np.asarray(state.num_generated)
     np.testing.assert_array_equal(np.asarray(state.tokens)[:, : gen.min()], np.asarray(full_state.tokens)[:, : gen.min()])

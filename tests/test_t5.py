@@ -15,7 +15,7 @@ import torch
 import eejax
 from eejax.cache import init_cache
 from eejax.config import T5Config
-from eejax.options import ExitConfig
+from eejax.options import ExitConfig, StepOptions
 from eejax.decode import steps
 from eejax.decode.early_exit import early_exit_layers
 from eejax.errors import EejaxError
@@ -222,14 +222,13 @@ def prefilled_t5(model, max_new_tokens=8):
     table = jnp.asarray(1 + np.arange(4 * 2).reshape(4, 2), jnp.int32)
     cache = init_cache(c.num_layers, 1 + 4 * 2, 8, c.num_kv_heads, c.head_dim, model.dtype)
     state, cache = steps.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table,
-                                 jax.random.PRNGKey(0), config=c,
-                                 max_new_tokens=max_new_tokens, eos_ids=())
+                                 jax.random.PRNGKey(0), config=c, options=StepOptions(max_new_tokens))
     return state, cache, table
 
 
 def decode_step(model, state, cache, table, exit_config):
     return steps.decode(model.params, cache, state, table, config=model.config,
-                        max_new_tokens=8, eos_ids=(), exit_config=exit_config)
+                        options=StepOptions(8, exit=exit_config))
 
 
 @pytest.mark.parametrize("exit_at", [1, 2])

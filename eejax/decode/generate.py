@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.cache import PageAllocator, page_bytes, pages_needed
-from eejax.options import ExitConfig, SpecConfig
+from eejax.options import ExitConfig, SpecConfig, StepOptions
 from eejax.decode import cost, speculative, steps
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
@@ -116,7 +116,8 @@ def generate(
         raise EejaxError(f"page_size must be >= 1, got {page_size}")
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
     sampling.check_vocab(config.vocab_size)
-    eos_ids = () if ignore_eos else model.eos_token_ids
+    options = StepOptions(max_new_tokens, () if ignore_eos else model.eos_token_ids, sampling.sampler,
+                          exit_config, spec_config, attention=attention)
     batch_size = batch_size or len(rows)
 
     dtype = model.dtype
@@ -161,10 +162,7 @@ def generate(
             chunk.append(i)
         pending = pending[len(chunk):]
         state, cache, chunk_prefill_s, spec_out = _run_chunk(
-            model, cache, [rows[i] for i in chunk], tables, table_width, _chunk_keys(key, chunk),
-            sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids, exit_config=exit_config,
-            spec_config=spec_config, attention=attention,
-        )
+            model, cache, [rows[i] for i in chunk], tables, table_width, _chunk_keys(key, chunk), sampling, options)
         prefill_s += chunk_prefill_s
         if spec_out is not None:
             counters, policy = spec_out
@@ -267,8 +265,7 @@ def _chunk_keys(key, chunk: list[int]):
     return row_keys(key, index)
 
 
-def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling: SamplingParams, max_new_tokens, eos_ids,
-               exit_config, spec_config, attention):
+def _run_chunk(model, cache, rows, tables, table_width, keys, sampling: SamplingParams, options: StepOptions):
     """Prefill then decode one batch of rows (padded to a batch bucket) on the shared cache.
     Returns (state, cache, seconds the prefill ran, (SpecCounters, SpeculationPolicy) or None)."""
     b = batch_bucket(len(rows))
@@ -289,43 +286,39 @@ def _run_chunk(model, cache, rows, tables, table_width, keys, *, sampling: Sampl
             widths[w] = jnp.asarray(block_table[:, :w])
         return widths[w]
 
-    static = dict(config=model.config, sampler=sampling.sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                  attention=attention)
-    decode_static = dict(static, exit_config=exit_config)
     # Tokens in the longest row's cache after the prefill: a Llama's prompt, a T5's start token.
     max_len = 1 if model_module(model.config).ENCODER_DECODER else int(lengths.max())
     args = (model.run_params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), keys, None, None,
             jax.tree.map(jnp.asarray, RowSampling.of(sampling, b)))
-    prefill = model.programs.get(steps.prefill, args, static, donate_argnums=(1,))
+    prefill = model.programs.get(steps.prefill, args, model.config, options.prefilling(), donate_argnums=(1,))
     start = time.perf_counter()
     state, cache = jax.block_until_ready(prefill(*args))
     prefill_s = time.perf_counter() - start
-    if spec_config is not None:
-        state, cache, spec_out = _speculate(model, cache, state, table_for, max_len, spec_config, static)
+    if options.spec is not None:
+        state, cache, spec_out = _speculate(model, cache, state, table_for, max_len, options)
         return state, cache, prefill_s, spec_out
     # POLL_EVERY decode steps per program (`steps.decode_steps`), then one check of "all rows
     # done"; a last program may run past max_new_tokens: its rows are done and idle.
-    decode_static = dict(decode_static, num_steps=POLL_EVERY)
-    for step in range(1, max_new_tokens, POLL_EVERY):
+    decoding = options.decoding(POLL_EVERY)
+    for step in range(1, options.max_new_tokens, POLL_EVERY):
         args = (model.run_params, cache, state, table_for(max_len + step + POLL_EVERY - 1))
-        state, cache = model.programs.get(steps.decode_steps, args, decode_static, donate_argnums=(1, 2))(*args)
+        state, cache = model.programs.get(steps.decode_steps, args, model.config, decoding,
+                                          donate_argnums=(1, 2))(*args)
         if bool(to_host(state.done).all()):
             break
     return state, cache, prefill_s, None
 
 
-def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static):
+def _speculate(model, cache, state, table_for, max_len, options: StepOptions):
     """Self-speculation rounds until every row is done. Returns (state, cache, (counters,
     policy)). With a fixed d the host only polls every few rounds; adaptive rounds are
     timed (draft and verify programs apart) and their acceptance read back to choose d, or a
     plain full-depth step (d = 0, `speculative.plain_step`) while no round pays."""
-    programs, params = model.programs, model.run_params
+    programs, params, config, spec = model.programs, model.run_params, model.config, options.spec
     reduced = spec.uses_reduced_head(exits.has_reduced_head(model.params.get("exits")))
     unit_costs = cost.spec_unit_weights(cost.WeightCounts.of(model.params, model.config), spec.exit_layer, reduced)
-    policy = SpeculationPolicy(spec, unit_costs=unit_costs, sampled=static["sampler"] != GREEDY)
+    policy = SpeculationPolicy(spec, unit_costs=unit_costs, sampled=options.sampler != GREEDY)
     counters = speculative.SpecCounters.zeros(state.done.shape[0])
-    verify_static = dict(static, spec=spec)
-    draft_static = {k: v for k, v in verify_static.items() if k not in ("eos_ids", "max_new_tokens")}
     longest = max_len  # an upper bound on the tokens of the longest row in the cache
     seen = (0, 0)  # accepted, rejections summed over rows, as of the last read
     rounds = 0
@@ -334,7 +327,7 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
         d = policy.next_speculations()
         if d == 0:  # adaptive, and no round pays at the measured acceptance: one plain step
             args = (params, cache, state, counters, table_for(longest + 1))
-            plain = programs.get(speculative.plain_step, args, static, donate_argnums=(1, 2, 3))
+            plain = programs.get(speculative.plain_step, args, config, options.decoding(), donate_argnums=(1, 2, 3))
             start = time.perf_counter()
             state, cache, counters = jax.block_until_ready(plain(*args))
             policy.observe_plain(time.perf_counter() - start)
@@ -344,15 +337,15 @@ def _speculate(model, cache, state, table_for, max_len, spec: SpecConfig, static
         bonus = policy.bonus(d)
         table = table_for(longest + d + 1)
         args = (params, cache, state, table)
-        draft = programs.get(speculative.draft, args, dict(draft_static, num_speculations=d, bonus=bonus),
-                             donate_argnums=(1, 2))
+        round_options = options.round(d, bonus)
+        draft = programs.get(speculative.draft, args, config, round_options.drafting(), donate_argnums=(1, 2))
         start = time.perf_counter()
         drafts, state, cache = draft(*args)
         if spec.adaptive:
             jax.block_until_ready(drafts.hidden)
         drafted_at = time.perf_counter()
         args = (params, cache, state, drafts, counters, table)
-        verify = programs.get(speculative.verify, args, verify_static, donate_argnums=(1, 2, 4))
+        verify = programs.get(speculative.verify, args, config, round_options.verifying(), donate_argnums=(1, 2, 4))
         verify_start = time.perf_counter()
         state, cache, counters = verify(*args)
         longest += d + 1

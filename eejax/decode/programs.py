@@ -1,4 +1,4 @@
-"""Ahead-of-time compiled programs, one per (function, static options, input shapes).
+"""Ahead-of-time compiled programs, one per (function, model config, `StepOptions`, input shapes).
 
 Shapes are drawn from bucketed sets (see `buckets.py`), so a session compiles a bounded number
 of programs; `num_programs` and `compile_seconds` report how many and for how long.
@@ -12,6 +12,8 @@ import time
 from typing import Any, Callable
 
 import jax
+
+from eejax.options import StepOptions
 
 
 class ProgramCache:
@@ -29,13 +31,15 @@ class ProgramCache:
     def num_programs(self) -> int:
         return len(self._compiled)
 
-    def get(self, fn: Callable, args: tuple, static: dict[str, Any], donate_argnums=()):
-        """The compiled `fn(*args, **static)`, compiling it on first use."""
+    def get(self, fn: Callable, args: tuple, config, options: StepOptions, donate_argnums=()):
+        """The compiled `fn(*args, config=config, options=options)`, compiling it on first use."""
         leaves, treedef = jax.tree.flatten(args)
+        static = dict(config=config, options=options)
         key = (
             fn.__module__,
             fn.__qualname__,
-            tuple(sorted(static.items())),
+            config,
+            options,
             treedef,
             tuple((x.shape, str(x.dtype), _sharding(x)) for x in leaves),
         )
@@ -65,13 +69,14 @@ class ProgramCache:
         """[(function name, compiled program)] of every program compiled so far."""
         return [(name, program) for name, _, program in self.entries()]
 
-    def entries(self) -> list[tuple[str, dict, jax.stages.Compiled]]:
-        """[(function name, static options, compiled program)] of every program compiled so far."""
-        return [(source[0].__qualname__, source[2], self._compiled[key]) for key, source in self._sources.items()]
+    def entries(self) -> list[tuple[str, StepOptions, jax.stages.Compiled]]:
+        """[(function name, its options, compiled program)] of every program compiled so far."""
+        return [(source[0].__qualname__, source[2]["options"], self._compiled[key])
+                for key, source in self._sources.items()]
 
     def lower_for(self, platform: str) -> list[tuple[str, jax.stages.Lowered]]:
         """Every program compiled so far, lowered again for `platform` ("cuda", "rocm", "tpu",
-        "cpu") without a device of that kind: [(function name, Lowered)]. Static options that
+        "cpu") without a device of that kind: [(function name, Lowered)]. Options that
         were resolved for this process's backend (attention "auto") keep their resolution."""
         lowered = []
         for fn, args, static, donate in self._sources.values():

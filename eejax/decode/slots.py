@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from eejax.decode import speculative, steps
 from eejax.decode.sampling import RowSampling, SamplingParams
+from eejax.options import StepOptions
 
 
 def insert_rows(state: steps.DecodeState, new: steps.DecodeState, slots):
@@ -26,40 +27,34 @@ def insert_rows(state: steps.DecodeState, new: steps.DecodeState, slots):
 
 
 def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, keys, start, limit, sampling, offset,
-                  *, config, sampler, max_new_tokens, eos_ids, attention, logprobs):
+                  *, config, options: StepOptions):
     """Prefills right-padded prompts into decode slots `slots` [b] of `state`: tokens [b, T] are
     positions offset..lengths-1 of each row (offset [b]: a shared prefix already cached), with
     the rows' keys [b, 2], start [b] (tokens generated before, recomputed), limit [b] (max new
     tokens from there) and sampling (`RowSampling` [b]). Returns (state, cache)."""
     new, cache = steps.prefill(params, cache, tokens, lengths, block_table, keys, start, limit, sampling, offset,
-                               config=config, sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                               attention=attention, logprobs=logprobs)
+                               config=config, options=options)
     return insert_rows(state, new, slots), cache
 
 
-def decode_slots(params, cache, state, block_table, group, *, config, sampler, max_new_tokens, eos_ids,
-                 exit_config, attention, logprobs):
-    """One decode step of the slots in `group` [S] bool that are not done (the others wait: they
-    run with their own options in another program)."""
+def decode_slots(params, cache, state, block_table, group, *, config, options: StepOptions):
+    """`options.num_steps` decode steps of the slots in `group` [S] bool that are not done (the
+    others wait: they run with their own options in another program)."""
     waiting = ~group & ~state.done
-    new, cache = steps.decode(params, cache, dataclasses.replace(state, done=state.done | waiting), block_table,
-                              config=config, sampler=sampler, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                              exit_config=exit_config, attention=attention, logprobs=logprobs)
+    new, cache = steps.decode_steps(params, cache, dataclasses.replace(state, done=state.done | waiting),
+                                    block_table, config=config, options=options)
     return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache
 
 
-def spec_round_slots(params, cache, state, counters, block_table, group, *, config, spec, sampler,
-                     max_new_tokens, eos_ids, attention, logprobs):
+def spec_round_slots(params, cache, state, counters, block_table, group, *, config, options: StepOptions):
     """One self-speculation round (d drafts from layers [0, E), one verify pass of the rest) of
     the slots in `group` that are not done; the others wait. Returns (state, cache, counters)."""
     waiting = ~group & ~state.done
     masked = dataclasses.replace(state, done=state.done | waiting)
-    drafts, masked, cache = speculative.draft(params, cache, masked, block_table, config=config, spec=spec,
-                                              num_speculations=spec.num_speculations, sampler=sampler,
-                                              attention=attention)
+    drafts, masked, cache = speculative.draft(params, cache, masked, block_table, config=config,
+                                              options=options.drafting())
     new, cache, counters = speculative.verify(params, cache, masked, drafts, counters, block_table, config=config,
-                                              spec=spec, sampler=sampler, max_new_tokens=max_new_tokens,
-                                              eos_ids=eos_ids, attention=attention, logprobs=logprobs)
+                                              options=options.verifying())
     return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache, counters
 
 

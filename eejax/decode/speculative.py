@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.options import SpecConfig
+from eejax.options import StepOptions
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, filtered_logits, sample, token_keys
 from eejax.decode.steps import (DecodeState, decode, exit_logits, expand_logits, is_eos, record_logprobs,
                                 reduced_logits)
@@ -90,12 +90,13 @@ def _token_batch(config, state: DecodeState, offsets, block_table, page_size, at
                                             context=state.context)
 
 
-def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, spec: SpecConfig,
-          num_speculations: int, sampler: str = GREEDY, attention: str = "auto", bonus: bool = True):
-    """d = num_speculations drafts per row with layers [0, E) and the draft head (the reduced
-    exit head when `spec` uses it). `bonus`: one more pass of layers [0, E) over x_d, so that
-    verification also scores the token after the last draft (a round emits up to d + 1 tokens
-    instead of d). Returns (drafts, state, cache); the state is unchanged."""
+def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
+    """d = options.spec.num_speculations drafts per row with layers [0, E) and the draft head
+    (the reduced exit head when the spec uses it). `options.bonus`: one more pass of layers
+    [0, E) over x_d, so that verification also scores the token after the last draft (a round
+    emits up to d + 1 tokens instead of d). Returns (drafts, state, cache); the state is
+    unchanged."""
+    spec, sampler, attention, bonus = options.spec, options.sampler, options.attention, options.bonus
     e, m = spec.exit_layer, model_module(config)
     exit_params = params.get("exits")
     reduced = spec.uses_reduced_head(exits.has_reduced_head(exit_params))
@@ -118,7 +119,7 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, sp
                                                                    axis=-1)
         return proposal, q
 
-    d = num_speculations
+    d = spec.num_speculations
     q_width = 0 if sampler == GREEDY else config.vocab_size
 
     def step(carry, i):
@@ -184,13 +185,13 @@ def speculative_sample(p, q, drafts, accept_keys, resample_keys):
 
 
 def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters: SpecCounters, block_table, *,
-           config, spec: SpecConfig, max_new_tokens: int, eos_ids: tuple[int, ...], sampler: str = GREEDY,
-           attention: str = "auto", logprobs: bool = False):
+           config, options: StepOptions):
     """Layers [E, L) over the d + 1 drafted positions, acceptance, and the new tokens recorded
-    (with `logprobs`, their log-probabilities under the full model). Returns (state, cache,
-    counters)."""
+    (with `options.logprobs`, their log-probabilities under the full model). Returns (state,
+    cache, counters)."""
+    sampler, attention, eos_ids = options.sampler, options.attention, options.eos_ids
     b, t = drafts.hidden.shape[:2]  # t positions scored: d + 1 with the bonus pass, else d
-    d, e, num_layers = drafts.tokens.shape[1] - 1, spec.exit_layer, config.num_layers
+    d, e, num_layers = drafts.tokens.shape[1] - 1, options.spec.exit_layer, config.num_layers
     offsets = jnp.arange(t, dtype=jnp.int32)
     batch = _token_batch(config, state, offsets, block_table, cache.page_size, attention)
     m = model_module(config)
@@ -214,7 +215,7 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
     count = jnp.where(active, jnp.minimum(jnp.minimum(jnp.minimum(n + 1, t), room), first_eos + 1), 0)
     emitted = offsets[None] < count[:, None]
     rows = jnp.arange(b)[:, None]
-    idx = jnp.where(emitted, state.num_generated[:, None] + offsets[None], max_new_tokens)  # out of range: dropped
+    idx = jnp.where(emitted, state.num_generated[:, None] + offsets[None], options.max_new_tokens)  # dropped
     layers = jnp.where(offsets[None] < n[:, None], e, num_layers)  # accepted drafts came from layer E
 
     num_generated = state.num_generated + count
@@ -227,7 +228,7 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
         tokens=state.tokens.at[rows, idx].set(new, mode="drop"),
         exit_layers=state.exit_layers.at[rows, idx].set(layers, mode="drop"),
         confident_layers=state.confident_layers.at[rows, idx].set(layers, mode="drop"),
-        logprobs=record_logprobs(state, logits, new, idx, emitted, sampler) if logprobs else state.logprobs,
+        logprobs=record_logprobs(state, logits, new, idx, emitted, sampler) if options.logprobs else state.logprobs,
     )
     judged = jnp.where(active, jnp.minimum(d, room), 0)  # drafts past the row's room never count
     new_counters = SpecCounters(
@@ -242,9 +243,10 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
     return new_state, cache, new_counters
 
 
-def plain_step(params, cache: KVCache, state: DecodeState, counters: SpecCounters, block_table, **decode_options):
+def plain_step(params, cache: KVCache, state: DecodeState, counters: SpecCounters, block_table, *, config,
+               options: StepOptions):
     """One full-depth decode token (`steps.decode`) in place of a round, when speculation does
     not pay (`spec_policy`); counted in `counters.plain_steps`. Returns (state, cache, counters)."""
     active = ~state.done
-    state, cache = decode(params, cache, state, block_table, **decode_options)
+    state, cache = decode(params, cache, state, block_table, config=config, options=options.decoding())
     return state, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + active)

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.options import ExitConfig
+from eejax.options import StepOptions
 from eejax.decode.confidence import exit_threshold
 from eejax.decode.early_exit import ExitFns, early_exit_layers
-from eejax.decode.sampling import GREEDY, SAMPLE, RowSampling, SamplingParams, logprobs_of, row_keys, sample, token_keys
+from eejax.decode.sampling import SAMPLE, RowSampling, SamplingParams, logprobs_of, row_keys, sample, token_keys
 from eejax.models import exits
 from eejax.models.registry import model_module
 
@@ -122,8 +122,7 @@ def is_eos(tokens, eos_ids: tuple[int, ...]):
 
 
 def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=None, limit=None, sampling=None,
-            offset=None, *, config, max_new_tokens: int, eos_ids: tuple[int, ...], sampler: str = GREEDY,
-            attention: str = "auto", logprobs: bool = False):
+            offset=None, *, config, options: StepOptions):
     """Runs all layers over right-padded prompts and samples the first new token.
 
     tokens [B, T] int32, lengths [B] int32 (0 = padding row), block_table [B, M] int32; offset
@@ -132,34 +131,34 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
     prompt's; keys:
     one PRNG key (row i then draws with fold_in(key, i)) or per-row keys [B, 2]; start [B] (the
     absolute index of each row's first new token; default 0), limit [B] (each row's max new
-    tokens; default max_new_tokens, the record's width), sampling: the rows' `RowSampling`
-    (default greedy); `sampler` (static): see `sampling.sample`. `logprobs` keeps a
-    `LogprobRecord`.
+    tokens; default options.max_new_tokens, the record's width), sampling: the rows'
+    `RowSampling` (default greedy); `options` (`StepOptions.prefilling`): the first token's
+    sampler, EOS ids, attention, and whether a `LogprobRecord` is kept.
     Returns (DecodeState, cache). A T5 encodes the prompts and decodes its first token.
     """
+    max_new_tokens, sampler = options.max_new_tokens, options.sampler
     b = tokens.shape[0]
     keys = row_keys(keys, jnp.arange(b)) if keys.ndim == 1 else keys
     start = jnp.zeros((b,), jnp.int32) if start is None else start
     limit = jnp.full((b,), max_new_tokens, jnp.int32) if limit is None else jnp.minimum(limit, max_new_tokens)
     sampling = jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(), b) if sampling is None else sampling)
-    record = LogprobRecord.zeros(b, max_new_tokens) if logprobs else None
+    record = LogprobRecord.zeros(b, max_new_tokens) if options.logprobs else None
     m = model_module(config)
     if m.ENCODER_DECODER:
         return _prefill_encoder_decoder(params, cache, tokens, lengths, block_table, keys, start, limit, sampling,
-                                        record, config=config, sampler=sampler, max_new_tokens=max_new_tokens,
-                                        eos_ids=eos_ids, attention=attention)
+                                        record, config=config, options=options)
     t = tokens.shape[1]
     offset = jnp.zeros((b,), jnp.int32) if offset is None else offset
     positions = offset[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = positions < lengths[:, None]
-    batch = m.token_batch(config, positions, valid, block_table, lengths, cache.page_size, attention)
+    batch = m.token_batch(config, positions, valid, block_table, lengths, cache.page_size, options.attention)
     h, cache = m.run_layers(params, m.embed(params, tokens), cache, batch, config)
     last = h[jnp.arange(b), jnp.maximum(lengths - offset - 1, 0)]
     logits = m.lm_head(params, last, config)
     first = sample(logits, token_keys(keys, start, SAMPLE), sampling, sampler)
     padding = lengths == 0
     first = jnp.where(padding, 0, first)
-    done = padding | is_eos(first, eos_ids) | (limit <= 1)
+    done = padding | is_eos(first, options.eos_ids) | (limit <= 1)
     out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
     exit_layers = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(config.num_layers)
     state = DecodeState(
@@ -182,13 +181,13 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
 
 
 def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_table, keys, start, limit, sampling,
-                             record, *, config, sampler, max_new_tokens, eos_ids, attention):
+                             record, *, config, options: StepOptions):
     """An encoder-decoder (T5): the encoder over the prompts and whatever context the decoder
     needs of them (`encode_context`), then one full-depth decode step from the decoder start
     token (position 0)."""
     b = tokens.shape[0]
     zeros = jnp.zeros((b,), jnp.int32)
-    logprob_record, record = record, jnp.zeros((b, max_new_tokens), jnp.int32)
+    logprob_record, record = record, jnp.zeros((b, options.max_new_tokens), jnp.int32)
     state = DecodeState(
         last_token=jnp.full((b,), config.decoder_start_token_id, jnp.int32),
         seq_len=zeros,
@@ -204,9 +203,7 @@ def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_tabl
         context=model_module(config).encode_context(params, tokens, lengths, config),
         logprobs=logprob_record,
     )
-    return decode(params, cache, state, block_table, config=config, sampler=sampler,
-                  max_new_tokens=max_new_tokens, eos_ids=eos_ids, attention=attention,
-                  logprobs=logprob_record is not None)
+    return decode(params, cache, state, block_table, config=config, options=options.decoding())
 
 
 def adapted(params, x, layers_run, config):
@@ -267,18 +264,17 @@ def exit_fns(params, batch, config, *, check_reduced: bool = False, emit_reduced
     )
 
 
-def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, max_new_tokens: int,
-           eos_ids: tuple[int, ...], sampler: str = GREEDY, exit_config: ExitConfig | None = None,
-           attention: str = "auto", logprobs: bool = False):
+def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
     """One decode token for every row that is not done; a row ends at EOS or its own limit.
     Returns (state, cache).
 
-    Full depth when `exit_config` is None; otherwise the early-exit loop decides how many
+    Full depth when `options.exit` is None; otherwise the early-exit loop decides how many
     layers run and fills the KV of the rest, with λ(t) at each row's absolute position over its
-    own limit. Rows sample with their own `state.sampling` (`sampler` static: see
-    `sampling.sample`). `attention` picks the attention implementation; `logprobs` records the
-    tokens' log-probabilities in `state.logprobs`.
+    own limit. Rows sample with their own `state.sampling` (`options.sampler`: see
+    `sampling.sample`); `options.logprobs` records the tokens' log-probabilities in
+    `state.logprobs`.
     """
+    exit_config, sampler, attention = options.exit, options.sampler, options.attention
     m = model_module(config)
     active = ~state.done
     positions = state.seq_len[:, None]
@@ -303,16 +299,16 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, m
         exit_layer = jnp.full(active.shape, out.exit_layer, jnp.int32)
     token = jnp.where(active, sample(logits, token_keys(state.keys, state.position, SAMPLE), state.sampling, sampler),
                       state.last_token)
-    idx = jnp.minimum(state.num_generated, max_new_tokens - 1)
+    idx = jnp.minimum(state.num_generated, options.max_new_tokens - 1)
     rows = jnp.arange(token.shape[0])
 
     def record(buffer, values):
         return buffer.at[rows, idx].set(jnp.where(active, values, buffer[rows, idx]))
 
     num_generated = state.num_generated + active
-    done = state.done | (active & is_eos(token, eos_ids)) | (num_generated >= state.limit)
+    done = state.done | (active & is_eos(token, options.eos_ids)) | (num_generated >= state.limit)
     scores = (record_logprobs(state, logits[:, None], token[:, None], idx[:, None], active[:, None], sampler)
-              if logprobs else state.logprobs)
+              if options.logprobs else state.logprobs)
     return dataclasses.replace(
         state,
         last_token=token,
@@ -326,13 +322,15 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, m
     ), cache
 
 
-def decode_steps(params, cache: KVCache, state: DecodeState, block_table, *, num_steps: int, **options):
-    """`num_steps` decode steps (`decode`, same options) in one program: a loop of known trip
+def decode_steps(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
+    """`options.num_steps` decode steps (`decode`) in one program: a loop of known trip
     count, so the host dispatches and syncs once per `num_steps` tokens, and a GPU reads nothing
     back between them. Rows that end inside idle through the rest. Returns (state, cache)."""
 
     def body(_, carry):
         state, cache = carry
-        return decode(params, cache, state, block_table, **options)
+        return decode(params, cache, state, block_table, config=config, options=options)
 
-    return jax.lax.fori_loop(0, num_steps, body, (state, cache))
+    if options.num_steps == 1:
+        return body(0, (state, cache))
+    return jax.lax.fori_loop(0, options.num_steps, body, (state, cache))

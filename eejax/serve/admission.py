@@ -5,6 +5,7 @@ is left. A mixin: it works on the engine's slots, pages, block table and device 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -16,6 +17,7 @@ from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.sampling import RowSampling, SamplingParams
 from eejax.decode.slots import prefill_slots
 from eejax.errors import OutOfPagesError
+from eejax.options import StepOptions
 from eejax.serve.scheduler import Request, preemption_victim
 from eejax.serve.sequence import Sequence
 
@@ -69,11 +71,11 @@ class Admission:
 
         # The prefill samples each row's first token: one program per (sampler, log-probs) option.
         def options(item):
-            return item[0].sampling.sampler, item[0].logprobs is not None
+            return self._options(item[0]).prefilling()
 
         for group in {options(item): None for item in work}:
             members = [item for item in work if options(item) == group]
-            self._guarded([seq for seq, _ in members], self._prefill, members, *group)
+            self._guarded([seq for seq, _ in members], self._prefill, members, group)
 
     def _shared_prefix(self, seq: Sequence) -> list[int]:
         """The cached pages of the longest prefix of `seq`'s prompt that it shares, one more
@@ -91,7 +93,7 @@ class Admission:
             for page, key in zip(seq.pages, prefix_keys(seq.prompt, self.page_size)):
                 self.allocator.publish(page, key)
 
-    def _prefill(self, work: list[tuple[Sequence, int]], sampler: str, logprobs: bool) -> None:
+    def _prefill(self, work: list[tuple[Sequence, int]], options: StepOptions) -> None:
         """One prefill program over rows (seq, end): positions seq.prefilled..end-1 of each. A row
         that ends its prompt there is written into its decode slot; the others only fill the
         cache (their slot index is out of range, so the row is dropped)."""
@@ -114,7 +116,7 @@ class Admission:
             # The prefill writes positions prefilled.. only, into pages no one shares.
             assert all(self.allocator.writable(p) for p in seq.pages[seq.prefilled // self.page_size:]), seq.id
         program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, offset,
-                                              sampler, logprobs)
+                                              options)
         self.state, self.cache = program(*args)
         self.spec_counters = jax.tree.map(lambda x: x.at[slots].set(0, mode="drop"), self.spec_counters)
         for seq, end in work:
@@ -135,12 +137,11 @@ class Admission:
         return min(self.table_width, bucket(pages_needed(prompt_bucket, self.page_size)))
 
     def _prefill_program(self, tokens, lengths, table, slots, keys, start, limit, sampling: RowSampling, offset,
-                         sampler: str, logprobs: bool = False):
+                         options: StepOptions):
         args = (self.model.run_params, self.cache, self.state, *map(jnp.asarray, (tokens, lengths, table, slots, keys,
                                                                                start, limit)),
                 jax.tree.map(jnp.asarray, sampling), jnp.asarray(offset))
-        static = dict(self.static, sampler=sampler, logprobs=logprobs)
-        return self.model.programs.get(prefill_slots, args, static, donate_argnums=(1,)), args
+        return self.model.programs.get(prefill_slots, args, self.config, options, donate_argnums=(1,)), args
 
     def warmup(self, max_prompt_len: int | None = None, progress: bool = True) -> int:
         """Compiles ahead of the first requests the programs they will need with the engine's
@@ -155,19 +156,20 @@ class Admission:
         longest = min(max_prompt_len + self.max_new_tokens - 1, self.max_len)
         widths = sorted({min(self.table_width, bucket(pages_needed(n, self.page_size)))
                          for n in range(1, longest + 1)})
-        sampler, before = self.sampling.sampler, self.model.programs.num_programs
+        options = dataclasses.replace(self.options, sampler=self.sampling.sampler)
+        before = self.model.programs.num_programs
         shapes = [(b, t) for b in batches for t in prompts] + [(None, w) for w in widths]
         for b, n in tqdm(shapes, desc="compiling", disable=not progress):
             if b is None:  # decode at table width n
                 table = jnp.zeros((self.slots, n), jnp.int32)
                 group = jnp.zeros((self.slots,), bool)
-                self._decode_program(table, group, self.exit_config, sampler)
+                self._decode_program(table, group, dataclasses.replace(options, exit=self.exit_config))
             else:  # prefill of b rows of n tokens
                 zeros = np.zeros((b,), np.int32)
                 self._prefill_program(np.zeros((b, n), np.int32), zeros,
                                       np.zeros((b, self._prefill_width(n)), np.int32), zeros,
                                       np.zeros((b, 2), np.uint32), zeros, zeros, RowSampling.of(self.sampling, b),
-                                      zeros, sampler)
+                                      zeros, options.prefilling())
         return self.model.programs.num_programs - before
 
     def _grow(self) -> None:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.cache import PageAllocator, page_bytes, pages_needed
-from eejax.options import ExitConfig, SpecConfig
+from eejax.options import ExitConfig, SpecConfig, StepOptions
 from eejax.decode import speculative, steps
 from eejax.decode.buckets import bucket
 from eejax.decode.generate import parse_bytes
@@ -114,8 +114,8 @@ class Engine(Admission, Lifecycle):
                                          online=online, max_rows=max_slots)
         self.sampling = SamplingParams(float(temperature), int(top_k), float(top_p))  # a request's default
         self.sampling.check_vocab(config.vocab_size)
-        self.static = dict(config=config, max_new_tokens=max_new_tokens, eos_ids=model.eos_token_ids,
-                           attention=attention)
+        # The options of the engine's programs; a group of rows replaces the per-request ones.
+        self.options = StepOptions(max_new_tokens, model.eos_token_ids, attention=attention)
         self._seeds = np.random.default_rng(seed)  # a request without a seed draws one from here
         # Early-exit and speculation options are static in the programs (each compiles its own):
         # at most `max_decoding_options` distinct ones, so that no client keeps the server compiling.
@@ -271,40 +271,40 @@ class Engine(Admission, Lifecycle):
                     members = [seq for seq in self.running.values() if self._options(seq) == options]
                     group = np.zeros((self.slots,), bool)
                     group[[seq.slot for seq in members]] = True
-                    self._guarded(members, self._dispatch, table, jnp.asarray(group), *options)
+                    self._guarded(members, self._dispatch, table, jnp.asarray(group), options)
             self._pending = (self.state, dict(self.running), self.spec_counters) if self.running else None
             if pending is not None:
                 self._read(*pending)
         self.counters["step_s"] += time.perf_counter() - start
 
-    def _dispatch(self, table, group, exit_config, sampler: str, spec, logprobs: bool) -> None:
+    def _dispatch(self, table, group, options: StepOptions) -> None:
         """Dispatches one decode step (or speculation round) of the slots in `group`."""
-        if spec is None:
-            program, args = self._decode_program(table, group, exit_config, sampler, logprobs)
+        if options.spec is None:
+            program, args = self._decode_program(table, group, options)
             self.state, self.cache = program(*args)
         else:
             args = (self.model.run_params, self.cache, self.state, self.spec_counters, table, group)
-            static = dict(self.static, spec=spec, sampler=sampler, logprobs=logprobs)
-            program = self.model.programs.get(spec_round_slots, args, static, donate_argnums=(1,))
+            program = self.model.programs.get(spec_round_slots, args, self.config, options, donate_argnums=(1,))
             self.state, self.cache, self.spec_counters = program(*args)
         self.counters["steps"] += 1
 
-    @staticmethod
-    def _options(seq: Sequence) -> tuple:
-        """What a row's decode program depends on besides shapes; rows alike share one. (Greedy
-        rows never share a program with sampled ones: their argmax runs alone; nor do rows that
-        filter (top-k / top-p: a sort) with rows that only scale.)"""
-        return seq.exit, seq.sampling.sampler, seq.spec, seq.logprobs is not None
+    def _options(self, seq: Sequence) -> StepOptions:
+        """The options of a row's decode program; rows alike share one. (Greedy rows never share
+        a program with sampled ones: their argmax runs alone; nor do rows that filter (top-k /
+        top-p: a sort) with rows that only scale.) A speculation round drafts with the bonus pass."""
+        options = dataclasses.replace(self.options, sampler=seq.sampling.sampler, logprobs=seq.logprobs is not None)
+        if seq.spec is not None:
+            return dataclasses.replace(options, spec=seq.spec).round(seq.spec.num_speculations, bonus=True)
+        return dataclasses.replace(options, exit=seq.exit)
 
     def _table(self):
         longest = max(self._span(s) for s in self.running.values())
         width = min(self.table_width, bucket(pages_needed(longest, self.page_size)))
         return jnp.asarray(self.block_table[:, :width])
 
-    def _decode_program(self, table, group, exit_config: ExitConfig | None, sampler: str, logprobs: bool = False):
+    def _decode_program(self, table, group, options: StepOptions):
         args = (self.model.run_params, self.cache, self.state, table, group)
-        static = dict(self.static, exit_config=exit_config, sampler=sampler, logprobs=logprobs)
-        return self.model.programs.get(decode_slots, args, static, donate_argnums=(1,)), args
+        return self.model.programs.get(decode_slots, args, self.config, options, donate_argnums=(1,)), args
 
     def _read(self, state, running: dict[int, Sequence], counters) -> None:
         """Delivers the tokens a finished step produced; releases rows that ended (EOS, limit,
@@ -346,7 +346,7 @@ class Engine(Admission, Lifecycle):
                 break
         seq._notify()
         if seq.finish_reason == "cancelled" or done[slot] or stopped:
-            ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.static["eos_ids"]
+            ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.options.eos_ids
             seq.drafted, seq.accepted = int(drafted[slot]), int(accepted[slot])
             self._release(seq)
             self._finish(seq, seq.finish_reason or ("stop" if ended_at_eos or stopped else "length"))

@@ -1,0 +1,62 @@
+"""`StepOptions`, the one frozen value that keys compiled programs: its checks, the views each
+program reads, and that options a program ignores never compile it twice (torch-free)."""
+
+import dataclasses
+
+import jax
+import pytest
+
+import eejax
+from eejax.config import LlamaConfig
+from eejax.errors import EejaxError
+from eejax.models.registry import model_module
+from eejax.options import ExitConfig, SpecConfig, StepOptions
+
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=4,
+                     max_position_embeddings=64)
+
+
+def test_checks_and_hashing():
+    with pytest.raises(EejaxError, match="not both"):
+        StepOptions(8, exit=ExitConfig("static", exit_layer=1), spec=SpecConfig(1, 2))
+    for bad in (0, 1.5, True):
+        with pytest.raises(EejaxError, match="num_steps"):
+            StepOptions(8, num_steps=bad)
+    a, b = StepOptions(8, eos_ids=[2, 3]), StepOptions(8, eos_ids=(2, 3))
+    assert a == b and hash(a) == hash(b) and a.eos_ids == (2, 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.sampler = "temperature"
+
+
+def test_views_keep_what_each_program_reads():
+    exit_config = ExitConfig("softmax", threshold=0.9)
+    base = StepOptions(16, (2,), "temperature", attention="reference", logprobs=True)
+    assert base.prefilling() == base
+    assert dataclasses.replace(base, exit=exit_config, num_steps=4).prefilling() == base
+    assert dataclasses.replace(base, exit=exit_config).decoding(4) == dataclasses.replace(base, exit=exit_config,
+                                                                                         num_steps=4)
+    spec = SpecConfig(2, 3, adaptive=True, max_speculations=6, head="full", bonus=None)
+    round_ = dataclasses.replace(base, spec=spec).round(5, bonus=True)
+    assert round_.spec == SpecConfig(2, 5, head="full") and round_.bonus
+    # The same round under another adaptive policy is the same program.
+    other = dataclasses.replace(base, spec=SpecConfig(2, 1, adaptive=True, max_speculations=8, head="full"))
+    assert other.round(5, bonus=True) == round_
+    # A draft reads neither the limits, EOS nor log-probs; a verify not the bonus flag.
+    assert round_.drafting() == StepOptions(0, sampler="temperature", spec=round_.spec, bonus=True,
+                                            attention="reference")
+    assert dataclasses.replace(round_, max_new_tokens=99, eos_ids=(7,)).drafting() == round_.drafting()
+    assert round_.verifying() == dataclasses.replace(round_, bonus=False)
+    assert dataclasses.replace(round_, spec=None).decoding() == base
+
+
+def test_a_prefill_compiles_once_for_every_decoding_option():
+    model = eejax.Model(CONFIG, model_module(CONFIG).init_params(CONFIG, jax.random.PRNGKey(0)))
+    prompts = [[5, 6, 7], [8, 9]]
+    for kw in (dict(), dict(exit="static:1"), dict(exit="state:0.5"), dict(spec="1:2")):
+        eejax.generate(model, prompts, max_new_tokens=4, ignore_eos=True, **kw)
+    names = [name for name, _ in model.programs.compiled()]
+    assert names.count("prefill") == 1, names
+    assert names.count("decode_steps") == 3
+    options = [opts for name, opts, _ in model.programs.entries() if name == "decode_steps"]
+    assert {o.exit.spec if o.exit else "none" for o in options} == {"none", "static:1", "state:0.5"}
+    assert all(o.num_steps > 1 for o in options)
