@@ -23,6 +23,31 @@ def test_engine_matches_generate_with_more_requests_than_slots(tiny_model):
         assert seq.finish_reason in ("stop", "length")
 
 
+def test_several_decode_steps_per_dispatch_while_nothing_waits(tiny_model):
+    """With no request waiting the engine runs `steps_per_dispatch` decode steps per program
+    (tokens stream in groups), and one per program while requests wait; tokens, exit layers and
+    stop strings are those of one step per dispatch."""
+    prompts = random_prompts(6, [3, 17, 9, 30], seed=2)
+    max_new = [19, 7, 23, 2, 11, 16]
+    results = {}
+    for k in (1, 4):
+        engine = Engine(tiny_model, max_slots=2, max_new_tokens=24, cache_budget="4MiB", page_size=8,
+                        steps_per_dispatch=k, exit="state:0.7", pages="grow")
+        seqs = [engine.submit(p, max_new_tokens=n) for p, n in zip(prompts, max_new)]
+        engine.run()
+        assert engine.metrics()["kv_pages_used"] == 0
+        steps = {o.num_steps for name, o, _ in tiny_model.programs.entries() if name == "decode_slots"}
+        assert (4 in steps) == (k == 4)
+        results[k] = [(s.tokens, s.exit_layers, s.finish_reason) for s in seqs], engine.counters["steps"]
+    assert results[4][0] == results[1][0]
+    assert results[4][1] < results[1][1]  # dispatches (4 steps each only once nothing waits)
+    # One request alone: every token of a 4-step program reaches its stream.
+    engine = Engine(tiny_model, max_slots=2, max_new_tokens=24, cache_budget="4MiB", page_size=8)
+    seq = engine.submit(prompts[2], max_new_tokens=23)
+    engine.run()
+    assert list(seq.stream()) == seq.tokens == eejax.generate(tiny_model, [prompts[2]], max_new_tokens=23).tokens[0]
+
+
 def test_requests_with_their_own_exit_options_share_the_slots(tiny_model):
     """Full depth, static:1 and softmax rows decode side by side; each gets what `generate` with
     its own option gives."""
@@ -42,8 +67,9 @@ def test_requests_with_their_own_exit_options_share_the_slots(tiny_model):
 
 def test_warmup_compiles_every_program_the_requests_then_need(tiny_model):
     engine = Engine(tiny_model, max_slots=3, max_new_tokens=6, cache_budget="4MiB", page_size=8)
-    # Batch buckets 1, 2, 3 x prompt buckets 16, 24 + decode widths 1, 2, 3, 4 pages (up to 24 + 6 + 2 tokens).
-    assert engine.warmup(max_prompt_len=20, progress=False) == 3 * 2 + 4
+    # Batch buckets 1, 2, 3 x prompt buckets 16, 24 + decode widths 1, 2, 3, 4 pages (up to 24 + 6 + 2 tokens)
+    # x 1 and 4 steps per program.
+    assert engine.warmup(max_prompt_len=20, progress=False) == 3 * 2 + 4 * 2
     compiled = tiny_model.programs.num_programs
     prompts = random_prompts(7, [1, 20, 9, 14], seed=3)
     seqs = engine.generate_offline(prompts, max_new_tokens=6, progress=False)

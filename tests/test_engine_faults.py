@@ -27,10 +27,10 @@ def test_a_failing_program_fails_only_its_requests(tiny_model):
     engine = Engine(tiny_model, max_slots=4, max_new_tokens=12, cache_budget="4MiB", page_size=8)
     real = engine._decode_program
 
-    def failing(table, group, exit_config, sampler, logprobs=False):
-        if logprobs:
+    def failing(table, group, options):
+        if options.logprobs:
             raise RuntimeError("injected fault")
-        return real(table, group, exit_config, sampler, logprobs)
+        return real(table, group, options)
 
     engine._decode_program = failing
     prompts = random_prompts(3, [5, 9, 3], seed=11)

@@ -33,7 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     cache_budget=args.cache_budget, exit=args.exit, temperature=args.temperature,
                     policy=args.policy, bucketing=not args.no_bucketing, pages=args.pages,
                     max_decoding_options=args.max_decoding_options, prefix_caching=not args.no_prefix_caching,
-                    prefill_chunk=args.prefill_chunk or None)
+                    prefill_chunk=args.prefill_chunk or None, steps_per_dispatch=args.steps_per_dispatch)
     if args.warmup:
         engine.warmup(args.warmup)
     if args.num_processes > 1 and args.process_id != 0:  # a replica: steps with process 0 until it stops
@@ -130,6 +130,10 @@ def add_parsers(sub) -> None:
     srv.add_argument("--prefill-chunk", type=non_negative_int, default=0, metavar="TOKENS",
                      help="chunked prefill: at most TOKENS prompt tokens prefilled per engine step, between decode "
                      "steps, so that long prompts do not stall the running requests (default 0: whole prompts)")
+    srv.add_argument("--steps-per-dispatch", type=positive_int, default=4, metavar="N",
+                     help="decode steps the engine runs in one device program while no request waits (default 4: "
+                     "one dispatch and one read per 4 tokens; streamed tokens then come 4 at a time). It runs 1 "
+                     "while requests wait or prefill, so admission is not delayed; 1 here: always one")
     srv.add_argument("--no-prefix-caching", action="store_true",
                      help="do not share the KV pages of prompt prefixes between requests (shared by default: full "
                      "pages of prompt tokens are kept, least recently used evicted first)")

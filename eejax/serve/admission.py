@@ -23,17 +23,19 @@ from eejax.serve.sequence import Sequence
 
 
 class Admission:
-    @staticmethod
-    def _span(seq: Sequence) -> int:
-        """Cache positions a running row may have written once the step about to be dispatched
-        has run. The host reads a step's tokens after dispatching the next one, so beyond the
-        prompt and the tokens read back the device may hold those of the step in flight (1; a
-        speculation round d + 1) and, until the first read after admission, the prefill's token;
-        the new step then writes up to d positions past the row's last token (a round's drafts).
-        Never more than prompt + max tokens - 1: nothing past a row's limit is written."""
+    def _span(self, seq: Sequence) -> int:
+        """Cache positions a running row may have written once the program about to be
+        dispatched has run. The host reads a program's tokens after dispatching the next one, so
+        beyond the prompt and the tokens read back the device may hold those of the program in
+        flight (its decode steps; a speculation round d + 1) and, until the first read after
+        admission, the prefill's token; the new program then writes its steps' tokens but the
+        last, and up to d positions past it (a round's drafts). Never more than prompt + max
+        tokens - 1: nothing past a row's limit is written."""
         d = 0 if seq.spec is None else seq.spec.num_speculations
-        unread = (d + 1) + (len(seq.tokens) == seq.offset)
-        return min(len(seq.prompt) + len(seq.tokens) + unread + d, len(seq.prompt) + seq.max_new_tokens - 1)
+        in_flight, steps = (1, 1) if seq.spec is not None else (self._steps_in_flight, self._next_steps)
+        unread = in_flight * (d + 1) + (len(seq.tokens) == seq.offset)
+        ahead = (steps - 1) * (d + 1) + d
+        return min(len(seq.prompt) + len(seq.tokens) + unread + ahead, len(seq.prompt) + seq.max_new_tokens - 1)
 
     def _admit(self) -> None:
         free = [s for s in range(self.slots) if s not in self.running and s not in self.prefilling]
@@ -147,7 +149,7 @@ class Admission:
         """Compiles ahead of the first requests the programs they will need with the engine's
         own options: prefill for every batch bucket up to the slots x every prompt bucket up to
         `max_prompt_len` (default: the context), decode for every page-table width up to that
-        prompt + max new tokens. Nothing runs. Returns how many programs were new."""
+        prompt + max new tokens, of one step and of `steps_per_dispatch`. Nothing runs. Returns how many programs were new."""
         from tqdm.auto import tqdm
 
         max_prompt_len = min(max_prompt_len or self.max_len, self.max_len)
@@ -158,12 +160,12 @@ class Admission:
                          for n in range(1, longest + 1)})
         options = dataclasses.replace(self.options, sampler=self.sampling.sampler)
         before = self.model.programs.num_programs
-        shapes = [(b, t) for b in batches for t in prompts] + [(None, w) for w in widths]
+        shapes = [(b, t) for b in batches for t in prompts] + [(-k, w) for k in {1, self.steps_per_dispatch} for w in widths]
         for b, n in tqdm(shapes, desc="compiling", disable=not progress):
-            if b is None:  # decode at table width n
+            if b < 0:  # -b decode steps at table width n
                 table = jnp.zeros((self.slots, n), jnp.int32)
                 group = jnp.zeros((self.slots,), bool)
-                self._decode_program(table, group, dataclasses.replace(options, exit=self.exit_config))
+                self._decode_program(table, group, dataclasses.replace(options, exit=self.exit_config, num_steps=-b))
             else:  # prefill of b rows of n tokens
                 zeros = np.zeros((b,), np.int32)
                 self._prefill_program(np.zeros((b, n), np.int32), zeros,

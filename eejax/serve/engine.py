@@ -74,12 +74,15 @@ class Engine(Admission, Lifecycle):
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  policy: str = "fcfs", bucketing: bool = True, online: bool = True, attention: str = "auto",
                  pages: str = "reserve", max_decoding_options: int = 16, prefix_caching: bool = True,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, steps_per_dispatch: int = 4):
         config = model.config
         if model_module(config).ENCODER_DECODER:
             raise UnsupportedModelError("the serving engine runs decoder-only (Llama) models")
         if max_slots < 1 or max_new_tokens < 1 or page_size < 1:
             raise EejaxError("max_slots, max_new_tokens and page_size must be >= 1")
+        if isinstance(steps_per_dispatch, bool) or int(steps_per_dispatch) != steps_per_dispatch or \
+                steps_per_dispatch < 1:
+            raise EejaxError(f"steps_per_dispatch must be an integer >= 1, got {steps_per_dispatch!r}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise EejaxError(f"prefill_chunk must be >= 1 prompt tokens per step (or None: whole prompts), "
                              f"got {prefill_chunk}")
@@ -98,6 +101,8 @@ class Engine(Admission, Lifecycle):
         # Chunked prefill: at most this many prompt tokens are prefilled per step (oldest
         # admission first), between the decode steps of the running rows; None: whole prompts.
         self.prefill_chunk = prefill_chunk
+        # Decode steps per program while nothing waits (`_steps_per_dispatch`); 1: one per step.
+        self.steps_per_dispatch = int(steps_per_dispatch)
         per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
         num_pages = parse_bytes(cache_budget) // per_page
         # The longest request admission can always start: it keeps 10% of the free pages back,
@@ -135,6 +140,8 @@ class Engine(Admission, Lifecycle):
         self._changes: list | None = [] if jax.process_count() > 1 else None
         self._by_id: dict[int, Sequence] = {}
         self._pending = None  # (state, slot -> sequence) of the last dispatched step, not read yet
+        # Decode steps of the program in flight (read after the next dispatch), and of the next.
+        self._steps_in_flight = self._next_steps = 1
         self.error: BaseException | None = None  # what stopped the background loop, if it died
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -260,6 +267,7 @@ class Engine(Admission, Lifecycle):
         with self._lock:
             self._admit()
             self._prefill_some()
+            self._next_steps = self._steps_per_dispatch()
             if self.grow:
                 self._grow()
             pending = self._pending
@@ -273,12 +281,24 @@ class Engine(Admission, Lifecycle):
                     group[[seq.slot for seq in members]] = True
                     self._guarded(members, self._dispatch, table, jnp.asarray(group), options)
             self._pending = (self.state, dict(self.running), self.spec_counters) if self.running else None
+            self._steps_in_flight = self._next_steps
             if pending is not None:
                 self._read(*pending)
         self.counters["step_s"] += time.perf_counter() - start
 
+    def _steps_per_dispatch(self) -> int:
+        """Decode steps in the next program: `steps_per_dispatch` when no request waits for a
+        slot or is being prefilled and a row has that many tokens to go (one dispatch and one
+        read per several tokens), else 1, so that admission and chunked prefill come every step
+        and a row that ends frees its slot at once. A speculation round is one per dispatch."""
+        if self.waiting or self.prefilling:
+            return 1
+        to_go = max((seq.max_new_tokens - len(seq.tokens) for seq in self.running.values()), default=0)
+        return self.steps_per_dispatch if to_go > self.steps_per_dispatch + self._steps_in_flight else 1
+
     def _dispatch(self, table, group, options: StepOptions) -> None:
-        """Dispatches one decode step (or speculation round) of the slots in `group`."""
+        """Dispatches one program of the slots in `group`: `options.num_steps` decode steps, or a
+        speculation round."""
         if options.spec is None:
             program, args = self._decode_program(table, group, options)
             self.state, self.cache = program(*args)
@@ -295,7 +315,7 @@ class Engine(Admission, Lifecycle):
         options = dataclasses.replace(self.options, sampler=seq.sampling.sampler, logprobs=seq.logprobs is not None)
         if seq.spec is not None:
             return dataclasses.replace(options, spec=seq.spec).round(seq.spec.num_speculations, bonus=True)
-        return dataclasses.replace(options, exit=seq.exit)
+        return dataclasses.replace(options, exit=seq.exit, num_steps=self._next_steps)
 
     def _table(self):
         longest = max(self._span(s) for s in self.running.values())
