@@ -284,6 +284,27 @@ def test_self_speculation_equals_full_depth(t5_models):
         assert eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=spec).tokens == full.tokens
 
 
+def test_the_serving_engine_runs_t5(t5_models):
+    """Rows enter decode slots with their cross K/V; more requests than slots, mixed options
+    (early exit, speculation) and lengths give `generate`'s tokens; T5's limits are named."""
+    from eejax.serve.engine import Engine
+
+    model = t5_models["v1.1"][1]
+    engine = Engine(model, max_slots=2, max_new_tokens=NEW, cache_budget="1MiB", page_size=8, max_prompt_tokens=30)
+    options = [dict(), dict(exit="static:1"), dict(spec="1:3"), dict(), dict(exit="static:1")]
+    prompts = PROMPTS + PROMPTS[:1]
+    seqs = [engine.submit(p, max_new_tokens=NEW - i, **kw) for i, (p, kw) in enumerate(zip(prompts, options))]
+    engine.run()
+    assert engine.metrics()["kv_pages_used"] == 0
+    for i, (seq, p, kw) in enumerate(zip(seqs, prompts, options)):
+        want = eejax.generate(model, [p], max_new_tokens=NEW - i, **kw)
+        assert seq.tokens == want.tokens[0] and seq.exit_layers == want.exit_layers[0], i
+    with pytest.raises(EejaxError, match="max_prompt_tokens"):
+        engine.submit(list(range(1, 32)), max_new_tokens=2)
+    with pytest.raises(eejax.UnsupportedModelError, match="reserve"):
+        Engine(model, pages="grow")
+
+
 # --- text through the real T5 vocabulary, conversion and the CLI -----------------------------
 
 @pytest.fixture(scope="module")

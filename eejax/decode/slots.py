@@ -16,13 +16,15 @@ from eejax.options import StepOptions
 
 def insert_rows(state: steps.DecodeState, new: steps.DecodeState, slots):
     """`new`'s rows written into `state` at `slots` (out-of-range slots, the prefill's padding
-    rows, are dropped); a log-prob record only when `new` has one."""
+    rows, are dropped); a log-prob record only when `new` has one. A context (an encoder-decoder's
+    cross K/V [B, H, S, Dk]) is padded to the slots' prompt length first: the positions past a
+    row's encoder length are masked."""
     def put(old, fresh):
-        return old.at[slots].set(fresh, mode="drop")
+        pad = [(0, 0)] + [(0, o - f) for o, f in zip(old.shape[1:], fresh.shape[1:])]
+        return old.at[slots].set(jnp.pad(fresh, pad) if any(p for _, p in pad) else fresh, mode="drop")
 
     rows = {f.name: jax.tree.map(put, getattr(state, f.name), getattr(new, f.name))
-            for f in dataclasses.fields(state)
-            if f.name != "context" and getattr(new, f.name) is not None}
+            for f in dataclasses.fields(state) if getattr(new, f.name) is not None}
     return dataclasses.replace(state, **rows)
 
 
@@ -58,11 +60,12 @@ def spec_round_slots(params, cache, state, counters, block_table, group, *, conf
     return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache, counters
 
 
-def empty_state(slots: int, max_new_tokens: int) -> steps.DecodeState:
+def empty_state(slots: int, max_new_tokens: int, context=None) -> steps.DecodeState:
+    """Slots that are all done; `context`: the slots' (an encoder-decoder's `empty_context`)."""
     zeros = jnp.zeros((slots,), jnp.int32)
     record = jnp.zeros((slots, max_new_tokens), jnp.int32)
     return steps.DecodeState(last_token=zeros, seq_len=zeros, num_generated=zeros,
                              done=jnp.ones((slots,), bool), tokens=record, exit_layers=record,
                              confident_layers=record, keys=jnp.zeros((slots, 2), jnp.uint32), start=zeros,
                              limit=zeros, sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(), slots)),
-                             logprobs=steps.LogprobRecord.zeros(slots, max_new_tokens))
+                             logprobs=steps.LogprobRecord.zeros(slots, max_new_tokens), context=context)

@@ -34,6 +34,8 @@ class ModelModule(Protocol):
     forward_states(params, tokens, lengths, config, skip) -> (states [L, B, T, D], layers run):
         the forward without a cache that training uses.
     encode_context(params, tokens, lengths, config) -> per-row context (encoder-decoders only).
+    empty_context(config, rows, length, dtype) -> zero context for rows of prompts up to `length`
+        tokens (encoder-decoders only: the serving engine's decode slots).
     """
 
     ENCODER_DECODER: bool

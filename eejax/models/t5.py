@@ -284,6 +284,12 @@ def cross_kv(params, enc_out, lengths, config: T5Config) -> CrossKV:
     return CrossKV(tuple(k for k, _ in kv), tuple(v for _, v in kv), lengths)
 
 
+def empty_context(config: T5Config, rows: int, length: int, dtype) -> CrossKV:
+    """Room for `rows` rows' context of prompts up to `length` tokens (decode slots); zeros."""
+    kv = tuple(jnp.zeros((rows, config.num_heads, length, config.head_dim), dtype) for _ in range(config.num_layers))
+    return CrossKV(kv, kv, jnp.zeros((rows,), jnp.int32))
+
+
 def encode_context(params, tokens, lengths, config: T5Config) -> CrossKV:
     """What a decode step needs of the prompt besides the cache: the encoder over right-padded
     prompts tokens [B, S] (lengths [B]), projected into every decoder layer's cross K/V."""

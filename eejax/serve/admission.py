@@ -35,7 +35,8 @@ class Admission:
         in_flight, steps = (1, 1) if seq.spec is not None else (self._steps_in_flight, self._next_steps)
         unread = in_flight * (d + 1) + (len(seq.tokens) == seq.offset)
         ahead = (steps - 1) * (d + 1) + d
-        return min(len(seq.prompt) + len(seq.tokens) + unread + ahead, len(seq.prompt) + seq.max_new_tokens - 1)
+        prompt = self._cache_prompt_len(seq.prompt)
+        return min(prompt + len(seq.tokens) + unread + ahead, prompt + seq.max_new_tokens - 1)
 
     def _admit(self) -> None:
         free = [s for s in range(self.slots) if s not in self.running and s not in self.prefilling]
@@ -45,7 +46,7 @@ class Admission:
         seqs = [self.waiting.pop(r.id) for r in chosen]
         for seq, slot in zip(seqs, free):
             seq.offset = len(seq.tokens)
-            tokens = len(seq.prompt) + (seq.offset + 1 if self.grow else seq.max_new_tokens)
+            tokens = self._cache_prompt_len(seq.prompt) + (seq.offset + 1 if self.grow else seq.max_new_tokens)
             shared = self._shared_prefix(seq)
             try:  # (admission counted every page as fresh: a shared one only lowers the need)
                 fresh = self.allocator.allocate(pages_needed(tokens, self.page_size) - len(shared))
@@ -152,10 +153,11 @@ class Admission:
         prompt + max new tokens, of one step and of `steps_per_dispatch`. Nothing runs. Returns how many programs were new."""
         from tqdm.auto import tqdm
 
-        max_prompt_len = min(max_prompt_len or self.max_len, self.max_len)
+        longest_prompt = self.max_prompt_tokens or self.max_len
+        max_prompt_len = min(max_prompt_len or longest_prompt, longest_prompt)
         batches = sorted({bucket(n) for n in range(1, self.slots + 1)})
         prompts = sorted({bucket(n, MIN_PROMPT_BUCKET) for n in range(1, max_prompt_len + 1)})
-        longest = min(max_prompt_len + self.max_new_tokens - 1, self.max_len)
+        longest = min(self._cache_prompt_len(range(max_prompt_len)) + self.max_new_tokens - 1, self.max_len)
         widths = sorted({min(self.table_width, bucket(pages_needed(n, self.page_size)))
                          for n in range(1, longest + 1)})
         options = dataclasses.replace(self.options, sampler=self.sampling.sampler)

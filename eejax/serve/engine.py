@@ -37,7 +37,7 @@ import numpy as np
 from eejax.cache import PageAllocator, page_bytes, pages_needed
 from eejax.options import ExitConfig, SpecConfig, StepOptions
 from eejax.decode import speculative, steps
-from eejax.decode.buckets import bucket
+from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.generate import parse_bytes
 from eejax.decode.prompts import prompt_token_ids
 from eejax.decode.sampling import SamplingParams, seed_key
@@ -74,10 +74,21 @@ class Engine(Admission, Lifecycle):
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  policy: str = "fcfs", bucketing: bool = True, online: bool = True, attention: str = "auto",
                  pages: str = "reserve", max_decoding_options: int = 16, prefix_caching: bool = True,
-                 prefill_chunk: int | None = None, steps_per_dispatch: int = 4):
+                 prefill_chunk: int | None = None, steps_per_dispatch: int = 4, max_prompt_tokens: int = 512):
         config = model.config
-        if model_module(config).ENCODER_DECODER:
-            raise UnsupportedModelError("the serving engine runs decoder-only (Llama) models")
+        # An encoder-decoder (T5) encodes the prompt at admission; its cache holds decoder tokens
+        # from the start token on, and each slot keeps its row's cross K/V for prompts of up to
+        # `max_prompt_tokens` tokens. Its prefill cannot resume from generated tokens or a prefix,
+        # so its rows keep their pages (no preemption) and prompts prefill whole, unshared.
+        self.encoder_decoder = model_module(config).ENCODER_DECODER
+        if self.encoder_decoder:
+            if pages != "reserve" or prefill_chunk is not None:
+                raise UnsupportedModelError("an encoder-decoder (T5) engine reserves each row's pages and prefills "
+                                            "whole prompts: use pages='reserve' and no prefill_chunk")
+            if max_prompt_tokens < 1:
+                raise EejaxError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
+            prefix_caching = False  # no prompt pages to share: the prompt is the encoder's
+        self.max_prompt_tokens = max_prompt_tokens if self.encoder_decoder else None
         if max_slots < 1 or max_new_tokens < 1 or page_size < 1:
             raise EejaxError("max_slots, max_new_tokens and page_size must be >= 1")
         if isinstance(steps_per_dispatch, bool) or int(steps_per_dispatch) != steps_per_dispatch or \
@@ -126,7 +137,7 @@ class Engine(Admission, Lifecycle):
         # at most `max_decoding_options` distinct ones, so that no client keeps the server compiling.
         self.max_decoding_options = max_decoding_options
         self.decoding_options: set = {(self.exit_config, None)}
-        self.state = empty_state(max_slots, max_new_tokens)
+        self.state = self._empty_state()
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
         self.block_table = np.zeros((max_slots, self.table_width), np.int32)
         self.running: dict[int, Sequence] = {}  # slot -> sequence
@@ -192,12 +203,16 @@ class Engine(Admission, Lifecycle):
         if not 1 <= max_new_tokens <= self.max_new_tokens:
             raise EejaxError(f"max_new_tokens must lie in [1, {self.max_new_tokens}], got {max_new_tokens}")
         (ids,), _ = prompt_token_ids(self.model.tokenizer, [prompt] if isinstance(prompt, str) else [list(prompt)])
-        if len(ids) + max_new_tokens > self.max_len:
+        if self.encoder_decoder and len(ids) > self.max_prompt_tokens:
+            raise EejaxError(f"prompt of {len(ids)} tokens exceeds this engine's max_prompt_tokens "
+                             f"({self.max_prompt_tokens}: the encoder output each slot holds)")
+        if self._cache_prompt_len(ids) + max_new_tokens > self.max_len:
             bound = (f"the model's context of {self.max_len} tokens" if self.max_len < self.cache_len else
                      f"the {self.max_len} tokens a request may hold in this server's KV cache "
                      f"({self.allocator.num_pages - 1} pages of {self.page_size} tokens, of which admission grants at "
                      f"most 90%)")
-            raise EejaxError(f"prompt of {len(ids)} tokens + {max_new_tokens} new tokens exceeds {bound}")
+            prompt = "decoder start token" if self.encoder_decoder else f"prompt of {len(ids)} tokens"
+            raise EejaxError(f"{prompt} + {max_new_tokens} new tokens exceeds {bound}")
         if max(ids) >= self.config.vocab_size or min(ids) < 0:
             raise EejaxError(f"token ids must lie in [0, {self.config.vocab_size})")
         if logprobs is not None and not 0 <= logprobs <= steps.TOP_LOGPROBS:
@@ -243,13 +258,25 @@ class Engine(Admission, Lifecycle):
         """Hands `seq` (new, or preempted: its prompt then grows by the tokens it has) to the
         scheduler, which counts the pages admission must find: all of them, or with `grow`,
         those of the prompt and one token."""
-        prompt_len = len(seq.prompt) + len(seq.tokens)
+        prompt_len = self._cache_prompt_len(seq.prompt) + len(seq.tokens)
         remaining = seq.max_new_tokens - len(seq.tokens)
         request = Request(seq.id, prompt_len, 1 if self.grow else remaining, arrival=seq.submitted_at,
                           priority=seq.priority)
         self._requests[seq.id] = request
         self.waiting[seq.id] = seq
         self.scheduler.submit(request)
+
+    def _cache_prompt_len(self, prompt: list[int]) -> int:
+        """Positions a row's prompt takes in the cache: the prompt's, an encoder-decoder's start token."""
+        return 1 if self.encoder_decoder else len(prompt)
+
+    def _empty_state(self):
+        """The device state of empty slots (with room for an encoder-decoder's context)."""
+        context = None
+        if self.encoder_decoder:
+            width = bucket(self.max_prompt_tokens, MIN_PROMPT_BUCKET)
+            context = model_module(self.config).empty_context(self.config, self.slots, width, self.model.dtype)
+        return empty_state(self.slots, self.max_new_tokens, context)
 
     def _in_slots(self) -> list[Sequence]:
         """The rows that hold a slot: decoding, or prefilling their prompt."""

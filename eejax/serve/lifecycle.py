@@ -11,7 +11,6 @@ import threading
 import jax
 
 from eejax.decode import speculative
-from eejax.decode.slots import empty_state
 from eejax.serve import replicas
 from eejax.serve.sequence import Sequence
 
@@ -42,7 +41,7 @@ class Lifecycle:
         """A fresh cache and slot state after they were lost: every running request fails."""
         log.error("the device state was lost; failing %d running requests", len(self.running))
         self.cache = self.model.new_cache(self.allocator.num_pages, self.page_size)
-        self.state = empty_state(self.slots, self.max_new_tokens)
+        self.state = self._empty_state()
         self.spec_counters = speculative.SpecCounters.zeros(self.slots)
         self._pending = None
         self._fail(self._in_slots(), error)
