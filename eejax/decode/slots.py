@@ -39,25 +39,55 @@ def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, key
     return insert_rows(state, new, slots), cache
 
 
+def _only(state, group):
+    """`state` with the rows outside `group` [S] bool marked done (they wait), and those rows."""
+    waiting = ~group & ~state.done
+    return dataclasses.replace(state, done=state.done | waiting), waiting
+
+
+def _unmasked(new, waiting):
+    return dataclasses.replace(new, done=jnp.where(waiting, False, new.done))
+
+
 def decode_slots(params, cache, state, block_table, group, *, config, options: StepOptions):
     """`options.num_steps` decode steps of the slots in `group` [S] bool that are not done (the
     others wait: they run with their own options in another program)."""
-    waiting = ~group & ~state.done
-    new, cache = steps.decode_steps(params, cache, dataclasses.replace(state, done=state.done | waiting),
-                                    block_table, config=config, options=options)
-    return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache
+    masked, waiting = _only(state, group)
+    new, cache = steps.decode_steps(params, cache, masked, block_table, config=config, options=options)
+    return _unmasked(new, waiting), cache
+
+
+def plain_step_slots(params, cache, state, counters, block_table, group, *, config, options: StepOptions):
+    """One full-depth decode step of the slots in `group` in place of a speculation round
+    (`speculative.plain_step`: counted). Returns (state, cache, counters)."""
+    masked, waiting = _only(state, group)
+    new, cache, counters = speculative.plain_step(params, cache, masked, counters, block_table, config=config,
+                                                  options=options)
+    return _unmasked(new, waiting), cache, counters
+
+
+def draft_slots(params, cache, state, block_table, group, *, config, options: StepOptions):
+    """A round's drafts (`speculative.draft`) for the slots in `group`. Returns (drafts, cache)."""
+    drafts, _, cache = speculative.draft(params, cache, _only(state, group)[0], block_table, config=config,
+                                         options=options.drafting())
+    return drafts, cache
+
+
+def verify_slots(params, cache, state, drafts, counters, block_table, group, *, config, options: StepOptions):
+    """A round's verification (`speculative.verify`) for the slots in `group`. Returns (state,
+    cache, counters)."""
+    masked, waiting = _only(state, group)
+    new, cache, counters = speculative.verify(params, cache, masked, drafts, counters, block_table, config=config,
+                                              options=options.verifying())
+    return _unmasked(new, waiting), cache, counters
 
 
 def spec_round_slots(params, cache, state, counters, block_table, group, *, config, options: StepOptions):
     """One self-speculation round (d drafts from layers [0, E), one verify pass of the rest) of
-    the slots in `group` that are not done; the others wait. Returns (state, cache, counters)."""
-    waiting = ~group & ~state.done
-    masked = dataclasses.replace(state, done=state.done | waiting)
-    drafts, masked, cache = speculative.draft(params, cache, masked, block_table, config=config,
-                                              options=options.drafting())
-    new, cache, counters = speculative.verify(params, cache, masked, drafts, counters, block_table, config=config,
-                                              options=options.verifying())
-    return dataclasses.replace(new, done=jnp.where(waiting, False, new.done)), cache, counters
+    the slots in `group` that are not done, in one program; the others wait. Returns (state,
+    cache, counters)."""
+    drafts, cache = draft_slots(params, cache, state, block_table, group, config=config, options=options)
+    return verify_slots(params, cache, state, drafts, counters, block_table, group, config=config, options=options)
 
 
 def empty_state(slots: int, max_new_tokens: int, context=None) -> steps.DecodeState:

@@ -177,8 +177,12 @@ class SpeculationPolicy:
         default d + 1) and verify programs (None when not timed)."""
         self.accepted = FORGET * self.accepted + accepted
         self.rejected = FORGET * self.rejected + rejected
-        if draft_s is None or verify_s is None:
-            return
+        if draft_s is not None and verify_s is not None:
+            self.observe_times(d, draft_s, verify_s, passes)
+
+    def observe_times(self, d: int, draft_s: float, verify_s: float, passes: int | None = None) -> None:
+        """The wall times of a round's draft (`passes` draft passes, default d + 1) and verify
+        programs (running means, the recent 16 weigh most)."""
         per_pass = draft_s / (d + 1 if passes is None else passes)
         total = sum(self.timed_rounds.values()) + 1
         self.c_draft = per_pass if self.c_draft is None else self.c_draft + (per_pass - self.c_draft) / min(total, 16)

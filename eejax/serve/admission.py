@@ -31,7 +31,7 @@ class Admission:
         admission, the prefill's token; the new program then writes its steps' tokens but the
         last, and up to d positions past it (a round's drafts). Never more than prompt + max
         tokens - 1: nothing past a row's limit is written."""
-        d = 0 if seq.spec is None else seq.spec.num_speculations
+        d = self._span_drafts(seq)
         in_flight, steps = (1, 1) if seq.spec is not None else (self._steps_in_flight, self._next_steps)
         unread = in_flight * (d + 1) + (len(seq.tokens) == seq.offset)
         ahead = (steps - 1) * (d + 1) + d
@@ -54,6 +54,7 @@ class Admission:
                 self.allocator.free(shared)
                 raise
             seq.slot, seq.pages, seq.cached = slot, shared + fresh, len(shared) * self.page_size
+            seq.spec_read = (0, 0)  # the prefill zeroes the slot's speculation counters
             seq.prefilled = seq.cached
             self.block_table[slot] = 0
             self.block_table[slot, : len(seq.pages)] = seq.pages

@@ -41,7 +41,7 @@ from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.generate import parse_bytes
 from eejax.decode.prompts import prompt_token_ids
 from eejax.decode.sampling import SamplingParams, seed_key
-from eejax.decode.slots import decode_slots, empty_state, spec_round_slots
+from eejax.decode.slots import decode_slots, empty_state
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import exits
 from eejax.models.registry import model_module
@@ -50,13 +50,14 @@ from eejax.serve import replicas
 from eejax.serve.lifecycle import Lifecycle
 from eejax.serve.scheduler import BucketScheduler, Request, safe_pages
 from eejax.serve.sequence import Sequence
+from eejax.serve.speculation import Speculation
 from eejax.serve.stops import first_stop
 from eejax.sharding import to_host
 
 __all__ = ["Engine", "Sequence"]
 
 
-class Engine(Admission, Lifecycle):
+class Engine(Admission, Speculation, Lifecycle):
     """Continuous batching over `max_slots` decode slots and one paged cache of `cache_budget`;
     `pages="grow"` hands pages out as rows grow and preempts when they run out.
 
@@ -65,8 +66,9 @@ class Engine(Admission, Lifecycle):
         engine.run()                     # or engine.start() for a background loop
         seq.tokens, seq.finish_reason
 
-    Admission and prefill (`Admission`) and the loop and faults (`Lifecycle`) live in their own
-    modules; this one holds the state, requests, the step and what it reads back.
+    Admission and prefill (`Admission`), speculation rounds (`Speculation`) and the loop and
+    faults (`Lifecycle`) live in their own modules; this one holds the state, requests, the step
+    and what it reads back.
     """
 
     def __init__(self, model, *, max_slots: int = 8, max_new_tokens: int = 256, cache_budget: int | str = "1GiB",
@@ -139,6 +141,7 @@ class Engine(Admission, Lifecycle):
         self.decoding_options: set = {(self.exit_config, None)}
         self.state = self._empty_state()
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
+        self.policies: dict = {}  # (spec, sampler) -> SpeculationPolicy of the rows that speculate so
         self.block_table = np.zeros((max_slots, self.table_width), np.int32)
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.prefilling: dict[int, Sequence] = {}  # slot -> admitted sequence whose prompt is not all cached yet
@@ -190,8 +193,9 @@ class Engine(Admission, Lifecycle):
         if spec_config is not None:
             if exit not in (None, "none"):
                 raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
-            if spec_config.adaptive:
-                raise EejaxError("the engine runs a fixed number of drafts per round: use spec E:d, not adaptive")
+            if spec_config.adaptive and self._changes is not None:
+                raise EejaxError("adaptive speculation picks d from this process's timings; across processes use a "
+                                 "fixed E:d")
             exits.resolve_options(self.model.params, self.config, spec=spec_config)
             exit = "none"  # noqa: A001
         default = self.sampling
@@ -330,18 +334,17 @@ class Engine(Admission, Lifecycle):
             program, args = self._decode_program(table, group, options)
             self.state, self.cache = program(*args)
         else:
-            args = (self.model.run_params, self.cache, self.state, self.spec_counters, table, group)
-            program = self.model.programs.get(spec_round_slots, args, self.config, options, donate_argnums=(1,))
-            self.state, self.cache, self.spec_counters = program(*args)
+            self._dispatch_round(table, group, options)
         self.counters["steps"] += 1
 
     def _options(self, seq: Sequence) -> StepOptions:
         """The options of a row's decode program; rows alike share one. (Greedy rows never share
         a program with sampled ones: their argmax runs alone; nor do rows that filter (top-k /
-        top-p: a sort) with rows that only scale.) A speculation round drafts with the bonus pass."""
+        top-p: a sort) with rows that only scale.) A speculation round's d and bonus pass come from
+        its group's policy at dispatch (`Speculation`)."""
         options = dataclasses.replace(self.options, sampler=seq.sampling.sampler, logprobs=seq.logprobs is not None)
         if seq.spec is not None:
-            return dataclasses.replace(options, spec=seq.spec).round(seq.spec.num_speculations, bonus=True)
+            return dataclasses.replace(options, spec=seq.spec)
         return dataclasses.replace(options, exit=seq.exit, num_steps=self._next_steps)
 
     def _table(self):
@@ -356,8 +359,7 @@ class Engine(Admission, Lifecycle):
     def _read(self, state, running: dict[int, Sequence], counters) -> None:
         """Delivers the tokens a finished step produced; releases rows that ended (EOS, limit,
         stop token or string, cancelled). If the step failed on the device, its requests fail."""
-        wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, counters.drafted,
-                  counters.accepted)
+        wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, state.confident_layers, counters)
         scored = any(seq.logprobs is not None for seq in running.values())
         out = {}
 
@@ -367,12 +369,14 @@ class Engine(Admission, Lifecycle):
         self._guarded(list(running.values()), fetch)
         if "host" not in out:
             return
+        self._observe_acceptance(running, out["host"][5])
         now = time.perf_counter()
         for slot, seq in running.items():
             if not seq.finished and self.running.get(slot) is seq:  # else ended, or preempted (recomputed later)
                 self._guarded([seq], self._deliver, seq, slot, *out["host"], now)
 
-    def _deliver(self, seq: Sequence, slot: int, num, done, tokens, layers, drafted, accepted, record, now) -> None:
+    def _deliver(self, seq: Sequence, slot: int, num, done, tokens, layers, confident, counters, record,
+                 now) -> None:
         """Appends a row's new tokens (and log-probs) to its Sequence; releases it if it ended."""
         n = min(seq.offset + int(num[slot]), seq.max_new_tokens)
         stopped = False
@@ -380,6 +384,7 @@ class Engine(Admission, Lifecycle):
             j = i - seq.offset
             seq.tokens.append(int(tokens[slot, j]))
             seq.exit_layers.append(int(layers[slot, j]))
+            seq.confident_layers.append(int(confident[slot, j]))
             if seq.logprobs is not None:
                 seq.token_logprobs.append(float(record.chosen[slot, j]))
                 seq.top_logprobs.append([(int(t), float(x)) for t, x in zip(
@@ -394,7 +399,7 @@ class Engine(Admission, Lifecycle):
         seq._notify()
         if seq.finish_reason == "cancelled" or done[slot] or stopped:
             ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.options.eos_ids
-            seq.drafted, seq.accepted = int(drafted[slot]), int(accepted[slot])
+            seq.spec_counters = {f.name: int(getattr(counters, f.name)[slot]) for f in dataclasses.fields(counters)}
             self._release(seq)
             self._finish(seq, seq.finish_reason or ("stop" if ended_at_eos or stopped else "length"))
 

@@ -28,10 +28,13 @@ class Sequence:
     logprobs: int | None = None  # top alternatives to report per token (0: the token's own only); None: off
     stop: tuple[str, ...] = ()  # strings that end the request (matched on the detokenised text)
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the request (kept, like EOS)
-    drafted: int = 0  # self-speculation drafts judged and accepted (set when the request ends)
-    accepted: int = 0
+    # Self-speculation's `SpecCounters` of the row (drafted, accepted, rounds, ...: set when the
+    # request ends), and the (accepted, rejections) the engine's policy has seen of them.
+    spec_counters: dict[str, int] = dataclasses.field(default_factory=dict)
+    spec_read: tuple[int, int] = (0, 0)
     tokens: list[int] = dataclasses.field(default_factory=list)
     exit_layers: list[int] = dataclasses.field(default_factory=list)
+    confident_layers: list[int] = dataclasses.field(default_factory=list)  # the row's own first confident layer
     token_logprobs: list[float] = dataclasses.field(default_factory=list)  # with `logprobs`
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "cancelled",
@@ -48,6 +51,16 @@ class Sequence:
     _events: queue.Queue = dataclasses.field(default_factory=queue.Queue, repr=False)
     _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
     _listeners: list = dataclasses.field(default_factory=list, repr=False)
+
+    @property
+    def drafted(self) -> int:
+        """Self-speculation drafts judged (0 until the request ends)."""
+        return self.spec_counters.get("drafted", 0)
+
+    @property
+    def accepted(self) -> int:
+        """Self-speculation drafts accepted (0 until the request ends)."""
+        return self.spec_counters.get("accepted", 0)
 
     @property
     def finished(self) -> bool:

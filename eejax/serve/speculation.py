@@ -1,0 +1,85 @@
+"""Self-speculation in the engine, a part of `Engine`: the rows of one speculation option and
+sampler kind form a group with its own `SpeculationPolicy`, which picks each round's d (adaptive)
+and whether the bonus pass runs, from the acceptance the engine reads back. A fixed d runs a
+round as one program; an adaptive group runs draft and verify apart and times them (the policy
+weighs their measured costs), or a plain full-depth step while no round pays. A mixin over the
+engine's slots and device state."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+
+from eejax.decode import cost
+from eejax.decode.sampling import GREEDY
+from eejax.decode.slots import draft_slots, plain_step_slots, spec_round_slots, verify_slots
+from eejax.decode.spec_policy import SpeculationPolicy
+from eejax.models import exits
+from eejax.options import StepOptions
+from eejax.serve.sequence import Sequence
+
+
+class Speculation:
+    def _policy(self, options: StepOptions) -> SpeculationPolicy:
+        """The policy of the rows speculating with `options.spec` and `options.sampler`."""
+        key = (options.spec, options.sampler)
+        if key not in self.policies:
+            spec = options.spec
+            reduced = spec.uses_reduced_head(exits.has_reduced_head(self.model.params.get("exits")))
+            unit_costs = cost.spec_unit_weights(cost.WeightCounts.of(self.model.params, self.config),
+                                                spec.exit_layer, reduced)
+            self.policies[key] = SpeculationPolicy(spec, unit_costs=unit_costs, sampled=options.sampler != GREEDY)
+        return self.policies[key]
+
+    def _dispatch_round(self, table, group, options: StepOptions) -> None:
+        """One speculation round of the slots in `group` (adaptive: or a plain step)."""
+        policy = self._policy(options)
+        d = policy.next_speculations()
+        params, programs = self.model.run_params, self.model.programs
+        if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
+            args = (params, self.cache, self.state, self.spec_counters, table, group)
+            plain = programs.get(plain_step_slots, args, self.config, options.decoding(), donate_argnums=(1,))
+            start = time.perf_counter()
+            self.state, self.cache, self.spec_counters = jax.block_until_ready(plain(*args))
+            policy.observe_plain(time.perf_counter() - start)
+            return
+        bonus = policy.bonus(d)
+        round_options = options.round(d, bonus)
+        if not options.spec.adaptive:
+            args = (params, self.cache, self.state, self.spec_counters, table, group)
+            program = programs.get(spec_round_slots, args, self.config, round_options, donate_argnums=(1,))
+            self.state, self.cache, self.spec_counters = program(*args)
+            return
+        args = (params, self.cache, self.state, table, group)
+        draft = programs.get(draft_slots, args, self.config, round_options.drafting(), donate_argnums=(1,))
+        start = time.perf_counter()
+        drafts, self.cache = jax.block_until_ready(draft(*args))
+        drafted_at = time.perf_counter()
+        args = (params, self.cache, self.state, drafts, self.spec_counters, table, group)
+        verify = programs.get(verify_slots, args, self.config, round_options.verifying(), donate_argnums=(1,))
+        self.state, self.cache, self.spec_counters = jax.block_until_ready(verify(*args))
+        policy.observe_times(d, drafted_at - start, time.perf_counter() - drafted_at, passes=d + bonus)
+
+    def _observe_acceptance(self, running: dict[int, Sequence], counters) -> None:
+        """Gives each policy the drafts its rows accepted and the rounds that rejected one since
+        the last read (counters: the host copy of a step's `SpecCounters`)."""
+        seen: dict = {}
+        for slot, seq in running.items():
+            if seq.spec is None or self.running.get(slot) is not seq:
+                continue
+            accepted, rejections = int(counters.accepted[slot]), int(counters.rejections[slot])
+            key = (seq.spec, seq.sampling.sampler)
+            a, r = seen.get(key, (0, 0))
+            seen[key] = (a + accepted - seq.spec_read[0], r + rejections - seq.spec_read[1])
+            seq.spec_read = (accepted, rejections)
+        for key, (accepted, rejections) in seen.items():
+            if accepted or rejections:
+                self.policies[key].observe(key[0].num_speculations, accepted, rejections)
+
+    @staticmethod
+    def _span_drafts(seq: Sequence) -> int:
+        """The most drafts a round of `seq` writes ahead of its last token."""
+        if seq.spec is None:
+            return 0
+        return seq.spec.max_speculations if seq.spec.adaptive else seq.spec.num_speculations
