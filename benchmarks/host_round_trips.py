@@ -88,7 +88,7 @@ def row(base, name: str, option: str | None, prompts, new_tokens: int, static: b
 
     model = eejax.Model(base.config, base.params, base.tokenizer)  # its own programs
     res = eejax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True, exit=option)
-    flows = [control_flow(p.as_text()) for fn, p in model.programs.compiled() if fn == "decode_steps"]
+    flows = [control_flow(p.as_text()) for fn, p in model.programs.compiled() if fn == "decode_slots"]
     loops, conds = max(f.dynamic_loops for f in flows), max(f.conditionals for f in flows)
     steps = res.exit_layers[0][1:]  # the batch's exit layer per step (the first token is the prefill's)
     per_step = 0.0

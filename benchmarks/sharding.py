@@ -46,11 +46,11 @@ def per_token_bytes(model, stats, rows: int) -> tuple[float, int]:
     programs `model` compiled: a decode step's, or a speculation round's over its tokens."""
     programs = {name: (collectives(compiled.as_text()), options)
                 for name, options, compiled in model.programs.entries()}
-    if "decode_steps" in programs:
-        moved, options = programs["decode_steps"]
+    if "decode_slots" in programs:
+        moved, options = programs["decode_slots"]
         return moved.total / (options.num_steps * rows), moved.unknown_loops
-    draft, verify = programs["draft"][0], programs["verify"][0]
-    return (draft.total + verify.total) / (stats["tokens_per_round"] * rows), draft.unknown_loops + verify.unknown_loops
+    moved = programs["spec_round_slots"][0]
+    return moved.total / (stats["tokens_per_round"] * rows), moved.unknown_loops
 
 
 def estimate_7b(tensor: int = 8, exit_fraction: float = 0.5) -> dict:

@@ -3,7 +3,7 @@
 import pytest
 
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, batch_bucket, bucket
-from eejax.decode.generate import parse_bytes
+from eejax.cache import parse_bytes
 from eejax.errors import EejaxError
 
 

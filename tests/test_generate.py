@@ -108,7 +108,10 @@ def test_compiled_programs_are_bounded(tiny_model):
     model = dataclasses.replace(tiny_model, programs=type(tiny_model.programs)())
     gen(model, random_prompts(3, [9, 10, 12], seed=1))
     first = model.programs.num_programs
-    # Other lengths in the same buckets, another batch size in the same bucket: nothing new.
-    gen(model, random_prompts(4, [14, 16, 11, 13], seed=2))
+    # Other lengths in the same buckets, as many rows: nothing new.
+    gen(model, random_prompts(3, [14, 16, 13], seed=2))
     assert model.programs.num_programs == first
     assert first <= 3  # prefill + at most two decode widths here
+    # Another batch size with the same decode slots (4): its prefill only.
+    gen(model, random_prompts(4, [14, 16, 11, 13], seed=2))
+    assert model.programs.num_programs == first + 1

@@ -75,10 +75,10 @@ def test_llama_programs_lower_for_cuda(monkeypatch):
         monkeypatch.setattr(early_exit, "static_loops", lambda static=static: static)
         texts = lowered_for_cuda(model)
         print({name: len(modules) for name, modules in texts.items()})
-        assert {"prefill", "decode_steps", "plain_step", "draft", "verify", "prefill_slots", "decode_slots",
+        assert {"prefill_slots", "decode_slots", "plain_step_slots", "draft_slots", "verify_slots",
                 "spec_round_slots"} <= set(texts)
         assert_cuda_modules(texts, model.programs.num_programs)
-        assert any("stablehlo.while" in text for text in texts["decode_steps"])  # the early-exit segment loop
+        assert any("stablehlo.while" in text for text in texts["decode_slots"])  # the early-exit segment loop
 
 
 @fresh_process_only
@@ -89,7 +89,7 @@ def test_t5_programs_lower_for_cuda():
     for kw in (dict(), dict(exit="softmax:0.3"), dict(spec=SpecConfig(1, 2))):
         eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, **kw)
     texts = lowered_for_cuda(model)
-    assert {"prefill", "decode_steps", "draft", "verify"} <= set(texts)
+    assert {"prefill_slots", "decode_slots", "spec_round_slots"} <= set(texts)
     assert_cuda_modules(texts, model.programs.num_programs)
 
 
@@ -114,7 +114,7 @@ def test_static_loops_keep_the_tokens_and_cut_the_gpu_round_trips(monkeypatch, e
         monkeypatch.setattr(early_exit, "static_loops", lambda static=static: static)
         model = eejax.Model(base.config, base.params)  # its own program cache
         results[static] = eejax.generate(model, PROMPTS, max_new_tokens=6, ignore_eos=True, exit=exit_config)
-        flows[static] = [control_flow(p.as_text()) for name, p in model.programs.compiled() if name == "decode_steps"]
+        flows[static] = [control_flow(p.as_text()) for name, p in model.programs.compiled() if name == "decode_slots"]
     assert results[True].tokens == results[False].tokens
     assert results[True].exit_layers == results[False].exit_layers
     assert min(map(min, results[True].exit_layers)) < 8  # some steps exit early: KV fill runs
@@ -127,12 +127,13 @@ def test_static_loops_keep_the_tokens_and_cut_the_gpu_round_trips(monkeypatch, e
 
 def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
     """No loop of unknown trip count anywhere; one conditional, in a draft with the bonus pass
-    (the head skipped on the pass that only fills the draft layers' cache: a known round trip)."""
+    (the head skipped on the pass that only fills the draft layers' cache: a known round trip),
+    alone or in a whole round."""
     model = tiny(num_layers=4)
     for kw in (dict(), dict(exit="static:2"), dict(spec=SpecConfig(2, 2, bonus=False)),
                dict(spec=SpecConfig(2, 2, bonus=True)), dict(spec="1:2:adaptive")):
         eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, **kw)
     for name, options, program in model.programs.entries():
         flow = control_flow(program.as_text())
-        bonus_draft = name == "draft" and options.bonus
+        bonus_draft = name in ("draft_slots", "spec_round_slots") and options.bonus
         assert flow.dynamic_loops == 0 and flow.conditionals == int(bonus_draft), (name, flow)

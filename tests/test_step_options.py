@@ -55,8 +55,7 @@ def test_a_prefill_compiles_once_for_every_decoding_option():
     for kw in (dict(), dict(exit="static:1"), dict(exit="state:0.5"), dict(spec="1:2")):
         eejax.generate(model, prompts, max_new_tokens=4, ignore_eos=True, **kw)
     names = [name for name, _ in model.programs.compiled()]
-    assert names.count("prefill") == 1, names
-    assert names.count("decode_steps") == 3
-    options = [opts for name, opts, _ in model.programs.entries() if name == "decode_steps"]
+    assert names.count("prefill_slots") == 1, names
+    assert names.count("decode_slots") == 3
+    options = [opts for name, opts, _ in model.programs.entries() if name == "decode_slots"]
     assert {o.exit.spec if o.exit else "none" for o in options} == {"none", "static:1", "state:0.5"}
-    assert all(o.num_steps > 1 for o in options)

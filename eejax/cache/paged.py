@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from eejax.cache.allocator import NULL_PAGE
@@ -44,9 +46,22 @@ def page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int
     return 2 * num_layers * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
 
-def pages_for_budget(budget_bytes: int, per_page_bytes: int) -> int:
-    """How many pages (the null page included) a memory budget holds."""
-    return budget_bytes // per_page_bytes
+def parse_bytes(size: int | str) -> int:
+    """`1073741824`, `"512MiB"`, `"2GB"`, `"1.5GiB"` -> bytes."""
+    if isinstance(size, (int, np.integer)):
+        return int(size)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise EejaxError(f"cannot read {size!r} as a size (examples: 512MiB, 2GB, 1073741824)")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    base = 1024 if unit.endswith("I") else 1000
+    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
+    return int(float(m.group(1)) * base**power)
+
+
+def pages_for_budget(budget: int | str, per_page_bytes: int) -> int:
+    """How many pages (the null page included) a memory budget (bytes, or "512MiB") holds."""
+    return parse_bytes(budget) // per_page_bytes
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

@@ -16,7 +16,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from eejax.decode.generate import parse_bytes
+    from eejax.cache import parse_bytes
     from eejax.serve.engine import Engine
     from eejax.serve.http import create_app
 

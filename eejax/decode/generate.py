@@ -1,35 +1,29 @@
-"""`generate`: batched generation (full depth or early exit) over one preallocated paged KV cache.
+"""`generate`: batched generation (full depth, early exit or self-speculation) over one
+preallocated paged KV cache: a thin offline loop over the serving engine's steps.
 
-Host side: tokenize, bucket shapes, hand out pages, then drive the jitted prefill and decode
-steps; the token loop state stays on device, a program runs several decode steps
-(`steps.decode_steps`) and the host checks `done` once per program.
+The prompts are submitted to an `Engine` sized for the call (slots for `batch_size` rows, the
+pages they need); rows enter free slots as others finish (continuous batching), each decode
+program runs several steps while nothing waits, and the host reads one program behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from eejax.cache import PageAllocator, page_bytes, pages_needed
-from eejax.options import ExitConfig, SpecConfig, StepOptions
-from eejax.decode import cost, speculative, steps
-from eejax.decode.buckets import MIN_PROMPT_BUCKET, batch_bucket, bucket
+from eejax.cache import page_bytes, pages_for_budget, pages_needed
+from eejax.decode import cost
+from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
-from eejax.decode.sampling import GREEDY, RowSampling, SamplingParams, row_keys, seed_key
-from eejax.decode.spec_policy import SpeculationPolicy
-from eejax.errors import EejaxError, OutOfPagesError
+from eejax.decode.sampling import SamplingParams
+from eejax.errors import EejaxError
 from eejax.kernels.attention import IMPLS
 from eejax.models import exits
 from eejax.models.registry import model_module
-from eejax.sharding import to_host
-
-POLL_EVERY = 4  # decode steps per dispatch (and speculation rounds between host checks of "all rows done")
+from eejax.options import ExitConfig, SpecConfig
 
 
 @dataclasses.dataclass
@@ -52,19 +46,6 @@ class GenerateResult:
 SPEC_COUNTERS = ("drafted", "accepted", "rounds", "rejections", "layer_passes", "draft_heads", "plain_steps")
 
 
-def parse_bytes(size: int | str) -> int:
-    """`1073741824`, `"512MiB"`, `"2GB"`, `"1.5GiB"` -> bytes."""
-    if isinstance(size, (int, np.integer)):
-        return int(size)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*", str(size), re.IGNORECASE)
-    if not m:
-        raise EejaxError(f"cannot read {size!r} as a size (examples: 512MiB, 2GB, 1073741824)")
-    unit = (m.group(2) or "").upper().rstrip("B")
-    base = 1024 if unit.endswith("I") else 1000
-    power = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit.rstrip("I")]
-    return int(float(m.group(1)) * base**power)
-
-
 def generate(
     model,
     batch,
@@ -85,8 +66,9 @@ def generate(
 ) -> GenerateResult:
     """Generates up to `max_new_tokens` for each prompt of `batch` (see `prompt_token_ids`).
 
-    A row stops at an EOS token unless `ignore_eos`. Rows run in batches of `batch_size` (all
-    at once by default) as far as the KV cache budget allows; results keep the input order.
+    A row stops at an EOS token unless `ignore_eos`. At most `batch_size` rows decode at once
+    (all by default), as far as the KV cache budget allows; a row that ends frees its slot for
+    the next; results keep the input order.
     `exit` (an `ExitConfig` or its CLI spelling such as "softmax:0.9") turns on early exit in
     the decode steps; None is plain full depth. `spec` (a `SpecConfig` or "E:d") decodes by
     self-speculation instead: drafts from the first E layers verified by the rest; greedy output
@@ -96,6 +78,8 @@ def generate(
     a GPU: slow). Sampling is seeded per row and position: row i draws with
     `fold_in(seed_key(seed), i)` folded with each token's index, whatever batch it runs in.
     """
+    from eejax.serve.engine import Engine
+
     config = model.config
     if attention not in IMPLS:
         raise EejaxError(f"unknown attention {attention!r}; choose one of: " + ", ".join(IMPLS))
@@ -116,84 +100,60 @@ def generate(
         raise EejaxError(f"page_size must be >= 1, got {page_size}")
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
     sampling.check_vocab(config.vocab_size)
-    options = StepOptions(max_new_tokens, () if ignore_eos else model.eos_token_ids, sampling.sampler,
-                          exit_config, spec_config, attention=attention)
-    batch_size = batch_size or len(rows)
 
-    dtype = model.dtype
-    per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, dtype)
-    budget_pages = parse_bytes(cache_budget) // per_page
-    # The cache holds a Llama's prompt and new tokens, a T5 decoder's new tokens only (its
+    # The cache holds a Llama's prompt and new tokens, a T5 decoder's start and new tokens (its
     # prompt is the encoder's). A speculation round may draft past max_new_tokens; those
     # positions go to the null page.
-    prompt_in_cache = not model_module(config).ENCODER_DECODER
-    need = [pages_needed(len(r) * prompt_in_cache + max_new_tokens, page_size) for r in rows]
+    per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
+    budget_pages = pages_for_budget(cache_budget, per_page)
+    encoder_decoder = model_module(config).ENCODER_DECODER
+    in_cache = [(1 if encoder_decoder else len(r)) + max_new_tokens for r in rows]
+    need = [pages_needed(n, page_size) for n in in_cache]
     if budget_pages < 1 + max(need):
         longest = int(np.argmax(need))
-        what = f"{len(rows[longest])} prompt + {max_new_tokens} new" if prompt_in_cache else "decoder tokens"
+        what = "decoder start" if encoder_decoder else f"{len(rows[longest])} prompt"
         raise EejaxError(
             f"KV cache budget {cache_budget} holds {max(budget_pages - 1, 0) * page_size} tokens; "
-            f"prompt {longest} needs {len(rows[longest]) * prompt_in_cache + max_new_tokens} ({what})"
+            f"prompt {longest} needs {in_cache[longest]} ({what} + {max_new_tokens} new)"
         )
-    table_width = bucket(max(need))
-    num_pages = min(budget_pages, 1 + bucket(batch_bucket(min(batch_size, len(rows))) * table_width))
-    cache = model.new_cache(num_pages, page_size)
-    allocator = PageAllocator(num_pages)
-
-    out_tokens: list[list[int]] = [[] for _ in rows]
-    out_layers: list[list[int]] = [[] for _ in rows]
-    out_confident: list[list[int]] = [[] for _ in rows]
+    slots = batch_bucket(min(batch_size or len(rows), len(rows)))
+    num_pages = min(budget_pages, 1 + bucket(slots * bucket(max(need))))
+    engine = Engine(model, max_slots=slots, max_new_tokens=max_new_tokens, cache_budget=num_pages * per_page,
+                    page_size=page_size, exit=exit_config, temperature=sampling.temperature, top_k=sampling.top_k,
+                    top_p=sampling.top_p, bucketing=False, attention=attention, prefix_caching=False,
+                    max_prompt_tokens=max(map(len, rows)), ignore_eos=ignore_eos, batch_job=True)
     compile_before = model.programs.compile_seconds
-    key = seed_key(seed)  # row i draws with fold_in(key, i), whatever chunk it runs in
     start = time.perf_counter()
-    prefill_s = 0.0
-    spec_totals = dict.fromkeys(SPEC_COUNTERS, 0)
-    speculations: list[int] = []
-    bonuses: list[bool] = []
-    measured_costs: list[tuple[float, float]] = []
-    pending = list(range(len(rows)))
-    while pending:
-        chunk, tables = [], []
-        for i in pending[:batch_size]:
-            try:
-                tables.append(allocator.allocate(need[i]))
-            except OutOfPagesError:
-                break
-            chunk.append(i)
-        pending = pending[len(chunk):]
-        state, cache, chunk_prefill_s, spec_out = _run_chunk(
-            model, cache, [rows[i] for i in chunk], tables, table_width, _chunk_keys(key, chunk), sampling, options)
-        prefill_s += chunk_prefill_s
-        if spec_out is not None:
-            counters, policy = spec_out
-            for name in SPEC_COUNTERS:
-                spec_totals[name] += int(np.asarray(getattr(counters, name))[: len(chunk)].sum())
-            speculations += [d for d in policy.chosen if d]  # rounds only; plain steps are counted apart
-            bonuses += policy.bonuses
-            if policy.c_draft is not None:
-                measured_costs.append((policy.c_draft, policy.c_verify(spec_config.num_speculations)))
-        toks, layers, confident, counts = to_host(
-            (state.tokens, state.exit_layers, state.confident_layers, state.num_generated)
-        )
-        for j, i in enumerate(chunk):
-            out_tokens[i] = toks[j, : counts[j]].tolist()
-            out_layers[i] = layers[j, : counts[j]].tolist()
-            out_confident[i] = confident[j, : counts[j]].tolist()
-        for pages in tables:
-            allocator.free(pages)
+    seqs = [engine.submit(r, max_new_tokens=max_new_tokens, spec=spec_config, seed=seed, choice=i)
+            for i, r in enumerate(rows)]
+    engine.run()
+    failed = [seq for seq in seqs if seq.finish_reason == "error"]
+    if failed:
+        raise EejaxError(f"generation failed for prompt {seqs.index(failed[0])}: {failed[0].error}")
     compile_s = model.programs.compile_seconds - compile_before
     run_s = time.perf_counter() - start - compile_s
+    out_tokens = [seq.tokens for seq in seqs]
+    decoded = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer else None for t in out_tokens]
+    stats = _stats(model, engine, seqs, exit_config, spec_config, run_s, compile_s)
+    return GenerateResult(texts, rows, out_tokens, decoded, [seq.exit_layers for seq in seqs],
+                          [seq.confident_layers for seq in seqs], stats)
 
-    generated = sum(len(t) for t in out_tokens)
-    decoded_tokens = generated - sum(1 for t in out_tokens if t)  # the first token comes from prefill
+
+def _stats(model, engine, seqs, exit_config, spec_config, run_s: float, compile_s: float) -> dict[str, Any]:
+    """`GenerateResult.stats`: speeds, layers and weights per token, and speculation's counts."""
+    config = model.config
+    out_layers = [seq.exit_layers for seq in seqs]
+    generated = sum(len(seq.tokens) for seq in seqs)
+    decoded_tokens = generated - sum(1 for seq in seqs if seq.tokens)  # the first token comes from prefill
+    prefill_s = engine.counters["prefill_s"]
     decode_s = run_s - prefill_s
+    spec_totals = {name: sum(seq.spec_counters.get(name, 0) for seq in seqs) for name in SPEC_COUNTERS}
     layers_run = sum(sum(x) for x in out_layers)
     if spec_config is not None:  # draft and verify passes and plain steps, plus the prefill's first tokens
-        plain_and_first = spec_totals["plain_steps"] + sum(1 for t in out_tokens if t)
+        plain_and_first = spec_totals["plain_steps"] + sum(1 for seq in seqs if seq.tokens)
         layers_run = spec_totals["layer_passes"] + config.num_layers * plain_and_first
     weights_per_token = _weights_per_token(model, exit_config, spec_config, out_layers, spec_totals, decoded_tokens)
-    confident_sum = sum(sum(x) for x in out_confident)
-    decoded = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer else None for t in out_tokens]
+    confident_sum = sum(sum(seq.confident_layers) for seq in seqs)
     stats = {
         "tokens_per_s": generated / run_s if run_s > 0 else float("nan"),
         "generated_tokens": generated,
@@ -212,11 +172,14 @@ def generate(
         "prefill_s": prefill_s,
         "compile_s": compile_s,
         "compiled_programs": model.programs.num_programs,
-        "kv_cache_pages": num_pages,
-        "page_size": page_size,
+        "kv_cache_pages": engine.allocator.num_pages,
+        "page_size": engine.page_size,
+        "engine_steps": engine.counters["steps"],
     }
     if spec_config is not None:
-        t = spec_totals
+        t, policies = spec_totals, list(engine.policies.values())
+        speculations = [d for p in policies for d in p.chosen if d]  # rounds only; plain steps are counted apart
+        bonuses = [b for p in policies for b in p.bonuses]
         stats.update(
             acceptance_rate=t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
             tokens_per_round=(decoded_tokens - t["plain_steps"]) / t["rounds"] if t["rounds"] else 0.0,
@@ -227,9 +190,11 @@ def generate(
             mean_speculations=float(np.mean(speculations)) if speculations else 0.0,
             bonus_pass_rate=float(np.mean(bonuses)) if bonuses else 0.0,
         )
-        if measured_costs:  # adaptive: measured seconds per draft pass, and of a verify pass at the first d
-            stats["draft_pass_s"], stats["verify_pass_s"] = map(float, np.mean(measured_costs, axis=0))
-    return GenerateResult(texts, rows, out_tokens, decoded, out_layers, out_confident, stats)
+        timed = [p for p in policies if p.c_draft is not None]
+        if timed:  # adaptive: measured seconds per draft pass, and of a verify pass at the first d
+            stats["draft_pass_s"] = float(np.mean([p.c_draft for p in timed]))
+            stats["verify_pass_s"] = float(np.mean([p.c_verify(spec_config.num_speculations) for p in timed]))
+    return stats
 
 
 def _weights_per_token(model, exit_config, spec_config, exit_layers, spec_totals, decoded_tokens: int) -> float:
@@ -256,107 +221,3 @@ def _weights_per_token(model, exit_config, spec_config, exit_layers, spec_totals
                 per_layer[e] = cost.exit_step_weights(w, exit_config, e, checks, *reduced)
             total += per_layer[e]
     return total / decoded_tokens
-
-
-def _chunk_keys(key, chunk: list[int]):
-    """Per-row PRNG keys [batch bucket, 2] of a chunk of rows (their indices in the call)."""
-    index = np.zeros((batch_bucket(len(chunk)),), np.uint32)
-    index[: len(chunk)] = chunk
-    return row_keys(key, index)
-
-
-def _run_chunk(model, cache, rows, tables, table_width, keys, sampling: SamplingParams, options: StepOptions):
-    """Prefill then decode one batch of rows (padded to a batch bucket) on the shared cache.
-    Returns (state, cache, seconds the prefill ran, (SpecCounters, SpeculationPolicy) or None)."""
-    b = batch_bucket(len(rows))
-    t = bucket(max(len(r) for r in rows), MIN_PROMPT_BUCKET)
-    tokens = np.zeros((b, t), np.int32)
-    lengths = np.zeros((b,), np.int32)
-    block_table = np.zeros((b, table_width), np.int32)
-    for j, (r, pages) in enumerate(zip(rows, tables)):
-        tokens[j, : len(r)] = r
-        lengths[j] = len(r)
-        block_table[j, : len(pages)] = pages
-    widths: dict[int, jax.Array] = {}
-
-    def table_for(max_tokens: int) -> jax.Array:
-        """The block table cut to the pages that `max_tokens` tokens need (bucketed)."""
-        w = min(table_width, bucket(pages_needed(max_tokens, cache.page_size)))
-        if w not in widths:
-            widths[w] = jnp.asarray(block_table[:, :w])
-        return widths[w]
-
-    # Tokens in the longest row's cache after the prefill: a Llama's prompt, a T5's start token.
-    max_len = 1 if model_module(model.config).ENCODER_DECODER else int(lengths.max())
-    args = (model.run_params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table_for(max_len), keys, None, None,
-            jax.tree.map(jnp.asarray, RowSampling.of(sampling, b)))
-    prefill = model.programs.get(steps.prefill, args, model.config, options.prefilling(), donate_argnums=(1,))
-    start = time.perf_counter()
-    state, cache = jax.block_until_ready(prefill(*args))
-    prefill_s = time.perf_counter() - start
-    if options.spec is not None:
-        state, cache, spec_out = _speculate(model, cache, state, table_for, max_len, options)
-        return state, cache, prefill_s, spec_out
-    # POLL_EVERY decode steps per program (`steps.decode_steps`), then one check of "all rows
-    # done"; a last program may run past max_new_tokens: its rows are done and idle.
-    decoding = options.decoding(POLL_EVERY)
-    for step in range(1, options.max_new_tokens, POLL_EVERY):
-        args = (model.run_params, cache, state, table_for(max_len + step + POLL_EVERY - 1))
-        state, cache = model.programs.get(steps.decode_steps, args, model.config, decoding,
-                                          donate_argnums=(1, 2))(*args)
-        if bool(to_host(state.done).all()):
-            break
-    return state, cache, prefill_s, None
-
-
-def _speculate(model, cache, state, table_for, max_len, options: StepOptions):
-    """Self-speculation rounds until every row is done. Returns (state, cache, (counters,
-    policy)). With a fixed d the host only polls every few rounds; adaptive rounds are
-    timed (draft and verify programs apart) and their acceptance read back to choose d, or a
-    plain full-depth step (d = 0, `speculative.plain_step`) while no round pays."""
-    programs, params, config, spec = model.programs, model.run_params, model.config, options.spec
-    reduced = spec.uses_reduced_head(exits.has_reduced_head(model.params.get("exits")))
-    unit_costs = cost.spec_unit_weights(cost.WeightCounts.of(model.params, model.config), spec.exit_layer, reduced)
-    policy = SpeculationPolicy(spec, unit_costs=unit_costs, sampled=options.sampler != GREEDY)
-    counters = speculative.SpecCounters.zeros(state.done.shape[0])
-    longest = max_len  # an upper bound on the tokens of the longest row in the cache
-    seen = (0, 0)  # accepted, rejections summed over rows, as of the last read
-    rounds = 0
-    done = bool(to_host(state.done).all())  # max_new_tokens = 1, or every row ended at its first token
-    while not done:
-        d = policy.next_speculations()
-        if d == 0:  # adaptive, and no round pays at the measured acceptance: one plain step
-            args = (params, cache, state, counters, table_for(longest + 1))
-            plain = programs.get(speculative.plain_step, args, config, options.decoding(), donate_argnums=(1, 2, 3))
-            start = time.perf_counter()
-            state, cache, counters = jax.block_until_ready(plain(*args))
-            policy.observe_plain(time.perf_counter() - start)
-            row_done, seq_len = to_host((state.done, state.seq_len))
-            done, longest = bool(row_done.all()), int(seq_len.max())
-            continue
-        bonus = policy.bonus(d)
-        table = table_for(longest + d + 1)
-        args = (params, cache, state, table)
-        round_options = options.round(d, bonus)
-        draft = programs.get(speculative.draft, args, config, round_options.drafting(), donate_argnums=(1, 2))
-        start = time.perf_counter()
-        drafts, state, cache = draft(*args)
-        if spec.adaptive:
-            jax.block_until_ready(drafts.hidden)
-        drafted_at = time.perf_counter()
-        args = (params, cache, state, drafts, counters, table)
-        verify = programs.get(speculative.verify, args, config, round_options.verifying(), donate_argnums=(1, 2, 4))
-        verify_start = time.perf_counter()
-        state, cache, counters = verify(*args)
-        longest += d + 1
-        rounds += 1
-        if spec.adaptive or rounds % POLL_EVERY == 0:
-            row_done, seq_len, accepted, rejections = to_host(
-                (state.done, state.seq_len, counters.accepted.sum(), counters.rejections.sum())
-            )
-            timed = (drafted_at - start, time.perf_counter() - verify_start) if spec.adaptive else (None, None)
-            policy.observe(d, int(accepted) - seen[0], int(rejections) - seen[1], *timed, passes=d + bonus)
-            seen = (int(accepted), int(rejections))
-            done = bool(row_done.all())
-            longest = int(seq_len.max())
-    return state, cache, (to_host(counters), policy)

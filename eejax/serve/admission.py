@@ -121,7 +121,11 @@ class Admission:
             assert all(self.allocator.writable(p) for p in seq.pages[seq.prefilled // self.page_size:]), seq.id
         program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, offset,
                                               options)
+        started = time.perf_counter()
         self.state, self.cache = program(*args)
+        if self.batch_job:
+            jax.block_until_ready(self.state)
+            self.counters["prefill_s"] += time.perf_counter() - started
         self.spec_counters = jax.tree.map(lambda x: x.at[slots].set(0, mode="drop"), self.spec_counters)
         for seq, end in work:
             self.prometheus.prefill_chunk.observe(end - seq.prefilled)

@@ -34,20 +34,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eejax.cache import PageAllocator, page_bytes, pages_needed
-from eejax.options import ExitConfig, SpecConfig, StepOptions
-from eejax.decode import speculative, steps
+from eejax.cache import PageAllocator, page_bytes, pages_for_budget, pages_needed
+from eejax.options import ExitConfig, StepOptions
+from eejax.decode import speculative
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
-from eejax.decode.generate import parse_bytes
-from eejax.decode.prompts import prompt_token_ids
-from eejax.decode.sampling import SamplingParams, seed_key
+from eejax.decode.sampling import SamplingParams
 from eejax.decode.slots import decode_slots, empty_state
 from eejax.errors import EejaxError, UnsupportedModelError
-from eejax.models import exits
 from eejax.models.registry import model_module
 from eejax.serve.admission import Admission
-from eejax.serve import replicas
 from eejax.serve.lifecycle import Lifecycle
+from eejax.serve.requests import Requests
 from eejax.serve.scheduler import BucketScheduler, Request, safe_pages
 from eejax.serve.sequence import Sequence
 from eejax.serve.speculation import Speculation
@@ -57,7 +54,7 @@ from eejax.sharding import to_host
 __all__ = ["Engine", "Sequence"]
 
 
-class Engine(Admission, Speculation, Lifecycle):
+class Engine(Requests, Admission, Speculation, Lifecycle):
     """Continuous batching over `max_slots` decode slots and one paged cache of `cache_budget`;
     `pages="grow"` hands pages out as rows grow and preempts when they run out.
 
@@ -66,9 +63,9 @@ class Engine(Admission, Speculation, Lifecycle):
         engine.run()                     # or engine.start() for a background loop
         seq.tokens, seq.finish_reason
 
-    Admission and prefill (`Admission`), speculation rounds (`Speculation`) and the loop and
-    faults (`Lifecycle`) live in their own modules; this one holds the state, requests, the step
-    and what it reads back.
+    Request checks (`Requests`), admission and prefill (`Admission`), speculation rounds
+    (`Speculation`) and the loop and faults (`Lifecycle`) live in their own modules; this one
+    holds the state, the step and what it reads back.
     """
 
     def __init__(self, model, *, max_slots: int = 8, max_new_tokens: int = 256, cache_budget: int | str = "1GiB",
@@ -76,8 +73,14 @@ class Engine(Admission, Speculation, Lifecycle):
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  policy: str = "fcfs", bucketing: bool = True, online: bool = True, attention: str = "auto",
                  pages: str = "reserve", max_decoding_options: int = 16, prefix_caching: bool = True,
-                 prefill_chunk: int | None = None, steps_per_dispatch: int = 4, max_prompt_tokens: int = 512):
+                 prefill_chunk: int | None = None, steps_per_dispatch: int = 4, max_prompt_tokens: int = 512,
+                 ignore_eos: bool = False, batch_job: bool = False):
         config = model.config
+        # A batch job (what `generate` runs): every request is submitted before the first step,
+        # so admission keeps no pages back for later arrivals, prefills are timed (the host waits
+        # for each: `counters["prefill_s"]`), and across processes each submits the same requests
+        # itself (nothing is broadcast from process 0).
+        self.batch_job = batch_job
         # An encoder-decoder (T5) encodes the prompt at admission; its cache holds decoder tokens
         # from the start token on, and each slot keeps its row's cross K/V for prompts of up to
         # `max_prompt_tokens` tokens. Its prefill cannot resume from generated tokens or a prefix,
@@ -117,11 +120,12 @@ class Engine(Admission, Speculation, Lifecycle):
         # Decode steps per program while nothing waits (`_steps_per_dispatch`); 1: one per step.
         self.steps_per_dispatch = int(steps_per_dispatch)
         per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
-        num_pages = parse_bytes(cache_budget) // per_page
-        # The longest request admission can always start: it keeps 10% of the free pages back,
-        # so a request needing more pages than that share of an empty cache would wait forever.
-        # (A preempted row comes back needing up to all of its pages, in either page mode.)
-        self.cache_len = max(safe_pages(num_pages - 1), 0) * page_size
+        num_pages = pages_for_budget(cache_budget, per_page)
+        # The longest request admission can always start: it keeps 10% of the free pages back
+        # (none in a batch job), so a request needing more pages than that share of an empty
+        # cache would wait forever. (A preempted row comes back needing up to all of its pages.)
+        margin = 0.0 if batch_job else 0.1
+        self.cache_len = max(safe_pages(num_pages - 1, margin), 0) * page_size
         self.max_len = min(config.max_position_embeddings, self.cache_len)
         if self.max_len < 2:
             raise EejaxError(f"KV cache budget {cache_budget} holds no sequence")
@@ -129,11 +133,11 @@ class Engine(Admission, Speculation, Lifecycle):
         self.cache = model.new_cache(num_pages, page_size)
         self.allocator = PageAllocator(num_pages)
         self.scheduler = BucketScheduler(self.max_len + 1, page_size, policy=policy, bucketing=bucketing,
-                                         online=online, max_rows=max_slots)
+                                         online=online, max_rows=max_slots, margin=margin)
         self.sampling = SamplingParams(float(temperature), int(top_k), float(top_p))  # a request's default
         self.sampling.check_vocab(config.vocab_size)
         # The options of the engine's programs; a group of rows replaces the per-request ones.
-        self.options = StepOptions(max_new_tokens, model.eos_token_ids, attention=attention)
+        self.options = StepOptions(max_new_tokens, () if ignore_eos else model.eos_token_ids, attention=attention)
         self._seeds = np.random.default_rng(seed)  # a request without a seed draws one from here
         # Early-exit and speculation options are static in the programs (each compiles its own):
         # at most `max_decoding_options` distinct ones, so that no client keeps the server compiling.
@@ -151,7 +155,7 @@ class Engine(Admission, Speculation, Lifecycle):
         self._lock = threading.RLock()
         # Across processes (jax.distributed): process 0's changes since the last step, which its
         # replicas apply before stepping with it (`serve.replicas`); None in one process.
-        self._changes: list | None = [] if jax.process_count() > 1 else None
+        self._changes: list | None = [] if jax.process_count() > 1 and not batch_job else None
         self._by_id: dict[int, Sequence] = {}
         self._pending = None  # (state, slot -> sequence) of the last dispatched step, not read yet
         # Decode steps of the program in flight (read after the next dispatch), and of the next.
@@ -164,115 +168,8 @@ class Engine(Admission, Speculation, Lifecycle):
 
         self.prometheus = ServeMetrics(config.num_layers)
         self.counters = {"steps": 0, "prefills": 0, "preemptions": 0, "generated_tokens": 0, "padding_tokens": 0,
-                         "prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "scheduler_s": 0.0, "step_s": 0.0}
-
-    # -- requests ------------------------------------------------------------------------------
-    def checked_exit(self, exit) -> ExitConfig | None:  # noqa: A002
-        """An early-exit option (ExitConfig or its CLI spelling) checked against the model."""
-        config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
-        if config is not None:
-            config, _ = exits.resolve_options(self.model.params, self.config, exit=config)
-        return config
-
-    def fresh_seed(self) -> int:
-        """A seed for a request that names none (drawn from the engine's own seed)."""
-        return int(self._seeds.integers(0, 2**31 - 1))
-
-    def submit(self, prompt, *, max_new_tokens: int = 64, priority: int = 0, exit=None,  # noqa: A002
-               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-               spec: SpecConfig | str | None = None, seed: int | None = None, choice: int = 0,
-               logprobs: int | None = None, stop=(), stop_token_ids=()) -> Sequence:
-        """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
-        engine's early-exit option for this request ("none" = full depth), `spec` ("E:d") decodes
-        it by self-speculation, `temperature`, `top_k`, `top_p` set its sampling (traced values:
-        a new setting compiles nothing). Sampled tokens depend only on the prompt,
-        the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`.
-        `logprobs` (0 to 20 alternatives) records each token's log-probability; `stop` (strings)
-        and `stop_token_ids` end the request like EOS does."""
-        spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec
-        if spec_config is not None:
-            if exit not in (None, "none"):
-                raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
-            if spec_config.adaptive and self._changes is not None:
-                raise EejaxError("adaptive speculation picks d from this process's timings; across processes use a "
-                                 "fixed E:d")
-            exits.resolve_options(self.model.params, self.config, spec=spec_config)
-            exit = "none"  # noqa: A001
-        default = self.sampling
-        sampling = SamplingParams(default.temperature if temperature is None else float(temperature),
-                                  default.top_k if top_k is None else int(top_k),
-                                  default.top_p if top_p is None else float(top_p))
-        sampling.check_vocab(self.config.vocab_size)
-        exit_config = self.exit_config if exit is None else (None if exit == "none" else self.checked_exit(exit))
-        if not 1 <= max_new_tokens <= self.max_new_tokens:
-            raise EejaxError(f"max_new_tokens must lie in [1, {self.max_new_tokens}], got {max_new_tokens}")
-        (ids,), _ = prompt_token_ids(self.model.tokenizer, [prompt] if isinstance(prompt, str) else [list(prompt)])
-        if self.encoder_decoder and len(ids) > self.max_prompt_tokens:
-            raise EejaxError(f"prompt of {len(ids)} tokens exceeds this engine's max_prompt_tokens "
-                             f"({self.max_prompt_tokens}: the encoder output each slot holds)")
-        if self._cache_prompt_len(ids) + max_new_tokens > self.max_len:
-            bound = (f"the model's context of {self.max_len} tokens" if self.max_len < self.cache_len else
-                     f"the {self.max_len} tokens a request may hold in this server's KV cache "
-                     f"({self.allocator.num_pages - 1} pages of {self.page_size} tokens, of which admission grants at "
-                     f"most 90%)")
-            prompt = "decoder start token" if self.encoder_decoder else f"prompt of {len(ids)} tokens"
-            raise EejaxError(f"{prompt} + {max_new_tokens} new tokens exceeds {bound}")
-        if max(ids) >= self.config.vocab_size or min(ids) < 0:
-            raise EejaxError(f"token ids must lie in [0, {self.config.vocab_size})")
-        if logprobs is not None and not 0 <= logprobs <= steps.TOP_LOGPROBS:
-            raise EejaxError(f"logprobs must lie in [0, {steps.TOP_LOGPROBS}], got {logprobs}")
-        stop, stop_token_ids = tuple(stop), tuple(int(t) for t in stop_token_ids)
-        if not all(isinstance(x, str) and x for x in stop):
-            raise EejaxError("stop strings must be non-empty strings")
-        if stop and self.model.tokenizer is None:
-            raise EejaxError("stop strings need a model with a tokenizer (use stop_token_ids)")
-        if any(not 0 <= t < self.config.vocab_size for t in stop_token_ids):
-            raise EejaxError(f"stop_token_ids must lie in [0, {self.config.vocab_size})")
-        if not 0 <= choice < 2**31:
-            raise EejaxError(f"choice must lie in [0, 2^31), got {choice}")
-        seed = self.fresh_seed() if seed is None else int(seed)
-        if not -(2**63) <= seed < 2**64:
-            raise EejaxError(f"seed must be a 64-bit integer, got {seed}")
-        key = np.asarray(jax.random.fold_in(seed_key(seed), choice))
-        with self._lock:
-            self._count_decoding_options(exit_config, spec_config)
-            seq = Sequence(next(self._ids), ids, max_new_tokens, priority, exit_config, sampling, spec_config, key,
-                           logprobs, stop, stop_token_ids)
-            self._queue(seq)
-            if self._changes is not None:
-                self._changes.append(replicas.submitted(seq))
-                self._by_id[seq.id] = seq
-        self._wake.set()
-        return seq
-
-    def _count_decoding_options(self, exit_config, spec_config) -> None:
-        """Adds a request's early-exit / speculation option to those served, or refuses a new one
-        past `max_decoding_options` (each compiles its own programs)."""
-        options = (exit_config, spec_config)
-        if options in self.decoding_options:
-            return
-        if len(self.decoding_options) >= self.max_decoding_options:
-            served = sorted("spec " + s.spec if s else "exit " + (e.spec if e else "none")
-                            for e, s in self.decoding_options)
-            raise EejaxError(f"this server compiles programs for at most {self.max_decoding_options} early-exit / "
-                             f"speculation options and has them all; use one of: {', '.join(served)}")
-        self.decoding_options.add(options)
-
-    def _queue(self, seq: Sequence) -> None:
-        """Hands `seq` (new, or preempted: its prompt then grows by the tokens it has) to the
-        scheduler, which counts the pages admission must find: all of them, or with `grow`,
-        those of the prompt and one token."""
-        prompt_len = self._cache_prompt_len(seq.prompt) + len(seq.tokens)
-        remaining = seq.max_new_tokens - len(seq.tokens)
-        request = Request(seq.id, prompt_len, 1 if self.grow else remaining, arrival=seq.submitted_at,
-                          priority=seq.priority)
-        self._requests[seq.id] = request
-        self.waiting[seq.id] = seq
-        self.scheduler.submit(request)
-
-    def _cache_prompt_len(self, prompt: list[int]) -> int:
-        """Positions a row's prompt takes in the cache: the prompt's, an encoder-decoder's start token."""
-        return 1 if self.encoder_decoder else len(prompt)
+                         "prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "scheduler_s": 0.0, "step_s": 0.0,
+                         "prefill_s": 0.0}
 
     def _empty_state(self):
         """The device state of empty slots (with room for an encoder-decoder's context)."""

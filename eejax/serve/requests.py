@@ -1,0 +1,127 @@
+"""Requests, a part of `Engine`: what `submit` checks before a request may queue (options,
+limits, token ids, stops, seeds), how many early-exit / speculation options the engine serves,
+and what the scheduler is told about a queued request. A mixin over the engine's state."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from eejax.decode import steps
+from eejax.decode.prompts import prompt_token_ids
+from eejax.decode.sampling import SamplingParams, seed_key
+from eejax.errors import EejaxError
+from eejax.models import exits
+from eejax.options import ExitConfig, SpecConfig
+from eejax.serve import replicas
+from eejax.serve.scheduler import Request
+from eejax.serve.sequence import Sequence
+
+
+class Requests:
+    def checked_exit(self, exit) -> ExitConfig | None:  # noqa: A002
+        """An early-exit option (ExitConfig or its CLI spelling) checked against the model."""
+        config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
+        if config is not None:
+            config, _ = exits.resolve_options(self.model.params, self.config, exit=config)
+        return config
+
+    def fresh_seed(self) -> int:
+        """A seed for a request that names none (drawn from the engine's own seed)."""
+        return int(self._seeds.integers(0, 2**31 - 1))
+
+    def submit(self, prompt, *, max_new_tokens: int = 64, priority: int = 0, exit=None,  # noqa: A002
+               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+               spec: SpecConfig | str | None = None, seed: int | None = None, choice: int = 0,
+               logprobs: int | None = None, stop=(), stop_token_ids=()) -> Sequence:
+        """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
+        engine's early-exit option for this request ("none" = full depth), `spec` ("E:d") decodes
+        it by self-speculation, `temperature`, `top_k`, `top_p` set its sampling (traced values:
+        a new setting compiles nothing). Sampled tokens depend only on the prompt,
+        the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`.
+        `logprobs` (0 to 20 alternatives) records each token's log-probability; `stop` (strings)
+        and `stop_token_ids` end the request like EOS does."""
+        spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec
+        if spec_config is not None:
+            if exit not in (None, "none"):
+                raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
+            if spec_config.adaptive and jax.process_count() > 1:
+                raise EejaxError("adaptive speculation picks d from this process's timings; across processes use a "
+                                 "fixed E:d")
+            exits.resolve_options(self.model.params, self.config, spec=spec_config)
+            exit = "none"  # noqa: A001
+        default = self.sampling
+        sampling = SamplingParams(default.temperature if temperature is None else float(temperature),
+                                  default.top_k if top_k is None else int(top_k),
+                                  default.top_p if top_p is None else float(top_p))
+        sampling.check_vocab(self.config.vocab_size)
+        exit_config = self.exit_config if exit is None else (None if exit == "none" else self.checked_exit(exit))
+        if not 1 <= max_new_tokens <= self.max_new_tokens:
+            raise EejaxError(f"max_new_tokens must lie in [1, {self.max_new_tokens}], got {max_new_tokens}")
+        (ids,), _ = prompt_token_ids(self.model.tokenizer, [prompt] if isinstance(prompt, str) else [list(prompt)])
+        if self.encoder_decoder and len(ids) > self.max_prompt_tokens:
+            raise EejaxError(f"prompt of {len(ids)} tokens exceeds this engine's max_prompt_tokens "
+                             f"({self.max_prompt_tokens}: the encoder output each slot holds)")
+        if self._cache_prompt_len(ids) + max_new_tokens > self.max_len:
+            bound = (f"the model's context of {self.max_len} tokens" if self.max_len < self.cache_len else
+                     f"the {self.max_len} tokens a request may hold in this server's KV cache "
+                     f"({self.allocator.num_pages - 1} pages of {self.page_size} tokens, of which admission grants at "
+                     f"most 90%)")
+            prompt = "decoder start token" if self.encoder_decoder else f"prompt of {len(ids)} tokens"
+            raise EejaxError(f"{prompt} + {max_new_tokens} new tokens exceeds {bound}")
+        if max(ids) >= self.config.vocab_size or min(ids) < 0:
+            raise EejaxError(f"token ids must lie in [0, {self.config.vocab_size})")
+        if logprobs is not None and not 0 <= logprobs <= steps.TOP_LOGPROBS:
+            raise EejaxError(f"logprobs must lie in [0, {steps.TOP_LOGPROBS}], got {logprobs}")
+        stop, stop_token_ids = tuple(stop), tuple(int(t) for t in stop_token_ids)
+        if not all(isinstance(x, str) and x for x in stop):
+            raise EejaxError("stop strings must be non-empty strings")
+        if stop and self.model.tokenizer is None:
+            raise EejaxError("stop strings need a model with a tokenizer (use stop_token_ids)")
+        if any(not 0 <= t < self.config.vocab_size for t in stop_token_ids):
+            raise EejaxError(f"stop_token_ids must lie in [0, {self.config.vocab_size})")
+        if not 0 <= choice < 2**31:
+            raise EejaxError(f"choice must lie in [0, 2^31), got {choice}")
+        seed = self.fresh_seed() if seed is None else int(seed)
+        if not -(2**63) <= seed < 2**64:
+            raise EejaxError(f"seed must be a 64-bit integer, got {seed}")
+        key = np.asarray(jax.random.fold_in(seed_key(seed), choice))
+        with self._lock:
+            self._count_decoding_options(exit_config, spec_config)
+            seq = Sequence(next(self._ids), ids, max_new_tokens, priority, exit_config, sampling, spec_config, key,
+                           logprobs, stop, stop_token_ids)
+            self._queue(seq)
+            if self._changes is not None:
+                self._changes.append(replicas.submitted(seq))
+                self._by_id[seq.id] = seq
+        self._wake.set()
+        return seq
+
+    def _count_decoding_options(self, exit_config, spec_config) -> None:
+        """Adds a request's early-exit / speculation option to those served, or refuses a new one
+        past `max_decoding_options` (each compiles its own programs)."""
+        options = (exit_config, spec_config)
+        if options in self.decoding_options:
+            return
+        if len(self.decoding_options) >= self.max_decoding_options:
+            served = sorted("spec " + s.spec if s else "exit " + (e.spec if e else "none")
+                            for e, s in self.decoding_options)
+            raise EejaxError(f"this server compiles programs for at most {self.max_decoding_options} early-exit / "
+                             f"speculation options and has them all; use one of: {', '.join(served)}")
+        self.decoding_options.add(options)
+
+    def _queue(self, seq: Sequence) -> None:
+        """Hands `seq` (new, or preempted: its prompt then grows by the tokens it has) to the
+        scheduler, which counts the pages admission must find: all of them, or with `grow`,
+        those of the prompt and one token."""
+        prompt_len = self._cache_prompt_len(seq.prompt) + len(seq.tokens)
+        remaining = seq.max_new_tokens - len(seq.tokens)
+        request = Request(seq.id, prompt_len, 1 if self.grow else remaining, arrival=seq.submitted_at,
+                          priority=seq.priority)
+        self._requests[seq.id] = request
+        self.waiting[seq.id] = seq
+        self.scheduler.submit(request)
+
+    def _cache_prompt_len(self, prompt: list[int]) -> int:
+        """Positions a row's prompt takes in the cache: the prompt's, an encoder-decoder's start token."""
+        return 1 if self.encoder_decoder else len(prompt)
