@@ -139,7 +139,7 @@ def test_tensor_parallel_decoding_moves_only_the_hidden_states(mesh_results):
     layer plus the embedding's, and the head's per-shard (max, index) pairs; nothing that grows
     with the context (the cache write and the attention run on each device's own KV heads)."""
     moved = next(r for r in mesh_results if r["name"] == "decode-collectives")
-    steps, layers, rows, hidden = 1, 4, 4, 32  # one step per program: 6 new tokens are too few for more
+    steps, layers, rows, hidden = 4, 4, 4, 32  # the first decode program: steps_per_dispatch steps
     assert moved["all-reduce"] == steps * (2 * layers + 1) * rows * hidden * 4
     assert moved["all-gather"] == steps * 2 * rows * 2 * 4  # float and int32 [rows, 2 shards]
     assert set(moved) == {"name", "all-reduce", "all-gather"}
