@@ -23,10 +23,10 @@ def test_engine_matches_generate_with_more_requests_than_slots(tiny_model):
         assert seq.finish_reason in ("stop", "length")
 
 
-def test_several_decode_steps_per_dispatch_while_nothing_waits(tiny_model):
-    """With no request waiting the engine runs `steps_per_dispatch` decode steps per program
-    (tokens stream in groups), and one per program while requests wait; tokens, exit layers and
-    stop strings are those of one step per dispatch."""
+def test_several_decode_steps_per_dispatch(tiny_model):
+    """The engine runs `steps_per_dispatch` decode steps per program (tokens stream in groups)
+    unless a waiting request could take a slot that a row's limit frees within it; tokens, exit
+    layers, finish reasons and pages are those of one step per dispatch."""
     prompts = random_prompts(6, [3, 17, 9, 30], seed=2)
     max_new = [19, 7, 23, 2, 11, 16]
     results = {}
@@ -38,7 +38,7 @@ def test_several_decode_steps_per_dispatch_while_nothing_waits(tiny_model):
         assert engine.metrics()["kv_pages_used"] == 0
         results[k] = [(s.tokens, s.exit_layers, s.finish_reason) for s in seqs], engine.counters["steps"]
     assert results[4][0] == results[1][0]
-    assert results[4][1] < results[1][1]  # dispatches (4 steps each only once nothing waits)
+    assert results[4][1] < 0.6 * results[1][1]  # dispatches
     # One request alone: every token of a 4-step program reaches its stream.
     engine = Engine(tiny_model, max_slots=2, max_new_tokens=24, cache_budget="4MiB", page_size=8)
     seq = engine.submit(prompts[2], max_new_tokens=23)

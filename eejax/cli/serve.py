@@ -131,9 +131,10 @@ def add_parsers(sub) -> None:
                      help="chunked prefill: at most TOKENS prompt tokens prefilled per engine step, between decode "
                      "steps, so that long prompts do not stall the running requests (default 0: whole prompts)")
     srv.add_argument("--steps-per-dispatch", type=positive_int, default=4, metavar="N",
-                     help="decode steps the engine runs in one device program while no request waits (default 4: "
-                     "one dispatch and one read per 4 tokens; streamed tokens then come 4 at a time). It runs 1 "
-                     "while requests wait or prefill, so admission is not delayed; 1 here: always one")
+                     help="decode steps the engine runs in one device program (default 4: one dispatch and one "
+                     "read per 4 tokens; streamed tokens then come 4 at a time). It runs 1 while a prompt "
+                     "prefills in chunks or a waiting request could take the slot of a row reaching its limit, "
+                     "so admission is not delayed; 1 here: always one")
     srv.add_argument("--no-prefix-caching", action="store_true",
                      help="do not share the KV pages of prompt prefixes between requests (shared by default: full "
                      "pages of prompt tokens are kept, least recently used evicted first)")

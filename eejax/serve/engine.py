@@ -215,14 +215,16 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.counters["step_s"] += time.perf_counter() - start
 
     def _steps_per_dispatch(self) -> int:
-        """Decode steps in the next program: `steps_per_dispatch` when no request waits for a
-        slot or is being prefilled and a row has that many tokens to go (one dispatch and one
-        read per several tokens), else 1, so that admission and chunked prefill come every step
-        and a row that ends frees its slot at once. A speculation round is one per dispatch."""
-        if self.waiting or self.prefilling:
+        """Decode steps in the next program: `steps_per_dispatch` (one dispatch and one read per
+        several tokens) unless a prompt is being prefilled (chunks come every step), or requests
+        wait and a row reaches its limit within the program (its slot and pages go to them at
+        once), or no row has that many tokens to go; else 1. (A row ending at EOS inside a
+        program keeps its slot to the program's end.) A speculation round is one per dispatch."""
+        if self.prefilling or not self.running:
             return 1
-        to_go = max((seq.max_new_tokens - len(seq.tokens) for seq in self.running.values()), default=0)
-        return self.steps_per_dispatch if to_go > self.steps_per_dispatch + self._steps_in_flight else 1
+        to_go = [seq.max_new_tokens - len(seq.tokens) for seq in self.running.values()]
+        enough = self.steps_per_dispatch + self._steps_in_flight
+        return self.steps_per_dispatch if (min(to_go) if self.waiting else max(to_go)) > enough else 1
 
     def _dispatch(self, table, group, options: StepOptions) -> None:
         """Dispatches one program of the slots in `group`: `options.num_steps` decode steps, or a
