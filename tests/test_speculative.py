@@ -292,20 +292,20 @@ def test_adaptive_generation_is_lossless(model, monkeypatch):
     assert 1 <= res.stats["mean_speculations"] <= 5
     # The rounds' wall times on a busy 2-core machine are noise at this size: the policy is fed
     # GPU-like costs instead (a draft pass 0.1, a verify 0.3 for any small d), so what it
-    # chooses depends only on the acceptance generate() reports to it.
-    observe = SpeculationPolicy.observe
+    # chooses depends only on the acceptance the engine reads back.
+    observe_times = SpeculationPolicy.observe_times
 
-    def gpu_like_costs(self, d, accepted, rejected, draft_s=None, verify_s=None, passes=None):
-        observe(self, d, accepted, rejected, 0.1 * (d + 1), 0.3, passes=d + 1)
+    def gpu_like_costs(self, d, draft_s, verify_s, passes=None):
+        observe_times(self, d, 0.1 * (d + 1), 0.3, passes=d + 1)
 
-    monkeypatch.setattr(SpeculationPolicy, "observe", gpu_like_costs)
+    monkeypatch.setattr(SpeculationPolicy, "observe_times", gpu_like_costs)
     perfect = perfect_drafts(model, 1)
     res = eejax.generate(perfect, PROMPTS, max_new_tokens=40, ignore_eos=True,
                          spec=SpecConfig(1, 1, adaptive=True, max_speculations=6))
     assert res.stats["mean_speculations"] > 2  # all accepted: the policy lengthens the rounds
     # CPU-like costs where no round pays: plain full-depth steps, a probe round every few, same tokens.
-    monkeypatch.setattr(SpeculationPolicy, "observe", lambda self, d, a, r, *t, passes=None: observe(
-        self, d, a, r, 1.0 * (d + 1), 1.0, passes=d + 1))
+    monkeypatch.setattr(SpeculationPolicy, "observe_times", lambda self, d, *t, passes=None: observe_times(
+        self, d, 1.0 * (d + 1), 1.0, passes=d + 1))
     res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
                          spec=SpecConfig(3, 2, adaptive=True, max_speculations=5))
     assert res.tokens == full.tokens

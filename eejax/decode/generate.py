@@ -116,7 +116,9 @@ def generate(
             f"KV cache budget {cache_budget} holds {max(budget_pages - 1, 0) * page_size} tokens; "
             f"prompt {longest} needs {in_cache[longest]} ({what} + {max_new_tokens} new)"
         )
-    slots = batch_bucket(min(batch_size or len(rows), len(rows)))
+    # Decode slots: all rows, padded to a batch bucket (few programs across calls), or exactly
+    # `batch_size` when it is given and smaller.
+    slots = batch_bucket(len(rows)) if batch_size is None or batch_size >= len(rows) else batch_size
     num_pages = min(budget_pages, 1 + bucket(slots * bucket(max(need))))
     engine = Engine(model, max_slots=slots, max_new_tokens=max_new_tokens, cache_budget=num_pages * per_page,
                     page_size=page_size, exit=exit_config, temperature=sampling.temperature, top_k=sampling.top_k,
