@@ -115,7 +115,7 @@ def paired_runs(run: Callable[[Any], Any], configs: list, repeats: int,
 def write_result(name: str, payload: dict) -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.write_text(json.dumps(payload, indent=2, default=lambda x: x.as_dict()) + "\n")  # as_dict: GenerateStats
     return path
 
 

@@ -1,6 +1,7 @@
 """`eejax.generate`: input forms, stopping, sampling, batching, cache budget, program count."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -65,6 +66,13 @@ def test_max_new_tokens_one_and_stats(tiny_model):
     assert s["generated_tokens"] == 36 and s["mean_layers_per_token"] == L and s["num_layers"] == L
     assert s["tokens_per_s"] > 0 and s["compile_s"] >= 0
     assert s["decode_tokens_per_s"] > 0 and 0 < s["prefill_s"] < s["run_s"] and s["exit"] == "full"
+    # A dataclass, read as attributes or as a mapping; the speculation fields only with spec=.
+    assert isinstance(s, eejax.GenerateStats) and s.generated_tokens == s["generated_tokens"] == 36
+    assert "acceptance_rate" not in s and s.acceptance_rate is None and json.loads(json.dumps(s.as_dict()))
+    with pytest.raises(KeyError, match="spec="):
+        s["acceptance_rate"]
+    spec = gen(tiny_model, spec="1:2").stats
+    assert 0 <= spec["acceptance_rate"] == spec.acceptance_rate <= 1 and "draft_pass_s" not in spec
 
 
 def test_sampling_is_seeded_and_filtered(tiny_model):

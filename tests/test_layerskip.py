@@ -2,8 +2,6 @@
 paged inference path, counted compute (dropped layers, heads evaluated), LoRA merging, early
 layers that learn, and resumable runs."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -60,7 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 prompts, result.texts, result.tokens, result.exit_layers, result.confident_layers
             )
         ]
-        json.dump({"outputs": outputs, "stats": stats}, sys.stdout)
+        json.dump({"outputs": outputs, "stats": stats.as_dict()}, sys.stdout)
         sys.stdout.write("\n")
         return 0
     for i, (p, t) in enumerate(zip(prompts, result.texts)):

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import numpy as np
 
 from eejax.cache import page_bytes, pages_for_budget, pages_needed
-from eejax.decode import cost
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
 from eejax.decode.sampling import SamplingParams
+from eejax.decode.stats import GenerateStats, generate_stats
 from eejax.errors import EejaxError
 from eejax.kernels.attention import IMPLS
 from eejax.models import exits
@@ -40,10 +39,7 @@ class GenerateResult:
     texts: list[str | None]
     exit_layers: list[list[int]]
     confident_layers: list[list[int]]
-    stats: dict[str, Any]
-
-
-SPEC_COUNTERS = ("drafted", "accepted", "rounds", "rejections", "layer_passes", "draft_heads", "plain_steps")
+    stats: GenerateStats
 
 
 def generate(
@@ -136,90 +132,6 @@ def generate(
     run_s = time.perf_counter() - start - compile_s
     out_tokens = [seq.tokens for seq in seqs]
     decoded = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer else None for t in out_tokens]
-    stats = _stats(model, engine, seqs, exit_config, spec_config, run_s, compile_s)
+    stats = generate_stats(model, engine, seqs, exit_config, spec_config, run_s, compile_s)
     return GenerateResult(texts, rows, out_tokens, decoded, [seq.exit_layers for seq in seqs],
                           [seq.confident_layers for seq in seqs], stats)
-
-
-def _stats(model, engine, seqs, exit_config, spec_config, run_s: float, compile_s: float) -> dict[str, Any]:
-    """`GenerateResult.stats`: speeds, layers and weights per token, and speculation's counts."""
-    config = model.config
-    out_layers = [seq.exit_layers for seq in seqs]
-    generated = sum(len(seq.tokens) for seq in seqs)
-    decoded_tokens = generated - sum(1 for seq in seqs if seq.tokens)  # the first token comes from prefill
-    prefill_s = engine.counters["prefill_s"]
-    decode_s = run_s - prefill_s
-    spec_totals = {name: sum(seq.spec_counters.get(name, 0) for seq in seqs) for name in SPEC_COUNTERS}
-    layers_run = sum(sum(x) for x in out_layers)
-    if spec_config is not None:  # draft and verify passes and plain steps, plus the prefill's first tokens
-        plain_and_first = spec_totals["plain_steps"] + sum(1 for seq in seqs if seq.tokens)
-        layers_run = spec_totals["layer_passes"] + config.num_layers * plain_and_first
-    weights_per_token = _weights_per_token(model, exit_config, spec_config, out_layers, spec_totals, decoded_tokens)
-    confident_sum = sum(sum(seq.confident_layers) for seq in seqs)
-    stats = {
-        "tokens_per_s": generated / run_s if run_s > 0 else float("nan"),
-        "generated_tokens": generated,
-        "decode_tokens_per_s": decoded_tokens / decode_s if decode_s > 0 and decoded_tokens else float("nan"),
-        "mean_layers_per_token": layers_run / generated if generated else 0.0,
-        "kv_fill_layers_per_token": (
-            config.num_layers - layers_run / generated if generated and spec_config is None else 0.0
-        ),
-        "mean_confident_layer": confident_sum / generated if generated else 0.0,
-        "weights_per_token": weights_per_token,
-        "ideal_speedup": cost.ideal_speedup(cost.WeightCounts.of(model.params, config), weights_per_token),
-        "num_layers": config.num_layers,
-        "exit": "full" if exit_config is None else exit_config.spec,
-        "spec": None if spec_config is None else spec_config.spec,
-        "run_s": run_s,
-        "prefill_s": prefill_s,
-        "compile_s": compile_s,
-        "compiled_programs": model.programs.num_programs,
-        "kv_cache_pages": engine.allocator.num_pages,
-        "page_size": engine.page_size,
-        "engine_steps": engine.counters["steps"],
-    }
-    if spec_config is not None:
-        t, policies = spec_totals, list(engine.policies.values())
-        speculations = [d for p in policies for d in p.chosen if d]  # rounds only; plain steps are counted apart
-        bonuses = [b for p in policies for b in p.bonuses]
-        stats.update(
-            acceptance_rate=t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
-            tokens_per_round=(decoded_tokens - t["plain_steps"]) / t["rounds"] if t["rounds"] else 0.0,
-            plain_step_rate=t["plain_steps"] / decoded_tokens if decoded_tokens else 0.0,
-            drafted_tokens=t["drafted"],
-            accepted_tokens=t["accepted"],
-            rounds=t["rounds"],
-            mean_speculations=float(np.mean(speculations)) if speculations else 0.0,
-            bonus_pass_rate=float(np.mean(bonuses)) if bonuses else 0.0,
-        )
-        timed = [p for p in policies if p.c_draft is not None]
-        if timed:  # adaptive: measured seconds per draft pass, and of a verify pass at the first d
-            stats["draft_pass_s"] = float(np.mean([p.c_draft for p in timed]))
-            stats["verify_pass_s"] = float(np.mean([p.c_verify(spec_config.num_speculations) for p in timed]))
-    return stats
-
-
-def _weights_per_token(model, exit_config, spec_config, exit_layers, spec_totals, decoded_tokens: int) -> float:
-    """Weights the decode tokens read per token, by the cost model (`eejax.decode.cost`); the
-    first token of each row comes from the prefill in every configuration and is left out."""
-    w = cost.WeightCounts.of(model.params, model.config)
-    if not decoded_tokens:
-        return float("nan")
-    if spec_config is not None:
-        t, e = spec_totals, spec_config.exit_layer
-        passes = (t["layer_passes"] - t["rounds"] * (w.num_layers - e)) / e
-        reduced = spec_config.uses_reduced_head(exits.has_reduced_head(model.params.get("exits")))
-        rounds = cost.spec_weights(w, e, passes, t["draft_heads"], t["rounds"], reduced)
-        return (rounds + t["plain_steps"] * w.full_depth) / decoded_tokens
-    if exit_config is None:
-        return w.full_depth
-    checks = exit_config.check_layers(w.num_layers)
-    reduced = exit_config.uses_reduced_head(exits.has_reduced_head(model.params.get("exits")))
-    per_layer = {}
-    total = 0.0
-    for row in exit_layers:
-        for e in row[1:]:
-            if e not in per_layer:
-                per_layer[e] = cost.exit_step_weights(w, exit_config, e, checks, *reduced)
-            total += per_layer[e]
-    return total / decoded_tokens
