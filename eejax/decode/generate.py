@@ -124,7 +124,8 @@ def generate(
     start = time.perf_counter()
     seqs = [engine.submit(r, max_new_tokens=max_new_tokens, spec=spec_config, seed=seed, choice=i)
             for i, r in enumerate(rows)]
-    engine.run()
+    while engine.busy:  # nano-vllm's loop: admit, dispatch, read back
+        engine.step()
     failed = [seq for seq in seqs if seq.finish_reason == "error"]
     if failed:
         raise EejaxError(f"generation failed for prompt {seqs.index(failed[0])}: {failed[0].error}")

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from eejax.cache import KVCache
 from eejax.options import StepOptions
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, filtered_logits, sample, token_keys
-from eejax.decode.steps import (DecodeState, decode, exit_logits, expand_logits, is_eos, record_logprobs,
-                                reduced_logits)
+from eejax.decode.state import DecodeState, is_eos, only_group, record_logprobs, ungrouped
+from eejax.decode.steps import decode, exit_logits, expand_logits, reduced_logits
 from eejax.models import exits
 from eejax.models.registry import model_module
 
@@ -250,3 +250,36 @@ def plain_step(params, cache: KVCache, state: DecodeState, counters: SpecCounter
     active = ~state.done
     state, cache = decode(params, cache, state, block_table, config=config, options=options.decoding())
     return state, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + active)
+
+
+def plain_step_slots(params, cache, state, counters, block_table, group, *, config, options: StepOptions):
+    """One full-depth decode step of the slots in `group` in place of a speculation round
+    (`speculative.plain_step`: counted). Returns (state, cache, counters)."""
+    masked, waiting = only_group(state, group)
+    new, cache, counters = plain_step(params, cache, masked, counters, block_table, config=config,
+                                                  options=options)
+    return ungrouped(new, waiting), cache, counters
+
+
+def draft_slots(params, cache, state, block_table, group, *, config, options: StepOptions):
+    """A round's drafts (`speculative.draft`) for the slots in `group`. Returns (drafts, cache)."""
+    drafts, _, cache = draft(params, cache, only_group(state, group)[0], block_table, config=config,
+                                         options=options.drafting())
+    return drafts, cache
+
+
+def verify_slots(params, cache, state, drafts, counters, block_table, group, *, config, options: StepOptions):
+    """A round's verification (`speculative.verify`) for the slots in `group`. Returns (state,
+    cache, counters)."""
+    masked, waiting = only_group(state, group)
+    new, cache, counters = verify(params, cache, masked, drafts, counters, block_table, config=config,
+                                              options=options.verifying())
+    return ungrouped(new, waiting), cache, counters
+
+
+def spec_round_slots(params, cache, state, counters, block_table, group, *, config, options: StepOptions):
+    """One self-speculation round (d drafts from layers [0, E), one verify pass of the rest) of
+    the slots in `group` that are not done, in one program; the others wait. Returns (state,
+    cache, counters)."""
+    drafts, cache = draft_slots(params, cache, state, block_table, group, config=config, options=options)
+    return verify_slots(params, cache, state, drafts, counters, block_table, group, config=config, options=options)

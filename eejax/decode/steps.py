@@ -1,8 +1,9 @@
-"""The jitted steps of generation: prefill and one decode token (full depth or early exit).
+"""The jitted steps of generation: prefill and decode tokens (full depth or early exit), over a
+batch of rows or into the serving engine's decode slots (`prefill_slots`, `decode_slots`).
 
-Both are pure functions of (params, cache, ...) returning the updated cache; the caller donates
-the cache so it is updated in place. `DecodeState` holds everything the token loop carries on
-device, so the host only checks `done` now and then.
+All are pure functions of (params, cache, ...) returning the updated cache; the caller donates
+the cache so it is updated in place. `DecodeState` (`state.py`) holds everything the token loop
+carries on device, so the host only reads it once per program.
 
 One implementation serves every architecture: `model_module(config)` gives the model's pure
 functions (`eejax.models.registry.ModelModule`): a decoder-only Llama, or the decoder of an
@@ -12,7 +13,6 @@ encoder-decoder T5 whose per-row cross-attention K/V ride in `DecodeState.contex
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,104 +21,11 @@ from eejax.cache import KVCache
 from eejax.options import StepOptions
 from eejax.decode.confidence import exit_threshold
 from eejax.decode.early_exit import ExitFns, early_exit_layers
-from eejax.decode.sampling import SAMPLE, RowSampling, SamplingParams, logprobs_of, row_keys, sample, token_keys
+from eejax.decode.sampling import SAMPLE, RowSampling, SamplingParams, row_keys, sample, token_keys
+from eejax.decode.state import (DecodeState, LogprobRecord, insert_rows, is_eos, only_group, record_logprobs,
+                                ungrouped)
 from eejax.models import exits
 from eejax.models.registry import model_module
-
-
-TOP_LOGPROBS = 20  # the most alternatives a row's log-prob record keeps (OpenAI's bound)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class LogprobRecord:
-    """Per generated token (see `sampling.logprobs_of` for which distribution):
-    chosen [B, N] f32: the token's log-probability; top_ids [B, N, K] int32 and top [B, N, K]
-    f32: the K = TOP_LOGPROBS most likely tokens and their log-probabilities."""
-
-    chosen: jax.Array
-    top_ids: jax.Array
-    top: jax.Array
-
-    @classmethod
-    def zeros(cls, rows: int, max_new_tokens: int) -> LogprobRecord:
-        shape = (rows, max_new_tokens)
-        return cls(jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (TOP_LOGPROBS,), jnp.int32),
-                   jnp.zeros(shape + (TOP_LOGPROBS,), jnp.float32))
-
-
-def token_logprobs(logits, tokens, rows: RowSampling, sampler: str):
-    """logits [B, T, V], tokens [B, T] -> (chosen [B, T], top_ids [B, T, K], top [B, T, K])."""
-    shape = tokens.shape
-    per_token = jax.tree.map(lambda x: jnp.repeat(x, shape[1]), rows)  # [B * T]
-    lp = logprobs_of(logits.reshape(-1, logits.shape[-1]), per_token, sampler)
-    chosen = jnp.take_along_axis(lp, tokens.reshape(-1, 1), axis=-1)[:, 0]
-    top, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
-    pad = ((0, 0), (0, TOP_LOGPROBS - top.shape[-1]))  # a vocabulary smaller than the record
-    top, top_ids = jnp.pad(top, pad, constant_values=-jnp.inf), jnp.pad(top_ids, pad)
-    return (chosen.reshape(shape), top_ids.astype(jnp.int32).reshape(shape + (TOP_LOGPROBS,)),
-            top.reshape(shape + (TOP_LOGPROBS,)))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class DecodeState:
-    """Per-row generation state, all on device.
-
-    last_token [B] int32: the newest token, not yet in the cache
-    seq_len [B] int32:    tokens already in the cache
-    num_generated [B]:    tokens produced so far (EOS included)
-    done [B] bool:        row finished (EOS, its limit, or padding row)
-    tokens [B, N] int32:  generated ids (N = max_new_tokens, the record's width)
-    exit_layers [B, N]:   layers run for each token (the batch's exit layer)
-    confident_layers [B, N]: the row's first confident layer (the exit layer if none)
-    keys [B, 2] uint32:   each row's PRNG key; token t is drawn with `token_keys(keys, t, ...)`
-    start [B] int32:      tokens the request generated before this state took it over (the
-                          engine recomputes a preempted row; 0 in `generate`): the absolute
-                          index of a row's token i is start + i
-    limit [B] int32:      the row's own max new tokens counted from `start` (<= N); the
-                          decaying exit threshold runs over start + limit
-    sampling:             each row's temperature / top-k / top-p (`RowSampling`, traced)
-    context:              per-row model state besides the KV cache (T5: `t5_attention.CrossKV`; Llama: None)
-    logprobs:             a `LogprobRecord`, or None when nobody asks for log-probabilities
-    """
-
-    last_token: jax.Array
-    seq_len: jax.Array
-    num_generated: jax.Array
-    done: jax.Array
-    tokens: jax.Array
-    exit_layers: jax.Array
-    confident_layers: jax.Array
-    keys: jax.Array
-    start: jax.Array
-    limit: jax.Array
-    sampling: RowSampling
-    context: Any = None
-    logprobs: LogprobRecord | None = None
-
-    @property
-    def position(self):
-        """[B] the absolute index of each row's next token."""
-        return self.start + self.num_generated
-
-
-def record_logprobs(state: DecodeState, logits, tokens, idx, emitted, sampler: str):
-    """`state.logprobs` with the scores of tokens [B, T] (logits [B, T, V]) written at record
-    indices idx [B, T] where `emitted` [B, T]; unchanged when there is no record."""
-    if state.logprobs is None:
-        return None
-    idx = jnp.where(emitted, idx, state.tokens.shape[1])  # out of range: dropped
-    rows = jnp.arange(tokens.shape[0])[:, None]
-    scores = token_logprobs(logits, tokens, state.sampling, sampler)
-    return jax.tree.map(lambda buf, new: buf.at[rows, idx].set(new, mode="drop"), state.logprobs,
-                        LogprobRecord(*scores))
-
-
-def is_eos(tokens, eos_ids: tuple[int, ...]):
-    if not eos_ids:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
 
 
 def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=None, limit=None, sampling=None,
@@ -334,3 +241,22 @@ def decode_steps(params, cache: KVCache, state: DecodeState, block_table, *, con
     if options.num_steps == 1:
         return body(0, (state, cache))
     return jax.lax.fori_loop(0, options.num_steps, body, (state, cache))
+
+
+def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, keys, start, limit, sampling, offset,
+                  *, config, options: StepOptions):
+    """Prefills right-padded prompts into decode slots `slots` [b] of `state`: tokens [b, T] are
+    positions offset..lengths-1 of each row (offset [b]: a shared prefix already cached), with
+    the rows' keys [b, 2], start [b] (tokens generated before, recomputed), limit [b] (max new
+    tokens from there) and sampling (`RowSampling` [b]). Returns (state, cache)."""
+    new, cache = prefill(params, cache, tokens, lengths, block_table, keys, start, limit, sampling, offset,
+                               config=config, options=options)
+    return insert_rows(state, new, slots), cache
+
+
+def decode_slots(params, cache, state, block_table, group, *, config, options: StepOptions):
+    """`options.num_steps` decode steps of the slots in `group` [S] bool that are not done (the
+    others wait: they run with their own options in another program)."""
+    masked, waiting = only_group(state, group)
+    new, cache = decode_steps(params, cache, masked, block_table, config=config, options=options)
+    return ungrouped(new, waiting), cache

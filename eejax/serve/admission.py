@@ -15,7 +15,7 @@ import numpy as np
 from eejax.cache import pages_needed, prefix_keys
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.sampling import RowSampling, SamplingParams
-from eejax.decode.slots import prefill_slots
+from eejax.decode.steps import prefill_slots
 from eejax.errors import OutOfPagesError
 from eejax.options import StepOptions
 from eejax.serve.scheduler import Request, preemption_victim

@@ -39,7 +39,8 @@ from eejax.options import ExitConfig, StepOptions
 from eejax.decode import speculative
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.sampling import SamplingParams
-from eejax.decode.slots import decode_slots, empty_state
+from eejax.decode.state import empty_state
+from eejax.decode.steps import decode_slots
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models.registry import model_module
 from eejax.serve.admission import Admission

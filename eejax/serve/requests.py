@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from eejax.decode import steps
+from eejax.decode.state import TOP_LOGPROBS
 from eejax.decode.prompts import prompt_token_ids
 from eejax.decode.sampling import SamplingParams, seed_key
 from eejax.errors import EejaxError
@@ -71,8 +71,8 @@ class Requests:
             raise EejaxError(f"{prompt} + {max_new_tokens} new tokens exceeds {bound}")
         if max(ids) >= self.config.vocab_size or min(ids) < 0:
             raise EejaxError(f"token ids must lie in [0, {self.config.vocab_size})")
-        if logprobs is not None and not 0 <= logprobs <= steps.TOP_LOGPROBS:
-            raise EejaxError(f"logprobs must lie in [0, {steps.TOP_LOGPROBS}], got {logprobs}")
+        if logprobs is not None and not 0 <= logprobs <= TOP_LOGPROBS:
+            raise EejaxError(f"logprobs must lie in [0, {TOP_LOGPROBS}], got {logprobs}")
         stop, stop_token_ids = tuple(stop), tuple(int(t) for t in stop_token_ids)
         if not all(isinstance(x, str) and x for x in stop):
             raise EejaxError("stop strings must be non-empty strings")

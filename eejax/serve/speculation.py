@@ -13,7 +13,7 @@ import jax
 
 from eejax.decode import cost
 from eejax.decode.sampling import GREEDY
-from eejax.decode.slots import draft_slots, plain_step_slots, spec_round_slots, verify_slots
+from eejax.decode.speculative import draft_slots, plain_step_slots, spec_round_slots, verify_slots
 from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.models import exits
 from eejax.options import StepOptions
