@@ -18,6 +18,7 @@ from eejax.config import T5Config
 from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import early_exit
 from eejax.decode.control_flow import control_flow
+from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.models import exits
 from eejax.models import t5
 from eejax.serve.engine import Engine
@@ -62,6 +63,10 @@ def assert_cuda_modules(texts: dict[str, list[str]], lowered_count: int):
 @fresh_process_only
 def test_llama_programs_lower_for_cuda(monkeypatch):
     model = eejax.init_exits(tiny(num_layers=4), classifier=True)
+    # Rounds that never pay (a draft pass as dear as a verify): the adaptive run takes plain steps.
+    observe_times = SpeculationPolicy.observe_times
+    monkeypatch.setattr(SpeculationPolicy, "observe_times",
+                        lambda self, d, *t, passes=None: observe_times(self, d, 1.0 * (d + 1), 1.0, passes=d + 1))
     runs = [dict(), dict(temperature=0.8, top_k=5, seed=1), dict(exit="softmax:0.3"), dict(exit="static:2"),
             dict(exit="state:0.5"), dict(exit="classifier:0.5"), dict(spec="2:2"), dict(spec="1:3:adaptive"),
             dict(spec="2:2", temperature=0.7, seed=2)]

@@ -219,13 +219,16 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         """Decode steps in the next program: `steps_per_dispatch` (one dispatch and one read per
         several tokens) unless a prompt is being prefilled (chunks come every step), or requests
         wait and a row reaches its limit within the program (its slot and pages go to them at
-        once), or no row has that many tokens to go; else 1. (A row ending at EOS inside a
-        program keeps its slot to the program's end.) A speculation round is one per dispatch."""
+        once), or (serving) no row has that many tokens to go: its last tokens would wait for
+        the program's idle steps. (A row ending at EOS inside a program keeps its slot to the
+        program's end.) A speculation round is one per dispatch."""
         if self.prefilling or not self.running:
             return 1
         to_go = [seq.max_new_tokens - len(seq.tokens) for seq in self.running.values()]
         enough = self.steps_per_dispatch + self._steps_in_flight
-        return self.steps_per_dispatch if (min(to_go) if self.waiting else max(to_go)) > enough else 1
+        if self.waiting:
+            return self.steps_per_dispatch if min(to_go) > enough else 1
+        return self.steps_per_dispatch if self.batch_job or max(to_go) > enough else 1
 
     def _dispatch(self, table, group, options: StepOptions) -> None:
         """Dispatches one program of the slots in `group`: `options.num_steps` decode steps, or a
