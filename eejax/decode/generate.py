@@ -2,8 +2,8 @@
 preallocated paged KV cache: a thin offline loop over the serving engine's steps.
 
 The prompts are submitted to an `Engine` sized for the call (slots for `batch_size` rows, the
-pages they need); rows enter free slots as others finish (continuous batching), each decode
-program runs several steps while nothing waits, and the host reads one program behind.
+pages they need); rows enter free slots as others finish (continuous batching), a decode
+program runs several steps, and the host reads one program behind (`serve/engine.py`).
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ as a full-depth decode would have used. Positions a row can never emit (beyond i
 are written to the null page, so a row never writes past the pages of prompt + limit tokens.
 Random draws are per row and position (`sampling.token_keys`): a row's sampled tokens do not
 depend on the rest of the batch.
+
+The engine runs these over a group of its decode slots while the others wait (`*_slots`): a
+whole round in one program (`spec_round_slots`), or, when the policy times them, draft and
+verify apart, or a plain step in place of a round.
 """
 
 from __future__ import annotations
@@ -254,26 +258,25 @@ def plain_step(params, cache: KVCache, state: DecodeState, counters: SpecCounter
 
 def plain_step_slots(params, cache, state, counters, block_table, group, *, config, options: StepOptions):
     """One full-depth decode step of the slots in `group` in place of a speculation round
-    (`speculative.plain_step`: counted). Returns (state, cache, counters)."""
+    (`plain_step`: counted). Returns (state, cache, counters)."""
     masked, waiting = only_group(state, group)
-    new, cache, counters = plain_step(params, cache, masked, counters, block_table, config=config,
-                                                  options=options)
+    new, cache, counters = plain_step(params, cache, masked, counters, block_table, config=config, options=options)
     return ungrouped(new, waiting), cache, counters
 
 
 def draft_slots(params, cache, state, block_table, group, *, config, options: StepOptions):
-    """A round's drafts (`speculative.draft`) for the slots in `group`. Returns (drafts, cache)."""
+    """A round's drafts (`draft`) for the slots in `group`. Returns (drafts, cache)."""
     drafts, _, cache = draft(params, cache, only_group(state, group)[0], block_table, config=config,
-                                         options=options.drafting())
+                             options=options.drafting())
     return drafts, cache
 
 
 def verify_slots(params, cache, state, drafts, counters, block_table, group, *, config, options: StepOptions):
-    """A round's verification (`speculative.verify`) for the slots in `group`. Returns (state,
-    cache, counters)."""
+    """A round's verification (`verify`) for the slots in `group`. Returns (state, cache,
+    counters)."""
     masked, waiting = only_group(state, group)
     new, cache, counters = verify(params, cache, masked, drafts, counters, block_table, config=config,
-                                              options=options.verifying())
+                                  options=options.verifying())
     return ungrouped(new, waiting), cache, counters
 
 

@@ -125,11 +125,11 @@ def empty_state(slots: int, max_new_tokens: int, context=None) -> DecodeState:
     """Slots that are all done; `context`: the slots' (an encoder-decoder's `empty_context`)."""
     zeros = jnp.zeros((slots,), jnp.int32)
     record = jnp.zeros((slots, max_new_tokens), jnp.int32)
-    return DecodeState(last_token=zeros, seq_len=zeros, num_generated=zeros,
-                             done=jnp.ones((slots,), bool), tokens=record, exit_layers=record,
-                             confident_layers=record, keys=jnp.zeros((slots, 2), jnp.uint32), start=zeros,
-                             limit=zeros, sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(), slots)),
-                             logprobs=LogprobRecord.zeros(slots, max_new_tokens), context=context)
+    return DecodeState(last_token=zeros, seq_len=zeros, num_generated=zeros, done=jnp.ones((slots,), bool),
+                       tokens=record, exit_layers=record, confident_layers=record,
+                       keys=jnp.zeros((slots, 2), jnp.uint32), start=zeros, limit=zeros,
+                       sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(), slots)),
+                       logprobs=LogprobRecord.zeros(slots, max_new_tokens), context=context)
 
 
 def only_group(state, group):

@@ -250,7 +250,7 @@ def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, key
     the rows' keys [b, 2], start [b] (tokens generated before, recomputed), limit [b] (max new
     tokens from there) and sampling (`RowSampling` [b]). Returns (state, cache)."""
     new, cache = prefill(params, cache, tokens, lengths, block_table, keys, start, limit, sampling, offset,
-                               config=config, options=options)
+                         config=config, options=options)
     return insert_rows(state, new, slots), cache
 
 

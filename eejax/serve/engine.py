@@ -3,17 +3,20 @@ iteration-level (continuous) batching, jitted programs drawn from a bounded set 
 
 Each `step()`: finished rows leave (their pages return), the scheduler admits waiting requests
 into free slots (a bucketed prefill writes their prompts' K/V and their first token into the
-slot state), and one decode step runs for every slot. The host never waits for a step it just
-dispatched: it dispatches step k + 1, then reads step k's tokens (one step behind), so host work
-overlaps device work; a row that finished at step k idles through step k + 1.
+slot state), and one program runs for each group of slots with the same options: several
+decode steps (`steps_per_dispatch`), or one when admission would wait on them, or a
+speculation round. The host never waits for a program it just dispatched: it dispatches program
+k + 1, then reads program k's tokens (one program behind), so host work overlaps device work; a
+row that finished in program k idles through program k + 1. `generate` is this loop run to the
+end over a batch job (`batch_job=True`). Llama and T5 (its slots keep the rows' cross K/V).
 
 Per-request max_new_tokens, the absolute position of a row's tokens and its PRNG key ride on
 device in the `DecodeState` (`limit`, `start`, `keys`), so a request decodes as `generate` with
 its own options decodes it (its λ(t) schedule, its seed), whatever else shares the slots; the
 programs are compiled for the engine's `max_new_tokens` (their record width).
 
-Pages: a row's pages always cover every position the step being dispatched can write, the step
-still in flight counted (`Engine._span`); writes past a row's block table go to the null page.
+Pages: a row's pages always cover every position the program being dispatched can write, the
+program still in flight counted (`Engine._span`); writes past a row's block table go to the null page.
 A request is accepted only if admission could start it in an empty cache (`max_len`).
 
 Faults: a program that raises fails only the requests it ran for (finish reason "error"); lost
@@ -118,7 +121,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         # Chunked prefill: at most this many prompt tokens are prefilled per step (oldest
         # admission first), between the decode steps of the running rows; None: whole prompts.
         self.prefill_chunk = prefill_chunk
-        # Decode steps per program while nothing waits (`_steps_per_dispatch`); 1: one per step.
+        # Decode steps per program (`_steps_per_dispatch` falls back to 1); 1: always one.
         self.steps_per_dispatch = int(steps_per_dispatch)
         per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
         num_pages = pages_for_budget(cache_budget, per_page)
@@ -146,7 +149,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.decoding_options: set = {(self.exit_config, None)}
         self.state = self._empty_state()
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
-        self.policies: dict = {}  # (spec, sampler) -> SpeculationPolicy of the rows that speculate so
+        self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
         self.block_table = np.zeros((max_slots, self.table_width), np.int32)
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.prefilling: dict[int, Sequence] = {}  # slot -> admitted sequence whose prompt is not all cached yet
