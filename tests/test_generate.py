@@ -66,6 +66,7 @@ def test_max_new_tokens_one_and_stats(tiny_model):
     assert s["generated_tokens"] == 36 and s["mean_layers_per_token"] == L and s["num_layers"] == L
     assert s["tokens_per_s"] > 0 and s["compile_s"] >= 0
     assert s["decode_tokens_per_s"] > 0 and 0 < s["prefill_s"] < s["run_s"] and s["exit"] == "full"
+    assert s["engine_steps"] == 3  # 11 decode tokens: three 4-step programs, none after the one that ends them
     # A dataclass, read as attributes or as a mapping; the speculation fields only with spec=.
     assert isinstance(s, eejax.GenerateStats) and s.generated_tokens == s["generated_tokens"] == 36
     assert "acceptance_rate" not in s and s.acceptance_rate is None and json.loads(json.dumps(s.as_dict()))

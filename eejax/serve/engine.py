@@ -203,7 +203,9 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
             if self.grow:
                 self._grow()
             pending = self._pending
-            if self.running:
+            # Nothing to dispatch when the program in flight ends every running row at its limit.
+            dispatch = any(self._to_make(seq) > 0 for seq in self.running.values())
+            if dispatch:
                 table = self._table()
                 # One program per (early exit, sampler, speculation, log-probs) option among the
                 # running rows (usually one); the other rows wait through it.
@@ -212,11 +214,21 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
                     group = np.zeros((self.slots,), bool)
                     group[[seq.slot for seq in members]] = True
                     self._guarded(members, self._dispatch, table, jnp.asarray(group), options)
+            # Read next step even without a dispatch: a row's last tokens may be on device unread.
             self._pending = (self.state, dict(self.running), self.spec_counters) if self.running else None
-            self._steps_in_flight = self._next_steps
+            self._steps_in_flight = self._next_steps if dispatch else 0  # 0: nothing in flight
             if pending is not None:
                 self._read(*pending)
         self.counters["step_s"] += time.perf_counter() - start
+
+    def _to_make(self, seq: Sequence) -> int:
+        """Tokens a running row still has to make beyond those it surely has: read back, the
+        prefill's first token, and those of the program in flight (its decode steps, at least
+        one per speculation round)."""
+        made = len(seq.tokens) + (len(seq.tokens) == seq.offset)
+        if self._steps_in_flight and self._pending is not None and self._pending[1].get(seq.slot) is seq:
+            made += 1 if seq.spec is not None else self._steps_in_flight
+        return seq.max_new_tokens - made
 
     def _steps_per_dispatch(self) -> int:
         """Decode steps in the next program: `steps_per_dispatch` (one dispatch and one read per
