@@ -209,8 +209,10 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
                 table = self._table()
                 # One program per (early exit, sampler, speculation, log-probs) option among the
                 # running rows (usually one); the other rows wait through it.
-                for options in {self._options(seq): None for seq in self.running.values()}:
-                    members = [seq for seq in self.running.values() if self._options(seq) == options]
+                groups: dict = {}
+                for seq in self.running.values():
+                    groups.setdefault(self._options(seq), []).append(seq)
+                for options, members in groups.items():
                     group = np.zeros((self.slots,), bool)
                     group[[seq.slot for seq in members]] = True
                     self._guarded(members, self._dispatch, table, jnp.asarray(group), options)
