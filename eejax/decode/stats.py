@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -15,13 +16,13 @@ SPEC_COUNTERS = ("drafted", "accepted", "rounds", "rejections", "layer_passes", 
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerateStats:
+class GenerateStats(Mapping):
     """The whole call's numbers. Speeds exclude compilation; `decode_tokens_per_s` also the
     prefills (the first token of a row comes from its prefill). Layers and weights per token
     count every layer run, KV fill, exit head and draft (`eejax.decode.cost`); `ideal_speedup`
     is full depth's weights over these. The speculation fields are None without `spec`, the
     measured pass times None unless it was adaptive. Read as attributes or as a mapping
-    (`stats["tokens_per_s"]`; `as_dict()` for JSON, without the fields that are None)."""
+    (`stats["tokens_per_s"]`, `{**stats}`; `as_dict()` for JSON: the fields that are not None)."""
 
     tokens_per_s: float
     generated_tokens: int
@@ -64,11 +65,11 @@ class GenerateStats:
         except KeyError:
             raise KeyError(f"{name!r} is not in these stats (speculation fields need spec=)") from None
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.as_dict()
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
 
-    def get(self, name: str, default=None):
-        return self.as_dict().get(name, default)
+    def __len__(self) -> int:
+        return len(self.as_dict())
 
 
 def generate_stats(model, engine, seqs, exit_config, spec_config, run_s: float, compile_s: float) -> GenerateStats:

@@ -92,19 +92,25 @@ def _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, 
 
 def reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *,
                               scale=None, bias_table=None, bias: RelativePositionBias | None = None):
-    """jnp reference: gathers only the row's `M` pages of this layer (one gather, no layer copy)."""
+    """jnp reference: gathers only the row's `M` pages of this layer (one gather, no layer copy).
+
+    A step with few queries per row over many rows (decode, a verify pass) computes its scores
+    and outputs as products summed over a gathered axis, which XLA fuses with the page gather
+    into one loop over the keys; otherwise as batched matmuls (prefill), see `_few_queries`."""
     b, t, hq, dh = q.shape
     _, hkv, _, s, _ = k_cache.shape
     m = block_table.shape[1]
     group = hq // hkv
-    # One gather of this layer's pages: [Hkv, B, M, S, Dh] -> [Hkv, B, M*S, Dh]. Batch dims
-    # (Hkv, B) lead and Dh is minor, so both matmuls below run without transposing the keys.
-    heads = jnp.arange(hkv)[:, None, None]
-    k = k_cache[layer, heads, block_table[None]].reshape(hkv, b, m * s, dh)
-    v = v_cache[layer, heads, block_table[None]].reshape(hkv, b, m * s, dh)
+    # Batch dims (Hkv, B) lead and Dh is minor: [Hkv, B, M*S, Dh] keys, [Hkv, B, T*G, Dh] queries.
+    k, v = _layer_pages(k_cache, layer, block_table), _layer_pages(v_cache, layer, block_table)
     qg = q.reshape(b, t, hkv, group, dh).transpose(2, 0, 1, 3, 4).reshape(hkv, b, t * group, dh)
     scale = dh**-0.5 if scale is None else scale
-    scores = jnp.einsum("kbqd,kbsd->kbqs", qg, k, preferred_element_type=jnp.float32) * scale
+    few = _few_queries(b, t * group, k_cache.dtype)
+    if few:
+        scores = jnp.sum(qg[:, :, :, None] * k[:, :, None], axis=-1)
+    else:
+        scores = jnp.einsum("kbqd,kbsd->kbqs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * scale
     key_pos = jnp.arange(m * s, dtype=jnp.int32)
     if bias_table is not None:
         buckets = relative_position_bucket(key_pos[None, None, :] - q_positions[:, :, None], bias)  # [B, T, K]
@@ -119,6 +125,31 @@ def reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positio
     # Rows with no valid key would give NaN; they get zeros instead.
     scores = jnp.where(mask, scores, jnp.where(has_key, -jnp.inf, 0.0))
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("kbqs,kbsd->kbqd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    if few:
+        out = jnp.sum(probs[..., None] * v[:, :, None], axis=3)
+    else:
+        out = jnp.einsum("kbqs,kbsd->kbqd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = jnp.where(has_key, out, 0.0)
     return out.reshape(hkv, b, t, group, dh).transpose(1, 2, 0, 3, 4).reshape(b, t, hq, dh).astype(q.dtype)
+
+
+def _layer_pages(cache, layer, block_table):
+    """[L, Hkv, P, S, Dh] cache -> [Hkv, B, M*S, Dh]: the pages of `block_table` [B, M] in one
+    layer, gathered as whole rows of a [L*Hkv*P, S*Dh] view (a row per page and head, which
+    XLA copies ~1.4x faster on CPU than an index per axis)."""
+    _, hkv, num_pages, s, dh = cache.shape
+    b, m = block_table.shape
+    rows = (layer * hkv + jnp.arange(hkv)[:, None, None]) * num_pages + block_table[None]  # [Hkv, B, M]
+    return cache.reshape(-1, s * dh)[rows].reshape(hkv, b, m * s, dh)
+
+
+def _few_queries(rows: int, queries_per_row: int, dtype) -> bool:
+    """Whether scores and outputs are computed as summed products instead of batched matmuls:
+    many rows with few queries each (query heads x tokens <= 16), float32. On a 2-core CPU
+    (SmolLM2's 9/3 heads, 320 keys, 30 layers) that takes attention from 100 to 61 ms at 32
+    rows, 28 to 19 ms at 8 and 12 to 10 at 4 (a decode step at batch 32 and 384 keys: 199 ->
+    144 ms, `benchmarks/kernels.py --cpu-share`); the batched matmuls stay faster below 4 rows
+    and for prefill. bf16 keeps the matmuls: with summed products its verify pass (3 queries)
+    rounded differently for another table width, and a bf16 self-speculation test then left
+    full depth's tokens."""
+    return rows >= 4 and queries_per_row <= 16 and jnp.dtype(dtype) == jnp.float32
