@@ -17,13 +17,13 @@ control flow (one host read per step or round, for the tokens, in every configur
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import cnndm_prompts  # noqa: E402
+from eejax.cli_parsing import OneLineErrorParser  # noqa: E402
 
 CONFIGS = (  # (model, exit option)
     ("smollm2-135m-layerskip", "softmax:0.9"),  # checks at the trained exits 8, 12, 15, 18, 22 (reduced head)
@@ -54,7 +54,7 @@ def round_trips_per_step(bounds, exit_layer: int, *, measure: str, reduced_check
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=160)

@@ -49,6 +49,8 @@ def build_case(rng, lengths, q_len, page_size, hq, hkv, d, layers=2, layer=1):
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_paged_attention_matches_dense(page_size, hq, hkv, q_len):
+    """Six rows: up to 16 query heads x tokens per row take the summed products, 8 heads x 5
+    tokens the batched matmuls (`attention._few_queries`); a row of length 0 gives zeros."""
     rng = np.random.default_rng(page_size * 100 + hq * 10 + q_len)
     lengths = [0, 1, page_size, page_size + 1, 3 * page_size - 1, 7]
     q, kc, vc, table, q_pos, rows_k, rows_v = build_case(rng, lengths, q_len, page_size, hq, hkv, 16)
