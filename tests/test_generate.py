@@ -70,6 +70,7 @@ def test_max_new_tokens_one_and_stats(tiny_model):
     # A dataclass, read as attributes or as a mapping; the speculation fields only with spec=.
     assert isinstance(s, eejax.GenerateStats) and s.generated_tokens == s["generated_tokens"] == 36
     assert "acceptance_rate" not in s and s.acceptance_rate is None and json.loads(json.dumps(s.as_dict()))
+    assert {**s} == dict(s) == s.as_dict() and len(s) == len(s.as_dict()) and s.get("rounds", 0) == 0
     with pytest.raises(KeyError, match="spec="):
         s["acceptance_rate"]
     spec = gen(tiny_model, spec="1:2").stats
