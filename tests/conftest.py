@@ -70,9 +70,9 @@ UNIT_FIRST = ("test_allocator.py", "test_scheduler.py", "test_buckets.py", "test
               "test_attention.py")
 
 
-# The files that take longest (a cold run, 2026-11-24: ~100-200 s of one worker each)
-# start right after the unit tests, so that the two workers end together instead of one running
-# a long file alone at the end.
+# The files that take longest (a cold run, 2026-11-24: ~100-200 s of one worker each) start
+# right after the unit tests, so that no long file is left to run alone at the end (a clean-clone
+# run measured no change in wall time: 935 s before, 947 s after).
 SLOW_FIRST = ("test_smollm2.py", "test_sharding.py", "test_engine.py", "test_engine_property.py", "test_http.py",
               "test_speculative.py", "test_t5.py", "test_gpu_lowering.py")
 
