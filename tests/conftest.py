@@ -24,6 +24,11 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # an entry another worker is still writing, and deserialising half an executable segfaults
 # (seen once in the suite: tests/test_gpu_lowering.py reading what a test_speculative.py worker wrote).
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+# Two test workers share the machine's cores: torch's OpenMP threads, spinning beside the other
+# worker's XLA threads, made the HF parity test of test_smollm2.py 3x slower (60 s, 20 s with one
+# thread; 2 cores). A worker's torch (and the processes it starts) runs one thread.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
