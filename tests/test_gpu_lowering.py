@@ -1,6 +1,7 @@
 """Every program eejax compiles, lowered for CUDA on this CPU machine (reference attention):
 generate at full depth, sampling, each early-exit measure (KV fill included), self-speculation
-(draft, verify, plain rounds, the adaptive policy), T5, and the engine's slot programs.
+(draft, verify, plain rounds, the adaptive policy) and T5: the engine's slot programs, which
+`generate` runs (a serving engine compiles the same functions at its own slot count).
 
 Not covered here: jax-triton's custom call, which only its CUDA jaxlib plugin can build (jax_triton
 does not import without one); the kernel itself is compiled for sm_80 / sm_90 by test_triton_aot."""
@@ -21,7 +22,6 @@ from eejax.decode.control_flow import control_flow
 from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.models import exits
 from eejax.models import t5
-from eejax.serve.engine import Engine
 from tests.helpers import random_prompts
 from tests.test_speculative import tiny
 
@@ -72,10 +72,6 @@ def test_llama_programs_lower_for_cuda(monkeypatch):
             dict(spec="2:2", temperature=0.7, seed=2)]
     for kw in runs:
         eejax.generate(model, PROMPTS, max_new_tokens=6, ignore_eos=True, **kw)
-    engine = Engine(model, max_slots=2, max_new_tokens=8, cache_budget="1MiB", page_size=8)
-    for kw in (dict(), dict(exit="softmax:0.3"), dict(spec="2:2"), dict(temperature=0.9, seed=4)):
-        engine.submit(PROMPTS[0], max_new_tokens=5, **kw)
-    engine.run()
     for static in (False, True):  # the CPU's loop structure, and the GPU's (`early_exit.static_loops`)
         monkeypatch.setattr(early_exit, "static_loops", lambda static=static: static)
         texts = lowered_for_cuda(model)
