@@ -44,9 +44,10 @@ for kv in (4, 1):
     base = eejax.Model(c, model_module(c).init_params(c, jax.random.PRNGKey(1), scale=0.3))
     every = (dict(), dict(exit="softmax:0.05"), dict(exit="state:0.7"), dict(exit="static:2"), dict(spec="2:2"))
     some = (dict(), dict(exit="softmax:0.05"), dict(spec="2:2"))
-    # Every option at tensor 2 x data 2 (both axes at once); fewer on the other meshes.
-    meshes = {(2, 2): every, (2, 1): some, (4, 1): (dict(), dict(spec="2:2")), (1, 2): ({},)} if kv == 4 else \
-        {(2, 1): some, (4, 1): ({},), (1, 2): ({},), (2, 2): ({},)}
+    # Every option at tensor 2 x data 2 (both axes at once); fewer on the other meshes. With one
+    # KV head (replicated over tensor), tensor meshes only: splitting rows over data is the same.
+    meshes = {(2, 2): every, (2, 1): some, (4, 1): (dict(spec="2:2"),), (1, 2): ({},)} if kv == 4 else \
+        {(2, 1): some[:2], (4, 1): ({},)}
     for (t, d), options in meshes.items():
         for kw in options:
             model, want = check(f"llama-kv{kv}", base, make_mesh(t, d), **kw)
@@ -112,7 +113,7 @@ def mesh_results():
 
 def test_sharded_decoding_gives_one_devices_tokens_and_exit_layers(mesh_results):
     runs = [r for r in mesh_results if "options" in r]
-    assert len(runs) == 21
+    assert len(runs) == 17
     assert [r for r in runs if not (r["same"] and r["same_layers"])] == []
     assert any(r["exited"] < 4 for r in runs if "exit" in r["options"])  # early exits ran on the mesh
     assert [r["same"] for r in mesh_results if r["name"].startswith(("engine", "smollm2"))] == [True] * 5

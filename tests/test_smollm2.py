@@ -69,7 +69,7 @@ def test_early_exit_that_never_fires_equals_full_depth(smollm2):
         assert res.stats["mean_layers_per_token"] == 30
 
 
-@pytest.mark.parametrize("rows,specs", [(1, ["12:3", "12:3:reduced"]), (8, ["15:2:reduced"])],
+@pytest.mark.parametrize("rows,specs", [(1, ["12:3"]), (8, ["15:2:reduced"])],
                          ids=["batch1", "padded-batch8"])
 def test_self_speculation_equals_full_depth(smollm2, smollm2_reduced, rows, specs):
     # (More E:d settings run on the tiny models in test_speculative.py; these are the real model's,
