@@ -146,7 +146,7 @@ def check_params(config, params, where: str) -> None:
         return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
     want = shapes(expected)
-    have = shapes({k: v for k, v in params.items() if k != "exits"})
+    have = shapes({k: v for k, v in params.items() if k not in ("exits", "draft")})
     for name in sorted(want.keys() | have.keys()):
         if name not in have:
             problem = f"weights {name} are missing"
@@ -160,6 +160,10 @@ def check_params(config, params, where: str) -> None:
     if "exits" in params:
         exits.check_exits(params["exits"], config)
         exits.check_reduced_head(params, config.tie_embeddings)
+    if params.get("draft"):
+        from eejax.models import draft_head
+
+        draft_head.check_draft(params["draft"], config)
 
 
 def _first_line(error: Exception) -> str:

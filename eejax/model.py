@@ -58,12 +58,17 @@ class Model:
         from eejax.cache import init_cache
 
         c = self.config
-        cache = init_cache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, self.dtype)
+        cache = init_cache(self.cache_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, self.dtype)
         if self.mesh is None:
             return cache
         from eejax.sharding import cache_sharding
 
         return jax.device_put(cache, cache_sharding(c, self.mesh))
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers of the paged KV cache: the model's, and one more for a draft head's K/V."""
+        return self.config.num_layers + bool(self.params.get("draft"))
 
     def logical_axes(self) -> dict:
         """The logical axis names of every array in `params`, a tree of `PartitionSpec`s like it:
@@ -75,6 +80,10 @@ class Model:
         specs = model_module(self.config).logical_axes(self.config)
         if self.params.get("exits"):
             specs["exits"] = exits.logical_axes(self.params["exits"], self.config.tie_embeddings)
+        if self.params.get("draft"):
+            from eejax.models import draft_head
+
+            specs["draft"] = draft_head.logical_axes(self.config)
         return specs
 
     @property

@@ -171,10 +171,13 @@ MAX_SPECULATIONS = 64  # drafts per round: each is a pass of E layers, their K/V
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """Self-speculative decoding (LayerSkip): draft with the first `exit_layer` layers and the
-    exit head, verify with the rest.
+    """Speculative decoding, lossless: self-speculation (LayerSkip: draft with the first
+    `exit_layer` layers and the exit head, verify with the rest), or a trained draft head on the
+    model's features (`draft_head`, EAGLE: verify with every layer).
 
-    exit_layer:        E, the draft layers (1 <= E < num_layers).
+    exit_layer:        E, the draft layers (1 <= E < num_layers); 0 with a draft head.
+    draft_head:        draft with the checkpoint's draft head (`params["draft"]`, eejax
+                       train-draft); spelled `draft:d` or `draft:d:adaptive`.
     num_speculations:  d, drafts per round (the first round's d when adaptive).
     adaptive:          choose d per round from the measured acceptance rate and the measured
                        cost of a draft pass vs a verify pass, or a plain full-depth step while
@@ -194,14 +197,22 @@ class SpecConfig:
     max_speculations: int = 8
     head: str = "auto"
     bonus: bool | None = None
+    draft_head: bool = False
 
     def __post_init__(self):
+        if self.draft_head not in (True, False):
+            raise EejaxError(f"speculation draft_head must be True or False, got {self.draft_head!r}")
+        if self.draft_head and self.exit_layer != 0:
+            raise EejaxError(f"a draft head drafts from the model's last features: its exit_layer is 0, "
+                             f"got {self.exit_layer!r}")
         if self.bonus not in (None, True, False):
             raise EejaxError(f"speculation bonus must be True, False or None (decided per round), got {self.bonus!r}")
         if self.head not in HEADS:
             raise EejaxError(f"speculation head must be one of {', '.join(HEADS)}, got {self.head!r}")
         for name in ("exit_layer", "num_speculations", "max_speculations"):
             value = getattr(self, name)
+            if name == "exit_layer" and self.draft_head:
+                continue
             if isinstance(value, bool) or int(value) != value or value < 1:
                 raise EejaxError(f"speculation {name} must be an integer >= 1, got {value!r}")
         for name in ("num_speculations", "max_speculations"):
@@ -215,13 +226,17 @@ class SpecConfig:
 
     @property
     def spec(self) -> str:
-        """The CLI spelling: `E:d`, or `E:d:adaptive` (d is then the first round's)."""
-        return f"{self.exit_layer}:{self.num_speculations}" + (":adaptive" if self.adaptive else "")
+        """The CLI spelling: `E:d`, `draft:d`, with `:adaptive` (d is then the first round's)."""
+        drafter = "draft" if self.draft_head else self.exit_layer
+        return f"{drafter}:{self.num_speculations}" + (":adaptive" if self.adaptive else "")
 
     def uses_reduced_head(self, has_reduced: bool) -> bool:
         return self.head == "reduced" or (self.head == "auto" and has_reduced)
 
-    def check_model(self, num_layers: int, has_reduced: bool = False) -> None:
+    def check_model(self, num_layers: int, has_reduced: bool = False, has_draft: bool = False) -> None:
+        if self.draft_head and not has_draft:
+            raise EejaxError("speculation draft:d needs a draft head in the checkpoint (params['draft']); train "
+                             "one with eejax train-draft, or load a model that ships one (smollm2-135m-eagle)")
         if self.head == "reduced" and not has_reduced:
             raise EejaxError("this speculation asks for the reduced-vocabulary exit head, which the checkpoint does "
                              "not have; add one with eejax exit-vocab (or use head='full')")
@@ -233,15 +248,18 @@ class SpecConfig:
 
     @classmethod
     def parse(cls, spec: str, **kw) -> SpecConfig:
-        """`E:d` (d drafts per round) or `E:d:adaptive`."""
+        """`E:d` (d drafts per round from the first E layers), `draft:d` (from the draft head), or
+        either with `:adaptive`."""
         parts = spec.split(":")
         if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "adaptive"):
-            raise EejaxError(f"cannot read speculation {spec!r}; expected E:d or E:d:adaptive (e.g. 12:4)")
+            raise EejaxError(f"cannot read speculation {spec!r}; expected E:d, draft:d or either with :adaptive "
+                             "(e.g. 12:4, draft:4)")
+        head = parts[0] == "draft"
         try:
-            e, d = int(parts[0]), int(parts[1])
+            e, d = 0 if head else int(parts[0]), int(parts[1])
         except ValueError:
-            raise EejaxError(f"cannot read speculation {spec!r}: E and d must be integers (e.g. 12:4)") from None
-        return cls(e, d, adaptive=len(parts) == 3, **kw)
+            raise EejaxError(f"cannot read speculation {spec!r}: E and d must be integers (e.g. 12:4, draft:4)") from None
+        return cls(e, d, adaptive=len(parts) == 3, draft_head=head, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,8 +311,16 @@ class StepOptions:
     def round(self, num_speculations: int, bonus: bool = False) -> StepOptions:
         """A speculation round of d = `num_speculations` drafts: only the draft layers, d, the
         draft head and `bonus` of `spec` matter to its programs (not adaptive, max, or bonus policy)."""
-        spec = SpecConfig(self.spec.exit_layer, num_speculations, head=self.spec.head)
+        spec = SpecConfig(self.spec.exit_layer, num_speculations, head=self.spec.head, draft_head=self.spec.draft_head)
+        bonus = bonus and not spec.draft_head  # a draft head's round always scores d + 1 positions
         return dataclasses.replace(self, exit=None, spec=spec, bonus=bonus, num_steps=1)
+
+    def plain(self) -> StepOptions:
+        """What a plain step in place of a round reads: with a draft head, that it keeps the
+        draft's K/V (a verification of no drafts); else a full-depth decode step (`decoding`)."""
+        if self.spec is not None and self.spec.draft_head:
+            return self.round(1)
+        return self.decoding()
 
     def drafting(self) -> StepOptions:
         """What a round's draft program reads: no limits, EOS or log-probs (`round` first)."""

@@ -74,7 +74,7 @@ def prefilled(model, prompts, max_new_tokens=8, temperature=0.0, pages_per_row=4
         tokens[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
     table = jnp.asarray(1 + np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row))
-    cache = init_cache(c.num_layers, 1 + b * pages_per_row, page_size, c.num_kv_heads, c.head_dim, model.dtype)
+    cache = init_cache(model.cache_layers, 1 + b * pages_per_row, page_size, c.num_kv_heads, c.head_dim, model.dtype)
     state, cache = steps.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table,
                                  jax.random.PRNGKey(0), sampling=RowSampling.of(SamplingParams(temperature), b),
                                  config=c, options=StepOptions(max_new_tokens, sampler=SamplingParams(temperature).sampler))

@@ -8,7 +8,9 @@ K/V projections of the L - E skipped layers (KV fill), one exit head per confide
 reduced head of K rows, or the full head; a classifier's D weights), and the head of its token
 (no extra one when the last softmax check used the full head). A self-speculation round with
 d drafts reads P passes of the E draft layers (P = d + 1 with the bonus pass), d draft heads,
-the L - E verify layers and the full head once, and emits the tokens it accepted.
+the L - E verify layers and the full head once, and emits the tokens it accepted. A draft head's
+round (E = 0) reads its d draft heads, d passes of the draft module (d - 1 drafts and one
+catch-up over the verified positions) and all L layers and the full head once.
 
 `ideal speed-up = full-depth weights per token / the configuration's weights per token`, and a
 measured speed-up divided by it is the **machinery efficiency**: how much of what skipping
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from eejax.options import ExitConfig
@@ -32,7 +35,8 @@ class WeightCounts:
 
     layer: one decoder layer; kv: one layer's K/V projections and input norm (KV fill);
     head: final norm + LM head; reduced_head: the reduced exit head's rows (0 without one);
-    adapter: one exit adapter (0 without); classifier: one exit classifier; num_layers: L.
+    adapter: one exit adapter (0 without); classifier: one exit classifier; num_layers: L;
+    draft: the draft head's fc and decoder layer (0 without one).
     """
 
     layer: float
@@ -42,6 +46,7 @@ class WeightCounts:
     adapter: float
     classifier: float
     num_layers: int
+    draft: float = 0.0
 
     @classmethod
     def of(cls, params, config) -> WeightCounts:
@@ -56,7 +61,8 @@ class WeightCounts:
         reduced = int(np.prod(e["vocab_head"].shape)) if "vocab_head" in e else 0
         return cls(layer=per_layer, kv=kv, head=config.vocab_size * config.hidden_size + config.hidden_size,
                    reduced_head=reduced + config.hidden_size * bool(reduced), adapter=adapter,
-                   classifier=classifier, num_layers=L)
+                   classifier=classifier, num_layers=L,
+                   draft=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params.get("draft") or {})))
 
     @property
     def full_depth(self) -> float:
@@ -87,18 +93,20 @@ def exit_step_weights(w: WeightCounts, config: ExitConfig, exit_layer: int, chec
 
 
 def spec_weights(w: WeightCounts, exit_layer: int, passes: float, draft_heads: float, rounds: float,
-                 reduced_drafts: bool) -> float:
-    """Weights read by self-speculation rounds at E = `exit_layer`: `passes` draft passes of E
-    layers, `draft_heads` draft-head evaluations and `rounds` verify passes (the other layers
-    and the full head)."""
-    draft_pass, draft_head, verify = spec_unit_weights(w, exit_layer, reduced_drafts)
+                 reduced_drafts: bool, draft_module: bool = False) -> float:
+    """Weights read by speculation rounds at E = `exit_layer`: `passes` draft passes (of E
+    layers, or of the draft head's module), `draft_heads` draft-head evaluations and `rounds`
+    verify passes (the other layers and the full head)."""
+    draft_pass, draft_head, verify = spec_unit_weights(w, exit_layer, reduced_drafts, draft_module)
     return passes * draft_pass + draft_heads * draft_head + rounds * verify
 
 
-def spec_unit_weights(w: WeightCounts, exit_layer: int, reduced_drafts: bool) -> tuple[float, float, float]:
-    """Weights of one draft pass (E layers), one draft head, one verify pass (L - E layers and
-    the full head)."""
-    return exit_layer * w.layer, w.exit_head(reduced_drafts), (w.num_layers - exit_layer) * w.layer + w.head
+def spec_unit_weights(w: WeightCounts, exit_layer: int, reduced_drafts: bool,
+                      draft_module: bool = False) -> tuple[float, float, float]:
+    """Weights of one draft pass (E layers, or the draft head's fc and layer), one draft head,
+    one verify pass (L - E layers and the full head)."""
+    draft_pass = w.draft if draft_module else exit_layer * w.layer
+    return draft_pass, w.exit_head(reduced_drafts), (w.num_layers - exit_layer) * w.layer + w.head
 
 
 def ideal_speedup(w: WeightCounts, weights_per_token: float) -> float:

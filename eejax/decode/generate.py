@@ -100,7 +100,7 @@ def generate(
     # The cache holds a Llama's prompt and new tokens, a T5 decoder's start and new tokens (its
     # prompt is the encoder's). A speculation round may draft past max_new_tokens; those
     # positions go to the null page.
-    per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
+    per_page = page_bytes(model.cache_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
     budget_pages = pages_for_budget(cache_budget, per_page)
     encoder_decoder = model_module(config).ENCODER_DECODER
     in_cache = [(1 if encoder_decoder else len(r)) + max_new_tokens for r in rows]

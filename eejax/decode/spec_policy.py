@@ -158,6 +158,8 @@ class SpeculationPolicy:
         return choice
 
     def _bonus_choice(self, d: int) -> bool:
+        if self.spec.draft_head:  # its rounds always verify d + 1 positions (no pass to choose)
+            return True
         if self.spec.bonus is not None:
             return self.spec.bonus
         if self.sampled:  # a sampled row's tokens depend on where rounds start: keep them batch-independent

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from eejax.cache import KVCache
 from eejax.options import StepOptions
+from eejax.decode import feature_draft
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, filtered_logits, sample, token_keys
 from eejax.decode.state import DecodeState, is_eos, only_group, record_logprobs, ungrouped
 from eejax.decode.steps import decode, exit_logits, expand_logits, reduced_logits
@@ -101,6 +102,8 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
     emits up to d + 1 tokens instead of d). Returns (drafts, state, cache); the state is
     unchanged."""
     spec, sampler, attention, bonus = options.spec, options.sampler, options.attention, options.bonus
+    if spec.draft_head:
+        return feature_draft.draft(params, cache, state, block_table, config=config, options=options)
     e, m = spec.exit_layer, model_module(config)
     exit_params = params.get("exits")
     reduced = spec.uses_reduced_head(exits.has_reduced_head(exit_params))
@@ -178,7 +181,7 @@ def speculative_sample(p, q, drafts, accept_keys, resample_keys):
     n = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
     rows = jnp.arange(b)
     p_n = p[rows, jnp.minimum(n, positions - 1)]  # n = P = d: nothing more is emitted
-    q_n = jnp.where((n < d)[:, None], q[rows, jnp.minimum(n, d - 1)], 0.0)
+    q_n = jnp.where((n < d)[:, None], q[rows, jnp.minimum(n, d - 1)], 0.0) if d else jnp.zeros_like(p_n)
     residual = jnp.maximum(p_n - q_n, 0.0)
     total = residual.sum(-1, keepdims=True)
     # p_n == q_n leaves no residual mass; a rejection then has probability 0, keep p_n.
@@ -220,7 +223,8 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
     emitted = offsets[None] < count[:, None]
     rows = jnp.arange(b)[:, None]
     idx = jnp.where(emitted, state.num_generated[:, None] + offsets[None], options.max_new_tokens)  # dropped
-    layers = jnp.where(offsets[None] < n[:, None], e, num_layers)  # accepted drafts came from layer E
+    # accepted drafts came from layer E (a draft head's from the draft: 0 of the model's layers)
+    layers = jnp.where(offsets[None] < n[:, None], e, num_layers)
 
     num_generated = state.num_generated + count
     new_state = dataclasses.replace(
@@ -234,6 +238,8 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
         confident_layers=state.confident_layers.at[rows, idx].set(layers, mode="drop"),
         logprobs=record_logprobs(state, logits, new, idx, emitted, sampler) if options.logprobs else state.logprobs,
     )
+    if options.spec.draft_head:  # the draft's K/V of the verified positions, from the model's features
+        new_state, cache = feature_draft.catch_up(params, cache, state, new_state, h, new, count, batch, config)
     judged = jnp.where(active, jnp.minimum(d, room), 0)  # drafts past the row's room never count
     new_counters = SpecCounters(
         drafted=counters.drafted + judged,
@@ -251,6 +257,8 @@ def plain_step(params, cache: KVCache, state: DecodeState, counters: SpecCounter
                options: StepOptions):
     """One full-depth decode token (`steps.decode`) in place of a round, when speculation does
     not pay (`spec_policy`); counted in `counters.plain_steps`. Returns (state, cache, counters)."""
+    if options.spec is not None and options.spec.draft_head:
+        return feature_draft.plain_step(params, cache, state, counters, block_table, config=config, options=options)
     active = ~state.done
     state, cache = decode(params, cache, state, block_table, config=config, options=options.decoding())
     return state, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + active)

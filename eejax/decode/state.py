@@ -67,6 +67,8 @@ class DecodeState:
     sampling:             each row's temperature / top-k / top-p (`RowSampling`, traced)
     context:              per-row model state besides the KV cache (T5: `t5_attention.CrossKV`; Llama: None)
     logprobs:             a `LogprobRecord`, or None when nobody asks for log-probabilities
+    draft_hidden [B, D] f32: with a draft head (`feature_draft`), its output at the row's last
+                          cached position (its guess of the feature of last_token); else None
     """
 
     last_token: jax.Array
@@ -82,6 +84,7 @@ class DecodeState:
     sampling: RowSampling
     context: Any = None
     logprobs: LogprobRecord | None = None
+    draft_hidden: jax.Array | None = None
 
     @property
     def position(self):
@@ -121,15 +124,17 @@ def insert_rows(state: DecodeState, new: DecodeState, slots):
     return dataclasses.replace(state, **rows)
 
 
-def empty_state(slots: int, max_new_tokens: int, context=None) -> DecodeState:
-    """Slots that are all done; `context`: the slots' (an encoder-decoder's `empty_context`)."""
+def empty_state(slots: int, max_new_tokens: int, context=None, draft_width: int = 0) -> DecodeState:
+    """Slots that are all done; `context`: the slots' (an encoder-decoder's `empty_context`);
+    `draft_width`: a draft head's feature width D (0: no draft head)."""
     zeros = jnp.zeros((slots,), jnp.int32)
     record = jnp.zeros((slots, max_new_tokens), jnp.int32)
     return DecodeState(last_token=zeros, seq_len=zeros, num_generated=zeros, done=jnp.ones((slots,), bool),
                        tokens=record, exit_layers=record, confident_layers=record,
                        keys=jnp.zeros((slots, 2), jnp.uint32), start=zeros, limit=zeros,
                        sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(), slots)),
-                       logprobs=LogprobRecord.zeros(slots, max_new_tokens), context=context)
+                       logprobs=LogprobRecord.zeros(slots, max_new_tokens), context=context,
+                       draft_hidden=jnp.zeros((slots, draft_width), jnp.float32) if draft_width else None)
 
 
 def only_group(state, group):

@@ -139,9 +139,10 @@ def _weights_per_token(model, exit_config, spec_config, exit_layers, spec_totals
         return float("nan")
     if spec_config is not None:
         t, e = spec_totals, spec_config.exit_layer
-        passes = (t["layer_passes"] - t["rounds"] * (w.num_layers - e)) / e
+        # a draft head runs its module once per draft head (d - 1 drafts and the catch-up)
+        passes = t["draft_heads"] if spec_config.draft_head else (t["layer_passes"] - t["rounds"] * (w.num_layers - e)) / e
         reduced = spec_config.uses_reduced_head(exits.has_reduced_head(model.params.get("exits")))
-        rounds = cost.spec_weights(w, e, passes, t["draft_heads"], t["rounds"], reduced)
+        rounds = cost.spec_weights(w, e, passes, t["draft_heads"], t["rounds"], reduced, spec_config.draft_head)
         return (rounds + t["plain_steps"] * w.full_depth) / decoded_tokens
     if exit_config is None:
         return w.full_depth

@@ -24,12 +24,13 @@ from eejax.decode.early_exit import ExitFns, early_exit_layers
 from eejax.decode.sampling import SAMPLE, RowSampling, SamplingParams, row_keys, sample, token_keys
 from eejax.decode.state import (DecodeState, LogprobRecord, insert_rows, is_eos, only_group, record_logprobs,
                                 ungrouped)
-from eejax.models import exits
+from eejax.decode import feature_draft
+from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
 
 
 def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=None, limit=None, sampling=None,
-            offset=None, *, config, options: StepOptions):
+            offset=None, next_token=None, *, config, options: StepOptions):
     """Runs all layers over right-padded prompts and samples the first new token.
 
     tokens [B, T] int32, lengths [B] int32 (0 = padding row), block_table [B, M] int32; offset
@@ -39,8 +40,10 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
     one PRNG key (row i then draws with fold_in(key, i)) or per-row keys [B, 2]; start [B] (the
     absolute index of each row's first new token; default 0), limit [B] (each row's max new
     tokens; default options.max_new_tokens, the record's width), sampling: the rows'
-    `RowSampling` (default greedy); `options` (`StepOptions.prefilling`): the first token's
-    sampler, EOS ids, attention, and whether a `LogprobRecord` is kept.
+    `RowSampling` (default greedy); next_token [B] (with a draft head): the prompt token after
+    this chunk, or -1 where the prompt ends in it (default); `options` (`StepOptions.prefilling`):
+    the first token's sampler, EOS ids, attention, and whether a `LogprobRecord` is kept. With a
+    draft head the draft's K/V of the prompt is written too (`feature_draft.prompt_draft`).
     Returns (DecodeState, cache). A T5 encodes the prompts and decodes its first token.
     """
     max_new_tokens, sampler = options.max_new_tokens, options.sampler
@@ -66,6 +69,11 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
     padding = lengths == 0
     first = jnp.where(padding, 0, first)
     done = padding | is_eos(first, options.eos_ids) | (limit <= 1)
+    draft_hidden = None
+    if draft_head.has_draft(params):
+        next_token = jnp.full((b,), -1, jnp.int32) if next_token is None else next_token
+        draft_hidden, cache = feature_draft.prompt_draft(params, cache, h, tokens, lengths, offset, first, next_token,
+                                                         batch, config)
     out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
     exit_layers = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(config.num_layers)
     state = DecodeState(
@@ -81,6 +89,7 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
         limit=limit,
         sampling=sampling,
         logprobs=record,
+        draft_hidden=draft_hidden,
     )
     scores = record_logprobs(state, logits[:, None], first[:, None], jnp.zeros((b, 1), jnp.int32),
                              ~padding[:, None], sampler)
@@ -244,13 +253,14 @@ def decode_steps(params, cache: KVCache, state: DecodeState, block_table, *, con
 
 
 def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, keys, start, limit, sampling, offset,
-                  *, config, options: StepOptions):
+                  next_token=None, *, config, options: StepOptions):
     """Prefills right-padded prompts into decode slots `slots` [b] of `state`: tokens [b, T] are
     positions offset..lengths-1 of each row (offset [b]: a shared prefix already cached), with
     the rows' keys [b, 2], start [b] (tokens generated before, recomputed), limit [b] (max new
-    tokens from there) and sampling (`RowSampling` [b]). Returns (state, cache)."""
+    tokens from there), sampling (`RowSampling` [b]) and with a draft head next_token [b] (see
+    `prefill`). Returns (state, cache)."""
     new, cache = prefill(params, cache, tokens, lengths, block_table, keys, start, limit, sampling, offset,
-                         config=config, options=options)
+                         next_token, config=config, options=options)
     return insert_rows(state, new, slots), cache
 
 

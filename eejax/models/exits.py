@@ -236,7 +236,7 @@ def resolve_options(params, config, exit=None, spec=None):  # noqa: A002
                 and (exit.min_exit_layer, exit.every) == (1, 1):
             exit = dataclasses.replace(exit, exit_layers=trained)  # noqa: A001
     if spec is not None:
-        spec.check_model(config.num_layers, has_reduced_head(e))
+        spec.check_model(config.num_layers, has_reduced_head(e), bool(params.get("draft")))
     return exit, spec
 
 

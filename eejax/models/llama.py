@@ -148,13 +148,21 @@ class Llama(nn.Module):
     def logits(self, h, weight=None):
         """Final norm + head: [..., D] -> float32 [..., V]; `weight` replaces the head's matrix in
         its own layout ([K, D] tied, [D, K] untied): a reduced head gives [..., K]."""
-        x = self.norm(h)
+        return self.head(self.norm(h), weight)
+
+    def head(self, x, weight=None):
+        """The LM head alone (no final norm): [..., D] -> float32 [..., V] (or [..., K])."""
         return self.embedder.attend(x, weight) if self.unembed is None else self.unembed(x, weight)
 
-    def __call__(self, tokens, lengths):
+    def features(self, tokens, lengths):
+        """The no-cache forward up to the head's input: tokens [B, T], lengths [B] -> the final
+        norm's output [B, T, D] (a draft head's features, `draft_head`)."""
         _, valid, cos, sin = _dense_positions(self.config, tokens, lengths)
         h = scan_layers(self.layers, self.embed(tokens), cos, sin, valid, length=self.config.num_layers)
-        return self.logits(h)
+        return self.norm(h)
+
+    def __call__(self, tokens, lengths):
+        return self.head(self.features(tokens, lengths))
 
 
 def _dense_positions(config: LlamaConfig, tokens, lengths):

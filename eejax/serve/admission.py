@@ -106,6 +106,7 @@ class Admission:
         longest = bucket(max(end for _, end in work), MIN_PROMPT_BUCKET)
         tokens = np.zeros((b, t), np.int32)
         lengths, start, limit, offset = (np.zeros((b,), np.int32) for _ in range(4))
+        next_token = np.full((b,), -1, np.int32)  # a draft head's token after the chunk (-1: the prompt ends)
         keys = np.zeros((b, 2), np.uint32)
         slots = np.full((b,), self.slots, np.int32)  # padding rows and unfinished prompts: dropped
         table = np.zeros((b, self._prefill_width(longest)), np.int32)
@@ -115,12 +116,14 @@ class Admission:
             tokens[j, : end - seq.prefilled] = prompt[seq.prefilled:end]
             lengths[j], start[j], limit[j] = end, seq.offset, seq.max_new_tokens - seq.offset
             keys[j], offset[j] = seq.key, seq.prefilled
+            if end < len(prompt):
+                next_token[j] = prompt[end]
             slots[j] = seq.slot if end == len(prompt) else self.slots
             table[j] = self.block_table[seq.slot, : table.shape[1]]
             # The prefill writes positions prefilled.. only, into pages no one shares.
             assert all(self.allocator.writable(p) for p in seq.pages[seq.prefilled // self.page_size:]), seq.id
         program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, offset,
-                                              options)
+                                              options, next_token)
         started = time.perf_counter()
         self.state, self.cache = program(*args)
         if self.batch_job:
@@ -145,10 +148,16 @@ class Admission:
         return min(self.table_width, bucket(pages_needed(prompt_bucket, self.page_size)))
 
     def _prefill_program(self, tokens, lengths, table, slots, keys, start, limit, sampling: RowSampling, offset,
-                         options: StepOptions):
+                         options: StepOptions, next_token=None):
+        """The prefill program and its arguments; `next_token` [b] only matters with a draft head
+        (`steps.prefill`), and is passed only then."""
+        if self.model.params.get("draft") and next_token is None:
+            next_token = np.full((len(lengths),), -1, np.int32)
         args = (self.model.run_params, self.cache, self.state, *map(jnp.asarray, (tokens, lengths, table, slots, keys,
                                                                                start, limit)),
                 jax.tree.map(jnp.asarray, sampling), jnp.asarray(offset))
+        if self.model.params.get("draft"):
+            args += (jnp.asarray(next_token),)
         return self.model.programs.get(prefill_slots, args, self.config, options, donate_argnums=(1,)), args
 
     def warmup(self, max_prompt_len: int | None = None, progress: bool = True) -> int:

@@ -123,7 +123,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.prefill_chunk = prefill_chunk
         # Decode steps per program (`_steps_per_dispatch` falls back to 1); 1: always one.
         self.steps_per_dispatch = int(steps_per_dispatch)
-        per_page = page_bytes(config.num_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
+        per_page = page_bytes(model.cache_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
         num_pages = pages_for_budget(cache_budget, per_page)
         # The longest request admission can always start: it keeps 10% of the free pages back
         # (none in a batch job), so a request needing more pages than that share of an empty
@@ -181,7 +181,8 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         if self.encoder_decoder:
             width = bucket(self.max_prompt_tokens, MIN_PROMPT_BUCKET)
             context = model_module(self.config).empty_context(self.config, self.slots, width, self.model.dtype)
-        return empty_state(self.slots, self.max_new_tokens, context)
+        draft = self.model.config.hidden_size if self.model.params.get("draft") else 0
+        return empty_state(self.slots, self.max_new_tokens, context, draft_width=draft)
 
     def _in_slots(self) -> list[Sequence]:
         """The rows that hold a slot: decoding, or prefilling their prompt."""

@@ -28,7 +28,7 @@ class Speculation:
             spec = options.spec
             reduced = spec.uses_reduced_head(exits.has_reduced_head(self.model.params.get("exits")))
             unit_costs = cost.spec_unit_weights(cost.WeightCounts.of(self.model.params, self.config),
-                                                spec.exit_layer, reduced)
+                                                spec.exit_layer, reduced, spec.draft_head)
             self.policies[key] = SpeculationPolicy(spec, unit_costs=unit_costs, sampled=options.sampler != GREEDY)
         return self.policies[key]
 
@@ -39,7 +39,7 @@ class Speculation:
         params, programs = self.model.run_params, self.model.programs
         if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
             args = (params, self.cache, self.state, self.spec_counters, table, group)
-            plain = programs.get(plain_step_slots, args, self.config, options.decoding(), donate_argnums=(1,))
+            plain = programs.get(plain_step_slots, args, self.config, options.plain(), donate_argnums=(1,))
             start = time.perf_counter()
             self.state, self.cache, self.spec_counters = jax.block_until_ready(plain(*args))
             policy.observe_plain(time.perf_counter() - start)

@@ -1,0 +1,121 @@
+"""Speculation with a trained draft head (EAGLE; `models.draft_head`): the draft reads the frozen
+model's features, the verification is one full-depth pass, so the output is the full model's.
+
+Per row, between rounds, `DecodeState.draft_hidden` [B, D] holds the draft's output at the last
+cached position n-1: its prediction of the model's feature at n (of `last_token` x_n). A round
+with d drafts:
+
+- `draft`: x̂_1 from the head at draft_hidden; then for i = 1..d-1 the draft layer at position
+  n+i-1 over (its previous output, embedding of x̂_i) gives x̂_{i+1} (d heads, d-1 layer passes,
+  their K/V written at n..n+d-2 of cache layer L);
+- `speculative.verify` (exit layer 0): the whole model over x_n, x̂_1..x̂_d at n..n+d, acceptance,
+  and then `catch_up`: the draft layer over the same d+1 positions with the model's own features
+  and the tokens that follow them, so the draft's K/V of every emitted position comes from the
+  model, never from its guesses, and draft_hidden moves to the row's new last position.
+
+The prefill (`steps.prefill`) fills the draft's K/V of the prompt the same way (`prompt_draft`).
+A plain step in place of a round (adaptive) is a verification of no drafts: its draft K/V and
+draft_hidden stay current.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eejax.cache import KVCache
+from eejax.decode.sampling import DRAFT, GREEDY, filtered_logits, sample, token_keys
+from eejax.decode.state import DecodeState
+from eejax.models import draft_head, exits
+from eejax.models.modules import embed
+from eejax.options import StepOptions
+
+
+def uses_reduced_head(params, options: StepOptions) -> bool:
+    return options.spec.uses_reduced_head(exits.has_reduced_head(params.get("exits")))
+
+
+def _propose(params, predicted, state: DecodeState, i, config, options: StepOptions):
+    """(draft token [B], q [B, V] or [B, 0] when greedy) of the head at predicted features [B, D]."""
+    reduced, sampler = uses_reduced_head(params, options), options.sampler
+    logits = draft_head.draft_logits(params, predicted, config, reduced)
+    if reduced and sampler == GREEDY:  # argmax over the reduced set; ids increase, so ties agree
+        return params["exits"]["vocab_ids"][jnp.argmax(logits, axis=-1)].astype(jnp.int32), logits[:, :0]
+    if reduced:
+        full = jnp.full(logits.shape[:-1] + (config.vocab_size,), -jnp.inf, jnp.float32)
+        logits = full.at[..., params["exits"]["vocab_ids"]].set(logits)
+    proposal = sample(logits, token_keys(state.keys, state.position + i, DRAFT), state.sampling, sampler)
+    if sampler == GREEDY:
+        return proposal, logits[:, :0]
+    return proposal, jax.nn.softmax(filtered_logits(logits, state.sampling, sampler), axis=-1)
+
+
+def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
+    """d = options.spec.num_speculations drafts per row from the draft head. Returns (drafts,
+    state, cache) as `speculative.draft` does: drafts.tokens [B, d+1] (x_n, then the drafts),
+    drafts.hidden [B, d+1, D] the embeddings verification starts from, drafts.probs [B, d, V]
+    (greedy: [B, d, 0])."""
+    from eejax.decode.speculative import Drafts, _token_batch
+
+    d = options.spec.num_speculations
+    first, q1 = _propose(params, state.draft_hidden, state, 0, config, options)
+
+    def step(carry, i):
+        cache, predicted, token = carry
+        batch = _token_batch(config, state, jnp.reshape(i - 1, (1,)), block_table, cache.page_size,
+                             options.attention)
+        out, cache = draft_head.draft_layer(params, predicted[:, None], embed(params, token[:, None]), cache, batch,
+                                            config)
+        proposal, q = _propose(params, out[:, 0], state, i, config, options)
+        return (cache, out[:, 0], proposal), (proposal, q)
+
+    tokens, probs = first[:, None], q1[:, None]
+    if d > 1:
+        (cache, _, _), (more, more_q) = jax.lax.scan(step, (cache, state.draft_hidden, first),
+                                                     jnp.arange(1, d, dtype=jnp.int32))
+        tokens = jnp.concatenate([tokens, more.T], axis=1)
+        probs = jnp.concatenate([probs, more_q.swapaxes(0, 1)], axis=1)
+    tokens = jnp.concatenate([state.last_token[:, None], tokens], axis=1)
+    return Drafts(tokens=tokens, hidden=embed(params, tokens), probs=probs), state, cache
+
+
+def catch_up(params, cache: KVCache, state: DecodeState, new: DecodeState, h, emitted_tokens, count, batch,
+             config):
+    """After verification: the draft layer over the verified positions (batch: those of the round)
+    from the model's features of last-layer states h [B, P, D] and the tokens after them
+    (emitted_tokens [B, P]: the model's token at each; right for the `count` [B] emitted), and
+    `new.draft_hidden` from the row's last emitted position. Returns (new, cache)."""
+    feats = draft_head.features(params, h, config)
+    out, cache = draft_head.draft_layer(params, feats, embed(params, emitted_tokens), cache, batch, config)
+    last = out[jnp.arange(out.shape[0]), jnp.maximum(count - 1, 0)]
+    hidden = jnp.where((count > 0)[:, None], last.astype(state.draft_hidden.dtype), state.draft_hidden)
+    return dataclasses.replace(new, draft_hidden=hidden), cache
+
+
+def prompt_draft(params, cache: KVCache, h, tokens, lengths, offset, first, next_token, batch, config):
+    """The prefill's part: the draft's K/V of prompt positions offset..lengths-1 from the model's
+    features (h [B, T, D] its last-layer states) and the token after each (the prompt's own; after
+    the chunk's last position `next_token` [B], or the sampled `first` token where next_token < 0:
+    the prompt ends there). Returns (draft_hidden [B, D] at the last position, cache)."""
+    b = tokens.shape[0]
+    last = jnp.maximum(lengths - offset - 1, 0)
+    after = jnp.where(next_token >= 0, next_token, first)
+    following = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[jnp.arange(b), last].set(after)
+    out, cache = draft_head.draft_layer(params, draft_head.features(params, h, config), embed(params, following),
+                                        cache, batch, config)
+    return out[jnp.arange(b), last].astype(jnp.float32), cache
+
+
+def plain_step(params, cache: KVCache, state: DecodeState, counters, block_table, *, config, options: StepOptions):
+    """One full-depth token in place of a round: a verification of no drafts (the draft's K/V and
+    draft_hidden follow), counted as a plain step. Returns (state, cache, counters)."""
+    from eejax.decode.speculative import Drafts, verify
+
+    tokens = state.last_token[:, None]
+    b = tokens.shape[0]
+    q_width = 0 if options.sampler == GREEDY else config.vocab_size
+    drafts = Drafts(tokens=tokens, hidden=embed(params, tokens), probs=jnp.zeros((b, 0, q_width), jnp.float32))
+    new, cache, _ = verify(params, cache, state, drafts, counters, block_table, config=config, options=options)
+    return new, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + ~state.done)

@@ -1,0 +1,165 @@
+"""A trained draft head on a frozen Llama (EAGLE, Li et al. 2024): one fully connected layer over
+[embedding of token t+1 ⊕ the model's feature at t], one decoder layer with its own K/V, and the
+model's own LM head. It drafts by autoregressing features: its output at t predicts the model's
+feature at t+1, whose head gives token t+2; that output and the drafted token are its next input.
+
+The feature is what the LM head reads: the final norm's output after the last layer (so the draft
+reads the head directly, with no norm of its own). Params, under `params["draft"]`:
+
+    fc [2D, D]                       the input layer (x @ W on [embed ⊕ feature])
+    layer {attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down}   one Llama decoder layer
+
+The draft layer keeps its K/V in the model's paged cache as one more layer (index L), so its
+pages are the row's own: allocated, shared by prefix caching and rolled back with the row. The
+K/V at position p is always computed from the model's own feature at p and the token at p+1
+(`decode.feature_draft` rewrites a round's positions after verification), never from the
+draft's guesses. Draft tokens come from the full head or the model's reduced exit head
+(`params["exits"]["vocab_head"]`, FR-Spec); verification always uses the full model, so the
+output does not depend on the draft.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eejax.cache import KVCache, write_layer_kv
+from eejax.config import LlamaConfig
+from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.kernels import paged_attention
+from eejax.models import exits
+from eejax.models.common import rms_norm
+from eejax.models.llama import LAYER_KEYS, DecoderLayer, TokenBatch, _dense_positions
+from eejax.models.modules import Dtype, Linear, share_scope, unboxed_init
+
+DRAFT_KEYS = ("fc", "layer")
+
+
+class DraftHead(nn.Module):
+    """The draft module (Flax): `inputs` fuses a token's embedding with a feature, the layer is a
+    `llama.DecoderLayer` of the model's shape (its params under `layer`); `__call__` is the dense
+    training forward over whole sequences."""
+
+    config: LlamaConfig
+    init_scale: float = 0.02
+    param_dtype: Dtype = jnp.float32
+
+    def setup(self):
+        self.fuse = Linear("fc", self.config.hidden_size, ("embed", "embed"), self.init_scale, self.param_dtype)
+        self.layer = DecoderLayer(self.config, self.init_scale, self.param_dtype)
+        share_scope(self, self.fuse)
+
+    def inputs(self, features, token_embeds):
+        """features, token_embeds [..., D] -> the decoder layer's input [..., D]."""
+        return self.fuse(jnp.concatenate([token_embeds, features.astype(token_embeds.dtype)], axis=-1))
+
+    def __call__(self, features, token_embeds, cos, sin, valid):
+        """features [B, T, D] (the model's at t), token_embeds [B, T, D] (of token t+1), rotary
+        cos/sin [B, T, Dh] at t, valid [B, T] -> predicted features [B, T, D] (of t+1)."""
+        return self.layer(self.inputs(features, token_embeds), cos, sin, valid)
+
+
+def check_model(config) -> None:
+    if getattr(config, "architecture", None) != "llama":
+        raise UnsupportedModelError(f"draft heads are built for decoder-only Llama models, not "
+                                    f"{getattr(config, 'architecture', type(config).__name__)}")
+
+
+def has_draft(params) -> bool:
+    return bool(params.get("draft"))
+
+
+def init_draft(config: LlamaConfig, key, dtype=jnp.float32, params=None) -> dict:
+    """A new draft head: normal(0, 0.02) weights, the fc's feature half the identity (the draft
+    starts by passing the feature on), and with the model's `params`, the decoder layer starts as a
+    copy of the model's last layer (EAGLE's recipe for a fast start)."""
+    check_model(config)
+    d = config.hidden_size
+    zeros = jnp.zeros((1, 1, d), dtype)
+    cos = sin = jnp.zeros((1, 1, config.head_dim), dtype)
+    draft = unboxed_init(DraftHead(config, param_dtype=dtype), key, zeros, zeros, cos, sin, jnp.ones((1, 1), bool))
+    draft["fc"] = draft["fc"].at[d:].add(jnp.eye(d, dtype=dtype))
+    if params is not None:
+        draft["layer"] = {k: jnp.asarray(params["layers"][k][-1], dtype) for k in LAYER_KEYS}
+    return draft
+
+
+def check_draft(draft, config) -> None:
+    """EejaxError naming the first entry of `params["draft"]` that does not fit `config`."""
+    if not draft:
+        return
+    check_model(config)
+    d = config.hidden_size
+    if set(draft) != set(DRAFT_KEYS) or set(draft["layer"]) != set(LAYER_KEYS):
+        raise EejaxError(f"params['draft'] must hold {list(DRAFT_KEYS)} with the layer's {list(LAYER_KEYS)}")
+    if tuple(draft["fc"].shape) != (2 * d, d):
+        raise EejaxError(f"params['draft']['fc'] has shape {tuple(draft['fc'].shape)}, the model needs {(2 * d, d)}")
+    want = jax.eval_shape(lambda: init_draft(config, jax.random.PRNGKey(0)))["layer"]
+    for k, x in draft["layer"].items():
+        if tuple(x.shape) != tuple(want[k].shape):
+            raise EejaxError(f"params['draft']['layer'][{k!r}] has shape {tuple(x.shape)}, "
+                             f"the model needs {tuple(want[k].shape)}")
+
+
+def logical_axes(config: LlamaConfig) -> dict:
+    from eejax.models.modules import logical_axes as module_axes
+
+    d = config.hidden_size
+    zeros = jnp.zeros((1, 1, d))
+    cos = jnp.zeros((1, 1, config.head_dim))
+    return module_axes(DraftHead(config), zeros, zeros, cos, cos, jnp.ones((1, 1), bool))
+
+
+def num_weights(draft) -> int:
+    """Weights one draft token reads besides the head: the fc and the decoder layer."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft))
+
+
+def features(params, h, config: LlamaConfig):
+    """The model's feature of last-layer hidden states h [..., D]: the final norm's output."""
+    return rms_norm(h, params["final_norm"], config.rms_norm_eps)
+
+
+def _apply(config, draft, method, *args):
+    return DraftHead(config).apply({"params": {"fc": draft["fc"], "layer": draft["layer"]}}, *args, method=method)
+
+
+def _layer(config, draft, method, *args):
+    return DecoderLayer(config).apply({"params": draft["layer"]}, *args, method=method)
+
+
+def draft_layer(params, feature, token_embeds, cache: KVCache, batch: TokenBatch, config: LlamaConfig):
+    """The draft head over T new positions per row: feature [B, T, D] (the model's, or the draft's
+    own prediction, at each position), token_embeds [B, T, D] of the token after it. Writes the
+    draft layer's K/V at the batch's slots in cache layer L, attends over the row's earlier ones.
+    Returns (predicted features [B, T, D], cache)."""
+    draft, layer = params["draft"], config.num_layers
+    x = _apply(config, draft, "inputs", feature, token_embeds)
+    q, k, v = _layer(config, draft, "qkv", x, batch.cos, batch.sin)
+    cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
+    attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len,
+                           impl=batch.attention)
+    return _layer(config, draft, "out_mlp", x, attn), cache
+
+
+def draft_logits(params, predicted, config: LlamaConfig, reduced: bool):
+    """The head over predicted features [..., D] (no norm: they are in the head's input space):
+    float32 logits [..., V], or [..., K] of the reduced exit head's tokens."""
+    if reduced:
+        w, tied = params["exits"]["vocab_head"], config.tie_embeddings
+    else:
+        w, tied = exits.head_weight(params, config.tie_embeddings), config.tie_embeddings
+    if tied:
+        return jnp.einsum("...d,vd->...v", predicted, w, preferred_element_type=jnp.float32)
+    return jnp.matmul(predicted, w, preferred_element_type=jnp.float32)
+
+
+def dense_forward(config: LlamaConfig, draft, feature, token_embeds, lengths):
+    """Training: the draft over right-padded sequences without a cache. feature [B, T, D] at
+    positions 0..T-1, token_embeds [B, T, D] of the tokens at 1..T, lengths [B] -> predicted
+    features [B, T, D]."""
+    _, valid, cos, sin = _dense_positions(config, jnp.zeros(feature.shape[:2], jnp.int32), lengths)
+    return _apply(config, draft, None, feature, token_embeds, cos, sin, valid)
+

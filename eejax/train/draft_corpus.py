@@ -1,0 +1,63 @@
+"""The text a draft head trains on: news articles (CNN/DM rows that no evaluation uses), and the
+frozen model's own greedy continuations of summary prompts made from them (the distribution the
+draft will have to guess at decoding time), kept on disk so a rerun does not generate them again."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from eejax.errors import EejaxError
+
+EVAL_ROWS = 20  # rows 0..19 of data/cnndm_test_dev100.jsonl are evaluation rows: never trained on
+SUMMARY_SUFFIX = "\n\nSummary:"
+
+
+def articles(path: str | Path, *, skip_rows: int = EVAL_ROWS) -> list[str]:
+    """The `article` (or `text`) field of each JSON line of `path` after its first `skip_rows` rows."""
+    rows = []
+    with Path(path).open() as f:
+        for i, line in enumerate(f):
+            if i < skip_rows or not line.strip():
+                continue
+            row = json.loads(line)
+            text = row.get("article") or row.get("text") or row.get("document")
+            if not text:
+                raise EejaxError(f"{path} line {i + 1} has no article, text or document field")
+            rows.append(text)
+    if not rows:
+        raise EejaxError(f"{path} has no rows after the first {skip_rows}")
+    return rows
+
+
+def summary_prompts(tokenizer, texts: list[str], prompt_tokens=(128, 256, 384)) -> list[list[int]]:
+    """For each text and each length n: its first n tokens (or all, if shorter) + "Summary:", the
+    evaluation's prompt format at several lengths."""
+    suffix = tokenizer(SUMMARY_SUFFIX)["input_ids"]
+    out = []
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        for n in sorted(set(prompt_tokens)):
+            out.append(ids[:n] + suffix)
+            if len(ids) <= n:
+                break
+    return out
+
+
+def continuations(model, prompts: list[list[int]], path: str | Path, *, new_tokens: int = 96,
+                  batch_size: int = 32, progress: bool = True) -> list[list[int]]:
+    """Each prompt followed by the model's greedy continuation, saved as JSON in `path` (read back
+    on a rerun with the same prompts)."""
+    from eejax.train.data import continued_sequences
+
+    path = Path(path)
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("prompts") == prompts and saved.get("new_tokens") == new_tokens:
+            return saved["sequences"]
+    sequences = continued_sequences(model, prompts, new_tokens, batch_size=batch_size, progress=progress)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"prompts": prompts, "new_tokens": new_tokens, "sequences": sequences}))
+    os.replace(tmp, path)
+    return sequences

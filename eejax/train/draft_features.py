@@ -1,0 +1,128 @@
+"""Stage 1 of draft-head training: one pass of the frozen model over the training text, cached on
+disk, so that every epoch after it trains only the draft head (a few million weights).
+
+For each window of tokens [T] the cache keeps:
+
+    tokens [T] int32          the text
+    features [T, D] bf16      the model's feature at each position (the final norm's output)
+    top_ids [T, K] int32      the model's K most likely next tokens at each position ...
+    top_probs [T, K] f16      ... and their probabilities (the rest's mass is 1 - their sum)
+
+Windows are written in shards of `shard_rows` (`shard_00000.npz`, ...), each atomically, so an
+interrupted pass resumes at the first missing shard; `meta.json` records what the cache was
+made of, and a rerun with other settings is refused rather than mixed in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from eejax.errors import EejaxError
+from eejax.models.draft_head import check_model
+from eejax.models.llama import Llama
+
+TOP_K = 16
+
+
+def windows(sequences: list[list[int]], length: int) -> list[list[int]]:
+    """Token sequences cut into windows of at most `length` tokens (a sequence's tail shorter
+    than 16 tokens is dropped, unless it is the whole sequence and has at least 2)."""
+    if length < 2:
+        raise EejaxError(f"the window length must be >= 2 tokens, got {length}")
+    out = []
+    for seq in sequences:
+        for start in range(0, len(seq), length):
+            piece = list(seq[start:start + length])
+            if len(piece) >= 16 or (start == 0 and len(piece) >= 2):
+                out.append(piece)
+    return out
+
+
+def _features_program(config):
+    """jit: tokens [B, T], lengths [B] -> (features [B, T, D] bf16, top ids [B, T, K], top probs)."""
+
+    def run(params, tokens, lengths):
+        model = Llama(config)
+        feats = model.apply({"params": params}, tokens, lengths, method="features")
+        logits = model.apply({"params": params}, feats, method="head")
+        probs, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), TOP_K)
+        return feats.astype(jnp.bfloat16), ids.astype(jnp.int32), probs.astype(jnp.float16)
+
+    return jax.jit(run)
+
+
+def build_feature_cache(model, sequences: list[list[int]], out_dir: str | Path, *, window: int = 512,
+                        batch_size: int = 4, shard_rows: int = 32, source: str = "", progress: bool = True) -> Path:
+    """Writes (or completes) the feature cache of `sequences` (token ids) in `out_dir`. Returns it."""
+    from tqdm.auto import tqdm
+
+    check_model(model.config)
+    if batch_size < 1 or shard_rows < 1 or shard_rows % batch_size:
+        raise EejaxError(f"shard_rows ({shard_rows}) must be a positive multiple of batch_size ({batch_size})")
+    rows = windows(sequences, window)
+    if not rows:
+        raise EejaxError("no training text: every sequence is shorter than 2 tokens")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"window": window, "rows": len(rows), "shard_rows": shard_rows, "top_k": TOP_K,
+            "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
+            "tokens": int(sum(map(len, rows))), "source": source}
+    meta_path = out / "meta.json"
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        if {k: old.get(k) for k in meta} != meta:
+            raise EejaxError(f"{out} holds a feature cache of other text or settings; use another directory")
+    else:
+        _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+    program = _features_program(model.config)
+    shards = range(0, len(rows), shard_rows)
+    todo = [s for s in shards if not (out / f"shard_{s // shard_rows:05d}.npz").exists()]
+    bar = tqdm(total=meta["tokens"], unit="tok", desc="features", disable=not progress)
+    bar.update(sum(len(r) for s in shards if s not in todo for r in rows[s:s + shard_rows]))
+    for start in todo:
+        chunk = rows[start:start + shard_rows]
+        parts = []
+        for b in range(0, len(chunk), batch_size):
+            batch = chunk[b:b + batch_size]
+            tokens = np.zeros((batch_size, window), np.int32)
+            lengths = np.zeros((batch_size,), np.int32)
+            for i, r in enumerate(batch):
+                tokens[i, :len(r)], lengths[i] = r, len(r)
+            feats, ids, probs = jax.device_get(program(model.params, tokens, lengths))
+            parts.append((tokens[:len(batch)], lengths[:len(batch)], feats[:len(batch)], ids[:len(batch)],
+                          probs[:len(batch)]))
+            bar.update(int(lengths.sum()))
+        tokens, lengths, feats, ids, probs = (np.concatenate(x) for x in zip(*parts))
+        path = out / f"shard_{start // shard_rows:05d}.npz"
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, tokens=tokens, lengths=lengths, features=feats.view(np.uint16), top_ids=ids, top_probs=probs)
+        os.replace(tmp, path)
+    bar.close()
+    return out
+
+
+def load_feature_cache(path: str | Path) -> dict[str, np.ndarray]:
+    """Every complete shard of a feature cache, concatenated: tokens [N, T], lengths [N],
+    features [N, T, D] bf16, top_ids [N, T, K], top_probs [N, T, K]."""
+    path = Path(path)
+    files = sorted(path.glob("shard_*.npz"))
+    files = [f for f in files if not f.name.endswith(".tmp.npz")]
+    if not files:
+        raise EejaxError(f"{path} holds no feature shards; build them first (eejax train-draft does)")
+    parts = [dict(np.load(f)) for f in files]
+    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    out["features"] = out["features"].view(ml_dtypes.bfloat16)
+    return out
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

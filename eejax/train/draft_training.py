@@ -1,0 +1,160 @@
+"""Stage 2 of draft-head training: optax steps over the feature cache (`draft_features`); the
+frozen model is not run, only the draft head (fc + one decoder layer) and the head's rows.
+
+At position p the draft reads the model's feature f_p (with uniform noise of `noise` x its RMS,
+so it tolerates its own errors) and the embedding of token p+1, and is trained on:
+
+- the soft cross-entropy of its head to the model's next-token distribution at p+1 (the cached
+  top-K probabilities), over the reduced exit head's tokens when the model has one (the head that
+  drafts: FR-Spec), else the full head;
+- `feature_weight` x a smooth-L1 regression of its output to f_{p+1} (EAGLE's feature loss);
+- with `unroll` = 2, the same losses once more on a second pass fed its own predicted features
+  (EAGLE-3's training-time test: drafting from its own outputs is what decoding does).
+
+Batches are windows drawn with (seed, step), so a resumed run sees the same batches as an
+uninterrupted one; orbax checkpoints every `save_every` steps, a `hours` budget stops early.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from eejax.errors import EejaxError
+from eejax.models import draft_head, exits
+from eejax.models.modules import embed
+
+
+def _reduced_index(params, vocab_size: int):
+    """(head rows the draft's loss uses [K, D] or None for the full head, index [V] of each
+    token among them, -1 outside)."""
+    e = params.get("exits")
+    if not exits.has_reduced_head(e):
+        return None, jnp.arange(vocab_size, dtype=jnp.int32)
+    ids = np.asarray(e["vocab_ids"])
+    index = np.full((vocab_size,), -1, np.int32)
+    index[ids] = np.arange(ids.size, dtype=np.int32)
+    return e["vocab_head"], jnp.asarray(index)
+
+
+def draft_losses(draft, params, batch, key, *, config, noise: float, feature_weight: float, unroll: int,
+                 index):
+    """Loss and per-pass top-1 agreement of the draft on a batch of windows (see the module
+    docstring). batch: tokens [B, T], lengths [B], features [B, T, D], top_ids/top_probs [B, T, K]."""
+    tokens, lengths = batch["tokens"], batch["lengths"]
+    feats = batch["features"].astype(jnp.float32)
+    x = feats[:, :-1]  # f_p, p = 0..T-2
+    rms = jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True))
+    x = x + noise * rms * jax.random.uniform(key, x.shape, minval=-1.0, maxval=1.0)
+    emb = embed(params, tokens[:, 1:]).astype(jnp.float32)  # token p+1
+    target_f = feats[:, 1:]
+    top_ids, top_p = batch["top_ids"][:, 1:], batch["top_probs"][:, 1:].astype(jnp.float32)
+    valid = jnp.arange(x.shape[1])[None, :] < (lengths - 1)[:, None]
+    where = index[top_ids]  # [B, T-1, K] position in the drafting head, -1 outside
+    weight = jnp.where(where >= 0, top_p, 0.0)
+    total, agree = 0.0, []
+    for step in range(unroll):
+        pred = draft_head.dense_forward(config, draft, x, emb, lengths - 1)
+        logits = draft_head.draft_logits(params, pred, config, reduced="vocab_head" in (params.get("exits") or {}))
+        logq = jax.nn.log_softmax(logits, axis=-1)
+        ce = -jnp.sum(weight * jnp.take_along_axis(logq, jnp.maximum(where, 0), axis=-1), axis=-1)
+        feat = jnp.mean(optax.huber_loss(pred, target_f, delta=1.0), axis=-1)
+        per_pos = ce + feature_weight * feat
+        n = jnp.maximum(valid.sum(), 1)
+        total = total + jnp.sum(jnp.where(valid, per_pos, 0.0)) / n / unroll
+        hit = jnp.argmax(logq, axis=-1) == where[..., 0]
+        agree.append(jnp.sum(valid & hit) / n)
+        # the next pass reads its own prediction of f_p where the data had f_p (p >= 1)
+        x = jnp.concatenate([x[:, :1], pred[:, :-1]], axis=1)
+    return total, jnp.stack(agree)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "optimizer", "noise", "feature_weight", "unroll"))
+def train_step(draft, opt_state, params, batch, key, index, *, config, optimizer, noise, feature_weight, unroll):
+    (loss, agree), grads = jax.value_and_grad(draft_losses, has_aux=True)(
+        draft, params, batch, key, config=config, noise=noise, feature_weight=feature_weight, unroll=unroll,
+        index=index)
+    updates, opt_state = optimizer.update(grads, opt_state, draft)
+    return optax.apply_updates(draft, updates), opt_state, loss, agree
+
+
+def _batch(data: dict, rows: np.ndarray) -> dict:
+    """The windows `rows` at the cache's full width (one compiled step for every batch)."""
+    return {k: data[k][rows] for k in data}
+
+
+def train_draft(model, data: dict, *, steps: int, batch_size: int = 8, learning_rate: float = 1e-3,
+                noise: float = 0.1, feature_weight: float = 0.1, unroll: int = 2, seed: int = 0,
+                hours: float | None = None, checkpoint_dir: str | Path | None = None, save_every: int = 100,
+                progress: bool = True, on_step=None):
+    """Trains `model.params["draft"]` (initialised by `draft_head.init_draft` when absent) on a
+    loaded feature cache `data` for `steps` steps (adamw, warmup then cosine decay), or until
+    `hours` have passed. Returns (the draft params, losses [steps run], agreement [steps run,
+    unroll]: the top-1 agreement of each pass with the model's next token)."""
+    import orbax.checkpoint as ocp
+    from tqdm.auto import tqdm
+
+    config = model.config
+    draft_head.check_model(config)
+    if steps < 1 or batch_size < 1 or save_every < 1 or unroll not in (1, 2, 3):
+        raise EejaxError(f"steps, batch_size and save_every must be >= 1 and unroll 1 to 3, got {steps}, "
+                         f"{batch_size}, {save_every} and {unroll}")
+    if learning_rate <= 0 or noise < 0 or feature_weight < 0 or (hours is not None and hours <= 0):
+        raise EejaxError("learning_rate and hours must be > 0, noise and feature_weight >= 0")
+    if data["features"].shape[-1] != config.hidden_size:
+        raise EejaxError(f"the feature cache has features of width {data['features'].shape[-1]}, the model "
+                         f"{config.hidden_size}: it was built for another model")
+    params = {k: v for k, v in model.params.items() if k != "draft"}
+    draft = model.params.get("draft") or draft_head.init_draft(config, jax.random.PRNGKey(seed), params=params)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(100, steps // 10 + 1), steps)
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+    state = {"draft": draft, "opt": optimizer.init(draft), "step": jnp.int32(0)}
+    log = {"losses": [], "agree": []}
+    manager = None
+    if checkpoint_dir is not None:
+        manager = ocp.CheckpointManager(Path(checkpoint_dir).absolute(),
+                                        options=ocp.CheckpointManagerOptions(max_to_keep=2))
+        latest = manager.latest_step()
+        if latest is not None:
+            restored = manager.restore(latest, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(state), log=ocp.args.JsonRestore()))
+            state, log = restored.state, dict(restored.log)
+    start = int(state["step"])
+    draft, opt_state = state["draft"], state["opt"]
+    _, index = _reduced_index(params, config.vocab_size)
+    n = data["tokens"].shape[0]
+    began = time.monotonic()
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc="training draft", disable=not progress)
+    done = start
+    try:
+        for step in bar:
+            rng = np.random.default_rng([seed, step])
+            batch = _batch(data, rng.choice(n, size=min(batch_size, n), replace=False))
+            draft, opt_state, loss, agree = train_step(
+                draft, opt_state, params, batch, jax.random.PRNGKey(rng.integers(2**31)), index, config=config,
+                optimizer=optimizer, noise=float(noise), feature_weight=float(feature_weight), unroll=int(unroll))
+            log["losses"].append(float(loss))
+            log["agree"].append([float(a) for a in agree])
+            done = step + 1
+            bar.set_postfix(loss=f"{log['losses'][-1]:.3f}", top1=f"{log['agree'][-1][0]:.2f}")
+            out_of_time = hours is not None and time.monotonic() - began > hours * 3600
+            if manager is not None and (done % save_every == 0 or done == steps or out_of_time):
+                manager.save(done, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave({"draft": draft, "opt": opt_state, "step": jnp.int32(done)}),
+                    log=ocp.args.JsonSave(log)))
+            if on_step is not None:
+                on_step(step, log["losses"][-1])
+            if out_of_time:
+                break
+    finally:
+        bar.close()
+        if manager is not None:
+            manager.wait_until_finished()
+            manager.close()
+    return draft, np.asarray(log["losses"]), np.asarray(log["agree"])

@@ -1,0 +1,232 @@
+"""Speculation with a trained draft head (EAGLE, `spec="draft:d"`): lossless greedy at batch 1 and
+in padded batches, perfect drafts all accepted and counted, the draft's K/V after rounds and
+after a chunked prefill equal to a prefill's of the same tokens, adaptive rounds and plain steps,
+exact sampling, the engine with chunks and prefix caching, training, checkpoints, bad settings."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eejax
+from eejax.decode import steps
+from eejax.decode.sampling import RowSampling, SamplingParams
+from eejax.decode.spec_policy import SpeculationPolicy
+from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.models import draft_head, llama
+from eejax.models.exits import set_exit_vocab
+from eejax.options import SpecConfig, StepOptions
+from eejax.serve.engine import Engine
+from tests.helpers import prefilled
+from tests.test_speculative import NEW, PROMPTS, chi_square_p, perfect_drafts, spec_round, tiny
+
+
+def with_draft(model, seed=1):
+    """`model` with a random draft head (its layer a copy of the model's last: drafts are poor)."""
+    d = draft_head.init_draft(model.config, jax.random.PRNGKey(seed), params=model.params)
+    return model.with_params({**model.params, "draft": d})
+
+
+def perfect_head(model):
+    """A model whose layers are the identity (its next token depends on the current token only:
+    logits = norm(embed(x)) @ embed.T) and a draft head that passes the next token's embedding
+    through (fc = [I; 0], its layer the identity): its logits are the model's up to the positive
+    norm scale, so every draft is accepted."""
+    base = perfect_drafts(model, 0)
+    d = draft_head.init_draft(model.config, jax.random.PRNGKey(0))
+    width = model.config.hidden_size
+    d["fc"] = jnp.zeros((2 * width, width)).at[:width].set(jnp.eye(width))
+    d["layer"] = {**d["layer"], "wo": d["layer"]["wo"] * 0, "w_down": d["layer"]["w_down"] * 0}
+    return base.with_params({**base.params, "draft": d})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return with_draft(tiny())
+
+
+# --- greedy: identical to full depth ----------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 8], ids=["batch1", "padded-batch8"])
+def test_greedy_equals_full_depth(model, rows):
+    prompts = PROMPTS[:rows]
+    full = eejax.generate(model, prompts, max_new_tokens=NEW, ignore_eos=True)
+    reduced = model.with_params(set_exit_vocab(model.params, np.arange(0, 64, 3), model.config.tie_embeddings))  # drafts from 22 tokens
+    for m, spec in ((model, "draft:1"), (model, "draft:3"), (reduced, "draft:2")):
+        res = eejax.generate(m, prompts, max_new_tokens=NEW, ignore_eos=True, spec=spec)
+        assert res.tokens == full.tokens, spec
+        assert res.stats["spec"] == spec and res.stats["rounds"] > 0
+
+
+def test_perfect_drafts_are_all_accepted_and_counted():
+    perfect = perfect_head(tiny())
+    full = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True)
+    res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec="draft:4")
+    s, L = res.stats, perfect.config.num_layers
+    assert res.tokens == full.tokens
+    # 10 decode tokens per row in rounds of 5 (4 drafts + the verified token): 2 rounds.
+    assert (s["acceptance_rate"], s["rounds"], s["tokens_per_round"]) == (1.0, 6, 5.0)
+    assert res.exit_layers == [[L, 0, 0, 0, 0, L, 0, 0, 0, 0, L]] * 3  # drafts used none of the model's layers
+    # One verify pass of L layers per round and the prefill's token.
+    assert s["mean_layers_per_token"] == pytest.approx((2 * L + L) / 11)
+    for new in (1, 4):  # never more tokens than asked, rounds cut at the row's limit
+        short = eejax.generate(perfect, PROMPTS, max_new_tokens=new, ignore_eos=True, spec="draft:6")
+        assert short.tokens == [t[:new] for t in eejax.generate(perfect, PROMPTS, max_new_tokens=new,
+                                                                ignore_eos=True).tokens]
+
+
+# --- the draft's K/V: always the model's features, however the tokens reached the cache -------
+
+def _draft_kv(cache, table, row, n, layer):
+    k = np.asarray(cache.k[layer])
+    return np.stack([k[:, int(table[row, p // 8]), p % 8] for p in range(n)])
+
+
+def test_draft_kv_after_rounds_equals_a_prefill_of_the_same_tokens(model):
+    spec = SpecConfig(0, 3, draft_head=True)
+    state, cache, table = prefilled(model, PROMPTS, max_new_tokens=12, pages_per_row=6)
+    for _ in range(3):
+        state, cache, _ = spec_round(model, state, cache, table, spec, max_new_tokens=12)
+    tokens, gen, L = np.asarray(state.tokens), np.asarray(state.num_generated), model.config.num_layers
+    # A prefill of prompt + every emitted token but the last (whose greedy first token is that last one).
+    texts = [p + tokens[i, : gen[i] - 1].tolist() for i, p in enumerate(PROMPTS)]
+    ref_state, ref_cache, ref_table = prefilled(model, texts, max_new_tokens=4, pages_per_row=6)
+    assert np.asarray(ref_state.last_token).tolist() == [tokens[i, gen[i] - 1] for i in range(len(PROMPTS))]
+    for row, text in enumerate(texts):
+        np.testing.assert_allclose(_draft_kv(cache, table, row, len(text), L),
+                                   _draft_kv(ref_cache, ref_table, row, len(text), L), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.draft_hidden), np.asarray(ref_state.draft_hidden), atol=2e-5,
+                               rtol=1e-5)
+
+
+def test_a_chunked_prefill_writes_the_same_draft_kv(model):
+    prompt = PROMPTS[6]  # 24 tokens, chunks of 10
+    whole_state, whole_cache, table = prefilled(model, [prompt], pages_per_row=4)
+    c, L = model.config, model.config.num_layers
+    cache = model.new_cache(5, 8)
+    options = StepOptions(8)
+    state = None
+    for start in range(0, len(prompt), 10):
+        end = min(start + 10, len(prompt))
+        nxt = jnp.asarray([prompt[end] if end < len(prompt) else -1], jnp.int32)
+        state, cache = steps.prefill(model.params, cache, jnp.asarray([prompt[start:end]], jnp.int32),
+                                     jnp.asarray([end], jnp.int32), table, jax.random.PRNGKey(0),
+                                     offset=jnp.asarray([start], jnp.int32), next_token=nxt, config=c, options=options)
+    np.testing.assert_allclose(_draft_kv(cache, table, 0, len(prompt), L),
+                               _draft_kv(whole_cache, table, 0, len(prompt), L), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.draft_hidden), np.asarray(whole_state.draft_hidden), atol=2e-5,
+                               rtol=1e-5)
+
+
+def test_engine_with_chunks_and_prefix_caching_is_lossless(model):
+    """Rows in turn through one slot, so later prompts share the first's cached pages, prompts
+    prefilled 5 tokens per step, and a row preempted on the way: the same tokens as full depth."""
+    prompts = [PROMPTS[6], PROMPTS[6][:20] + [5, 6, 7], PROMPTS[1]]
+    full = eejax.generate(model, prompts, max_new_tokens=NEW, ignore_eos=True)
+    engine = Engine(model, max_slots=2, max_new_tokens=NEW, page_size=8, prefill_chunk=5, pages="grow",
+                    cache_budget=model.cache_layers * 2 * 8 * 2 * 8 * 4 * 9, ignore_eos=True)
+    seqs = [engine.submit(p, max_new_tokens=NEW, spec="draft:3") for p in prompts]
+    engine.run()
+    assert [s.tokens for s in seqs] == full.tokens
+    assert engine.counters["prefix_cache_hit_tokens"] > 0
+
+
+# --- adaptive rounds, sampling -----------------------------------------------------------------
+
+def test_adaptive_generation_is_lossless(model, monkeypatch):
+    full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    observe_times = SpeculationPolicy.observe_times
+    # CPU-like costs where no round pays: plain steps (verifications of no drafts), probe rounds.
+    monkeypatch.setattr(SpeculationPolicy, "observe_times", lambda self, d, *t, passes=None: observe_times(
+        self, d, 1.0 * (d + 1), 1.0, passes=d + 1))
+    res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec="draft:2:adaptive")
+    assert res.tokens == full.tokens
+    assert 0.5 < res.stats["plain_step_rate"] < 1 and res.stats["rounds"] > 0
+
+
+def test_speculative_sampling_with_a_draft_head_matches_the_models_softmax():
+    """Many identical rows (a greedy prefill), one round at temperature 1 over a 16-token
+    vocabulary: the first token the round emits is distributed as the model's next-token softmax,
+    not as the draft's (the perfect head's drafts: the right argmax at another temperature)."""
+    model = perfect_head(tiny(vocab=16, scale=0.6, seed=3))
+    rows, prompt = 4096, [3, 7, 1, 12, 5]
+    state, cache, table = prefilled(model, [prompt] * rows, max_new_tokens=4, pages_per_row=2)
+    state = dataclasses.replace(state, sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(1.0), rows)),
+                                keys=jax.random.split(jax.random.PRNGKey(5), rows))
+    spec = SpecConfig(0, 2, draft_head=True)
+    new_state, _, counters = jax.jit(spec_round, static_argnums=(0, 4, 5, 6))(model, state, cache, table, spec, 4, 1.0)
+    first = np.asarray(new_state.tokens)[:, 1]
+    p = np.asarray(jax.nn.softmax(_last_logits(model, prompt + [int(state.last_token[0])])))
+    q = np.asarray(jax.nn.softmax(draft_head.draft_logits(model.params, state.draft_hidden[0], model.config, False)))
+    acceptance = np.asarray(counters.accepted).sum() / np.asarray(counters.drafted).sum()
+    assert 0.5 * np.abs(p - q).sum() > 0.1  # the draft is wrong often enough to matter
+    assert 0.1 < acceptance < 0.95
+    assert chi_square_p(np.bincount(first, minlength=16), p) > 1e-3
+    assert chi_square_p(np.bincount(first, minlength=16), q) < 1e-6
+
+
+def _last_logits(model, tokens):
+    """The model's next-token logits after `tokens`, from its no-cache forward."""
+    params = {k: v for k, v in model.params.items() if k != "draft"}
+    return llama.Llama(model.config).apply({"params": params}, jnp.asarray([tokens]), jnp.asarray([len(tokens)]))[0, -1]
+
+
+# --- training -----------------------------------------------------------------------------------
+
+def test_training_on_cached_features_learns_the_next_token(tmp_path):
+    """The identity-layer model's next token is a function of the current one: a draft trained a
+    few dozen steps on its cached features predicts it far better than chance; the feature cache
+    resumes at a missing shard with the same content."""
+    from eejax.train.draft_features import build_feature_cache, load_feature_cache
+    from eejax.train.draft_training import train_draft
+
+    base = perfect_drafts(tiny(vocab=32, scale=0.5, seed=2), 0)
+    rng = np.random.default_rng(0)
+    texts = [rng.integers(3, 32, size=40).tolist() for _ in range(16)]
+    cache_dir = build_feature_cache(base, texts, tmp_path / "features", window=32, batch_size=4, shard_rows=8,
+                                    progress=False)
+    first = load_feature_cache(cache_dir)
+    (cache_dir / "shard_00001.npz").unlink()
+    build_feature_cache(base, texts, cache_dir, window=32, batch_size=4, shard_rows=8, progress=False)
+    data = load_feature_cache(cache_dir)
+    for k in first:
+        np.testing.assert_array_equal(np.asarray(first[k]), np.asarray(data[k]), err_msg=k)
+    with pytest.raises(EejaxError, match="other text or settings"):
+        build_feature_cache(base, texts[:3], cache_dir, window=32, batch_size=4, shard_rows=8, progress=False)
+    _, losses, agree = train_draft(base, data, steps=60, batch_size=8, learning_rate=3e-3, progress=False,
+                                   checkpoint_dir=tmp_path / "run", save_every=30)
+    assert agree[:5, 0].mean() < 0.3 and agree[-5:, 0].mean() > 0.6, agree[:, 0]  # chance: 1/32
+    assert losses[-5:].mean() < losses[:5].mean()
+    # resumes from its last checkpoint: nothing left to run
+    _, again, _ = train_draft(base, data, steps=60, batch_size=8, learning_rate=3e-3, progress=False,
+                              checkpoint_dir=tmp_path / "run")
+    np.testing.assert_array_equal(again, losses)
+
+
+# --- checkpoints and bad settings ------------------------------------------------------------------
+
+def test_a_checkpoint_keeps_the_draft_head(model, tmp_path):
+    eejax.save(model, tmp_path / "m")
+    back = eejax.load(tmp_path / "m")
+    assert back.cache_layers == model.config.num_layers + 1
+    for a, b in zip(jax.tree.leaves(model.params["draft"]), jax.tree.leaves(back.params["draft"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_draft_settings(model):
+    plain = tiny()
+    with pytest.raises(EejaxError, match="needs a draft head"):
+        eejax.generate(plain, PROMPTS[:1], max_new_tokens=2, spec="draft:2")
+    with pytest.raises(EejaxError, match="cannot read speculation"):
+        SpecConfig.parse("draft:x")
+    with pytest.raises(EejaxError, match="exit_layer is 0"):
+        SpecConfig(3, 2, draft_head=True)
+    assert SpecConfig.parse("draft:4:adaptive") == SpecConfig(0, 4, adaptive=True, draft_head=True)
+    assert SpecConfig.parse("draft:4").spec == "draft:4"
+    with pytest.raises(UnsupportedModelError, match="Llama"):
+        draft_head.check_model(dataclasses.replace(plain.config, architecture="t5"))
+    bad = {**model.params["draft"], "fc": model.params["draft"]["fc"][:3]}
+    with pytest.raises(EejaxError, match="fc"):
+        draft_head.check_draft(bad, model.config)
