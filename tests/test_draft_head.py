@@ -230,3 +230,32 @@ def test_bad_draft_settings(model):
     bad = {**model.params["draft"], "fc": model.params["draft"]["fc"][:3]}
     with pytest.raises(EejaxError, match="fc"):
         draft_head.check_draft(bad, model.config)
+
+
+# --- the command and the shipped delta -------------------------------------------------------------
+
+def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, capsys):
+    from eejax.cli import main
+    from eejax.train.draft_run import apply_draft
+
+    path = tiny_checkpoints["gqa-untied"][2]
+    out = tmp_path / "run"
+    texts = ["The president said on Monday that the talks would go on.", "Officials in London announced a plan.",
+             "A storm hit the coast overnight, and thousands lost power across the region."]
+    argv = ["train-draft", "--model", str(path), "--prompt", *texts, "--output", str(out), "--steps", "6",
+            "--batch-size", "2", "--window", "64", "--continuation-tokens", "8", "--prompt-lengths", "8,16",
+            "--vocab-size", "64", "--no-plot", "--quiet"]
+    assert main(argv) == 0
+    assert "trained 6 steps" in capsys.readouterr().out
+    trained = eejax.load(out / "model")
+    base = eejax.load(path)
+    full = eejax.generate(base, texts, max_new_tokens=9, ignore_eos=True)
+    assert eejax.generate(trained, texts, max_new_tokens=9, ignore_eos=True, spec="draft:2").tokens == full.tokens
+    applied = apply_draft(base, out / "draft.safetensors")
+    for a, b in zip(jax.tree.leaves(applied.params["draft"]), jax.tree.leaves(trained.params["draft"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(EejaxError, match="does not reproduce"):  # another model of the same shape
+        apply_draft(eejax.load(tiny_checkpoints["gqa-tied"][2]), out / "draft.safetensors")
+    # a rerun with other settings is refused, naming them
+    assert main(argv[:-4] + ["--vocab-size", "32", "--no-plot", "--quiet"]) == 2
+    assert "settings" in capsys.readouterr().err

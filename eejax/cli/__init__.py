@@ -1,5 +1,5 @@
 """The `eejax` command: `eejax convert`, `generate`, `calibrate`, `exit-vocab`, `train-exits`,
-`train-layerskip`, `serve`, `models`; each command group lives in its own module here and adds
+`train-layerskip`, `train-draft`, `serve`, `models`; each command group lives in its own module here and adds
 its parser with `add_parsers`."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eejax.cli import exits, generate, serve, train
+from eejax.cli import draft, exits, generate, serve, train
 from eejax.cli.args import run_guarded
 from eejax.cli_parsing import OneLineErrorParser
 
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     convert_cli.add_arguments(conv)
     conv.set_defaults(func=convert_cli.run)
-    for module in (generate, exits, train, serve):  # in the order `eejax --help` lists them
+    for module in (generate, exits, train, draft, serve):  # in the order `eejax --help` lists them
         module.add_parsers(sub)
     return parser
 

@@ -37,7 +37,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                       bonus={"on": True, "off": False, "auto": None}[args.spec_bonus or "auto"],
                                       **options)
     if args.spec_max_d is not None and not (spec and spec.adaptive):
-        raise EejaxError("--spec-max-d needs --spec E:d:adaptive")
+        raise EejaxError("--spec-max-d needs an adaptive --spec (E:d:adaptive or draft:d:adaptive)")
     if spec is None and (args.spec_head or args.spec_bonus):
         raise EejaxError("--spec-head and --spec-bonus need --spec")
     join_processes(args)
@@ -148,13 +148,15 @@ def add_parsers(sub) -> None:
     gen.add_argument("--exit-emit", choices=("full", "reduced"),
                      help="head of the token at an early exit (default full: one full-head evaluation per exit)")
     gen.add_argument(
-        "--spec", metavar="E:d",
-        help="self-speculative decoding (LayerSkip): draft d tokens with the first E layers and the exit head, "
-        "verify them with the other layers in one pass; greedy output equals full depth, sampling keeps the "
-        "full model's distribution. E:d:adaptive chooses d per round from the measured acceptance and costs",
+        "--spec", metavar="E:d|draft:d",
+        help="speculative decoding: E:d drafts d tokens with the first E layers and the exit head (LayerSkip) and "
+        "verifies them with the other layers in one pass; draft:d drafts them with the checkpoint's trained draft "
+        "head (eejax train-draft; e.g. the model smollm2-135m-eagle) and verifies with every layer. Greedy output "
+        "equals full depth, sampling keeps the full model's distribution. A :adaptive suffix chooses d per round "
+        "from the measured acceptance and costs",
     )
     gen.add_argument("--spec-max-d", type=positive_int, metavar="N",
-                     help="the largest d that E:d:adaptive may choose (default 8)")
+                     help="the largest d that an adaptive --spec may choose (default 8)")
     gen.add_argument("--spec-head", choices=("auto", "full", "reduced"),
                      help="head of the drafts (default auto: the reduced-vocabulary head when the checkpoint has one)")
     gen.add_argument("--spec-bonus", choices=("auto", "on", "off"),

@@ -72,9 +72,10 @@ def has_draft(params) -> bool:
 
 
 def init_draft(config: LlamaConfig, key, dtype=jnp.float32, params=None) -> dict:
-    """A new draft head: normal(0, 0.02) weights, the fc's feature half the identity (the draft
-    starts by passing the feature on), and with the model's `params`, the decoder layer starts as a
-    copy of the model's last layer (EAGLE's recipe for a fast start)."""
+    """A new draft head: normal(0, 0.02) weights, the fc's feature half the identity, so the draft
+    starts by passing the feature on with small changes; with the model's `params`, the decoder
+    layer is a copy of the model's last layer instead (a test's poor but peaked draft: the last
+    layer's outputs are large in the feature space, so it trains worse than the small start)."""
     check_model(config)
     d = config.hidden_size
     zeros = jnp.zeros((1, 1, d), dtype)

@@ -35,8 +35,8 @@ class Requests:
                spec: SpecConfig | str | None = None, seed: int | None = None, choice: int = 0,
                logprobs: int | None = None, stop=(), stop_token_ids=()) -> Sequence:
         """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
-        engine's early-exit option for this request ("none" = full depth), `spec` ("E:d") decodes
-        it by self-speculation, `temperature`, `top_k`, `top_p` set its sampling (traced values:
+        engine's early-exit option for this request ("none" = full depth), `spec` ("E:d", or
+        "draft:d" with a draft head) decodes it by speculation, `temperature`, `top_k`, `top_p` set its sampling (traced values:
         a new setting compiles nothing). Sampled tokens depend only on the prompt,
         the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`.
         `logprobs` (0 to 20 alternatives) records each token's log-probability; `stop` (strings)
@@ -47,7 +47,7 @@ class Requests:
                 raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
             if spec_config.adaptive and jax.process_count() > 1:
                 raise EejaxError("adaptive speculation picks d from this process's timings; across processes use a "
-                                 "fixed E:d")
+                                 "fixed E:d or draft:d")
             exits.resolve_options(self.model.params, self.config, spec=spec_config)
             exit = "none"  # noqa: A001
         default = self.sampling

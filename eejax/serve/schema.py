@@ -55,7 +55,7 @@ class _Common(BaseModel):
     user: str | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # eejax's extras: scheduling priority,
     exit: str | None = None  # early exit ("softmax:0.9", "static:15", "none"),
-    spec: str | None = None  # self-speculation ("E:d")
+    spec: str | None = None  # speculation ("E:d", or "draft:d" with a draft head)
     # Defined by OpenAI, honoured only when they ask for nothing:
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)

@@ -11,8 +11,8 @@ so it tolerates its own errors) and the embedding of token p+1, and is trained o
 - with `unroll` = 2, the same losses once more on a second pass fed its own predicted features
   (EAGLE-3's training-time test: drafting from its own outputs is what decoding does).
 
-Batches are windows drawn with (seed, step), so a resumed run sees the same batches as an
-uninterrupted one; orbax checkpoints every `save_every` steps, a `hours` budget stops early.
+Batches are windows of similar lengths drawn with (seed, step), so a resumed run sees the same
+batches as an uninterrupted one; orbax checkpoints every `save_every` steps, a `hours` budget stops early.
 """
 
 from __future__ import annotations
@@ -84,9 +84,17 @@ def train_step(draft, opt_state, params, batch, key, index, *, config, optimizer
     return optax.apply_updates(draft, updates), opt_state, loss, agree
 
 
-def _batch(data: dict, rows: np.ndarray) -> dict:
-    """The windows `rows` at the cache's full width (one compiled step for every batch)."""
-    return {k: data[k][rows] for k in data}
+WIDTH_STEP = 64  # batches are cut to their longest window rounded up to this: few compiled shapes
+
+
+def _batch(data: dict, by_length: np.ndarray, batch_size: int, rng: np.random.Generator) -> dict:
+    """`batch_size` windows of similar lengths: consecutive ones in length order (`by_length`)
+    from a random start, cut to their longest rounded up to WIDTH_STEP (little padding)."""
+    n = len(by_length)
+    start = int(rng.integers(n))
+    rows = by_length[(start + np.arange(min(batch_size, n))) % n]
+    width = min(-(-int(data["lengths"][rows].max()) // WIDTH_STEP) * WIDTH_STEP, data["tokens"].shape[1])
+    return {k: data[k][rows][:, :width] if data[k].ndim > 1 else data[k][rows] for k in data}
 
 
 def train_draft(model, data: dict, *, steps: int, batch_size: int = 8, learning_rate: float = 1e-3,
@@ -111,7 +119,7 @@ def train_draft(model, data: dict, *, steps: int, batch_size: int = 8, learning_
         raise EejaxError(f"the feature cache has features of width {data['features'].shape[-1]}, the model "
                          f"{config.hidden_size}: it was built for another model")
     params = {k: v for k, v in model.params.items() if k != "draft"}
-    draft = model.params.get("draft") or draft_head.init_draft(config, jax.random.PRNGKey(seed), params=params)
+    draft = model.params.get("draft") or draft_head.init_draft(config, jax.random.PRNGKey(seed))
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(100, steps // 10 + 1), steps)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
     state = {"draft": draft, "opt": optimizer.init(draft), "step": jnp.int32(0)}
@@ -128,14 +136,14 @@ def train_draft(model, data: dict, *, steps: int, batch_size: int = 8, learning_
     start = int(state["step"])
     draft, opt_state = state["draft"], state["opt"]
     _, index = _reduced_index(params, config.vocab_size)
-    n = data["tokens"].shape[0]
+    by_length = np.argsort(data["lengths"], kind="stable")
     began = time.monotonic()
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="training draft", disable=not progress)
     done = start
     try:
         for step in bar:
             rng = np.random.default_rng([seed, step])
-            batch = _batch(data, rng.choice(n, size=min(batch_size, n), replace=False))
+            batch = _batch(data, by_length, batch_size, rng)
             draft, opt_state, loss, agree = train_step(
                 draft, opt_state, params, batch, jax.random.PRNGKey(rng.integers(2**31)), index, config=config,
                 optimizer=optimizer, noise=float(noise), feature_weight=float(feature_weight), unroll=int(unroll))

@@ -68,3 +68,29 @@ def save_layerskip_plot(log: dict, path: str | Path, num_layers: int) -> Path:
     ax.set_title("LayerSkip training: KL per head")
     ax.legend(fontsize=7)
     return _save(plt, fig, path)
+
+
+def save_draft_plot(losses, agreement, path: str | Path) -> Path:
+    """A draft-head run's curves: the loss and, per unrolled pass, the top-1 agreement of the
+    draft with the model's next token, as 20-step running means (PNG)."""
+    plt = _pyplot()
+    losses, agreement = np.asarray(losses, np.float64), np.asarray(agreement, np.float64).reshape(len(losses), -1)
+    window = min(20, len(losses))
+    steps = np.arange(window, len(losses) + 1)
+
+    def smooth(x):
+        return np.convolve(x, np.ones(window) / window, mode="valid")
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5), dpi=120)
+    left.plot(steps, smooth(losses), lw=1.6)
+    left.set_xlabel("step")
+    left.set_ylabel("loss")
+    left.set_title("draft head: loss")
+    for k in range(agreement.shape[1]):
+        right.plot(steps, smooth(agreement[:, k]), lw=1.6,
+                   label="on the model's features" if k == 0 else f"pass {k + 1}: on its own predictions")
+    right.set_xlabel("step")
+    right.set_ylabel("top-1 agreement")
+    right.set_title("draft head: next-token agreement")
+    right.legend(fontsize=7)
+    return _save(plt, fig, path)

@@ -1,0 +1,94 @@
+"""Speculation with a trained draft head (EAGLE, `spec="draft:d"`) on SmolLM2-135M (fp32).
+
+CNN/DM evaluation articles (rows 0..19 of data/cnndm_test_dev100.jsonl, never trained on): the
+first --prompt-tokens tokens ending in "\\n\\nSummary:", --new-tokens greedy tokens per row, EOS
+ignored, at each batch size. In one run, each configuration is timed between two runs of eejax's
+own full depth (same layer-buffer setting; `benchmarks.common.paired_runs`), and at batch 1 HF
+transformers' full-depth `generate` is timed too. Every configuration's tokens are checked
+against full depth. Reported: τ (tokens per round, the verified token included), acceptance,
+decode tokens/s (prefill excluded), speed-up over eejax full depth and over HF, the cost model's
+ideal speed-up at the measured τ (weights read per token, `eejax.decode.cost`), the machinery
+efficiency = measured / ideal, and layers of the model run per token. Writes
+benchmarks/out/<name>.{json,md}.
+
+    python benchmarks/draft_head.py [--model smollm2-135m-eagle] [--batches 1 8] [--specs draft:4 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import eejax  # noqa: E402
+from benchmarks.common import OUT, hf_generate_tokens_per_s, load_hf_smollm2, paired_runs, write_result  # noqa: E402
+from benchmarks.early_exit import summary_prompts  # noqa: E402
+from eejax.cli_parsing import OneLineErrorParser  # noqa: E402
+
+EVAL_ROWS = 20
+
+
+def main() -> int:
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-eagle", help="an eejax model with a draft head")
+    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=None,
+                        help="batch sizes (default 1 8)")
+    parser.add_argument("--specs", nargs="+", action="extend", default=None,
+                        help="speculation settings (default draft:2 draft:3 draft:4 draft:4:adaptive)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts at batch 1 (batch b runs b prompts at once)")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="split",
+                        help="how every eejax run reads the layer weights (split: faster on a CPU at batch 1)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each configuration (median kept)")
+    parser.add_argument("--no-hf", action="store_true", help="skip HF transformers' full depth")
+    parser.add_argument("--name", default="draft_head", help="output name under benchmarks/out/")
+    args = parser.parse_args()
+    batches = args.batches or [1, 8]
+    specs = args.specs or ["draft:2", "draft:3", "draft:4", "draft:4:adaptive"]
+    if max(args.prompts, *batches) > EVAL_ROWS:
+        parser.error(f"at most {EVAL_ROWS} prompts: only rows 0..{EVAL_ROWS - 1} are held out of training")
+
+    model = eejax.load(args.model, layer_buffers=args.layer_buffers)
+    hf = None if args.no_hf else load_hf_smollm2()
+    rows, lines = [], []
+    for b in batches:
+        prompts, _ = summary_prompts(model.tokenizer, max(b, args.prompts if b == 1 else b), args.prompt_tokens)
+
+        def run(spec, prompts=prompts, b=b):
+            return eejax.generate(model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, spec=spec,
+                                  batch_size=b)
+
+        paired = paired_runs(run, specs, args.repeats)
+        hf_speed = None
+        if hf is not None and b == 1:
+            hf_speed = sum(hf_generate_tokens_per_s(hf, [p], args.new_tokens, 0) for p in prompts) / len(prompts)
+        full = paired.peer
+        for spec, res, speedup, speed in zip(specs, paired.results, paired.speedups, paired.speeds):
+            assert res.tokens == full.tokens, f"{spec} at batch {b} parted from full depth"
+            s = res.stats
+            row = {"batch": b, "spec": spec, "tau": s["tokens_per_round"], "acceptance": s["acceptance_rate"],
+                   "tokens_per_s": speed, "full_depth_tokens_per_s": paired.peer_speed, "speedup": speedup,
+                   "hf_tokens_per_s": hf_speed, "speedup_vs_hf": speed / hf_speed if hf_speed else None,
+                   "ideal_speedup": s["ideal_speedup"], "efficiency": speedup / s["ideal_speedup"],
+                   "layers_per_token": s["mean_layers_per_token"], "plain_step_rate": s["plain_step_rate"],
+                   "stats": s}
+            rows.append(row)
+            vs_hf = f"{row['speedup_vs_hf']:.2f}x" if hf_speed else "-"
+            lines.append(f"| {b} | {spec} | {row['tau']:.2f} | {row['acceptance']:.2f} | {speed:.1f} | "
+                         f"{paired.peer_speed:.1f} | {speedup:.2f}x | {vs_hf} | {row['ideal_speedup']:.2f}x | "
+                         f"{row['efficiency']:.2f} | {row['layers_per_token']:.1f} |")
+            print(lines[-1], flush=True)
+    header = ("| batch | spec | τ | acceptance | tok/s | full depth tok/s | vs full depth | vs HF | ideal | "
+              "efficiency | layers/token |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    table = "\n".join([header, *lines])
+    write_result(args.name, {"args": vars(args), "rows": rows})
+    (OUT / f"{args.name}.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

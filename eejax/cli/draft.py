@@ -1,0 +1,157 @@
+"""`eejax train-draft`: a draft head (EAGLE) trained on a frozen model's cached features."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import time
+from pathlib import Path
+
+from eejax.cli.args import add_model_and_prompts, positive_int, prompts_from_args
+from eejax.errors import EejaxError
+
+
+def read_text_file(path: str) -> list[str]:
+    """Texts of a .txt or .txt.gz file, separated by two or more blank lines (or the whole file)."""
+    p = Path(path)
+    if not p.is_file():
+        raise EejaxError(f"text file not found: {path}")
+    opener = gzip.open if p.suffix == ".gz" else open
+    with opener(p, "rt", encoding="utf-8") as f:
+        text = f.read()
+    texts = [t.strip() for t in text.split("\n\n\n") if t.strip()]
+    if not texts:
+        raise EejaxError(f"no text in {path}")
+    return texts
+
+
+def prompt_lengths(text: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected prompt lengths like 128,256,384, got {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"prompt lengths must be >= 1, got {text!r}")
+    return lengths
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    import eejax
+    from eejax.models import draft_head
+    from eejax.train.draft_run import DraftRunSettings, apply_draft, draft_vocabulary, save_draft, training_data
+    from eejax.train.draft_training import train_draft
+    from eejax.train.exit_vocab import add_exit_vocab
+
+    settings = DraftRunSettings(
+        steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate, noise=args.noise,
+        feature_weight=args.feature_weight, unroll=args.unroll, seed=args.seed, window=args.window,
+        continuation_tokens=args.continuation_tokens, prompt_tokens=args.prompt_lengths, vocab_size=args.vocab_size)
+    if args.learning_rate <= 0 or args.noise < 0 or args.feature_weight < 0:
+        raise EejaxError("--learning-rate must be > 0, --noise and --feature-weight >= 0")
+    if args.hours is not None and not 0 < args.hours < float("inf"):
+        raise EejaxError(f"--hours must be a positive number, got {args.hours}")
+    texts = prompts_from_args(argparse.Namespace(**{**vars(args), "limit": None}))[args.skip:][: args.limit]
+    if not texts:
+        raise EejaxError(f"no texts left after --skip {args.skip}")
+    other = [t for path in args.text_file or [] for t in read_text_file(path)]
+    run = {"model": str(args.model), "settings": settings.to_json(), "skip": args.skip, "limit": args.limit,
+           "texts": args.prompts_file or "--prompt", "text_files": args.text_file or []}
+    out = Path(args.output).expanduser()
+    run_file = out / "run.json"
+    if run_file.exists():
+        before = json.loads(run_file.read_text())
+        if before != run:
+            changed = sorted(k for k in run if before.get(k) != run[k])
+            raise EejaxError(f"{out} holds a run started with other settings ({', '.join(changed)}); repeat its "
+                             f"command (see {run_file}) or choose another --output")
+    elif out.exists() and any(out.iterdir()):
+        raise EejaxError(f"{out} exists and is not a draft-head run directory; choose another --output")
+    if args.plot:
+        from eejax.train.plot import _pyplot
+
+        _pyplot()  # a missing matplotlib is named before the long work
+    model = eejax.load(args.model)
+    draft_head.check_model(model.config)
+    settings.check(model.config.vocab_size)
+    if model.tokenizer is None:
+        raise EejaxError(f"{args.model} has no tokenizer to read the texts with")
+    out.mkdir(parents=True, exist_ok=True)
+    run_file.write_text(json.dumps(run, indent=2) + "\n")
+    base = model.with_params({k: v for k, v in model.params.items() if k not in ("draft", "exits")})
+    data = training_data(base, texts, other, out, settings, progress=not args.quiet)
+    ids = draft_vocabulary(data, settings.vocab_size, model.config.vocab_size, always=model.eos_token_ids)
+    trainee = add_exit_vocab(model, ids)
+    started = time.perf_counter()
+    draft, losses, agree = train_draft(
+        trainee, data, steps=settings.steps, batch_size=settings.batch_size, learning_rate=settings.learning_rate,
+        noise=settings.noise, feature_weight=settings.feature_weight, unroll=settings.unroll, seed=settings.seed,
+        hours=args.hours, checkpoint_dir=out / "checkpoints", save_every=args.save_every, progress=not args.quiet)
+    hours = (time.perf_counter() - started) / 3600
+    if args.plot and len(losses):
+        from eejax.train.plot import save_draft_plot
+
+        save_draft_plot(losses, agree, out / "training.png")
+    if len(losses) < settings.steps:
+        print(f"stopped after {hours:.2f} h at step {len(losses)} of {settings.steps}; run the same command again "
+              f"to continue from {out / 'checkpoints'}")
+        return 0
+    trained = trainee.with_params({**trainee.params, "draft": draft})
+    tokens = int(data["lengths"].sum())
+    delta = save_draft(out / "draft.safetensors", trained, ids, {
+        "base": str(args.model), "settings": settings.to_json(), "training_tokens": tokens,
+        "data": {"texts": run["texts"], "skip": args.skip, "limit": args.limit, "text_files": run["text_files"]},
+        "top1_agreement_last_100": [float(x) for x in np.mean(agree[-100:], axis=0)]})
+    shipped = apply_draft(model, delta)  # the bf16 head as loading it gives it, its probe checked
+    eejax.save(shipped, out / "model", overwrite=True, metadata={"draft_head": str(delta)})
+    k = min(100, len(losses))
+    print(f"trained {settings.steps} steps on {tokens} cached tokens; loss {np.mean(losses[:k]):.3f} -> "
+          f"{np.mean(losses[-k:]):.3f}, top-1 agreement {np.mean(agree[:k, 0]):.2f} -> {np.mean(agree[-k:, 0]):.2f} "
+          f"(first / last {k} steps); draft head {delta}, model {out / 'model'}")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """Adds `train-draft` to the `eejax` subparsers."""
+    p = sub.add_parser(
+        "train-draft", help="train a draft head (EAGLE) on a frozen model's cached features, resumable",
+        description="Train a small draft head for lossless speculative decoding (spec draft:d): one fully connected "
+        "layer over [next token's embedding, the model's feature] and one decoder layer, drafting through the "
+        "model's own head (its reduced-vocabulary version). The model stays frozen: one pass over the training "
+        "text caches its features and next-token distributions on disk, then only the draft head trains on them "
+        "(soft cross-entropy to the model's distribution, a feature regression, input noise and a second pass on "
+        "its own predictions). The text is the --prompts-file texts (after --skip), the model's greedy "
+        "continuations of summary prompts made from them, and any --text-file. Everything lives in --output: run "
+        "the same command again to continue (--hours bounds one invocation). At the end it writes "
+        "OUTPUT/draft.safetensors (the head, small, with a probe checked at load) and OUTPUT/model.")
+    add_model_and_prompts(p, "training texts (news articles, say)", "eejax checkpoint directory or known model name")
+    p.add_argument("--output", required=True, metavar="DIR", help="the run directory (created; reused to resume)")
+    p.add_argument("--skip", type=int, default=0, metavar="N",
+                   help="leave out the first N texts (the rows you evaluate on; default 0)")
+    p.add_argument("--text-file", action="append", metavar="F.txt[.gz]",
+                   help="more training text, documents separated by two blank lines (repeatable)")
+    p.add_argument("--hours", type=float, metavar="H", help="stop this invocation after H hours (resumable)")
+    p.add_argument("--steps", type=positive_int, default=3000, help="optimizer steps of the whole run (default 3000)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="windows per step (default 8)")
+    p.add_argument("--learning-rate", type=float, default=1e-3,
+                   help="peak adamw learning rate, warm-up then cosine to 0 (default 1e-3)")
+    p.add_argument("--noise", type=float, default=0.1,
+                   help="uniform noise on the input features, times their RMS (default 0.1; 0 = off)")
+    p.add_argument("--feature-weight", type=float, default=0.1,
+                   help="weight of the feature regression (default 0.1; 0 = off)")
+    p.add_argument("--unroll", type=int, choices=(1, 2, 3), default=2,
+                   help="passes per step, each after the first on the draft's own predictions (default 2)")
+    p.add_argument("--window", type=positive_int, default=512, help="tokens per cached window (default 512)")
+    p.add_argument("--continuation-tokens", type=int, default=96, metavar="N",
+                   help="greedy tokens of the model after each summary prompt (default 96; 0 = no continuations)")
+    p.add_argument("--prompt-lengths", type=prompt_lengths, default=(128, 256, 384), metavar="N,N,...",
+                   help="summary prompts: the first N tokens of each text + 'Summary:' (default 128,256,384)")
+    p.add_argument("--vocab-size", type=positive_int, default=8192,
+                   help="tokens the draft proposes from: the most frequent of the data (default 8192)")
+    p.add_argument("--save-every", type=positive_int, default=100, help="steps between checkpoints (default 100)")
+    p.add_argument("--no-plot", dest="plot", action="store_false", help="do not write OUTPUT/training.png")
+    p.add_argument("--seed", type=int, default=0, help="seed of the batches and the noise (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_train_draft)
