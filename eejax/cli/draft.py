@@ -48,9 +48,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     settings = DraftRunSettings(
         steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate, noise=args.noise,
         feature_weight=args.feature_weight, unroll=args.unroll, seed=args.seed, window=args.window,
-        continuation_tokens=args.continuation_tokens, prompt_tokens=args.prompt_lengths, vocab_size=args.vocab_size)
-    if args.learning_rate <= 0 or args.noise < 0 or args.feature_weight < 0:
-        raise EejaxError("--learning-rate must be > 0, --noise and --feature-weight >= 0")
+        continuation_tokens=args.continuation_tokens, prompt_tokens=args.prompt_lengths,
+        window_prompts=args.window_prompts, sampled_copies=args.sampled_copies, vocab_size=args.vocab_size)
+    if args.learning_rate <= 0 or args.noise < 0 or args.feature_weight < 0 or args.sampled_copies < 0:
+        raise EejaxError("--learning-rate must be > 0, --noise, --feature-weight and --sampled-copies >= 0")
     if args.hours is not None and not 0 < args.hours < float("inf"):
         raise EejaxError(f"--hours must be a positive number, got {args.hours}")
     texts = prompts_from_args(argparse.Namespace(**{**vars(args), "limit": None}))[args.skip:][: args.limit]
@@ -148,6 +149,11 @@ def add_parsers(sub) -> None:
                    help="greedy tokens of the model after each summary prompt (default 96; 0 = no continuations)")
     p.add_argument("--prompt-lengths", type=prompt_lengths, default=(128, 256, 384), metavar="N,N,...",
                    help="summary prompts: the first N tokens of each text + 'Summary:' (default 128,256,384)")
+    p.add_argument("--no-window-prompts", dest="window_prompts", action="store_false",
+                   help="only the summary prompts of --prompt-lengths: no later article windows, no windows of the "
+                   "--text-file documents continued")
+    p.add_argument("--sampled-copies", type=int, default=2, metavar="N",
+                   help="sampled continuations (temperature 0.7) of each 256-token summary prompt (default 2; 0 = none)")
     p.add_argument("--vocab-size", type=positive_int, default=8192,
                    help="tokens the draft proposes from: the most frequent of the data (default 8192)")
     p.add_argument("--save-every", type=positive_int, default=100, help="steps between checkpoints (default 100)")

@@ -1,6 +1,13 @@
-"""The text a draft head trains on: news articles (CNN/DM rows that no evaluation uses), and the
-frozen model's own greedy continuations of summary prompts made from them (the distribution the
-draft will have to guess at decoding time), kept on disk so a rerun does not generate them again."""
+"""The text a draft head trains on: news articles (CNN/DM rows that no evaluation uses), more
+human text, and the frozen model's own continuations of prompts made from them (the distribution
+the draft will have to guess at decoding time), kept on disk so a rerun does not generate them
+again:
+
+- summary prompts: each article's first n tokens + "Summary:" (the evaluation's format), and
+  later windows of it + "Summary:" (`window_summary_prompts`), continued greedily, and sampled
+  (temperature 0.7) for other likely texts;
+- windows of the other documents, continued greedily (`text_prompts`).
+"""
 
 from __future__ import annotations
 
@@ -45,6 +52,42 @@ def summary_prompts(tokenizer, texts: list[str], prompt_tokens=(128, 256, 384)) 
     return out
 
 
+SUMMARY_WINDOWS = ((128, 256), (256, 256), (64, 320))  # (offset, tokens) of later article windows
+TEXT_WINDOWS = (0, 512, 1024)  # offsets of the 256-token windows of other documents
+
+
+def window_summary_prompts(tokenizer, texts: list[str], windows=SUMMARY_WINDOWS) -> list[list[int]]:
+    """For each text and each (offset, n): tokens offset..offset+n + "Summary:", where the text
+    has more than offset + 64 tokens."""
+    suffix = tokenizer(SUMMARY_SUFFIX)["input_ids"]
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    return [x[o:o + n] + suffix for x in ids for o, n in windows if len(x) > o + 64]
+
+
+def text_prompts(tokenizer, texts: list[str], offsets=TEXT_WINDOWS, length: int = 256) -> list[list[int]]:
+    """Windows of `length` tokens of each text at `offsets`, where it has more than offset + 64."""
+    ids = [tokenizer(t)["input_ids"] for t in texts]
+    return [x[o:o + length] for x in ids for o in offsets if len(x) > o + 64]
+
+
+def sampled_continuations(model, prompts: list[list[int]], path: str | Path, *, new_tokens: int = 96,
+                          temperature: float = 0.7, seed: int = 1, batch_size: int = 32) -> list[list[int]]:
+    """Each prompt followed by a sampled continuation (one `generate` call: row i draws with
+    (seed, i)), saved as JSON in `path` (read back on a rerun with the same prompts)."""
+    from eejax.decode.generate import generate
+
+    path = Path(path)
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("prompts") == prompts and saved.get("new_tokens") == new_tokens:
+            return saved["sequences"]
+    res = generate(model, prompts, max_new_tokens=new_tokens, temperature=temperature, seed=seed,
+                   batch_size=batch_size)
+    sequences = [list(p) + list(t) for p, t in zip(prompts, res.tokens)]
+    _save(path, prompts, new_tokens, sequences)
+    return sequences
+
+
 def continuations(model, prompts: list[list[int]], path: str | Path, *, new_tokens: int = 96,
                   batch_size: int = 32, progress: bool = True) -> list[list[int]]:
     """Each prompt followed by the model's greedy continuation, saved as JSON in `path` (read back
@@ -57,7 +100,11 @@ def continuations(model, prompts: list[list[int]], path: str | Path, *, new_toke
         if saved.get("prompts") == prompts and saved.get("new_tokens") == new_tokens:
             return saved["sequences"]
     sequences = continued_sequences(model, prompts, new_tokens, batch_size=batch_size, progress=progress)
+    _save(path, prompts, new_tokens, sequences)
+    return sequences
+
+
+def _save(path: Path, prompts, new_tokens: int, sequences) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"prompts": prompts, "new_tokens": new_tokens, "sequences": sequences}))
     os.replace(tmp, path)
-    return sequences

@@ -39,6 +39,8 @@ class DraftRunSettings:
     window: int = 512
     continuation_tokens: int = 96
     prompt_tokens: tuple[int, ...] = (128, 256, 384)
+    window_prompts: bool = True
+    sampled_copies: int = 2
     vocab_size: int = 8192
 
     def check(self, vocab: int) -> None:
@@ -53,19 +55,34 @@ class DraftRunSettings:
 
 def training_data(model, texts: list[str], other_texts: list[str], out: Path, settings: DraftRunSettings,
                   progress: bool = True) -> dict:
-    """The feature cache of: the model's continuations of summary prompts made from `texts`, the
-    `texts` themselves and `other_texts` (more human text). Built once in `out`, then loaded."""
-    from eejax.train.draft_corpus import continuations, summary_prompts
+    """The feature cache of the model's continuations (`draft_corpus`: greedy ones of summary
+    prompts of `texts` and of windows of `other_texts`, sampled ones of the summary prompts), then
+    the `texts` and `other_texts` themselves. Built once in `out`, then loaded."""
+    from eejax.train import draft_corpus as dc
     from eejax.train.draft_features import build_feature_cache, load_feature_cache
 
-    tok = model.tokenizer
-    prompts = summary_prompts(tok, texts, settings.prompt_tokens)
-    generated = continuations(model, prompts, out / "continuations.json", new_tokens=settings.continuation_tokens,
-                              progress=progress) if settings.continuation_tokens else []
+    tok, n = model.tokenizer, settings.continuation_tokens
+    generated, parts = [], []
+    if n:
+        summary = dc.summary_prompts(tok, texts, settings.prompt_tokens)
+        generated += dc.continuations(model, summary, out / "continuations.json", new_tokens=n, progress=progress)
+        parts.append(f"{len(summary)} summary prompts")
+        if settings.window_prompts:
+            later = dc.window_summary_prompts(tok, texts)
+            generated += dc.continuations(model, later, out / "continuations_windows.json", new_tokens=n,
+                                          progress=progress)
+            windows = dc.text_prompts(tok, other_texts)
+            generated += dc.continuations(model, windows, out / "continuations_texts.json", new_tokens=n,
+                                          progress=progress)
+            parts.append(f"{len(later)} later-window summary prompts, {len(windows)} document windows")
+        if settings.sampled_copies:
+            first = dc.summary_prompts(tok, texts, (256,)) * settings.sampled_copies
+            generated += dc.sampled_continuations(model, first, out / "continuations_sampled.json", new_tokens=n)
+            parts.append(f"{len(first)} sampled (T=0.7)")
     human = [tok(t)["input_ids"] for t in texts + other_texts]
     cache = build_feature_cache(model, generated + human, out / "features", window=settings.window,
-                                source=f"{len(prompts)} summary prompts + {settings.continuation_tokens} greedy "
-                                f"tokens; {len(texts)} + {len(other_texts)} texts", progress=progress)
+                                source=f"continuations ({n} tokens) of {', '.join(parts) or 'none'}; "
+                                f"{len(texts)} + {len(other_texts)} texts", progress=progress)
     return load_feature_cache(cache)
 
 
@@ -145,13 +162,9 @@ def apply_draft(model, path: str | Path, *, check: bool = True):
         raise EejaxError(f"{path} is not an eejax draft head (kind {meta.get('kind')!r})")
     trained = apply_arrays(model, arrays)
     if check:
-        ids, logits = probe_logits(trained)
-        want = np.asarray(meta["probe_top_logits"], np.float32)
-        got = logits[np.asarray(meta["probe_top_ids"])]
-        if ids != meta["probe_ids"] or not np.allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max()):
-            raise EejaxError(f"the draft head {path} does not reproduce the logits recorded when it was saved "
-                             f"(largest difference {np.abs(got - want).max():.3g}): is the base model "
-                             f"{meta.get('base')!r}?")
+        from eejax.train.runs import check_probe
+
+        check_probe(path, meta, *probe_logits(trained), tolerance=1e-3)
     return trained
 
 

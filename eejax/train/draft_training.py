@@ -29,6 +29,7 @@ import optax
 from eejax.errors import EejaxError
 from eejax.models import draft_head, exits
 from eejax.models.modules import embed
+from eejax.train import runs
 
 
 def _reduced_index(params, vocab_size: int):
@@ -105,7 +106,6 @@ def train_draft(model, data: dict, *, steps: int, batch_size: int = 8, learning_
     loaded feature cache `data` for `steps` steps (adamw, warmup then cosine decay), or until
     `hours` have passed. Returns (the draft params, losses [steps run], agreement [steps run,
     unroll]: the top-1 agreement of each pass with the model's next token)."""
-    import orbax.checkpoint as ocp
     from tqdm.auto import tqdm
 
     config = model.config
@@ -123,16 +123,7 @@ def train_draft(model, data: dict, *, steps: int, batch_size: int = 8, learning_
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(100, steps // 10 + 1), steps)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
     state = {"draft": draft, "opt": optimizer.init(draft), "step": jnp.int32(0)}
-    log = {"losses": [], "agree": []}
-    manager = None
-    if checkpoint_dir is not None:
-        manager = ocp.CheckpointManager(Path(checkpoint_dir).absolute(),
-                                        options=ocp.CheckpointManagerOptions(max_to_keep=2))
-        latest = manager.latest_step()
-        if latest is not None:
-            restored = manager.restore(latest, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(state), log=ocp.args.JsonRestore()))
-            state, log = restored.state, dict(restored.log)
+    manager, state, log = runs.resume(checkpoint_dir, state, {"losses": [], "agree": []})
     start = int(state["step"])
     draft, opt_state = state["draft"], state["opt"]
     _, index = _reduced_index(params, config.vocab_size)
@@ -153,9 +144,7 @@ def train_draft(model, data: dict, *, steps: int, batch_size: int = 8, learning_
             bar.set_postfix(loss=f"{log['losses'][-1]:.3f}", top1=f"{log['agree'][-1][0]:.2f}")
             out_of_time = hours is not None and time.monotonic() - began > hours * 3600
             if manager is not None and (done % save_every == 0 or done == steps or out_of_time):
-                manager.save(done, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave({"draft": draft, "opt": opt_state, "step": jnp.int32(done)}),
-                    log=ocp.args.JsonSave(log)))
+                runs.save(manager, done, {"draft": draft, "opt": opt_state, "step": jnp.int32(done)}, log)
             if on_step is not None:
                 on_step(step, log["losses"][-1])
             if out_of_time:

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models.registry import model_module
+from eejax.train import runs
 from eejax.train.data import exit_batch
 from eejax.train.exit_training import check_exit_layers, layer_weights, train_step
 
@@ -37,8 +38,6 @@ def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e
     finished first). `on_step(step, loss)` is called after each step. Only the adapters and
     classifiers train. Returns (exit_params: the model's exits with the trained ones and
     `exit_layers`, the trained exits; losses [steps]; the step it started from)."""
-    import orbax.checkpoint as ocp
-
     from eejax.models.exits import ADAPTER_KEYS, CLASSIFIER_KEYS, has_adapters
 
     config = model.config
@@ -57,16 +56,8 @@ def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e
     stored = model.params["exits"]
     trainable = {k: v for k, v in stored.items() if k in ADAPTER_KEYS + CLASSIFIER_KEYS}
     state = {"exits": trainable, "opt": optimizer.init(trainable), "step": jnp.int32(0)}
-    history: list[float] = []
-    manager = None
-    if checkpoint_dir is not None:
-        manager = ocp.CheckpointManager(Path(checkpoint_dir).absolute(),
-                                        options=ocp.CheckpointManagerOptions(max_to_keep=2))
-        latest = manager.latest_step()
-        if latest is not None:
-            restored = manager.restore(latest, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(state), log=ocp.args.JsonRestore()))
-            state, history = restored.state, list(restored.log["losses"])
+    manager, state, log = runs.resume(checkpoint_dir, state, {"losses": []})
+    history = list(log["losses"])
     start = int(state["step"])
     if start > steps:
         raise EejaxError(f"the checkpoint in {checkpoint_dir} is at step {start}, past the {steps} steps asked")
@@ -84,9 +75,8 @@ def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e
             bar.set_postfix(loss=f"{losses[step]:.4f}")
             done = step + 1
             if manager is not None and (done % save_every == 0 or done == steps):
-                manager.save(done, args=ocp.args.Composite(
-                    state=ocp.args.StandardSave({"exits": exit_params, "opt": opt_state, "step": jnp.int32(done)}),
-                    log=ocp.args.JsonSave({"losses": losses[:done].tolist()})))
+                runs.save(manager, done, {"exits": exit_params, "opt": opt_state, "step": jnp.int32(done)},
+                          {"losses": losses[:done].tolist()})
             if on_step is not None:
                 on_step(step, losses[step])
     finally:

@@ -114,12 +114,7 @@ def apply_delta(model, path, *, check: bool = True):
     trained = model.with_params(params)
     if check and "probe_top_ids" in meta:
         from eejax.train.layerskip_run import probe_logits
+        from eejax.train.runs import check_probe
 
-        ids, logits = probe_logits(trained)
-        want = np.asarray(meta["probe_top_logits"], np.float32)
-        got = logits[np.asarray(meta["probe_top_ids"])]
-        if ids != meta["probe_ids"] or not np.allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max()):
-            raise EejaxError(f"the delta {path} does not reproduce the logits recorded when it was trained "
-                             f"(largest difference {np.abs(got - want).max():.3g}): is the base model "
-                             f"{meta.get('base')!r}?")
+        check_probe(path, meta, *probe_logits(trained), tolerance=1e-4)
     return trained
