@@ -259,3 +259,15 @@ def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, 
     # a rerun with other settings is refused, naming them
     assert main(argv[:-4] + ["--vocab-size", "32", "--no-plot", "--quiet"]) == 2
     assert "settings" in capsys.readouterr().err
+
+
+def test_bf16_draft_head_speculates_in_bf16(tiny_checkpoints):
+    from eejax.model import cast_floats
+    from tests.helpers import assert_equal_until_a_near_tie
+    from tests.test_bfloat16 import NEAR_TIE, PROMPTS as TEXTS
+
+    bf16 = eejax.load(tiny_checkpoints["gqa-untied"][2], dtype=jnp.bfloat16)
+    bf16 = bf16.with_params(cast_floats(with_draft(bf16).params, jnp.bfloat16))
+    greedy = eejax.generate(bf16, TEXTS, max_new_tokens=10, ignore_eos=True)
+    res = eejax.generate(bf16, TEXTS, max_new_tokens=10, ignore_eos=True, spec="draft:3")
+    assert_equal_until_a_near_tie(bf16, TEXTS, res.tokens, greedy.tokens, tol=NEAR_TIE)

@@ -69,7 +69,7 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
         out, cache = draft_head.draft_layer(params, predicted[:, None], embed(params, token[:, None]), cache, batch,
                                             config)
         proposal, q = _propose(params, out[:, 0], state, i, config, options)
-        return (cache, out[:, 0], proposal), (proposal, q)
+        return (cache, out[:, 0].astype(predicted.dtype), proposal), (proposal, q)
 
     tokens, probs = first[:, None], q1[:, None]
     if d > 1:
