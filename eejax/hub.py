@@ -46,6 +46,12 @@ KNOWN_MODELS = {
         base="smollm2-135m",
         delta="smollm2-135m-layerskip.safetensors",
     ),
+    "smollm2-135m-eagle": KnownModel(
+        description="smollm2-135m (unchanged) with a draft head trained by `eejax train-draft` on CNN/DM and "
+        "WikiText-2 (README: its model card): lossless speculation with spec draft:d",
+        base="smollm2-135m",
+        delta="smollm2-135m-eagle.safetensors",
+    ),
 }
 
 

@@ -234,7 +234,8 @@ def test_bad_draft_settings(model):
 
 # --- the command and the shipped delta -------------------------------------------------------------
 
-def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, capsys):
+def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, capsys, monkeypatch):
+    from eejax import hub
     from eejax.cli import main
     from eejax.train.draft_run import apply_draft
 
@@ -256,6 +257,13 @@ def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, 
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(EejaxError, match="does not reproduce"):  # another model of the same shape
         apply_draft(eejax.load(tiny_checkpoints["gqa-tied"][2]), out / "draft.safetensors")
+    # shipped as a known model: the hub applies the delta to its base once, into the cache
+    monkeypatch.setenv("EEJAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub, "ASSETS", out)
+    monkeypatch.setitem(hub.KNOWN_MODELS, "tiny-eagle", hub.KnownModel(description="test", base=str(path),
+                                                                       delta="draft.safetensors"))
+    known = eejax.load("tiny-eagle")
+    assert (tmp_path / "cache" / "models" / "tiny-eagle").is_dir() and known.cache_layers == base.config.num_layers + 1
     # a rerun with other settings is refused, naming them
     assert main(argv[:-4] + ["--vocab-size", "32", "--no-plot", "--quiet"]) == 2
     assert "settings" in capsys.readouterr().err
