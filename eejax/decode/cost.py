@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from eejax.options import ExitConfig
-from eejax.models import exits
+from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
 
 
@@ -62,7 +61,7 @@ class WeightCounts:
         return cls(layer=per_layer, kv=kv, head=config.vocab_size * config.hidden_size + config.hidden_size,
                    reduced_head=reduced + config.hidden_size * bool(reduced), adapter=adapter,
                    classifier=classifier, num_layers=L,
-                   draft=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params.get("draft") or {})))
+                   draft=draft_head.num_weights(params.get("draft") or {}))
 
     @property
     def full_depth(self) -> float:

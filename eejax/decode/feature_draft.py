@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.decode.sampling import DRAFT, GREEDY, filtered_logits, sample, token_keys
+from eejax.decode.sampling import DRAFT, GREEDY, draft_proposal, token_keys
 from eejax.decode.state import DecodeState
 from eejax.models import draft_head, exits
 from eejax.models.modules import embed
@@ -39,17 +39,11 @@ def uses_reduced_head(params, options: StepOptions) -> bool:
 
 def _propose(params, predicted, state: DecodeState, i, config, options: StepOptions):
     """(draft token [B], q [B, V] or [B, 0] when greedy) of the head at predicted features [B, D]."""
-    reduced, sampler = uses_reduced_head(params, options), options.sampler
-    logits = draft_head.draft_logits(params, predicted, config, reduced)
-    if reduced and sampler == GREEDY:  # argmax over the reduced set; ids increase, so ties agree
-        return params["exits"]["vocab_ids"][jnp.argmax(logits, axis=-1)].astype(jnp.int32), logits[:, :0]
-    if reduced:
-        full = jnp.full(logits.shape[:-1] + (config.vocab_size,), -jnp.inf, jnp.float32)
-        logits = full.at[..., params["exits"]["vocab_ids"]].set(logits)
-    proposal = sample(logits, token_keys(state.keys, state.position + i, DRAFT), state.sampling, sampler)
-    if sampler == GREEDY:
-        return proposal, logits[:, :0]
-    return proposal, jax.nn.softmax(filtered_logits(logits, state.sampling, sampler), axis=-1)
+    reduced = uses_reduced_head(params, options)
+    return draft_proposal(draft_head.draft_logits(params, predicted, config, reduced),
+                          params["exits"]["vocab_ids"] if reduced else None,
+                          token_keys(state.keys, state.position + i, DRAFT), state.sampling, options.sampler,
+                          config.vocab_size)
 
 
 def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):

@@ -144,3 +144,23 @@ def logprobs_of(logits, rows: RowSampling, sampler: str):
     if sampler == GREEDY:
         return model
     return jnp.where(rows.greedy[:, None], model, jax.nn.log_softmax(filtered_logits(logits, rows, sampler), axis=-1))
+
+
+def expand_logits(reduced, ids, vocab_size: int):
+    """Reduced logits [..., K] of tokens `ids` [K] -> [..., V] with -inf for every other token."""
+    full = jnp.full(reduced.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., ids].set(reduced)
+
+
+def draft_proposal(logits, vocab_ids, keys, rows: RowSampling, sampler: str, vocab_size: int):
+    """A draft's token [B] and the distribution q it was drawn from ([B, V]; [B, 0] when greedy)
+    from its head's logits: [B, V], or [B, K] of the reduced head's tokens `vocab_ids` [K] (None:
+    the full head). Greedy over the reduced set takes its argmax (ids increase, so ties agree)."""
+    if vocab_ids is not None and sampler == GREEDY:
+        return vocab_ids[jnp.argmax(logits, axis=-1)].astype(jnp.int32), logits[:, :0]
+    if vocab_ids is not None:
+        logits = expand_logits(logits, vocab_ids, vocab_size)
+    proposal = sample(logits, keys, rows, sampler)
+    if sampler == GREEDY:
+        return proposal, logits[:, :0]
+    return proposal, jax.nn.softmax(filtered_logits(logits, rows, sampler), axis=-1)

@@ -41,9 +41,9 @@ import jax.numpy as jnp
 from eejax.cache import KVCache
 from eejax.options import StepOptions
 from eejax.decode import feature_draft
-from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, filtered_logits, sample, token_keys
+from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
 from eejax.decode.state import DecodeState, is_eos, only_group, record_logprobs, ungrouped
-from eejax.decode.steps import decode, exit_logits, expand_logits, reduced_logits
+from eejax.decode.steps import decode, exit_logits, reduced_logits
 from eejax.models import exits
 from eejax.models.registry import model_module
 
@@ -115,16 +115,10 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
 
     def propose(h, i):
         """(proposal [B], q [B, V] or [B, 0] when greedy) of the draft head at hidden state h."""
-        keys = token_keys(state.keys, state.position + i, DRAFT)
-        if reduced and sampler == GREEDY:  # argmax over the reduced set; ids increase, so ties agree
-            logits = reduced_logits(params, h, e, config)
-            return exit_params["vocab_ids"][jnp.argmax(logits, axis=-1)].astype(jnp.int32), logits[:, :0]
-        logits = exit_logits(params, h, e, config) if not reduced else expand_logits(
-            reduced_logits(params, h, e, config), exit_params["vocab_ids"], config.vocab_size)
-        proposal = sample(logits, keys, state.sampling, sampler)
-        q = logits[:, :0] if sampler == GREEDY else jax.nn.softmax(filtered_logits(logits, state.sampling, sampler),
-                                                                   axis=-1)
-        return proposal, q
+        logits = reduced_logits(params, h, e, config) if reduced else exit_logits(params, h, e, config)
+        return draft_proposal(logits, exit_params["vocab_ids"] if reduced else None,
+                              token_keys(state.keys, state.position + i, DRAFT), state.sampling, sampler,
+                              config.vocab_size)
 
     d = spec.num_speculations
     q_width = 0 if sampler == GREEDY else config.vocab_size

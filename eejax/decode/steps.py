@@ -21,7 +21,7 @@ from eejax.cache import KVCache
 from eejax.options import StepOptions
 from eejax.decode.confidence import exit_threshold
 from eejax.decode.early_exit import ExitFns, early_exit_layers
-from eejax.decode.sampling import SAMPLE, RowSampling, SamplingParams, row_keys, sample, token_keys
+from eejax.decode.sampling import SAMPLE, RowSampling, SamplingParams, expand_logits, row_keys, sample, token_keys
 from eejax.decode.state import (DecodeState, LogprobRecord, insert_rows, is_eos, only_group, record_logprobs,
                                 ungrouped)
 from eejax.decode import feature_draft
@@ -143,12 +143,6 @@ def reduced_logits(params, x, layers_run, config):
     gives them)."""
     weight = params["exits"]["vocab_head"]
     return model_module(config).lm_head(params, adapted(params, x, layers_run, config), config, weight=weight)
-
-
-def expand_logits(reduced, ids, vocab_size: int):
-    """Reduced logits [..., K] of tokens `ids` [K] -> [..., V] with -inf for every other token."""
-    full = jnp.full(reduced.shape[:-1] + (vocab_size,), -jnp.inf, jnp.float32)
-    return full.at[..., ids].set(reduced)
 
 
 def exit_fns(params, batch, config, *, check_reduced: bool = False, emit_reduced: bool = False) -> ExitFns:

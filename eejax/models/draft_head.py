@@ -148,11 +148,8 @@ def draft_layer(params, feature, token_embeds, cache: KVCache, batch: TokenBatch
 def draft_logits(params, predicted, config: LlamaConfig, reduced: bool):
     """The head over predicted features [..., D] (no norm: they are in the head's input space):
     float32 logits [..., V], or [..., K] of the reduced exit head's tokens."""
-    if reduced:
-        w, tied = params["exits"]["vocab_head"], config.tie_embeddings
-    else:
-        w, tied = exits.head_weight(params, config.tie_embeddings), config.tie_embeddings
-    if tied:
+    w = params["exits"]["vocab_head"] if reduced else exits.head_weight(params, config.tie_embeddings)
+    if config.tie_embeddings:
         return jnp.einsum("...d,vd->...v", predicted, w, preferred_element_type=jnp.float32)
     return jnp.matmul(predicted, w, preferred_element_type=jnp.float32)
 
