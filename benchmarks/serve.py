@@ -67,7 +67,7 @@ class Server:
     def __init__(self, model, warmup_tokens: int, **engine_options):
         import uvicorn
 
-        from eejax.serve.engine import Engine
+        from eejax.engine.engine import Engine
         from eejax.serve.http import create_app
 
         self.engine = Engine(model, **engine_options)
@@ -146,7 +146,7 @@ def offline(model, prompts, args) -> dict:
     """The same requests as one batch job (`Engine.generate_offline`, no HTTP): FCFS without
     buckets vs BucketServe's offline choice (the fullest bucket), FCFS and SJF inside buckets.
     Greedy outputs must be identical across configurations."""
-    from eejax.serve.engine import Engine
+    from eejax.engine.engine import Engine
 
     configs = {"fcfs, no buckets": dict(bucketing=False),
                "bucketserve offline, fcfs": dict(bucketing=True, online=False),

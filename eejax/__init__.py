@@ -12,7 +12,8 @@
 
 from eejax.config import LlamaConfig, RopeScaling, T5Config
 from eejax.options import ExitConfig, SpecConfig
-from eejax.decode import GenerateResult, GenerateStats, SamplingParams, generate
+from eejax.decode import GenerateStats, SamplingParams
+from eejax.engine import GenerateResult, generate
 from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
 from eejax.model import Model, init_exits, load, save
 from eejax.sharding import make_mesh, shard

@@ -9,7 +9,7 @@ import numpy as np
 
 import eejax
 from conversion import convert
-from eejax.serve.engine import Engine
+from eejax.engine.engine import Engine
 from tests.helpers import assert_equal_until_a_near_tie, random_prompts, sequence_logits
 
 PROMPTS = random_prompts(4, [6, 19, 3, 11], seed=11)

@@ -18,7 +18,7 @@ from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import draft_head, llama
 from eejax.models.exits import set_exit_vocab
 from eejax.options import SpecConfig, StepOptions
-from eejax.serve.engine import Engine
+from eejax.engine.engine import Engine
 from tests.helpers import prefilled
 from tests.test_speculative import NEW, PROMPTS, chi_square_p, perfect_drafts, spec_round, tiny
 

@@ -1,7 +1,7 @@
 """The serving engine: continuous batching gives exactly `generate`'s tokens, and frees everything."""
 
 import eejax
-from eejax.serve.engine import Engine
+from eejax.engine.engine import Engine
 from tests.helpers import random_prompts
 
 

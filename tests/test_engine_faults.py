@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import eejax
 from eejax.errors import EejaxError
-from eejax.serve.engine import Engine
+from eejax.engine.engine import Engine
 from tests.helpers import random_prompts
 
 

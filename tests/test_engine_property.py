@@ -18,7 +18,7 @@ import eejax
 from eejax.cache import page_bytes
 from eejax.config import LlamaConfig
 from eejax.models import llama
-from eejax.serve.engine import Engine
+from eejax.engine.engine import Engine
 
 PAGE = 8
 NEW = 16  # the engine's max new tokens (and the most a request asks for)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 import eejax
-from eejax.serve.engine import Engine
+from eejax.engine.engine import Engine
 from eejax.serve.http import create_app
 from tests.helpers import cnndm_rows, serve_in_thread, start_eejax_serve
 

@@ -107,7 +107,7 @@ def test_on_layer_reads_the_same_weights_in_both_layouts():
 def test_the_engine_reads_per_layer_buffers_too():
     import eejax
     from eejax.errors import EejaxError
-    from eejax.serve.engine import Engine
+    from eejax.engine.engine import Engine
 
     config = dataclasses.replace(LLAMA, num_layers=4)
     params = model_module(config).init_params(config, jax.random.PRNGKey(2), scale=0.3)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import eejax
-from eejax.serve.engine import Engine
+from eejax.engine.engine import Engine
 from tests.helpers import serve_in_thread
 
 openai = pytest.importorskip("openai")

@@ -3,7 +3,7 @@
 import pytest
 
 from eejax.errors import EejaxError
-from eejax.serve.scheduler import BucketScheduler, Request, max_batch, preemption_victim, safe_pages
+from eejax.engine.scheduler import BucketScheduler, Request, max_batch, preemption_victim, safe_pages
 
 
 def req(i, length, arrival=None, priority=0):

@@ -23,7 +23,7 @@ from eejax.models.registry import model_module
 from eejax import ExitConfig, SpecConfig
 from eejax.decode.collectives import collectives
 from eejax.models.exits import set_exit_vocab
-from eejax.serve.engine import Engine
+from eejax.engine.engine import Engine
 from eejax.sharding import make_mesh, shard
 from jax.sharding import PartitionSpec as P
 

@@ -287,7 +287,7 @@ def test_self_speculation_equals_full_depth(t5_models):
 def test_the_serving_engine_runs_t5(t5_models):
     """Rows enter decode slots with their cross K/V; more requests than slots, mixed options
     (early exit, speculation) and lengths give `generate`'s tokens; T5's limits are named."""
-    from eejax.serve.engine import Engine
+    from eejax.engine.engine import Engine
 
     model = t5_models["v1.1"][1]
     engine = Engine(model, max_slots=2, max_new_tokens=NEW, cache_budget="1MiB", page_size=8, max_prompt_tokens=30)

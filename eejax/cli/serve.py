@@ -17,7 +17,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
     from eejax.cache import parse_bytes
-    from eejax.serve.engine import Engine
+    from eejax.engine.engine import Engine
     from eejax.serve.http import create_app
 
     try:
@@ -37,7 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.warmup:
         engine.warmup(args.warmup)
     if args.num_processes > 1 and args.process_id != 0:  # a replica: steps with process 0 until it stops
-        from eejax.serve.replicas import follow
+        from eejax.engine.replicas import follow
 
         log.info("process %d follows process 0's engine", args.process_id)
         follow(engine)

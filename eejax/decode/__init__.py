@@ -1,7 +1,8 @@
-"""Decoding: sampling, the jitted steps, shape buckets and `generate`."""
+"""Decoding: the jitted steps over the paged cache (prefill, decode, early exit, speculation),
+sampling, shape buckets, the cost model and a generation's stats. Knows neither the engine nor
+HTTP: `eejax.engine` drives these steps."""
 
-from eejax.decode.generate import GenerateResult, generate
 from eejax.decode.stats import GenerateStats
 from eejax.decode.sampling import SamplingParams
 
-__all__ = ["GenerateResult", "GenerateStats", "SamplingParams", "generate"]
+__all__ = ["GenerateStats", "SamplingParams"]

@@ -1,2 +1,6 @@
-"""Serving: the BucketServe scheduler, the engine (continuous batching over the paged cache) and
-the HTTP API."""
+"""Serving over HTTP: the OpenAI-compatible app, its request schema and metrics. The engine it
+drives lives in `eejax.engine` (re-exported here as `eejax.serve.Engine`)."""
+
+from eejax.engine import Engine
+
+__all__ = ["Engine"]

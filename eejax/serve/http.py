@@ -29,7 +29,7 @@ from eejax.options import ExitConfig, SpecConfig
 from eejax.decode.prompts import prompt_token_ids
 from eejax.errors import EejaxError
 from eejax.serve.schema import ChatRequest, CompletionRequest, RequestError, parse
-from eejax.serve.stops import visible_text
+from eejax.engine.stops import visible_text
 
 log = logging.getLogger("eejax.serve")
 

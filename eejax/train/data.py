@@ -15,7 +15,7 @@ def continued_sequences(model, prompts: list[list[int]], new_tokens: int, *, bat
     when it ends at EOS)."""
     from tqdm.auto import tqdm
 
-    from eejax.decode.generate import generate
+    from eejax.engine.generate import generate
 
     if new_tokens < 0:
         raise EejaxError(f"new_tokens must be >= 0, got {new_tokens}")

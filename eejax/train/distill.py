@@ -36,7 +36,7 @@ def continue_windows(model, prompts: list[list[int]], new_tokens: int, *, sample
     `sampled_every`-th prompt (0: none) also once with a sampled one (temperature, top_p)."""
     from tqdm.auto import tqdm
 
-    from eejax.decode.generate import generate
+    from eejax.engine.generate import generate
 
     groups = [(prompts, 0.0)] + ([(prompts[::sampled_every], temperature)] if sampled_every else [])
     sequences = []

@@ -74,7 +74,7 @@ def sampled_continuations(model, prompts: list[list[int]], path: str | Path, *, 
                           temperature: float = 0.7, seed: int = 1, batch_size: int = 32) -> list[list[int]]:
     """Each prompt followed by a sampled continuation (one `generate` call: row i draws with
     (seed, i)), saved as JSON in `path` (read back on a rerun with the same prompts)."""
-    from eejax.decode.generate import generate
+    from eejax.engine.generate import generate
 
     path = Path(path)
     if path.exists():

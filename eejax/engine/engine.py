@@ -46,13 +46,14 @@ from eejax.decode.state import empty_state
 from eejax.decode.steps import decode_slots
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models.registry import model_module
-from eejax.serve.admission import Admission
-from eejax.serve.lifecycle import Lifecycle
-from eejax.serve.requests import Requests
-from eejax.serve.scheduler import BucketScheduler, Request, safe_pages
-from eejax.serve.sequence import Sequence
-from eejax.serve.speculation import Speculation
-from eejax.serve.stops import first_stop
+from eejax.engine.admission import Admission
+from eejax.engine.lifecycle import Lifecycle
+from eejax.engine.metrics import ServeMetrics
+from eejax.engine.requests import Requests
+from eejax.engine.scheduler import BucketScheduler, Request, safe_pages
+from eejax.engine.sequence import Sequence
+from eejax.engine.speculation import Speculation
+from eejax.engine.stops import first_stop
 from eejax.sharding import to_host
 
 __all__ = ["Engine", "Sequence"]
@@ -168,8 +169,6 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._wake = threading.Event()
-        from eejax.serve.metrics import ServeMetrics
-
         self.prometheus = ServeMetrics(config.num_layers)
         self.counters = {"steps": 0, "prefills": 0, "preemptions": 0, "generated_tokens": 0, "padding_tokens": 0,
                          "prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "scheduler_s": 0.0, "step_s": 0.0,

@@ -50,7 +50,7 @@ def broadcast(message=None):
 
 def apply(engine, changes: list[tuple]) -> None:
     """Applies process 0's changes to a replica engine (the lock is held)."""
-    from eejax.serve.sequence import Sequence
+    from eejax.engine.sequence import Sequence
 
     for kind, value in changes:
         if kind == "submit":

@@ -18,8 +18,8 @@ from eejax.decode.sampling import RowSampling, SamplingParams
 from eejax.decode.steps import prefill_slots
 from eejax.errors import OutOfPagesError
 from eejax.options import StepOptions
-from eejax.serve.scheduler import Request, preemption_victim
-from eejax.serve.sequence import Sequence
+from eejax.engine.scheduler import Request, preemption_victim
+from eejax.engine.sequence import Sequence
 
 
 class Admission:

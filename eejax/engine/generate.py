@@ -3,7 +3,7 @@ preallocated paged KV cache: a thin offline loop over the serving engine's steps
 
 The prompts are submitted to an `Engine` sized for the call (slots for `batch_size` rows, the
 pages they need); rows enter free slots as others finish (continuous batching), a decode
-program runs several steps, and the host reads one program behind (`serve/engine.py`).
+program runs several steps, and the host reads one program behind (`engine/engine.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
 from eejax.decode.sampling import SamplingParams
 from eejax.decode.stats import GenerateStats, generate_stats
+from eejax.engine.engine import Engine
 from eejax.errors import EejaxError
 from eejax.kernels.attention import IMPLS
 from eejax.models import exits
@@ -74,7 +75,6 @@ def generate(
     a GPU: slow). Sampling is seeded per row and position: row i draws with
     `fold_in(seed_key(seed), i)` folded with each token's index, whatever batch it runs in.
     """
-    from eejax.serve.engine import Engine
 
     config = model.config
     if attention not in IMPLS:

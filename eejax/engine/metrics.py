@@ -1,4 +1,5 @@
-"""Serving metrics in Prometheus format (prometheus_client, one registry per engine)."""
+"""The engine's serving metrics in Prometheus format (prometheus_client, one registry per engine; fed
+by admission and the step loop, rendered by the HTTP layer on /metrics)."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 

@@ -11,8 +11,8 @@ import threading
 import jax
 
 from eejax.decode import speculative
-from eejax.serve import replicas
-from eejax.serve.sequence import Sequence
+from eejax.engine import replicas
+from eejax.engine.sequence import Sequence
 
 log = logging.getLogger("eejax.serve")
 

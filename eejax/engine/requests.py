@@ -13,9 +13,9 @@ from eejax.decode.sampling import SamplingParams, seed_key
 from eejax.errors import EejaxError
 from eejax.models import exits
 from eejax.options import ExitConfig, SpecConfig
-from eejax.serve import replicas
-from eejax.serve.scheduler import Request
-from eejax.serve.sequence import Sequence
+from eejax.engine import replicas
+from eejax.engine.scheduler import Request
+from eejax.engine.sequence import Sequence
 
 
 class Requests:

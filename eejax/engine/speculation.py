@@ -17,7 +17,7 @@ from eejax.decode.speculative import draft_slots, plain_step_slots, spec_round_s
 from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.models import exits
 from eejax.options import StepOptions
-from eejax.serve.sequence import Sequence
+from eejax.engine.sequence import Sequence
 
 
 class Speculation:
