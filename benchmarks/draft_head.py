@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eejax  # noqa: E402
 from benchmarks.common import OUT, hf_generate_tokens_per_s, load_hf_smollm2, paired_runs, write_result  # noqa: E402
 from benchmarks.early_exit import summary_prompts  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser  # noqa: E402
+from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 
 EVAL_ROWS = 20
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eejax  # noqa: E402
 from benchmarks.common import ROOT, Paired, paired_runs, with_exit_vocab, write_result  # noqa: E402
 from eejax import ExitConfig  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser
+from eejax.cli.parsing import OneLineErrorParser
 
 # Each configuration runs with the reduced exit head (8192 tokens) unless it says "full head".
 # softmax:0.9 after every layer with the full head is what this issue started from; then the same

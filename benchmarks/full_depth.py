@@ -22,7 +22,7 @@ from benchmarks.common import (  # noqa: E402
     cnndm_prompts, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, read_bandwidth_gbs, write_result,
 )
 from eejax.models.llama import param_bytes_per_token  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser
+from eejax.cli.parsing import OneLineErrorParser
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import cnndm_prompts  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser  # noqa: E402
+from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 
 CONFIGS = (  # (model, exit option)
     ("smollm2-135m-layerskip", "softmax:0.9"),  # checks at the trained exits 8, 12, 15, 18, 22 (reduced head)

@@ -32,7 +32,7 @@ import eejax  # noqa: E402
 from benchmarks.common import OUT, ROOT, paired_runs  # noqa: E402
 from benchmarks.early_exit import rouge_l, summary_prompts  # noqa: E402
 from eejax import ExitConfig, SpecConfig  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser  # noqa: E402
+from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 
 STAGES = ("quality", "agreement", "calibrate", "speed")
 EVAL, CALIBRATION = range(0, 8), range(8, 20)

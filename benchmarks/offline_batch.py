@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 
 import eejax  # noqa: E402
 from benchmarks.common import cnndm_prompts, write_result  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser  # noqa: E402
+from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 
 
 def main(argv=None) -> int:

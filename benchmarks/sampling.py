@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eejax  # noqa: E402
 from benchmarks.common import cnndm_prompts, fmt_ratio, write_result  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser  # noqa: E402
+from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 
 SETTINGS = {"greedy": {}, "temperature 0.7": dict(temperature=0.7),
             "temperature 0.7, top-k 50, top-p 0.9": dict(temperature=0.7, top_k=50, top_p=0.9)}

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 import eejax  # noqa: E402
 from benchmarks.common import ROOT, fmt_ratio, write_result  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser
+from eejax.cli.parsing import OneLineErrorParser
 
 CONFIGS = {"fcfs, no buckets": dict(bucketing=False), "bucketserve": dict(bucketing=True),
            "bucketserve + chunked prefill": dict(bucketing=True),  # prefill_chunk from --prefill-chunk

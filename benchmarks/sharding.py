@@ -33,7 +33,7 @@ import jax  # noqa: E402
 
 import eejax  # noqa: E402
 from benchmarks.common import OUT, cnndm_prompts, write_result  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser  # noqa: E402
+from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.decode.collectives import collectives  # noqa: E402
 from eejax.sharding import make_mesh, shard  # noqa: E402
 

@@ -39,7 +39,7 @@ from benchmarks.early_exit import summary_prompts  # noqa: E402
 from eejax import SpecConfig  # noqa: E402
 from eejax.options import StepOptions  # noqa: E402
 from eejax.decode.spec_policy import break_even_acceptance, speedup  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser
+from eejax.cli.parsing import OneLineErrorParser
 
 # 15:2 with the full head and the bonus pass always on is how self-speculation ran before the
 # reduced head; every other configuration drafts with the reduced head and lets the cost model

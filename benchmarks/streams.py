@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eejax  # noqa: E402
 from benchmarks.common import write_result  # noqa: E402
 from benchmarks.serve import Server, workload  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser  # noqa: E402
+from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 
 
 async def stream(http, prompt, max_tokens) -> float | None:

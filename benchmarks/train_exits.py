@@ -32,7 +32,7 @@ import eejax  # noqa: E402
 from eejax import ExitConfig, SpecConfig  # noqa: E402
 from benchmarks.common import OUT, paired_runs, write_result  # noqa: E402
 from benchmarks.early_exit import rouge_l, summary_prompts  # noqa: E402
-from eejax.cli_parsing import OneLineErrorParser
+from eejax.cli.parsing import OneLineErrorParser
 
 EVAL_ROWS = 8
 CAL_END = 50

@@ -242,7 +242,7 @@ def test_entry_point_subprocess(ckpt, tmp_path):
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("eejax: error: no such file")
-    conv = subprocess.run([sys.executable, "-m", "conversion", "--help"], capture_output=True, text=True, env=env)
+    conv = subprocess.run(exe + ["convert", "--help"], capture_output=True, text=True, env=env)
     assert conv.returncode == 0 and "atomic" in conv.stdout
 
 
@@ -270,7 +270,7 @@ def test_repeated_list_options_accumulate_and_keep_their_default_when_absent():
     args = build_parser().parse_args(["calibrate", "--model", "m", "--prompt", "x", "--measure", "softmax",
                                       "--thresholds", "0.5", "--thresholds", "0.7", "0.9"])
     assert args.thresholds == [0.5, 0.7, 0.9]
-    from eejax.cli_parsing import OneLineErrorParser
+    from eejax.cli.parsing import OneLineErrorParser
 
     parser = OneLineErrorParser()
     parser.add_argument("--batches", type=int, nargs="*", action="extend", default=[1, 8])

@@ -7,28 +7,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eejax.cli import draft, exits, generate, serve, train
+from eejax.cli import convert, draft, exits, generate, serve, train
 from eejax.cli.args import run_guarded
-from eejax.cli_parsing import OneLineErrorParser
+from eejax.cli.parsing import OneLineErrorParser
 
 __all__ = ["build_parser", "main", "run_guarded"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from conversion import cli as convert_cli
-
     parser = OneLineErrorParser(
         prog="eejax", description="Fast early-exit language model inference in JAX.",
         epilog="Run `eejax COMMAND --help` for a command's options.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 parser_class=OneLineErrorParser)
-    conv = sub.add_parser("convert", help="convert an HF checkpoint or .gguf file to eejax",
-                          description=convert_cli.DESCRIPTION,
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    convert_cli.add_arguments(conv)
-    conv.set_defaults(func=convert_cli.run)
-    for module in (generate, exits, train, draft, serve):  # in the order `eejax --help` lists them
+    for module in (convert, generate, exits, train, draft, serve):  # in the order `eejax --help` lists them
         module.add_parsers(sub)
     return parser
 

@@ -1,4 +1,4 @@
-"""The `convert` command, shared by `eejax convert` and `python -m conversion`."""
+"""`eejax convert`: the command line over `conversion.convert`."""
 
 from __future__ import annotations
 
@@ -13,13 +13,17 @@ left at DST. Supported architectures: llama (Llama 2/3.x, SmolLM2, TinyLlama, La
 (T5ForConditionalGeneration: T5 v1.0, v1.1, Flan-T5, CALM-style T5s)."""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_parsers(sub) -> None:
+    """Adds `convert` to the `eejax` command's subparsers."""
+    parser = sub.add_parser("convert", help="convert an HF checkpoint or .gguf file to eejax",
+                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", help="HF model directory or .gguf file")
     parser.add_argument("dst", help="directory to create for the eejax checkpoint")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the stored weights (default: float32)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
 
 
 def _interrupt(signum, frame):
@@ -38,13 +42,3 @@ def run(args: argparse.Namespace) -> int:
     dst = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
     print(f"wrote {dst}")
     return 0
-
-
-def main(argv=None) -> int:
-    from eejax.cli.args import run_guarded
-    from eejax.cli_parsing import OneLineErrorParser
-
-    parser = OneLineErrorParser(prog="python -m conversion", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run_guarded(lambda: run(parser.parse_args(argv)))

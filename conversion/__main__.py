@@ -1,5 +1,0 @@
-import sys
-
-from conversion.cli import main
-
-sys.exit(main())
