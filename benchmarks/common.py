@@ -26,7 +26,7 @@ def load_hf_smollm2():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eejax.hub import fetch_original
+    from eejax.loading.hub import fetch_original
 
     gguf = fetch_original("smollm2-135m")
     return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
@@ -127,7 +127,7 @@ def with_exit_vocab(model, size: int = 8192, articles: range = range(20, 68), ne
     """`model` with a reduced exit head of its `size` most frequent tokens, counted over its own
     greedy continuations of CNN/DM `articles` (not the benchmarks' prompts, which are the first
     ones) as `eejax exit-vocab` does; the ids are cached under the eejax cache directory."""
-    from eejax.hub import cache_dir
+    from eejax.loading.hub import cache_dir
     from eejax.train.exit_vocab import add_exit_vocab, count_tokens, most_frequent
 
     path = cache_dir() / "exit-vocab" / f"smollm2-135m-{size}-{articles.start}-{articles.stop}-{new_tokens}.json"

@@ -15,7 +15,7 @@ from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import GenerateStats, SamplingParams
 from eejax.engine import GenerateResult, generate
 from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
-from eejax.model import Model, init_exits, load, save
+from eejax.loading.model import Model, init_exits, load, save
 from eejax.sharding import make_mesh, shard
 
 __version__ = "0.1.0"

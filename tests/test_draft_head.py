@@ -270,7 +270,7 @@ def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, 
 
 
 def test_bf16_draft_head_speculates_in_bf16(tiny_checkpoints):
-    from eejax.model import cast_floats
+    from eejax.loading.model import cast_floats
     from tests.helpers import assert_equal_until_a_near_tie
     from tests.test_bfloat16 import NEAR_TIE, PROMPTS as TEXTS
 

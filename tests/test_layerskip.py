@@ -15,7 +15,7 @@ from eejax.models import llama
 from eejax.train.forward import layer_states, layer_states_and_count
 from eejax.train.layerskip import (DistillBatch, LayerSkipConfig, distill_loss, dropout_rates, enabled_exits,
                                    exit_loss_scales, label_batch, layerskip_train_step, skipped_layers)
-from eejax.train.lora import init_lora, load_delta, merge_lora, save_delta, with_lora
+from eejax.models.lora import init_lora, load_delta, merge_lora, save_delta, with_lora
 
 
 def test_dropout_rates_follow_the_formula():
@@ -253,7 +253,7 @@ def test_exported_delta_rebuilds_the_trained_model(tiny_model, tmp_path):
     refused by name."""
     from eejax.train.distill import DistillData
     from eejax.train.layerskip_run import RunSettings, export_run, probe_logits, train_layerskip
-    from eejax.train.lora import apply_delta
+    from eejax.models.lora import apply_delta
     from tests.helpers import random_prompts
 
     rows = random_prompts(8, [12, 16])
@@ -282,7 +282,7 @@ def test_known_model_built_from_a_base_and_a_shipped_delta(tiny_checkpoints, tmp
     the result like a converted model."""
     from eejax import hub
     from eejax.train.layerskip_run import probe_logits
-    from eejax.train.lora import apply_delta
+    from eejax.models.lora import apply_delta
 
     base_dir = tiny_checkpoints["gqa-tied"][2]
     base = eejax.load(base_dir)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import eejax
-from eejax.hub import fetch_original
+from eejax.loading.hub import fetch_original
 from tests.helpers import assert_equal_until_a_near_tie, cnndm_rows, sequence_logits
 
 pytestmark = pytest.mark.real_model

@@ -92,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from eejax.hub import KNOWN_MODELS, cache_dir
+    from eejax.loading.hub import KNOWN_MODELS, cache_dir
 
     for name, known in KNOWN_MODELS.items():
         built = (cache_dir() / "models" / name).exists()

@@ -68,7 +68,7 @@ def optimizer_for(settings: RunSettings):
 def initial_trainable(model, settings: RunSettings) -> tuple[dict, dict]:
     """(trainable, frozen) of `layerskip_train_step`: LoRA factors over the frozen model, or the
     whole params for full fine-tuning."""
-    from eejax.train.lora import init_lora
+    from eejax.models.lora import init_lora
 
     params = {k: v for k, v in model.params.items() if k != "exits"}
     if settings.lora_rank == 0:  # a copy: the step donates what it trains
@@ -201,7 +201,7 @@ def trained_model(model, trainable: dict, settings: RunSettings, data: DistillDa
     most frequent tokens of the training data (0: none)."""
     from eejax.models.exits import set_exit_vocab
     from eejax.train.exit_vocab import most_frequent
-    from eejax.train.lora import merge_lora
+    from eejax.models.lora import merge_lora
 
     base = {k: v for k, v in model.params.items() if k != "exits"}
     params = base | trainable if settings.lora_rank == 0 else merge_lora(base, trainable["layers"])
@@ -222,8 +222,8 @@ def export_run(model, trainable: dict, settings: RunSettings, data: DistillData,
     """Writes `run_dir/model` (the trained eejax checkpoint) and, for LoRA, `run_dir/delta.safetensors`:
     the factors, the exit vocabulary and metadata (base model, settings, the probe's 64 largest
     logits and their ids)."""
-    from eejax.model import save
-    from eejax.train.lora import save_delta
+    from eejax.loading.model import save
+    from eejax.models.lora import save_delta
 
     run_dir = Path(run_dir)
     trained = trained_model(model, trainable, settings, data, exit_vocab_size=exit_vocab_size)
@@ -244,7 +244,7 @@ def load_run(run_dir: str | Path):
     for looking at a run while it trains, or after."""
     import orbax.checkpoint as ocp
 
-    from eejax.model import load
+    from eejax.loading.model import load
 
     run_dir = Path(run_dir)
     if not (run_dir / "run.json").exists():

@@ -98,7 +98,7 @@ def fit_exit_adapters(model, prompts, *, adapter_rank: int = 128, continuation_t
     `train_exit_adapters`). `prompts` are strings or token-id lists. Returns (the model with
     trained exits, losses [steps])."""
     from eejax.decode.prompts import prompt_token_ids
-    from eejax.model import init_exits
+    from eejax.loading.model import init_exits
     from eejax.models.exits import has_adapters
     from eejax.train.data import continued_sequences, sequence_batches
 

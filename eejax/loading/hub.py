@@ -31,7 +31,7 @@ class KnownModel:
     delta: str | None = None  # ... and this delta shipped in eejax/assets (LayerSkip LoRA, or a draft head)
 
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
 KNOWN_MODELS = {
@@ -129,9 +129,9 @@ def resolve(path_or_name: str | Path) -> Path:
 def _apply_delta(base: Path, delta: Path, converted: Path) -> None:
     """Writes the eejax checkpoint of `base` with `delta` applied: a LayerSkip LoRA delta or a
     draft head, either checked against the logits recorded when it was trained."""
-    from eejax.model import load, save
+    from eejax.loading.model import load, save
     from eejax.train.draft_run import apply_draft, is_draft_delta
-    from eejax.train.lora import apply_delta
+    from eejax.models.lora import apply_delta
 
     if not delta.exists():
         raise EejaxError(f"the delta {delta} is missing from this eejax installation")
