@@ -15,8 +15,8 @@ from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import GenerateStats, SamplingParams
 from eejax.engine import GenerateResult, generate
 from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
-from eejax.loading.model import Model, init_exits, load, save
-from eejax.sharding import make_mesh, shard
+from eejax.loading import Model, init_exits, load, save, shard
+from eejax.sharding import make_mesh
 
 __version__ = "0.1.0"
 

@@ -133,39 +133,6 @@ def read_config(directory: Path, meta: dict[str, Any]):
         raise EejaxError(f"{directory / CONFIG_FILE}: its config is not a valid {arch} config ({e})") from None
 
 
-def check_params(config, params, where: str) -> None:
-    """Refuses weights whose names or shapes differ from what `config` describes (say, a
-    `num_layers` edited in eejax.json): the model would run and print wrong text."""
-    from eejax.models import exits
-    from eejax.models.registry import model_module
-
-    module = model_module(config)
-    expected = jax.eval_shape(lambda: module.init_params(config, jax.random.PRNGKey(0)))
-
-    def shapes(tree) -> dict[str, tuple]:
-        return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
-
-    want = shapes(expected)
-    have = shapes({k: v for k, v in params.items() if k not in ("exits", "draft")})
-    for name in sorted(want.keys() | have.keys()):
-        if name not in have:
-            problem = f"weights {name} are missing"
-        elif name not in want:
-            problem = f"weights {name} are not part of this architecture"
-        elif have[name] != want[name]:
-            problem = f"weights {name} have shape {have[name]}, the config asks for {want[name]}"
-        else:
-            continue
-        raise EejaxError(f"{where}: the weights do not match {CONFIG_FILE}'s config: {problem}")
-    if "exits" in params:
-        exits.check_exits(params["exits"], config)
-        exits.check_reduced_head(params, config.tie_embeddings)
-    if params.get("draft"):
-        from eejax.models import draft_head
-
-        draft_head.check_draft(params["draft"], config)
-
-
 def _first_line(error: Exception) -> str:
     """An exception's message cut to its first line (libraries' messages run to pages)."""
     text = str(error).strip()
@@ -174,8 +141,9 @@ def _first_line(error: Exception) -> str:
 
 def load_checkpoint(directory: str | Path):
     """Reads (config, params as jax arrays, tokenizer or None) from a checkpoint directory.
-    A damaged checkpoint (bad JSON, missing or truncated weights, weights that do not match the
-    config, a broken tokenizer) is an EejaxError naming the file."""
+    A damaged checkpoint (bad JSON, missing or truncated weights, a broken tokenizer) is an
+    EejaxError naming the file; whether the weights fit the config is the model's to check
+    (`eejax.loading.model.check_params`)."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
@@ -194,7 +162,6 @@ def load_checkpoint(directory: str | Path):
                          "convert it again") from None
     if not isinstance(params, dict):
         raise EejaxError(f"{weights} does not hold a weights dictionary; the checkpoint is damaged")
-    check_params(config, params, str(directory))
     tokenizer = None
     if (directory / "tokenizer").is_dir():
         from transformers import AutoTokenizer

@@ -12,14 +12,12 @@ several processes (`initialize_distributed`), results are read with `to_host`.""
 
 from __future__ import annotations
 
-import dataclasses
 
 import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from eejax.decode.programs import ProgramCache
 from eejax.errors import EejaxError
 
 MESH_AXES = ("data", "tensor")
@@ -77,14 +75,6 @@ def cache_sharding(config, mesh: Mesh) -> NamedSharding:
     """The paged KV cache's sharding: split by KV heads where the tensor axis divides them."""
     split = config.num_kv_heads % mesh.shape["tensor"] == 0
     return NamedSharding(mesh, P(None, "tensor" if split else None))
-
-
-def shard(model, mesh: Mesh, rules=RULES):
-    """A copy of `model` whose params are placed on `mesh` by the logical axis rules, and whose
-    caches are created there (`Model.new_cache`)."""
-    check_fits(model.config, mesh)
-    params = jax.device_put(model.params, param_shardings(model, mesh, rules))
-    return dataclasses.replace(model.with_params(params), mesh=mesh, programs=ProgramCache(mesh, rules))
 
 
 def to_host(tree):

@@ -208,7 +208,8 @@ def test_train_layerskip_command(capsys, ckpt, tmp_path):
     assert run["data"]["skip"] == 1 and run["settings"]["layerskip"]["exit_layers"] == [1, 2]
     trained = eejax.load(out_dir / "model")
     assert np.asarray(trained.params["exits"]["exit_layers"]).tolist() == [1, 2]
-    from eejax.train.layerskip_run import load_run, probe_logits
+    from eejax.loading.deltas import probe_logits
+    from eejax.train.layerskip_run import load_run
 
     at_end, step = load_run(out_dir)  # the latest checkpoint is the trained model
     assert step == 4

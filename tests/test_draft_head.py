@@ -235,9 +235,9 @@ def test_bad_draft_settings(model):
 # --- the command and the shipped delta -------------------------------------------------------------
 
 def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, capsys, monkeypatch):
-    from eejax import hub
+    from eejax.loading import hub
     from eejax.cli import main
-    from eejax.train.draft_run import apply_draft
+    from eejax.loading.deltas import apply_draft
 
     path = tiny_checkpoints["gqa-untied"][2]
     out = tmp_path / "run"

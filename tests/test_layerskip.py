@@ -15,7 +15,8 @@ from eejax.models import llama
 from eejax.train.forward import layer_states, layer_states_and_count
 from eejax.train.layerskip import (DistillBatch, LayerSkipConfig, distill_loss, dropout_rates, enabled_exits,
                                    exit_loss_scales, label_batch, layerskip_train_step, skipped_layers)
-from eejax.models.lora import init_lora, load_delta, merge_lora, save_delta, with_lora
+from eejax.loading.deltas import load_delta, save_delta
+from eejax.models.lora import init_lora, merge_lora, with_lora
 
 
 def test_dropout_rates_follow_the_formula():
@@ -252,8 +253,8 @@ def test_exported_delta_rebuilds_the_trained_model(tiny_model, tmp_path):
     model gives the same model (checked by the recorded probe logits), and a different base is
     refused by name."""
     from eejax.train.distill import DistillData
-    from eejax.train.layerskip_run import RunSettings, export_run, probe_logits, train_layerskip
-    from eejax.models.lora import apply_delta
+    from eejax.loading.deltas import apply_delta, probe_logits
+    from eejax.train.layerskip_run import RunSettings, export_run, train_layerskip
     from tests.helpers import random_prompts
 
     rows = random_prompts(8, [12, 16])
@@ -280,9 +281,8 @@ def test_exported_delta_rebuilds_the_trained_model(tiny_model, tmp_path):
 def test_known_model_built_from_a_base_and_a_shipped_delta(tiny_checkpoints, tmp_path, monkeypatch):
     """A known name with a delta: `eejax.load(name)` applies the delta to its base once and caches
     the result like a converted model."""
-    from eejax import hub
-    from eejax.train.layerskip_run import probe_logits
-    from eejax.models.lora import apply_delta
+    from eejax.loading import hub
+    from eejax.loading.deltas import apply_delta, probe_logits
 
     base_dir = tiny_checkpoints["gqa-tied"][2]
     base = eejax.load(base_dir)

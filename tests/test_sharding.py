@@ -24,7 +24,8 @@ from eejax import ExitConfig, SpecConfig
 from eejax.decode.collectives import collectives
 from eejax.models.exits import set_exit_vocab
 from eejax.engine.engine import Engine
-from eejax.sharding import make_mesh, shard
+from eejax.sharding import make_mesh
+from eejax.loading import shard
 from jax.sharding import PartitionSpec as P
 
 prompts = [[3, 9, 27, 5, 8], [11, 4], [7, 7, 7, 2, 40, 41, 42], [5, 6]]

@@ -112,9 +112,7 @@ def load_model(args: argparse.Namespace):
 
     model = eejax.load(args.model, layer_buffers=args.layer_buffers)
     if (args.tensor_parallel, args.data_parallel) != (1, 1):
-        from eejax.sharding import make_mesh, shard
-
-        model = shard(model, make_mesh(tensor=args.tensor_parallel, data=args.data_parallel))
+        model = eejax.shard(model, eejax.make_mesh(tensor=args.tensor_parallel, data=args.data_parallel))
     return model
 
 

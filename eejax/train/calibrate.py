@@ -148,7 +148,7 @@ def calibrate_exit_threshold(model, prompts, *, measure: str, thresholds, delta:
     full-depth text ("rouge", needs rouge-score; identical outputs, empty ones included, lose 0).
     Returns (Calibration, {λ: mean layers per token}).
     """
-    from eejax import generate
+    from eejax.engine import generate
     from eejax.options import ExitConfig
 
     if consistency not in ("tokens", "rouge"):

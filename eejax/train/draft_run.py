@@ -5,7 +5,7 @@
     OUTPUT/features/             the feature cache (`draft_features`)
     OUTPUT/checkpoints/          orbax checkpoints of the training (`draft_training`)
     OUTPUT/draft.safetensors     the shipped delta: the draft head, the reduced head's token ids,
-                                 and a probe's logits to check it against at load (`apply_draft`)
+                                 and a probe's logits to check it against at load (`eejax.loading.deltas.apply_draft`)
     OUTPUT/model/                the eejax checkpoint of the model with its draft head
 """
 
@@ -15,14 +15,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from eejax.errors import EejaxError
-from eejax.models import draft_head
 
-PROBE_TEXT = "The city council met on Tuesday to discuss the new budget. Summary:"
-KIND = "eejax-draft-head"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,79 +94,17 @@ def draft_vocabulary(data: dict, size: int, vocab: int, always=()) -> np.ndarray
     return most_frequent(counts, size, always=always)
 
 
-def probe_logits(model, text: str = PROBE_TEXT) -> tuple[list[int], np.ndarray]:
-    """(token ids of `text`, the draft head's logits [V] for the token after the model's next
-    one), computed densely: a fingerprint of base model and draft that a shipped delta records."""
-    from eejax.models.llama import Llama
-    from eejax.models.modules import embed
-
-    ids = model.tokenizer(text)["input_ids"]
-    params = {k: v for k, v in model.params.items() if k not in ("draft", "exits")}
-    tokens, lengths = jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32)
-    feats = Llama(model.config).apply({"params": params}, tokens, lengths, method="features")
-    nxt = jnp.argmax(Llama(model.config).apply({"params": params}, feats[:, -1], method="head"), axis=-1)
-    following = jnp.concatenate([tokens[:, 1:], nxt[:, None].astype(jnp.int32)], axis=1)
-    out = draft_head.dense_forward(model.config, model.params["draft"], feats, embed(params, following), lengths)
-    return ids, np.asarray(draft_head.draft_logits(model.params, out[0, -1], model.config, reduced=False))
-
-
 def save_draft(path: str | Path, model, vocab_ids, metadata: dict) -> Path:
     """Writes `model`'s draft head (bf16) and the reduced head's ids as safetensors, with the
     probe's top-20 logits and `metadata` under the "eejax" key; atomically."""
-    from safetensors.numpy import save_file
-
     import ml_dtypes
+
+    from eejax.loading.deltas import DRAFT_KIND, apply_draft_arrays, draft_probe_logits, probe_record, write_delta
 
     path = Path(path)
     flat = {"draft/fc": model.params["draft"]["fc"]}
     flat |= {f"draft/layer/{k}": v for k, v in model.params["draft"]["layer"].items()}
     arrays = {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16) for k, v in flat.items()}
     arrays["vocab_ids"] = np.asarray(vocab_ids, np.int32)
-    shipped = apply_arrays(model, arrays)
-    ids, logits = probe_logits(shipped)
-    top = np.argsort(-logits)[:20]
-    meta = {"kind": KIND, **metadata, "probe_ids": ids, "probe_top_ids": top.tolist(),
-            "probe_top_logits": logits[top].tolist()}
-    tmp = path.with_name(path.name + ".partial")
-    save_file(arrays, str(tmp), metadata={"eejax": json.dumps(meta)})
-    tmp.replace(path)
-    return path
-
-
-def apply_arrays(model, arrays: dict):
-    """`model` with the draft head and reduced head of a delta's arrays (cast to the model's dtype)."""
-    from eejax.models.exits import set_exit_vocab
-
-    dtype = model.dtype
-    draft = {"fc": jnp.asarray(np.asarray(arrays["draft/fc"], np.float32), dtype),
-             "layer": {k.split("/")[-1]: jnp.asarray(np.asarray(v, np.float32), dtype)
-                       for k, v in arrays.items() if k.startswith("draft/layer/")}}
-    draft_head.check_draft(draft, model.config)
-    params = set_exit_vocab({**model.params, "draft": draft}, arrays["vocab_ids"], model.config.tie_embeddings)
-    return model.with_params(params)
-
-
-def apply_draft(model, path: str | Path, *, check: bool = True):
-    """`model` with the draft head of a delta written by `save_draft`; with `check`, the probe's
-    logits must come out as recorded (a named error otherwise: another base model, or damage)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as f:
-        meta = json.loads((f.metadata() or {}).get("eejax", "{}"))
-        arrays = {k: f.get_tensor(k) for k in f.keys()}
-    if meta.get("kind") != KIND:
-        raise EejaxError(f"{path} is not an eejax draft head (kind {meta.get('kind')!r})")
-    trained = apply_arrays(model, arrays)
-    if check:
-        from eejax.train.runs import check_probe
-
-        check_probe(path, meta, *probe_logits(trained), tolerance=1e-3)
-    return trained
-
-
-def is_draft_delta(path: str | Path) -> bool:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as f:
-        return json.loads((f.metadata() or {}).get("eejax", "{}")).get("kind") == KIND
-
+    probe = probe_record(*draft_probe_logits(apply_draft_arrays(model, arrays)), top=20)
+    return write_delta(path, arrays, {"kind": DRAFT_KIND, **metadata, **probe})

@@ -180,21 +180,6 @@ def train_layerskip(model, data: DistillData, settings: RunSettings, checkpoint_
     return trainable, log, done == settings.steps
 
 
-PROBE_TEXT = "The early-exit model read the news and wrote:"
-
-
-def probe_logits(model, text: str = PROBE_TEXT) -> tuple[list[int], np.ndarray]:
-    """(token ids of `text`, full-depth logits [V] after its last token): a fingerprint of the
-    model that a shipped delta records, so loading it can be checked."""
-    from eejax.models import llama
-    from eejax.train.forward import layer_states
-
-    ids = model.tokenizer(text)["input_ids"]
-    tokens = jnp.asarray([ids], jnp.int32)
-    states = layer_states(model.params, tokens, jnp.asarray([len(ids)], jnp.int32), model.config)
-    return ids, np.asarray(llama.lm_head(model.params, states[-1, 0, -1], model.config))
-
-
 def trained_model(model, trainable: dict, settings: RunSettings, data: DistillData, *, exit_vocab_size: int = 8192):
     """The model the run trained: the LoRA factors merged (or the fine-tuned params), its trained
     exits recorded as the default check layers, and a reduced exit head of the `exit_vocab_size`
@@ -222,20 +207,17 @@ def export_run(model, trainable: dict, settings: RunSettings, data: DistillData,
     """Writes `run_dir/model` (the trained eejax checkpoint) and, for LoRA, `run_dir/delta.safetensors`:
     the factors, the exit vocabulary and metadata (base model, settings, the probe's 64 largest
     logits and their ids)."""
+    from eejax.loading.deltas import probe_logits, probe_record, save_delta
     from eejax.loading.model import save
-    from eejax.models.lora import save_delta
 
     run_dir = Path(run_dir)
     trained = trained_model(model, trainable, settings, data, exit_vocab_size=exit_vocab_size)
     meta = {"base": base_name, "settings": settings.to_json(), "exit_vocab_size": exit_vocab_size}
     save(trained, run_dir / "model", overwrite=True, metadata={"layerskip": meta})
     if settings.lora_rank:
-        ids, logits = probe_logits(trained)
-        top = np.argsort(-logits)[:64]
         extra = {"exit_vocab_ids": np.asarray(trained.params["exits"]["vocab_ids"])} if exit_vocab_size else {}
         save_delta(run_dir / "delta.safetensors", {k: np.asarray(v) for k, v in trainable["layers"].items()}, extra,
-                   {**meta, "probe_ids": ids, "probe_top_ids": top.tolist(),
-                                                  "probe_top_logits": logits[top].tolist()})
+                   {**meta, **probe_record(*probe_logits(trained), top=64)})
     return run_dir / "model"
 
 
@@ -244,7 +226,7 @@ def load_run(run_dir: str | Path):
     for looking at a run while it trains, or after."""
     import orbax.checkpoint as ocp
 
-    from eejax.loading.model import load
+    from eejax.loading import load
 
     run_dir = Path(run_dir)
     if not (run_dir / "run.json").exists():

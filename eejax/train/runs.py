@@ -1,13 +1,9 @@
-"""What training runs share: orbax checkpoints a rerun resumes from, and the probe a shipped delta
-is checked against when it is applied."""
+"""What training runs share: orbax checkpoints a rerun resumes from."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
-from eejax.errors import EejaxError
 
 
 def resume(checkpoint_dir: str | Path | None, state: dict, log: dict):
@@ -31,15 +27,3 @@ def save(manager, step: int, state: dict, log: dict) -> None:
     import orbax.checkpoint as ocp
 
     manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), log=ocp.args.JsonSave(log)))
-
-
-def check_probe(path, meta: dict, ids: list[int], logits: np.ndarray, tolerance: float) -> None:
-    """EejaxError unless the probe's logits (`ids` its tokens, logits [V]) reproduce those a delta
-    at `path` recorded (`meta`: probe_ids, probe_top_ids, probe_top_logits, base) within
-    `tolerance` x the largest."""
-    want = np.asarray(meta["probe_top_logits"], np.float32)
-    got = logits[np.asarray(meta["probe_top_ids"])]
-    if ids != meta["probe_ids"] or not np.allclose(got, want, rtol=0, atol=tolerance * np.abs(want).max()):
-        raise EejaxError(f"the delta {path} does not reproduce the logits recorded when it was trained "
-                         f"(largest difference {np.abs(got - want).max():.3g}): is the base model "
-                         f"{meta.get('base')!r}?")
