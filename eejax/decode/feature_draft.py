@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.decode.sampling import DRAFT, GREEDY, draft_proposal, token_keys
+from eejax.decode.sampling import DRAFT, draft_proposal, token_keys
+from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.state import DecodeState
 from eejax.models import draft_head, exits
 from eejax.models.modules import embed
@@ -51,14 +52,12 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
     state, cache) as `speculative.draft` does: drafts.tokens [B, d+1] (x_n, then the drafts),
     drafts.hidden [B, d+1, D] the embeddings verification starts from, drafts.probs [B, d, V]
     (greedy: [B, d, 0])."""
-    from eejax.decode.speculative import Drafts, _token_batch
-
     d = options.spec.num_speculations
     first, q1 = _propose(params, state.draft_hidden, state, 0, config, options)
 
     def step(carry, i):
         cache, predicted, token = carry
-        batch = _token_batch(config, state, jnp.reshape(i - 1, (1,)), block_table, cache.page_size,
+        batch = token_batch(config, state, jnp.reshape(i - 1, (1,)), block_table, cache.page_size,
                              options.attention)
         out, cache = draft_head.draft_layer(params, predicted[:, None], embed(params, token[:, None]), cache, batch,
                                             config)
@@ -100,16 +99,3 @@ def prompt_draft(params, cache: KVCache, h, tokens, lengths, offset, first, next
     out, cache = draft_head.draft_layer(params, draft_head.features(params, h, config), embed(params, following),
                                         cache, batch, config)
     return out[jnp.arange(b), last].astype(jnp.float32), cache
-
-
-def plain_step(params, cache: KVCache, state: DecodeState, counters, block_table, *, config, options: StepOptions):
-    """One full-depth token in place of a round: a verification of no drafts (the draft's K/V and
-    draft_hidden follow), counted as a plain step. Returns (state, cache, counters)."""
-    from eejax.decode.speculative import Drafts, verify
-
-    tokens = state.last_token[:, None]
-    b = tokens.shape[0]
-    q_width = 0 if options.sampler == GREEDY else config.vocab_size
-    drafts = Drafts(tokens=tokens, hidden=embed(params, tokens), probs=jnp.zeros((b, 0, q_width), jnp.float32))
-    new, cache, _ = verify(params, cache, state, drafts, counters, block_table, config=config, options=options)
-    return new, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + ~state.done)

@@ -42,23 +42,12 @@ from eejax.cache import KVCache
 from eejax.options import StepOptions
 from eejax.decode import feature_draft
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
+from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.state import DecodeState, is_eos, only_group, record_logprobs, ungrouped
 from eejax.decode.steps import decode, exit_logits, reduced_logits
 from eejax.models import exits
+from eejax.models.modules import embed
 from eejax.models.registry import model_module
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Drafts:
-    """tokens [B, d+1] int32: x_0 (the last token) then the d drafts; hidden [B, P, D]: the
-    hidden state after E layers of x_0..x_{P-1}, the positions verification scores (P = d + 1
-    with the bonus pass, else d); probs [B, d, V] f32: the draft distribution q_i each draft was
-    sampled from ([B, d, 0] when greedy)."""
-
-    tokens: jax.Array
-    hidden: jax.Array
-    probs: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -83,18 +72,6 @@ class SpecCounters:
         return cls(*(jnp.zeros((batch,), jnp.int32) for _ in fields))  # distinct buffers: donated
 
 
-def _token_batch(config, state: DecodeState, offsets, block_table, page_size, attention):
-    """Positions seq_len + offsets [T] of every row; the ones a row may never emit (past its
-    limit; all of an inactive row) go to the null page. Keys valid up to the last offset."""
-    active = ~state.done
-    room = state.limit - state.num_generated
-    positions = state.seq_len[:, None] + offsets[None, :]
-    valid = active[:, None] & (offsets[None, :] < room[:, None])
-    kv_len = state.seq_len + jnp.where(active, offsets[-1] + 1, 0)
-    return model_module(config).token_batch(config, positions, valid, block_table, kv_len, page_size, attention,
-                                            context=state.context)
-
-
 def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
     """d = options.spec.num_speculations drafts per row with layers [0, E) and the draft head
     (the reduced exit head when the spec uses it). `options.bonus`: one more pass of layers
@@ -109,7 +86,7 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
     reduced = spec.uses_reduced_head(exits.has_reduced_head(exit_params))
 
     def draft_pass(cache, token, i):
-        batch = _token_batch(config, state, jnp.reshape(i, (1,)), block_table, cache.page_size, attention)
+        batch = token_batch(config, state, jnp.reshape(i, (1,)), block_table, cache.page_size, attention)
         h, cache = m.run_layers(params, m.embed(params, token[:, None]), cache, batch, config, 0, e)
         return h[:, 0], cache
 
@@ -194,7 +171,7 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
     b, t = drafts.hidden.shape[:2]  # t positions scored: d + 1 with the bonus pass, else d
     d, e, num_layers = drafts.tokens.shape[1] - 1, options.spec.exit_layer, config.num_layers
     offsets = jnp.arange(t, dtype=jnp.int32)
-    batch = _token_batch(config, state, offsets, block_table, cache.page_size, attention)
+    batch = token_batch(config, state, offsets, block_table, cache.page_size, attention)
     m = model_module(config)
     h, cache = m.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
     logits = m.lm_head(params, h, config)  # [B, d+1, V]
@@ -251,9 +228,13 @@ def plain_step(params, cache: KVCache, state: DecodeState, counters: SpecCounter
                options: StepOptions):
     """One full-depth decode token (`steps.decode`) in place of a round, when speculation does
     not pay (`spec_policy`); counted in `counters.plain_steps`. Returns (state, cache, counters)."""
-    if options.spec is not None and options.spec.draft_head:
-        return feature_draft.plain_step(params, cache, state, counters, block_table, config=config, options=options)
     active = ~state.done
+    if options.spec is not None and options.spec.draft_head:  # a verification of no drafts: the draft's
+        tokens = state.last_token[:, None]  # K/V and draft_hidden follow
+        q_width = 0 if options.sampler == GREEDY else config.vocab_size
+        none = Drafts(tokens, embed(params, tokens), jnp.zeros((tokens.shape[0], 0, q_width), jnp.float32))
+        state, cache, _ = verify(params, cache, state, none, counters, block_table, config=config, options=options)
+        return state, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + active)
     state, cache = decode(params, cache, state, block_table, config=config, options=options.decoding())
     return state, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + active)
 

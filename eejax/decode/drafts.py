@@ -1,0 +1,38 @@
+"""What a draft hands to verification (`Drafts`), and the token batch of each row's next positions
+that drafting and verification run their layers on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eejax.decode.state import DecodeState
+from eejax.models.registry import model_module
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Drafts:
+    """tokens [B, d+1] int32: x_0 (the last token) then the d drafts; hidden [B, P, D]: the
+    hidden state after E layers of x_0..x_{P-1}, the positions verification scores (P = d + 1
+    with the bonus pass, else d); probs [B, d, V] f32: the draft distribution q_i each draft was
+    sampled from ([B, d, 0] when greedy)."""
+
+    tokens: jax.Array
+    hidden: jax.Array
+    probs: jax.Array
+
+
+
+def token_batch(config, state: DecodeState, offsets, block_table, page_size, attention):
+    """Positions seq_len + offsets [T] of every row; the ones a row may never emit (past its
+    limit; all of an inactive row) go to the null page. Keys valid up to the last offset."""
+    active = ~state.done
+    room = state.limit - state.num_generated
+    positions = state.seq_len[:, None] + offsets[None, :]
+    valid = active[:, None] & (offsets[None, :] < room[:, None])
+    kv_len = state.seq_len + jnp.where(active, offsets[-1] + 1, 0)
+    return model_module(config).token_batch(config, positions, valid, block_table, kv_len, page_size, attention,
+                                            context=state.context)
