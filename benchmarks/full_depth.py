@@ -19,10 +19,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eejax  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    cnndm_prompts, fmt_ratio, hf_generate_tokens_per_s, load_hf_smollm2, read_bandwidth_gbs, write_result,
+    cnndm_prompts,
+    fmt_ratio,
+    hf_generate_tokens_per_s,
+    load_hf_smollm2,
+    read_bandwidth_gbs,
+    write_result,
 )
-from eejax.models.llama import param_bytes_per_token  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser
+from eejax.models.llama import param_bytes_per_token  # noqa: E402
 
 
 def main(argv=None) -> int:

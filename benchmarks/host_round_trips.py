@@ -82,9 +82,9 @@ def row(base, name: str, option: str | None, prompts, new_tokens: int, static: b
     """One configuration's table row: mean layers, the decode programs' data-dependent loops and
     conditionals, round trips per step."""
     import eejax
-    from eejax.options import ExitConfig
     from eejax.decode.control_flow import control_flow
     from eejax.models.exits import has_reduced_head, resolve_options
+    from eejax.options import ExitConfig
 
     model = eejax.Model(base.config, base.params, base.tokenizer)  # its own programs
     res = eejax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True, exit=option)

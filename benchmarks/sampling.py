@@ -35,7 +35,7 @@ def main() -> int:
     prompts = cnndm_prompts(model.tokenizer, args.batch, args.prompt_tokens)
     results = {}
     for name, options in SETTINGS.items():
-        def run():
+        def run(options=options):
             return eejax.generate(model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1, **options)
 
         run()  # compiled

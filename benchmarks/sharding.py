@@ -35,8 +35,8 @@ import eejax  # noqa: E402
 from benchmarks.common import OUT, cnndm_prompts, write_result  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.decode.collectives import collectives  # noqa: E402
-from eejax.sharding import make_mesh
 from eejax.loading import shard  # noqa: E402
+from eejax.sharding import make_mesh
 
 MODES = {"full depth": {}, "softmax:0.9 @8,16,24": dict(exit=eejax.ExitConfig("softmax", 0.9, exit_layers=(8, 16, 24))),
          "self-spec 15:2": dict(spec="15:2")}

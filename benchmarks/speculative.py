@@ -34,12 +34,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eejax  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    ROOT, hf_generate_tokens_per_s, load_hf_smollm2, paired_runs, with_exit_vocab, write_result)
+    ROOT,
+    hf_generate_tokens_per_s,
+    load_hf_smollm2,
+    paired_runs,
+    with_exit_vocab,
+    write_result,
+)
 from benchmarks.early_exit import summary_prompts  # noqa: E402
 from eejax import SpecConfig  # noqa: E402
-from eejax.options import StepOptions  # noqa: E402
-from eejax.decode.spec_policy import break_even_acceptance, speedup  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser
+from eejax.decode.spec_policy import break_even_acceptance, speedup  # noqa: E402
+from eejax.options import StepOptions  # noqa: E402
 
 # 15:2 with the full head and the bonus pass always on is how self-speculation ran before the
 # reduced head; every other configuration drafts with the reduced head and lets the cost model

@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 import eejax  # noqa: E402
-from eejax import ExitConfig, SpecConfig  # noqa: E402
 from benchmarks.common import OUT, paired_runs, write_result  # noqa: E402
 from benchmarks.early_exit import rouge_l, summary_prompts  # noqa: E402
+from eejax import ExitConfig, SpecConfig  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser
 
 EVAL_ROWS = 8
@@ -182,7 +182,7 @@ def write_report(results: dict) -> None:
         lines += [f"\n## batch {batch}\n", "| decoding | tok/s | vs full depth | layers/token | ROUGE-L to full | "
                   "acceptance | identical |", "|---|---|---|---|---|---|---|"]
         for r in rows:
-            f = lambda k, p: f"{r[k]:.{p}f}" if k in r else "-"  # noqa: E731
+            f = lambda k, p, r=r: f"{r[k]:.{p}f}" if k in r else "-"  # noqa: E731
             same = "-" if "identical" not in r else ("yes" if r["identical"] else "NO")
             lines.append(f"| {r['decoding']} | {r['tokens_per_s']:.1f} | {f('speedup', 2)}x | {f('layers_per_token', 1)} "
                          f"| {f('rouge_l_to_full', 3)} | {f('acceptance', 2)} | {same} |")

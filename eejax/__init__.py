@@ -11,11 +11,11 @@
 """
 
 from eejax.config import LlamaConfig, RopeScaling, T5Config
-from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import GenerateStats, SamplingParams
 from eejax.engine import GenerateResult, generate
 from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
 from eejax.loading import Model, init_exits, load, save, shard
+from eejax.options import ExitConfig, SpecConfig
 from eejax.sharding import make_mesh
 
 __version__ = "0.1.0"

@@ -12,11 +12,11 @@ several processes (`initialize_distributed`), results are read with `to_host`.""
 
 from __future__ import annotations
 
-
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from eejax.errors import EejaxError
 

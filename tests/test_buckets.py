@@ -2,8 +2,8 @@
 
 import pytest
 
-from eejax.decode.buckets import MIN_PROMPT_BUCKET, batch_bucket, bucket
 from eejax.cache import parse_bytes
+from eejax.decode.buckets import MIN_PROMPT_BUCKET, batch_bucket, bucket
 from eejax.errors import EejaxError
 
 

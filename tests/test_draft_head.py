@@ -14,11 +14,11 @@ import eejax
 from eejax.decode import steps
 from eejax.decode.sampling import RowSampling, SamplingParams
 from eejax.decode.spec_policy import SpeculationPolicy
+from eejax.engine.engine import Engine
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import draft_head, llama
 from eejax.models.exits import set_exit_vocab
 from eejax.options import SpecConfig, StepOptions
-from eejax.engine.engine import Engine
 from tests.helpers import prefilled
 from tests.test_speculative import NEW, PROMPTS, chi_square_p, perfect_drafts, spec_round, tiny
 
@@ -235,8 +235,8 @@ def test_bad_draft_settings(model):
 # --- the command and the shipped delta -------------------------------------------------------------
 
 def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, capsys, monkeypatch):
-    from eejax.loading import hub
     from eejax.cli import main
+    from eejax.loading import hub
     from eejax.loading.deltas import apply_draft
 
     path = tiny_checkpoints["gqa-untied"][2]
@@ -272,7 +272,8 @@ def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, 
 def test_bf16_draft_head_speculates_in_bf16(tiny_checkpoints):
     from eejax.loading.model import cast_floats
     from tests.helpers import assert_equal_until_a_near_tie
-    from tests.test_bfloat16 import NEAR_TIE, PROMPTS as TEXTS
+    from tests.test_bfloat16 import NEAR_TIE
+    from tests.test_bfloat16 import PROMPTS as TEXTS
 
     bf16 = eejax.load(tiny_checkpoints["gqa-untied"][2], dtype=jnp.bfloat16)
     bf16 = bf16.with_params(cast_floats(with_draft(bf16).params, jnp.bfloat16))

@@ -10,11 +10,11 @@ import pytest
 
 import eejax
 from eejax.checkpoint import load_checkpoint, save_checkpoint
-from eejax.options import ExitConfig, StepOptions
 from eejax.decode import steps
 from eejax.decode.early_exit import early_exit_layers
 from eejax.errors import EejaxError
 from eejax.models import llama
+from eejax.options import ExitConfig, StepOptions
 from tests.helpers import TINY_CONFIGS, prefilled, random_prompts
 
 PROMPTS = random_prompts(3, [5, 14, 9], seed=3)  # a padded batch of 4 (3 rows + 1 padding row)

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import eejax
-from eejax.errors import EejaxError
 from eejax.engine.engine import Engine
+from eejax.errors import EejaxError
 from tests.helpers import random_prompts
 
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 import eejax
 from eejax.cache import page_bytes
 from eejax.config import LlamaConfig
-from eejax.models import llama
 from eejax.engine.engine import Engine
+from eejax.models import llama
 
 PAGE = 8
 NEW = 16  # the engine's max new tokens (and the most a request asks for)

@@ -16,12 +16,11 @@ import pytest
 
 import eejax
 from eejax.config import T5Config
-from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import early_exit
 from eejax.decode.control_flow import control_flow
 from eejax.decode.spec_policy import SpeculationPolicy
-from eejax.models import exits
-from eejax.models import t5
+from eejax.models import exits, t5
+from eejax.options import ExitConfig, SpecConfig
 from tests.helpers import random_prompts
 from tests.test_speculative import tiny
 

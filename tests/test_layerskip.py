@@ -11,12 +11,21 @@ import pytest
 import eejax
 from eejax.config import LlamaConfig
 from eejax.errors import EejaxError
-from eejax.models import llama
-from eejax.train.forward import layer_states, layer_states_and_count
-from eejax.train.layerskip import (DistillBatch, LayerSkipConfig, distill_loss, dropout_rates, enabled_exits,
-                                   exit_loss_scales, label_batch, layerskip_train_step, skipped_layers)
 from eejax.loading.deltas import load_delta, save_delta
+from eejax.models import llama
 from eejax.models.lora import init_lora, merge_lora, with_lora
+from eejax.train.forward import layer_states, layer_states_and_count
+from eejax.train.layerskip import (
+    DistillBatch,
+    LayerSkipConfig,
+    distill_loss,
+    dropout_rates,
+    enabled_exits,
+    exit_loss_scales,
+    label_batch,
+    layerskip_train_step,
+    skipped_layers,
+)
 
 
 def test_dropout_rates_follow_the_formula():
@@ -252,8 +261,8 @@ def test_exported_delta_rebuilds_the_trained_model(tiny_model, tmp_path):
     """`export_run` writes the trained checkpoint and the delta; applying the delta to the base
     model gives the same model (checked by the recorded probe logits), and a different base is
     refused by name."""
-    from eejax.train.distill import DistillData
     from eejax.loading.deltas import apply_delta, probe_logits
+    from eejax.train.distill import DistillData
     from eejax.train.layerskip_run import RunSettings, export_run, train_layerskip
     from tests.helpers import random_prompts
 

@@ -106,8 +106,8 @@ def test_on_layer_reads_the_same_weights_in_both_layouts():
 
 def test_the_engine_reads_per_layer_buffers_too():
     import eejax
-    from eejax.errors import EejaxError
     from eejax.engine.engine import Engine
+    from eejax.errors import EejaxError
 
     config = dataclasses.replace(LLAMA, num_layers=4)
     params = model_module(config).init_params(config, jax.random.PRNGKey(2), scale=0.3)
@@ -169,9 +169,9 @@ def test_model_logical_axes_cover_the_exits_and_the_reduced_head():
 def test_the_flax_forward_without_a_cache_gives_the_paged_prefills_logits():
     """`Llama.__call__` (what `init` runs: dense causal attention, scanned layers) and the paged
     prefill the decoder runs are the same model."""
+    import eejax
     from eejax.models.llama import Llama
     from tests.helpers import sequence_logits
-    import eejax
 
     params = model_module(LLAMA).init_params(LLAMA, jax.random.PRNGKey(3), scale=0.3)
     rows = [[5, 9, 2, 33, 7, 1], [8, 8, 40]]

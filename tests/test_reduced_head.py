@@ -12,12 +12,12 @@ import pytest
 import eejax
 from eejax import cli
 from eejax.checkpoint import load_checkpoint
-from eejax.options import ExitConfig, SpecConfig
 from eejax.decode import cost, steps
 from eejax.decode.confidence import softmax_margin, state_cosine
 from eejax.decode.early_exit import early_exit_layers, kv_fill
 from eejax.errors import EejaxError
 from eejax.models import exits, llama
+from eejax.options import ExitConfig, SpecConfig
 from eejax.train.exit_vocab import add_exit_vocab, count_tokens, most_frequent
 from tests.helpers import prefilled
 from tests.test_early_exit import NEW, PROMPTS, gen  # a padded batch of 4 (3 rows + 1 padding row)

@@ -6,8 +6,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eejax.decode.sampling import (FILTERED, GREEDY, TEMPERATURE, RowSampling, SamplingParams, filtered_logits,
-                                   logprobs_of, row_keys, sample, seed_key, token_keys)
+from eejax.decode.sampling import (
+    FILTERED,
+    GREEDY,
+    TEMPERATURE,
+    RowSampling,
+    SamplingParams,
+    filtered_logits,
+    logprobs_of,
+    row_keys,
+    sample,
+    seed_key,
+    token_keys,
+)
 from eejax.errors import EejaxError
 
 ROWS = [SamplingParams(0.7, 5, 1.0), SamplingParams(1.3, 0, 0.6), SamplingParams(1.0, 3, 0.5),

@@ -2,8 +2,8 @@
 
 import pytest
 
-from eejax.errors import EejaxError
 from eejax.engine.scheduler import BucketScheduler, Request, max_batch, preemption_victim, safe_pages
+from eejax.errors import EejaxError
 
 
 def req(i, length, arrival=None, priority=0):

@@ -4,7 +4,12 @@ the best d, break-even acceptance, and the adaptive policy's choices from what i
 import pytest
 
 from eejax.decode.spec_policy import (
-    PROBE_EVERY, SpeculationPolicy, best_speculations, break_even_acceptance, expected_tokens, speedup,
+    PROBE_EVERY,
+    SpeculationPolicy,
+    best_speculations,
+    break_even_acceptance,
+    expected_tokens,
+    speedup,
 )
 from eejax.options import SpecConfig
 

@@ -12,12 +12,12 @@ from scipy import stats as scipy_stats
 import eejax
 from eejax.cache import init_cache
 from eejax.config import LlamaConfig
-from eejax.options import SpecConfig, StepOptions
 from eejax.decode import speculative, steps
 from eejax.decode.sampling import SamplingParams
 from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.errors import EejaxError
 from eejax.models import llama
+from eejax.options import SpecConfig, StepOptions
 from tests.helpers import prefilled, random_prompts
 
 # 8 rows of different lengths (one a single token) as one padded batch.

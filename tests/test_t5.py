@@ -15,11 +15,11 @@ import torch
 import eejax
 from eejax.cache import init_cache
 from eejax.config import T5Config
-from eejax.options import ExitConfig, StepOptions
 from eejax.decode import steps
 from eejax.decode.early_exit import early_exit_layers
 from eejax.errors import EejaxError
 from eejax.models import t5, t5_attention
+from eejax.options import ExitConfig, StepOptions
 from tests.helpers import ROOT, cnndm_rows, random_prompts
 
 KINDS = ("v1.0", "v1.1")
@@ -163,7 +163,7 @@ def test_decoder_logits_match_hf(t5_models, kind, page_size):
                            page_size, context=cross)
     h, cache = t5.run_layers(p, t5.embed(p, jnp.asarray(ids)), cache, batch, c)
     logits = np.asarray(t5.lm_head(p, h, c))
-    for i, d in enumerate(dec_inputs):
+    for i in range(len(dec_inputs)):
         np.testing.assert_allclose(logits[i, : n_first[i]], want[i][: n_first[i]], atol=1e-4, rtol=0)
     for step in range(split, max(map(len, dec_inputs))):
         valid = np.array([len(d) > step for d in dec_inputs])

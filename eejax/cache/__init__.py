@@ -5,9 +5,9 @@ from eejax.cache.paged import (
     KVCache,
     init_cache,
     page_bytes,
-    parse_bytes,
     pages_for_budget,
     pages_needed,
+    parse_bytes,
     slot_indices,
     write_layer_kv,
 )

@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from eejax.errors import EejaxError
-
 
 PROMPT_FIELDS = ("prompt", "text", "article", "document")
 

@@ -40,8 +40,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     import numpy as np
 
     import eejax
-    from eejax.models import draft_head
     from eejax.loading.deltas import apply_draft
+    from eejax.models import draft_head
     from eejax.train.draft_run import DraftRunSettings, draft_vocabulary, save_draft, training_data
     from eejax.train.draft_training import train_draft
     from eejax.train.exit_vocab import add_exit_vocab

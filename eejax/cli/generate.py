@@ -8,8 +8,17 @@ import json
 import os
 import sys
 
-from eejax.cli.args import (add_model_and_prompts, add_model_placement, add_processes, join_processes, layer_counts,
-                             load_model, number_or_off, positive_int, prompts_from_args)
+from eejax.cli.args import (
+    add_model_and_prompts,
+    add_model_placement,
+    add_processes,
+    join_processes,
+    layer_counts,
+    load_model,
+    number_or_off,
+    positive_int,
+    prompts_from_args,
+)
 from eejax.errors import EejaxError
 
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 import argparse
 import time
 
-from eejax.cli.args import (add_model_placement, add_processes, join_processes, load_model, non_negative_float,
-                             non_negative_int, positive_int)
+from eejax.cli.args import (
+    add_model_placement,
+    add_processes,
+    join_processes,
+    load_model,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from eejax.errors import EejaxError
 
 

@@ -2,7 +2,7 @@
 sampling, shape buckets, the cost model and a generation's stats. Knows neither the engine nor
 HTTP: `eejax.engine` drives these steps."""
 
-from eejax.decode.stats import GenerateStats
 from eejax.decode.sampling import SamplingParams
+from eejax.decode.stats import GenerateStats
 
 __all__ = ["GenerateStats", "SamplingParams"]

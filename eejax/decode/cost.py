@@ -23,9 +23,9 @@ import dataclasses
 
 import numpy as np
 
-from eejax.options import ExitConfig
 from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
+from eejax.options import ExitConfig
 
 
 @dataclasses.dataclass(frozen=True)

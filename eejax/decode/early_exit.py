@@ -22,14 +22,15 @@ token batch), so Llama and T5 decoders share this code.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache, write_layer_kv
-from eejax.options import ExitConfig
 from eejax.decode.confidence import softmax_margin, state_cosine
+from eejax.options import ExitConfig
 
 
 class ExitFns(NamedTuple):

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.decode.sampling import DRAFT, draft_proposal, token_keys
 from eejax.decode.drafts import Drafts, token_batch
+from eejax.decode.sampling import DRAFT, draft_proposal, token_keys
 from eejax.decode.state import DecodeState
 from eejax.models import draft_head, exits
 from eejax.models.modules import embed

@@ -15,7 +15,6 @@ import numpy as np
 
 from eejax.errors import EejaxError
 
-
 # Samplers, the static part of sampling (the values ride per row in a `RowSampling`): every row
 # greedy (the argmax alone); temperature only (no row filters: no sort); top-k / top-p filters.
 GREEDY, TEMPERATURE, FILTERED = "greedy", "temperature", "filtered"

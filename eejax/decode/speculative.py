@@ -39,15 +39,15 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.options import StepOptions
 from eejax.decode import feature_draft
-from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
 from eejax.decode.drafts import Drafts, token_batch
+from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
 from eejax.decode.state import DecodeState, is_eos, only_group, record_logprobs, ungrouped
 from eejax.decode.steps import decode, exit_logits, reduced_logits
 from eejax.models import exits
 from eejax.models.modules import embed
 from eejax.models.registry import model_module
+from eejax.options import StepOptions
 
 
 @jax.tree_util.register_dataclass

@@ -18,15 +18,14 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.options import StepOptions
+from eejax.decode import feature_draft
 from eejax.decode.confidence import exit_threshold
 from eejax.decode.early_exit import ExitFns, early_exit_layers
 from eejax.decode.sampling import SAMPLE, RowSampling, SamplingParams, expand_logits, row_keys, sample, token_keys
-from eejax.decode.state import (DecodeState, LogprobRecord, insert_rows, is_eos, only_group, record_logprobs,
-                                ungrouped)
-from eejax.decode import feature_draft
+from eejax.decode.state import DecodeState, LogprobRecord, insert_rows, is_eos, only_group, record_logprobs, ungrouped
 from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
+from eejax.options import StepOptions
 
 
 def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=None, limit=None, sampling=None,

@@ -16,10 +16,10 @@ from eejax.cache import pages_needed, prefix_keys
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.sampling import RowSampling, SamplingParams
 from eejax.decode.steps import prefill_slots
-from eejax.errors import OutOfPagesError
-from eejax.options import StepOptions
 from eejax.engine.scheduler import Request, preemption_victim
 from eejax.engine.sequence import Sequence
+from eejax.errors import OutOfPagesError
+from eejax.options import StepOptions
 
 
 class Admission:

@@ -38,14 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.cache import PageAllocator, page_bytes, pages_for_budget, pages_needed
-from eejax.options import ExitConfig, StepOptions
 from eejax.decode import speculative
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.sampling import SamplingParams
 from eejax.decode.state import empty_state
 from eejax.decode.steps import decode_slots
-from eejax.errors import EejaxError, UnsupportedModelError
-from eejax.models.registry import model_module
 from eejax.engine.admission import Admission
 from eejax.engine.lifecycle import Lifecycle
 from eejax.engine.metrics import ServeMetrics
@@ -54,6 +51,9 @@ from eejax.engine.scheduler import BucketScheduler, Request, safe_pages
 from eejax.engine.sequence import Sequence
 from eejax.engine.speculation import Speculation
 from eejax.engine.stops import first_stop
+from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.models.registry import model_module
+from eejax.options import ExitConfig, StepOptions
 from eejax.sharding import to_host
 
 __all__ = ["Engine", "Sequence"]

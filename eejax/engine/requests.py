@@ -7,15 +7,15 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from eejax.decode.state import TOP_LOGPROBS
 from eejax.decode.prompts import prompt_token_ids
 from eejax.decode.sampling import SamplingParams, seed_key
-from eejax.errors import EejaxError
-from eejax.models import exits
-from eejax.options import ExitConfig, SpecConfig
+from eejax.decode.state import TOP_LOGPROBS
 from eejax.engine import replicas
 from eejax.engine.scheduler import Request
 from eejax.engine.sequence import Sequence
+from eejax.errors import EejaxError
+from eejax.models import exits
+from eejax.options import ExitConfig, SpecConfig
 
 
 class Requests:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 from eejax.errors import EejaxError
 

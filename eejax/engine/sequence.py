@@ -8,8 +8,8 @@ import threading
 import time
 from typing import Any
 
-from eejax.options import ExitConfig, SpecConfig
 from eejax.decode.sampling import SamplingParams
+from eejax.options import ExitConfig, SpecConfig
 
 
 @dataclasses.dataclass(eq=False)

@@ -13,11 +13,11 @@ import jax
 
 from eejax.decode import cost
 from eejax.decode.sampling import GREEDY
-from eejax.decode.speculative import draft_slots, plain_step_slots, spec_round_slots, verify_slots
 from eejax.decode.spec_policy import SpeculationPolicy
+from eejax.decode.speculative import draft_slots, plain_step_slots, spec_round_slots, verify_slots
+from eejax.engine.sequence import Sequence
 from eejax.models import exits
 from eejax.options import StepOptions
-from eejax.engine.sequence import Sequence
 
 
 class Speculation:

@@ -29,8 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.kernels.position_bias import RelativePositionBias
-from eejax.kernels.triton_attention import (NUM_STAGES, NUM_WARPS, LaunchPlan, _kernel, _paged_attention_kernel,
-                                            plan_launch)
+from eejax.kernels.triton_attention import (
+    NUM_STAGES,
+    NUM_WARPS,
+    LaunchPlan,
+    _kernel,
+    _paged_attention_kernel,
+    plan_launch,
+)
+
 MAX_REGISTERS = 255  # per thread, every architecture since sm_35
 REGISTER_FILE = 65536  # 32-bit registers per SM (and per block) on sm_80 and sm_90
 SPILL_ALLOWED = 64  # bytes stored plus loaded: ptxas spills a few bytes on a whim; more means too large a tile

@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import Mesh
 
 from eejax.cache import init_cache
@@ -53,7 +52,7 @@ class Model:
             self._run = (self.params, split, run)
         return self._run[2]
 
-    def with_params(self, params: dict) -> "Model":
+    def with_params(self, params: dict) -> Model:
         """The same model (config, tokenizer, layer layout, mesh) with other params and its own programs."""
         return Model(self.config, params, self.tokenizer, layer_buffers=self.layer_buffers, mesh=self.mesh,
                      programs=ProgramCache(self.programs.mesh, self.programs.rules))

@@ -24,10 +24,19 @@ from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import LlamaConfig
 from eejax.kernels import paged_attention
 from eejax.models import modules
-from eejax.models.modules import (Dtype, Embedder, Linear, RMSNorm, Unembed, embed, scan_layers, share_scope,
-                                  unboxed_init)
-from eejax.models.stack import on_layer, run_layer_range, split_stack
+from eejax.models.modules import (
+    Dtype,
+    Embedder,
+    Linear,
+    RMSNorm,
+    Unembed,
+    embed,
+    scan_layers,
+    share_scope,
+    unboxed_init,
+)
 from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
+from eejax.models.stack import on_layer, run_layer_range, split_stack
 
 ENCODER_DECODER = False  # the prompt is decoded into the paged cache (see `eejax.models.registry`)
 DECODE_ONLY_SKIPS = ()  # layer weights a decode step never reads (none)

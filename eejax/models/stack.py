@@ -13,7 +13,7 @@ A stack is a dict {name: weights of every layer}, in one of two layouts:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 

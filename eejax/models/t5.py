@@ -29,12 +29,22 @@ from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import T5Config
 from eejax.errors import UnsupportedModelError
 from eejax.kernels import paged_attention
+from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 from eejax.models import modules
-from eejax.models.modules import (Dtype, Embedder, Linear, RMSNorm, Unembed, embed, normal, scan_layers, share_scope,
-                                  unboxed_init)
+from eejax.models.modules import (
+    Dtype,
+    Embedder,
+    Linear,
+    RMSNorm,
+    Unembed,
+    embed,
+    normal,
+    scan_layers,
+    share_scope,
+    unboxed_init,
+)
 from eejax.models.stack import run_layer_range
 from eejax.models.t5_attention import CrossKV, cross_attention, dense_attention, encoder_attention
-from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 
 ENCODER_DECODER = True  # the prompt goes to the encoder; the paged cache holds decoder tokens
 DECODE_ONLY_SKIPS = ("ck", "cv")  # cross-attention K/V weights: read once per request, by `cross_kv`

@@ -25,11 +25,11 @@ import logging
 import time
 import uuid
 
-from eejax.options import ExitConfig, SpecConfig
 from eejax.decode.prompts import prompt_token_ids
-from eejax.errors import EejaxError
-from eejax.serve.schema import ChatRequest, CompletionRequest, RequestError, parse
 from eejax.engine.stops import visible_text
+from eejax.errors import EejaxError
+from eejax.options import ExitConfig, SpecConfig
+from eejax.serve.schema import ChatRequest, CompletionRequest, RequestError, parse
 
 log = logging.getLogger("eejax.serve")
 

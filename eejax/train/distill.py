@@ -71,7 +71,7 @@ class DistillData:
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: str | Path) -> "DistillData":
+    def load(cls, path: str | Path) -> DistillData:
         with np.load(path) as f:
             return cls(**{k.name: f[k.name] for k in dataclasses.fields(cls)})
 

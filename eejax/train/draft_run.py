@@ -20,7 +20,6 @@ import numpy as np
 from eejax.errors import EejaxError
 
 
-
 @dataclasses.dataclass(frozen=True)
 class DraftRunSettings:
     """How a draft head is trained (see `draft_training.train_draft` for the optimisation ones)."""

@@ -60,7 +60,7 @@ def draft_losses(draft, params, batch, key, *, config, noise: float, feature_wei
     where = index[top_ids]  # [B, T-1, K] position in the drafting head, -1 outside
     weight = jnp.where(where >= 0, top_p, 0.0)
     total, agree = 0.0, []
-    for step in range(unroll):
+    for _ in range(unroll):
         pred = draft_head.dense_forward(config, draft, x, emb, lengths - 1)
         logits = draft_head.draft_logits(params, pred, config, reduced="vocab_head" in (params.get("exits") or {}))
         logq = jax.nn.log_softmax(logits, axis=-1)

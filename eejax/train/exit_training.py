@@ -24,8 +24,8 @@ import numpy as np
 import optax
 
 from eejax.decode.steps import exit_logits
-from eejax.models.registry import model_module
 from eejax.errors import EejaxError
+from eejax.models.registry import model_module
 from eejax.train.forward import layer_states
 
 LAYER_WEIGHTS = ("calm", "layerskip", "uniform")

@@ -50,7 +50,7 @@ class RunSettings:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "RunSettings":
+    def from_json(cls, d: dict) -> RunSettings:
         ls = dict(d["layerskip"])
         if ls.get("exit_layers") is not None:
             ls["exit_layers"] = tuple(ls["exit_layers"])
@@ -185,8 +185,8 @@ def trained_model(model, trainable: dict, settings: RunSettings, data: DistillDa
     exits recorded as the default check layers, and a reduced exit head of the `exit_vocab_size`
     most frequent tokens of the training data (0: none)."""
     from eejax.models.exits import set_exit_vocab
-    from eejax.train.exit_vocab import most_frequent
     from eejax.models.lora import merge_lora
+    from eejax.train.exit_vocab import most_frequent
 
     base = {k: v for k, v in model.params.items() if k != "exits"}
     params = base | trainable if settings.lora_rank == 0 else merge_lora(base, trainable["layers"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 
-
 def resume(checkpoint_dir: str | Path | None, state: dict, log: dict):
     """(manager, state, log): an orbax CheckpointManager over `checkpoint_dir` (the latest two
     kept; None without a directory) and the latest saved state and log, or the given ones."""
