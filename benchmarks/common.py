@@ -41,8 +41,8 @@ def hf_generate_tokens_per_s(hf, prompts: list[list[int]], new_tokens: int, pad_
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
     with torch.no_grad():
         hf.generate(ids[:, -8:], attention_mask=mask[:, -8:], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
@@ -83,8 +83,12 @@ class Paired:
     peer_speed: float
 
 
-def paired_runs(run: Callable[[Any], Any], configs: list, repeats: int,
-                speed: Callable[[Any], float] = lambda r: r.stats["decode_tokens_per_s"]) -> Paired:
+def paired_runs(
+    run: Callable[[Any], Any],
+    configs: list,
+    repeats: int,
+    speed: Callable[[Any], float] = lambda r: r.stats["decode_tokens_per_s"],
+) -> Paired:
     """Times `run(c)` for every config c against `run(None)` (the peer: full depth, say).
 
     This machine's speed drifts by 10-40% over minutes (shared cores), so after one warm-up
@@ -109,8 +113,13 @@ def paired_runs(run: Callable[[Any], Any], configs: list, repeats: int,
             speeds[i].append(speed(results[i]))
             ratios[i].append(speeds[i][-1] / ((before + after) / 2))
             before = after
-    return Paired(peer, results, [statistics.median(r) for r in ratios], [statistics.median(s) for s in speeds],
-                  statistics.median(peer_speeds))
+    return Paired(
+        peer,
+        results,
+        [statistics.median(r) for r in ratios],
+        [statistics.median(s) for s in speeds],
+        statistics.median(peer_speeds),
+    )
 
 
 def write_result(name: str, payload: dict) -> Path:
@@ -141,6 +150,14 @@ def with_exit_vocab(model, size: int = 8192, articles: range = range(20, 68), ne
         counts = count_tokens(model, prompts, new_tokens=new_tokens)
         ids = most_frequent(counts, size, always=model.eos_token_ids).tolist()
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"ids": ids, "articles": [articles.start, articles.stop], "new_tokens": new_tokens,
-                                    "coverage": float(counts[ids].sum() / counts.sum())}))
+        path.write_text(
+            json.dumps(
+                {
+                    "ids": ids,
+                    "articles": [articles.start, articles.stop],
+                    "new_tokens": new_tokens,
+                    "coverage": float(counts[ids].sum() / counts.sum()),
+                }
+            )
+        )
     return add_exit_vocab(model, ids)

@@ -33,15 +33,25 @@ EVAL_ROWS = 20
 def main() -> int:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-eagle", help="an eejax model with a draft head")
-    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=None,
-                        help="batch sizes (default 1 8)")
-    parser.add_argument("--specs", nargs="+", action="extend", default=None,
-                        help="speculation settings (default draft:2 draft:3 draft:4 draft:4:adaptive)")
+    parser.add_argument(
+        "--batches", type=int, nargs="+", action="extend", default=None, help="batch sizes (default 1 8)"
+    )
+    parser.add_argument(
+        "--specs",
+        nargs="+",
+        action="extend",
+        default=None,
+        help="speculation settings (default draft:2 draft:3 draft:4 draft:4:adaptive)",
+    )
     parser.add_argument("--prompts", type=int, default=4, help="prompts at batch 1 (batch b runs b prompts at once)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="split",
-                        help="how every eejax run reads the layer weights (split: faster on a CPU at batch 1)")
+    parser.add_argument(
+        "--layer-buffers",
+        choices=("stacked", "split"),
+        default="split",
+        help="how every eejax run reads the layer weights (split: faster on a CPU at batch 1)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each configuration (median kept)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers' full depth")
     parser.add_argument("--name", default="draft_head", help="output name under benchmarks/out/")
@@ -58,8 +68,9 @@ def main() -> int:
         prompts, _ = summary_prompts(model.tokenizer, max(b, args.prompts if b == 1 else b), args.prompt_tokens)
 
         def run(spec, prompts=prompts, b=b):
-            return eejax.generate(model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, spec=spec,
-                                  batch_size=b)
+            return eejax.generate(
+                model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, spec=spec, batch_size=b
+            )
 
         paired = paired_runs(run, specs, args.repeats)
         hf_speed = None
@@ -69,20 +80,34 @@ def main() -> int:
         for spec, res, speedup, speed in zip(specs, paired.results, paired.speedups, paired.speeds):
             assert res.tokens == full.tokens, f"{spec} at batch {b} parted from full depth"
             s = res.stats
-            row = {"batch": b, "spec": spec, "tau": s["tokens_per_round"], "acceptance": s["acceptance_rate"],
-                   "tokens_per_s": speed, "full_depth_tokens_per_s": paired.peer_speed, "speedup": speedup,
-                   "hf_tokens_per_s": hf_speed, "speedup_vs_hf": speed / hf_speed if hf_speed else None,
-                   "ideal_speedup": s["ideal_speedup"], "efficiency": speedup / s["ideal_speedup"],
-                   "layers_per_token": s["mean_layers_per_token"], "plain_step_rate": s["plain_step_rate"],
-                   "stats": s}
+            row = {
+                "batch": b,
+                "spec": spec,
+                "tau": s["tokens_per_round"],
+                "acceptance": s["acceptance_rate"],
+                "tokens_per_s": speed,
+                "full_depth_tokens_per_s": paired.peer_speed,
+                "speedup": speedup,
+                "hf_tokens_per_s": hf_speed,
+                "speedup_vs_hf": speed / hf_speed if hf_speed else None,
+                "ideal_speedup": s["ideal_speedup"],
+                "efficiency": speedup / s["ideal_speedup"],
+                "layers_per_token": s["mean_layers_per_token"],
+                "plain_step_rate": s["plain_step_rate"],
+                "stats": s,
+            }
             rows.append(row)
             vs_hf = f"{row['speedup_vs_hf']:.2f}x" if hf_speed else "-"
-            lines.append(f"| {b} | {spec} | {row['tau']:.2f} | {row['acceptance']:.2f} | {speed:.1f} | "
-                         f"{paired.peer_speed:.1f} | {speedup:.2f}x | {vs_hf} | {row['ideal_speedup']:.2f}x | "
-                         f"{row['efficiency']:.2f} | {row['layers_per_token']:.1f} |")
+            lines.append(
+                f"| {b} | {spec} | {row['tau']:.2f} | {row['acceptance']:.2f} | {speed:.1f} | "
+                f"{paired.peer_speed:.1f} | {speedup:.2f}x | {vs_hf} | {row['ideal_speedup']:.2f}x | "
+                f"{row['efficiency']:.2f} | {row['layers_per_token']:.1f} |"
+            )
             print(lines[-1], flush=True)
-    header = ("| batch | spec | τ | acceptance | tok/s | full depth tok/s | vs full depth | vs HF | ideal | "
-              "efficiency | layers/token |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    header = (
+        "| batch | spec | τ | acceptance | tok/s | full depth tok/s | vs full depth | vs HF | ideal | "
+        "efficiency | layers/token |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    )
     table = "\n".join([header, *lines])
     write_result(args.name, {"args": vars(args), "rows": rows})
     (OUT / f"{args.name}.md").write_text(table + "\n")

@@ -68,6 +68,7 @@ def rouge_l(predictions: list[str], references: list[str]) -> float:
 
 def decode_runs(model, prompts, batch, configs, new_tokens, repeats) -> Paired:
     """Decode speed (prefill excluded) of each config against full depth, paired (`paired_runs`)."""
+
     def run(c):
         return eejax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True, batch_size=batch, exit=c)
 
@@ -86,28 +87,44 @@ def label(c: ExitConfig) -> str:
 
 def main(argv=None) -> int:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=None,
-                        help="batch sizes (default 1 8)")
+    parser.add_argument(
+        "--batches", type=int, nargs="+", action="extend", default=None, help="batch sizes (default 1 8)"
+    )
     parser.add_argument("--prompts", type=int, default=8, help="CNN/DM articles (each batch size runs all of them)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=160)
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="timed runs per configuration, each between two full-depth runs (median kept)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="timed runs per configuration, each between two full-depth runs (median kept)",
+    )
     parser.add_argument("--vocab-size", type=int, default=8192, help="tokens of the reduced exit head")
-    parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="stacked",
-                        help="how decode steps read the layer weights (see eejax.Model.run_params)")
+    parser.add_argument(
+        "--layer-buffers",
+        choices=("stacked", "split"),
+        default="stacked",
+        help="how decode steps read the layer weights (see eejax.Model.run_params)",
+    )
     parser.add_argument("--name", default="early_exit", help="the result files: benchmarks/out/NAME.{json,md,png}")
     args = parser.parse_args(argv)
     batches = args.batches or [1, 8]
 
     # Untrained classifiers (for the check cost only) and the reduced exit head.
-    model = with_exit_vocab(eejax.init_exits(eejax.load("smollm2-135m", layer_buffers=args.layer_buffers)),
-                            args.vocab_size)
+    model = with_exit_vocab(
+        eejax.init_exits(eejax.load("smollm2-135m", layer_buffers=args.layer_buffers)), args.vocab_size
+    )
     L = model.config.num_layers
     prompts, highlights = summary_prompts(model.tokenizer, args.prompts, args.prompt_tokens)
-    results = {"batches": {}, "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
-               "prompts": args.prompts, "num_layers": L, "vocab_size": args.vocab_size,
-               "layer_buffers": args.layer_buffers}
+    results = {
+        "batches": {},
+        "new_tokens": args.new_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "prompts": args.prompts,
+        "num_layers": L,
+        "vocab_size": args.vocab_size,
+        "layer_buffers": args.layer_buffers,
+    }
     for b in batches:
         print(f"\n=== batch {b}: {args.prompts} articles, {args.new_tokens} new tokens ===", flush=True)
         paired = decode_runs(model, prompts, b, SWEEP, args.new_tokens, args.repeats)
@@ -116,18 +133,30 @@ def main(argv=None) -> int:
         rows = []
         for cfg, r, speedup, tps in zip(SWEEP, paired.results, paired.speedups, paired.speeds):
             s = r.stats
-            row = dict(config=label(cfg), measure=cfg.measure, decode_tokens_per_s=tps,
-                       speedup=speedup, ideal_speedup=s["ideal_speedup"], efficiency=speedup / s["ideal_speedup"],
-                       layers=s["mean_layers_per_token"], kv_fill_layers=s["kv_fill_layers_per_token"],
-                       exit_rate=sum(e < L for t in r.exit_layers for e in t[1:]) / sum(len(t) - 1 for t in r.tokens),
-                       rouge_l_to_full=rouge_l(r.texts, full.texts), rouge_l_to_label=rouge_l(r.texts, highlights))
+            row = dict(
+                config=label(cfg),
+                measure=cfg.measure,
+                decode_tokens_per_s=tps,
+                speedup=speedup,
+                ideal_speedup=s["ideal_speedup"],
+                efficiency=speedup / s["ideal_speedup"],
+                layers=s["mean_layers_per_token"],
+                kv_fill_layers=s["kv_fill_layers_per_token"],
+                exit_rate=sum(e < L for t in r.exit_layers for e in t[1:]) / sum(len(t) - 1 for t in r.tokens),
+                rouge_l_to_full=rouge_l(r.texts, full.texts),
+                rouge_l_to_label=rouge_l(r.texts, highlights),
+            )
             rows.append(row)
-            print(f"  {row['config']:36s} {row['decode_tokens_per_s']:7.1f} tok/s  x{speedup:.2f} full "
-                  f"(ideal x{row['ideal_speedup']:.2f}, efficiency {row['efficiency']:.2f})  "
-                  f"layers/token {row['layers']:5.1f}  exit rate {row['exit_rate']:5.1%}  "
-                  f"ROUGE-L to full {row['rouge_l_to_full']:.3f}", flush=True)
-        results["batches"][b] = dict(full_decode_tokens_per_s=base, rows=rows,
-                                     full_rouge_l_to_label=rouge_l(full.texts, highlights))
+            print(
+                f"  {row['config']:36s} {row['decode_tokens_per_s']:7.1f} tok/s  x{speedup:.2f} full "
+                f"(ideal x{row['ideal_speedup']:.2f}, efficiency {row['efficiency']:.2f})  "
+                f"layers/token {row['layers']:5.1f}  exit rate {row['exit_rate']:5.1%}  "
+                f"ROUGE-L to full {row['rouge_l_to_full']:.3f}",
+                flush=True,
+            )
+        results["batches"][b] = dict(
+            full_decode_tokens_per_s=base, rows=rows, full_rouge_l_to_label=rouge_l(full.texts, highlights)
+        )
     write_result(args.name, results)
     write_table(results, args.name)
     plot(results, args.name)
@@ -135,22 +164,32 @@ def main(argv=None) -> int:
 
 
 def write_table(results: dict, name: str = "early_exit") -> None:
-    lines = [f"SmolLM2-135M fp32, {results['prompts']} CNN/DM articles ({results['prompt_tokens']}-token prompts), "
-             f"{results['new_tokens']} new tokens, reduced exit head of {results['vocab_size']} tokens unless "
-             f"marked, {time.strftime('%Y-%m-%d')}. Speeds are decode tokens/s (prefill excluded, "
-             "medians); 'vs full' is the median ratio to eejax's full depth timed just before and after "
-             "each run; the ideal speed-up is the cost model's (weights read per token, eejax/decode/cost.py); "
-             "efficiency = measured / ideal.", ""]
+    lines = [
+        f"SmolLM2-135M fp32, {results['prompts']} CNN/DM articles ({results['prompt_tokens']}-token prompts), "
+        f"{results['new_tokens']} new tokens, reduced exit head of {results['vocab_size']} tokens unless "
+        f"marked, {time.strftime('%Y-%m-%d')}. Speeds are decode tokens/s (prefill excluded, "
+        "medians); 'vs full' is the median ratio to eejax's full depth timed just before and after "
+        "each run; the ideal speed-up is the cost model's (weights read per token, eejax/decode/cost.py); "
+        "efficiency = measured / ideal.",
+        "",
+    ]
     for b, r in results["batches"].items():
-        lines += [f"### batch {b}", "", f"Full depth {r['full_decode_tokens_per_s']:.1f} decode tok/s.", "",
-                  "| exit | tok/s | vs full | ideal | efficiency | layers/token | KV-fill layers | exit rate | "
-                  "ROUGE-L to full | to label |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### batch {b}",
+            "",
+            f"Full depth {r['full_decode_tokens_per_s']:.1f} decode tok/s.",
+            "",
+            "| exit | tok/s | vs full | ideal | efficiency | layers/token | KV-fill layers | exit rate | "
+            "ROUGE-L to full | to label |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for row in r["rows"]:
-            lines.append(f"| {row['config']} | {row['decode_tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
-                         f"{row['ideal_speedup']:.2f}x | {row['efficiency']:.2f} | {row['layers']:.1f} | "
-                         f"{row['kv_fill_layers']:.1f} | {row['exit_rate']:.1%} | {row['rouge_l_to_full']:.3f} | "
-                         f"{row['rouge_l_to_label']:.3f} |")
+            lines.append(
+                f"| {row['config']} | {row['decode_tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
+                f"{row['ideal_speedup']:.2f}x | {row['efficiency']:.2f} | {row['layers']:.1f} | "
+                f"{row['kv_fill_layers']:.1f} | {row['exit_rate']:.1%} | {row['rouge_l_to_full']:.3f} | "
+                f"{row['rouge_l_to_label']:.3f} |"
+            )
         lines.append("")
     path = ROOT / "benchmarks" / "out" / f"{name}.md"
     path.write_text("\n".join(lines))
@@ -168,14 +207,19 @@ def plot(results: dict, name: str = "early_exit") -> None:
     markers = {"softmax": "o", "state": "s", "static": "^"}
     for ax, (b, r) in zip(axes[0], results["batches"].items()):
         for measure, marker in markers.items():
-            pts = sorted((row for row in r["rows"] if row.get("measure") == measure),
-                         key=lambda p: p["rouge_l_to_full"])
+            pts = sorted(
+                (row for row in r["rows"] if row.get("measure") == measure), key=lambda p: p["rouge_l_to_full"]
+            )
             ax.plot([p["rouge_l_to_full"] for p in pts], [p["speedup"] for p in pts], marker=marker, label=measure)
             for p in pts:
                 ax.annotate(p["config"], (p["rouge_l_to_full"], p["speedup"]), fontsize=6)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set(title=f"SmolLM2-135M, batch {b}", xlabel="ROUGE-L to full depth", ylabel="decode speed-up vs eejax full depth",
-               xlim=(0, 1.02))
+        ax.set(
+            title=f"SmolLM2-135M, batch {b}",
+            xlabel="ROUGE-L to full depth",
+            ylabel="decode speed-up vs eejax full depth",
+            xlim=(0, 1.02),
+        )
         ax.legend()
     fig.tight_layout()
     path = ROOT / "benchmarks" / "out" / f"{name}.png"

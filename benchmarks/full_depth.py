@@ -37,8 +37,12 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="eejax timed runs per batch (best is kept)")
     parser.add_argument("--skip-hf", action="store_true", help="measure eejax only")
-    parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="stacked",
-                        help="how eejax's decode steps read the layer weights (see eejax.Model.run_params)")
+    parser.add_argument(
+        "--layer-buffers",
+        choices=("stacked", "split"),
+        default="stacked",
+        help="how eejax's decode steps read the layer weights (see eejax.Model.run_params)",
+    )
     args = parser.parse_args(argv)
 
     model = eejax.load("smollm2-135m", layer_buffers=args.layer_buffers)
@@ -46,8 +50,10 @@ def main(argv=None) -> int:
     bw = read_bandwidth_gbs()
     weight_bytes = param_bytes_per_token(model.params, model.config)
     bound = bw * 1e9 / weight_bytes
-    print(f"read bandwidth {bw:.1f} GB/s; weights read per token {weight_bytes / 1e6:.0f} MB; "
-          f"batch-1 bound {bound:.1f} tokens/s")
+    print(
+        f"read bandwidth {bw:.1f} GB/s; weights read per token {weight_bytes / 1e6:.0f} MB; "
+        f"batch-1 bound {bound:.1f} tokens/s"
+    )
     rows = []
     for b in args.batches:
         prompts = cnndm_prompts(model.tokenizer, b, args.prompt_tokens)
@@ -55,20 +61,41 @@ def main(argv=None) -> int:
         eejax.generate(model, prompts, **kw)  # compile
         runs = [eejax.generate(model, prompts, **kw).stats for _ in range(args.repeats)]
         ours = max(r["tokens_per_s"] for r in runs)
-        peer = float("nan") if hf is None else hf_generate_tokens_per_s(hf, prompts, args.new_tokens, model.config.pad_token_id or 0)
-        row = {"batch": b, "eejax_tokens_per_s": ours, "hf_tokens_per_s": peer, "ratio": ours / peer if peer else None,
-               "layers_per_token": runs[0]["mean_layers_per_token"], "compiled_programs": model.programs.num_programs}
+        peer = (
+            float("nan")
+            if hf is None
+            else hf_generate_tokens_per_s(hf, prompts, args.new_tokens, model.config.pad_token_id or 0)
+        )
+        row = {
+            "batch": b,
+            "eejax_tokens_per_s": ours,
+            "hf_tokens_per_s": peer,
+            "ratio": ours / peer if peer else None,
+            "layers_per_token": runs[0]["mean_layers_per_token"],
+            "compiled_programs": model.programs.num_programs,
+        }
         if b == 1:
             row["fraction_of_bandwidth_bound"] = ours / bound
         rows.append(row)
         extra = f", {ours / bound:.0%} of the bandwidth bound" if b == 1 else ""
-        print(f"batch {b:3d}: eejax {ours:7.1f} tok/s | HF {peer:7.1f} tok/s | ratio {fmt_ratio(ours, peer)} | "
-              f"layers/token {row['layers_per_token']:.0f}{extra}", flush=True)
+        print(
+            f"batch {b:3d}: eejax {ours:7.1f} tok/s | HF {peer:7.1f} tok/s | ratio {fmt_ratio(ours, peer)} | "
+            f"layers/token {row['layers_per_token']:.0f}{extra}",
+            flush=True,
+        )
     name = "full_depth" if args.layer_buffers == "stacked" else f"full_depth_{args.layer_buffers}"
-    path = write_result(name, {"read_bandwidth_gbs": bw, "weight_bytes_per_token": weight_bytes,
-                                       "bandwidth_bound_tokens_per_s": bound, "prompt_tokens": args.prompt_tokens,
-                                       "new_tokens": args.new_tokens, "layer_buffers": args.layer_buffers,
-                                       "rows": rows})
+    path = write_result(
+        name,
+        {
+            "read_bandwidth_gbs": bw,
+            "weight_bytes_per_token": weight_bytes,
+            "bandwidth_bound_tokens_per_s": bound,
+            "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens,
+            "layer_buffers": args.layer_buffers,
+            "rows": rows,
+        },
+    )
     print(f"wrote {path}")
     return 0
 

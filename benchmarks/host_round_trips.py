@@ -34,8 +34,9 @@ CONFIGS = (  # (model, exit option)
 )
 
 
-def round_trips_per_step(bounds, exit_layer: int, *, measure: str, reduced_check: bool, reuse: bool,
-                         static: bool) -> int:
+def round_trips_per_step(
+    bounds, exit_layer: int, *, measure: str, reduced_check: bool, reuse: bool, static: bool
+) -> int:
     """Round trips of one early-exit step that exits at `exit_layer` (a value of `bounds`, the
     segment boundaries 0, c_1, ..., c_m, L), by the step's structure (`decode.early_exit`)."""
     num_layers = bounds[-1]
@@ -46,11 +47,14 @@ def round_trips_per_step(bounds, exit_layer: int, *, measure: str, reduced_check
     # loops, those beyond the shortest segment's only, and no loop when all are equally long.
     common = max(min(lengths) - short, 0) if static else 0
     traced = 0 if static and len(set(lengths)) == 1 else sum(n - short - common + 1 for n in lengths[:s])
-    return (s + 1  # the segment loop: one per segment, one to leave
-            + traced
-            + (s if reduced_check and not static else 0)  # the conditional around the reduced check
-            + (0 if reuse else 1)  # the exit head's conditional: the emit head below L, the model's at L
-            + (0 if static else num_layers - exit_layer + 1))  # KV fill with a traced start
+    return (
+        s
+        + 1  # the segment loop: one per segment, one to leave
+        + traced
+        + (s if reduced_check and not static else 0)  # the conditional around the reduced check
+        + (0 if reuse else 1)  # the exit head's conditional: the emit head below L, the model's at L
+        + (0 if static else num_layers - exit_layer + 1)
+    )  # KV fill with a traced start
 
 
 def main() -> None:
@@ -101,10 +105,16 @@ def row(base, name: str, option: str | None, prompts, new_tokens: int, static: b
         uniform = len({b - a for a, b in zip(bounds, bounds[1:])}) == 1
         assert loops == (1 + (not uniform) if static else 3), loops
         assert conds == (reduced_check and not static) + (not reuse), conds
-        per_step = sum(round_trips_per_step(bounds, e, measure=config.measure, reduced_check=reduced_check,
-                                            reuse=reuse, static=static) for e in steps) / len(steps)
-    return (f"{name:24} {str(option):12} {sum(steps) / len(steps):6.1f} {'GPU' if static else 'CPU':9} {loops:5} "
-            f"{conds:5} {per_step:16.1f}")
+        per_step = sum(
+            round_trips_per_step(
+                bounds, e, measure=config.measure, reduced_check=reduced_check, reuse=reuse, static=static
+            )
+            for e in steps
+        ) / len(steps)
+    return (
+        f"{name:24} {str(option):12} {sum(steps) / len(steps):6.1f} {'GPU' if static else 'CPU':9} {loops:5} "
+        f"{conds:5} {per_step:16.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,16 @@ from benchmarks.common import write_result  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser
 
 # Peak HBM bandwidth (GB/s) by `device_kind`; --peak-gbs overrides.
-PEAK_GBS = {"NVIDIA H100 80GB HBM3": 3350, "NVIDIA H100 PCIe": 2000, "NVIDIA H200": 4800,
-            "NVIDIA A100-SXM4-80GB": 2039, "NVIDIA A100-SXM4-40GB": 1555, "NVIDIA A100 80GB PCIe": 1935,
-            "NVIDIA L4": 300, "NVIDIA GeForce RTX 4090": 1008}
+PEAK_GBS = {
+    "NVIDIA H100 80GB HBM3": 3350,
+    "NVIDIA H100 PCIe": 2000,
+    "NVIDIA H200": 4800,
+    "NVIDIA A100-SXM4-80GB": 2039,
+    "NVIDIA A100-SXM4-40GB": 1555,
+    "NVIDIA A100 80GB PCIe": 1935,
+    "NVIDIA L4": 300,
+    "NVIDIA GeForce RTX 4090": 1008,
+}
 
 
 def best_seconds(fn, *args, repeats: int = 20) -> float:
@@ -60,9 +67,12 @@ def decode_case(batch, context, *, num_kv_heads=8, group=4, head_dim=128, page=1
 
 def gpu_benchmark(args) -> int:
     if jax.default_backend() != "gpu":
-        print("benchmarks/kernels.py: no GPU here (JAX backend is "
-              f"{jax.default_backend()!r}); the kernel benchmark needs CUDA. "
-              "For the CPU measurement run: python benchmarks/kernels.py --cpu-share", file=sys.stderr)
+        print(
+            "benchmarks/kernels.py: no GPU here (JAX backend is "
+            f"{jax.default_backend()!r}); the kernel benchmark needs CUDA. "
+            "For the CPU measurement run: python benchmarks/kernels.py --cpu-share",
+            file=sys.stderr,
+        )
         return 2
     from eejax.kernels.attention import reference_paged_attention
     from eejax.kernels.triton_attention import triton_paged_attention
@@ -80,14 +90,30 @@ def gpu_benchmark(args) -> int:
             t_kernel = best_seconds(kernel, q, k, v, 0, table, pos, lengths)
             t_ref = best_seconds(reference, q, k, v, 0, table, pos, lengths)
             gbs = nbytes / t_kernel / 1e9
-            err = float(jnp.abs(kernel(q, k, v, 0, table, pos, lengths).astype(jnp.float32)
-                                - reference(q, k, v, 0, table, pos, lengths).astype(jnp.float32)).max())
-            rows.append(dict(batch=b, context=ctx, kernel_us=t_kernel * 1e6, reference_us=t_ref * 1e6,
-                             speedup=t_ref / t_kernel, kernel_gbs=gbs, peak_fraction=gbs / peak if peak else None,
-                             max_abs_diff=err))
+            err = float(
+                jnp.abs(
+                    kernel(q, k, v, 0, table, pos, lengths).astype(jnp.float32)
+                    - reference(q, k, v, 0, table, pos, lengths).astype(jnp.float32)
+                ).max()
+            )
+            rows.append(
+                dict(
+                    batch=b,
+                    context=ctx,
+                    kernel_us=t_kernel * 1e6,
+                    reference_us=t_ref * 1e6,
+                    speedup=t_ref / t_kernel,
+                    kernel_gbs=gbs,
+                    peak_fraction=gbs / peak if peak else None,
+                    max_abs_diff=err,
+                )
+            )
             share = f"{gbs / peak:.0%} of peak" if peak else "peak unknown"
-            print(f"batch {b:3d} context {ctx:5d}: kernel {t_kernel * 1e6:8.1f} us ({gbs:7.1f} GB/s, {share}) | "
-                  f"reference {t_ref * 1e6:8.1f} us | {t_ref / t_kernel:5.2f}x | max diff {err:.1e}", flush=True)
+            print(
+                f"batch {b:3d} context {ctx:5d}: kernel {t_kernel * 1e6:8.1f} us ({gbs:7.1f} GB/s, {share}) | "
+                f"reference {t_ref * 1e6:8.1f} us | {t_ref / t_kernel:5.2f}x | max diff {err:.1e}",
+                flush=True,
+            )
     print(f"wrote {write_result('kernels_gpu', {'device': device.device_kind, 'peak_gbs': peak, 'rows': rows})}")
     return 0
 
@@ -115,7 +141,8 @@ def cpu_share(args) -> int:
         lengths = jnp.full((b,), args.prompt_tokens, jnp.int32)
         static = dict(config=c, options=StepOptions(args.new_tokens))
         state, cache = jax.jit(functools.partial(steps.prefill, **static))(
-            model.params, cache, tokens, lengths, table, jax.random.PRNGKey(0))
+            model.params, cache, tokens, lengths, table, jax.random.PRNGKey(0)
+        )
         decode = jax.jit(functools.partial(steps.decode, **static), donate_argnums=(1,))
         real_attention = llama.paged_attention
         llama.paged_attention = lambda q, *a, **kw: q  # traced once, below, for the ablated step
@@ -125,8 +152,10 @@ def cpu_share(args) -> int:
                 _, cache = ablated(model.params, cache, state, table[:, :w])
         finally:
             llama.paged_attention = real_attention
-        widths = {"whole allocation": allocation,
-                  "bucketed to need": min(allocation, bucket(pages_needed(args.prompt_tokens + 1, 16)))}
+        widths = {
+            "whole allocation": allocation,
+            "bucketed to need": min(allocation, bucket(pages_needed(args.prompt_tokens + 1, 16))),
+        }
         result = {"batch": b}
         for name, width in widths.items():
             t = table[:, :width]
@@ -140,23 +169,37 @@ def cpu_share(args) -> int:
             step = float(np.median(times[decode]))
             attn = step - float(np.median(times[ablated]))
             result[name] = dict(pages=width, step_ms=step * 1e3, attention_ms=attn * 1e3, share=attn / step)
-            print(f"batch {b:3d}, {name:16s} ({width:3d} pages): decode step {step * 1e3:6.1f} ms, "
-                  f"attention {attn * 1e3:6.1f} ms = {attn / step:.0%} of the step", flush=True)
+            print(
+                f"batch {b:3d}, {name:16s} ({width:3d} pages): decode step {step * 1e3:6.1f} ms, "
+                f"attention {attn * 1e3:6.1f} ms = {attn / step:.0%} of the step",
+                flush=True,
+            )
         rows.append(result)
-    print(f"wrote {write_result('kernels_cpu_share', {'prompt_tokens': args.prompt_tokens, 'new_tokens': args.new_tokens, 'rows': rows})}")
+    print(
+        f"wrote {write_result('kernels_cpu_share', {'prompt_tokens': args.prompt_tokens, 'new_tokens': args.new_tokens, 'rows': rows})}"
+    )
     return 0
 
 
 def main(argv=None) -> int:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu-share", action="store_true", help="the CPU measurement instead of the GPU benchmark")
-    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=None,
-                        help="batch sizes (default: 1 8 32 64 on GPU, 1 8 32 on CPU)")
-    parser.add_argument("--contexts", type=int, nargs="+", action="extend", default=[512, 2048, 8192],
-                        help="GPU: keys per row")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        action="extend",
+        default=None,
+        help="batch sizes (default: 1 8 32 64 on GPU, 1 8 32 on CPU)",
+    )
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", action="extend", default=[512, 2048, 8192], help="GPU: keys per row"
+    )
     parser.add_argument("--peak-gbs", type=float, help="GPU: the device's peak memory bandwidth in GB/s")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="CPU: prompt length")
-    parser.add_argument("--new-tokens", type=int, default=768, help="CPU: new tokens each row's pages are allocated for")
+    parser.add_argument(
+        "--new-tokens", type=int, default=768, help="CPU: new tokens each row's pages are allocated for"
+    )
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
     if args.cpu_share:

@@ -92,30 +92,53 @@ def stage_calibrate(args, trained) -> dict:
     prompts, _ = summary_prompts(trained.tokenizer, CALIBRATION.stop, args.prompt_tokens)
     t0 = time.perf_counter()
     cal, layers = calibrate_exit_threshold(
-        trained, prompts[CALIBRATION.start:], measure="softmax", thresholds=args.thresholds, delta=args.delta,
-        epsilon=args.epsilon, max_new_tokens=args.new_tokens, consistency="rouge", batch_size=1, progress=True)
+        trained,
+        prompts[CALIBRATION.start :],
+        measure="softmax",
+        thresholds=args.thresholds,
+        delta=args.delta,
+        epsilon=args.epsilon,
+        max_new_tokens=args.new_tokens,
+        consistency="rouge",
+        batch_size=1,
+        progress=True,
+    )
     print(f"calibration on {len(prompts) - CALIBRATION.start} prompts in {time.perf_counter() - t0:.0f} s")
     for t, r, pv in zip(cal.thresholds, cal.risks, cal.p_values):
         print(f"  λ={t:<5g} 1 - ROUGE-L to full {r:.3f}  p {pv:.3g}  layers/token {layers[t]:.2f}")
     print(cal.certificate())
-    return {"threshold": cal.threshold, "thresholds": cal.thresholds, "risks": cal.risks, "p_values": cal.p_values,
-            "layers_per_token": [layers[t] for t in cal.thresholds], "delta": cal.delta, "epsilon": cal.epsilon}
+    return {
+        "threshold": cal.threshold,
+        "thresholds": cal.thresholds,
+        "risks": cal.risks,
+        "p_values": cal.p_values,
+        "layers_per_token": [layers[t] for t in cal.thresholds],
+        "delta": cal.delta,
+        "epsilon": cal.epsilon,
+    }
 
 
 def stage_speed(args, base, trained, calibrated) -> dict:
     runs = [(f"self-speculation {s}", trained, dict(spec=SpecConfig.parse(s))) for s in args.specs]
     runs += [(f"self-speculation {s}, original", base, dict(spec=SpecConfig.parse(s))) for s in args.original_specs]
     thresholds = sorted({*args.speed_thresholds, *([calibrated] if calibrated is not None else [])}, reverse=True)
-    runs += [(f"early exit softmax:{t:g}" + (" (calibrated)" if t == calibrated else ""), trained,
-              dict(exit=ExitConfig("softmax", threshold=t))) for t in thresholds]
+    runs += [
+        (
+            f"early exit softmax:{t:g}" + (" (calibrated)" if t == calibrated else ""),
+            trained,
+            dict(exit=ExitConfig("softmax", threshold=t)),
+        )
+        for t in thresholds
+    ]
     out = {}
     for batch in args.batches:
         prompts, _ = summary_prompts(trained.tokenizer, max(batch, args.prompts_b1), args.prompt_tokens)
 
         def run(i, prompts=prompts, batch=batch):
             model, kw = (trained, {}) if i is None else runs[i][1:]
-            return eejax.generate(model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, batch_size=batch,
-                                  **kw)
+            return eejax.generate(
+                model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, batch_size=batch, **kw
+            )
 
         paired = paired_runs(run, list(range(len(runs))), args.repeats, speed=lambda r: r.stats["tokens_per_s"])
         full = paired.peer
@@ -123,19 +146,29 @@ def stage_speed(args, base, trained, calibrated) -> dict:
         rows = []
         for (name, model, kw), res, speedup in zip(runs, paired.results, paired.speedups):
             s = res.stats
-            row = {"decoding": name, "speedup": speedup, "ideal_speedup": s["ideal_speedup"],
-                   "layers_per_token": s["mean_layers_per_token"]}
+            row = {
+                "decoding": name,
+                "speedup": speedup,
+                "ideal_speedup": s["ideal_speedup"],
+                "layers_per_token": s["mean_layers_per_token"],
+            }
             if "spec" in kw:
                 same = res.tokens == (full.tokens if model is trained else None)
                 row.update(acceptance=s["acceptance_rate"], identical=same if model is trained else None)
             else:
                 row.update(rouge_l_to_full=rouge_l(res.texts, full.texts))
             rows.append(row)
-            print(f"  {name}: {speedup:.2f}x (ideal {row['ideal_speedup']:.2f}x, efficiency "
-                  f"{speedup / row['ideal_speedup']:.2f}), {row['layers_per_token']:.1f} layers/token, "
-                  + (f"acceptance {row['acceptance']:.2f}" + (f", identical {row['identical']}"
-                                                               if row["identical"] is not None else "")
-                     if "spec" in kw else f"ROUGE-L to full {row['rouge_l_to_full']:.3f}"), flush=True)
+            print(
+                f"  {name}: {speedup:.2f}x (ideal {row['ideal_speedup']:.2f}x, efficiency "
+                f"{speedup / row['ideal_speedup']:.2f}), {row['layers_per_token']:.1f} layers/token, "
+                + (
+                    f"acceptance {row['acceptance']:.2f}"
+                    + (f", identical {row['identical']}" if row["identical"] is not None else "")
+                    if "spec" in kw
+                    else f"ROUGE-L to full {row['rouge_l_to_full']:.3f}"
+                ),
+                flush=True,
+            )
         out[str(batch)] = {"full_tokens_per_s": paired.peer_speed, "rows": rows}
     return out
 
@@ -149,11 +182,22 @@ def main() -> int:
     p.add_argument("--stages", nargs="+", action="extend", choices=STAGES, default=None)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--specs", nargs="*", action="extend", default=None,
-                   help="self-speculation settings of the trained model (default 15:2 15:3 12:3 8:3 15:3:adaptive)")
+    p.add_argument(
+        "--specs",
+        nargs="*",
+        action="extend",
+        default=None,
+        help="self-speculation settings of the trained model (default 15:2 15:3 12:3 8:3 15:3:adaptive)",
+    )
     p.add_argument("--original-specs", nargs="*", action="extend", default=None)
-    p.add_argument("--thresholds", type=float, nargs="+", action="extend", default=None,
-                   help="calibration thresholds (default 0.99 0.95 0.9 0.8 0.6 0.4)")
+    p.add_argument(
+        "--thresholds",
+        type=float,
+        nargs="+",
+        action="extend",
+        default=None,
+        help="calibration thresholds (default 0.99 0.95 0.9 0.8 0.6 0.4)",
+    )
     p.add_argument("--speed-thresholds", type=float, nargs="*", action="extend", default=None)
     p.add_argument("--delta", type=float, default=0.1, help="tolerated mean 1 - ROUGE-L to full depth")
     p.add_argument("--epsilon", type=float, default=0.1)

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     def chunked():
         tokens, seconds, steps = [], 0.0, 0
         for i in range(0, len(prompts), b):
-            res = eejax.generate(model, prompts[i:i + b], **kw)
+            res = eejax.generate(model, prompts[i : i + b], **kw)
             tokens += res.tokens
             seconds += res.stats.run_s  # compilation excluded, as in `continuous`
             steps += res.stats.engine_steps
@@ -65,13 +65,24 @@ def main(argv=None) -> int:
     median = {name: float(np.median(v)) for name, v in speeds.items()}
     ratio = median["continuous"] / median["chunked"]
     ended_early = sum(len(t) < args.new_tokens for t in want)
-    print(f"{args.prompts} prompts of {lengths.min()}-{lengths.max()} tokens, batch {b}, {args.new_tokens} new "
-          f"tokens ({ended_early} rows ended early at EOS):")
+    print(
+        f"{args.prompts} prompts of {lengths.min()}-{lengths.max()} tokens, batch {b}, {args.new_tokens} new "
+        f"tokens ({ended_early} rows ended early at EOS):"
+    )
     for name in runs:
         print(f"  {name:10s} {median[name]:6.1f} tok/s ({steps[name]} engine steps) runs {speeds[name]}")
     print(f"  continuous / chunked: {ratio:.2f}x")
-    write_result("offline_batch", {"args": vars(args), "tokens_per_s": median, "runs": speeds, "ratio": ratio,
-                                   "engine_steps": steps, "rows_ended_early": ended_early})
+    write_result(
+        "offline_batch",
+        {
+            "args": vars(args),
+            "tokens_per_s": median,
+            "runs": speeds,
+            "ratio": ratio,
+            "engine_steps": steps,
+            "rows_ended_early": ended_early,
+        },
+    )
     return 0
 
 

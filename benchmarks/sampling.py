@@ -18,8 +18,11 @@ import eejax  # noqa: E402
 from benchmarks.common import cnndm_prompts, fmt_ratio, write_result  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 
-SETTINGS = {"greedy": {}, "temperature 0.7": dict(temperature=0.7),
-            "temperature 0.7, top-k 50, top-p 0.9": dict(temperature=0.7, top_k=50, top_p=0.9)}
+SETTINGS = {
+    "greedy": {},
+    "temperature 0.7": dict(temperature=0.7),
+    "temperature 0.7, top-k 50, top-p 0.9": dict(temperature=0.7, top_k=50, top_p=0.9),
+}
 
 
 def main() -> int:
@@ -35,13 +38,16 @@ def main() -> int:
     prompts = cnndm_prompts(model.tokenizer, args.batch, args.prompt_tokens)
     results = {}
     for name, options in SETTINGS.items():
+
         def run(options=options):
             return eejax.generate(model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, seed=1, **options)
 
         run()  # compiled
         results[name] = max(run().stats["decode_tokens_per_s"] for _ in range(args.repeats))
-        print(f"{name:<38} decode {results[name]:6.1f} tok/s ({fmt_ratio(results[name], results['greedy'])} of "
-              "greedy)", flush=True)
+        print(
+            f"{name:<38} decode {results[name]:6.1f} tok/s ({fmt_ratio(results[name], results['greedy'])} of greedy)",
+            flush=True,
+        )
     write_result("sampling", {"batch": args.batch, "new_tokens": args.new_tokens, "decode_tokens_per_s": results})
     return 0
 

@@ -38,10 +38,13 @@ import eejax  # noqa: E402
 from benchmarks.common import ROOT, fmt_ratio, write_result  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser
 
-CONFIGS = {"fcfs, no buckets": dict(bucketing=False), "bucketserve": dict(bucketing=True),
-           "bucketserve + chunked prefill": dict(bucketing=True),  # prefill_chunk from --prefill-chunk
-           "bucketserve + early exit": dict(bucketing=True, exit="softmax:0.9"),
-           "bucketserve, no prefix cache": dict(bucketing=True, prefix_caching=False)}
+CONFIGS = {
+    "fcfs, no buckets": dict(bucketing=False),
+    "bucketserve": dict(bucketing=True),
+    "bucketserve + chunked prefill": dict(bucketing=True),  # prefill_chunk from --prefill-chunk
+    "bucketserve + early exit": dict(bucketing=True, exit="softmax:0.9"),
+    "bucketserve, no prefix cache": dict(bucketing=True, prefix_caching=False),
+}
 DEFAULT_CONFIGS = ["fcfs, no buckets", "bucketserve", "bucketserve + chunked prefill", "bucketserve + early exit"]
 
 
@@ -76,8 +79,14 @@ class Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, served_model_name="m", max_waiting=10**6),
-                                                    host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(self.engine, served_model_name="m", max_waiting=10**6),
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -93,8 +102,9 @@ async def one_request(http, prompt, max_tokens, delay):
     await asyncio.sleep(delay)
     start = time.perf_counter()
     times, layers = [], None
-    async with http.stream("POST", "/v1/completions",
-                           json={"prompt": prompt, "max_tokens": max_tokens, "stream": True}) as r:
+    async with http.stream(
+        "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    ) as r:
         if r.status_code != 200:
             return None
         async for line in r.aiter_lines():
@@ -126,19 +136,26 @@ def summarise(results, wall, engine, slo_ttft, slo_tpot) -> dict:
     itl = np.array([b - a for _, t, _ in done for a, b in zip(t, t[1:])])  # every gap between two tokens
     tokens = sum(len(t) for _, t, _ in done)
     m = engine.metrics()
-    within = sum(1 for s, t, _ in done
-                 if t[0] - s <= slo_ttft and (len(t) < 2 or (t[-1] - t[0]) / (len(t) - 1) <= slo_tpot))
+    within = sum(
+        1 for s, t, _ in done if t[0] - s <= slo_ttft and (len(t) < 2 or (t[-1] - t[0]) / (len(t) - 1) <= slo_tpot)
+    )
     return {
-        "tokens_per_s": tokens / wall, "layers_per_token": float(np.mean([x for *_, ls in done for x in ls])),
-        "completed": len(finished), "lost": len(results) - len(finished),
-        "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
-        "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p99": float(np.percentile(tpot, 99)),
-        "itl_p50": float(np.percentile(itl, 50)), "itl_p99": float(np.percentile(itl, 99)),
+        "tokens_per_s": tokens / wall,
+        "layers_per_token": float(np.mean([x for *_, ls in done for x in ls])),
+        "completed": len(finished),
+        "lost": len(results) - len(finished),
+        "ttft_p50": float(np.percentile(ttft, 50)),
+        "ttft_p99": float(np.percentile(ttft, 99)),
+        "tpot_p50": float(np.percentile(tpot, 50)),
+        "tpot_p99": float(np.percentile(tpot, 99)),
+        "itl_p50": float(np.percentile(itl, 50)),
+        "itl_p99": float(np.percentile(itl, 99)),
         "slo_share": within / len(results),
         "padding_waste": m["padding_tokens"] / max(m["padding_tokens"] + m["prompt_tokens"], 1),
-        "scheduler_share": m["scheduler_s"] / max(m["step_s"], 1e-9), "compiled_programs": m["compiled_programs"],
-        "kv_pages_used_after": m["kv_pages_used"], "prefix_cache_hit_share": m["prefix_cache_hit_tokens"]
-        / max(m["prompt_tokens"], 1),
+        "scheduler_share": m["scheduler_s"] / max(m["step_s"], 1e-9),
+        "compiled_programs": m["compiled_programs"],
+        "kv_pages_used_after": m["kv_pages_used"],
+        "prefix_cache_hit_share": m["prefix_cache_hit_tokens"] / max(m["prompt_tokens"], 1),
     }
 
 
@@ -148,9 +165,11 @@ def offline(model, prompts, args) -> dict:
     Greedy outputs must be identical across configurations."""
     from eejax.engine.engine import Engine
 
-    configs = {"fcfs, no buckets": dict(bucketing=False),
-               "bucketserve offline, fcfs": dict(bucketing=True, online=False),
-               "bucketserve offline, sjf": dict(bucketing=True, online=False, policy="sjf")}
+    configs = {
+        "fcfs, no buckets": dict(bucketing=False),
+        "bucketserve offline, fcfs": dict(bucketing=True, online=False),
+        "bucketserve offline, sjf": dict(bucketing=True, online=False, policy="sjf"),
+    }
     out, tokens = {}, None
     for name, options in configs.items():
         engine = Engine(model, max_slots=args.slots, max_new_tokens=args.max_tokens, cache_budget="256MiB", **options)
@@ -161,46 +180,75 @@ def offline(model, prompts, args) -> dict:
         m = engine.metrics()
         assert tokens is None or [s.tokens for s in seqs] == tokens, f"{name}: outputs differ"
         tokens = [s.tokens for s in seqs]
-        out[name] = {"tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall, "prefills": m["prefills"],
-                     "padding_waste": m["padding_tokens"] / max(m["padding_tokens"] + m["prompt_tokens"], 1)}
-        print(f"offline batch job, {name:<26}: {out[name]['tokens_per_s']:6.1f} tok/s "
-              f"({fmt_ratio(out[name]['tokens_per_s'], out['fcfs, no buckets']['tokens_per_s'])}), "
-              f"{m['prefills']} prefills, padding {out[name]['padding_waste']:.0%}", flush=True)
+        out[name] = {
+            "tokens_per_s": sum(map(len, tokens)) / wall,
+            "wall_s": wall,
+            "prefills": m["prefills"],
+            "padding_waste": m["padding_tokens"] / max(m["padding_tokens"] + m["prompt_tokens"], 1),
+        }
+        print(
+            f"offline batch job, {name:<26}: {out[name]['tokens_per_s']:6.1f} tok/s "
+            f"({fmt_ratio(out[name]['tokens_per_s'], out['fcfs, no buckets']['tokens_per_s'])}), "
+            f"{m['prefills']} prefills, padding {out[name]['padding_waste']:.0%}",
+            flush=True,
+        )
     return out
 
 
 def main() -> int:
     p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--rates", type=float, nargs="+", action="extend", default=[2.0, 4.0, 16.0],
-                   help="requests per second")
+    p.add_argument(
+        "--rates", type=float, nargs="+", action="extend", default=[2.0, 4.0, 16.0], help="requests per second"
+    )
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--long-tokens", type=int, default=384)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--slo-ttft", type=float, default=5.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.5, help="seconds per output token")
-    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
-                   help="every other request starts with the same N tokens (default 0: none)")
-    p.add_argument("--configs", nargs="+", action="extend", choices=list(CONFIGS), default=None,
-                   help="configurations to run (default: all but 'bucketserve, no prefix cache')")
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every other request starts with the same N tokens (default 0: none)",
+    )
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        action="extend",
+        choices=list(CONFIGS),
+        default=None,
+        help="configurations to run (default: all but 'bucketserve, no prefix cache')",
+    )
     p.add_argument("--no-offline", action="store_true", help="skip the offline batch job comparison")
-    p.add_argument("--prefill-chunk", type=int, default=256, metavar="TOKENS",
-                   help="prompt tokens per step of the chunked-prefill configuration (default 256)")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        metavar="TOKENS",
+        help="prompt tokens per step of the chunked-prefill configuration (default 256)",
+    )
     p.add_argument("--name", default="serve", help="the result file: benchmarks/out/NAME.json")
     args = p.parse_args()
     configs = args.configs or DEFAULT_CONFIGS
 
     model = eejax.load(args.model)
     prompts = workload(model.tokenizer, args.requests, args.long_tokens, seed=0, shared_prefix=args.shared_prefix)
-    results: dict = {"requests": args.requests, "rates": args.rates, "shared_prefix": args.shared_prefix,
-                     "configs": {}}
+    results: dict = {"requests": args.requests, "rates": args.rates, "shared_prefix": args.shared_prefix, "configs": {}}
     for name in configs:
         options = dict(CONFIGS[name], **({"prefill_chunk": args.prefill_chunk} if "chunked" in name else {}))
         results["configs"][name] = {}
         for rate in args.rates:
-            server = Server(model, max(len(p) for p in prompts), max_slots=args.slots,
-                            max_new_tokens=args.max_tokens, cache_budget="256MiB", **options)
+            server = Server(
+                model,
+                max(len(p) for p in prompts),
+                max_slots=args.slots,
+                max_new_tokens=args.max_tokens,
+                cache_budget="256MiB",
+                **options,
+            )
             # The same requests at a high rate compile the shapes this workload needs (chunks and
             # shared prefixes give prefill shapes `warmup` does not cover) and warm the HTTP path.
             asyncio.run(drive(server.port, prompts, args.max_tokens, 100.0, seed=1))
@@ -214,13 +262,16 @@ def main() -> int:
             s["compile_s_in_run"] = model.programs.compile_seconds - compile_before
             server.close()
             results["configs"][name][str(rate)] = s
-            print(f"{name:<26} rate {rate:>4}/s: {s['tokens_per_s']:6.1f} tok/s, {s['layers_per_token']:.1f} "
-                  f"layers/token, TTFT p50/p99 {s['ttft_p50']:.2f}/"
-                  f"{s['ttft_p99']:.2f} s, TPOT p50/p99 {s['tpot_p50'] * 1e3:.0f}/{s['tpot_p99'] * 1e3:.0f} ms, "
-                  f"ITL p50/p99 {s['itl_p50'] * 1e3:.0f}/{s['itl_p99'] * 1e3:.0f} ms, "
-                  f"SLO {s['slo_share']:.0%}, padding {s['padding_waste']:.0%}, scheduler "
-                  f"{s['scheduler_share']:.2%} of step time, prefix cache {s['prefix_cache_hit_share']:.0%} of "
-                  f"prompt tokens, compiling {s['compile_s_in_run']:.1f} s, lost {s['lost']}", flush=True)
+            print(
+                f"{name:<26} rate {rate:>4}/s: {s['tokens_per_s']:6.1f} tok/s, {s['layers_per_token']:.1f} "
+                f"layers/token, TTFT p50/p99 {s['ttft_p50']:.2f}/"
+                f"{s['ttft_p99']:.2f} s, TPOT p50/p99 {s['tpot_p50'] * 1e3:.0f}/{s['tpot_p99'] * 1e3:.0f} ms, "
+                f"ITL p50/p99 {s['itl_p50'] * 1e3:.0f}/{s['itl_p99'] * 1e3:.0f} ms, "
+                f"SLO {s['slo_share']:.0%}, padding {s['padding_waste']:.0%}, scheduler "
+                f"{s['scheduler_share']:.2%} of step time, prefix cache {s['prefix_cache_hit_share']:.0%} of "
+                f"prompt tokens, compiling {s['compile_s_in_run']:.1f} s, lost {s['lost']}",
+                flush=True,
+            )
     base_name = configs[0]
     base = results["configs"][base_name]
     for name in configs[1:]:
@@ -228,8 +279,10 @@ def main() -> int:
         tput = [fmt_ratio(row[str(r)]["tokens_per_s"], base[str(r)]["tokens_per_s"]) for r in args.rates]
         tpot = [fmt_ratio(row[str(r)]["tpot_p99"], base[str(r)]["tpot_p99"]) for r in args.rates]
         itl = [fmt_ratio(row[str(r)]["itl_p99"], base[str(r)]["itl_p99"]) for r in args.rates]
-        print(f"{name:<30} vs {base_name}: throughput {', '.join(tput)}; TPOT p99 {', '.join(tpot)}; "
-              f"ITL p99 {', '.join(itl)}")
+        print(
+            f"{name:<30} vs {base_name}: throughput {', '.join(tput)}; TPOT p99 {', '.join(tpot)}; "
+            f"ITL p99 {', '.join(itl)}"
+        )
     if not args.no_offline:
         results["offline"] = offline(model, prompts, args)
     results["compiled_programs"] = model.programs.num_programs

@@ -38,15 +38,19 @@ from eejax.decode.collectives import collectives  # noqa: E402
 from eejax.loading import shard  # noqa: E402
 from eejax.sharding import make_mesh
 
-MODES = {"full depth": {}, "softmax:0.9 @8,16,24": dict(exit=eejax.ExitConfig("softmax", 0.9, exit_layers=(8, 16, 24))),
-         "self-spec 15:2": dict(spec="15:2")}
+MODES = {
+    "full depth": {},
+    "softmax:0.9 @8,16,24": dict(exit=eejax.ExitConfig("softmax", 0.9, exit_layers=(8, 16, 24))),
+    "self-spec 15:2": dict(spec="15:2"),
+}
 
 
 def per_token_bytes(model, stats, rows: int) -> tuple[float, int]:
     """(collective bytes per generated token and row, loops of unknown trip count) of the decode
     programs `model` compiled: a decode step's, or a speculation round's over its tokens."""
-    programs = {name: (collectives(compiled.as_text()), options)
-                for name, options, compiled in model.programs.entries()}
+    programs = {
+        name: (collectives(compiled.as_text()), options) for name, options, compiled in model.programs.entries()
+    }
     if "decode_slots" in programs:
         moved, options = programs["decode_slots"]
         return moved.total / (options.num_steps * rows), moved.unknown_loops
@@ -65,24 +69,38 @@ def estimate_7b(tensor: int = 8, exit_fraction: float = 0.5) -> dict:
     run = round(layers * exit_fraction)
     early = (2 * run + 1) * hidden  # KV fill of the skipped layers projects each device's own heads
     ring = 2 * (tensor - 1) / tensor  # bytes a ring all-reduce sends per device, per result byte
-    return dict(tensor=tensor, weights_gib_per_gpu=weights / tensor / 2**30, kv_kib_per_token_per_gpu=kv_token / tensor / 1024,
-                kv_page_kib_per_gpu=16 * kv_token / tensor / 1024, full_depth_kib=full / 1024,
-                early_exit_kib=early / 1024, layers_run=run, ring_factor=ring,
-                full_depth_sent_kib=full * ring / 1024, early_exit_sent_kib=early * ring / 1024)
+    return dict(
+        tensor=tensor,
+        weights_gib_per_gpu=weights / tensor / 2**30,
+        kv_kib_per_token_per_gpu=kv_token / tensor / 1024,
+        kv_page_kib_per_gpu=16 * kv_token / tensor / 1024,
+        full_depth_kib=full / 1024,
+        early_exit_kib=early / 1024,
+        layers_run=run,
+        ring_factor=ring,
+        full_depth_sent_kib=full * ring / 1024,
+        early_exit_sent_kib=early * ring / 1024,
+    )
 
 
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--meshes", nargs="+", default=["1x1", "3x1", "1x2", "3x2", "9x1"],
-                        help="tensor x data meshes (default 1x1 3x1 1x2 3x2 9x1)")
+    parser.add_argument(
+        "--meshes",
+        nargs="+",
+        default=["1x1", "3x1", "1x2", "3x2", "9x1"],
+        help="tensor x data meshes (default 1x1 3x1 1x2 3x2 9x1)",
+    )
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=16)
     args = parser.parse_args()
     base = eejax.load("smollm2-135m")
     prompts = cnndm_prompts(base.tokenizer, args.prompts, args.prompt_tokens)
-    want = {mode: eejax.generate(base, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, **kw)
-            for mode, kw in MODES.items()}
+    want = {
+        mode: eejax.generate(base, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, **kw)
+        for mode, kw in MODES.items()
+    }
     rows = []
     for spec in args.meshes:
         tensor, data = (int(x) for x in spec.split("x"))
@@ -96,23 +114,38 @@ def main() -> None:
             if unknown:  # data-dependent loops: scale this mesh's full depth by the layers run
                 full = next(r for r in rows if r["mesh"] == spec and r["mode"] == "full depth")
                 moved = full["kib_per_token"] * 1024 * layers / base.config.num_layers
-            rows.append(dict(mesh=spec, mode=mode, same_tokens=out.tokens == want[mode].tokens,
-                             programs=out.stats["compiled_programs"], kib_per_token=moved / 1024,
-                             estimated=bool(unknown), layers_per_token=layers))
+            rows.append(
+                dict(
+                    mesh=spec,
+                    mode=mode,
+                    same_tokens=out.tokens == want[mode].tokens,
+                    programs=out.stats["compiled_programs"],
+                    kib_per_token=moved / 1024,
+                    estimated=bool(unknown),
+                    layers_per_token=layers,
+                )
+            )
             print(rows[-1], flush=True)
     paper = estimate_7b()
-    lines = ["| mesh (tensor x data) | mode | tokens = 1 device | programs | KiB per token and row | layers/token |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| mesh (tensor x data) | mode | tokens = 1 device | programs | KiB per token and row | layers/token |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         star = " (est.)" if r["estimated"] else ""
-        lines.append(f"| {r['mesh']} | {r['mode']} | {'yes' if r['same_tokens'] else 'NO'} | {r['programs']} | "
-                     f"{r['kib_per_token']:.1f}{star} | {r['layers_per_token']:.1f} |")
-    lines += ["", f"7B LayerSkip Llama (Llama-2-7B shape, bf16) on {paper['tensor']} GPUs: "
-              f"{paper['weights_gib_per_gpu']:.2f} GiB of weights and {paper['kv_kib_per_token_per_gpu']:.0f} KiB of KV "
-              f"per token per GPU ({paper['kv_page_kib_per_gpu']:.0f} KiB per 16-token page); all-reduce results per "
-              f"token and row {paper['full_depth_kib']:.0f} KiB at full depth, {paper['early_exit_kib']:.0f} KiB exiting "
-              f"at {paper['layers_run']} of 32 layers (a ring sends {paper['ring_factor']:.2f}x that per GPU: "
-              f"{paper['full_depth_sent_kib']:.0f} / {paper['early_exit_sent_kib']:.0f} KiB)."]
+        lines.append(
+            f"| {r['mesh']} | {r['mode']} | {'yes' if r['same_tokens'] else 'NO'} | {r['programs']} | "
+            f"{r['kib_per_token']:.1f}{star} | {r['layers_per_token']:.1f} |"
+        )
+    lines += [
+        "",
+        f"7B LayerSkip Llama (Llama-2-7B shape, bf16) on {paper['tensor']} GPUs: "
+        f"{paper['weights_gib_per_gpu']:.2f} GiB of weights and {paper['kv_kib_per_token_per_gpu']:.0f} KiB of KV "
+        f"per token per GPU ({paper['kv_page_kib_per_gpu']:.0f} KiB per 16-token page); all-reduce results per "
+        f"token and row {paper['full_depth_kib']:.0f} KiB at full depth, {paper['early_exit_kib']:.0f} KiB exiting "
+        f"at {paper['layers_run']} of 32 layers (a ring sends {paper['ring_factor']:.2f}x that per GPU: "
+        f"{paper['full_depth_sent_kib']:.0f} / {paper['early_exit_sent_kib']:.0f} KiB).",
+    ]
     text = "\n".join(lines)
     print(text)
     write_result("sharding", dict(rows=rows, estimate_7b=paper, args=vars(args)))

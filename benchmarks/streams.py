@@ -26,8 +26,9 @@ from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 
 async def stream(http, prompt, max_tokens) -> float | None:
     """Streams one completion; the time its final event arrived, or None if it failed."""
-    async with http.stream("POST", "/v1/completions",
-                           json={"prompt": prompt, "max_tokens": max_tokens, "stream": True}) as r:
+    async with http.stream(
+        "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    ) as r:
         if r.status_code != 200:
             return None
         async for line in r.aiter_lines():
@@ -54,8 +55,13 @@ def main() -> int:
 
     model = eejax.load(args.model)
     prompts = workload(model.tokenizer, args.streams, args.prompt_tokens, seed=0)
-    server = Server(model, max(len(x) for x in prompts), max_slots=args.streams, max_new_tokens=args.max_tokens,
-                    cache_budget="512MiB")
+    server = Server(
+        model,
+        max(len(x) for x in prompts),
+        max_slots=args.streams,
+        max_new_tokens=args.max_tokens,
+        cache_budget="512MiB",
+    )
     try:
         asyncio.run(run_streams(server.port, prompts[:4], 2))  # the HTTP path warmed
         engine = server.engine
@@ -81,12 +87,21 @@ def main() -> int:
     generation = seen["t"] - start
     streams = max(done) - start
     tokens = seen["n"] - before
-    result = {"streams": args.streams, "max_tokens": args.max_tokens, "generated_tokens": tokens,
-              "generation_s": generation, "streams_s": streams, "ratio": streams / generation,
-              "last_stream_lag_s": streams - generation, "lost": len(ends) - len(done)}
-    print(f"{args.streams} concurrent streams, {tokens} tokens: generation ended at {generation:.2f} s, the last "
-          f"stream at {streams:.2f} s: {result['ratio']:.3f}x (target <= 1.2), "
-          f"{(streams - generation) * 1e3:.0f} ms later; lost {result['lost']}")
+    result = {
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "generated_tokens": tokens,
+        "generation_s": generation,
+        "streams_s": streams,
+        "ratio": streams / generation,
+        "last_stream_lag_s": streams - generation,
+        "lost": len(ends) - len(done),
+    }
+    print(
+        f"{args.streams} concurrent streams, {tokens} tokens: generation ended at {generation:.2f} s, the last "
+        f"stream at {streams:.2f} s: {result['ratio']:.3f}x (target <= 1.2), "
+        f"{(streams - generation) * 1e3:.0f} ms later; lost {result['lost']}"
+    )
     write_result("streams", result)
     return 0
 

@@ -29,9 +29,21 @@ import eejax  # noqa: E402
 from benchmarks.common import ROOT, fmt_ratio, write_result  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser
 
-SMALL = dict(vocab_size=32128, d_model=512, d_kv=64, d_ff=1024, num_layers=8, num_decoder_layers=8, num_heads=6,
-             feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0,
-             eos_token_id=1, dropout_rate=0.0)
+SMALL = dict(
+    vocab_size=32128,
+    d_model=512,
+    d_kv=64,
+    d_ff=1024,
+    num_layers=8,
+    num_decoder_layers=8,
+    num_heads=6,
+    feed_forward_proj="gated-gelu",
+    tie_word_embeddings=False,
+    decoder_start_token_id=0,
+    pad_token_id=0,
+    eos_token_id=1,
+    dropout_rate=0.0,
+)
 
 
 def build(workdir: Path):
@@ -68,7 +80,7 @@ def hf_tokens_per_s(hf, prompts, new_tokens: int, batch: int) -> float:
     with torch.no_grad():
         hf.generate(torch.tensor([prompts[0][:8]]), do_sample=False, max_new_tokens=2)  # warm-up
         for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
+            chunk = prompts[i : i + batch]
             width = max(map(len, chunk))
             ids = torch.zeros((len(chunk), width), dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -101,28 +113,39 @@ def main() -> int:
         half = model.config.num_layers // 2
         rows = []
         for batch in args.batches:
-            prompts = prompts_for(tokenizer, max(batch, args.batch1_prompts if batch == 1 else batch),
-                                  args.prompt_tokens)
+            prompts = prompts_for(
+                tokenizer, max(batch, args.batch1_prompts if batch == 1 else batch), args.prompt_tokens
+            )
             full = eejax_run(model, prompts, args.new_tokens, batch)
             static = eejax_run(model, prompts, args.new_tokens, batch, exit=f"static:{half}")
             peer = hf_tokens_per_s(hf, prompts, args.new_tokens, batch)
-            row = {"batch": batch, "prompts": len(prompts), "hf_tokens_per_s": peer,
-                   "eejax_tokens_per_s": full["tokens_per_s"], "ratio_vs_hf": full["tokens_per_s"] / peer,
-                   "static_half_tokens_per_s": static["tokens_per_s"],
-                   "static_half_vs_full": static["tokens_per_s"] / full["tokens_per_s"],
-                   "static_half_decode_vs_full": static["decode_tokens_per_s"] / full["decode_tokens_per_s"],
-                   "layers_per_token_full": full["mean_layers_per_token"],
-                   "layers_per_token_static_half": static["mean_layers_per_token"],
-                   "kv_fill_layers_per_token_static_half": static["kv_fill_layers_per_token"],
-                   "prefill_s_full": full["prefill_s"], "compiled_programs": model.programs.num_programs}
+            row = {
+                "batch": batch,
+                "prompts": len(prompts),
+                "hf_tokens_per_s": peer,
+                "eejax_tokens_per_s": full["tokens_per_s"],
+                "ratio_vs_hf": full["tokens_per_s"] / peer,
+                "static_half_tokens_per_s": static["tokens_per_s"],
+                "static_half_vs_full": static["tokens_per_s"] / full["tokens_per_s"],
+                "static_half_decode_vs_full": static["decode_tokens_per_s"] / full["decode_tokens_per_s"],
+                "layers_per_token_full": full["mean_layers_per_token"],
+                "layers_per_token_static_half": static["mean_layers_per_token"],
+                "kv_fill_layers_per_token_static_half": static["kv_fill_layers_per_token"],
+                "prefill_s_full": full["prefill_s"],
+                "compiled_programs": model.programs.num_programs,
+            }
             rows.append(row)
-            print(f"batch {batch:2d}: HF {peer:6.1f} tok/s | eejax full {full['tokens_per_s']:6.1f} "
-                  f"({fmt_ratio(full['tokens_per_s'], peer)} HF) | static-half {static['tokens_per_s']:6.1f} "
-                  f"({fmt_ratio(static['tokens_per_s'], full['tokens_per_s'])} full; decode only "
-                  f"{row['static_half_decode_vs_full']:.2f}x) | layers/token {full['mean_layers_per_token']:.1f} -> "
-                  f"{static['mean_layers_per_token']:.1f}", flush=True)
-    path = write_result("t5", {"shape": SMALL, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-                               "rows": rows})
+            print(
+                f"batch {batch:2d}: HF {peer:6.1f} tok/s | eejax full {full['tokens_per_s']:6.1f} "
+                f"({fmt_ratio(full['tokens_per_s'], peer)} HF) | static-half {static['tokens_per_s']:6.1f} "
+                f"({fmt_ratio(static['tokens_per_s'], full['tokens_per_s'])} full; decode only "
+                f"{row['static_half_decode_vs_full']:.2f}x) | layers/token {full['mean_layers_per_token']:.1f} -> "
+                f"{static['mean_layers_per_token']:.1f}",
+                flush=True,
+            )
+    path = write_result(
+        "t5", {"shape": SMALL, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rows": rows}
+    )
     print(f"wrote {path}")
     return 0
 

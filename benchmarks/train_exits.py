@@ -41,7 +41,7 @@ STAGES = ("train", "agreement", "calibrate", "speed")
 
 def article_prompts(tokenizer, rows: range, prompt_tokens: int) -> list[list[int]]:
     prompts, _ = summary_prompts(tokenizer, rows.stop, prompt_tokens)
-    return prompts[rows.start:]
+    return prompts[rows.start :]
 
 
 def stage_train(args, base) -> dict:
@@ -51,18 +51,40 @@ def stage_train(args, base) -> dict:
     prompts = article_prompts(base.tokenizer, range(CAL_END, 100), args.max_len - args.continuation_tokens)
     t0 = time.perf_counter()
     model, losses = fit_exit_adapters(
-        base, prompts, adapter_rank=args.rank, continuation_tokens=args.continuation_tokens, max_len=args.max_len,
-        batch_size=args.batch_size, steps=args.steps, learning_rate=args.lr, exit_layers=args.exit_layers,
-        positions_per_row=args.positions_per_row, weights="calm", seed=0,
+        base,
+        prompts,
+        adapter_rank=args.rank,
+        continuation_tokens=args.continuation_tokens,
+        max_len=args.max_len,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        learning_rate=args.lr,
+        exit_layers=args.exit_layers,
+        positions_per_row=args.positions_per_row,
+        weights="calm",
+        seed=0,
     )
     seconds = time.perf_counter() - t0
-    eejax.save(model, OUT / "smollm2-exits", overwrite=True,
-               metadata={"exit_training": {"exit_layers": args.exit_layers, "rank": args.rank, "steps": args.steps}})
+    eejax.save(
+        model,
+        OUT / "smollm2-exits",
+        overwrite=True,
+        metadata={"exit_training": {"exit_layers": args.exit_layers, "rank": args.rank, "steps": args.steps}},
+    )
     save_loss_plot(losses, OUT / "train_exits_loss.png", title="SmolLM2-135M exit adapters: distillation loss")
     print(f"trained {args.steps} steps in {seconds:.0f} s; loss {losses[:10].mean():.3f} -> {losses[-10:].mean():.3f}")
-    return {"train_s": seconds, "losses": losses.tolist(), "prompts": len(prompts), "steps": args.steps,
-            "rank": args.rank, "exit_layers": args.exit_layers, "positions_per_row": args.positions_per_row,
-            "batch_size": args.batch_size, "max_len": args.max_len, "learning_rate": args.lr}
+    return {
+        "train_s": seconds,
+        "losses": losses.tolist(),
+        "prompts": len(prompts),
+        "steps": args.steps,
+        "rank": args.rank,
+        "exit_layers": args.exit_layers,
+        "positions_per_row": args.positions_per_row,
+        "batch_size": args.batch_size,
+        "max_len": args.max_len,
+        "learning_rate": args.lr,
+    }
 
 
 def eval_batches(model, prompt_tokens: int, new_tokens: int):
@@ -86,13 +108,21 @@ def stage_agreement(args, base, trained) -> dict:
     for layer in args.exit_layers:
         i = layer - 1
         print(f"{layer:>10} | {before[i]:.3f} -> {after[i]:.3f} | {gen_before[i]:.3f} -> {gen_after[i]:.3f}")
-    return {"before": before.tolist(), "after": after.tolist(), "generated_before": gen_before.tolist(),
-            "generated_after": gen_after.tolist()}
+    return {
+        "before": before.tolist(),
+        "after": after.tolist(),
+        "generated_before": gen_before.tolist(),
+        "generated_after": gen_after.tolist(),
+    }
 
 
 def exit_config(args, threshold: float) -> ExitConfig:
-    return ExitConfig("softmax", threshold=threshold, min_exit_layer=args.exit_layers[0],
-                      every=args.exit_layers[1] - args.exit_layers[0])
+    return ExitConfig(
+        "softmax",
+        threshold=threshold,
+        min_exit_layer=args.exit_layers[0],
+        every=args.exit_layers[1] - args.exit_layers[0],
+    )
 
 
 def stage_calibrate(args, trained) -> dict:
@@ -102,57 +132,104 @@ def stage_calibrate(args, trained) -> dict:
     base = exit_config(args, 1.0)
     t0 = time.perf_counter()
     cal, layers = calibrate_exit_threshold(
-        trained, prompts, measure="softmax", thresholds=args.thresholds, delta=args.delta, epsilon=args.epsilon,
-        max_new_tokens=args.new_tokens, consistency="rouge", min_exit_layer=base.min_exit_layer, every=base.every,
-        batch_size=1, progress=True)
+        trained,
+        prompts,
+        measure="softmax",
+        thresholds=args.thresholds,
+        delta=args.delta,
+        epsilon=args.epsilon,
+        max_new_tokens=args.new_tokens,
+        consistency="rouge",
+        min_exit_layer=base.min_exit_layer,
+        every=base.every,
+        batch_size=1,
+        progress=True,
+    )
     print(f"calibration on {len(prompts)} prompts in {time.perf_counter() - t0:.0f} s")
     for t, r, pv in zip(cal.thresholds, cal.risks, cal.p_values):
         print(f"  λ={t:<5g} 1 - ROUGE-L to full {r:.3f}  p {pv:.3g}  layers/token {layers[t]:.2f}")
     print(cal.certificate())
-    return {"threshold": cal.threshold, "thresholds": cal.thresholds, "risks": cal.risks, "p_values": cal.p_values,
-            "layers_per_token": [layers[t] for t in cal.thresholds], "delta": cal.delta, "epsilon": cal.epsilon,
-            "n": cal.n, "method": cal.method, "certificate": cal.certificate()}
+    return {
+        "threshold": cal.threshold,
+        "thresholds": cal.thresholds,
+        "risks": cal.risks,
+        "p_values": cal.p_values,
+        "layers_per_token": [layers[t] for t in cal.thresholds],
+        "delta": cal.delta,
+        "epsilon": cal.epsilon,
+        "n": cal.n,
+        "method": cal.method,
+        "certificate": cal.certificate(),
+    }
 
 
 def stage_speed(args, base, trained, calibrated: float | None) -> dict:
     """Tokens/s (prefill included) of early exit and self-speculation, trained exits and not,
     against the trained model's full depth timed around each run (`paired_runs`)."""
     thresholds = sorted({*args.speed_thresholds, *([calibrated] if calibrated is not None else [])}, reverse=True)
-    runs = [(f"early exit softmax:{t:g}" + (" (calibrated)" if t == calibrated else ""), trained,
-             dict(exit=exit_config(args, t))) for t in thresholds]
+    runs = [
+        (
+            f"early exit softmax:{t:g}" + (" (calibrated)" if t == calibrated else ""),
+            trained,
+            dict(exit=exit_config(args, t)),
+        )
+        for t in thresholds
+    ]
     if calibrated is not None:
-        runs.append((f"early exit softmax:{calibrated:g}, untrained exits", base,
-                     dict(exit=exit_config(args, calibrated))))
+        runs.append(
+            (f"early exit softmax:{calibrated:g}, untrained exits", base, dict(exit=exit_config(args, calibrated)))
+        )
     runs += [(f"self-speculation {x}", trained, dict(spec=SpecConfig.parse(x))) for x in args.specs]
-    runs += [(f"self-speculation {x}, untrained exits", base, dict(spec=SpecConfig.parse(x)))
-             for x in args.untrained_specs]
+    runs += [
+        (f"self-speculation {x}, untrained exits", base, dict(spec=SpecConfig.parse(x))) for x in args.untrained_specs
+    ]
     out = {}
     for batch in args.batches:
         prompts = article_prompts(trained.tokenizer, range(0, max(batch, args.prompts_b1)), args.prompt_tokens)
 
         def run(i, prompts=prompts, batch=batch):
             model, kw = (trained, {}) if i is None else runs[i][1:]
-            return eejax.generate(model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, batch_size=batch,
-                                  **kw)
+            return eejax.generate(
+                model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, batch_size=batch, **kw
+            )
 
         paired = paired_runs(run, list(range(len(runs))), args.repeats, speed=lambda r: r.stats["tokens_per_s"])
         full = paired.peer
-        rows = [{"decoding": "full depth", "tokens_per_s": paired.peer_speed, "speedup": 1.0,
-                 "layers_per_token": float(trained.config.num_layers)}]
+        rows = [
+            {
+                "decoding": "full depth",
+                "tokens_per_s": paired.peer_speed,
+                "speedup": 1.0,
+                "layers_per_token": float(trained.config.num_layers),
+            }
+        ]
         print(f"batch {batch}: full depth {paired.peer_speed:.1f} tok/s", flush=True)
         for (name, _, kw), res, speedup, tps in zip(runs, paired.results, paired.speedups, paired.speeds):
             s = res.stats
-            row = {"decoding": name, "tokens_per_s": tps, "speedup": speedup,
-                   "layers_per_token": s["mean_layers_per_token"]}
+            row = {
+                "decoding": name,
+                "tokens_per_s": tps,
+                "speedup": speedup,
+                "layers_per_token": s["mean_layers_per_token"],
+            }
             if "spec" in kw:
-                row.update(acceptance=s["acceptance_rate"], tokens_per_round=s["tokens_per_round"],
-                           identical=res.tokens == full.tokens)
+                row.update(
+                    acceptance=s["acceptance_rate"],
+                    tokens_per_round=s["tokens_per_round"],
+                    identical=res.tokens == full.tokens,
+                )
             else:
                 row.update(rouge_l_to_full=rouge_l(res.texts, full.texts))
             rows.append(row)
-            print(f"  {name}: {speedup:.2f}x, {row['layers_per_token']:.1f} layers/token, "
-                  + (f"acceptance {row['acceptance']:.2f}, identical {row['identical']}" if "spec" in kw
-                     else f"ROUGE-L to full {row['rouge_l_to_full']:.3f}"), flush=True)
+            print(
+                f"  {name}: {speedup:.2f}x, {row['layers_per_token']:.1f} layers/token, "
+                + (
+                    f"acceptance {row['acceptance']:.2f}, identical {row['identical']}"
+                    if "spec" in kw
+                    else f"ROUGE-L to full {row['rouge_l_to_full']:.3f}"
+                ),
+                flush=True,
+            )
         out[str(batch)] = rows
     return out
 
@@ -161,31 +238,50 @@ def write_report(results: dict) -> None:
     lines = ["# SmolLM2-135M with exit adapters trained by eejax (CPU)\n"]
     if "train" in results:
         t = results["train"]
-        lines.append(f"Training: {t['steps']} steps x {t['batch_size']} sequences of <= {t['max_len']} tokens "
-                     f"({t['prompts']} CNN/DM articles + SmolLM2's continuations), {t['positions_per_row']} positions "
-                     f"per row, rank {t['rank']} adapters at exits {t['exit_layers']}: {t['train_s']:.0f} s; "
-                     f"loss {np.mean(t['losses'][:10]):.3f} -> {np.mean(t['losses'][-10:]):.3f}\n")
+        lines.append(
+            f"Training: {t['steps']} steps x {t['batch_size']} sequences of <= {t['max_len']} tokens "
+            f"({t['prompts']} CNN/DM articles + SmolLM2's continuations), {t['positions_per_row']} positions "
+            f"per row, rank {t['rank']} adapters at exits {t['exit_layers']}: {t['train_s']:.0f} s; "
+            f"loss {np.mean(t['losses'][:10]):.3f} -> {np.mean(t['losses'][-10:]):.3f}\n"
+        )
     if "agreement" in results:
         a = results["agreement"]
         layers = results.get("train", {}).get("exit_layers") or range(1, len(a["before"]) + 1)
-        lines += ["| exit after | agreement with the last layer, all positions: untrained | trained | "
-                  "generated positions: untrained | trained |", "|---|---|---|---|---|"]
-        lines += [f"| {e} | {a['before'][e - 1]:.3f} | {a['after'][e - 1]:.3f} | {a['generated_before'][e - 1]:.3f} "
-                  f"| {a['generated_after'][e - 1]:.3f} |" for e in layers]
+        lines += [
+            "| exit after | agreement with the last layer, all positions: untrained | trained | "
+            "generated positions: untrained | trained |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {e} | {a['before'][e - 1]:.3f} | {a['after'][e - 1]:.3f} | {a['generated_before'][e - 1]:.3f} "
+            f"| {a['generated_after'][e - 1]:.3f} |"
+            for e in layers
+        ]
     if "calibrate" in results:
         c = results["calibrate"]
-        lines += [f"\nCalibration (n = {c['n']}, δ = {c['delta']}, ε = {c['epsilon']}, {c['method']}): chosen λ = "
-                  f"{c['threshold']}\n", "| λ | 1 - ROUGE-L to full | p-value | layers/token |", "|---|---|---|---|"]
-        lines += [f"| {t:g} | {r:.3f} | {p:.3g} | {n:.2f} |"
-                  for t, r, p, n in zip(c["thresholds"], c["risks"], c["p_values"], c["layers_per_token"])]
+        lines += [
+            f"\nCalibration (n = {c['n']}, δ = {c['delta']}, ε = {c['epsilon']}, {c['method']}): chosen λ = "
+            f"{c['threshold']}\n",
+            "| λ | 1 - ROUGE-L to full | p-value | layers/token |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {t:g} | {r:.3f} | {p:.3g} | {n:.2f} |"
+            for t, r, p, n in zip(c["thresholds"], c["risks"], c["p_values"], c["layers_per_token"])
+        ]
     for batch, rows in results.get("speed", {}).items():
-        lines += [f"\n## batch {batch}\n", "| decoding | tok/s | vs full depth | layers/token | ROUGE-L to full | "
-                  "acceptance | identical |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"\n## batch {batch}\n",
+            "| decoding | tok/s | vs full depth | layers/token | ROUGE-L to full | acceptance | identical |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             f = lambda k, p, r=r: f"{r[k]:.{p}f}" if k in r else "-"  # noqa: E731
             same = "-" if "identical" not in r else ("yes" if r["identical"] else "NO")
-            lines.append(f"| {r['decoding']} | {r['tokens_per_s']:.1f} | {f('speedup', 2)}x | {f('layers_per_token', 1)} "
-                         f"| {f('rouge_l_to_full', 3)} | {f('acceptance', 2)} | {same} |")
+            lines.append(
+                f"| {r['decoding']} | {r['tokens_per_s']:.1f} | {f('speedup', 2)}x | {f('layers_per_token', 1)} "
+                f"| {f('rouge_l_to_full', 3)} | {f('acceptance', 2)} | {same} |"
+            )
     (OUT / "train_exits.md").write_text("\n".join(lines) + "\n")
 
 
@@ -202,16 +298,21 @@ def main() -> int:
     p.add_argument("--continuation-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=256, help="evaluation prompts' tokens")
     p.add_argument("--new-tokens", type=int, default=64, help="evaluation tokens per row")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="timed runs per decoding, each between two full-depth runs (median kept)")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed runs per decoding, each between two full-depth runs (median kept)"
+    )
     p.add_argument("--thresholds", type=float, nargs="+", action="extend", default=[0.99, 0.95, 0.9, 0.8, 0.6, 0.4])
     p.add_argument("--delta", type=float, default=0.2, help="tolerated 1 - ROUGE-L to full")
     p.add_argument("--epsilon", type=float, default=0.1)
     p.add_argument("--batches", type=int, nargs="+", action="extend", default=[1, 8])
     p.add_argument("--prompts-b1", type=int, default=4, help="prompts run one at a time at batch 1")
     p.add_argument("--speed-thresholds", type=float, nargs="*", action="extend", default=[0.9, 0.6, 0.3])
-    p.add_argument("--specs", nargs="*", action="extend", default=["6:2", "9:2", "12:2", "15:1", "15:2", "9:2:adaptive",
-                                                  "15:2:adaptive"])
+    p.add_argument(
+        "--specs",
+        nargs="*",
+        action="extend",
+        default=["6:2", "9:2", "12:2", "15:1", "15:2", "9:2:adaptive", "15:2:adaptive"],
+    )
     p.add_argument("--untrained-specs", nargs="*", action="extend", default=["15:2:adaptive"])
     args = p.parse_args()
 

@@ -35,8 +35,9 @@ def convert(src, dst, *, dtype: str = "float32", overwrite: bool = False, progre
         else:
             config = LlamaConfig.from_hf(ckpt.config, ckpt.generation_config)
     except (KeyError, TypeError, ValueError) as e:
-        raise EejaxError(f"{src}: config.json is not a valid {ckpt.config['model_type']} config "
-                         f"({type(e).__name__}: {e})") from None
+        raise EejaxError(
+            f"{src}: config.json is not a valid {ckpt.config['model_type']} config ({type(e).__name__}: {e})"
+        ) from None
     if t5:
         params = t5_params_from_hf(ckpt, config, DTYPES[dtype], progress=progress)
     else:

@@ -25,10 +25,13 @@ HF_LAYER_NAMES = {
 def llama_params_from_hf(ckpt, config: LlamaConfig, dtype, progress: bool = True) -> dict:
     """Reads every tensor once and stacks the per-layer ones on a leading [num_layers] axis."""
     read = tensor_reader(ckpt)
-    bar = tqdm(total=len(HF_LAYER_NAMES) * config.num_layers + 3, desc="converting", unit="tensor",
-               disable=not progress)
-    layers = {key: stack_layers(read, lambda i, n=hf_name: f"model.layers.{i}.{n}", config.num_layers, dtype, bar)
-              for key, hf_name in HF_LAYER_NAMES.items()}
+    bar = tqdm(
+        total=len(HF_LAYER_NAMES) * config.num_layers + 3, desc="converting", unit="tensor", disable=not progress
+    )
+    layers = {
+        key: stack_layers(read, lambda i, n=hf_name: f"model.layers.{i}.{n}", config.num_layers, dtype, bar)
+        for key, hf_name in HF_LAYER_NAMES.items()
+    }
     params = {"embed": read("model.embed_tokens.weight").astype(dtype), "layers": layers}
     bar.update()
     params["final_norm"] = read("model.norm.weight").astype(dtype)

@@ -122,8 +122,12 @@ def _open_gguf(src: Path) -> HFCheckpoint:
     state = model.state_dict()
     generation_config = model.generation_config.to_dict() if model.generation_config else None
     return HFCheckpoint(
-        model.config.to_dict(), generation_config, list(state), lambda n: _to_numpy(state[n]),
-        _tokenizer(src.parent, gguf_file=src.name), str(src),
+        model.config.to_dict(),
+        generation_config,
+        list(state),
+        lambda n: _to_numpy(state[n]),
+        _tokenizer(src.parent, gguf_file=src.name),
+        str(src),
     )
 
 

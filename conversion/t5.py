@@ -55,8 +55,10 @@ def t5_params_from_hf(ckpt, config: T5Config, dtype, progress: bool = True) -> d
     params = {"embed": read("shared.weight").astype(dtype)}
     bar.update()
     for part, num_layers in stacks.items():
-        layers = {key: stack_layers(read, lambda i, n=hf_name, part=part: f"{part}.block.{i}.{n}", num_layers, dtype, bar)
-                  for key, hf_name in stack_names(config, part).items()}
+        layers = {
+            key: stack_layers(read, lambda i, n=hf_name, part=part: f"{part}.block.{i}.{n}", num_layers, dtype, bar)
+            for key, hf_name in stack_names(config, part).items()
+        }
         params[part] = {
             "layers": layers,
             "rel_bias": read(f"{part}.{BIAS_NAME}").astype(dtype),

@@ -1,13 +1,13 @@
 """eejax: fast early-exit language model inference in JAX.
 
-    model = eejax.load("smollm2-135m")           # or an eejax checkpoint directory
-    out = eejax.generate(model, ["The capital of France is"], max_new_tokens=16)
-    out.texts, out.tokens, out.exit_layers, out.stats
-    out = eejax.generate(model, prompts, exit=eejax.ExitConfig("softmax", threshold=0.9))
-    out = eejax.generate(model, prompts, spec=eejax.SpecConfig(exit_layer=12, num_speculations=4))
-    t5 = eejax.load("path/to/converted-t5")          # encoder-decoder: prompts go to the encoder
-    out = eejax.generate(t5, ["summarize: ..."], exit="softmax:0.9")
-    sharded = eejax.shard(model, eejax.make_mesh(tensor=2))   # several devices: same calls, same tokens
+model = eejax.load("smollm2-135m")           # or an eejax checkpoint directory
+out = eejax.generate(model, ["The capital of France is"], max_new_tokens=16)
+out.texts, out.tokens, out.exit_layers, out.stats
+out = eejax.generate(model, prompts, exit=eejax.ExitConfig("softmax", threshold=0.9))
+out = eejax.generate(model, prompts, spec=eejax.SpecConfig(exit_layer=12, num_speculations=4))
+t5 = eejax.load("path/to/converted-t5")          # encoder-decoder: prompts go to the encoder
+out = eejax.generate(t5, ["summarize: ..."], exit="softmax:0.9")
+sharded = eejax.shard(model, eejax.make_mesh(tensor=2))   # several devices: same calls, same tokens
 """
 
 from eejax.config import LlamaConfig, RopeScaling, T5Config

@@ -74,13 +74,14 @@ def clean_stale_partials(dst: Path) -> None:
     """Removes `.DST.partial-PID` / `.DST.old-PID` siblings of `dst` left by writers that died
     (killed mid-write: nothing could clean up after them)."""
     for leftover in dst.parent.glob(f".{dst.name}.*-*"):
-        kind, _, pid = leftover.name[len(dst.name) + 2:].rpartition("-")
+        kind, _, pid = leftover.name[len(dst.name) + 2 :].rpartition("-")
         if kind in ("partial", "old") and pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def write_checkpoint(dst: str | Path, config, params, tokenizer=None, metadata: dict | None = None, *,
-                     overwrite: bool = False) -> Path:
+def write_checkpoint(
+    dst: str | Path, config, params, tokenizer=None, metadata: dict | None = None, *, overwrite: bool = False
+) -> Path:
     """Writes a checkpoint at `dst` atomically: into a hidden sibling directory first, renamed to
     `dst` when complete, so on any error nothing is left at `dst` (an existing `dst` is replaced
     only with `overwrite` and only once the new checkpoint is complete). Partial writes of
@@ -112,7 +113,11 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
         raise EejaxError(f"no such file or directory: {directory}")
     path = directory / CONFIG_FILE
     if not path.is_file():
-        hint = " (an HF model directory? convert it first: eejax convert SRC DST)" if (directory / "config.json").exists() else ""
+        hint = (
+            " (an HF model directory? convert it first: eejax convert SRC DST)"
+            if (directory / "config.json").exists()
+            else ""
+        )
         raise EejaxError(f"{directory} is not an eejax model: no {CONFIG_FILE}{hint}")
     try:
         meta = json.loads(path.read_text())
@@ -158,8 +163,9 @@ def load_checkpoint(directory: str | Path):
         params = ocp.StandardCheckpointer().restore(weights)
         params = jax.tree.map(jax.numpy.asarray, params)
     except Exception as e:  # noqa: BLE001 - orbax / tensorstore raise many kinds for damaged files
-        raise EejaxError(f"cannot read the weights in {weights} ({_first_line(e)}); the checkpoint is damaged: "
-                         "convert it again") from None
+        raise EejaxError(
+            f"cannot read the weights in {weights} ({_first_line(e)}); the checkpoint is damaged: convert it again"
+        ) from None
     if not isinstance(params, dict):
         raise EejaxError(f"{weights} does not hold a weights dictionary; the checkpoint is damaged")
     tokenizer = None

@@ -83,8 +83,7 @@ class LlamaConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
-                f"unsupported rope scaling {rope_type!r}; eejax supports: "
-                + ", ".join(SUPPORTED_ROPE_TYPES)
+                f"unsupported rope scaling {rope_type!r}; eejax supports: " + ", ".join(SUPPORTED_ROPE_TYPES)
             )
         scaling = None
         if rope_type != "default":
@@ -93,9 +92,7 @@ class LlamaConfig:
                 factor=float(rope.get("factor", 1.0)),
                 low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
                 high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(
-                    rope.get("original_max_position_embeddings", 8192)
-                ),
+                original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
             )
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -163,8 +160,9 @@ class T5Config:
         return self.num_heads
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None, *,
-                has_lm_head: bool = False) -> T5Config:
+    def from_hf(
+        cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None, *, has_lm_head: bool = False
+    ) -> T5Config:
         """From an HF T5 `config.json` dict; `has_lm_head`: the checkpoint holds its own
         `lm_head.weight` (T5 v1.1 / Flan-T5 saved by transformers 4)."""
         check_architecture(hf.get("model_type"))

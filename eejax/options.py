@@ -116,11 +116,15 @@ class ExitConfig:
         if self.min_exit_layer > num_layers:
             raise EejaxError(f"min_exit_layer {self.min_exit_layer} is deeper than the model ({num_layers} layers)")
         if self.exit_layers is not None and self.exit_layers[-1] >= num_layers:
-            raise EejaxError(f"exit_layers {list(self.exit_layers)} must lie below the model's {num_layers} layers "
-                             "(full depth is no exit)")
+            raise EejaxError(
+                f"exit_layers {list(self.exit_layers)} must lie below the model's {num_layers} layers "
+                "(full depth is no exit)"
+            )
         if (self.head == "reduced" or self.emit == "reduced") and not has_reduced:
-            raise EejaxError("this exit asks for the reduced-vocabulary exit head, which the checkpoint does not "
-                             "have; add one with eejax exit-vocab (or use head='full')")
+            raise EejaxError(
+                "this exit asks for the reduced-vocabulary exit head, which the checkpoint does not "
+                "have; add one with eejax exit-vocab (or use head='full')"
+            )
         if self.measure == "classifier" and not has_classifier:
             raise EejaxError(
                 "measure 'classifier' needs exit classifiers in the checkpoint (params['exits']); "
@@ -203,8 +207,9 @@ class SpecConfig:
         if self.draft_head not in (True, False):
             raise EejaxError(f"speculation draft_head must be True or False, got {self.draft_head!r}")
         if self.draft_head and self.exit_layer != 0:
-            raise EejaxError(f"a draft head drafts from the model's last features: its exit_layer is 0, "
-                             f"got {self.exit_layer!r}")
+            raise EejaxError(
+                f"a draft head drafts from the model's last features: its exit_layer is 0, got {self.exit_layer!r}"
+            )
         if self.bonus not in (None, True, False):
             raise EejaxError(f"speculation bonus must be True, False or None (decided per round), got {self.bonus!r}")
         if self.head not in HEADS:
@@ -217,8 +222,10 @@ class SpecConfig:
                 raise EejaxError(f"speculation {name} must be an integer >= 1, got {value!r}")
         for name in ("num_speculations", "max_speculations"):
             if getattr(self, name) > MAX_SPECULATIONS:
-                raise EejaxError(f"speculation {name} must lie in [1, {MAX_SPECULATIONS}] (drafts per round), "
-                                 f"got {getattr(self, name)}")
+                raise EejaxError(
+                    f"speculation {name} must lie in [1, {MAX_SPECULATIONS}] (drafts per round), "
+                    f"got {getattr(self, name)}"
+                )
         if self.adaptive and self.max_speculations < self.num_speculations:
             raise EejaxError(
                 f"max_speculations ({self.max_speculations}) is below num_speculations ({self.num_speculations})"
@@ -235,11 +242,15 @@ class SpecConfig:
 
     def check_model(self, num_layers: int, has_reduced: bool = False, has_draft: bool = False) -> None:
         if self.draft_head and not has_draft:
-            raise EejaxError("speculation draft:d needs a draft head in the checkpoint (params['draft']); train "
-                             "one with eejax train-draft, or load a model that ships one (smollm2-135m-eagle)")
+            raise EejaxError(
+                "speculation draft:d needs a draft head in the checkpoint (params['draft']); train "
+                "one with eejax train-draft, or load a model that ships one (smollm2-135m-eagle)"
+            )
         if self.head == "reduced" and not has_reduced:
-            raise EejaxError("this speculation asks for the reduced-vocabulary exit head, which the checkpoint does "
-                             "not have; add one with eejax exit-vocab (or use head='full')")
+            raise EejaxError(
+                "this speculation asks for the reduced-vocabulary exit head, which the checkpoint does "
+                "not have; add one with eejax exit-vocab (or use head='full')"
+            )
         if self.exit_layer >= num_layers:
             raise EejaxError(
                 f"speculation exit_layer {self.exit_layer} must be below the model's {num_layers} layers "
@@ -252,13 +263,16 @@ class SpecConfig:
         either with `:adaptive`."""
         parts = spec.split(":")
         if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "adaptive"):
-            raise EejaxError(f"cannot read speculation {spec!r}; expected E:d, draft:d or either with :adaptive "
-                             "(e.g. 12:4, draft:4)")
+            raise EejaxError(
+                f"cannot read speculation {spec!r}; expected E:d, draft:d or either with :adaptive (e.g. 12:4, draft:4)"
+            )
         head = parts[0] == "draft"
         try:
             e, d = 0 if head else int(parts[0]), int(parts[1])
         except ValueError:
-            raise EejaxError(f"cannot read speculation {spec!r}: E and d must be integers (e.g. 12:4, draft:4)") from None
+            raise EejaxError(
+                f"cannot read speculation {spec!r}: E and d must be integers (e.g. 12:4, draft:4)"
+            ) from None
         return cls(e, d, adaptive=len(parts) == 3, draft_head=head, **kw)
 
 

@@ -41,8 +41,10 @@ def make_mesh(tensor: int = 1, data: int = 1, devices=None) -> Mesh:
     if tensor < 1 or data < 1:
         raise EejaxError(f"a mesh needs tensor >= 1 and data >= 1, got tensor={tensor} data={data}")
     if tensor * data > len(devices):
-        raise EejaxError(f"a mesh of tensor {tensor} x data {data} needs {tensor * data} devices; "
-                         f"this process has {len(devices)} ({devices[0].platform})")
+        raise EejaxError(
+            f"a mesh of tensor {tensor} x data {data} needs {tensor * data} devices; "
+            f"this process has {len(devices)} ({devices[0].platform})"
+        )
     return Mesh(np.array(devices[: tensor * data]).reshape(data, tensor), MESH_AXES)
 
 
@@ -50,8 +52,10 @@ def check_fits(config, mesh: Mesh) -> None:
     """EejaxError unless the tensor axis divides the model's attention heads."""
     tensor = mesh.shape["tensor"]
     if config.num_heads % tensor:
-        raise EejaxError(f"tensor parallelism {tensor} does not divide the model's {config.num_heads} attention "
-                         f"heads; use a divisor of {config.num_heads}")
+        raise EejaxError(
+            f"tensor parallelism {tensor} does not divide the model's {config.num_heads} attention "
+            f"heads; use a divisor of {config.num_heads}"
+        )
 
 
 def param_shardings(model, mesh: Mesh, rules=RULES):
@@ -64,8 +68,10 @@ def param_shardings(model, mesh: Mesh, rules=RULES):
 
     def place(x, logical: P):
         mesh_axes = nn.logical_to_mesh_axes(logical, rules)
-        fixed = [axis if axis is None or counts.get(name, dim) % _size(mesh, axis) == 0 else None
-                 for name, axis, dim in zip(logical, mesh_axes, x.shape)]
+        fixed = [
+            axis if axis is None or counts.get(name, dim) % _size(mesh, axis) == 0 else None
+            for name, axis, dim in zip(logical, mesh_axes, x.shape)
+        ]
         return NamedSharding(mesh, P(*fixed))
 
     return jax.tree.map(place, model.params, specs)
@@ -81,6 +87,7 @@ def to_host(tree):
     """numpy values of a tree of device arrays. An array that spans devices of several processes
     is gathered from all of them (`multihost_utils.process_allgather`: a collective, so every
     process reads the same arrays at the same point, as SPMD programs do)."""
+
     def one(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             from jax.experimental import multihost_utils

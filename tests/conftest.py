@@ -40,8 +40,10 @@ def tiny_tokenizer(tmp_path_factory):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator([r["article"] for r in cnndm_rows(20)], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -70,16 +72,32 @@ def tiny_model(tiny_checkpoints):
     return eejax.load(tiny_checkpoints["gqa-untied"][2])
 
 
-UNIT_FIRST = ("test_allocator.py", "test_scheduler.py", "test_buckets.py", "test_sampling.py", "test_confidence.py",
-              "test_spec_policy.py", "test_step_options.py", "test_model_interface.py",
-              "test_attention.py")
+UNIT_FIRST = (
+    "test_allocator.py",
+    "test_scheduler.py",
+    "test_buckets.py",
+    "test_sampling.py",
+    "test_confidence.py",
+    "test_spec_policy.py",
+    "test_step_options.py",
+    "test_model_interface.py",
+    "test_attention.py",
+)
 
 
 # The files that take longest (a cold run, 2026-11-24: ~100-200 s of one worker each) start
 # right after the unit tests, so that no long file is left to run alone at the end (a clean-clone
 # run measured no change in wall time: 935 s before, 947 s after).
-SLOW_FIRST = ("test_smollm2.py", "test_sharding.py", "test_engine.py", "test_engine_property.py", "test_http.py",
-              "test_speculative.py", "test_t5.py", "test_gpu_lowering.py")
+SLOW_FIRST = (
+    "test_smollm2.py",
+    "test_sharding.py",
+    "test_engine.py",
+    "test_engine_property.py",
+    "test_http.py",
+    "test_speculative.py",
+    "test_t5.py",
+    "test_gpu_lowering.py",
+)
 
 
 def pytest_collection_modifyitems(items):

@@ -25,9 +25,17 @@ TINY_CONFIGS = {
     "mha-tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
     "mha-untied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
     "llama3-rope": dict(
-        num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
 }
 
@@ -38,9 +46,17 @@ def make_hf_llama(kind: str, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, **TINY_CONFIGS[kind],
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **TINY_CONFIGS[kind],
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
@@ -75,9 +91,17 @@ def prefilled(model, prompts, max_new_tokens=8, temperature=0.0, pages_per_row=4
     lengths = np.array([len(p) for p in prompts], np.int32)
     table = jnp.asarray(1 + np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row))
     cache = init_cache(model.cache_layers, 1 + b * pages_per_row, page_size, c.num_kv_heads, c.head_dim, model.dtype)
-    state, cache = steps.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table,
-                                 jax.random.PRNGKey(0), sampling=RowSampling.of(SamplingParams(temperature), b),
-                                 config=c, options=StepOptions(max_new_tokens, sampler=SamplingParams(temperature).sampler))
+    state, cache = steps.prefill(
+        model.params,
+        cache,
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        table,
+        jax.random.PRNGKey(0),
+        sampling=RowSampling.of(SamplingParams(temperature), b),
+        config=c,
+        options=StepOptions(max_new_tokens, sampler=SamplingParams(temperature).sampler),
+    )
     return state, cache, table
 
 
@@ -99,8 +123,9 @@ def serve_in_thread(engine, name: str = "tiny"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(create_app(engine, served_model_name=name), host="127.0.0.1",
-                                               port=port, log_level="warning"))
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(engine, served_model_name=name), host="127.0.0.1", port=port, log_level="warning")
+        )
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         while not server.started:
@@ -131,10 +156,13 @@ def start_eejax_serve(model_dir, *args, timeout: float = 120):
     import sys
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "eejax.cli", "serve", "--model", str(model_dir),
-                             "--port", str(port), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eejax.cli", "serve", "--model", str(model_dir), "--port", str(port), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     url = f"http://127.0.0.1:{port}"
     if not wait_until_healthy(url, [proc], timeout):
         proc.kill()
@@ -169,8 +197,14 @@ def sequence_logits(model, ids, page_size: int = 16):
     pages = -(-t // page_size)
     cache = init_cache(c.num_layers, 1 + pages, page_size, c.num_kv_heads, c.head_dim, model.dtype)
     positions = np.arange(t, dtype=np.int32)[None]
-    batch = llama.token_batch(c, positions, np.ones((1, t), bool), np.arange(1, 1 + pages, dtype=np.int32)[None],
-                              np.array([t], np.int32), page_size)
+    batch = llama.token_batch(
+        c,
+        positions,
+        np.ones((1, t), bool),
+        np.arange(1, 1 + pages, dtype=np.int32)[None],
+        np.array([t], np.int32),
+        page_size,
+    )
     h, _ = llama.run_layers(model.params, llama.embed(model.params, np.array([ids], np.int32)), cache, batch, c)
     return np.asarray(llama.lm_head(model.params, h, c))[0]
 

@@ -35,7 +35,7 @@ def build_case(rng, lengths, q_len, page_size, hq, hkv, d, layers=2, layer=1):
     rows_k, rows_v = [], []
     for i, n in enumerate(lengths):
         need = -(-n // page_size)
-        table[i, :need] = perm[i * max_pages: i * max_pages + need]
+        table[i, :need] = perm[i * max_pages : i * max_pages + need]
         pos = np.arange(n)
         rows_k.append(kc[layer][:, table[i, pos // page_size], pos % page_size].transpose(1, 0, 2))
         rows_v.append(vc[layer][:, table[i, pos // page_size], pos % page_size].transpose(1, 0, 2))
@@ -76,5 +76,13 @@ def test_causal_mask_hides_later_tokens():
 
 def test_unknown_impl_is_refused():
     with pytest.raises(ValueError, match="impl"):
-        paged_attention(np.zeros((1, 1, 1, 4)), np.zeros((1, 1, 2, 4, 4)), np.zeros((1, 1, 2, 4, 4)), 0,
-                        np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), np.ones(1, np.int32), impl="cuda")
+        paged_attention(
+            np.zeros((1, 1, 1, 4)),
+            np.zeros((1, 1, 2, 4, 4)),
+            np.zeros((1, 1, 2, 4, 4)),
+            0,
+            np.zeros((1, 1), np.int32),
+            np.zeros((1, 1), np.int32),
+            np.ones(1, np.int32),
+            impl="cuda",
+        )

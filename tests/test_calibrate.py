@@ -86,15 +86,18 @@ def test_never_certifies_a_threshold_whose_calibration_risk_exceeds_delta(data, 
         assert cal.p_values[cal.index + 1] > epsilon
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(thresholds=[0.8, 0.9], losses=np.zeros((2, 5))), "strictly decreasing"),
-    (dict(thresholds=[0.9, 0.8], losses=np.zeros((3, 5))), "one row per threshold"),
-    (dict(thresholds=[0.9], losses=np.full((1, 5), 1.5)), r"\[0, 1\]"),
-    (dict(thresholds=[0.9], losses=np.zeros((1, 5)), delta=1.5), "delta and epsilon"),
-    (dict(thresholds=[0.9], losses=np.full((1, 5), 0.5), method="binomial"), "0/1 losses"),
-    (dict(thresholds=[0.9], losses=np.zeros((1, 5)), method="exact"), "unknown method"),
-    (dict(thresholds=[], losses=np.zeros((0, 5))), "non-empty"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(thresholds=[0.8, 0.9], losses=np.zeros((2, 5))), "strictly decreasing"),
+        (dict(thresholds=[0.9, 0.8], losses=np.zeros((3, 5))), "one row per threshold"),
+        (dict(thresholds=[0.9], losses=np.full((1, 5), 1.5)), r"\[0, 1\]"),
+        (dict(thresholds=[0.9], losses=np.zeros((1, 5)), delta=1.5), "delta and epsilon"),
+        (dict(thresholds=[0.9], losses=np.full((1, 5), 0.5), method="binomial"), "0/1 losses"),
+        (dict(thresholds=[0.9], losses=np.zeros((1, 5)), method="exact"), "unknown method"),
+        (dict(thresholds=[], losses=np.zeros((0, 5))), "non-empty"),
+    ],
+)
 def test_bad_input_is_named(kwargs, message):
     kwargs = {"delta": 0.1, "epsilon": 0.05, **kwargs}
     with pytest.raises(EejaxError, match=message):
@@ -119,8 +122,17 @@ def test_calibrating_a_threshold_on_a_model(tiny_checkpoints):
     model = eejax.load(tiny_checkpoints["gqa-untied"][2])
     prompts = random_prompts(40, [5, 9, 14], seed=4)
     thresholds = [1.0, 0.5, 0.2, 0.05, 0.0]
-    cal, layers = calibrate_exit_threshold(model, prompts, measure="softmax", thresholds=thresholds, delta=0.3,
-                                           epsilon=0.1, max_new_tokens=6, decay=None, batch_size=20)
+    cal, layers = calibrate_exit_threshold(
+        model,
+        prompts,
+        measure="softmax",
+        thresholds=thresholds,
+        delta=0.3,
+        epsilon=0.1,
+        max_new_tokens=6,
+        decay=None,
+        batch_size=20,
+    )
     assert cal.certified and cal.risks[0] == 0.0 and layers[1.0] == 3
     assert cal.risks[cal.index] <= 0.3
     assert layers[0.0] < 3  # λ = 0 exits whenever the margin is positive
@@ -135,15 +147,36 @@ def test_calibrate_command(tiny_checkpoints, capsys, monkeypatch):
     path = str(tiny_checkpoints["gqa-untied"][2])
     model = eejax.load(path)
     monkeypatch.setattr(eejax, "load", lambda name: model)  # the two runs share compiled programs
-    argv = ["calibrate", "--model", path, "--prompt", *[f"Officials said {i}" for i in range(30)], "--measure",
-            "softmax", "--thresholds", "1.0", "0.5", "0.0", "--delta", "0.3", "--epsilon", "0.1",
-            "--max-new-tokens", "4", "--exit-decay", "off", "--batch-size", "30"]
+    argv = [
+        "calibrate",
+        "--model",
+        path,
+        "--prompt",
+        *[f"Officials said {i}" for i in range(30)],
+        "--measure",
+        "softmax",
+        "--thresholds",
+        "1.0",
+        "0.5",
+        "0.0",
+        "--delta",
+        "0.3",
+        "--epsilon",
+        "0.1",
+        "--max-new-tokens",
+        "4",
+        "--exit-decay",
+        "off",
+        "--batch-size",
+        "30",
+    ]
     assert main(argv + ["--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["certified"] and doc["risks"][0] == 0.0 and doc["n"] == 30 and len(doc["p_values"]) == 3
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "chosen λ" in out and "calibration examples" in out
-    assert main(["calibrate", "--model", path, "--prompt", "a", "--measure", "softmax", "--thresholds", "0.5",
-                 "0.9"]) == 2
+    assert (
+        main(["calibrate", "--model", path, "--prompt", "a", "--measure", "softmax", "--thresholds", "0.5", "0.9"]) == 2
+    )
     assert "strictly decreasing" in capsys.readouterr().err

@@ -27,8 +27,20 @@ def ckpt(tiny_checkpoints):
 def test_generate_json_contract(capsys, ckpt, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"article": "The river rose"}\n"A plain string prompt"\n\n{"article": "Officials said"}\n')
-    code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompts-file", prompts,
-                           "--max-new-tokens", 6, "--ignore-eos", "--json", "--batch-size", 2)
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        ckpt,
+        "--prompts-file",
+        prompts,
+        "--max-new-tokens",
+        6,
+        "--ignore-eos",
+        "--json",
+        "--batch-size",
+        2,
+    )
     assert code == 0
     doc = json.loads(out)  # stdout is exactly one JSON object
     assert [o["prompt"] for o in doc["outputs"]] == ["The river rose", "A plain string prompt", "Officials said"]
@@ -40,17 +52,31 @@ def test_generate_json_contract(capsys, ckpt, tmp_path):
     assert s["generated_tokens"] == 18 and s["num_layers"] == 3 and s["mean_layers_per_token"] == 3
     # The same prompts given with --prompt give the same tokens, with either layout of the weights.
     for layout in ("stacked", "split"):
-        code, out2, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose",
-                                "--max-new-tokens", 6, "--ignore-eos", "--json", "--layer-buffers", layout)
+        code, out2, _ = run_cli(
+            capsys,
+            "generate",
+            "--model",
+            ckpt,
+            "--prompt",
+            "The river rose",
+            "--max-new-tokens",
+            6,
+            "--ignore-eos",
+            "--json",
+            "--layer-buffers",
+            layout,
+        )
         assert json.loads(out2)["outputs"][0]["tokens"] == doc["outputs"][0]["tokens"]
 
 
 def test_a_mesh_that_does_not_fit_is_one_line_with_status_2(capsys, ckpt):
     """(Sharded generation itself is tested on 8 virtual devices in test_sharding.py.)"""
-    code, _, err = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "x", "--tensor-parallel", 2,
-                           "--data-parallel", 2)
+    code, _, err = run_cli(
+        capsys, "generate", "--model", ckpt, "--prompt", "x", "--tensor-parallel", 2, "--data-parallel", 2
+    )
     assert code == 2 and err.strip().splitlines() == [
-        "eejax: error: a mesh of tensor 2 x data 2 needs 4 devices; this process has 1 (cpu)"]
+        "eejax: error: a mesh of tensor 2 x data 2 needs 4 devices; this process has 1 (cpu)"
+    ]
     code, _, err = run_cli(capsys, "serve", "--model", ckpt, "--tensor-parallel", 0)
     assert code == 2 and "--tensor-parallel" in err
     code, _, err = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "x", "--num-processes", 2)
@@ -60,22 +86,60 @@ def test_a_mesh_that_does_not_fit_is_one_line_with_status_2(capsys, ckpt):
 
 
 def test_generate_with_exit_json(capsys, ckpt):
-    code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose", "Officials said",
-                           "--max-new-tokens", 5, "--ignore-eos", "--json", "--exit", "static:2")
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        ckpt,
+        "--prompt",
+        "The river rose",
+        "Officials said",
+        "--max-new-tokens",
+        5,
+        "--ignore-eos",
+        "--json",
+        "--exit",
+        "static:2",
+    )
     assert code == 0
     doc = json.loads(out)
     for o in doc["outputs"]:
         assert o["exit_layers"] == [3, 2, 2, 2, 2] and o["confident_layers"] == [3, 2, 2, 2, 2]
     assert doc["stats"]["exit"] == "static:2" and doc["stats"]["kv_fill_layers_per_token"] == pytest.approx(0.8)
-    code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose", "--max-new-tokens", 5,
-                           "--ignore-eos", "--json", "--exit", "softmax:-inf", "--min-exit-layer", 2,
-                           "--exit-decay", "off")
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        ckpt,
+        "--prompt",
+        "The river rose",
+        "--max-new-tokens",
+        5,
+        "--ignore-eos",
+        "--json",
+        "--exit",
+        "softmax:-inf",
+        "--min-exit-layer",
+        2,
+        "--exit-decay",
+        "off",
+    )
     assert code == 0 and json.loads(out)["outputs"][0]["exit_layers"] == [3, 2, 2, 2, 2]
 
 
 def test_generate_with_spec_json(capsys, ckpt):
-    argv = ["generate", "--model", ckpt, "--prompt", "The river rose", "Officials said", "--max-new-tokens", 7,
-            "--ignore-eos", "--json"]
+    argv = [
+        "generate",
+        "--model",
+        ckpt,
+        "--prompt",
+        "The river rose",
+        "Officials said",
+        "--max-new-tokens",
+        7,
+        "--ignore-eos",
+        "--json",
+    ]
     _, full, _ = run_cli(capsys, *argv)
     for spec in ("1:3", "2:2:adaptive"):
         code, out, _ = run_cli(capsys, *argv, "--spec", spec)
@@ -85,8 +149,9 @@ def test_generate_with_spec_json(capsys, ckpt):
         s = doc["stats"]
         assert s["spec"] == spec and 0 <= s["acceptance_rate"] <= 1 and s["tokens_per_round"] >= 1
         assert s["rounds"] >= 2 and s["drafted_tokens"] >= s["accepted_tokens"] and s["mean_layers_per_token"] > 0
-    code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "Hello", "--max-new-tokens", 4,
-                           "--spec", "2:2")
+    code, out, _ = run_cli(
+        capsys, "generate", "--model", ckpt, "--prompt", "Hello", "--max-new-tokens", 4, "--spec", "2:2"
+    )
     assert code == 0 and "self-speculation 2:2: acceptance" in out
 
 
@@ -114,8 +179,10 @@ def bad_inputs(tmp_path, ckpt):
         "prompt too long": (base + ["--prompt", "word " * 400], "context"),
         "empty prompt list": (base + ["--prompts-file", tmp_path / "empty.jsonl"], "no prompts"),
         "empty prompt": (base + ["--prompt", ""], "prompt 0 is empty"),
-        "non-positive max-new-tokens": (["generate", "--model", ckpt, "--prompt", "hi", "--max-new-tokens", 0],
-                                        "positive"),
+        "non-positive max-new-tokens": (
+            ["generate", "--model", ckpt, "--prompt", "hi", "--max-new-tokens", 0],
+            "positive",
+        ),
         "cache budget too small": (base + ["--prompt", "hi", "--cache-budget", "1KiB"], "KV cache budget"),
         "bad prompts file": (base + ["--prompts-file", tmp_path / "missing.jsonl"], "not found"),
         "unknown exit measure": (base + ["--prompt", "hi", "--exit", "entropy:0.5"], "unknown exit measure"),
@@ -131,23 +198,50 @@ def bad_inputs(tmp_path, ckpt):
         "spec max without adaptive": (base + ["--prompt", "hi", "--spec", "1:2", "--spec-max-d", 4], "adaptive"),
         "train-exits output exists": (train + ["--output", ckpt], "already exists"),
         "train-exits exit layers": (train + ["--output", tmp_path / "out", "--exit-layers", "0,2"], "exit layers must"),
-        "train-exits no room": (train + ["--output", tmp_path / "out", "--max-len", 8, "--continuation-tokens", 8],
-                                "no room"),
-        "top-k above the vocabulary": (base + ["--prompt", "hi", "--temperature", 0.7, "--top-k", 100000],
-                                       "vocabulary size 320"),
+        "train-exits no room": (
+            train + ["--output", tmp_path / "out", "--max-len", 8, "--continuation-tokens", 8],
+            "no room",
+        ),
+        "top-k above the vocabulary": (
+            base + ["--prompt", "hi", "--temperature", 0.7, "--top-k", 100000],
+            "vocabulary size 320",
+        ),
         "too many drafts": (base + ["--prompt", "hi", "--spec", "1:100000"], "[1, 64]"),
         "infinite temperature": (base + ["--prompt", "hi", "--temperature", "inf"], "finite"),
     }
 
 
-@pytest.mark.parametrize("case", [
-    "missing path", "not a model", "unsupported architecture", "prompt too long", "empty prompt list",
-    "empty prompt", "non-positive max-new-tokens", "cache budget too small", "bad prompts file",
-    "unknown exit measure", "exit threshold missing", "exit threshold out of range", "static exit too deep",
-    "classifier without exits", "exit options without --exit", "bad exit decay", "bad spec",
-    "spec as deep as the model", "spec with exit", "spec max without adaptive", "train-exits output exists",
-    "train-exits exit layers", "train-exits no room", "top-k above the vocabulary", "too many drafts",
-    "infinite temperature"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing path",
+        "not a model",
+        "unsupported architecture",
+        "prompt too long",
+        "empty prompt list",
+        "empty prompt",
+        "non-positive max-new-tokens",
+        "cache budget too small",
+        "bad prompts file",
+        "unknown exit measure",
+        "exit threshold missing",
+        "exit threshold out of range",
+        "static exit too deep",
+        "classifier without exits",
+        "exit options without --exit",
+        "bad exit decay",
+        "bad spec",
+        "spec as deep as the model",
+        "spec with exit",
+        "spec max without adaptive",
+        "train-exits output exists",
+        "train-exits exit layers",
+        "train-exits no room",
+        "top-k above the vocabulary",
+        "too many drafts",
+        "infinite temperature",
+    ],
+)
 def test_bad_input_is_one_line_and_status_2(capsys, ckpt, tmp_path, case):
     argv, needle = bad_inputs(tmp_path, ckpt)[case]
     code, out, err = run_cli(capsys, *argv)
@@ -164,10 +258,39 @@ def test_train_exits_command(capsys, ckpt, tmp_path):
     import eejax
 
     out_dir, png = tmp_path / "trained", tmp_path / "loss.png"
-    argv = ["train-exits", "--model", ckpt, "--prompt", "The river rose", "Officials said that the", "--output",
-            out_dir, "--suffix", " Summary:", "--steps", 3, "--exit-layers", "1", "--adapter-rank", 8,
-            "--continuation-tokens", 4, "--max-len", 16, "--batch-size", 2, "--positions-per-row", 4,
-            "--learning-rate", 1e-2, "--loss-plot", png, "--checkpoint-dir", tmp_path / "ck", "--quiet"]
+    argv = [
+        "train-exits",
+        "--model",
+        ckpt,
+        "--prompt",
+        "The river rose",
+        "Officials said that the",
+        "--output",
+        out_dir,
+        "--suffix",
+        " Summary:",
+        "--steps",
+        3,
+        "--exit-layers",
+        "1",
+        "--adapter-rank",
+        8,
+        "--continuation-tokens",
+        4,
+        "--max-len",
+        16,
+        "--batch-size",
+        2,
+        "--positions-per-row",
+        4,
+        "--learning-rate",
+        1e-2,
+        "--loss-plot",
+        png,
+        "--checkpoint-dir",
+        tmp_path / "ck",
+        "--quiet",
+    ]
     code, out, err = run_cli(capsys, *argv)
     assert code == 0, err
     assert "trained exit adapters for 3 steps on 2 prompts" in out and str(out_dir) in out
@@ -192,10 +315,36 @@ def test_train_layerskip_command(capsys, ckpt, tmp_path):
     import eejax
 
     out_dir = tmp_path / "run"
-    argv = ["train-layerskip", "--model", ckpt, "--prompt", "The river rose", "Officials said that the",
-            "Rain fell", "--skip", 1, "--output", out_dir, "--steps", 4, "--batch-size", 2, "--window", 6,
-            "--continuation-tokens", 4, "--exit-layers", "1,2", "--lora-rank", 2, "--exit-vocab-size", 100,
-            "--save-every", 2, "--quiet"]
+    argv = [
+        "train-layerskip",
+        "--model",
+        ckpt,
+        "--prompt",
+        "The river rose",
+        "Officials said that the",
+        "Rain fell",
+        "--skip",
+        1,
+        "--output",
+        out_dir,
+        "--steps",
+        4,
+        "--batch-size",
+        2,
+        "--window",
+        6,
+        "--continuation-tokens",
+        4,
+        "--exit-layers",
+        "1,2",
+        "--lora-rank",
+        2,
+        "--exit-vocab-size",
+        100,
+        "--save-every",
+        2,
+        "--quiet",
+    ]
     code, out, err = run_cli(capsys, *argv, "--hours", 1e-9)  # out of time after the first step
     assert code == 0, err
     assert "stopped after" in out and "at step 1 of 4" in out and "run the same command again" in out
@@ -218,17 +367,21 @@ def test_train_layerskip_command(capsys, ckpt, tmp_path):
     assert code == 2 and "other settings (settings.layerskip.p_max)" in err
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--exit-layers", "1,3"], "layer counts in [1, 2]"),
-    (["--p-max", "1.5"], "p_max and e_scale must lie in [0, 1]"),
-    (["--hours", "0"], "--hours must be a positive number"),
-    (["--lora-rank", "-1"], "lora_rank and exit_positions >= 0"),
-    (["--exit-vocab-size", "1000"], "--exit-vocab-size must lie in [0, 320]"),
-    (["--skip", "5"], "no prompts left after --skip 5"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--exit-layers", "1,3"], "layer counts in [1, 2]"),
+        (["--p-max", "1.5"], "p_max and e_scale must lie in [0, 1]"),
+        (["--hours", "0"], "--hours must be a positive number"),
+        (["--lora-rank", "-1"], "lora_rank and exit_positions >= 0"),
+        (["--exit-vocab-size", "1000"], "--exit-vocab-size must lie in [0, 320]"),
+        (["--skip", "5"], "no prompts left after --skip 5"),
+    ],
+)
 def test_train_layerskip_refuses_bad_settings_before_any_work(capsys, ckpt, tmp_path, extra, message):
-    code, out, err = run_cli(capsys, "train-layerskip", "--model", ckpt, "--prompt", "a b c", "--output",
-                             tmp_path / "run", *extra)
+    code, out, err = run_cli(
+        capsys, "train-layerskip", "--model", ckpt, "--prompt", "a b c", "--output", tmp_path / "run", *extra
+    )
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run" / "data.npz").exists()
 
@@ -239,8 +392,9 @@ def test_entry_point_subprocess(ckpt, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     help_out = subprocess.run(exe + ["generate", "--help"], capture_output=True, text=True, env=env)
     assert help_out.returncode == 0 and "--max-new-tokens" in help_out.stdout
-    bad = subprocess.run(exe + ["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"],
-                         capture_output=True, text=True, env=env)
+    bad = subprocess.run(
+        exe + ["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"], capture_output=True, text=True, env=env
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("eejax: error: no such file")
     conv = subprocess.run(exe + ["convert", "--help"], capture_output=True, text=True, env=env)
@@ -248,18 +402,35 @@ def test_entry_point_subprocess(ckpt, tmp_path):
 
 
 def test_repeated_prompts_accumulate(capsys, ckpt):
-    code, out, _ = run_cli(capsys, "generate", "--model", ckpt, "--prompt", "The river rose", "--prompt",
-                           "Officials said", "Hello", "--max-new-tokens", 3, "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        ckpt,
+        "--prompt",
+        "The river rose",
+        "--prompt",
+        "Officials said",
+        "Hello",
+        "--max-new-tokens",
+        3,
+        "--json",
+    )
     assert code == 0
     assert [o["prompt"] for o in json.loads(out)["outputs"]] == ["The river rose", "Officials said", "Hello"]
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["generate", "--model", "a", "--model", "b", "--prompt", "x"], "--model given twice"),
-    (["generate", "--model", "a", "--prompt", "x", "--max-new-tokens", "3", "--max-new-tokens", "4"],
-     "--max-new-tokens given twice"),
-    (["convert", "src", "dst", "--dtype", "float32", "--dtype", "bfloat16"], "--dtype given twice"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["generate", "--model", "a", "--model", "b", "--prompt", "x"], "--model given twice"),
+        (
+            ["generate", "--model", "a", "--prompt", "x", "--max-new-tokens", "3", "--max-new-tokens", "4"],
+            "--max-new-tokens given twice",
+        ),
+        (["convert", "src", "dst", "--dtype", "float32", "--dtype", "bfloat16"], "--dtype given twice"),
+    ],
+)
 def test_repeated_single_valued_options_are_refused(capsys, argv, needle):
     code, _, err = run_cli(capsys, *argv)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
@@ -268,8 +439,22 @@ def test_repeated_single_valued_options_are_refused(capsys, argv, needle):
 def test_repeated_list_options_accumulate_and_keep_their_default_when_absent():
     from eejax.cli import build_parser
 
-    args = build_parser().parse_args(["calibrate", "--model", "m", "--prompt", "x", "--measure", "softmax",
-                                      "--thresholds", "0.5", "--thresholds", "0.7", "0.9"])
+    args = build_parser().parse_args(
+        [
+            "calibrate",
+            "--model",
+            "m",
+            "--prompt",
+            "x",
+            "--measure",
+            "softmax",
+            "--thresholds",
+            "0.5",
+            "--thresholds",
+            "0.7",
+            "0.9",
+        ]
+    )
     assert args.thresholds == [0.5, 0.7, 0.9]
     from eejax.cli.parsing import OneLineErrorParser
 
@@ -281,6 +466,7 @@ def test_repeated_list_options_accumulate_and_keep_their_default_when_absent():
 
 
 # --- damaged checkpoints and conversions: one line naming the file, status 2 ------------------
+
 
 def _edit_config(path, **changes):
     meta = json.loads((path / "eejax.json").read_text())
@@ -295,15 +481,19 @@ def _truncate_largest_weights(path):
 
 DAMAGE = {
     "eejax.json not JSON": (lambda p: (p / "eejax.json").write_text('{"config": '), "eejax.json is not valid JSON"),
-    "eejax.json without config": (lambda p: (p / "eejax.json").write_text('{"architecture": "llama"}'),
-                                  "no config object"),
+    "eejax.json without config": (
+        lambda p: (p / "eejax.json").write_text('{"architecture": "llama"}'),
+        "no config object",
+    ),
     "unknown config field": (lambda p: _edit_config(p, wings=2), "not a valid llama config"),
     "weights missing": (lambda p: __import__("shutil").rmtree(p / "params"), "params: no such directory"),
     "weights truncated": (_truncate_largest_weights, "cannot read the weights"),
     "num_layers over the weights": (lambda p: _edit_config(p, num_layers=4), "have shape (3,"),
     "hidden size over the weights": (lambda p: _edit_config(p, hidden_size=96), "the config asks for"),
-    "tokenizer damaged": (lambda p: (p / "tokenizer" / "tokenizer.json").write_text("{garbage"),
-                          "cannot read the tokenizer"),
+    "tokenizer damaged": (
+        lambda p: (p / "tokenizer" / "tokenizer.json").write_text("{garbage"),
+        "cannot read the tokenizer",
+    ),
 }
 
 

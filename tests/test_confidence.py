@@ -17,26 +17,39 @@ from eejax.options import ExitConfig
 def test_flags_are_monotone_and_the_batch_waits_for_its_least_confident_row():
     """A crafted 4-layer model whose per-row, per-layer classifier confidence is a table."""
     num_layers, b = 4, 3
-    conf = jnp.array([
-        [0.9, 0.1, 0.1, 0.1],  # row 0: confident after layer 1, then not: must stay exited
-        [0.1, 0.2, 0.9, 0.1],  # row 1: first confident after 3 layers: the batch waits for it
-        [0.1, 0.1, 0.1, 0.1],  # row 2: padding (inactive): never blocks the batch
-    ])
+    conf = jnp.array(
+        [
+            [0.9, 0.1, 0.1, 0.1],  # row 0: confident after layer 1, then not: must stay exited
+            [0.1, 0.2, 0.9, 0.1],  # row 1: first confident after 3 layers: the batch waits for it
+            [0.1, 0.1, 0.1, 0.1],  # row 2: padding (inactive): never blocks the batch
+        ]
+    )
 
     def head(h, run):
         return jnp.concatenate([h[:, -1, :1], jnp.full((b, 1), run, jnp.float32)], axis=-1)
 
     fns = ExitFns(
         run_layers=lambda h, cache, start, stop: (h + (stop - start), cache),
-        exit_logits=head, check_logits=head, emit_logits=head,
+        exit_logits=head,
+        check_logits=head,
+        emit_logits=head,
         exit_prob=lambda h, run: conf[jnp.arange(b), run - 1],
         layer_kv=lambda layer, h: ((100.0 + layer) * jnp.ones((b, 1, 1, 2)),) * 2,
     )
     cache = init_cache(num_layers, 4, 2, 1, 2, jnp.float32)
     pages, slots = jnp.array([[1], [2], [0]]), jnp.array([[1], [0], [0]])
-    out = early_exit_layers(fns, jnp.zeros((b, 1, 1)), cache, jnp.array([True, True, False]),
-                            jnp.full((b,), 0.5), pages, slots,
-                            config=ExitConfig("classifier", threshold=0.5), num_layers=num_layers, vocab_size=2)
+    out = early_exit_layers(
+        fns,
+        jnp.zeros((b, 1, 1)),
+        cache,
+        jnp.array([True, True, False]),
+        jnp.full((b,), 0.5),
+        pages,
+        slots,
+        config=ExitConfig("classifier", threshold=0.5),
+        num_layers=num_layers,
+        vocab_size=2,
+    )
     assert int(out.exit_layer) == 3
     np.testing.assert_array_equal(out.confident_layer, [1, 3, 3])
     np.testing.assert_array_equal(out.logits, [[3, 3]] * 3)  # the head saw h after 3 layers
@@ -63,8 +76,9 @@ def test_measures_match_numpy():
     h = rng.normal(size=(5, 16)).astype(np.float32)
     normalised = h / np.sqrt(np.mean(h * h, -1, keepdims=True) + exits.EPS)
     w, bias = np.asarray(e["classifier_w"][1]), float(e["classifier_b"][1])
-    np.testing.assert_allclose(exits.classifier_prob(e, jnp.asarray(h), 1),
-                               1 / (1 + np.exp(-(normalised @ w + bias))), atol=1e-6)
+    np.testing.assert_allclose(
+        exits.classifier_prob(e, jnp.asarray(h), 1), 1 / (1 + np.exp(-(normalised @ w + bias))), atol=1e-6
+    )
     x = normalised * np.asarray(e["adapter_norm"][2])
     want = h + x @ np.asarray(e["adapter_down"][2]) @ np.asarray(e["adapter_up"][2])
     np.testing.assert_allclose(exits.adapt(e, jnp.asarray(h), 2), want, atol=1e-4)
@@ -76,6 +90,8 @@ def test_decaying_threshold_matches_calm():
         want = np.clip(0.9 * lam + 0.1 * np.exp(-tau * np.arange(0, 64, 7) / 64), 0, 1)
         got = exit_threshold(ExitConfig("softmax", threshold=lam, decay=tau), t, 64)
         np.testing.assert_allclose(got, want, atol=1e-6)
-    np.testing.assert_array_equal(exit_threshold(ExitConfig("state", threshold=0.7, decay=None), t, 64), np.float32(0.7))
+    np.testing.assert_array_equal(
+        exit_threshold(ExitConfig("state", threshold=0.7, decay=None), t, 64), np.float32(0.7)
+    )
     for lam in (math.inf, -math.inf):
         np.testing.assert_array_equal(exit_threshold(ExitConfig("softmax", threshold=lam), t, 64), lam)

@@ -18,7 +18,9 @@ def params_of(path):
 
 
 def assert_same_params(a, b, **tol):
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), **tol), a, b)
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), **tol), a, b
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +45,17 @@ def test_weight_formats_give_the_same_params(tmp_path, hf_model, fmt):
     ref = tmp_path / "ref"
     hf_model.save_pretrained(ref)
     src = tmp_path / fmt
-    hf_model.save_pretrained(src, safe_serialization=not fmt.endswith("bin"),
-                             max_shard_size="100KB" if fmt.startswith("sharded") else "10GB")
+    hf_model.save_pretrained(
+        src, safe_serialization=not fmt.endswith("bin"), max_shard_size="100KB" if fmt.startswith("sharded") else "10GB"
+    )
     names = os.listdir(src)
     assert any(n.endswith(".index.json") for n in names) == fmt.startswith("sharded")
-    assert_same_params(params_of(convert(ref, tmp_path / "a", progress=False)),
-                       params_of(convert(src, tmp_path / "b", progress=False)), rtol=0, atol=0)
+    assert_same_params(
+        params_of(convert(ref, tmp_path / "a", progress=False)),
+        params_of(convert(src, tmp_path / "b", progress=False)),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_bfloat16(tmp_path, hf_model):

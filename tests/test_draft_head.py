@@ -49,11 +49,14 @@ def model():
 
 # --- greedy: identical to full depth ----------------------------------------------------------
 
+
 @pytest.mark.parametrize("rows", [1, 8], ids=["batch1", "padded-batch8"])
 def test_greedy_equals_full_depth(model, rows):
     prompts = PROMPTS[:rows]
     full = eejax.generate(model, prompts, max_new_tokens=NEW, ignore_eos=True)
-    reduced = model.with_params(set_exit_vocab(model.params, np.arange(0, 64, 3), model.config.tie_embeddings))  # drafts from 22 tokens
+    reduced = model.with_params(
+        set_exit_vocab(model.params, np.arange(0, 64, 3), model.config.tie_embeddings)
+    )  # drafts from 22 tokens
     for m, spec in ((model, "draft:1"), (model, "draft:3"), (reduced, "draft:2")):
         res = eejax.generate(m, prompts, max_new_tokens=NEW, ignore_eos=True, spec=spec)
         assert res.tokens == full.tokens, spec
@@ -73,11 +76,13 @@ def test_perfect_drafts_are_all_accepted_and_counted():
     assert s["mean_layers_per_token"] == pytest.approx((2 * L + L) / 11)
     for new in (1, 4):  # never more tokens than asked, rounds cut at the row's limit
         short = eejax.generate(perfect, PROMPTS, max_new_tokens=new, ignore_eos=True, spec="draft:6")
-        assert short.tokens == [t[:new] for t in eejax.generate(perfect, PROMPTS, max_new_tokens=new,
-                                                                ignore_eos=True).tokens]
+        assert short.tokens == [
+            t[:new] for t in eejax.generate(perfect, PROMPTS, max_new_tokens=new, ignore_eos=True).tokens
+        ]
 
 
 # --- the draft's K/V: always the model's features, however the tokens reached the cache -------
+
 
 def _draft_kv(cache, table, row, n, layer):
     k = np.asarray(cache.k[layer])
@@ -95,10 +100,13 @@ def test_draft_kv_after_rounds_equals_a_prefill_of_the_same_tokens(model):
     ref_state, ref_cache, ref_table = prefilled(model, texts, max_new_tokens=4, pages_per_row=6)
     assert np.asarray(ref_state.last_token).tolist() == [tokens[i, gen[i] - 1] for i in range(len(PROMPTS))]
     for row, text in enumerate(texts):
-        np.testing.assert_allclose(_draft_kv(cache, table, row, len(text), L),
-                                   _draft_kv(ref_cache, ref_table, row, len(text), L), atol=2e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(state.draft_hidden), np.asarray(ref_state.draft_hidden), atol=2e-5,
-                               rtol=1e-5)
+        np.testing.assert_allclose(
+            _draft_kv(cache, table, row, len(text), L),
+            _draft_kv(ref_cache, ref_table, row, len(text), L),
+            atol=2e-5,
+            rtol=1e-5,
+        )
+    np.testing.assert_allclose(np.asarray(state.draft_hidden), np.asarray(ref_state.draft_hidden), atol=2e-5, rtol=1e-5)
 
 
 def test_a_chunked_prefill_writes_the_same_draft_kv(model):
@@ -111,13 +119,27 @@ def test_a_chunked_prefill_writes_the_same_draft_kv(model):
     for start in range(0, len(prompt), 10):
         end = min(start + 10, len(prompt))
         nxt = jnp.asarray([prompt[end] if end < len(prompt) else -1], jnp.int32)
-        state, cache = steps.prefill(model.params, cache, jnp.asarray([prompt[start:end]], jnp.int32),
-                                     jnp.asarray([end], jnp.int32), table, jax.random.PRNGKey(0),
-                                     offset=jnp.asarray([start], jnp.int32), next_token=nxt, config=c, options=options)
-    np.testing.assert_allclose(_draft_kv(cache, table, 0, len(prompt), L),
-                               _draft_kv(whole_cache, table, 0, len(prompt), L), atol=2e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(state.draft_hidden), np.asarray(whole_state.draft_hidden), atol=2e-5,
-                               rtol=1e-5)
+        state, cache = steps.prefill(
+            model.params,
+            cache,
+            jnp.asarray([prompt[start:end]], jnp.int32),
+            jnp.asarray([end], jnp.int32),
+            table,
+            jax.random.PRNGKey(0),
+            offset=jnp.asarray([start], jnp.int32),
+            next_token=nxt,
+            config=c,
+            options=options,
+        )
+    np.testing.assert_allclose(
+        _draft_kv(cache, table, 0, len(prompt), L),
+        _draft_kv(whole_cache, table, 0, len(prompt), L),
+        atol=2e-5,
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        np.asarray(state.draft_hidden), np.asarray(whole_state.draft_hidden), atol=2e-5, rtol=1e-5
+    )
 
 
 def test_engine_with_chunks_and_prefix_caching_is_lossless(model):
@@ -125,8 +147,16 @@ def test_engine_with_chunks_and_prefix_caching_is_lossless(model):
     prefilled 5 tokens per step, and a row preempted on the way: the same tokens as full depth."""
     prompts = [PROMPTS[6], PROMPTS[6][:20] + [5, 6, 7], PROMPTS[1]]
     full = eejax.generate(model, prompts, max_new_tokens=NEW, ignore_eos=True)
-    engine = Engine(model, max_slots=2, max_new_tokens=NEW, page_size=8, prefill_chunk=5, pages="grow",
-                    cache_budget=model.cache_layers * 2 * 8 * 2 * 8 * 4 * 9, ignore_eos=True)
+    engine = Engine(
+        model,
+        max_slots=2,
+        max_new_tokens=NEW,
+        page_size=8,
+        prefill_chunk=5,
+        pages="grow",
+        cache_budget=model.cache_layers * 2 * 8 * 2 * 8 * 4 * 9,
+        ignore_eos=True,
+    )
     seqs = [engine.submit(p, max_new_tokens=NEW, spec="draft:3") for p in prompts]
     engine.run()
     assert [s.tokens for s in seqs] == full.tokens
@@ -135,12 +165,16 @@ def test_engine_with_chunks_and_prefix_caching_is_lossless(model):
 
 # --- adaptive rounds, sampling -----------------------------------------------------------------
 
+
 def test_adaptive_generation_is_lossless(model, monkeypatch):
     full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
     observe_times = SpeculationPolicy.observe_times
     # CPU-like costs where no round pays: plain steps (verifications of no drafts), probe rounds.
-    monkeypatch.setattr(SpeculationPolicy, "observe_times", lambda self, d, *t, passes=None: observe_times(
-        self, d, 1.0 * (d + 1), 1.0, passes=d + 1))
+    monkeypatch.setattr(
+        SpeculationPolicy,
+        "observe_times",
+        lambda self, d, *t, passes=None: observe_times(self, d, 1.0 * (d + 1), 1.0, passes=d + 1),
+    )
     res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec="draft:2:adaptive")
     assert res.tokens == full.tokens
     assert 0.5 < res.stats["plain_step_rate"] < 1 and res.stats["rounds"] > 0
@@ -153,8 +187,11 @@ def test_speculative_sampling_with_a_draft_head_matches_the_models_softmax():
     model = perfect_head(tiny(vocab=16, scale=0.6, seed=3))
     rows, prompt = 4096, [3, 7, 1, 12, 5]
     state, cache, table = prefilled(model, [prompt] * rows, max_new_tokens=4, pages_per_row=2)
-    state = dataclasses.replace(state, sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(1.0), rows)),
-                                keys=jax.random.split(jax.random.PRNGKey(5), rows))
+    state = dataclasses.replace(
+        state,
+        sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(1.0), rows)),
+        keys=jax.random.split(jax.random.PRNGKey(5), rows),
+    )
     spec = SpecConfig(0, 2, draft_head=True)
     new_state, _, counters = jax.jit(spec_round, static_argnums=(0, 4, 5, 6))(model, state, cache, table, spec, 4, 1.0)
     first = np.asarray(new_state.tokens)[:, 1]
@@ -175,6 +212,7 @@ def _last_logits(model, tokens):
 
 # --- training -----------------------------------------------------------------------------------
 
+
 def test_training_on_cached_features_learns_the_next_token(tmp_path):
     """The identity-layer model's next token is a function of the current one: a draft trained a
     few dozen steps on its cached features predicts it far better than chance; the feature cache
@@ -185,8 +223,9 @@ def test_training_on_cached_features_learns_the_next_token(tmp_path):
     base = perfect_drafts(tiny(vocab=32, scale=0.5, seed=2), 0)
     rng = np.random.default_rng(0)
     texts = [rng.integers(3, 32, size=40).tolist() for _ in range(16)]
-    cache_dir = build_feature_cache(base, texts, tmp_path / "features", window=32, batch_size=4, shard_rows=8,
-                                    progress=False)
+    cache_dir = build_feature_cache(
+        base, texts, tmp_path / "features", window=32, batch_size=4, shard_rows=8, progress=False
+    )
     first = load_feature_cache(cache_dir)
     (cache_dir / "shard_00001.npz").unlink()
     build_feature_cache(base, texts, cache_dir, window=32, batch_size=4, shard_rows=8, progress=False)
@@ -195,17 +234,27 @@ def test_training_on_cached_features_learns_the_next_token(tmp_path):
         np.testing.assert_array_equal(np.asarray(first[k]), np.asarray(data[k]), err_msg=k)
     with pytest.raises(EejaxError, match="other text or settings"):
         build_feature_cache(base, texts[:3], cache_dir, window=32, batch_size=4, shard_rows=8, progress=False)
-    _, losses, agree = train_draft(base, data, steps=60, batch_size=8, learning_rate=3e-3, progress=False,
-                                   checkpoint_dir=tmp_path / "run", save_every=30)
+    _, losses, agree = train_draft(
+        base,
+        data,
+        steps=60,
+        batch_size=8,
+        learning_rate=3e-3,
+        progress=False,
+        checkpoint_dir=tmp_path / "run",
+        save_every=30,
+    )
     assert agree[:5, 0].mean() < 0.3 and agree[-5:, 0].mean() > 0.6, agree[:, 0]  # chance: 1/32
     assert losses[-5:].mean() < losses[:5].mean()
     # resumes from its last checkpoint: nothing left to run
-    _, again, _ = train_draft(base, data, steps=60, batch_size=8, learning_rate=3e-3, progress=False,
-                              checkpoint_dir=tmp_path / "run")
+    _, again, _ = train_draft(
+        base, data, steps=60, batch_size=8, learning_rate=3e-3, progress=False, checkpoint_dir=tmp_path / "run"
+    )
     np.testing.assert_array_equal(again, losses)
 
 
 # --- checkpoints and bad settings ------------------------------------------------------------------
+
 
 def test_a_checkpoint_keeps_the_draft_head(model, tmp_path):
     eejax.save(model, tmp_path / "m")
@@ -234,6 +283,7 @@ def test_bad_draft_settings(model):
 
 # --- the command and the shipped delta -------------------------------------------------------------
 
+
 def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, capsys, monkeypatch):
     from eejax.cli import main
     from eejax.loading import hub
@@ -241,11 +291,34 @@ def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, 
 
     path = tiny_checkpoints["gqa-untied"][2]
     out = tmp_path / "run"
-    texts = ["The president said on Monday that the talks would go on.", "Officials in London announced a plan.",
-             "A storm hit the coast overnight, and thousands lost power across the region."]
-    argv = ["train-draft", "--model", str(path), "--prompt", *texts, "--output", str(out), "--steps", "6",
-            "--batch-size", "2", "--window", "64", "--continuation-tokens", "8", "--prompt-lengths", "8,16",
-            "--vocab-size", "64", "--no-plot", "--quiet"]
+    texts = [
+        "The president said on Monday that the talks would go on.",
+        "Officials in London announced a plan.",
+        "A storm hit the coast overnight, and thousands lost power across the region.",
+    ]
+    argv = [
+        "train-draft",
+        "--model",
+        str(path),
+        "--prompt",
+        *texts,
+        "--output",
+        str(out),
+        "--steps",
+        "6",
+        "--batch-size",
+        "2",
+        "--window",
+        "64",
+        "--continuation-tokens",
+        "8",
+        "--prompt-lengths",
+        "8,16",
+        "--vocab-size",
+        "64",
+        "--no-plot",
+        "--quiet",
+    ]
     assert main(argv) == 0
     assert "trained 6 steps" in capsys.readouterr().out
     trained = eejax.load(out / "model")
@@ -260,8 +333,9 @@ def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, 
     # shipped as a known model: the hub applies the delta to its base once, into the cache
     monkeypatch.setenv("EEJAX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(hub, "ASSETS", out)
-    monkeypatch.setitem(hub.KNOWN_MODELS, "tiny-eagle", hub.KnownModel(description="test", base=str(path),
-                                                                       delta="draft.safetensors"))
+    monkeypatch.setitem(
+        hub.KNOWN_MODELS, "tiny-eagle", hub.KnownModel(description="test", base=str(path), delta="draft.safetensors")
+    )
     known = eejax.load("tiny-eagle")
     assert (tmp_path / "cache" / "models" / "tiny-eagle").is_dir() and known.cache_layers == base.config.num_layers + 1
     # a rerun with other settings is refused, naming them

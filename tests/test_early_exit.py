@@ -33,8 +33,12 @@ def tiny_models(tiny_checkpoints):
 
 # --- threshold = +inf, none, static at full depth: exactly the full-depth tokens --------------
 
-@pytest.mark.parametrize("kind,rows", [(k, 3) for k in TINY_CONFIGS] + [("gqa-untied", 1), ("llama3-rope", 1)],
-                         ids=[f"padded-batch4-{k}" for k in TINY_CONFIGS] + ["batch1-gqa-untied", "batch1-llama3-rope"])
+
+@pytest.mark.parametrize(
+    "kind,rows",
+    [(k, 3) for k in TINY_CONFIGS] + [("gqa-untied", 1), ("llama3-rope", 1)],
+    ids=[f"padded-batch4-{k}" for k in TINY_CONFIGS] + ["batch1-gqa-untied", "batch1-llama3-rope"],
+)
 def test_never_exiting_equals_full_depth(tiny_models, kind, rows):
     model = tiny_models[kind]
     L = model.config.num_layers
@@ -67,15 +71,18 @@ def test_minus_inf_exits_at_min_exit_layer(tiny_models):
 
 # --- one step, looked at directly ------------------------------------------------------------
 
+
 def decode_step(model, state, cache, block_table, exit_config):
-    return steps.decode(model.params, cache, state, block_table, config=model.config,
-                        options=StepOptions(8, exit=exit_config))
+    return steps.decode(
+        model.params, cache, state, block_table, config=model.config, options=StepOptions(8, exit=exit_config)
+    )
 
 
 def step_batch(model, state, block_table):
     active = ~state.done
-    return llama.token_batch(model.config, state.seq_len[:, None], active[:, None], block_table,
-                             state.seq_len + active, 8)
+    return llama.token_batch(
+        model.config, state.seq_len[:, None], active[:, None], block_table, state.seq_len + active, 8
+    )
 
 
 def np_rms_norm(x, w, eps):
@@ -88,15 +95,19 @@ def np_rope(x, position, theta):
     dh = x.shape[-1]
     freqs = position / theta ** (np.arange(0, dh, 2) / dh)
     cos, sin = np.cos(np.concatenate([freqs, freqs])), np.sin(np.concatenate([freqs, freqs]))
-    rotated = np.concatenate([-x[..., dh // 2:], x[..., : dh // 2]], axis=-1)
+    rotated = np.concatenate([-x[..., dh // 2 :], x[..., : dh // 2]], axis=-1)
     return x * cos + rotated * sin
 
 
-@pytest.mark.parametrize("spec,exit_at", [
-    (ExitConfig("static", exit_layer=1), 1),
-    (ExitConfig("static", exit_layer=2), 2),
-    (ExitConfig("state", threshold=-math.inf, min_exit_layer=2), 2),
-], ids=["static1", "static2", "state-min2"])
+@pytest.mark.parametrize(
+    "spec,exit_at",
+    [
+        (ExitConfig("static", exit_layer=1), 1),
+        (ExitConfig("static", exit_layer=2), 2),
+        (ExitConfig("state", threshold=-math.inf, min_exit_layer=2), 2),
+    ],
+    ids=["static1", "static2", "state-min2"],
+)
 def test_kv_fill_writes_projections_of_the_exit_state(tiny_models, spec, exit_at):
     model = tiny_models["gqa-untied"]
     c, p = model.config, model.params
@@ -137,10 +148,18 @@ def test_static_step_equals_truncated_model(tiny_models):
     batch = step_batch(model, state, bt)
     h0 = llama.embed(p, state.last_token[:, None])
     for e in range(1, c.num_layers + 1):
-        out = early_exit_layers(steps.exit_fns(p, batch, c), h0, cache, ~state.done,
-                                jnp.zeros(3), batch.pages, batch.slots,
-                                config=ExitConfig("static", exit_layer=e), num_layers=c.num_layers,
-                                vocab_size=c.vocab_size)
+        out = early_exit_layers(
+            steps.exit_fns(p, batch, c),
+            h0,
+            cache,
+            ~state.done,
+            jnp.zeros(3),
+            batch.pages,
+            batch.slots,
+            config=ExitConfig("static", exit_layer=e),
+            num_layers=c.num_layers,
+            vocab_size=c.vocab_size,
+        )
         h, _ = llama.run_layers(p, h0, cache, batch, c, 0, e)
         want = llama.lm_head(p, h[:, 0], c)
         assert int(out.exit_layer) == e
@@ -158,6 +177,7 @@ def test_threshold_decay_moves_exits_earlier(tiny_models):
 
 
 # --- exit modules in params["exits"] ----------------------------------------------------------
+
 
 def test_identity_adapters_change_nothing_and_trained_ones_do(tiny_models):
     base = tiny_models["mha-untied"]
@@ -206,11 +226,23 @@ def test_bad_exit_settings_are_named(tiny_models):
         (lambda: ExitConfig.parse("static:"), "needs a value"),
         (lambda: gen(model, exit="static:4"), "deeper than the model"),
         (lambda: gen(model, exit=ExitConfig("state", threshold=0.5, min_exit_layer=9)), "deeper than the model"),
-        (lambda: gen(dataclasses.replace(model, params={k: v for k, v in model.params.items() if k != "exits"}),
-                     exit="classifier:0.5"), "init_exits"),
-        (lambda: gen(dataclasses.replace(model, params={**model.params, "exits": {"classifier_w": jnp.zeros((3, 7)),
-                                                                               "classifier_b": jnp.zeros(3)}}),
-                     exit="state:0.5"), "shape"),
+        (
+            lambda: gen(
+                dataclasses.replace(model, params={k: v for k, v in model.params.items() if k != "exits"}),
+                exit="classifier:0.5",
+            ),
+            "init_exits",
+        ),
+        (
+            lambda: gen(
+                dataclasses.replace(
+                    model,
+                    params={**model.params, "exits": {"classifier_w": jnp.zeros((3, 7)), "classifier_b": jnp.zeros(3)}},
+                ),
+                exit="state:0.5",
+            ),
+            "shape",
+        ),
         (lambda: eejax.init_exits(model, adapter_rank=65), "adapter_rank"),
     ]
     for make, needle in cases:

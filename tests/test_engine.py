@@ -31,8 +31,16 @@ def test_several_decode_steps_per_dispatch(tiny_model):
     max_new = [19, 7, 23, 2, 11, 16]
     results = {}
     for k in (1, 4):
-        engine = Engine(tiny_model, max_slots=2, max_new_tokens=24, cache_budget="4MiB", page_size=8,
-                        steps_per_dispatch=k, exit="state:0.7", pages="grow")
+        engine = Engine(
+            tiny_model,
+            max_slots=2,
+            max_new_tokens=24,
+            cache_budget="4MiB",
+            page_size=8,
+            steps_per_dispatch=k,
+            exit="state:0.7",
+            pages="grow",
+        )
         seqs = [engine.submit(p, max_new_tokens=n) for p, n in zip(prompts, max_new)]
         engine.run()
         assert engine.metrics()["kv_pages_used"] == 0
@@ -167,8 +175,9 @@ def test_preemption_with_chunked_prefill_and_shared_prefixes(tiny_model):
     budget = 16 * page_bytes(c.num_layers, 8, c.num_kv_heads, c.head_dim, tiny_model.dtype)
     prefix = random_prompts(1, [24], seed=5)[0]
     prompts = [prefix + rest for rest in random_prompts(6, [3, 9, 1], seed=13)]
-    engine = Engine(tiny_model, max_slots=4, max_new_tokens=40, cache_budget=budget, page_size=8, pages="grow",
-                    prefill_chunk=12)
+    engine = Engine(
+        tiny_model, max_slots=4, max_new_tokens=40, cache_budget=budget, page_size=8, pages="grow", prefill_chunk=12
+    )
     seqs = [engine.submit(p, max_new_tokens=30, priority=i % 2) for i, p in enumerate(prompts)]
     engine.run()
     assert engine.counters["preemptions"] > 0 and engine.counters["prefix_cache_hit_tokens"] >= 5 * 24

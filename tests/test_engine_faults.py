@@ -34,8 +34,11 @@ def test_a_failing_program_fails_only_its_requests(tiny_model):
 
     engine._decode_program = failing
     prompts = random_prompts(3, [5, 9, 3], seed=11)
-    seqs = [engine.submit(prompts[0], max_new_tokens=10), engine.submit(prompts[1], max_new_tokens=10, logprobs=0),
-            engine.submit(prompts[2], max_new_tokens=7)]
+    seqs = [
+        engine.submit(prompts[0], max_new_tokens=10),
+        engine.submit(prompts[1], max_new_tokens=10, logprobs=0),
+        engine.submit(prompts[2], max_new_tokens=7),
+    ]
     engine.run()
     assert seqs[1].finish_reason == "error" and "injected fault" in seqs[1].error
     for i in (0, 2):
@@ -88,6 +91,7 @@ def test_the_background_loop_outlives_a_failing_step_and_reports_its_own_death(t
         assert engine.alive
         served = engine.submit([5, 6, 7], max_new_tokens=4).result(timeout=60)
         assert served.tokens == greedy(tiny_model, [5, 6, 7], 4)
+
         # A fault the loop cannot recover from: it dies, says so, and ends what waits.
         def unrecoverable(error):
             raise SystemError("unrecoverable")
@@ -117,9 +121,15 @@ def test_abort_ends_what_still_runs(tiny_model):
 
 # --- admission: what is accepted can always start ---------------------------------------------
 
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(pages=st.integers(2, 40), page_size=st.sampled_from([1, 4, 8, 16]), prompt=st.integers(1, 300),
-       new=st.integers(1, 64), grow=st.booleans())
+@given(
+    pages=st.integers(2, 40),
+    page_size=st.sampled_from([1, 4, 8, 16]),
+    prompt=st.integers(1, 300),
+    new=st.integers(1, 64),
+    grow=st.booleans(),
+)
 def test_every_accepted_request_can_start_on_an_empty_cache(tiny_model, pages, page_size, prompt, new, grow):
     """Over cache sizes, page sizes and request lengths: `submit` either refuses with the numbers
     or the scheduler admits the request (and, after a preemption, its recomputation) into the
@@ -129,8 +139,14 @@ def test_every_accepted_request_can_start_on_an_empty_cache(tiny_model, pages, p
     c = tiny_model.config
     budget = pages * page_bytes(c.num_layers, page_size, c.num_kv_heads, c.head_dim, tiny_model.dtype)
     try:
-        engine = Engine(tiny_model, max_slots=2, max_new_tokens=64, cache_budget=budget, page_size=page_size,
-                        pages="grow" if grow else "reserve")
+        engine = Engine(
+            tiny_model,
+            max_slots=2,
+            max_new_tokens=64,
+            cache_budget=budget,
+            page_size=page_size,
+            pages="grow" if grow else "reserve",
+        )
     except EejaxError as e:
         assert "holds no sequence" in str(e)
         return
@@ -166,8 +182,7 @@ def test_a_request_as_long_as_admission_allows_runs_to_the_end(tiny_model):
 def test_distinct_exit_and_speculation_options_are_bounded(tiny_model):
     """Each early-exit / speculation option compiles its own programs: past the bound a new one
     is refused (naming those served), the ones served stay accepted."""
-    engine = Engine(tiny_model, max_slots=2, max_new_tokens=8, cache_budget="4MiB", page_size=8,
-                    max_decoding_options=3)
+    engine = Engine(tiny_model, max_slots=2, max_new_tokens=8, cache_budget="4MiB", page_size=8, max_decoding_options=3)
     for option in ("softmax:0.5", "softmax:0.25"):
         engine.submit([5, 6], max_new_tokens=2, exit=option)
     with pytest.raises(EejaxError, match=r"at most 3 .* exit none, exit softmax:0.25, exit softmax:0.5"):

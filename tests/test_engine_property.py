@@ -31,8 +31,17 @@ def model() -> eejax.Model:
     """4 layers, layers 2-3 the identity (output projections zeroed): drafts after E = 2 or 3
     layers are always accepted, so speculation rounds run back to back at full length, and E = 1
     accepts some. EOS is token 7."""
-    c = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-                    head_dim=8, max_position_embeddings=256, eos_token_ids=(EOS,))
+    c = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        eos_token_ids=(EOS,),
+    )
     params = llama.init_params(c, jax.random.PRNGKey(0), scale=0.3)
     layers = {**params["layers"], **{n: params["layers"][n].at[2:].set(0.0) for n in ("wo", "w_down")}}
     return eejax.Model(c, {**params, "layers": layers})
@@ -51,8 +60,9 @@ def reference(prompt: tuple[int, ...], limit: int, mode: str, option) -> list[in
 @functools.cache
 def _generate(prompt, max_new_tokens, exit, seed):  # noqa: A002
     kw = {} if seed is None else dict(temperature=TEMPERATURE, seed=seed)
-    return eejax.generate(model(), [list(prompt)], max_new_tokens=max_new_tokens, exit=exit, page_size=64,
-                          cache_budget="1MiB", **kw).tokens[0]
+    return eejax.generate(
+        model(), [list(prompt)], max_new_tokens=max_new_tokens, exit=exit, page_size=64, cache_budget="1MiB", **kw
+    ).tokens[0]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -70,8 +80,7 @@ def _forget_the_model_after_this_module():
 # small enough for the suite.)
 MODES = st.one_of(
     st.just(("plain", None)),
-    st.tuples(st.just("spec"),
-              st.one_of(st.integers(1, 8).map("2:{}".format), st.just("1:3"))),
+    st.tuples(st.just("spec"), st.one_of(st.integers(1, 8).map("2:{}".format), st.just("1:3"))),
     st.tuples(st.just("exit"), st.sampled_from(["static:1", "static:3"])),
     st.tuples(st.just("sampled"), st.integers(0, 2**31 - 1)),  # the request's seed
 )
@@ -82,16 +91,25 @@ PROMPT = st.one_of(
     st.lists(st.integers(8, 63), min_size=1, max_size=NEW),
     st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(8, 63), max_size=PAGE)).map(lambda p: p[0] + p[1]),
 )
-REQUEST = st.tuples(PROMPT, st.integers(1, NEW), MODES,
-                    st.integers(0, 3))  # the last: steps to run before this request arrives
+REQUEST = st.tuples(
+    PROMPT, st.integers(1, NEW), MODES, st.integers(0, 3)
+)  # the last: steps to run before this request arrives
 
 
 # 32 fixed examples in the suite (derandomized: the same each run; 1-3 s each on 2 cores);
 # EEJAX_ENGINE_EXAMPLES=500 for a longer search.
-@settings(max_examples=int(os.environ.get("EEJAX_ENGINE_EXAMPLES", "32")), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(requests=st.lists(REQUEST, min_size=1, max_size=7), pages=st.sampled_from(["reserve", "grow"]),
-       softmax_row=st.one_of(st.none(), st.integers(0, 6)), chunk=st.sampled_from([None, None, 5, 12]))
+@settings(
+    max_examples=int(os.environ.get("EEJAX_ENGINE_EXAMPLES", "32")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+@given(
+    requests=st.lists(REQUEST, min_size=1, max_size=7),
+    pages=st.sampled_from(["reserve", "grow"]),
+    softmax_row=st.one_of(st.none(), st.integers(0, 6)),
+    chunk=st.sampled_from([None, None, 5, 12]),
+)
 def test_engine_equals_generate_on_random_mixes(requests, pages, softmax_row, chunk):
     """3 slots over a cache of 8 pages of 8 tokens (a request needs up to 4): rows wait for pages
     (reserve) or are preempted and recomputed (grow); prompts prefill whole or in chunks of 5 or
@@ -99,8 +117,9 @@ def test_engine_equals_generate_on_random_mixes(requests, pages, softmax_row, ch
     m = model()
     c = m.config
     budget = 9 * page_bytes(c.num_layers, PAGE, c.num_kv_heads, c.head_dim, m.dtype)  # + the null page
-    engine = Engine(m, max_slots=3, max_new_tokens=NEW, cache_budget=budget, page_size=PAGE, pages=pages,
-                    prefill_chunk=chunk)
+    engine = Engine(
+        m, max_slots=3, max_new_tokens=NEW, cache_budget=budget, page_size=PAGE, pages=pages, prefill_chunk=chunk
+    )
     # One request (at most) decodes with a softmax exit and CALM's decaying threshold: alone in
     # its option group, so its exits depend on its own limit and positions only.
     submitted = []

@@ -17,10 +17,19 @@ from tests.helpers import random_prompts
 
 
 def tiny_model():
-    c = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-                    head_dim=8, max_position_embeddings=256)
-    return eejax.init_exits(eejax.Model(c, llama.init_params(c, jax.random.PRNGKey(0), scale=0.3)),
-                            adapter_rank=32, classifier=False)
+    c = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
+    return eejax.init_exits(
+        eejax.Model(c, llama.init_params(c, jax.random.PRNGKey(0), scale=0.3)), adapter_rank=32, classifier=False
+    )
 
 
 def batch(n=8, seed=0):
@@ -49,9 +58,10 @@ def test_layer_states_end_in_the_models_last_hidden_state():
     assert states.shape == (4, 4, tokens.shape[1], 32)
     # The prefill's logits of each row's last prompt token come from the same last state.
     logits = llama.lm_head(model.params, states[-1], model.config)
-    res = eejax.generate(model, [list(map(int, tokens[i, :lengths[i]])) for i in range(4)], max_new_tokens=1)
-    np.testing.assert_array_equal(np.argmax(np.asarray(logits)[np.arange(4), np.asarray(lengths) - 1], -1),
-                                  [t[0] for t in res.tokens])
+    res = eejax.generate(model, [list(map(int, tokens[i, : lengths[i]])) for i in range(4)], max_new_tokens=1)
+    np.testing.assert_array_equal(
+        np.argmax(np.asarray(logits)[np.arange(4), np.asarray(lengths) - 1], -1), [t[0] for t in res.tokens]
+    )
 
 
 def test_training_moves_only_the_exits_and_raises_agreement():
@@ -68,8 +78,16 @@ def test_training_moves_only_the_exits_and_raises_agreement():
     before = [agreement(model, exit_params, test_tokens, test_lengths, e) for e in (1, 2)]
     losses = []
     for _ in range(200):
-        exit_params, opt_state, loss = train_step(exit_params, opt_state, model.params, train_batch, exit_layers, weights,
-                                                  config=model.config, optimizer=optimizer)
+        exit_params, opt_state, loss = train_step(
+            exit_params,
+            opt_state,
+            model.params,
+            train_batch,
+            exit_layers,
+            weights,
+            config=model.config,
+            optimizer=optimizer,
+        )
         losses.append(float(loss))
     after = [agreement(model, exit_params, test_tokens, test_lengths, e) for e in (1, 2)]
     assert losses[-1] < 0.7 * losses[0]
@@ -142,8 +160,16 @@ def gated_model(z: int = 5):
     (odd) in proportion to silu(4 n_0) n_0, n_0 the normalised coordinate 0: large for even
     tokens, ~0 for odd ones. So exit 1 agrees with the last layer exactly on odd tokens, and a
     linear classifier on the normalised state can tell."""
-    c = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
-                    num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+    c = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
     p = jax.tree.map(np.array, llama.init_params(c, jax.random.PRNGKey(3), scale=0.3))
     p["embed"][:, 0] = np.where(np.arange(64) % 2 == 0, 20.0, -20.0)
     lay = p["layers"]
@@ -180,8 +206,9 @@ def test_calm_classifier_learns_when_exit_agrees_and_exits_losslessly():
     exit_params = model.params["exits"]
     opt_state = optimizer.init(exit_params)
     for _ in range(60):
-        exit_params, opt_state, loss = classifier_train_step(exit_params, opt_state, model.params, tokens, lengths,
-                                                             config=model.config, optimizer=optimizer)
+        exit_params, opt_state, loss = classifier_train_step(
+            exit_params, opt_state, model.params, tokens, lengths, config=model.config, optimizer=optimizer
+        )
     trained = eejax.Model(model.config, {**model.params, "exits": exit_params})
     # Held-out tokens: the label of exit 1 is "its argmax equals the last layer's".
     states = layer_states(model.params, test_tokens, test_lengths, model.config)
@@ -194,8 +221,11 @@ def test_calm_classifier_learns_when_exit_agrees_and_exits_losslessly():
     untrained = np.asarray(exit_modules.classifier_prob(model.params["exits"], states[0], 0))[valid]
     assert np.all(untrained == 0.5) and auc(prob, labels) > 0.95, auc(prob, labels)
     # Only the classifiers moved.
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, trained.params["layers"]),
-                 jax.tree.map(np.asarray, model.params["layers"]))
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.tree.map(np.asarray, trained.params["layers"]),
+        jax.tree.map(np.asarray, model.params["layers"]),
+    )
     # Decoding with the trained classifier exits after 1 layer where the upper layers would not
     # change the token: the same tokens as full depth, with fewer layers.
     prompts = random_prompts(4, [6, 9, 3, 12], vocab=60, seed=4)

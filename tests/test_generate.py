@@ -28,7 +28,7 @@ def test_input_forms_agree(tiny_model):
     left = np.zeros((3, 13), np.int32)
     mask = np.zeros((3, 13), np.int32)
     for i, p in enumerate(PROMPTS):
-        left[i, 13 - len(p):], mask[i, 13 - len(p):] = p, 1
+        left[i, 13 - len(p) :], mask[i, 13 - len(p) :] = p, 1
     assert gen(tiny_model, {"input_ids": left, "attention_mask": mask}).tokens == want
     texts = [tiny_model.tokenizer.decode(p) for p in PROMPTS]
     res = gen(tiny_model, texts)

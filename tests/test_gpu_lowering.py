@@ -38,8 +38,13 @@ def test_lowering_in_a_fresh_process():
     if IN_FRESH_PROCESS:
         pytest.skip("this is the fresh process")
     env = {**os.environ, "EEJAX_TEST_FRESH_PROCESS": "1", "JAX_ENABLE_COMPILATION_CACHE": "false"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "lower_for_cuda",
-                           __file__], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "lower_for_cuda", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -64,27 +69,45 @@ def test_llama_programs_lower_for_cuda(monkeypatch):
     model = eejax.init_exits(tiny(num_layers=4), classifier=True)
     # Rounds that never pay (a draft pass as dear as a verify): the adaptive run takes plain steps.
     observe_times = SpeculationPolicy.observe_times
-    monkeypatch.setattr(SpeculationPolicy, "observe_times",
-                        lambda self, d, *t, passes=None: observe_times(self, d, 1.0 * (d + 1), 1.0, passes=d + 1))
-    runs = [dict(), dict(temperature=0.8, top_k=5, seed=1), dict(exit="softmax:0.3"), dict(exit="static:2"),
-            dict(exit="state:0.5"), dict(exit="classifier:0.5"), dict(spec="2:2"), dict(spec="1:3:adaptive"),
-            dict(spec="2:2", temperature=0.7, seed=2)]
+    monkeypatch.setattr(
+        SpeculationPolicy,
+        "observe_times",
+        lambda self, d, *t, passes=None: observe_times(self, d, 1.0 * (d + 1), 1.0, passes=d + 1),
+    )
+    runs = [
+        dict(),
+        dict(temperature=0.8, top_k=5, seed=1),
+        dict(exit="softmax:0.3"),
+        dict(exit="static:2"),
+        dict(exit="state:0.5"),
+        dict(exit="classifier:0.5"),
+        dict(spec="2:2"),
+        dict(spec="1:3:adaptive"),
+        dict(spec="2:2", temperature=0.7, seed=2),
+    ]
     for kw in runs:
         eejax.generate(model, PROMPTS, max_new_tokens=6, ignore_eos=True, **kw)
     for static in (False, True):  # the CPU's loop structure, and the GPU's (`early_exit.static_loops`)
         monkeypatch.setattr(early_exit, "static_loops", lambda static=static: static)
         texts = lowered_for_cuda(model)
         print({name: len(modules) for name, modules in texts.items()})
-        assert {"prefill_slots", "decode_slots", "plain_step_slots", "draft_slots", "verify_slots",
-                "spec_round_slots"} <= set(texts)
+        assert {
+            "prefill_slots",
+            "decode_slots",
+            "plain_step_slots",
+            "draft_slots",
+            "verify_slots",
+            "spec_round_slots",
+        } <= set(texts)
         assert_cuda_modules(texts, model.programs.num_programs)
         assert any("stablehlo.while" in text for text in texts["decode_slots"])  # the early-exit segment loop
 
 
 @fresh_process_only
 def test_t5_programs_lower_for_cuda():
-    c = T5Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_encoder_layers=2,
-                 num_heads=4, head_dim=8)
+    c = T5Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_encoder_layers=2, num_heads=4, head_dim=8
+    )
     model = eejax.Model(c, t5.init_params(c, jax.random.PRNGKey(0), scale=0.3))
     for kw in (dict(), dict(exit="softmax:0.3"), dict(spec=SpecConfig(1, 2))):
         eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, **kw)
@@ -95,10 +118,12 @@ def test_t5_programs_lower_for_cuda():
 
 # (exit, data-dependent loops of the GPU's structure): the segment loop, and the layer loop of
 # the segments' layers beyond the shortest segment's (none when the segments are equally long)
-EXIT_OPTIONS = [(ExitConfig("softmax", threshold=0.05, decay=None, head="full"), 1),  # checks after every layer
-                (ExitConfig("state", threshold=0.5), 1),
-                (ExitConfig("classifier", threshold=0.5, exit_layers=(2, 4, 6)), 1),  # segments of 2
-                (ExitConfig("softmax", threshold=0.05, decay=None, head="reduced", exit_layers=(2, 3, 5)), 2)]
+EXIT_OPTIONS = [
+    (ExitConfig("softmax", threshold=0.05, decay=None, head="full"), 1),  # checks after every layer
+    (ExitConfig("state", threshold=0.5), 1),
+    (ExitConfig("classifier", threshold=0.5, exit_layers=(2, 4, 6)), 1),  # segments of 2
+    (ExitConfig("softmax", threshold=0.05, decay=None, head="reduced", exit_layers=(2, 3, 5)), 2),
+]
 
 
 @pytest.mark.parametrize(("exit_config", "gpu_loops"), EXIT_OPTIONS, ids=["softmax", "state", "classifier", "reduced"])
@@ -130,8 +155,13 @@ def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
     (the head skipped on the pass that only fills the draft layers' cache: a known round trip),
     alone or in a whole round."""
     model = tiny(num_layers=4)
-    for kw in (dict(), dict(exit="static:2"), dict(spec=SpecConfig(2, 2, bonus=False)),
-               dict(spec=SpecConfig(2, 2, bonus=True)), dict(spec="1:2:adaptive")):
+    for kw in (
+        dict(),
+        dict(exit="static:2"),
+        dict(spec=SpecConfig(2, 2, bonus=False)),
+        dict(spec=SpecConfig(2, 2, bonus=True)),
+        dict(spec="1:2:adaptive"),
+    ):
         eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, **kw)
     for name, options, program in model.programs.entries():
         flow = control_flow(program.as_text())

@@ -32,7 +32,9 @@ def test_completions_equal_generate(server, tiny_model):
             assert body["eejax"]["tokens"] == want.tokens[i]
             assert body["choices"][0]["text"] == want.texts[i]
         # Streaming: the concatenated deltas are the text.
-        with client.stream("POST", "/v1/completions", json={"prompt": prompts[0], "max_tokens": 9, "stream": True}) as r:
+        with client.stream(
+            "POST", "/v1/completions", json={"prompt": prompts[0], "max_tokens": 9, "stream": True}
+        ) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         assert "".join(c["choices"][0]["text"] for c in chunks) == want.texts[0]
         # eejax extras: a request's own early-exit option.
@@ -41,11 +43,16 @@ def test_completions_equal_generate(server, tiny_model):
         assert r.json()["eejax"]["tokens"] == want.tokens[0] and r.json()["eejax"]["exit_layers"] == want.exit_layers[0]
         # Sampling fields reach the engine: top_k = 1 at temperature 1 is greedy, temperature 5 is not.
         greedy = eejax.generate(tiny_model, [prompts[2]], max_new_tokens=12).tokens[0]
-        r = client.post("/v1/completions", json={"prompt": prompts[2], "max_tokens": 12, "temperature": 1.0,
-                                                 "top_k": 1}).json()
+        r = client.post(
+            "/v1/completions", json={"prompt": prompts[2], "max_tokens": 12, "temperature": 1.0, "top_k": 1}
+        ).json()
         assert r["eejax"]["tokens"] == greedy
-        hot = [client.post("/v1/completions", json={"prompt": prompts[2], "max_tokens": 12, "temperature": 5.0,
-                                                    "top_p": 1.0}).json()["eejax"]["tokens"] for _ in range(2)]
+        hot = [
+            client.post(
+                "/v1/completions", json={"prompt": prompts[2], "max_tokens": 12, "temperature": 5.0, "top_p": 1.0}
+            ).json()["eejax"]["tokens"]
+            for _ in range(2)
+        ]
         assert greedy not in hot and hot[0] != hot[1]
         r = client.post("/v1/completions", json={"prompt": prompts[1], "max_tokens": 7, "spec": "1:2"}).json()
         assert r["eejax"]["tokens"] == eejax.generate(tiny_model, [prompts[1]], max_new_tokens=7).tokens[0]
@@ -58,33 +65,39 @@ def test_completions_equal_generate(server, tiny_model):
         assert float(values["eejax_tokens_per_second"]) > 0
 
 
-@pytest.mark.parametrize("body,status,needle", [
-    (b"{not json", 400, "malformed JSON"),
-    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
-    ({"prompt": "word " * 2000, "max_tokens": 4}, 400, "context"),
-    ({"prompt": "hi", "n": 0}, 400, "n"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty=0.5"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
-    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
-    ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ({"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
-    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"prompt": [True, False]}, 400, "prompt"),
-    ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
-    ({"prompt": "hi", "priority": 1e30}, 400, "priority"),
-    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
-    ({"prompt": "hi", "top_p": "high"}, 400, "top_p"),
-    ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
-    ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": "hi", "exit": "entropy:0.5"}, 400, "unknown exit measure"),
-    ({"prompt": "hi", "spec": "9:2"}, 400, "below"),
-])
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        (b"{not json", 400, "malformed JSON"),
+        ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+        ({"prompt": "word " * 2000, "max_tokens": 4}, 400, "context"),
+        ({"prompt": "hi", "n": 0}, 400, "n"),
+        ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty=0.5"),
+        ({"prompt": "hi", "echo": True}, 400, "echo"),
+        ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+        ({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"prompt": [True, False]}, 400, "prompt"),
+        ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+        ({"prompt": "hi", "priority": 1e30}, 400, "priority"),
+        ({"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": "high"}, 400, "top_p"),
+        ({"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "hi", "exit": "entropy:0.5"}, 400, "unknown exit measure"),
+        ({"prompt": "hi", "spec": "9:2"}, 400, "below"),
+    ],
+)
 def test_bad_input(server, body, status, needle):
     url, _ = server
     with httpx.Client(base_url=url, timeout=60) as client:
-        r = (client.post("/v1/completions", content=body) if isinstance(body, bytes)
-             else client.post("/v1/completions", json=body))
+        r = (
+            client.post("/v1/completions", content=body)
+            if isinstance(body, bytes)
+            else client.post("/v1/completions", json=body)
+        )
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
 
@@ -98,8 +111,12 @@ def test_64_concurrent_clients_some_streaming_some_leaving(server, tiny_model):
     url, engine = server
     words = "the river rose above the bank and officials said".split()
     prefix = cnndm_rows(2)[1]["article"][:150] + " "
-    prompts = [prefix + " ".join(words[: 1 + i % 9]) if i % 2 else
-               " ".join(words[j % len(words)] for j in range(1 + (i * 7) % 40)) for i in range(64)]
+    prompts = [
+        prefix + " ".join(words[: 1 + i % 9])
+        if i % 2
+        else " ".join(words[j % len(words)] for j in range(1 + (i * 7) % 40))
+        for i in range(64)
+    ]
     hits = engine.counters["prefix_cache_hit_tokens"]
 
     async def client(i: int, http: httpx.AsyncClient):
@@ -148,14 +165,18 @@ def test_a_stream_whose_client_hangs_up_is_cancelled_at_once(server, monkeypatch
 
     def cancelled() -> float:
         text = engine.prometheus.render(engine.metrics()).decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith('eejax_requests_total{finish_reason="cancelled"}'))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith('eejax_requests_total{finish_reason="cancelled"}')
+        )
 
     before = cancelled()
     monkeypatch.setattr(engine, "step", slow_step)
     with httpx.Client(base_url=url, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json={"prompt": "The river", "max_tokens": 32,
-                                                            "stream": True}) as r:
+        with client.stream(
+            "POST", "/v1/completions", json={"prompt": "The river", "max_tokens": 32, "stream": True}
+        ) as r:
             chunks = 0
             for line in r.iter_lines():
                 chunks += line.startswith("data: {")
@@ -198,17 +219,35 @@ def test_eejax_serve_finishes_in_flight_requests_on_sigterm_and_exits_by_its_dea
     import signal
 
     ckpt = str(tiny_checkpoints["gqa-untied"][2])
-    proc, url = start_eejax_serve(ckpt, "--max-slots", 2, "--max-tokens-limit", 64, "--cache-budget", "4MiB",
-                                  "--pages", "grow", "--warmup", 8, "--shutdown-timeout", 4)
+    proc, url = start_eejax_serve(
+        ckpt,
+        "--max-slots",
+        2,
+        "--max-tokens-limit",
+        64,
+        "--cache-budget",
+        "4MiB",
+        "--pages",
+        "grow",
+        "--warmup",
+        8,
+        "--shutdown-timeout",
+        4,
+    )
     stuck = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
     try:
-        stuck.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 1000\r\n\r\n{\"prompt\": ")  # and nothing more
+        stuck.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": '
+        )  # and nothing more
         with httpx.Client(base_url=url, timeout=120) as client:
-            assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "model": ckpt}).status_code == 200
+            assert (
+                client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "model": ckpt}).status_code == 200
+            )
             chunks = []
-            with client.stream("POST", "/v1/completions",
-                               json={"prompt": "The river rose", "max_tokens": 40, "stream": True}) as r:
+            with client.stream(
+                "POST", "/v1/completions", json={"prompt": "The river rose", "max_tokens": 40, "stream": True}
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
                         chunks.append(json.loads(line[6:]))
@@ -243,6 +282,7 @@ def test_over_capacity_is_429(tiny_model):
 def _break_the_loop(monkeypatch, target):
     """Every step of `target` (an Engine or the class) raises, and so does recovering from it:
     the background loop dies at its first request."""
+
     def broken(*_):
         raise SystemError("broken engine")
 
@@ -276,8 +316,9 @@ def test_eejax_serve_exits_non_zero_when_its_engine_loop_dies(tiny_checkpoints, 
     _break_the_loop(monkeypatch, Engine)
     port, codes = free_port(), []
     ckpt = str(tiny_checkpoints["gqa-untied"][2])
-    thread = threading.Thread(target=lambda: codes.append(main(["serve", "--model", ckpt, "--port", str(port),
-                                                                "--cache-budget", "4MiB"])))
+    thread = threading.Thread(
+        target=lambda: codes.append(main(["serve", "--model", ckpt, "--port", str(port), "--cache-budget", "4MiB"]))
+    )
     thread.start()
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -301,8 +342,11 @@ def test_requests_sharing_a_prefix_reuse_its_pages_and_equal_generate(server, ti
         for prompt, tokens in zip(prompts, want.tokens):
             r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8})
             assert r.json()["eejax"]["tokens"] == tokens
-        values = dict(line.rsplit(" ", 1) for line in client.get("/metrics").text.splitlines()
-                      if line and not line.startswith("#"))
+        values = dict(
+            line.rsplit(" ", 1)
+            for line in client.get("/metrics").text.splitlines()
+            if line and not line.startswith("#")
+        )
     shared = len(tiny_model.tokenizer(article)["input_ids"]) // engine.page_size * engine.page_size
     assert engine.counters["prefix_cache_hit_tokens"] - before >= 2 * (shared - engine.page_size)
     assert float(values["eejax_prefix_cache_hit_tokens_total"]) >= engine.counters["prefix_cache_hit_tokens"] - before

@@ -37,8 +37,10 @@ def test_dropout_rates_follow_the_formula():
     # One draw per layer and step: the last layer drops at rate p_max, the first never.
     drops = np.mean([skipped_layers(LayerSkipConfig(p_max=0.5), t, 5) for t in range(2000)], axis=0)
     assert drops[0] == 0 and abs(drops[-1] - 0.5) < 0.04
-    assert skipped_layers(LayerSkipConfig(p_max=0.5), 7, 5).tolist() == skipped_layers(
-        LayerSkipConfig(p_max=0.5), 7, 5).tolist()
+    assert (
+        skipped_layers(LayerSkipConfig(p_max=0.5), 7, 5).tolist()
+        == skipped_layers(LayerSkipConfig(p_max=0.5), 7, 5).tolist()
+    )
 
 
 def test_exit_loss_scales():
@@ -48,8 +50,10 @@ def test_exit_loss_scales():
     np.testing.assert_allclose(s, e / e.sum(), rtol=1e-6)
     rot = [exit_loss_scales(LayerSkipConfig(e_scale=1.0, rotation=2), t, 4) > 0 for t in range(2)]
     assert rot[0].tolist() == [False, False, True, True] and rot[1].tolist() == [False, True, False, True]
-    grad = [exit_loss_scales(LayerSkipConfig(e_scale=1.0, curriculum="gradual", total_steps=8), t, 4) > 0
-            for t in (0, 1, 2, 3)]
+    grad = [
+        exit_loss_scales(LayerSkipConfig(e_scale=1.0, curriculum="gradual", total_steps=8), t, 4) > 0
+        for t in (0, 1, 2, 3)
+    ]
     assert [g.sum() for g in grad] == [1, 2, 3, 3]  # layer 0 has e(0) = 0
     # Eligible exits (as layers run): the curriculum rotates over them only.
     cfg = LayerSkipConfig(e_scale=1.0, rotation=2, exit_layers=(3, 6, 9))
@@ -80,17 +84,31 @@ def test_distill_loss_keeps_the_teachers_tail():
     p_top = np.exp(np.asarray(top_logp))
     p4 = np.concatenate([p_top, 1 - p_top.sum(-1, keepdims=True)], -1)
     q4 = np.concatenate([q_top, 1 - q_top.sum(-1, keepdims=True)], -1)
-    assert float(distill_loss(student, batch)) == pytest.approx(float(np.mean(np.sum(p4 * np.log(p4 / q4), -1))),
-                                                                rel=1e-5)
+    assert float(distill_loss(student, batch)) == pytest.approx(
+        float(np.mean(np.sum(p4 * np.log(p4 / q4), -1))), rel=1e-5
+    )
     # Targets summing to 1 (labels, a full distribution) have no rest: the plain KL.
     labels = label_batch(np.ones((1, 4), np.int32), np.array([4]))
-    assert float(distill_loss(student[:1, :4], labels)) == pytest.approx(
-        float(-np.log(q[0, :3, 1]).mean()), rel=1e-5)
+    assert float(distill_loss(student[:1, :4], labels)) == pytest.approx(float(-np.log(q[0, :3, 1]).mean()), rel=1e-5)
 
 
 def tiny_config(**kw):
-    return LlamaConfig(**{**dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
-                                 num_kv_heads=2, head_dim=8, max_position_embeddings=64, tie_embeddings=True), **kw})
+    return LlamaConfig(
+        **{
+            **dict(
+                vocab_size=32,
+                hidden_size=32,
+                intermediate_size=64,
+                num_layers=4,
+                num_heads=4,
+                num_kv_heads=2,
+                head_dim=8,
+                max_position_embeddings=64,
+                tie_embeddings=True,
+            ),
+            **kw,
+        }
+    )
 
 
 def test_training_forward_matches_hf_and_the_paged_inference_path(tiny_checkpoints):
@@ -174,8 +192,16 @@ def test_dropped_layers_and_disabled_exits_are_not_computed():
     for step in range(2):
         index, scale = enabled_exits(exit_loss_scales(cfg, step, 6))
         trainable, opt_state, _, (losses, layers_run, heads) = layerskip_train_step(
-            trainable, opt_state, params, batch, skip, jnp.asarray(index), jnp.asarray(scale), config=c,
-            optimizer=optimizer)
+            trainable,
+            opt_state,
+            params,
+            batch,
+            skip,
+            jnp.asarray(index),
+            jnp.asarray(scale),
+            config=c,
+            optimizer=optimizer,
+        )
         assert int(heads) == len(index) == 3 and losses.shape == (3,) and int(layers_run) == 4
 
 
@@ -211,15 +237,25 @@ def test_layerskip_raises_early_layer_accuracy_over_plain_fine_tuning():
         for step in range(60):
             index, scale = enabled_exits(exit_loss_scales(cfg, step, 4))
             params, opt_state, _, _ = layerskip_train_step(
-                params, opt_state, {"layers": {}}, batch, jnp.asarray(skipped_layers(cfg, step, 4)),
-                jnp.asarray(index), jnp.asarray(scale), config=c, optimizer=optimizer)
+                params,
+                opt_state,
+                {"layers": {}},
+                batch,
+                jnp.asarray(skipped_layers(cfg, step, 4)),
+                jnp.asarray(index),
+                jnp.asarray(scale),
+                config=c,
+                optimizer=optimizer,
+            )
         return params
 
     plain = train(LayerSkipConfig(p_max=0.0, e_scale=0.0, curriculum="all"))  # last-layer loss only
     layerskip = train(LayerSkipConfig(p_max=0.2, e_scale=1.0, curriculum="rotational", rotation=2, total_steps=60))
     for layer, margin in ((1, 0.05), (2, 0.3)):
-        assert early_accuracy(layerskip, c, tokens, lengths, layer) > early_accuracy(plain, c, tokens, lengths,
-                                                                                      layer) + margin
+        assert (
+            early_accuracy(layerskip, c, tokens, lengths, layer)
+            > early_accuracy(plain, c, tokens, lengths, layer) + margin
+        )
     assert early_accuracy(layerskip, c, tokens, lengths, 4) > 0.9  # the last layer still learns the task
 
 
@@ -234,8 +270,14 @@ def test_lora_layerskip_run_resumes_to_the_uninterrupted_result(tmp_path):
     tokens, lengths = sum_sequences(32)
     b = label_batch(tokens, lengths)
     data = DistillData(b.tokens, b.lengths, b.target_ids, b.target_probs.astype(np.float16))
-    settings = RunSettings(steps=40, batch_size=8, learning_rate=3e-2, lora_rank=4, exit_positions=8,
-                           layerskip=LayerSkipConfig(p_max=0.2, e_scale=1.0, rotation=2, exit_layers=(1, 2, 3)))
+    settings = RunSettings(
+        steps=40,
+        batch_size=8,
+        learning_rate=3e-2,
+        lora_rank=4,
+        exit_positions=8,
+        layerskip=LayerSkipConfig(p_max=0.2, e_scale=1.0, rotation=2, exit_layers=(1, 2, 3)),
+    )
     whole, log, done = train_layerskip(model, data, settings, tmp_path / "a", progress=False)
     assert done and len(log["loss"]) == 40 and log["heads"][:2] == [2, 2] and log["loss"][-1] < log["loss"][0]
 
@@ -272,8 +314,9 @@ def test_exported_delta_rebuilds_the_trained_model(tiny_model, tmp_path):
         tokens[i, : len(r)] = r
     b = label_batch(tokens, [len(r) for r in rows])
     data = DistillData(b.tokens, b.lengths, b.target_ids, b.target_probs.astype(np.float16))
-    settings = RunSettings(steps=3, batch_size=4, learning_rate=1e-2, lora_rank=2,
-                           layerskip=LayerSkipConfig(exit_layers=(1, 2)))
+    settings = RunSettings(
+        steps=3, batch_size=4, learning_rate=1e-2, lora_rank=2, layerskip=LayerSkipConfig(exit_layers=(1, 2))
+    )
     trainable, _, _ = train_layerskip(tiny_model, data, settings, tmp_path / "ckpt", progress=False)
     export_run(tiny_model, trainable, settings, data, tmp_path, base_name="tiny", exit_vocab_size=64)
     saved = eejax.load(tmp_path / "model")
@@ -299,16 +342,28 @@ def test_known_model_built_from_a_base_and_a_shipped_delta(tiny_checkpoints, tmp
     trained = eejax.Model(base.config, merge_lora(base.params, factors), base.tokenizer)
     ids, logits = probe_logits(trained)
     top = np.argsort(-logits)[:64]
-    save_delta(tmp_path / "tiny-layerskip.safetensors", factors, {"exit_vocab_ids": np.arange(3, 40, dtype=np.int32)},
-               {"base": "tiny", "settings": {"layerskip": {"exit_layers": [2]}}, "probe_ids": ids,
-                "probe_top_ids": top.tolist(), "probe_top_logits": logits[top].tolist()})
+    save_delta(
+        tmp_path / "tiny-layerskip.safetensors",
+        factors,
+        {"exit_vocab_ids": np.arange(3, 40, dtype=np.int32)},
+        {
+            "base": "tiny",
+            "settings": {"layerskip": {"exit_layers": [2]}},
+            "probe_ids": ids,
+            "probe_top_ids": top.tolist(),
+            "probe_top_logits": logits[top].tolist(),
+        },
+    )
     monkeypatch.setenv("EEJAX_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(hub, "ASSETS", tmp_path)
-    monkeypatch.setitem(hub.KNOWN_MODELS, "tiny-layerskip", hub.KnownModel(
-        description="test", base=str(base_dir),
-        delta="tiny-layerskip.safetensors"))
+    monkeypatch.setitem(
+        hub.KNOWN_MODELS,
+        "tiny-layerskip",
+        hub.KnownModel(description="test", base=str(base_dir), delta="tiny-layerskip.safetensors"),
+    )
     loaded = eejax.load("tiny-layerskip")
     assert (tmp_path / "cache" / "models" / "tiny-layerskip").is_dir()
     assert np.asarray(loaded.params["exits"]["exit_layers"]).tolist() == [2]
-    np.testing.assert_array_equal(probe_logits(loaded)[1], probe_logits(apply_delta(base, tmp_path /
-                                                                                     "tiny-layerskip.safetensors"))[1])
+    np.testing.assert_array_equal(
+        probe_logits(loaded)[1], probe_logits(apply_delta(base, tmp_path / "tiny-layerskip.safetensors"))[1]
+    )

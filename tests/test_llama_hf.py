@@ -58,10 +58,10 @@ def test_logits_match_hf(tiny_checkpoints, kind, page_size):
     prefill, decode = eejax_logits(model, prompts, continuations, page_size)
     for i, (p, cont) in enumerate(zip(prompts, continuations)):
         want = hf_logits(hf, p + cont)
-        np.testing.assert_allclose(prefill[i, : len(p)], want[: len(p)], atol=1e-4, rtol=0,
-                                   err_msg=f"prefill row {i}")
-        np.testing.assert_allclose(decode[i], want[len(p): len(p) + DECODE_STEPS], atol=1e-4, rtol=0,
-                                   err_msg=f"decode row {i}")
+        np.testing.assert_allclose(prefill[i, : len(p)], want[: len(p)], atol=1e-4, rtol=0, err_msg=f"prefill row {i}")
+        np.testing.assert_allclose(
+            decode[i], want[len(p) : len(p) + DECODE_STEPS], atol=1e-4, rtol=0, err_msg=f"decode row {i}"
+        )
 
 
 @pytest.mark.parametrize("kind", ["gqa-tied", "llama3-rope"])
@@ -72,7 +72,13 @@ def test_greedy_generate_matches_hf(tiny_checkpoints, kind):
     res = eejax.generate(model, prompts, max_new_tokens=24, ignore_eos=True, page_size=8)
     for i, p in enumerate(prompts):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
-        assert res.tokens[i] == out[0, len(p):].tolist(), f"row {i}"
+            out = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=24,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert res.tokens[i] == out[0, len(p) :].tolist(), f"row {i}"
         assert res.exit_layers[i] == [model.config.num_layers] * 24

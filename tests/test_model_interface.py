@@ -16,10 +16,19 @@ from eejax.models.registry import ARCHITECTURES, ModelModule, model_module
 from eejax.models.stack import is_split, on_layer, split_stack
 from eejax.train.forward import layer_states
 
-LLAMA = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
-                    head_dim=4, max_position_embeddings=64)
-T5 = T5Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_encoder_layers=2, num_heads=2,
-              head_dim=8)
+LLAMA = LlamaConfig(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    max_position_embeddings=64,
+)
+T5 = T5Config(
+    vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_encoder_layers=2, num_heads=2, head_dim=8
+)
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "eejax"
 
 
@@ -67,14 +76,24 @@ def test_no_architecture_checks_outside_models():
                 if names & {"T5Config", "LlamaConfig"}:
                     offenders.append(f"{rel}:{node.lineno}")
             if isinstance(node, ast.Compare) and any(
-                    isinstance(c, ast.Constant) and c.value in ARCHITECTURES for c in node.comparators):
+                isinstance(c, ast.Constant) and c.value in ARCHITECTURES for c in node.comparators
+            ):
                 if "architecture" in ast.unparse(node.left):
                     offenders.append(f"{rel}:{node.lineno}")
     assert not offenders
 
 
-@pytest.mark.parametrize("options", [dict(), dict(exit="softmax:0.02"), dict(exit="state:0.7"), dict(spec="1:2"),
-                                     dict(temperature=0.9, top_k=8, seed=3)], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(exit="softmax:0.02"),
+        dict(exit="state:0.7"),
+        dict(spec="1:2"),
+        dict(temperature=0.9, top_k=8, seed=3),
+    ],
+    ids=str,
+)
 def test_per_layer_weight_buffers_give_the_stacked_layouts_tokens(options):
     """A CPU reads each layer's weights from its own buffer (`Model.run_params`); a GPU from the
     stack. Both layouts give the same tokens and exit layers (static and traced layer ranges)."""
@@ -98,8 +117,10 @@ def test_on_layer_reads_the_same_weights_in_both_layouts():
     stack = {"w": jnp.arange(24.0).reshape(4, 2, 3)}
     split = split_stack(stack)
     for layer in (0, 3, jnp.int32(2)):
-        assert np.array_equal(on_layer(stack, ("w",), layer, lambda lp: lp["w"] * 2),
-                              on_layer(split, ("w",), layer, lambda lp: lp["w"] * 2))
+        assert np.array_equal(
+            on_layer(stack, ("w",), layer, lambda lp: lp["w"] * 2),
+            on_layer(split, ("w",), layer, lambda lp: lp["w"] * 2),
+        )
     traced = jax.jit(lambda i: on_layer(split, ("w",), i, lambda lp: lp["w"].sum()))
     assert [float(traced(i)) for i in range(4)] == [float(stack["w"][i].sum()) for i in range(4)]
 
@@ -113,8 +134,13 @@ def test_the_engine_reads_per_layer_buffers_too():
     params = model_module(config).init_params(config, jax.random.PRNGKey(2), scale=0.3)
     prompts = [[3, 9, 27, 5, 8], [11, 4, 6]]
     want = eejax.generate(eejax.Model(config, params), prompts, max_new_tokens=5, ignore_eos=True).tokens
-    engine = Engine(eejax.Model(config, params, layer_buffers="split"), max_slots=2, max_new_tokens=8,
-                    cache_budget="1MiB", page_size=8)
+    engine = Engine(
+        eejax.Model(config, params, layer_buffers="split"),
+        max_slots=2,
+        max_new_tokens=8,
+        cache_budget="1MiB",
+        page_size=8,
+    )
     seqs = [engine.submit(p, max_new_tokens=5) for p in prompts]
     engine.run()
     assert [s.tokens for s in seqs] == want  # (the config names no EOS: every row runs to 5 tokens)
@@ -124,9 +150,12 @@ def test_the_engine_reads_per_layer_buffers_too():
 
 AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "mlp", "norm", "layers", "relpos_buckets", "adapter"}
 CONFIGS = {
-    "llama-untied": LLAMA, "llama-tied": dataclasses.replace(LLAMA, tie_embeddings=True),
-    "t5-v1.0": T5, "t5-v1.1": dataclasses.replace(T5, gated=True, activation="gelu_new", tie_embeddings=False,
-                                                  scale_decoder_outputs=False),
+    "llama-untied": LLAMA,
+    "llama-tied": dataclasses.replace(LLAMA, tie_embeddings=True),
+    "t5-v1.0": T5,
+    "t5-v1.1": dataclasses.replace(
+        T5, gated=True, activation="gelu_new", tie_embeddings=False, scale_decoder_outputs=False
+    ),
 }
 
 
@@ -153,8 +182,9 @@ def test_model_logical_axes_cover_the_exits_and_the_reduced_head():
     import eejax
     from eejax.models import exits
 
-    model = eejax.init_exits(eejax.Model(LLAMA, model_module(LLAMA).init_params(LLAMA, jax.random.PRNGKey(0))),
-                             adapter_rank=4)
+    model = eejax.init_exits(
+        eejax.Model(LLAMA, model_module(LLAMA).init_params(LLAMA, jax.random.PRNGKey(0))), adapter_rank=4
+    )
     model = model.with_params(exits.set_exit_vocab(model.params, [1, 5, 9], tied=False))
     specs = model.logical_axes()
     assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(model.params)
@@ -177,11 +207,12 @@ def test_the_flax_forward_without_a_cache_gives_the_paged_prefills_logits():
     rows = [[5, 9, 2, 33, 7, 1], [8, 8, 40]]
     tokens = np.zeros((2, 6), np.int32)
     for i, r in enumerate(rows):
-        tokens[i, :len(r)] = r
+        tokens[i, : len(r)] = r
     dense = Llama(LLAMA).apply({"params": params}, tokens, np.array([6, 3], np.int32))
     for i, r in enumerate(rows):
-        np.testing.assert_allclose(dense[i, :len(r)], sequence_logits(eejax.Model(LLAMA, params), r),
-                                   rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(
+            dense[i, : len(r)], sequence_logits(eejax.Model(LLAMA, params), r), rtol=2e-5, atol=2e-5
+        )
 
 
 def test_the_t5_flax_forward_without_a_cache_gives_the_paged_decoders_logits():
@@ -195,8 +226,14 @@ def test_the_t5_flax_forward_without_a_cache_gives_the_paged_decoders_logits():
     dense = t5.T5(config).apply({"params": params}, prompt, lengths, dec, np.array([4, 4], np.int32))
     b, t = dec.shape
     cache = init_cache(config.num_layers, 1 + b, 8, config.num_kv_heads, config.head_dim, jnp.float32)
-    batch = t5.token_batch(config, np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)), np.ones((b, t), bool),
-                           np.arange(1, 1 + b, dtype=np.int32)[:, None], np.full((b,), t, np.int32), 8,
-                           context=t5.encode_context(params, prompt, lengths, config))
+    batch = t5.token_batch(
+        config,
+        np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)),
+        np.ones((b, t), bool),
+        np.arange(1, 1 + b, dtype=np.int32)[:, None],
+        np.full((b,), t, np.int32),
+        8,
+        context=t5.encode_context(params, prompt, lengths, config),
+    )
     h, _ = t5.run_layers(params, t5.embed(params, dec), cache, batch, config)
     np.testing.assert_allclose(dense, t5.lm_head(params, h, config), rtol=2e-5, atol=2e-5)

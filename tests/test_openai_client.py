@@ -88,8 +88,12 @@ def test_seed_gives_generates_draw_whatever_else_runs(client, tiny_model):
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        busy = [pool.submit(client.completions.create, model="tiny", prompt="Officials said", max_tokens=20,
-                            temperature=0.7) for _ in range(3)]
+        busy = [
+            pool.submit(
+                client.completions.create, model="tiny", prompt="Officials said", max_tokens=20, temperature=0.7
+            )
+            for _ in range(3)
+        ]
         again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=1234)
         [f.result() for f in busy]
     assert again.choices[0].text == want[0]
@@ -130,31 +134,60 @@ def test_logprobs_are_the_models_log_softmax(client, tiny_model, tiny_checkpoint
 
 
 def test_streams_report_usage_when_asked(client):
-    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
-                                                 max_tokens=5, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.usage is None for c in chunks[:-1])
     # n > 1 streams: every choice gets its chunks and its own finish.
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2, temperature=1.0,
-                                            seed=9, stream=True))
+    chunks = list(
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, n=2, temperature=1.0, seed=9, stream=True)
+    )
     finished = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
     assert finished == [0, 1]
 
 
 def test_fields_that_ask_for_nothing_are_accepted(client, tiny_model):
     want = greedy(tiny_model, PROMPT, 5).texts[0]
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, n=1, seed=None, stop=[],
-                                  presence_penalty=0, frequency_penalty=0.0, logit_bias={}, echo=False,
-                                  best_of=1, suffix=None, user="someone", stream_options=None)
+    r = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=5,
+        n=1,
+        seed=None,
+        stop=[],
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        logit_bias={},
+        echo=False,
+        best_of=1,
+        suffix=None,
+        user="someone",
+        stream_options=None,
+    )
     assert r.choices[0].text == want
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=5,
-                                       logprobs=False, top_logprobs=0, tools=[], tool_choice="none",
-                                       response_format={"type": "text"}, stop="")
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=5,
+        logprobs=False,
+        top_logprobs=0,
+        tools=[],
+        tool_choice="none",
+        response_format={"type": "text"},
+        stop="",
+    )
     assert r.choices[0].finish_reason in ("length", "stop")
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, presence_penalty=1.0)
     with pytest.raises(openai.BadRequestError, match="max_completion_tokens"):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                       max_completion_tokens=-1)
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_completion_tokens=-1
+        )

@@ -37,6 +37,7 @@ def reduced(model, k):
 
 # --- the reduced head ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["gqa-tied", "gqa-untied"])
 def test_a_reduced_head_of_the_whole_vocabulary_is_bit_identical(models, kind):
     model = models[kind]
@@ -47,10 +48,14 @@ def test_a_reduced_head_of_the_whole_vocabulary_is_bit_identical(models, kind):
     for head, emit in (("reduced", "full"), ("reduced", "reduced")):
         res = gen(whole, exit=ExitConfig("softmax", threshold=0.005, decay=None, head=head, emit=emit))
         assert (res.tokens, res.exit_layers, res.confident_layers) == (
-            full.tokens, full.exit_layers, full.confident_layers), (head, emit)
+            full.tokens,
+            full.exit_layers,
+            full.confident_layers,
+        ), (head, emit)
     x = jax.random.normal(jax.random.PRNGKey(1), (4, model.config.hidden_size))
-    np.testing.assert_array_equal(steps.reduced_logits(whole.params, x, 2, model.config),
-                                  steps.exit_logits(whole.params, x, 2, model.config))
+    np.testing.assert_array_equal(
+        steps.reduced_logits(whole.params, x, 2, model.config), steps.exit_logits(whole.params, x, 2, model.config)
+    )
     if kind == "gqa-tied":
         return  # drafts: the untied head is enough
     spec_full = gen(model, spec=SpecConfig(1, 3, head="full"))
@@ -101,12 +106,14 @@ def test_most_frequent_keeps_eos_and_breaks_ties_by_id():
 
 # --- check layers and the segment loop --------------------------------------------------------
 
+
 def reference_exit(model, state, cache, table, config: ExitConfig, checks, threshold, reduced_checks=False):
     """Layer by layer in Python: (exit layer, confident layers [B], token [B]) of one step."""
     c, p = model.config, model.params
     active = ~np.asarray(state.done)
-    batch = llama.token_batch(c, state.seq_len[:, None], jnp.asarray(active)[:, None], table,
-                              state.seq_len + active, cache.page_size)
+    batch = llama.token_batch(
+        c, state.seq_len[:, None], jnp.asarray(active)[:, None], table, state.seq_len + active, cache.page_size
+    )
     h = llama.embed(p, state.last_token[:, None])
     confident_at = np.zeros(len(active), int)
     exited = ~active
@@ -130,29 +137,49 @@ def reference_exit(model, state, cache, table, config: ExitConfig, checks, thres
     return c.num_layers, np.where(confident_at == 0, c.num_layers, confident_at), token
 
 
-@pytest.mark.parametrize("measure,checks,reduced_checks", [
-    ("softmax", (1, 2), False), ("softmax", (2,), False), ("softmax", (1, 2), True), ("state", (1, 2), False),
-    ("state", (2,), False)])
+@pytest.mark.parametrize(
+    "measure,checks,reduced_checks",
+    [
+        ("softmax", (1, 2), False),
+        ("softmax", (2,), False),
+        ("softmax", (1, 2), True),
+        ("state", (1, 2), False),
+        ("state", (2,), False),
+    ],
+)
 def test_the_segment_loop_exits_where_a_per_layer_loop_does(models, measure, checks, reduced_checks):
     model = reduced(models["gqa-untied"], 128) if reduced_checks else models["gqa-untied"]
     c = model.config
     state, cache, table = prefilled(model, PROMPTS + [[7, 8]])
     active = ~state.done
-    batch = llama.token_batch(c, state.seq_len[:, None], active[:, None], table, state.seq_len + active,
-                              cache.page_size)
+    batch = llama.token_batch(
+        c, state.seq_len[:, None], active[:, None], table, state.seq_len + active, cache.page_size
+    )
     h0 = llama.embed(model.params, state.last_token[:, None])
     fns = steps.exit_fns(model.params, batch, c, check_reduced=reduced_checks)
     # Thresholds between the confidences the rows reach, so the batch exits at every check and at none.
     outcomes = set()
     thresholds = (0.0005, 0.002, 0.004, 0.006, 0.01, 0.5) if measure == "softmax" else (-0.9, 0, 0.2, 0.4, 0.6, 0.9)
     for threshold in thresholds:
-        config = ExitConfig(measure, threshold=threshold, decay=None, exit_layers=checks,
-                            head="reduced" if reduced_checks else "full")
-        out = early_exit_layers(fns, h0, cache, active, jnp.full(active.shape, threshold), batch.pages, batch.slots,
-                                config=config, num_layers=c.num_layers, vocab_size=c.vocab_size,
-                                reuse_check_logits=measure == "softmax" and not reduced_checks)
-        want_exit, want_confident, want_token = reference_exit(model, state, cache, table, config, checks, threshold,
-                                                               reduced_checks)
+        config = ExitConfig(
+            measure, threshold=threshold, decay=None, exit_layers=checks, head="reduced" if reduced_checks else "full"
+        )
+        out = early_exit_layers(
+            fns,
+            h0,
+            cache,
+            active,
+            jnp.full(active.shape, threshold),
+            batch.pages,
+            batch.slots,
+            config=config,
+            num_layers=c.num_layers,
+            vocab_size=c.vocab_size,
+            reuse_check_logits=measure == "softmax" and not reduced_checks,
+        )
+        want_exit, want_confident, want_token = reference_exit(
+            model, state, cache, table, config, checks, threshold, reduced_checks
+        )
         assert int(out.exit_layer) == want_exit, threshold
         live = np.asarray(active)
         np.testing.assert_array_equal(np.asarray(out.confident_layer)[live], want_confident[live])
@@ -181,13 +208,15 @@ def test_check_layers_default_to_the_trained_exits(models):
 
 # --- KV fill over [E, L) ------------------------------------------------------------------------
 
+
 def test_kv_fill_of_the_skipped_layers_writes_what_the_masked_fill_wrote(models):
     model = models["gqa-untied"]
     c, p = model.config, model.params
     state, cache, table = prefilled(model, PROMPTS + [[7, 8]])
     active = ~state.done
-    batch = llama.token_batch(c, state.seq_len[:, None], active[:, None], table, state.seq_len + active,
-                              cache.page_size)
+    batch = llama.token_batch(
+        c, state.seq_len[:, None], active[:, None], table, state.seq_len + active, cache.page_size
+    )
     h = jax.random.normal(jax.random.PRNGKey(2), (4, 1, c.hidden_size))
     # The masked fill this replaced: every layer's K/V of h, written where layer >= E. (Computed
     # per layer: a vmapped projection rounds differently in the last bit.)
@@ -199,8 +228,15 @@ def test_kv_fill_of_the_skipped_layers_writes_what_the_masked_fill_wrote(models)
         for layer in range(e, c.num_layers):
             want_k[layer][heads, batch.pages, batch.slots] = np.asarray(k_all[layer]).transpose(2, 0, 1, 3)
             want_v[layer][heads, batch.pages, batch.slots] = np.asarray(v_all[layer]).transpose(2, 0, 1, 3)
-        got = kv_fill(cache, lambda layer, x: llama.kv_of_layer(p, x, layer, batch, c), h, jnp.int32(e),
-                      c.num_layers, batch.pages, batch.slots)
+        got = kv_fill(
+            cache,
+            lambda layer, x: llama.kv_of_layer(p, x, layer, batch, c),
+            h,
+            jnp.int32(e),
+            c.num_layers,
+            batch.pages,
+            batch.slots,
+        )
         np.testing.assert_allclose(got.k, want_k, rtol=1e-6, atol=1e-6)  # the loop's matmuls may round apart
         np.testing.assert_allclose(got.v, want_v, rtol=1e-6, atol=1e-6)
         # Exactly the slots of the skipped layers changed, nothing else.
@@ -208,13 +244,22 @@ def test_kv_fill_of_the_skipped_layers_writes_what_the_masked_fill_wrote(models)
         # The GPU's loop of known length from layer `first`: the same, and the layers in [first, E)
         # wrote to the null page only.
         first = min(e, 1)
-        fixed = kv_fill(cache, lambda layer, x: llama.kv_of_layer(p, x, layer, batch, c), h, jnp.int32(e),
-                        c.num_layers, batch.pages, batch.slots, first=first)
+        fixed = kv_fill(
+            cache,
+            lambda layer, x: llama.kv_of_layer(p, x, layer, batch, c),
+            h,
+            jnp.int32(e),
+            c.num_layers,
+            batch.pages,
+            batch.slots,
+            first=first,
+        )
         np.testing.assert_array_equal(np.asarray(fixed.k)[:, :, 1:], np.asarray(got.k)[:, :, 1:])
         np.testing.assert_array_equal(np.asarray(fixed.v)[:, :, 1:], np.asarray(got.v)[:, :, 1:])
 
 
 # --- the cost model against hand counts ----------------------------------------------------------
+
 
 def test_weight_counts_and_ideal_speedups_by_hand(models):
     model = reduced(models["gqa-untied"], 256)  # L 3, D 64, F 128, 4 heads of 16, 2 KV heads, V 320, untied
@@ -233,7 +278,8 @@ def test_weight_counts_and_ideal_speedups_by_hand(models):
     assert cost.exit_step_weights(w, soft, 2, (1, 2), False, False) == 2 * layer + w.kv + 2 * w.head
     # Static: no check.
     assert cost.exit_step_weights(w, ExitConfig("static", exit_layer=2), 2, (), True, False) == (
-        2 * layer + w.kv + w.head)
+        2 * layer + w.kv + w.head
+    )
     # Speculation E = 1: 5 draft passes, 4 draft heads (reduced), 2 verify passes of 2 layers + the head.
     assert cost.spec_weights(w, 1, 5, 4, 2, True) == 5 * layer + 4 * w.reduced_head + 2 * (2 * layer + w.head)
     # generate's stats by the same count: static:2 reads the same weights for every decode token.
@@ -250,19 +296,21 @@ def test_weight_counts_and_ideal_speedups_by_hand(models):
 
 # --- bad input ---------------------------------------------------------------------------------
 
+
 def test_bad_check_layers_and_missing_reduced_heads_are_named(models):
     model = models["gqa-untied"]
-    for layers, match in (([2, 1], "increasing"), ([1, 1], "increasing"), ([0], ">= 1"), ([], ">= 1"),
-                          ([1.5], ">= 1")):
+    for layers, match in (([2, 1], "increasing"), ([1, 1], "increasing"), ([0], ">= 1"), ([], ">= 1"), ([1.5], ">= 1")):
         with pytest.raises(EejaxError, match=match):
             ExitConfig("softmax", threshold=0.5, exit_layers=layers)
     with pytest.raises(EejaxError, match="not both"):
         ExitConfig("softmax", threshold=0.5, exit_layers=[1], min_exit_layer=2)
     with pytest.raises(EejaxError, match="below the model's 3 layers"):
         gen(model, exit=ExitConfig("softmax", threshold=0.5, exit_layers=[1, 3]))
-    for option in (dict(exit=ExitConfig("softmax", threshold=0.5, head="reduced")),
-                   dict(exit=ExitConfig("static", exit_layer=1, emit="reduced")),
-                   dict(spec=SpecConfig(1, 2, head="reduced"))):
+    for option in (
+        dict(exit=ExitConfig("softmax", threshold=0.5, head="reduced")),
+        dict(exit=ExitConfig("static", exit_layer=1, emit="reduced")),
+        dict(spec=SpecConfig(1, 2, head="reduced")),
+    ):
         with pytest.raises(EejaxError, match="eejax exit-vocab"):
             gen(model, **option)
     with pytest.raises(EejaxError, match=r"lie in \[0, 320\)"):
@@ -281,8 +329,21 @@ def test_exit_vocab_command_end_to_end(tiny_checkpoints, tmp_path, capsys):
     src = str(tiny_checkpoints["gqa-tied"][2])
     out = tmp_path / "reduced"
     prompts = ["The president said", "Officials in the city of London announced on Monday that"]
-    code, stdout, _ = run_cli(capsys, "exit-vocab", "--model", src, "--prompt", *prompts, "--size", "256",
-                              "--continuation-tokens", "12", "--output", str(out), "--quiet")
+    code, stdout, _ = run_cli(
+        capsys,
+        "exit-vocab",
+        "--model",
+        src,
+        "--prompt",
+        *prompts,
+        "--size",
+        "256",
+        "--continuation-tokens",
+        "12",
+        "--output",
+        str(out),
+        "--quiet",
+    )
     assert code == 0 and "256 of 320 tokens" in stdout
     model = eejax.load(out)
     ids = np.asarray(model.params["exits"]["vocab_ids"])
@@ -292,15 +353,19 @@ def test_exit_vocab_command_end_to_end(tiny_checkpoints, tmp_path, capsys):
     base = eejax.load(src)
     assert gen(model, prompts, spec="1:2").tokens == gen(base, prompts).tokens
     # Bad input: one line, status 2.
-    for argv, match in ((["--size", "321", "--output", str(tmp_path / "other")], "--size 321 must lie in [1, 320]"),
-                        (["--output", str(out)], "already exists")):
+    for argv, match in (
+        (["--size", "321", "--output", str(tmp_path / "other")], "--size 321 must lie in [1, 320]"),
+        (["--output", str(out)], "already exists"),
+    ):
         code, _, err = run_cli(capsys, "exit-vocab", "--model", src, "--prompt", "x", *argv)
         assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
-    code, _, err = run_cli(capsys, "generate", "--model", src, "--prompt", "x", "--exit", "softmax:0.5",
-                           "--exit-head", "reduced")
+    code, _, err = run_cli(
+        capsys, "generate", "--model", src, "--prompt", "x", "--exit", "softmax:0.5", "--exit-head", "reduced"
+    )
     assert code == 2 and "eejax exit-vocab" in err
-    code, _, err = run_cli(capsys, "generate", "--model", src, "--prompt", "x", "--exit", "softmax:0.5",
-                           "--exit-layers", "2,1")
+    code, _, err = run_cli(
+        capsys, "generate", "--model", src, "--prompt", "x", "--exit", "softmax:0.5", "--exit-layers", "2,1"
+    )
     assert code == 2 and "increasing" in err
     # A head changed after exit-vocab ran: the stale reduced head is refused at load.
     _, params, _ = load_checkpoint(out)

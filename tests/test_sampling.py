@@ -21,8 +21,13 @@ from eejax.decode.sampling import (
 )
 from eejax.errors import EejaxError
 
-ROWS = [SamplingParams(0.7, 5, 1.0), SamplingParams(1.3, 0, 0.6), SamplingParams(1.0, 3, 0.5),
-        SamplingParams(0.0, 0, 1.0), SamplingParams(2.0, 0, 1.0)]
+ROWS = [
+    SamplingParams(0.7, 5, 1.0),
+    SamplingParams(1.3, 0, 0.6),
+    SamplingParams(1.0, 3, 0.5),
+    SamplingParams(0.0, 0, 1.0),
+    SamplingParams(2.0, 0, 1.0),
+]
 
 
 def numpy_kept(logits, p: SamplingParams) -> np.ndarray:
@@ -91,8 +96,13 @@ def test_sampling_options_are_checked_and_pick_their_sampler():
     assert SamplingParams().sampler == GREEDY and SamplingParams(0.8, top_k=1).sampler == GREEDY
     assert SamplingParams(0.8).sampler == TEMPERATURE
     assert SamplingParams(0.8, top_p=0.9).sampler == FILTERED and SamplingParams(0.8, top_k=4).sampler == FILTERED
-    for bad, match in [(dict(temperature=-1.0), "temperature"), (dict(temperature=float("inf")), "temperature"),
-                       (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")]:
+    for bad, match in [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+    ]:
         with pytest.raises(EejaxError, match=match):
             SamplingParams(**bad)
     with pytest.raises(EejaxError, match="vocabulary size 40"):

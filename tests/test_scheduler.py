@@ -7,8 +7,9 @@ from eejax.errors import EejaxError
 
 
 def req(i, length, arrival=None, priority=0):
-    return Request(i, prompt_len=length - 1, max_new_tokens=1, arrival=float(i if arrival is None else arrival),
-                   priority=priority)
+    return Request(
+        i, prompt_len=length - 1, max_new_tokens=1, arrival=float(i if arrival is None else arrival), priority=priority
+    )
 
 
 def test_safe_pages_and_n_max():

@@ -16,7 +16,7 @@ from eejax.errors import EejaxError
 from eejax.sharding import check_fits, make_mesh
 from tests.helpers import ROOT
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, jax, eejax
 from eejax.config import LlamaConfig, T5Config
 from eejax.models.registry import model_module
@@ -101,7 +101,7 @@ want = eejax.generate(smol, smol_prompts, max_new_tokens=8, ignore_eos=True)
 got = eejax.generate(shard(smol, make_mesh(3, 1)), smol_prompts, max_new_tokens=8, ignore_eos=True)
 results.append(dict(name="smollm2-tensor3", same=got.tokens == want.tokens))
 print("RESULTS" + json.dumps(results))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +121,9 @@ def test_sharded_decoding_gives_one_devices_tokens_and_exit_layers(mesh_results)
 
 
 def test_params_and_cache_are_placed_by_the_logical_axes(mesh_results):
-    placed = {(r["name"], r["mesh"]["tensor"], r["mesh"]["data"]): r for r in mesh_results
-              if r["name"].endswith("placement")}
+    placed = {
+        (r["name"], r["mesh"]["tensor"], r["mesh"]["data"]): r for r in mesh_results if r["name"].endswith("placement")
+    }
     gqa = placed[("llama-kv4-placement", 2, 1)]
     assert gqa["wq"] == gqa["wk"] == [None, None, "tensor"]
     assert gqa["embed"] == ["tensor", None] and gqa["cache"] == [None, "tensor"]
@@ -183,16 +184,43 @@ def test_two_processes_give_one_processes_tokens(tiny_checkpoints):
     from tests.helpers import free_port
 
     ckpt = tiny_checkpoints["gqa-untied"][2]
-    argv = ["generate", "--model", str(ckpt), "--prompt", "The river rose", "Officials said", "A storm", "x",
-            "--max-new-tokens", "6", "--ignore-eos", "--json", "--exit", "softmax:0.05"]
+    argv = [
+        "generate",
+        "--model",
+        str(ckpt),
+        "--prompt",
+        "The river rose",
+        "Officials said",
+        "A storm",
+        "x",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+        "--exit",
+        "softmax:0.05",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    one = subprocess.run([sys.executable, "-m", "eejax.cli", *argv], env=dict(env, XLA_FLAGS=""), capture_output=True,
-                         text=True, timeout=300)
+    one = subprocess.run(
+        [sys.executable, "-m", "eejax.cli", *argv],
+        env=dict(env, XLA_FLAGS=""),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
     address = f"127.0.0.1:{free_port()}"
     mesh = ["--tensor-parallel", "2", "--data-parallel", "2", "--coordinator", address, "--num-processes", "2"]
-    procs = [subprocess.Popen([sys.executable, "-m", "eejax.cli", *argv, *mesh, "--process-id", str(i)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "eejax.cli", *argv, *mesh, "--process-id", str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert outs[1][0] == ""  # process 0 prints the result
@@ -212,23 +240,66 @@ def test_a_server_over_two_processes_answers_like_one_process(tiny_checkpoints, 
 
     ckpt = str(tiny_checkpoints["gqa-untied"][2])
     prompts = ["The river rose", "Officials said", "A storm", "x"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
-    one = subprocess.run([sys.executable, "-m", "eejax.cli", "generate", "--model", ckpt, "--prompt", *prompts,
-                          "--max-new-tokens", "6", "--json"], env=dict(env, XLA_FLAGS=""), capture_output=True,
-                         text=True, timeout=300)
+    env = dict(
+        os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu"
+    )
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eejax.cli",
+            "generate",
+            "--model",
+            ckpt,
+            "--prompt",
+            *prompts,
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ],
+        env=dict(env, XLA_FLAGS=""),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     want = [o["text"] for o in json.loads(one.stdout)["outputs"]]
     port, address = free_port(), f"127.0.0.1:{free_port()}"
-    argv = ["serve", "--model", ckpt, "--port", str(port), "--tensor-parallel", "2", "--data-parallel", "2",
-            "--coordinator", address, "--num-processes", "2", "--max-slots", "4", "--cache-budget", "1MiB"]
+    argv = [
+        "serve",
+        "--model",
+        ckpt,
+        "--port",
+        str(port),
+        "--tensor-parallel",
+        "2",
+        "--data-parallel",
+        "2",
+        "--coordinator",
+        address,
+        "--num-processes",
+        "2",
+        "--max-slots",
+        "4",
+        "--cache-budget",
+        "1MiB",
+    ]
     # (logs to a file: a pipe nobody reads could fill and block a server)
     logs = [open(tmp_path / f"serve-{i}.log", "w") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "eejax.cli", *argv, "--process-id", str(i)], env=env,
-                              stdout=logs[i], stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "eejax.cli", *argv, "--process-id", str(i)],
+            env=env,
+            stdout=logs[i],
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_until_healthy(url, procs, 180), "the servers did not start: " + "".join(
-            (tmp_path / f"serve-{i}.log").read_text()[-2000:] for i in range(2))
+            (tmp_path / f"serve-{i}.log").read_text()[-2000:] for i in range(2)
+        )
 
         def complete(prompt):
             body = dict(model=ckpt, prompt=prompt, max_tokens=6, temperature=0)
@@ -248,7 +319,15 @@ def test_a_server_over_two_processes_answers_like_one_process(tiny_checkpoints, 
 def test_a_mesh_that_does_not_fit_is_one_clear_error():
     with pytest.raises(EejaxError, match="needs 16 devices; this process has"):
         make_mesh(tensor=8, data=2, devices=jax.devices() * 8)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     with pytest.raises(EejaxError, match="tensor parallelism 3 does not divide the model's 4 attention heads"):
         check_fits(config, make_mesh(tensor=3, devices=jax.devices() * 3))

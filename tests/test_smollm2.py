@@ -52,7 +52,7 @@ def test_greedy_equals_hf_generate(smollm2, hf_smollm2):
         enc = smollm2.tokenizer(p, return_tensors="pt")
         with torch.no_grad():
             out = hf_smollm2.generate(**enc, do_sample=False, max_new_tokens=NEW_TOKENS)
-        want = out[0, enc["input_ids"].shape[1]:].tolist()
+        want = out[0, enc["input_ids"].shape[1] :].tolist()
         assert res.tokens[i] == want, f"prompt {i}"
         assert res.texts[i] == smollm2.tokenizer.decode(want, skip_special_tokens=True)
 
@@ -69,8 +69,7 @@ def test_early_exit_that_never_fires_equals_full_depth(smollm2):
         assert res.stats["mean_layers_per_token"] == 30
 
 
-@pytest.mark.parametrize("rows,specs", [(1, ["12:3"]), (8, ["15:2:reduced"])],
-                         ids=["batch1", "padded-batch8"])
+@pytest.mark.parametrize("rows,specs", [(1, ["12:3"]), (8, ["15:2:reduced"])], ids=["batch1", "padded-batch8"])
 def test_self_speculation_equals_full_depth(smollm2, smollm2_reduced, rows, specs):
     # (More E:d settings run on the tiny models in test_speculative.py; these are the real model's,
     # drafting with the full head or the reduced head of 8192 tokens.)

@@ -29,8 +29,17 @@ SPECS = [SpecConfig(1, 1), SpecConfig(2, 3, bonus=True), SpecConfig(3, 4), SpecC
 
 def tiny(num_layers=4, vocab=64, scale=0.3, seed=0, eos=()):
     """A small random Llama (no tokenizer) with peaked distributions (large weights)."""
-    c = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=num_layers, num_heads=4,
-                    num_kv_heads=2, head_dim=8, max_position_embeddings=256, eos_token_ids=eos)
+    c = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        eos_token_ids=eos,
+    )
     return eejax.Model(c, llama.init_params(c, jax.random.PRNGKey(seed), scale=scale))
 
 
@@ -53,6 +62,7 @@ def model():
 
 
 # --- greedy: identical to full depth --------------------------------------------------------
+
 
 @pytest.mark.parametrize("rows", [1, 8], ids=["batch1", "padded-batch8"])
 def test_greedy_equals_full_depth(model, rows):
@@ -118,8 +128,7 @@ def test_perfect_drafts_are_all_accepted_and_counted(model):
     assert s["mean_layers_per_token"] == pytest.approx((2 * (5 * 1 + 3) + L) / 11)
     assert res.exit_layers == [[L, 1, 1, 1, 1, L, 1, 1, 1, 1, L]] * 3
     # Without the bonus pass a round of 4 accepted drafts emits those 4: rounds of 4, 4 and 2.
-    res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True,
-                         spec=SpecConfig(1, 4, bonus=False))
+    res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec=SpecConfig(1, 4, bonus=False))
     s = res.stats
     assert (s["rounds"], s["accepted_tokens"], s["bonus_pass_rate"]) == (9, 30, 0.0)  # every token a draft
     assert s["mean_layers_per_token"] == pytest.approx((3 * (4 * 1 + 3) + L) / 11)
@@ -134,21 +143,32 @@ def test_rows_accept_different_counts_in_one_batch(model):
 
 def test_small_cache_budget_runs_rows_in_turn(model):
     full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
-    res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec="2:3", batch_size=3,
-                         cache_budget=2 * 4 * 16 * 2 * 8 * 4 * 8)
+    res = eejax.generate(
+        model,
+        PROMPTS,
+        max_new_tokens=NEW,
+        ignore_eos=True,
+        spec="2:3",
+        batch_size=3,
+        cache_budget=2 * 4 * 16 * 2 * 8 * 4 * 8,
+    )
     assert res.tokens == full.tokens
 
 
 # --- the cache after a round ----------------------------------------------------------------
 
+
 def spec_round(model, state, cache, table, spec, max_new_tokens, temperature=0.0, counters=None):
     options = StepOptions(max_new_tokens, sampler=SamplingParams(temperature).sampler, spec=spec).round(
-        spec.num_speculations, bonus=True)
-    drafts, state, cache = speculative.draft(model.params, cache, state, table, config=model.config,
-                                             options=options.drafting())
+        spec.num_speculations, bonus=True
+    )
+    drafts, state, cache = speculative.draft(
+        model.params, cache, state, table, config=model.config, options=options.drafting()
+    )
     counters = speculative.SpecCounters.zeros(state.done.shape[0]) if counters is None else counters
-    return speculative.verify(model.params, cache, state, drafts, counters, table, config=model.config,
-                              options=options.verifying())
+    return speculative.verify(
+        model.params, cache, state, drafts, counters, table, config=model.config, options=options.verifying()
+    )
 
 
 @pytest.mark.parametrize("spec", [SpecConfig(1, 5), SpecConfig(3, 2)], ids=lambda s: s.spec)
@@ -160,11 +180,14 @@ def test_accepted_positions_hold_the_full_depth_kv(model, spec):
     # Full-depth decode of the same (greedy, hence equal) tokens, one at a time.
     full_state, full_cache = state0, cache0
     for _ in range(int(np.max(state.num_generated)) - 1):
-        full_state, full_cache = steps.decode(model.params, full_cache, full_state, table, config=model.config,
-                                              options=StepOptions(20))
+        full_state, full_cache = steps.decode(
+            model.params, full_cache, full_state, table, config=model.config, options=StepOptions(20)
+        )
     seq_len = np.asarray(state.seq_len)
     gen = np.asarray(state.num_generated)
-    np.testing.assert_array_equal(np.asarray(state.tokens)[:, : gen.min()], np.asarray(full_state.tokens)[:, : gen.min()])
+    np.testing.assert_array_equal(
+        np.asarray(state.tokens)[:, : gen.min()], np.asarray(full_state.tokens)[:, : gen.min()]
+    )
     assert gen.min() >= 3 and gen.max() > 3  # 1 + at least 1 per round; some drafts were accepted
     k, v, fk, fv = map(np.asarray, (cache.k, cache.v, full_cache.k, full_cache.v))
     e = spec.exit_layer
@@ -196,6 +219,7 @@ def test_a_round_touches_only_the_rows_own_pages(model):
 
 
 # --- sampling: the output distribution is the full model's ----------------------------------
+
 
 def chi_square_p(counts, probs):
     """p-value of observed counts against expected probabilities (bins with small expectation
@@ -245,9 +269,7 @@ def test_speculative_sampling_on_a_model_matches_its_softmax():
     x0 = 9
     keys = jax.random.split(jax.random.PRNGKey(5), rows)  # rows draw independently
     state = dataclasses.replace(state, last_token=jnp.full((rows,), x0, jnp.int32), keys=keys)
-    new_state, _, counters = jax.jit(spec_round, static_argnums=(0, 4, 5, 6))(
-        model, state, cache, table, spec, 4, 1.0
-    )
+    new_state, _, counters = jax.jit(spec_round, static_argnums=(0, 4, 5, 6))(model, state, cache, table, spec, 4, 1.0)
     first = np.asarray(new_state.tokens)[:, 1]
     # The full model's distribution after prompt + [x0], and the draft's (exit after 2 layers).
     h, _ = _full_hidden(model, prompt + [x0])
@@ -269,8 +291,9 @@ def _full_hidden(model, tokens, stop=None):
     table = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
     positions = jnp.arange(t, dtype=jnp.int32)[None]
     batch = llama.token_batch(c, positions, jnp.ones((1, t), bool), table, jnp.asarray([t]), 16)
-    h, cache = llama.run_layers(model.params, llama.embed(model.params, jnp.asarray([tokens])), cache, batch, c,
-                                0, stop)
+    h, cache = llama.run_layers(
+        model.params, llama.embed(model.params, jnp.asarray([tokens])), cache, batch, c, 0, stop
+    )
     return h[0, -1], cache
 
 
@@ -284,10 +307,12 @@ def test_sampled_generation_is_seeded(model):
 
 # --- adaptive speculation (the policy itself: tests/test_spec_policy.py) -------------------------
 
+
 def test_adaptive_generation_is_lossless(model, monkeypatch):
     full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
-    res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
-                         spec=SpecConfig(3, 2, adaptive=True, max_speculations=5))
+    res = eejax.generate(
+        model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=SpecConfig(3, 2, adaptive=True, max_speculations=5)
+    )
     assert res.tokens == full.tokens
     assert 1 <= res.stats["mean_speculations"] <= 5
     # The rounds' wall times on a busy 2-core machine are noise at this size: the policy is fed
@@ -300,14 +325,19 @@ def test_adaptive_generation_is_lossless(model, monkeypatch):
 
     monkeypatch.setattr(SpeculationPolicy, "observe_times", gpu_like_costs)
     perfect = perfect_drafts(model, 1)
-    res = eejax.generate(perfect, PROMPTS, max_new_tokens=40, ignore_eos=True,
-                         spec=SpecConfig(1, 1, adaptive=True, max_speculations=6))
+    res = eejax.generate(
+        perfect, PROMPTS, max_new_tokens=40, ignore_eos=True, spec=SpecConfig(1, 1, adaptive=True, max_speculations=6)
+    )
     assert res.stats["mean_speculations"] > 2  # all accepted: the policy lengthens the rounds
     # CPU-like costs where no round pays: plain full-depth steps, a probe round every few, same tokens.
-    monkeypatch.setattr(SpeculationPolicy, "observe_times", lambda self, d, *t, passes=None: observe_times(
-        self, d, 1.0 * (d + 1), 1.0, passes=d + 1))
-    res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
-                         spec=SpecConfig(3, 2, adaptive=True, max_speculations=5))
+    monkeypatch.setattr(
+        SpeculationPolicy,
+        "observe_times",
+        lambda self, d, *t, passes=None: observe_times(self, d, 1.0 * (d + 1), 1.0, passes=d + 1),
+    )
+    res = eejax.generate(
+        model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=SpecConfig(3, 2, adaptive=True, max_speculations=5)
+    )
     assert res.tokens == full.tokens
     s = res.stats
     assert 0.5 < s["plain_step_rate"] < 1 and s["rounds"] > 0
@@ -317,20 +347,30 @@ def test_adaptive_generation_is_lossless(model, monkeypatch):
 
 # --- bad settings ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec,message", [
-    (dict(exit_layer=0), "exit_layer must be an integer >= 1"),
-    (dict(exit_layer=2, num_speculations=0), "num_speculations must be an integer >= 1"),
-    (dict(exit_layer=2.5), "exit_layer must be an integer"),
-    (dict(exit_layer=2, num_speculations=6, adaptive=True, max_speculations=4), "below num_speculations"),
-])
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        (dict(exit_layer=0), "exit_layer must be an integer >= 1"),
+        (dict(exit_layer=2, num_speculations=0), "num_speculations must be an integer >= 1"),
+        (dict(exit_layer=2.5), "exit_layer must be an integer"),
+        (dict(exit_layer=2, num_speculations=6, adaptive=True, max_speculations=4), "below num_speculations"),
+    ],
+)
 def test_bad_spec_config(spec, message):
     with pytest.raises(EejaxError, match=message):
         SpecConfig(**spec)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("4", "expected E:d"), ("a:b", "must be integers"), ("2:3:fast", "expected E:d"), ("0:3", ">= 1"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("4", "expected E:d"),
+        ("a:b", "must be integers"),
+        ("2:3:fast", "expected E:d"),
+        ("0:3", ">= 1"),
+    ],
+)
 def test_bad_spec_strings(text, message):
     with pytest.raises(EejaxError, match=message):
         SpecConfig.parse(text)

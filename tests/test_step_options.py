@@ -12,8 +12,16 @@ from eejax.errors import EejaxError
 from eejax.models.registry import model_module
 from eejax.options import ExitConfig, SpecConfig, StepOptions
 
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=4,
-                     max_position_embeddings=64)
+CONFIG = LlamaConfig(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    max_position_embeddings=64,
+)
 
 
 def test_checks_and_hashing():
@@ -33,8 +41,9 @@ def test_views_keep_what_each_program_reads():
     base = StepOptions(16, (2,), "temperature", attention="reference", logprobs=True)
     assert base.prefilling() == base
     assert dataclasses.replace(base, exit=exit_config, num_steps=4).prefilling() == base
-    assert dataclasses.replace(base, exit=exit_config).decoding(4) == dataclasses.replace(base, exit=exit_config,
-                                                                                         num_steps=4)
+    assert dataclasses.replace(base, exit=exit_config).decoding(4) == dataclasses.replace(
+        base, exit=exit_config, num_steps=4
+    )
     spec = SpecConfig(2, 3, adaptive=True, max_speculations=6, head="full", bonus=None)
     round_ = dataclasses.replace(base, spec=spec).round(5, bonus=True)
     assert round_.spec == SpecConfig(2, 5, head="full") and round_.bonus
@@ -42,8 +51,9 @@ def test_views_keep_what_each_program_reads():
     other = dataclasses.replace(base, spec=SpecConfig(2, 1, adaptive=True, max_speculations=8, head="full"))
     assert other.round(5, bonus=True) == round_
     # A draft reads neither the limits, EOS nor log-probs; a verify not the bonus flag.
-    assert round_.drafting() == StepOptions(0, sampler="temperature", spec=round_.spec, bonus=True,
-                                            attention="reference")
+    assert round_.drafting() == StepOptions(
+        0, sampler="temperature", spec=round_.spec, bonus=True, attention="reference"
+    )
     assert dataclasses.replace(round_, max_new_tokens=99, eos_ids=(7,)).drafting() == round_.drafting()
     assert round_.verifying() == dataclasses.replace(round_, bonus=False)
     assert dataclasses.replace(round_, spec=None).decoding() == base

@@ -37,10 +37,23 @@ def make_hf_t5(kind: str, vocab: int = VOCAB, seed: int = 0):
     from transformers import T5ForConditionalGeneration
 
     v11 = kind == "v1.1"
-    cfg = HFT5Config(vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4,
-                     relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                     feed_forward_proj="gated-gelu" if v11 else "relu", tie_word_embeddings=not v11,
-                     decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    cfg = HFT5Config(
+        vocab_size=vocab,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=3,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+        feed_forward_proj="gated-gelu" if v11 else "relu",
+        tie_word_embeddings=not v11,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        dropout_rate=0.0,
+    )
     torch.manual_seed(seed)
     model = T5ForConditionalGeneration(cfg).eval()
     with torch.no_grad():
@@ -107,11 +120,26 @@ def test_config_from_hf(t5_models):
     c10, c11 = t5_models["v1.0"][1].config, t5_models["v1.1"][1].config
     assert isinstance(c10, T5Config) and (c10.num_layers, c10.num_encoder_layers) == (3, 2)
     assert (c10.gated, c10.activation, c10.scale_decoder_outputs, c10.tie_embeddings) == (False, "relu", True, True)
-    assert (c11.gated, c11.activation, c11.scale_decoder_outputs, c11.tie_embeddings) == (True, "gelu_new", False, False)
+    assert (c11.gated, c11.activation, c11.scale_decoder_outputs, c11.tie_embeddings) == (
+        True,
+        "gelu_new",
+        False,
+        False,
+    )
     assert "lm_head" in t5_models["v1.1"][1].params and "lm_head" not in t5_models["v1.0"][1].params
     with pytest.raises(eejax.UnsupportedModelError, match="feed_forward_proj"):
-        T5Config.from_hf({"model_type": "t5", "feed_forward_proj": "gated-swish-x", "vocab_size": 8, "d_model": 4,
-                          "d_ff": 4, "num_layers": 1, "num_heads": 1, "d_kv": 4})
+        T5Config.from_hf(
+            {
+                "model_type": "t5",
+                "feed_forward_proj": "gated-swish-x",
+                "vocab_size": 8,
+                "d_model": 4,
+                "d_ff": 4,
+                "num_layers": 1,
+                "num_heads": 1,
+                "d_kv": 4,
+            }
+        )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -149,8 +177,16 @@ def test_decoder_logits_match_hf(t5_models, kind, page_size):
     cross = t5.cross_kv(p, enc, jnp.asarray(lengths), c)
     with torch.no_grad():
         mask = torch.tensor(np.arange(tokens.shape[1])[None] < lengths[:, None]).long()
-        want = [hf(input_ids=torch.tensor(tokens[i:i + 1, :lengths[i]]).long(), attention_mask=mask[i:i + 1, :lengths[i]],
-                   decoder_input_ids=torch.tensor([d])).logits[0].numpy() for i, d in enumerate(dec_inputs)]
+        want = [
+            hf(
+                input_ids=torch.tensor(tokens[i : i + 1, : lengths[i]]).long(),
+                attention_mask=mask[i : i + 1, : lengths[i]],
+                decoder_input_ids=torch.tensor([d]),
+            )
+            .logits[0]
+            .numpy()
+            for i, d in enumerate(dec_inputs)
+        ]
     pages = 4
     table = jnp.asarray(1 + np.arange(4 * pages).reshape(4, pages), jnp.int32)
     cache = init_cache(c.num_layers, 1 + 4 * pages, page_size, c.num_kv_heads, c.head_dim, model.dtype)
@@ -159,8 +195,9 @@ def test_decoder_logits_match_hf(t5_models, kind, page_size):
     first = [d[:split] for d in dec_inputs]
     ids, n_first = padded(first)
     pos = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
-    batch = t5.token_batch(c, jnp.asarray(pos), jnp.asarray(pos < n_first[:, None]), table, jnp.asarray(n_first),
-                           page_size, context=cross)
+    batch = t5.token_batch(
+        c, jnp.asarray(pos), jnp.asarray(pos < n_first[:, None]), table, jnp.asarray(n_first), page_size, context=cross
+    )
     h, cache = t5.run_layers(p, t5.embed(p, jnp.asarray(ids)), cache, batch, c)
     logits = np.asarray(t5.lm_head(p, h, c))
     for i in range(len(dec_inputs)):
@@ -168,8 +205,15 @@ def test_decoder_logits_match_hf(t5_models, kind, page_size):
     for step in range(split, max(map(len, dec_inputs))):
         valid = np.array([len(d) > step for d in dec_inputs])
         ids = np.array([[d[step] if len(d) > step else 0] for d in dec_inputs], np.int32)
-        batch = t5.token_batch(c, jnp.full((4, 1), step, jnp.int32), jnp.asarray(valid[:, None]), table,
-                               jnp.asarray(np.where(valid, step + 1, n_first)), page_size, context=cross)
+        batch = t5.token_batch(
+            c,
+            jnp.full((4, 1), step, jnp.int32),
+            jnp.asarray(valid[:, None]),
+            table,
+            jnp.asarray(np.where(valid, step + 1, n_first)),
+            page_size,
+            context=cross,
+        )
         h, cache = t5.run_layers(p, t5.embed(p, jnp.asarray(ids)), cache, batch, c)
         logits = np.asarray(t5.lm_head(p, h[:, 0], c))
         for i in np.nonzero(valid)[0]:
@@ -196,12 +240,19 @@ def test_rows_do_not_depend_on_their_batch(t5_models):
 
 # --- early exit and self-speculation on the T5 decoder ---------------------------------------
 
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_never_exiting_equals_full_depth(t5_models, kind):
     model = eejax.init_exits(t5_models[kind][1])
     full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
-    for spec in ["none", "softmax:inf", "state:inf", "classifier:inf", "static:3",
-                 ExitConfig("softmax", threshold=1.0, decay=None)]:
+    for spec in [
+        "none",
+        "softmax:inf",
+        "state:inf",
+        "classifier:inf",
+        "static:3",
+        ExitConfig("softmax", threshold=1.0, decay=None),
+    ]:
         res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, exit=spec)
         assert res.tokens == full.tokens, spec
         assert res.stats["mean_layers_per_token"] == 3
@@ -210,8 +261,13 @@ def test_never_exiting_equals_full_depth(t5_models, kind):
 @pytest.mark.parametrize("measure", ["softmax", "state", "classifier"])
 def test_every_measure_exits_the_decoder(t5_models, measure):
     model = eejax.init_exits(t5_models["v1.1"][1])
-    res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
-                         exit=ExitConfig(measure, threshold=-math.inf, min_exit_layer=2))
+    res = eejax.generate(
+        model,
+        PROMPTS,
+        max_new_tokens=NEW,
+        ignore_eos=True,
+        exit=ExitConfig(measure, threshold=-math.inf, min_exit_layer=2),
+    )
     assert res.exit_layers == [[3] + [2] * (NEW - 1)] * 4
     assert res.stats["kv_fill_layers_per_token"] == pytest.approx((NEW - 1) / NEW)
 
@@ -221,14 +277,23 @@ def prefilled_t5(model, max_new_tokens=8):
     c = model.config
     table = jnp.asarray(1 + np.arange(4 * 2).reshape(4, 2), jnp.int32)
     cache = init_cache(c.num_layers, 1 + 4 * 2, 8, c.num_kv_heads, c.head_dim, model.dtype)
-    state, cache = steps.prefill(model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), table,
-                                 jax.random.PRNGKey(0), config=c, options=StepOptions(max_new_tokens))
+    state, cache = steps.prefill(
+        model.params,
+        cache,
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        table,
+        jax.random.PRNGKey(0),
+        config=c,
+        options=StepOptions(max_new_tokens),
+    )
     return state, cache, table
 
 
 def decode_step(model, state, cache, table, exit_config):
-    return steps.decode(model.params, cache, state, table, config=model.config,
-                        options=StepOptions(8, exit=exit_config))
+    return steps.decode(
+        model.params, cache, state, table, config=model.config, options=StepOptions(8, exit=exit_config)
+    )
 
 
 @pytest.mark.parametrize("exit_at", [1, 2])
@@ -238,8 +303,9 @@ def test_kv_fill_writes_projections_of_the_exit_state(t5_models, exit_at):
     state, cache, table = prefilled_t5(model)
     _, full_cache = decode_step(model, state, cache, table, None)
     ee_state, ee_cache = decode_step(model, state, cache, table, ExitConfig("static", exit_layer=exit_at))
-    batch = t5.token_batch(c, state.seq_len[:, None], jnp.ones((4, 1), bool), table, state.seq_len + 1, 8,
-                           context=state.context)
+    batch = t5.token_batch(
+        c, state.seq_len[:, None], jnp.ones((4, 1), bool), table, state.seq_len + 1, 8, context=state.context
+    )
     h_exit, _ = t5.run_layers(p, t5.embed(p, state.last_token[:, None]), cache, batch, c, 0, exit_at)
     h_exit = np.asarray(h_exit[:, 0], np.float64)
     layers = jax.tree.map(np.asarray, p["decoder"]["layers"])
@@ -264,12 +330,22 @@ def test_static_exit_equals_a_truncated_decoder_step(t5_models, exit_at):
     model = t5_models["v1.0"][1]
     c, p = model.config, model.params
     state, cache, table = prefilled_t5(model)
-    batch = t5.token_batch(c, state.seq_len[:, None], jnp.ones((4, 1), bool), table, state.seq_len + 1, 8,
-                           context=state.context)
+    batch = t5.token_batch(
+        c, state.seq_len[:, None], jnp.ones((4, 1), bool), table, state.seq_len + 1, 8, context=state.context
+    )
     h0 = t5.embed(p, state.last_token[:, None])
-    out = early_exit_layers(steps.exit_fns(p, batch, c), h0, cache, ~state.done, jnp.zeros(4), batch.pages,
-                            batch.slots, config=ExitConfig("static", exit_layer=exit_at), num_layers=c.num_layers,
-                            vocab_size=c.vocab_size)
+    out = early_exit_layers(
+        steps.exit_fns(p, batch, c),
+        h0,
+        cache,
+        ~state.done,
+        jnp.zeros(4),
+        batch.pages,
+        batch.slots,
+        config=ExitConfig("static", exit_layer=exit_at),
+        num_layers=c.num_layers,
+        vocab_size=c.vocab_size,
+    )
     h, _ = t5.run_layers(p, h0, cache, batch, c, 0, exit_at)
     want = np.asarray(t5.lm_head(p, h[:, 0], c))
     np.testing.assert_allclose(np.asarray(out.logits), want, atol=1e-5)
@@ -302,7 +378,7 @@ def test_the_serving_engine_runs_t5(t5_models):
         rows = [i for i, o in enumerate(options) if o == kw]
         want = eejax.generate(model, [prompts[i] for i in rows], max_new_tokens=NEW, **kw)
         for i, tokens, layers in zip(rows, want.tokens, want.exit_layers):
-            assert seqs[i].tokens == tokens[:NEW - i] and seqs[i].exit_layers == layers[:NEW - i], i
+            assert seqs[i].tokens == tokens[: NEW - i] and seqs[i].exit_layers == layers[: NEW - i], i
     with pytest.raises(EejaxError, match="max_prompt_tokens"):
         engine.submit(list(range(1, 32)), max_new_tokens=2)
     with pytest.raises(eejax.UnsupportedModelError, match="reserve"):
@@ -310,6 +386,7 @@ def test_the_serving_engine_runs_t5(t5_models):
 
 
 # --- text through the real T5 vocabulary, conversion and the CLI -----------------------------
+
 
 @pytest.fixture(scope="module")
 def t5_text_model(tmp_path_factory):
@@ -343,8 +420,22 @@ def test_cli_generate_json(t5_text_model, capsys):
     from eejax.cli import main
 
     _, _, path = t5_text_model
-    code = main(["generate", "--model", str(path), "--prompt", "summarize: The river rose.", "translate: Hi",
-                 "--max-new-tokens", "5", "--ignore-eos", "--json", "--exit", "static:2"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(path),
+            "--prompt",
+            "summarize: The river rose.",
+            "translate: Hi",
+            "--max-new-tokens",
+            "5",
+            "--ignore-eos",
+            "--json",
+            "--exit",
+            "static:2",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     doc = json.loads(out)

@@ -17,13 +17,20 @@ def test_every_launch_compiles_for_sm80_and_sm90_and_fits():
     # A subprocess: triton runs compiled or interpreted per process, and the interpreter tests
     # (which may share this worker) set TRITON_INTERPRET.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-W", "ignore", "-m", "eejax.kernels.aot", "--json"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "eejax.kernels.aot", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     builds = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(builds) == 2 * len(LAUNCHES), done.stderr[-3000:]
     for build in builds:
-        print(f"{build['launch']:40} sm_{build['arch']} regs {build['registers']} smem {build['shared_bytes']} "
-              f"spills {build['spill_stores'] + build['spill_loads']} B")
+        print(
+            f"{build['launch']:40} sm_{build['arch']} regs {build['registers']} smem {build['shared_bytes']} "
+            f"spills {build['spill_stores'] + build['spill_loads']} B"
+        )
         assert build["problems"] == [], build
         assert 0 < build["registers"] <= 255 and build["shared_bytes"] > 0
     assert done.returncode == 0, done.stderr[-3000:]

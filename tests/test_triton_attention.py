@@ -44,8 +44,14 @@ CASES = list(itertools.product([8, 16], [1, 3, 8], [64, 128], [1, 4, 16]))
 
 @pytest.mark.parametrize("page,group,head_dim,q_len", CASES)
 def test_kernel_matches_reference_fp32(page, group, head_dim, q_len):
-    q, k, v, table, pos, lengths = attention_case(hash((page, group, head_dim, q_len)) % 2**32, page=page,
-                                                  group=group, head_dim=head_dim, q_len=q_len, dtype=jnp.float32)
+    q, k, v, table, pos, lengths = attention_case(
+        hash((page, group, head_dim, q_len)) % 2**32,
+        page=page,
+        group=group,
+        head_dim=head_dim,
+        q_len=q_len,
+        dtype=jnp.float32,
+    )
     want = reference_paged_attention(q, k, v, 1, table, pos, lengths)
     got = triton_paged_attention(q, k, v, 1, table, pos, lengths, interpret=True)
     assert_close(got, want, jnp.float32)
@@ -54,8 +60,9 @@ def test_kernel_matches_reference_fp32(page, group, head_dim, q_len):
 
 @pytest.mark.parametrize("page,group,q_len", [(8, 1, 1), (16, 3, 1), (16, 8, 16), (8, 3, 5)])
 def test_kernel_matches_reference_bf16(page, group, q_len):
-    q, k, v, table, pos, lengths = attention_case(7, page=page, group=group, head_dim=64, q_len=q_len,
-                                                  dtype=jnp.bfloat16)
+    q, k, v, table, pos, lengths = attention_case(
+        7, page=page, group=group, head_dim=64, q_len=q_len, dtype=jnp.bfloat16
+    )
     want = reference_paged_attention(q, k, v, 0, table, pos, lengths)
     got = triton_paged_attention(q, k, v, 0, table, pos, lengths, interpret=True)
     assert got.dtype == jnp.bfloat16
@@ -96,8 +103,11 @@ def test_dispatch():
     with pytest.raises(ValueError, match="unknown attention impl"):
         resolve_impl("flash")
     q, k, v, table, pos, lengths = attention_case(1, page=8, group=3, head_dim=64, q_len=1, dtype=jnp.float32)
-    assert_close(paged_attention(q, k, v, 0, table, pos, lengths, impl="triton"),
-                 paged_attention(q, k, v, 0, table, pos, lengths, impl="auto"), jnp.float32)
+    assert_close(
+        paged_attention(q, k, v, 0, table, pos, lengths, impl="triton"),
+        paged_attention(q, k, v, 0, table, pos, lengths, impl="auto"),
+        jnp.float32,
+    )
 
 
 def test_whole_model_with_triton_attention(tiny_model):
@@ -120,8 +130,12 @@ def test_relative_position_bucket_matches_hf_t5(bidirectional, num_buckets, max_
     from transformers.models.t5.modeling_t5 import T5Attention
 
     relative = np.arange(-300, 301, dtype=np.int32)
-    want = T5Attention._relative_position_bucket(torch.from_numpy(relative).long(), bidirectional=bidirectional,
-                                                 num_buckets=num_buckets, max_distance=max_distance)
+    want = T5Attention._relative_position_bucket(
+        torch.from_numpy(relative).long(),
+        bidirectional=bidirectional,
+        num_buckets=num_buckets,
+        max_distance=max_distance,
+    )
     spec = RelativePositionBias(num_buckets, max_distance, bidirectional)
     np.testing.assert_array_equal(relative_position_bucket(relative, spec), want.numpy())
 
@@ -130,8 +144,9 @@ def test_reference_bias_matches_dense_numpy():
     q, k, v, table, pos, lengths = attention_case(5, page=8, group=3, head_dim=64, q_len=4, dtype=jnp.float32)
     spec = RelativePositionBias(16, 40)
     bias_table = jnp.asarray(np.random.default_rng(0).normal(size=(16, q.shape[2])), jnp.float32)
-    got = np.asarray(reference_paged_attention(q, k, v, 1, table, pos, lengths, scale=1.0, bias_table=bias_table,
-                                               bias=spec))
+    got = np.asarray(
+        reference_paged_attention(q, k, v, 1, table, pos, lengths, scale=1.0, bias_table=bias_table, bias=spec)
+    )
     kn, vn, qn = np.asarray(k[1]), np.asarray(v[1]), np.asarray(q)
     for row in range(1, 4):
         n = int(lengths[row])
@@ -148,11 +163,14 @@ def test_reference_bias_matches_dense_numpy():
                 np.testing.assert_allclose(got[row, t, h], (w / w.sum()) @ values[h // 3], atol=1e-5)
 
 
-@pytest.mark.parametrize("bidirectional,q_len,dtype", [(False, 1, jnp.float32), (False, 6, jnp.float32),
-                                                      (True, 3, jnp.float32), (False, 4, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "bidirectional,q_len,dtype",
+    [(False, 1, jnp.float32), (False, 6, jnp.float32), (True, 3, jnp.float32), (False, 4, jnp.bfloat16)],
+)
 def test_kernel_with_t5_bias_matches_reference(bidirectional, q_len, dtype):
-    q, k, v, table, pos, lengths = attention_case(9, page=16, group=1, head_dim=64, q_len=q_len, dtype=dtype,
-                                                  num_kv_heads=4)
+    q, k, v, table, pos, lengths = attention_case(
+        9, page=16, group=1, head_dim=64, q_len=q_len, dtype=dtype, num_kv_heads=4
+    )
     spec = RelativePositionBias(32, 128, bidirectional)
     bias_table = jnp.asarray(np.random.default_rng(1).normal(size=(32, 4)), jnp.float32)
     kw = dict(scale=1.0, bias_table=bias_table, bias=spec)

@@ -31,7 +31,7 @@ def prefix_keys(tokens, page_size: int) -> list[bytes]:
     keys, parent = [], b""
     ids = np.asarray(tokens, np.int64)
     for i in range(len(ids) // page_size):
-        parent = hashlib.sha256(parent + ids[i * page_size:(i + 1) * page_size].tobytes()).digest()
+        parent = hashlib.sha256(parent + ids[i * page_size : (i + 1) * page_size].tobytes()).digest()
         keys.append(parent)
     return keys
 

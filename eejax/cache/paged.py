@@ -100,7 +100,8 @@ def write_layer_kv(cache: KVCache, layer, k, v, pages, slots) -> KVCache:
     heads, cache_spec = P(None, None, "tensor", None), P(None, "tensor")
     in_specs = (KVCache(cache_spec, cache_spec), P(), heads, heads, P(), P())
     return on_head_shards(_write_layer_kv, mesh, in_specs, KVCache(cache_spec, cache_spec))(
-        cache, layer, k, v, pages, slots)
+        cache, layer, k, v, pages, slots
+    )
 
 
 def _write_layer_kv(cache: KVCache, layer, k, v, pages, slots) -> KVCache:

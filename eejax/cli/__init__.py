@@ -16,11 +16,11 @@ __all__ = ["build_parser", "main", "run_guarded"]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
-        prog="eejax", description="Fast early-exit language model inference in JAX.",
+        prog="eejax",
+        description="Fast early-exit language model inference in JAX.",
         epilog="Run `eejax COMMAND --help` for a command's options.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                parser_class=OneLineErrorParser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineErrorParser)
     for module in (convert, generate, exits, train, draft, serve):  # in the order `eejax --help` lists them
         module.add_parsers(sub)
     return parser

@@ -64,10 +64,18 @@ def add_model_and_prompts(parser: argparse.ArgumentParser, what: str, model_help
     """--model, --prompt | --prompts-file, --prompt-field, --limit."""
     parser.add_argument("--model", required=True, help=model_help)
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT",
-                     help=f"one or more {what} (repeat --prompt or give several)")
-    src.add_argument("--prompts-file", metavar="F.jsonl",
-                     help=f"{what}, one JSON string or object per line (field prompt, text, article or document)")
+    src.add_argument(
+        "--prompt",
+        nargs="+",
+        action="extend",
+        metavar="TEXT",
+        help=f"one or more {what} (repeat --prompt or give several)",
+    )
+    src.add_argument(
+        "--prompts-file",
+        metavar="F.jsonl",
+        help=f"{what}, one JSON string or object per line (field prompt, text, article or document)",
+    )
     parser.add_argument("--prompt-field", help="which field of --prompts-file objects holds the prompt")
     parser.add_argument("--limit", type=positive_int, help="use only the first N prompts")
 
@@ -75,21 +83,39 @@ def add_model_and_prompts(parser: argparse.ArgumentParser, what: str, model_help
 def add_model_placement(parser: argparse.ArgumentParser, layer_buffers_help: str) -> None:
     """--layer-buffers, --tensor-parallel, --data-parallel: how the model's weights are laid out."""
     parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="stacked", help=layer_buffers_help)
-    parser.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="T",
-                        help="split attention heads, MLP columns and the vocabulary over T devices (default 1; "
-                        "T must divide the attention heads)")
-    parser.add_argument("--data-parallel", type=positive_int, default=1, metavar="D",
-                        help="split the rows of a batch over D devices (default 1); the mesh uses T x D devices")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        metavar="T",
+        help="split attention heads, MLP columns and the vocabulary over T devices (default 1; "
+        "T must divide the attention heads)",
+    )
+    parser.add_argument(
+        "--data-parallel",
+        type=positive_int,
+        default=1,
+        metavar="D",
+        help="split the rows of a batch over D devices (default 1); the mesh uses T x D devices",
+    )
 
 
 def add_processes(parser: argparse.ArgumentParser, what_process_0_does: str) -> None:
     """--coordinator, --num-processes, --process-id: one run over several processes."""
-    parser.add_argument("--coordinator", metavar="HOST:PORT",
-                        help="join a multi-process run (jax.distributed) whose process 0 listens at HOST:PORT: every "
-                        "process runs the same command with its own --process-id; the mesh of --tensor-parallel x "
-                        f"--data-parallel spans all processes' devices; {what_process_0_does}")
-    parser.add_argument("--num-processes", type=positive_int, default=1, metavar="N",
-                        help="processes in the multi-process run (default 1)")
+    parser.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="join a multi-process run (jax.distributed) whose process 0 listens at HOST:PORT: every "
+        "process runs the same command with its own --process-id; the mesh of --tensor-parallel x "
+        f"--data-parallel spans all processes' devices; {what_process_0_does}",
+    )
+    parser.add_argument(
+        "--num-processes",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="processes in the multi-process run (default 1)",
+    )
     parser.add_argument("--process-id", type=int, metavar="I", help="this process's index in [0, N)")
 
 

@@ -15,12 +15,20 @@ left at DST. Supported architectures: llama (Llama 2/3.x, SmolLM2, TinyLlama, La
 
 def add_parsers(sub) -> None:
     """Adds `convert` to the `eejax` command's subparsers."""
-    parser = sub.add_parser("convert", help="convert an HF checkpoint or .gguf file to eejax",
-                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = sub.add_parser(
+        "convert",
+        help="convert an HF checkpoint or .gguf file to eejax",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("src", help="HF model directory or .gguf file")
     parser.add_argument("dst", help="directory to create for the eejax checkpoint")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="dtype of the stored weights (default: float32)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the stored weights (default: float32)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)

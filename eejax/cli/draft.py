@@ -47,28 +47,46 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from eejax.train.exit_vocab import add_exit_vocab
 
     settings = DraftRunSettings(
-        steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate, noise=args.noise,
-        feature_weight=args.feature_weight, unroll=args.unroll, seed=args.seed, window=args.window,
-        continuation_tokens=args.continuation_tokens, prompt_tokens=args.prompt_lengths,
-        window_prompts=args.window_prompts, sampled_copies=args.sampled_copies, vocab_size=args.vocab_size)
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        noise=args.noise,
+        feature_weight=args.feature_weight,
+        unroll=args.unroll,
+        seed=args.seed,
+        window=args.window,
+        continuation_tokens=args.continuation_tokens,
+        prompt_tokens=args.prompt_lengths,
+        window_prompts=args.window_prompts,
+        sampled_copies=args.sampled_copies,
+        vocab_size=args.vocab_size,
+    )
     if args.learning_rate <= 0 or args.noise < 0 or args.feature_weight < 0 or args.sampled_copies < 0:
         raise EejaxError("--learning-rate must be > 0, --noise, --feature-weight and --sampled-copies >= 0")
     if args.hours is not None and not 0 < args.hours < float("inf"):
         raise EejaxError(f"--hours must be a positive number, got {args.hours}")
-    texts = prompts_from_args(argparse.Namespace(**{**vars(args), "limit": None}))[args.skip:][: args.limit]
+    texts = prompts_from_args(argparse.Namespace(**{**vars(args), "limit": None}))[args.skip :][: args.limit]
     if not texts:
         raise EejaxError(f"no texts left after --skip {args.skip}")
     other = [t for path in args.text_file or [] for t in read_text_file(path)]
-    run = {"model": str(args.model), "settings": settings.to_json(), "skip": args.skip, "limit": args.limit,
-           "texts": args.prompts_file or "--prompt", "text_files": args.text_file or []}
+    run = {
+        "model": str(args.model),
+        "settings": settings.to_json(),
+        "skip": args.skip,
+        "limit": args.limit,
+        "texts": args.prompts_file or "--prompt",
+        "text_files": args.text_file or [],
+    }
     out = Path(args.output).expanduser()
     run_file = out / "run.json"
     if run_file.exists():
         before = json.loads(run_file.read_text())
         if before != run:
             changed = sorted(k for k in run if before.get(k) != run[k])
-            raise EejaxError(f"{out} holds a run started with other settings ({', '.join(changed)}); repeat its "
-                             f"command (see {run_file}) or choose another --output")
+            raise EejaxError(
+                f"{out} holds a run started with other settings ({', '.join(changed)}); repeat its "
+                f"command (see {run_file}) or choose another --output"
+            )
     elif out.exists() and any(out.iterdir()):
         raise EejaxError(f"{out} exists and is not a draft-head run directory; choose another --output")
     if args.plot:
@@ -88,37 +106,61 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     trainee = add_exit_vocab(model, ids)
     started = time.perf_counter()
     draft, losses, agree = train_draft(
-        trainee, data, steps=settings.steps, batch_size=settings.batch_size, learning_rate=settings.learning_rate,
-        noise=settings.noise, feature_weight=settings.feature_weight, unroll=settings.unroll, seed=settings.seed,
-        hours=args.hours, checkpoint_dir=out / "checkpoints", save_every=args.save_every, progress=not args.quiet)
+        trainee,
+        data,
+        steps=settings.steps,
+        batch_size=settings.batch_size,
+        learning_rate=settings.learning_rate,
+        noise=settings.noise,
+        feature_weight=settings.feature_weight,
+        unroll=settings.unroll,
+        seed=settings.seed,
+        hours=args.hours,
+        checkpoint_dir=out / "checkpoints",
+        save_every=args.save_every,
+        progress=not args.quiet,
+    )
     hours = (time.perf_counter() - started) / 3600
     if args.plot and len(losses):
         from eejax.train.plot import save_draft_plot
 
         save_draft_plot(losses, agree, out / "training.png")
     if len(losses) < settings.steps:
-        print(f"stopped after {hours:.2f} h at step {len(losses)} of {settings.steps}; run the same command again "
-              f"to continue from {out / 'checkpoints'}")
+        print(
+            f"stopped after {hours:.2f} h at step {len(losses)} of {settings.steps}; run the same command again "
+            f"to continue from {out / 'checkpoints'}"
+        )
         return 0
     trained = trainee.with_params({**trainee.params, "draft": draft})
     tokens = int(data["lengths"].sum())
-    delta = save_draft(out / "draft.safetensors", trained, ids, {
-        "base": str(args.model), "settings": settings.to_json(), "training_tokens": tokens,
-        "data": {"texts": run["texts"], "skip": args.skip, "limit": args.limit, "text_files": run["text_files"]},
-        "top1_agreement_last_100": [float(x) for x in np.mean(agree[-100:], axis=0)]})
+    delta = save_draft(
+        out / "draft.safetensors",
+        trained,
+        ids,
+        {
+            "base": str(args.model),
+            "settings": settings.to_json(),
+            "training_tokens": tokens,
+            "data": {"texts": run["texts"], "skip": args.skip, "limit": args.limit, "text_files": run["text_files"]},
+            "top1_agreement_last_100": [float(x) for x in np.mean(agree[-100:], axis=0)],
+        },
+    )
     shipped = apply_draft(model, delta)  # the bf16 head as loading it gives it, its probe checked
     eejax.save(shipped, out / "model", overwrite=True, metadata={"draft_head": str(delta)})
     k = min(100, len(losses))
-    print(f"trained {settings.steps} steps on {tokens} cached tokens; loss {np.mean(losses[:k]):.3f} -> "
-          f"{np.mean(losses[-k:]):.3f}, top-1 agreement {np.mean(agree[:k, 0]):.2f} -> {np.mean(agree[-k:, 0]):.2f} "
-          f"(first / last {k} steps); draft head {delta}, model {out / 'model'}")
+    print(
+        f"trained {settings.steps} steps on {tokens} cached tokens; loss {np.mean(losses[:k]):.3f} -> "
+        f"{np.mean(losses[-k:]):.3f}, top-1 agreement {np.mean(agree[:k, 0]):.2f} -> {np.mean(agree[-k:, 0]):.2f} "
+        f"(first / last {k} steps); draft head {delta}, model {out / 'model'}"
+    )
     return 0
 
 
 def add_parsers(sub) -> None:
     """Adds `train-draft` to the `eejax` subparsers."""
     p = sub.add_parser(
-        "train-draft", help="train a draft head (EAGLE) on a frozen model's cached features, resumable",
+        "train-draft",
+        help="train a draft head (EAGLE) on a frozen model's cached features, resumable",
         description="Train a small draft head for lossless speculative decoding (spec draft:d): one fully connected "
         "layer over [next token's embedding, the model's feature] and one decoder layer, drafting through the "
         "model's own head (its reduced-vocabulary version). The model stays frozen: one pass over the training "
@@ -127,36 +169,83 @@ def add_parsers(sub) -> None:
         "its own predictions). The text is the --prompts-file texts (after --skip), the model's greedy "
         "continuations of summary prompts made from them, and any --text-file. Everything lives in --output: run "
         "the same command again to continue (--hours bounds one invocation). At the end it writes "
-        "OUTPUT/draft.safetensors (the head, small, with a probe checked at load) and OUTPUT/model.")
+        "OUTPUT/draft.safetensors (the head, small, with a probe checked at load) and OUTPUT/model.",
+    )
     add_model_and_prompts(p, "training texts (news articles, say)", "eejax checkpoint directory or known model name")
     p.add_argument("--output", required=True, metavar="DIR", help="the run directory (created; reused to resume)")
-    p.add_argument("--skip", type=int, default=0, metavar="N",
-                   help="leave out the first N texts (the rows you evaluate on; default 0)")
-    p.add_argument("--text-file", action="append", metavar="F.txt[.gz]",
-                   help="more training text, documents separated by two blank lines (repeatable)")
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        metavar="N",
+        help="leave out the first N texts (the rows you evaluate on; default 0)",
+    )
+    p.add_argument(
+        "--text-file",
+        action="append",
+        metavar="F.txt[.gz]",
+        help="more training text, documents separated by two blank lines (repeatable)",
+    )
     p.add_argument("--hours", type=float, metavar="H", help="stop this invocation after H hours (resumable)")
     p.add_argument("--steps", type=positive_int, default=3000, help="optimizer steps of the whole run (default 3000)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="windows per step (default 8)")
-    p.add_argument("--learning-rate", type=float, default=1e-3,
-                   help="peak adamw learning rate, warm-up then cosine to 0 (default 1e-3)")
-    p.add_argument("--noise", type=float, default=0.1,
-                   help="uniform noise on the input features, times their RMS (default 0.1; 0 = off)")
-    p.add_argument("--feature-weight", type=float, default=0.1,
-                   help="weight of the feature regression (default 0.1; 0 = off)")
-    p.add_argument("--unroll", type=int, choices=(1, 2, 3), default=2,
-                   help="passes per step, each after the first on the draft's own predictions (default 2)")
+    p.add_argument(
+        "--learning-rate",
+        type=float,
+        default=1e-3,
+        help="peak adamw learning rate, warm-up then cosine to 0 (default 1e-3)",
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.1,
+        help="uniform noise on the input features, times their RMS (default 0.1; 0 = off)",
+    )
+    p.add_argument(
+        "--feature-weight", type=float, default=0.1, help="weight of the feature regression (default 0.1; 0 = off)"
+    )
+    p.add_argument(
+        "--unroll",
+        type=int,
+        choices=(1, 2, 3),
+        default=2,
+        help="passes per step, each after the first on the draft's own predictions (default 2)",
+    )
     p.add_argument("--window", type=positive_int, default=512, help="tokens per cached window (default 512)")
-    p.add_argument("--continuation-tokens", type=int, default=96, metavar="N",
-                   help="greedy tokens of the model after each summary prompt (default 96; 0 = no continuations)")
-    p.add_argument("--prompt-lengths", type=prompt_lengths, default=(128, 256, 384), metavar="N,N,...",
-                   help="summary prompts: the first N tokens of each text + 'Summary:' (default 128,256,384)")
-    p.add_argument("--no-window-prompts", dest="window_prompts", action="store_false",
-                   help="only the summary prompts of --prompt-lengths: no later article windows, no windows of the "
-                   "--text-file documents continued")
-    p.add_argument("--sampled-copies", type=int, default=2, metavar="N",
-                   help="sampled continuations (temperature 0.7) of each 256-token summary prompt (default 2; 0 = none)")
-    p.add_argument("--vocab-size", type=positive_int, default=8192,
-                   help="tokens the draft proposes from: the most frequent of the data (default 8192)")
+    p.add_argument(
+        "--continuation-tokens",
+        type=int,
+        default=96,
+        metavar="N",
+        help="greedy tokens of the model after each summary prompt (default 96; 0 = no continuations)",
+    )
+    p.add_argument(
+        "--prompt-lengths",
+        type=prompt_lengths,
+        default=(128, 256, 384),
+        metavar="N,N,...",
+        help="summary prompts: the first N tokens of each text + 'Summary:' (default 128,256,384)",
+    )
+    p.add_argument(
+        "--no-window-prompts",
+        dest="window_prompts",
+        action="store_false",
+        help="only the summary prompts of --prompt-lengths: no later article windows, no windows of the "
+        "--text-file documents continued",
+    )
+    p.add_argument(
+        "--sampled-copies",
+        type=int,
+        default=2,
+        metavar="N",
+        help="sampled continuations (temperature 0.7) of each 256-token summary prompt (default 2; 0 = none)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        default=8192,
+        help="tokens the draft proposes from: the most frequent of the data (default 8192)",
+    )
     p.add_argument("--save-every", type=positive_int, default=100, help="steps between checkpoints (default 100)")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="do not write OUTPUT/training.png")
     p.add_argument("--seed", type=int, default=0, help="seed of the batches and the noise (default 0)")

@@ -30,21 +30,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.exit is not None:
         decay = None if args.exit_decay in ("off", "none") else number_or_off(args.exit_decay, "--exit-decay")
         exit_config = eejax.ExitConfig.parse(
-            args.exit, decay=decay, min_exit_layer=args.min_exit_layer, every=args.exit_every,
-            exit_layers=args.exit_layers, head=args.exit_head or "auto", emit=args.exit_emit or "full",
+            args.exit,
+            decay=decay,
+            min_exit_layer=args.min_exit_layer,
+            every=args.exit_every,
+            exit_layers=args.exit_layers,
+            head=args.exit_head or "auto",
+            emit=args.exit_emit or "full",
         )
     elif (args.exit_decay, args.min_exit_layer, args.exit_every) != ("4", 1, 1) or any(
-            x is not None for x in (args.exit_layers, args.exit_head, args.exit_emit)):
-        raise EejaxError("--exit-decay, --min-exit-layer, --exit-every, --exit-layers, --exit-head and --exit-emit "
-                         "need --exit")
+        x is not None for x in (args.exit_layers, args.exit_head, args.exit_emit)
+    ):
+        raise EejaxError(
+            "--exit-decay, --min-exit-layer, --exit-every, --exit-layers, --exit-head and --exit-emit need --exit"
+        )
     spec = None
     if args.spec is not None:
         if args.exit is not None:
             raise EejaxError("choose --exit or --spec, not both")
         options = {} if args.spec_max_d is None else {"max_speculations": args.spec_max_d}
-        spec = eejax.SpecConfig.parse(args.spec, head=args.spec_head or "auto",
-                                      bonus={"on": True, "off": False, "auto": None}[args.spec_bonus or "auto"],
-                                      **options)
+        spec = eejax.SpecConfig.parse(
+            args.spec,
+            head=args.spec_head or "auto",
+            bonus={"on": True, "off": False, "auto": None}[args.spec_bonus or "auto"],
+            **options,
+        )
     if args.spec_max_d is not None and not (spec and spec.adaptive):
         raise EejaxError("--spec-max-d needs an adaptive --spec (E:d:adaptive or draft:d:adaptive)")
     if spec is None and (args.spec_head or args.spec_bonus):
@@ -54,10 +64,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with _stdout_to_stderr(args.num_processes > 1):
         model = load_model(args)
         result = eejax.generate(
-            model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
-            batch_size=args.batch_size, cache_budget=args.cache_budget,
-            truncate_prompt_tokens=args.truncate_prompt_tokens, exit=exit_config, spec=spec,
+            model,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            batch_size=args.batch_size,
+            cache_budget=args.cache_budget,
+            truncate_prompt_tokens=args.truncate_prompt_tokens,
+            exit=exit_config,
+            spec=spec,
         )
     stats = result.stats
     if args.num_processes > 1 and args.process_id != 0:
@@ -79,11 +98,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{stats['generated_tokens']} tokens in {stats['run_s']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s "
         f"(compile {stats['compile_s']:.1f} s, {stats['compiled_programs']} programs); "
         f"mean layers per token {stats['mean_layers_per_token']:.1f} of {stats['num_layers']} "
-        + (f"(exit {stats['exit']}, KV fill {stats['kv_fill_layers_per_token']:.1f} layers per token)" if spec is None
-           else f"(self-speculation {stats['spec']}: acceptance {stats['acceptance_rate']:.1%}, "
-                f"{stats['tokens_per_round']:.2f} tokens per round, mean d {stats['mean_speculations']:.1f}"
-                + (f", {stats['plain_step_rate']:.0%} of tokens by plain steps" if stats["plain_step_rate"] else "")
-                + ")")
+        + (
+            f"(exit {stats['exit']}, KV fill {stats['kv_fill_layers_per_token']:.1f} layers per token)"
+            if spec is None
+            else f"(self-speculation {stats['spec']}: acceptance {stats['acceptance_rate']:.1%}, "
+            f"{stats['tokens_per_round']:.2f} tokens per round, mean d {stats['mean_speculations']:.1f}"
+            + (f", {stats['plain_step_rate']:.0%} of tokens by plain steps" if stats["plain_step_rate"] else "")
+            + ")"
+        )
     )
     return 0
 
@@ -108,7 +130,8 @@ def _stdout_to_stderr(active: bool):
 def add_parsers(sub) -> None:
     """Adds this module's commands to the `eejax` subparsers."""
     gen = sub.add_parser(
-        "generate", help="generate text for prompts",
+        "generate",
+        help="generate text for prompts",
         description="Generate continuations for prompts, at full depth, with early exit (--exit) or by "
         "self-speculation (--spec). With "
         '--json, stdout is one JSON object: {"outputs": [{"prompt", "text", "tokens", "exit_layers", '
@@ -121,59 +144,97 @@ def add_parsers(sub) -> None:
         "mean_speculations (mean d of the rounds), bonus_pass_rate, and plain_step_rate (the share of tokens "
         "an adaptive run decoded at full depth because no round paid).",
     )
-    add_model_and_prompts(gen, "prompts", 'eejax checkpoint directory, or a known name such as "smollm2-135m" '
-                          "(see `eejax models`)")
-    gen.add_argument("--max-new-tokens", type=positive_int, default=64,
-                     help="tokens to generate per prompt (default 64)")
+    add_model_and_prompts(
+        gen, "prompts", 'eejax checkpoint directory, or a known name such as "smollm2-135m" (see `eejax models`)'
+    )
+    gen.add_argument(
+        "--max-new-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)"
+    )
     gen.add_argument("--batch-size", type=positive_int, help="rows decoded together (default: all prompts)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS: always generate --max-new-tokens")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     gen.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
-    gen.add_argument("--truncate-prompt-tokens", type=positive_int, metavar="N",
-                     help="keep the first N tokens of each prompt")
+    gen.add_argument(
+        "--truncate-prompt-tokens", type=positive_int, metavar="N", help="keep the first N tokens of each prompt"
+    )
     gen.add_argument("--cache-budget", default="1GiB", help="KV cache memory budget, e.g. 512MiB, 2GiB (default 1GiB)")
     gen.add_argument(
-        "--exit", metavar="SPEC",
+        "--exit",
+        metavar="SPEC",
         help="early exit: none (the exit loop at full depth), static:E (always run E layers), softmax:λ "
         "(top-1 minus top-2 probability of the exit head > λ), state:λ (cosine of the hidden state before "
         "and after a layer > λ), classifier:λ (trained exit classifier's P(exit) > λ); λ may be inf or -inf. "
         "The batch exits when all its rows are confident. Default: plain full depth",
     )
-    gen.add_argument("--exit-decay", default="4", metavar="τ",
-                     help="CALM's decaying threshold λ(t) = clip(0.9λ + 0.1exp(-τt/N), 0, 1); 'off' keeps λ "
-                     "(default 4)")
-    gen.add_argument("--min-exit-layer", type=positive_int, default=1, metavar="K",
-                     help="never exit before K layers ran (default 1)")
-    gen.add_argument("--exit-every", type=positive_int, default=1, metavar="k",
-                     help="exit only after a multiple of k layers (default 1: after any layer)")
-    gen.add_argument("--exit-layers", type=layer_counts, action="extend", metavar="E,E,...",
-                     help="check confidence only after these layer counts, e.g. 8,16,24 (default: the checkpoint's "
-                     "trained exits, else every layer allowed by --min-exit-layer / --exit-every)")
-    gen.add_argument("--exit-head", choices=("auto", "full", "reduced"),
-                     help="head of the softmax checks: the reduced-vocabulary head of eejax exit-vocab, the full "
-                     "head, or auto (reduced when the checkpoint has one; default)")
-    gen.add_argument("--exit-emit", choices=("full", "reduced"),
-                     help="head of the token at an early exit (default full: one full-head evaluation per exit)")
     gen.add_argument(
-        "--spec", metavar="E:d|draft:d",
+        "--exit-decay",
+        default="4",
+        metavar="τ",
+        help="CALM's decaying threshold λ(t) = clip(0.9λ + 0.1exp(-τt/N), 0, 1); 'off' keeps λ (default 4)",
+    )
+    gen.add_argument(
+        "--min-exit-layer", type=positive_int, default=1, metavar="K", help="never exit before K layers ran (default 1)"
+    )
+    gen.add_argument(
+        "--exit-every",
+        type=positive_int,
+        default=1,
+        metavar="k",
+        help="exit only after a multiple of k layers (default 1: after any layer)",
+    )
+    gen.add_argument(
+        "--exit-layers",
+        type=layer_counts,
+        action="extend",
+        metavar="E,E,...",
+        help="check confidence only after these layer counts, e.g. 8,16,24 (default: the checkpoint's "
+        "trained exits, else every layer allowed by --min-exit-layer / --exit-every)",
+    )
+    gen.add_argument(
+        "--exit-head",
+        choices=("auto", "full", "reduced"),
+        help="head of the softmax checks: the reduced-vocabulary head of eejax exit-vocab, the full "
+        "head, or auto (reduced when the checkpoint has one; default)",
+    )
+    gen.add_argument(
+        "--exit-emit",
+        choices=("full", "reduced"),
+        help="head of the token at an early exit (default full: one full-head evaluation per exit)",
+    )
+    gen.add_argument(
+        "--spec",
+        metavar="E:d|draft:d",
         help="speculative decoding: E:d drafts d tokens with the first E layers and the exit head (LayerSkip) and "
         "verifies them with the other layers in one pass; draft:d drafts them with the checkpoint's trained draft "
         "head (eejax train-draft; e.g. the model smollm2-135m-eagle) and verifies with every layer. Greedy output "
         "equals full depth, sampling keeps the full model's distribution. A :adaptive suffix chooses d per round "
         "from the measured acceptance and costs",
     )
-    gen.add_argument("--spec-max-d", type=positive_int, metavar="N",
-                     help="the largest d that an adaptive --spec may choose (default 8)")
-    gen.add_argument("--spec-head", choices=("auto", "full", "reduced"),
-                     help="head of the drafts (default auto: the reduced-vocabulary head when the checkpoint has one)")
-    gen.add_argument("--spec-bonus", choices=("auto", "on", "off"),
-                     help="the (d+1)-th draft pass that lets a fully accepted round emit d+1 tokens: on, off, or auto "
-                     "(when it pays at the measured acceptance; default)")
-    add_model_placement(gen, "how decode steps read the layer weights: stacked (default) or split (each layer's in "
-                        "its own buffer: on a CPU ~1.4x faster decoding at batch 1, for twice the layer weights' "
-                        "memory and ~3x the compile time)")
+    gen.add_argument(
+        "--spec-max-d",
+        type=positive_int,
+        metavar="N",
+        help="the largest d that an adaptive --spec may choose (default 8)",
+    )
+    gen.add_argument(
+        "--spec-head",
+        choices=("auto", "full", "reduced"),
+        help="head of the drafts (default auto: the reduced-vocabulary head when the checkpoint has one)",
+    )
+    gen.add_argument(
+        "--spec-bonus",
+        choices=("auto", "on", "off"),
+        help="the (d+1)-th draft pass that lets a fully accepted round emit d+1 tokens: on, off, or auto "
+        "(when it pays at the measured acceptance; default)",
+    )
+    add_model_placement(
+        gen,
+        "how decode steps read the layer weights: stacked (default) or split (each layer's in "
+        "its own buffer: on a CPU ~1.4x faster decoding at batch 1, for twice the layer weights' "
+        "memory and ~3x the compile time)",
+    )
     add_processes(gen, "process 0 prints the result")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     gen.set_defaults(func=cmd_generate)

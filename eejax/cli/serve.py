@@ -36,11 +36,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("eejax.serve")
     join_processes(args)
     model = load_model(args)
-    engine = Engine(model, max_slots=args.max_slots, max_new_tokens=args.max_tokens_limit,
-                    cache_budget=args.cache_budget, exit=args.exit, temperature=args.temperature,
-                    policy=args.policy, bucketing=not args.no_bucketing, pages=args.pages,
-                    max_decoding_options=args.max_decoding_options, prefix_caching=not args.no_prefix_caching,
-                    prefill_chunk=args.prefill_chunk or None, steps_per_dispatch=args.steps_per_dispatch)
+    engine = Engine(
+        model,
+        max_slots=args.max_slots,
+        max_new_tokens=args.max_tokens_limit,
+        cache_budget=args.cache_budget,
+        exit=args.exit,
+        temperature=args.temperature,
+        policy=args.policy,
+        bucketing=not args.no_bucketing,
+        pages=args.pages,
+        max_decoding_options=args.max_decoding_options,
+        prefix_caching=not args.no_prefix_caching,
+        prefill_chunk=args.prefill_chunk or None,
+        steps_per_dispatch=args.steps_per_dispatch,
+    )
     if args.warmup:
         engine.warmup(args.warmup)
     if args.num_processes > 1 and args.process_id != 0:  # a replica: steps with process 0 until it stops
@@ -50,8 +60,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         follow(engine)
         return 0
     engine.start()
-    app = create_app(engine, served_model_name=args.served_model_name or args.model, max_waiting=args.max_waiting,
-                     max_body_bytes=max_body)
+    app = create_app(
+        engine,
+        served_model_name=args.served_model_name or args.model,
+        max_waiting=args.max_waiting,
+        max_body_bytes=max_body,
+    )
 
     class Server(uvicorn.Server):
         """uvicorn, plus a deadline: `--shutdown-timeout` seconds after the first SIGTERM / SIGINT
@@ -68,8 +82,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 self.deadline.start()
             super().handle_exit(sig, frame)
 
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                   timeout_graceful_shutdown=args.shutdown_timeout + 1))
+    server = Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout + 1
+        )
+    )
 
     def watchdog():  # a dead engine loop serves nobody: exit non-zero so a supervisor restarts us
         while engine.error is None and not server.should_exit:
@@ -112,7 +129,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 def add_parsers(sub) -> None:
     """Adds this module's commands to the `eejax` subparsers."""
     srv = sub.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
         description="Continuous batching over one paged KV cache behind POST /v1/completions and "
         "/v1/chat/completions (stream: true for server-sent events), GET /health and GET /metrics (Prometheus).",
     )
@@ -121,44 +139,87 @@ def add_parsers(sub) -> None:
     srv.add_argument("--port", type=positive_int, default=8000, help="port (default 8000)")
     srv.add_argument("--served-model-name", help="the model name clients must send (default: --model as given)")
     srv.add_argument("--max-slots", type=positive_int, default=8, help="rows decoded together (default 8)")
-    add_model_placement(srv, "how decode steps read the layer weights: stacked (default) or split (each layer's in "
-                        "its own buffer: on a CPU faster at small batches, for twice the layer weights' memory and "
-                        "~3x the compile time)")
+    add_model_placement(
+        srv,
+        "how decode steps read the layer weights: stacked (default) or split (each layer's in "
+        "its own buffer: on a CPU faster at small batches, for twice the layer weights' memory and "
+        "~3x the compile time)",
+    )
     add_processes(srv, "process 0 serves HTTP and schedules, the others follow its steps")
-    srv.add_argument("--max-tokens-limit", type=positive_int, default=256,
-                     help="the largest max_tokens a request may ask (default 256)")
-    srv.add_argument("--max-waiting", type=positive_int, default=256,
-                     help="requests queued before new ones get 429 (default 256)")
+    srv.add_argument(
+        "--max-tokens-limit",
+        type=positive_int,
+        default=256,
+        help="the largest max_tokens a request may ask (default 256)",
+    )
+    srv.add_argument(
+        "--max-waiting", type=positive_int, default=256, help="requests queued before new ones get 429 (default 256)"
+    )
     srv.add_argument("--cache-budget", default="1GiB", help="KV cache memory (default 1GiB)")
     srv.add_argument("--exit", metavar="SPEC", help="early exit for every request, as in eejax generate --exit")
     srv.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     srv.add_argument("--policy", choices=("fcfs", "sjf", "ljf"), default="fcfs", help="order inside a bucket")
     srv.add_argument("--no-bucketing", action="store_true", help="one bucket (plain FCFS continuous batching)")
-    srv.add_argument("--prefill-chunk", type=non_negative_int, default=0, metavar="TOKENS",
-                     help="chunked prefill: at most TOKENS prompt tokens prefilled per engine step, between decode "
-                     "steps, so that long prompts do not stall the running requests (default 0: whole prompts)")
-    srv.add_argument("--steps-per-dispatch", type=positive_int, default=4, metavar="N",
-                     help="decode steps the engine runs in one device program (default 4: one dispatch and one "
-                     "read per 4 tokens; streamed tokens then come 4 at a time). It runs 1 while a prompt "
-                     "prefills in chunks or a waiting request could take the slot of a row reaching its limit, "
-                     "so admission is not delayed; 1 here: always one")
-    srv.add_argument("--no-prefix-caching", action="store_true",
-                     help="do not share the KV pages of prompt prefixes between requests (shared by default: full "
-                     "pages of prompt tokens are kept, least recently used evicted first)")
-    srv.add_argument("--pages", choices=("reserve", "grow"), default="reserve",
-                     help="reserve: a request's pages for prompt + max_tokens at admission (never preempts); grow: "
-                     "pages as rows grow, preempting the lowest-priority row (recomputed later) when they run out")
-    srv.add_argument("--max-decoding-options", type=positive_int, default=16, metavar="N",
-                     help="distinct early-exit / speculation options requests may use (each compiles its own "
-                     "programs; later new ones get 400; default 16)")
-    srv.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
-                     help="on SIGTERM / SIGINT, how long requests in flight may run on; then they end with "
-                     'finish reason "abort" and the server exits (default 30)')
-    srv.add_argument("--max-body-size", default="2MiB", metavar="BYTES",
-                     help="the largest request body read; larger ones get 413 (default 2MiB)")
-    srv.add_argument("--warmup", type=positive_int, metavar="TOKENS",
-                     help="before listening, compile the programs for prompts of up to TOKENS tokens (default: "
-                     "each program compiles on its first request)")
+    srv.add_argument(
+        "--prefill-chunk",
+        type=non_negative_int,
+        default=0,
+        metavar="TOKENS",
+        help="chunked prefill: at most TOKENS prompt tokens prefilled per engine step, between decode "
+        "steps, so that long prompts do not stall the running requests (default 0: whole prompts)",
+    )
+    srv.add_argument(
+        "--steps-per-dispatch",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="decode steps the engine runs in one device program (default 4: one dispatch and one "
+        "read per 4 tokens; streamed tokens then come 4 at a time). It runs 1 while a prompt "
+        "prefills in chunks or a waiting request could take the slot of a row reaching its limit, "
+        "so admission is not delayed; 1 here: always one",
+    )
+    srv.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not share the KV pages of prompt prefixes between requests (shared by default: full "
+        "pages of prompt tokens are kept, least recently used evicted first)",
+    )
+    srv.add_argument(
+        "--pages",
+        choices=("reserve", "grow"),
+        default="reserve",
+        help="reserve: a request's pages for prompt + max_tokens at admission (never preempts); grow: "
+        "pages as rows grow, preempting the lowest-priority row (recomputed later) when they run out",
+    )
+    srv.add_argument(
+        "--max-decoding-options",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="distinct early-exit / speculation options requests may use (each compiles its own "
+        "programs; later new ones get 400; default 16)",
+    )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM / SIGINT, how long requests in flight may run on; then they end with "
+        'finish reason "abort" and the server exits (default 30)',
+    )
+    srv.add_argument(
+        "--max-body-size",
+        default="2MiB",
+        metavar="BYTES",
+        help="the largest request body read; larger ones get 413 (default 2MiB)",
+    )
+    srv.add_argument(
+        "--warmup",
+        type=positive_int,
+        metavar="TOKENS",
+        help="before listening, compile the programs for prompts of up to TOKENS tokens (default: "
+        "each program compiles on its first request)",
+    )
     srv.set_defaults(func=cmd_serve)
 
     models = sub.add_parser("models", help="list the known model names and the cache")

@@ -32,29 +32,57 @@ def cmd_train_exits(args: argparse.Namespace) -> int:
     suffix = model.tokenizer(args.suffix, add_special_tokens=False)["input_ids"] if args.suffix else []
     keep = args.max_len - args.continuation_tokens - len(suffix)
     if keep < 1:
-        raise EejaxError(f"--max-len {args.max_len} leaves no room for a prompt after {args.continuation_tokens} "
-                         f"continuation tokens and a {len(suffix)}-token suffix")
+        raise EejaxError(
+            f"--max-len {args.max_len} leaves no room for a prompt after {args.continuation_tokens} "
+            f"continuation tokens and a {len(suffix)}-token suffix"
+        )
     prompts = [model.tokenizer(t)["input_ids"][:keep] + suffix for t in texts]
     t0 = time.perf_counter()
     model, losses = fit_exit_adapters(
-        model, prompts, adapter_rank=args.adapter_rank, continuation_tokens=args.continuation_tokens,
-        max_len=args.max_len, batch_size=args.batch_size, steps=args.steps, learning_rate=args.learning_rate,
-        weights=args.weights, exit_layers=args.exit_layers, ce_weight=args.ce_weight,
-        positions_per_row=args.positions_per_row or None, seed=args.seed, checkpoint_dir=args.checkpoint_dir,
-        save_every=args.save_every, progress=not args.quiet,
+        model,
+        prompts,
+        adapter_rank=args.adapter_rank,
+        continuation_tokens=args.continuation_tokens,
+        max_len=args.max_len,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        learning_rate=args.learning_rate,
+        weights=args.weights,
+        exit_layers=args.exit_layers,
+        ce_weight=args.ce_weight,
+        positions_per_row=args.positions_per_row or None,
+        seed=args.seed,
+        checkpoint_dir=args.checkpoint_dir,
+        save_every=args.save_every,
+        progress=not args.quiet,
     )
     seconds = time.perf_counter() - t0
-    eejax.save(model, output, overwrite=args.overwrite, metadata={"exit_training": {
-        "base": str(args.model), "steps": args.steps, "exit_layers": args.exit_layers, "weights": args.weights,
-        "ce_weight": args.ce_weight, "prompts": len(prompts), "final_loss": float(losses[-1])}})
+    eejax.save(
+        model,
+        output,
+        overwrite=args.overwrite,
+        metadata={
+            "exit_training": {
+                "base": str(args.model),
+                "steps": args.steps,
+                "exit_layers": args.exit_layers,
+                "weights": args.weights,
+                "ce_weight": args.ce_weight,
+                "prompts": len(prompts),
+                "final_loss": float(losses[-1]),
+            }
+        },
+    )
     if args.loss_plot:
         from eejax.train.plot import save_loss_plot
 
         save_loss_plot(losses, args.loss_plot)
     k = min(10, len(losses))
-    print(f"trained exit adapters for {args.steps} steps on {len(prompts)} prompts in {seconds:.0f} s; "
-          f"loss {losses[:k].mean():.4f} -> {losses[-k:].mean():.4f} (mean of the first / last {k} steps); "
-          f"saved to {output}" + (f"; loss curve {args.loss_plot}" if args.loss_plot else ""))
+    print(
+        f"trained exit adapters for {args.steps} steps on {len(prompts)} prompts in {seconds:.0f} s; "
+        f"loss {losses[:k].mean():.4f} -> {losses[-k:].mean():.4f} (mean of the first / last {k} steps); "
+        f"saved to {output}" + (f"; loss curve {args.loss_plot}" if args.loss_plot else "")
+    )
     return 0
 
 
@@ -65,41 +93,72 @@ def cmd_train_layerskip(args: argparse.Namespace) -> int:
     from eejax.train.layerskip import LayerSkipConfig
     from eejax.train.layerskip_run import RunSettings, export_run, train_layerskip
 
-    for option, value in (("--skip", args.skip), ("--sampled-every", args.sampled_every),
-                          ("--exit-vocab-size", args.exit_vocab_size)):
+    for option, value in (
+        ("--skip", args.skip),
+        ("--sampled-every", args.sampled_every),
+        ("--exit-vocab-size", args.exit_vocab_size),
+    ):
         if value < 0:
             raise EejaxError(f"{option} must be >= 0, got {value}")
     if args.hours is not None and not 0 < args.hours < float("inf"):
         raise EejaxError(f"--hours must be a positive number, got {args.hours}")
     settings = RunSettings(
-        steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate, lora_rank=args.lora_rank,
-        exit_positions=args.exit_positions, seed=args.seed,
-        layerskip=LayerSkipConfig(p_max=args.p_max, e_scale=args.e_scale, curriculum=args.curriculum,
-                                  rotation=args.rotation, total_steps=args.steps,
-                                  exit_layers=tuple(args.exit_layers) if args.exit_layers else None))
-    data_options = {"prompts": args.prompts_file or "--prompt", "skip": args.skip, "limit": args.limit,
-                    "window": args.window, "continuation_tokens": args.continuation_tokens,
-                    "sampled_every": args.sampled_every, "top_k": args.top_k, "suffix": args.suffix}
-    run = json.loads(json.dumps({"model": str(args.model), "settings": settings.to_json(), "data": data_options,
-                                 "exit_vocab_size": args.exit_vocab_size}))  # as run.json will hold it
+        steps=args.steps,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        lora_rank=args.lora_rank,
+        exit_positions=args.exit_positions,
+        seed=args.seed,
+        layerskip=LayerSkipConfig(
+            p_max=args.p_max,
+            e_scale=args.e_scale,
+            curriculum=args.curriculum,
+            rotation=args.rotation,
+            total_steps=args.steps,
+            exit_layers=tuple(args.exit_layers) if args.exit_layers else None,
+        ),
+    )
+    data_options = {
+        "prompts": args.prompts_file or "--prompt",
+        "skip": args.skip,
+        "limit": args.limit,
+        "window": args.window,
+        "continuation_tokens": args.continuation_tokens,
+        "sampled_every": args.sampled_every,
+        "top_k": args.top_k,
+        "suffix": args.suffix,
+    }
+    run = json.loads(
+        json.dumps(
+            {
+                "model": str(args.model),
+                "settings": settings.to_json(),
+                "data": data_options,
+                "exit_vocab_size": args.exit_vocab_size,
+            }
+        )
+    )  # as run.json will hold it
     out = Path(args.output).expanduser()
     run_file = out / "run.json"
     if run_file.exists():
         before = json.loads(run_file.read_text())
         if before != run:
             changed = [k for k, v in _flat(run).items() if _flat(before).get(k) != v]
-            raise EejaxError(f"{out} holds a run started with other settings ({', '.join(changed)}); "
-                             f"repeat its command (see {run_file}) or choose another --output")
+            raise EejaxError(
+                f"{out} holds a run started with other settings ({', '.join(changed)}); "
+                f"repeat its command (see {run_file}) or choose another --output"
+            )
     elif out.exists() and any(out.iterdir()):
         raise EejaxError(f"{out} exists and is not a LayerSkip run directory; choose another --output")
     if args.loss_plot:
         try:  # before the long work
             import matplotlib  # noqa: F401
         except ImportError:
-            raise EejaxError('the loss plot needs matplotlib: pip install "eejax[bench]" '
-                             '(or pass --no-loss-plot)') from None
+            raise EejaxError(
+                'the loss plot needs matplotlib: pip install "eejax[bench]" (or pass --no-loss-plot)'
+            ) from None
     texts = args.prompt if args.prompt is not None else read_prompts_file(args.prompts_file, args.prompt_field)
-    texts = texts[args.skip:][: args.limit]  # the held-out rows first, then the limit
+    texts = texts[args.skip :][: args.limit]  # the held-out rows first, then the limit
     if not texts:
         raise EejaxError(f"no prompts left after --skip {args.skip}")
     model = eejax.load(args.model)
@@ -115,8 +174,15 @@ def cmd_train_layerskip(args: argparse.Namespace) -> int:
     run_file.write_text(json.dumps(run, indent=2) + "\n")
     data = _layerskip_data(model, texts, out / "data.npz", args)
     t0 = time.perf_counter()
-    trainable, log, done = train_layerskip(model, data, settings, out / "checkpoints", hours=args.hours,
-                                           save_every=args.save_every, progress=not args.quiet)
+    trainable, log, done = train_layerskip(
+        model,
+        data,
+        settings,
+        out / "checkpoints",
+        hours=args.hours,
+        save_every=args.save_every,
+        progress=not args.quiet,
+    )
     hours = (time.perf_counter() - t0) / 3600
     steps_done = len(log["loss"])
     if args.loss_plot and steps_done:
@@ -126,15 +192,20 @@ def cmd_train_layerskip(args: argparse.Namespace) -> int:
         save_layerskip_plot(log, out / "kl.png", model.config.num_layers)
     tokens = steps_done * settings.batch_size * data.tokens.shape[1]
     if not done:
-        print(f"stopped after {hours:.2f} h at step {steps_done} of {settings.steps} (about {tokens} tokens so far); "
-              f"run the same command again to continue from {out / 'checkpoints'}")
+        print(
+            f"stopped after {hours:.2f} h at step {steps_done} of {settings.steps} (about {tokens} tokens so far); "
+            f"run the same command again to continue from {out / 'checkpoints'}"
+        )
         return 0
-    path = export_run(model, trainable, settings, data, out, base_name=str(args.model),
-                      exit_vocab_size=args.exit_vocab_size)
+    path = export_run(
+        model, trainable, settings, data, out, base_name=str(args.model), exit_vocab_size=args.exit_vocab_size
+    )
     k = min(10, steps_done)
-    print(f"trained {settings.steps} steps (about {tokens} tokens); loss {np.mean(log['loss'][:k]):.4f} -> "
-          f"{np.mean(log['loss'][-k:]):.4f} (first / last {k} steps); model {path}"
-          + (f", LoRA delta {out / 'delta.safetensors'}" if settings.lora_rank else ""))
+    print(
+        f"trained {settings.steps} steps (about {tokens} tokens); loss {np.mean(log['loss'][:k]):.4f} -> "
+        f"{np.mean(log['loss'][-k:]):.4f} (first / last {k} steps); model {path}"
+        + (f", LoRA delta {out / 'delta.safetensors'}" if settings.lora_rank else "")
+    )
     return 0
 
 
@@ -157,8 +228,14 @@ def _layerskip_data(model, texts: list[str], path: Path, args: argparse.Namespac
     if args.suffix:  # and each text's beginning followed by the suffix, e.g. a summary request
         suffix = model.tokenizer(args.suffix, add_special_tokens=False)["input_ids"]
         windows += [t[: args.window] + suffix for t in ids]
-    sequences = continue_windows(model, windows, args.continuation_tokens, sampled_every=args.sampled_every,
-                                 seed=args.seed, progress=not args.quiet)
+    sequences = continue_windows(
+        model,
+        windows,
+        args.continuation_tokens,
+        sampled_every=args.sampled_every,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
     data = teacher_targets(model, sequences, top_k=args.top_k, progress=not args.quiet)
     data.save(path)
     return data
@@ -167,7 +244,8 @@ def _layerskip_data(model, texts: list[str], path: Path, args: argparse.Namespac
 def add_parsers(sub) -> None:
     """Adds this module's commands to the `eejax` subparsers."""
     tr = sub.add_parser(
-        "train-exits", help="train exit adapters on a frozen model (self-distillation)",
+        "train-exits",
+        help="train exit adapters on a frozen model (self-distillation)",
         description="Make a model exit-capable: add an adapter before the shared final norm and LM head at each "
         "trained exit and train the adapters with optax (adam, cosine decay) so that each exit's next-token "
         "distribution matches the full model's (KL, per-layer weights; optionally plus cross-entropy on the "
@@ -178,27 +256,65 @@ def add_parsers(sub) -> None:
     add_model_and_prompts(tr, "training prompts", "eejax checkpoint directory or known model name (a Llama)")
     tr.add_argument("--output", required=True, metavar="DIR", help="where to write the model with trained exits")
     tr.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    tr.add_argument("--suffix", default="", metavar="TEXT",
-                    help='appended to each (cut) prompt before the continuation, e.g. "\n\nSummary:"')
-    tr.add_argument("--continuation-tokens", type=int, default=64, metavar="N",
-                    help="greedy tokens generated after each prompt (default 64; 0 = the prompts alone)")
-    tr.add_argument("--max-len", type=positive_int, default=512, metavar="T",
-                    help="tokens per training sequence, prompt cut to fit (default 512)")
-    tr.add_argument("--exit-layers", type=layer_counts, action="extend", metavar="E,E,...",
-                    help="the exits to train, as layers run, e.g. 3,6,9 (default: every layer 1..L-1)")
-    tr.add_argument("--adapter-rank", type=positive_int, default=128, metavar="R",
-                    help="rank of each adapter's D x D map; the hidden size is a full map (default 128)")
+    tr.add_argument(
+        "--suffix",
+        default="",
+        metavar="TEXT",
+        help='appended to each (cut) prompt before the continuation, e.g. "\n\nSummary:"',
+    )
+    tr.add_argument(
+        "--continuation-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="greedy tokens generated after each prompt (default 64; 0 = the prompts alone)",
+    )
+    tr.add_argument(
+        "--max-len",
+        type=positive_int,
+        default=512,
+        metavar="T",
+        help="tokens per training sequence, prompt cut to fit (default 512)",
+    )
+    tr.add_argument(
+        "--exit-layers",
+        type=layer_counts,
+        action="extend",
+        metavar="E,E,...",
+        help="the exits to train, as layers run, e.g. 3,6,9 (default: every layer 1..L-1)",
+    )
+    tr.add_argument(
+        "--adapter-rank",
+        type=positive_int,
+        default=128,
+        metavar="R",
+        help="rank of each adapter's D x D map; the hidden size is a full map (default 128)",
+    )
     tr.add_argument("--steps", type=positive_int, default=200, help="optimizer steps (default 200)")
     tr.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (default 4)")
-    tr.add_argument("--positions-per-row", type=int, default=64, metavar="P",
-                    help="positions of each sequence whose exits a step trains, drawn at random; 0 = all (default 64)")
+    tr.add_argument(
+        "--positions-per-row",
+        type=int,
+        default=64,
+        metavar="P",
+        help="positions of each sequence whose exits a step trains, drawn at random; 0 = all (default 64)",
+    )
     tr.add_argument("--learning-rate", type=float, default=1e-3, help="peak adam learning rate (default 1e-3)")
-    tr.add_argument("--weights", choices=("calm", "layerskip", "uniform"), default="calm",
-                    help="per-exit loss weights: calm ∝ l, layerskip ∝ 1+...+l, uniform (default calm)")
-    tr.add_argument("--ce-weight", type=float, default=0.0,
-                    help="weight of cross-entropy on the data's next tokens beside the KL (default 0)")
-    tr.add_argument("--checkpoint-dir", metavar="DIR",
-                    help="orbax training checkpoints; a rerun resumes from the latest")
+    tr.add_argument(
+        "--weights",
+        choices=("calm", "layerskip", "uniform"),
+        default="calm",
+        help="per-exit loss weights: calm ∝ l, layerskip ∝ 1+...+l, uniform (default calm)",
+    )
+    tr.add_argument(
+        "--ce-weight",
+        type=float,
+        default=0.0,
+        help="weight of cross-entropy on the data's next tokens beside the KL (default 0)",
+    )
+    tr.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="orbax training checkpoints; a rerun resumes from the latest"
+    )
     tr.add_argument("--save-every", type=positive_int, default=50, help="steps between checkpoints (default 50)")
     tr.add_argument("--loss-plot", metavar="F.png", help="save the loss curve as a PNG (needs matplotlib)")
     tr.add_argument("--seed", type=int, default=0, help="seed of the position sampling (default 0)")
@@ -206,7 +322,8 @@ def add_parsers(sub) -> None:
     tr.set_defaults(func=cmd_train_exits)
 
     ls = sub.add_parser(
-        "train-layerskip", help="LayerSkip training (layer dropout + early-exit loss) with LoRA, resumable",
+        "train-layerskip",
+        help="LayerSkip training (layer dropout + early-exit loss) with LoRA, resumable",
         description="Train a Llama for early exit with LayerSkip's recipe: layer dropout (rates rising with depth "
         "to --p-max; a dropped layer is skipped for the whole step) and an early-exit loss through the shared LM "
         "head at the exits the curriculum enables each step, on LoRA factors of every projection (or the whole "
@@ -219,44 +336,115 @@ def add_parsers(sub) -> None:
     )
     add_model_and_prompts(ls, "training texts", "eejax checkpoint directory or known model name (a Llama)")
     ls.add_argument("--output", required=True, metavar="DIR", help="the run directory (created; reused to resume)")
-    ls.add_argument("--skip", type=int, default=0, metavar="N",
-                    help="leave out the first N prompts (e.g. the rows you evaluate on; default 0)")
+    ls.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        metavar="N",
+        help="leave out the first N prompts (e.g. the rows you evaluate on; default 0)",
+    )
     ls.add_argument("--hours", type=float, metavar="H", help="stop this invocation after H hours (resumable)")
     ls.add_argument("--steps", type=positive_int, default=600, help="optimizer steps of the whole run (default 600)")
     ls.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default 8)")
-    ls.add_argument("--learning-rate", type=float, default=2e-4,
-                    help="peak adam learning rate, 5%% warm-up then cosine to 10%% (default 2e-4)")
-    ls.add_argument("--lora-rank", type=int, default=16, metavar="R",
-                    help="rank of the LoRA factors on every projection; 0 = full fine-tuning (default 16)")
-    ls.add_argument("--exit-layers", type=layer_counts, action="extend", metavar="E,E,...",
-                    help="exits with an early-exit loss, as layers run, e.g. 8,15,22 (default: every layer)")
+    ls.add_argument(
+        "--learning-rate",
+        type=float,
+        default=2e-4,
+        help="peak adam learning rate, 5%% warm-up then cosine to 10%% (default 2e-4)",
+    )
+    ls.add_argument(
+        "--lora-rank",
+        type=int,
+        default=16,
+        metavar="R",
+        help="rank of the LoRA factors on every projection; 0 = full fine-tuning (default 16)",
+    )
+    ls.add_argument(
+        "--exit-layers",
+        type=layer_counts,
+        action="extend",
+        metavar="E,E,...",
+        help="exits with an early-exit loss, as layers run, e.g. 8,15,22 (default: every layer)",
+    )
     ls.add_argument("--p-max", type=float, default=0.1, help="layer dropout rate of the last layer (default 0.1)")
     ls.add_argument("--e-scale", type=float, default=0.2, help="early-exit loss scale e_scale (default 0.2)")
-    ls.add_argument("--curriculum", choices=("rotational", "gradual", "all"), default="rotational",
-                    help="which exits carry a loss each step (default rotational)")
-    ls.add_argument("--rotation", type=positive_int, default=8, metavar="R",
-                    help="the rotational curriculum enables every R-th exit (default 8)")
-    ls.add_argument("--exit-positions", type=int, default=64, metavar="P",
-                    help="positions per sequence of the early exits' losses, drawn each step; 0 = all (default 64)")
-    ls.add_argument("--window", type=positive_int, default=192, metavar="T",
-                    help="prompt tokens per training sequence: consecutive windows of each text (default 192)")
-    ls.add_argument("--windows-per-prompt", type=positive_int, default=4, metavar="N",
-                    help="at most N windows of each text (default 4)")
-    ls.add_argument("--continuation-tokens", type=positive_int, default=64, metavar="N",
-                    help="tokens of the model's own continuation after each window (default 64)")
-    ls.add_argument("--suffix", default="", metavar="TEXT",
-                    help="also train on the first window of each text followed by TEXT and the continuation, "
-                    "e.g. a summary request (bash: --suffix $'\\n\\nSummary:')")
-    ls.add_argument("--sampled-every", type=int, default=2, metavar="K",
-                    help="every K-th window also gets a sampled continuation (temperature 0.8, top-p 0.95); "
-                    "0 = greedy only (default 2)")
-    ls.add_argument("--top-k", type=positive_int, default=32, metavar="K",
-                    help="the teacher distribution kept per position: its K most likely tokens (default 32)")
-    ls.add_argument("--exit-vocab-size", type=int, default=8192, metavar="K",
-                    help="reduced exit head of the K most frequent training tokens; 0 = none (default 8192)")
+    ls.add_argument(
+        "--curriculum",
+        choices=("rotational", "gradual", "all"),
+        default="rotational",
+        help="which exits carry a loss each step (default rotational)",
+    )
+    ls.add_argument(
+        "--rotation",
+        type=positive_int,
+        default=8,
+        metavar="R",
+        help="the rotational curriculum enables every R-th exit (default 8)",
+    )
+    ls.add_argument(
+        "--exit-positions",
+        type=int,
+        default=64,
+        metavar="P",
+        help="positions per sequence of the early exits' losses, drawn each step; 0 = all (default 64)",
+    )
+    ls.add_argument(
+        "--window",
+        type=positive_int,
+        default=192,
+        metavar="T",
+        help="prompt tokens per training sequence: consecutive windows of each text (default 192)",
+    )
+    ls.add_argument(
+        "--windows-per-prompt",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="at most N windows of each text (default 4)",
+    )
+    ls.add_argument(
+        "--continuation-tokens",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="tokens of the model's own continuation after each window (default 64)",
+    )
+    ls.add_argument(
+        "--suffix",
+        default="",
+        metavar="TEXT",
+        help="also train on the first window of each text followed by TEXT and the continuation, "
+        "e.g. a summary request (bash: --suffix $'\\n\\nSummary:')",
+    )
+    ls.add_argument(
+        "--sampled-every",
+        type=int,
+        default=2,
+        metavar="K",
+        help="every K-th window also gets a sampled continuation (temperature 0.8, top-p 0.95); "
+        "0 = greedy only (default 2)",
+    )
+    ls.add_argument(
+        "--top-k",
+        type=positive_int,
+        default=32,
+        metavar="K",
+        help="the teacher distribution kept per position: its K most likely tokens (default 32)",
+    )
+    ls.add_argument(
+        "--exit-vocab-size",
+        type=int,
+        default=8192,
+        metavar="K",
+        help="reduced exit head of the K most frequent training tokens; 0 = none (default 8192)",
+    )
     ls.add_argument("--save-every", type=positive_int, default=25, help="steps between checkpoints (default 25)")
-    ls.add_argument("--no-loss-plot", dest="loss_plot", action="store_false",
-                    help="do not write OUTPUT/loss.png (it needs matplotlib)")
+    ls.add_argument(
+        "--no-loss-plot",
+        dest="loss_plot",
+        action="store_false",
+        help="do not write OUTPUT/loss.png (it needs matplotlib)",
+    )
     ls.add_argument("--seed", type=int, default=0, help="seed of the data order, dropout and sampling (default 0)")
     ls.add_argument("--quiet", action="store_true", help="no progress bars")
     ls.set_defaults(func=cmd_train_layerskip)

@@ -22,8 +22,21 @@ _SHAPE = re.compile(r"(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 _WHILE = re.compile(r"while\(.*condition=%(\S+?), body=%(\S+?)[,\s]")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLS = re.compile(r"(?:calls|to_apply|branch_computations)=\{?([^}\n]*?)\}?(?:,\s|$)")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,10 +58,16 @@ class WeightCounts:
         adapter = sum(int(np.prod(e[k].shape)) for k in exits.ADAPTER_KEYS if k in e) / L
         classifier = sum(int(np.prod(e[k].shape)) for k in exits.CLASSIFIER_KEYS if k in e) / L
         reduced = int(np.prod(e["vocab_head"].shape)) if "vocab_head" in e else 0
-        return cls(layer=per_layer, kv=kv, head=config.vocab_size * config.hidden_size + config.hidden_size,
-                   reduced_head=reduced + config.hidden_size * bool(reduced), adapter=adapter,
-                   classifier=classifier, num_layers=L,
-                   draft=draft_head.num_weights(params.get("draft") or {}))
+        return cls(
+            layer=per_layer,
+            kv=kv,
+            head=config.vocab_size * config.hidden_size + config.hidden_size,
+            reduced_head=reduced + config.hidden_size * bool(reduced),
+            adapter=adapter,
+            classifier=classifier,
+            num_layers=L,
+            draft=draft_head.num_weights(params.get("draft") or {}),
+        )
 
     @property
     def full_depth(self) -> float:
@@ -73,8 +79,14 @@ class WeightCounts:
         return (self.reduced_head if reduced else self.head) + self.adapter
 
 
-def exit_step_weights(w: WeightCounts, config: ExitConfig, exit_layer: int, check_layers: tuple[int, ...],
-                      reduced_checks: bool, reduced_emit: bool) -> float:
+def exit_step_weights(
+    w: WeightCounts,
+    config: ExitConfig,
+    exit_layer: int,
+    check_layers: tuple[int, ...],
+    reduced_checks: bool,
+    reduced_emit: bool,
+) -> float:
     """Weights read by one early-exit step whose batch ran `exit_layer` layers."""
     L = w.num_layers
     if exit_layer >= L:
@@ -91,8 +103,15 @@ def exit_step_weights(w: WeightCounts, config: ExitConfig, exit_layer: int, chec
     return min(exit_layer, L) * w.layer + (L - min(exit_layer, L)) * w.kv + checks * check + token
 
 
-def spec_weights(w: WeightCounts, exit_layer: int, passes: float, draft_heads: float, rounds: float,
-                 reduced_drafts: bool, draft_module: bool = False) -> float:
+def spec_weights(
+    w: WeightCounts,
+    exit_layer: int,
+    passes: float,
+    draft_heads: float,
+    rounds: float,
+    reduced_drafts: bool,
+    draft_module: bool = False,
+) -> float:
     """Weights read by speculation rounds at E = `exit_layer`: `passes` draft passes (of E
     layers, or of the draft head's module), `draft_heads` draft-head evaluations and `rounds`
     verify passes (the other layers and the full head)."""
@@ -100,8 +119,9 @@ def spec_weights(w: WeightCounts, exit_layer: int, passes: float, draft_heads: f
     return passes * draft_pass + draft_heads * draft_head + rounds * verify
 
 
-def spec_unit_weights(w: WeightCounts, exit_layer: int, reduced_drafts: bool,
-                      draft_module: bool = False) -> tuple[float, float, float]:
+def spec_unit_weights(
+    w: WeightCounts, exit_layer: int, reduced_drafts: bool, draft_module: bool = False
+) -> tuple[float, float, float]:
     """Weights of one draft pass (E layers, or the draft head's fc and layer), one draft head,
     one verify pass (L - E layers and the full head)."""
     draft_pass = w.draft if draft_module else exit_layer * w.layer

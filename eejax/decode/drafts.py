@@ -25,7 +25,6 @@ class Drafts:
     probs: jax.Array
 
 
-
 def token_batch(config, state: DecodeState, offsets, block_table, page_size, attention):
     """Positions seq_len + offsets [T] of every row; the ones a row may never emit (past its
     limit; all of an inactive row) go to the null page. Keys valid up to the last offset."""
@@ -34,5 +33,6 @@ def token_batch(config, state: DecodeState, offsets, block_table, page_size, att
     positions = state.seq_len[:, None] + offsets[None, :]
     valid = active[:, None] & (offsets[None, :] < room[:, None])
     kv_len = state.seq_len + jnp.where(active, offsets[-1] + 1, 0)
-    return model_module(config).token_batch(config, positions, valid, block_table, kv_len, page_size, attention,
-                                            context=state.context)
+    return model_module(config).token_batch(
+        config, positions, valid, block_table, kv_len, page_size, attention, context=state.context
+    )

@@ -80,8 +80,20 @@ def confidence(config: ExitConfig, fns: ExitFns, h_prev, h, layers_run):
     raise ValueError(f"measure {config.measure!r} has no confidence")
 
 
-def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages, slots, *, config: ExitConfig,
-                      num_layers: int, vocab_size: int, reuse_check_logits: bool | None = None) -> ExitOutcome:
+def early_exit_layers(
+    fns: ExitFns,
+    h,
+    cache: KVCache,
+    active,
+    threshold,
+    pages,
+    slots,
+    *,
+    config: ExitConfig,
+    num_layers: int,
+    vocab_size: int,
+    reuse_check_logits: bool | None = None,
+) -> ExitOutcome:
     """Runs layers until the whole batch is confident, fills the skipped layers' KV, and
     evaluates the exit head.
 
@@ -124,8 +136,11 @@ def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages,
         # host round trip costs more than the check
         if config.measure == "softmax" and not reuse and not few_round_trips:
             width = jax.eval_shape(fns.check_logits, h, stop).shape[-1]
-            return jax.lax.cond(stop < num_layers, lambda: confidence(config, fns, h_prev, h, stop),
-                                lambda: (jnp.zeros((b,), jnp.float32), jnp.zeros((b, width), jnp.float32)))
+            return jax.lax.cond(
+                stop < num_layers,
+                lambda: confidence(config, fns, h_prev, h, stop),
+                lambda: (jnp.zeros((b,), jnp.float32), jnp.zeros((b, width), jnp.float32)),
+            )
         # The full head at full depth is the model's own: the token's logits when no row exited.
         return confidence(config, fns, h_prev, h, stop)
 
@@ -155,10 +170,12 @@ def early_exit_layers(fns: ExitFns, h, cache: KVCache, active, threshold, pages,
     i, h, cache, _, confident_at, logits = jax.lax.while_loop(cond, body, carry)
     exit_layer = bounds[i]
     if not reuse:
-        logits = jax.lax.cond(exit_layer < num_layers, lambda: fns.emit_logits(h, exit_layer),
-                              lambda: fns.exit_logits(h, num_layers))
-    cache = kv_fill(cache, fns.layer_kv, h, exit_layer, num_layers, pages, slots,
-                    first=points[0] if few_round_trips else None)
+        logits = jax.lax.cond(
+            exit_layer < num_layers, lambda: fns.emit_logits(h, exit_layer), lambda: fns.exit_logits(h, num_layers)
+        )
+    cache = kv_fill(
+        cache, fns.layer_kv, h, exit_layer, num_layers, pages, slots, first=points[0] if few_round_trips else None
+    )
     confident_layer = jnp.where(confident_at == 0, exit_layer, confident_at)
     return ExitOutcome(logits, cache, exit_layer, confident_layer)
 
@@ -173,8 +190,9 @@ def static_loops() -> bool:
     return jax.default_backend() != "cpu"
 
 
-def kv_fill(cache: KVCache, layer_kv: Callable, h, exit_layer, num_layers: int, pages, slots,
-            first: int | None = None) -> KVCache:
+def kv_fill(
+    cache: KVCache, layer_kv: Callable, h, exit_layer, num_layers: int, pages, slots, first: int | None = None
+) -> KVCache:
     """Writes the K/V of layers [exit_layer, num_layers) (exit_layer traced; none at full depth)
     of hidden states h [B, T, D] at (pages, slots) [B, T], one layer per loop iteration:
     `layer_kv(layer, h) -> (k, v)` [B, T, Hkv, Dh]. With `first` (static, <= exit_layer) the loop

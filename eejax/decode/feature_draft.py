@@ -41,10 +41,14 @@ def uses_reduced_head(params, options: StepOptions) -> bool:
 def _propose(params, predicted, state: DecodeState, i, config, options: StepOptions):
     """(draft token [B], q [B, V] or [B, 0] when greedy) of the head at predicted features [B, D]."""
     reduced = uses_reduced_head(params, options)
-    return draft_proposal(draft_head.draft_logits(params, predicted, config, reduced),
-                          params["exits"]["vocab_ids"] if reduced else None,
-                          token_keys(state.keys, state.position + i, DRAFT), state.sampling, options.sampler,
-                          config.vocab_size)
+    return draft_proposal(
+        draft_head.draft_logits(params, predicted, config, reduced),
+        params["exits"]["vocab_ids"] if reduced else None,
+        token_keys(state.keys, state.position + i, DRAFT),
+        state.sampling,
+        options.sampler,
+        config.vocab_size,
+    )
 
 
 def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
@@ -57,25 +61,25 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
 
     def step(carry, i):
         cache, predicted, token = carry
-        batch = token_batch(config, state, jnp.reshape(i - 1, (1,)), block_table, cache.page_size,
-                             options.attention)
-        out, cache = draft_head.draft_layer(params, predicted[:, None], embed(params, token[:, None]), cache, batch,
-                                            config)
+        batch = token_batch(config, state, jnp.reshape(i - 1, (1,)), block_table, cache.page_size, options.attention)
+        out, cache = draft_head.draft_layer(
+            params, predicted[:, None], embed(params, token[:, None]), cache, batch, config
+        )
         proposal, q = _propose(params, out[:, 0], state, i, config, options)
         return (cache, out[:, 0].astype(predicted.dtype), proposal), (proposal, q)
 
     tokens, probs = first[:, None], q1[:, None]
     if d > 1:
-        (cache, _, _), (more, more_q) = jax.lax.scan(step, (cache, state.draft_hidden, first),
-                                                     jnp.arange(1, d, dtype=jnp.int32))
+        (cache, _, _), (more, more_q) = jax.lax.scan(
+            step, (cache, state.draft_hidden, first), jnp.arange(1, d, dtype=jnp.int32)
+        )
         tokens = jnp.concatenate([tokens, more.T], axis=1)
         probs = jnp.concatenate([probs, more_q.swapaxes(0, 1)], axis=1)
     tokens = jnp.concatenate([state.last_token[:, None], tokens], axis=1)
     return Drafts(tokens=tokens, hidden=embed(params, tokens), probs=probs), state, cache
 
 
-def catch_up(params, cache: KVCache, state: DecodeState, new: DecodeState, h, emitted_tokens, count, batch,
-             config):
+def catch_up(params, cache: KVCache, state: DecodeState, new: DecodeState, h, emitted_tokens, count, batch, config):
     """After verification: the draft layer over the verified positions (batch: those of the round)
     from the model's features of last-layer states h [B, P, D] and the tokens after them
     (emitted_tokens [B, P]: the model's token at each; right for the `count` [B] emitted), and
@@ -96,6 +100,7 @@ def prompt_draft(params, cache: KVCache, h, tokens, lengths, offset, first, next
     last = jnp.maximum(lengths - offset - 1, 0)
     after = jnp.where(next_token >= 0, next_token, first)
     following = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[jnp.arange(b), last].set(after)
-    out, cache = draft_head.draft_layer(params, draft_head.features(params, h, config), embed(params, following),
-                                        cache, batch, config)
+    out, cache = draft_head.draft_layer(
+        params, draft_head.features(params, h, config), embed(params, following), cache, batch, config
+    )
     return out[jnp.arange(b), last].astype(jnp.float32), cache

@@ -72,8 +72,9 @@ class ProgramCache:
 
     def entries(self) -> list[tuple[str, StepOptions, jax.stages.Compiled]]:
         """[(function name, its options, compiled program)] of every program compiled so far."""
-        return [(source[0].__qualname__, source[2]["options"], self._compiled[key])
-                for key, source in self._sources.items()]
+        return [
+            (source[0].__qualname__, source[2]["options"], self._compiled[key]) for key, source in self._sources.items()
+        ]
 
     def lower_for(self, platform: str) -> list[tuple[str, jax.stages.Lowered]]:
         """Every program compiled so far, lowered again for `platform` ("cuda", "rocm", "tpu",

@@ -68,9 +68,11 @@ class RowSampling:
     def of(cls, params: SamplingParams | list[SamplingParams], rows: int | None = None) -> RowSampling:
         """Host arrays of one option set for `rows` rows, or of a list of them (one per row)."""
         params = [params] * rows if isinstance(params, SamplingParams) else list(params)
-        return cls(np.asarray([p.temperature for p in params], np.float32),
-                   np.asarray([p.top_k for p in params], np.int32),
-                   np.asarray([p.top_p for p in params], np.float32))
+        return cls(
+            np.asarray([p.temperature for p in params], np.float32),
+            np.asarray([p.top_k for p in params], np.int32),
+            np.asarray([p.top_p for p in params], np.float32),
+        )
 
     @property
     def greedy(self):

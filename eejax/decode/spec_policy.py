@@ -58,8 +58,10 @@ def _verify_cost(c_verify, d: int) -> float:
 
 def best_speculations(alpha: float, c_draft: float, c_verify, max_speculations: int) -> int:
     """The d in [1, max_speculations] with the most expected tokens per unit of cost."""
-    return max(range(1, max_speculations + 1),
-               key=lambda d: expected_tokens(alpha, d) / ((d + 1) * c_draft + _verify_cost(c_verify, d)))
+    return max(
+        range(1, max_speculations + 1),
+        key=lambda d: expected_tokens(alpha, d) / ((d + 1) * c_draft + _verify_cost(c_verify, d)),
+    )
 
 
 def speedup(alpha: float, d: int, c_draft: float, c_verify, c_full: float, bonus: bool = True) -> float:
@@ -172,8 +174,15 @@ class SpeculationPolicy:
         mean = seconds if self.c_full is None else self.c_full
         self.c_full = mean + (seconds - mean) / min(self.plain_timed, 16)
 
-    def observe(self, d: int, accepted: int, rejected: int, draft_s: float | None = None,
-                verify_s: float | None = None, passes: int | None = None) -> None:
+    def observe(
+        self,
+        d: int,
+        accepted: int,
+        rejected: int,
+        draft_s: float | None = None,
+        verify_s: float | None = None,
+        passes: int | None = None,
+    ) -> None:
         """One round (or the rounds since the last call): drafts accepted and rows that rejected
         one (summed over the batch), and the wall times of its draft (`passes` draft passes,
         default d + 1) and verify programs (None when not timed)."""

@@ -93,9 +93,14 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
     def propose(h, i):
         """(proposal [B], q [B, V] or [B, 0] when greedy) of the draft head at hidden state h."""
         logits = reduced_logits(params, h, e, config) if reduced else exit_logits(params, h, e, config)
-        return draft_proposal(logits, exit_params["vocab_ids"] if reduced else None,
-                              token_keys(state.keys, state.position + i, DRAFT), state.sampling, sampler,
-                              config.vocab_size)
+        return draft_proposal(
+            logits,
+            exit_params["vocab_ids"] if reduced else None,
+            token_keys(state.keys, state.position + i, DRAFT),
+            state.sampling,
+            sampler,
+            config.vocab_size,
+        )
 
     d = spec.num_speculations
     q_width = 0 if sampler == GREEDY else config.vocab_size
@@ -104,8 +109,9 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
         cache, token = carry
         h, cache = draft_pass(cache, token, i)
         if bonus:  # the bonus pass (i = d) runs the layers only
-            proposal, q = jax.lax.cond(i < d, lambda: propose(h, i), lambda: (
-                token, jnp.zeros((token.shape[0], q_width), jnp.float32)))
+            proposal, q = jax.lax.cond(
+                i < d, lambda: propose(h, i), lambda: (token, jnp.zeros((token.shape[0], q_width), jnp.float32))
+            )
         else:
             proposal, q = propose(h, i)
         return (cache, proposal), (token, h, q)
@@ -128,7 +134,7 @@ def greedy_accept(logits, drafts):
     tokens[:, :min(n+1, P)] (the accepted drafts equal the full model's argmax, so all emitted
     tokens are the argmax)."""
     target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    match = target[:, :drafts.shape[1]] == drafts
+    match = target[:, : drafts.shape[1]] == drafts
     n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
     return n, target
 
@@ -162,8 +168,17 @@ def speculative_sample(p, q, drafts, accept_keys, resample_keys):
     return n, tokens[:, :positions]
 
 
-def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters: SpecCounters, block_table, *,
-           config, options: StepOptions):
+def verify(
+    params,
+    cache: KVCache,
+    state: DecodeState,
+    drafts: Drafts,
+    counters: SpecCounters,
+    block_table,
+    *,
+    config,
+    options: StepOptions,
+):
     """Layers [E, L) over the d + 1 drafted positions, acceptance, and the new tokens recorded
     (with `options.logprobs`, their log-probabilities under the full model). Returns (state,
     cache, counters)."""
@@ -178,11 +193,16 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
     n, new = greedy_accept(logits, drafts.tokens[:, 1:])  # [B], [B, t]
     if sampler != GREEDY:  # rejection sampling for the rows that sample; greedy rows keep the argmax
         per_position = jax.tree.map(lambda x: jnp.repeat(x, t), state.sampling)
-        p = jax.nn.softmax(filtered_logits(logits.reshape(b * t, -1), per_position, sampler),
-                           axis=-1).reshape(logits.shape)
+        p = jax.nn.softmax(filtered_logits(logits.reshape(b * t, -1), per_position, sampler), axis=-1).reshape(
+            logits.shape
+        )
         n_sampled, new_sampled = speculative_sample(
-            p, drafts.probs, drafts.tokens[:, 1:], token_keys(state.keys, state.position, ACCEPT),
-            token_keys(state.keys, state.position, RESAMPLE))
+            p,
+            drafts.probs,
+            drafts.tokens[:, 1:],
+            token_keys(state.keys, state.position, ACCEPT),
+            token_keys(state.keys, state.position, RESAMPLE),
+        )
         greedy = state.sampling.greedy
         n, new = jnp.where(greedy, n, n_sampled), jnp.where(greedy[:, None], new, new_sampled)
 
@@ -224,8 +244,9 @@ def verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters:
     return new_state, cache, new_counters
 
 
-def plain_step(params, cache: KVCache, state: DecodeState, counters: SpecCounters, block_table, *, config,
-               options: StepOptions):
+def plain_step(
+    params, cache: KVCache, state: DecodeState, counters: SpecCounters, block_table, *, config, options: StepOptions
+):
     """One full-depth decode token (`steps.decode`) in place of a round, when speculation does
     not pay (`spec_policy`); counted in `counters.plain_steps`. Returns (state, cache, counters)."""
     active = ~state.done
@@ -249,8 +270,9 @@ def plain_step_slots(params, cache, state, counters, block_table, group, *, conf
 
 def draft_slots(params, cache, state, block_table, group, *, config, options: StepOptions):
     """A round's drafts (`draft`) for the slots in `group`. Returns (drafts, cache)."""
-    drafts, _, cache = draft(params, cache, only_group(state, group)[0], block_table, config=config,
-                             options=options.drafting())
+    drafts, _, cache = draft(
+        params, cache, only_group(state, group)[0], block_table, config=config, options=options.drafting()
+    )
     return drafts, cache
 
 
@@ -258,8 +280,9 @@ def verify_slots(params, cache, state, drafts, counters, block_table, group, *, 
     """A round's verification (`verify`) for the slots in `group`. Returns (state, cache,
     counters)."""
     masked, waiting = only_group(state, group)
-    new, cache, counters = verify(params, cache, masked, drafts, counters, block_table, config=config,
-                                  options=options.verifying())
+    new, cache, counters = verify(
+        params, cache, masked, drafts, counters, block_table, config=config, options=options.verifying()
+    )
     return ungrouped(new, waiting), cache, counters
 
 

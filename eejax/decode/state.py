@@ -29,8 +29,11 @@ class LogprobRecord:
     @classmethod
     def zeros(cls, rows: int, max_new_tokens: int) -> LogprobRecord:
         shape = (rows, max_new_tokens)
-        return cls(jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (TOP_LOGPROBS,), jnp.int32),
-                   jnp.zeros(shape + (TOP_LOGPROBS,), jnp.float32))
+        return cls(
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (TOP_LOGPROBS,), jnp.int32),
+            jnp.zeros(shape + (TOP_LOGPROBS,), jnp.float32),
+        )
 
 
 def token_logprobs(logits, tokens, rows: RowSampling, sampler: str):
@@ -42,8 +45,11 @@ def token_logprobs(logits, tokens, rows: RowSampling, sampler: str):
     top, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
     pad = ((0, 0), (0, TOP_LOGPROBS - top.shape[-1]))  # a vocabulary smaller than the record
     top, top_ids = jnp.pad(top, pad, constant_values=-jnp.inf), jnp.pad(top_ids, pad)
-    return (chosen.reshape(shape), top_ids.astype(jnp.int32).reshape(shape + (TOP_LOGPROBS,)),
-            top.reshape(shape + (TOP_LOGPROBS,)))
+    return (
+        chosen.reshape(shape),
+        top_ids.astype(jnp.int32).reshape(shape + (TOP_LOGPROBS,)),
+        top.reshape(shape + (TOP_LOGPROBS,)),
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -100,8 +106,9 @@ def record_logprobs(state: DecodeState, logits, tokens, idx, emitted, sampler: s
     idx = jnp.where(emitted, idx, state.tokens.shape[1])  # out of range: dropped
     rows = jnp.arange(tokens.shape[0])[:, None]
     scores = token_logprobs(logits, tokens, state.sampling, sampler)
-    return jax.tree.map(lambda buf, new: buf.at[rows, idx].set(new, mode="drop"), state.logprobs,
-                        LogprobRecord(*scores))
+    return jax.tree.map(
+        lambda buf, new: buf.at[rows, idx].set(new, mode="drop"), state.logprobs, LogprobRecord(*scores)
+    )
 
 
 def is_eos(tokens, eos_ids: tuple[int, ...]):
@@ -115,12 +122,16 @@ def insert_rows(state: DecodeState, new: DecodeState, slots):
     rows, are dropped); a log-prob record only when `new` has one. A context (an encoder-decoder's
     cross K/V [B, H, S, Dk]) is padded to the slots' prompt length first: the positions past a
     row's encoder length are masked."""
+
     def put(old, fresh):
         pad = [(0, 0)] + [(0, o - f) for o, f in zip(old.shape[1:], fresh.shape[1:])]
         return old.at[slots].set(jnp.pad(fresh, pad) if any(p for _, p in pad) else fresh, mode="drop")
 
-    rows = {f.name: jax.tree.map(put, getattr(state, f.name), getattr(new, f.name))
-            for f in dataclasses.fields(state) if getattr(new, f.name) is not None}
+    rows = {
+        f.name: jax.tree.map(put, getattr(state, f.name), getattr(new, f.name))
+        for f in dataclasses.fields(state)
+        if getattr(new, f.name) is not None
+    }
     return dataclasses.replace(state, **rows)
 
 
@@ -129,12 +140,22 @@ def empty_state(slots: int, max_new_tokens: int, context=None, draft_width: int 
     `draft_width`: a draft head's feature width D (0: no draft head)."""
     zeros = jnp.zeros((slots,), jnp.int32)
     record = jnp.zeros((slots, max_new_tokens), jnp.int32)
-    return DecodeState(last_token=zeros, seq_len=zeros, num_generated=zeros, done=jnp.ones((slots,), bool),
-                       tokens=record, exit_layers=record, confident_layers=record,
-                       keys=jnp.zeros((slots, 2), jnp.uint32), start=zeros, limit=zeros,
-                       sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(), slots)),
-                       logprobs=LogprobRecord.zeros(slots, max_new_tokens), context=context,
-                       draft_hidden=jnp.zeros((slots, draft_width), jnp.float32) if draft_width else None)
+    return DecodeState(
+        last_token=zeros,
+        seq_len=zeros,
+        num_generated=zeros,
+        done=jnp.ones((slots,), bool),
+        tokens=record,
+        exit_layers=record,
+        confident_layers=record,
+        keys=jnp.zeros((slots, 2), jnp.uint32),
+        start=zeros,
+        limit=zeros,
+        sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(), slots)),
+        logprobs=LogprobRecord.zeros(slots, max_new_tokens),
+        context=context,
+        draft_hidden=jnp.zeros((slots, draft_width), jnp.float32) if draft_width else None,
+    )
 
 
 def only_group(state, group):

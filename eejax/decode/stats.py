@@ -53,8 +53,18 @@ class GenerateStats(Mapping):
     draft_pass_s: float | None = None
     verify_pass_s: float | None = None
 
-    OPTIONAL = ("acceptance_rate", "tokens_per_round", "plain_step_rate", "drafted_tokens", "accepted_tokens",
-                "rounds", "mean_speculations", "bonus_pass_rate", "draft_pass_s", "verify_pass_s")
+    OPTIONAL = (
+        "acceptance_rate",
+        "tokens_per_round",
+        "plain_step_rate",
+        "drafted_tokens",
+        "accepted_tokens",
+        "rounds",
+        "mean_speculations",
+        "bonus_pass_rate",
+        "draft_pass_s",
+        "verify_pass_s",
+    )
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None or k not in self.OPTIONAL}
@@ -92,7 +102,8 @@ def generate_stats(model, engine, seqs, exit_config, spec_config, run_s: float, 
         generated_tokens=generated,
         decode_tokens_per_s=decoded_tokens / decode_s if decode_s > 0 and decoded_tokens else float("nan"),
         mean_layers_per_token=layers_run / generated if generated else 0.0,
-        kv_fill_layers_per_token=config.num_layers - layers_run / generated if generated and spec_config is None
+        kv_fill_layers_per_token=config.num_layers - layers_run / generated
+        if generated and spec_config is None
         else 0.0,
         mean_confident_layer=confident_sum / generated if generated else 0.0,
         weights_per_token=weights_per_token,
@@ -126,8 +137,10 @@ def generate_stats(model, engine, seqs, exit_config, spec_config, run_s: float, 
         timed = [p for p in policies if p.c_draft is not None]
         if timed:  # adaptive: measured seconds per draft pass, and of a verify pass at the first d
             stats = dataclasses.replace(
-                stats, draft_pass_s=float(np.mean([p.c_draft for p in timed])),
-                verify_pass_s=float(np.mean([p.c_verify(spec_config.num_speculations) for p in timed])))
+                stats,
+                draft_pass_s=float(np.mean([p.c_draft for p in timed])),
+                verify_pass_s=float(np.mean([p.c_verify(spec_config.num_speculations) for p in timed])),
+            )
     return stats
 
 
@@ -140,7 +153,9 @@ def _weights_per_token(model, exit_config, spec_config, exit_layers, spec_totals
     if spec_config is not None:
         t, e = spec_totals, spec_config.exit_layer
         # a draft head runs its module once per draft head (d - 1 drafts and the catch-up)
-        passes = t["draft_heads"] if spec_config.draft_head else (t["layer_passes"] - t["rounds"] * (w.num_layers - e)) / e
+        passes = (
+            t["draft_heads"] if spec_config.draft_head else (t["layer_passes"] - t["rounds"] * (w.num_layers - e)) / e
+        )
         reduced = spec_config.uses_reduced_head(exits.has_reduced_head(model.params.get("exits")))
         rounds = cost.spec_weights(w, e, passes, t["draft_heads"], t["rounds"], reduced, spec_config.draft_head)
         return (rounds + t["plain_steps"] * w.full_depth) / decoded_tokens

@@ -28,8 +28,22 @@ from eejax.models.registry import model_module
 from eejax.options import StepOptions
 
 
-def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=None, limit=None, sampling=None,
-            offset=None, next_token=None, *, config, options: StepOptions):
+def prefill(
+    params,
+    cache: KVCache,
+    tokens,
+    lengths,
+    block_table,
+    keys,
+    start=None,
+    limit=None,
+    sampling=None,
+    offset=None,
+    next_token=None,
+    *,
+    config,
+    options: StepOptions,
+):
     """Runs all layers over right-padded prompts and samples the first new token.
 
     tokens [B, T] int32, lengths [B] int32 (0 = padding row), block_table [B, M] int32; offset
@@ -54,8 +68,20 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
     record = LogprobRecord.zeros(b, max_new_tokens) if options.logprobs else None
     m = model_module(config)
     if m.ENCODER_DECODER:
-        return _prefill_encoder_decoder(params, cache, tokens, lengths, block_table, keys, start, limit, sampling,
-                                        record, config=config, options=options)
+        return _prefill_encoder_decoder(
+            params,
+            cache,
+            tokens,
+            lengths,
+            block_table,
+            keys,
+            start,
+            limit,
+            sampling,
+            record,
+            config=config,
+            options=options,
+        )
     t = tokens.shape[1]
     offset = jnp.zeros((b,), jnp.int32) if offset is None else offset
     positions = offset[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -71,8 +97,9 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
     draft_hidden = None
     if draft_head.has_draft(params):
         next_token = jnp.full((b,), -1, jnp.int32) if next_token is None else next_token
-        draft_hidden, cache = feature_draft.prompt_draft(params, cache, h, tokens, lengths, offset, first, next_token,
-                                                         batch, config)
+        draft_hidden, cache = feature_draft.prompt_draft(
+            params, cache, h, tokens, lengths, offset, first, next_token, batch, config
+        )
     out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
     exit_layers = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(config.num_layers)
     state = DecodeState(
@@ -90,13 +117,27 @@ def prefill(params, cache: KVCache, tokens, lengths, block_table, keys, start=No
         logprobs=record,
         draft_hidden=draft_hidden,
     )
-    scores = record_logprobs(state, logits[:, None], first[:, None], jnp.zeros((b, 1), jnp.int32),
-                             ~padding[:, None], sampler)
+    scores = record_logprobs(
+        state, logits[:, None], first[:, None], jnp.zeros((b, 1), jnp.int32), ~padding[:, None], sampler
+    )
     return dataclasses.replace(state, logprobs=scores), cache
 
 
-def _prefill_encoder_decoder(params, cache: KVCache, tokens, lengths, block_table, keys, start, limit, sampling,
-                             record, *, config, options: StepOptions):
+def _prefill_encoder_decoder(
+    params,
+    cache: KVCache,
+    tokens,
+    lengths,
+    block_table,
+    keys,
+    start,
+    limit,
+    sampling,
+    record,
+    *,
+    config,
+    options: StepOptions,
+):
     """An encoder-decoder (T5): the encoder over the prompts and whatever context the decoder
     needs of them (`encode_context`), then one full-depth decode step from the decoder start
     token (position 0)."""
@@ -163,8 +204,9 @@ def exit_fns(params, batch, config, *, check_reduced: bool = False, emit_reduced
         return exits.classifier_prob(exit_params, h[:, -1], layers_run - 1)
 
     return ExitFns(
-        run_layers=lambda h, cache, start, stop=None, length=None: m.run_layers(params, h, cache, batch, config,
-                                                                             start, stop, length),
+        run_layers=lambda h, cache, start, stop=None, length=None: m.run_layers(
+            params, h, cache, batch, config, start, stop, length
+        ),
         exit_logits=full,
         check_logits=reduced if check_reduced else full,
         emit_logits=emit if emit_reduced else full,
@@ -188,8 +230,9 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, o
     active = ~state.done
     positions = state.seq_len[:, None]
     kv_len = state.seq_len + active
-    batch = m.token_batch(config, positions, active[:, None], block_table, kv_len, cache.page_size, attention,
-                          context=state.context)
+    batch = m.token_batch(
+        config, positions, active[:, None], block_table, kv_len, cache.page_size, attention, context=state.context
+    )
     h = m.embed(params, state.last_token[:, None])
     if exit_config is None:
         h, cache = m.run_layers(params, h, cache, batch, config)
@@ -200,14 +243,25 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, o
         check_reduced, emit_reduced = exit_config.uses_reduced_head(exits.has_reduced_head(params.get("exits")))
         fns = exit_fns(params, batch, config, check_reduced=check_reduced, emit_reduced=emit_reduced)
         out = early_exit_layers(
-            fns, h, cache, active, threshold, batch.pages, batch.slots, config=exit_config,
-            num_layers=config.num_layers, vocab_size=config.vocab_size,
+            fns,
+            h,
+            cache,
+            active,
+            threshold,
+            batch.pages,
+            batch.slots,
+            config=exit_config,
+            num_layers=config.num_layers,
+            vocab_size=config.vocab_size,
             reuse_check_logits=exit_config.measure == "softmax" and not (check_reduced or emit_reduced),
         )
         logits, cache, confident = out.logits, out.cache, out.confident_layer
         exit_layer = jnp.full(active.shape, out.exit_layer, jnp.int32)
-    token = jnp.where(active, sample(logits, token_keys(state.keys, state.position, SAMPLE), state.sampling, sampler),
-                      state.last_token)
+    token = jnp.where(
+        active,
+        sample(logits, token_keys(state.keys, state.position, SAMPLE), state.sampling, sampler),
+        state.last_token,
+    )
     idx = jnp.minimum(state.num_generated, options.max_new_tokens - 1)
     rows = jnp.arange(token.shape[0])
 
@@ -216,8 +270,11 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, o
 
     num_generated = state.num_generated + active
     done = state.done | (active & is_eos(token, options.eos_ids)) | (num_generated >= state.limit)
-    scores = (record_logprobs(state, logits[:, None], token[:, None], idx[:, None], active[:, None], sampler)
-              if options.logprobs else state.logprobs)
+    scores = (
+        record_logprobs(state, logits[:, None], token[:, None], idx[:, None], active[:, None], sampler)
+        if options.logprobs
+        else state.logprobs
+    )
     return dataclasses.replace(
         state,
         last_token=token,
@@ -245,15 +302,44 @@ def decode_steps(params, cache: KVCache, state: DecodeState, block_table, *, con
     return jax.lax.fori_loop(0, options.num_steps, body, (state, cache))
 
 
-def prefill_slots(params, cache, state, tokens, lengths, block_table, slots, keys, start, limit, sampling, offset,
-                  next_token=None, *, config, options: StepOptions):
+def prefill_slots(
+    params,
+    cache,
+    state,
+    tokens,
+    lengths,
+    block_table,
+    slots,
+    keys,
+    start,
+    limit,
+    sampling,
+    offset,
+    next_token=None,
+    *,
+    config,
+    options: StepOptions,
+):
     """Prefills right-padded prompts into decode slots `slots` [b] of `state`: tokens [b, T] are
     positions offset..lengths-1 of each row (offset [b]: a shared prefix already cached), with
     the rows' keys [b, 2], start [b] (tokens generated before, recomputed), limit [b] (max new
     tokens from there), sampling (`RowSampling` [b]) and with a draft head next_token [b] (see
     `prefill`). Returns (state, cache)."""
-    new, cache = prefill(params, cache, tokens, lengths, block_table, keys, start, limit, sampling, offset,
-                         next_token, config=config, options=options)
+    new, cache = prefill(
+        params,
+        cache,
+        tokens,
+        lengths,
+        block_table,
+        keys,
+        start,
+        limit,
+        sampling,
+        offset,
+        next_token,
+        config=config,
+        options=options,
+    )
     return insert_rows(state, new, slots), cache
 
 

@@ -113,7 +113,7 @@ class Admission:
         sampling = RowSampling.of([seq.sampling for seq, _ in work] + [SamplingParams()] * (b - len(work)))
         for j, (seq, end) in enumerate(work):
             prompt = seq.prompt + seq.tokens[: seq.offset]
-            tokens[j, : end - seq.prefilled] = prompt[seq.prefilled:end]
+            tokens[j, : end - seq.prefilled] = prompt[seq.prefilled : end]
             lengths[j], start[j], limit[j] = end, seq.offset, seq.max_new_tokens - seq.offset
             keys[j], offset[j] = seq.key, seq.prefilled
             if end < len(prompt):
@@ -121,9 +121,10 @@ class Admission:
             slots[j] = seq.slot if end == len(prompt) else self.slots
             table[j] = self.block_table[seq.slot, : table.shape[1]]
             # The prefill writes positions prefilled.. only, into pages no one shares.
-            assert all(self.allocator.writable(p) for p in seq.pages[seq.prefilled // self.page_size:]), seq.id
-        program, args = self._prefill_program(tokens, lengths, table, slots, keys, start, limit, sampling, offset,
-                                              options, next_token)
+            assert all(self.allocator.writable(p) for p in seq.pages[seq.prefilled // self.page_size :]), seq.id
+        program, args = self._prefill_program(
+            tokens, lengths, table, slots, keys, start, limit, sampling, offset, options, next_token
+        )
         started = time.perf_counter()
         self.state, self.cache = program(*args)
         if self.batch_job:
@@ -147,15 +148,32 @@ class Admission:
     def _prefill_width(self, prompt_bucket: int) -> int:
         return min(self.table_width, bucket(pages_needed(prompt_bucket, self.page_size)))
 
-    def _prefill_program(self, tokens, lengths, table, slots, keys, start, limit, sampling: RowSampling, offset,
-                         options: StepOptions, next_token=None):
+    def _prefill_program(
+        self,
+        tokens,
+        lengths,
+        table,
+        slots,
+        keys,
+        start,
+        limit,
+        sampling: RowSampling,
+        offset,
+        options: StepOptions,
+        next_token=None,
+    ):
         """The prefill program and its arguments; `next_token` [b] only matters with a draft head
         (`steps.prefill`), and is passed only then."""
         if self.model.params.get("draft") and next_token is None:
             next_token = np.full((len(lengths),), -1, np.int32)
-        args = (self.model.run_params, self.cache, self.state, *map(jnp.asarray, (tokens, lengths, table, slots, keys,
-                                                                               start, limit)),
-                jax.tree.map(jnp.asarray, sampling), jnp.asarray(offset))
+        args = (
+            self.model.run_params,
+            self.cache,
+            self.state,
+            *map(jnp.asarray, (tokens, lengths, table, slots, keys, start, limit)),
+            jax.tree.map(jnp.asarray, sampling),
+            jnp.asarray(offset),
+        )
         if self.model.params.get("draft"):
             args += (jnp.asarray(next_token),)
         return self.model.programs.get(prefill_slots, args, self.config, options, donate_argnums=(1,)), args
@@ -172,11 +190,12 @@ class Admission:
         batches = sorted({bucket(n) for n in range(1, self.slots + 1)})
         prompts = sorted({bucket(n, MIN_PROMPT_BUCKET) for n in range(1, max_prompt_len + 1)})
         longest = min(self._cache_prompt_len(range(max_prompt_len)) + self.max_new_tokens - 1, self.max_len)
-        widths = sorted({min(self.table_width, bucket(pages_needed(n, self.page_size)))
-                         for n in range(1, longest + 1)})
+        widths = sorted({min(self.table_width, bucket(pages_needed(n, self.page_size))) for n in range(1, longest + 1)})
         options = dataclasses.replace(self.options, sampler=self.sampling.sampler)
         before = self.model.programs.num_programs
-        shapes = [(b, t) for b in batches for t in prompts] + [(-k, w) for k in {1, self.steps_per_dispatch} for w in widths]
+        shapes = [(b, t) for b in batches for t in prompts] + [
+            (-k, w) for k in {1, self.steps_per_dispatch} for w in widths
+        ]
         for b, n in tqdm(shapes, desc="compiling", disable=not progress):
             if b < 0:  # -b decode steps at table width n
                 table = jnp.zeros((self.slots, n), jnp.int32)
@@ -184,10 +203,18 @@ class Admission:
                 self._decode_program(table, group, dataclasses.replace(options, exit=self.exit_config, num_steps=-b))
             else:  # prefill of b rows of n tokens
                 zeros = np.zeros((b,), np.int32)
-                self._prefill_program(np.zeros((b, n), np.int32), zeros,
-                                      np.zeros((b, self._prefill_width(n)), np.int32), zeros,
-                                      np.zeros((b, 2), np.uint32), zeros, zeros, RowSampling.of(self.sampling, b),
-                                      zeros, options.prefilling())
+                self._prefill_program(
+                    np.zeros((b, n), np.int32),
+                    zeros,
+                    np.zeros((b, self._prefill_width(n)), np.int32),
+                    zeros,
+                    np.zeros((b, 2), np.uint32),
+                    zeros,
+                    zeros,
+                    RowSampling.of(self.sampling, b),
+                    zeros,
+                    options.prefilling(),
+                )
         return self.model.programs.num_programs - before
 
     def _grow(self) -> None:

@@ -73,13 +73,32 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
     holds the state, the step and what it reads back.
     """
 
-    def __init__(self, model, *, max_slots: int = 8, max_new_tokens: int = 256, cache_budget: int | str = "1GiB",
-                 page_size: int = 16, exit: ExitConfig | str | None = None,  # noqa: A002
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 policy: str = "fcfs", bucketing: bool = True, online: bool = True, attention: str = "auto",
-                 pages: str = "reserve", max_decoding_options: int = 16, prefix_caching: bool = True,
-                 prefill_chunk: int | None = None, steps_per_dispatch: int = 4, max_prompt_tokens: int = 512,
-                 ignore_eos: bool = False, batch_job: bool = False):
+    def __init__(
+        self,
+        model,
+        *,
+        max_slots: int = 8,
+        max_new_tokens: int = 256,
+        cache_budget: int | str = "1GiB",
+        page_size: int = 16,
+        exit: ExitConfig | str | None = None,  # noqa: A002
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        policy: str = "fcfs",
+        bucketing: bool = True,
+        online: bool = True,
+        attention: str = "auto",
+        pages: str = "reserve",
+        max_decoding_options: int = 16,
+        prefix_caching: bool = True,
+        prefill_chunk: int | None = None,
+        steps_per_dispatch: int = 4,
+        max_prompt_tokens: int = 512,
+        ignore_eos: bool = False,
+        batch_job: bool = False,
+    ):
         config = model.config
         # A batch job (what `generate` runs): every request is submitted before the first step,
         # so admission keeps no pages back for later arrivals, prefills are timed (the host waits
@@ -93,20 +112,26 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.encoder_decoder = model_module(config).ENCODER_DECODER
         if self.encoder_decoder:
             if pages != "reserve" or prefill_chunk is not None:
-                raise UnsupportedModelError("an encoder-decoder (T5) engine reserves each row's pages and prefills "
-                                            "whole prompts: use pages='reserve' and no prefill_chunk")
+                raise UnsupportedModelError(
+                    "an encoder-decoder (T5) engine reserves each row's pages and prefills "
+                    "whole prompts: use pages='reserve' and no prefill_chunk"
+                )
             if max_prompt_tokens < 1:
                 raise EejaxError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
             prefix_caching = False  # no prompt pages to share: the prompt is the encoder's
         self.max_prompt_tokens = max_prompt_tokens if self.encoder_decoder else None
         if max_slots < 1 or max_new_tokens < 1 or page_size < 1:
             raise EejaxError("max_slots, max_new_tokens and page_size must be >= 1")
-        if isinstance(steps_per_dispatch, bool) or int(steps_per_dispatch) != steps_per_dispatch or \
-                steps_per_dispatch < 1:
+        if (
+            isinstance(steps_per_dispatch, bool)
+            or int(steps_per_dispatch) != steps_per_dispatch
+            or steps_per_dispatch < 1
+        ):
             raise EejaxError(f"steps_per_dispatch must be an integer >= 1, got {steps_per_dispatch!r}")
         if prefill_chunk is not None and prefill_chunk < 1:
-            raise EejaxError(f"prefill_chunk must be >= 1 prompt tokens per step (or None: whole prompts), "
-                             f"got {prefill_chunk}")
+            raise EejaxError(
+                f"prefill_chunk must be >= 1 prompt tokens per step (or None: whole prompts), got {prefill_chunk}"
+            )
         self.model, self.config = model, config
         self.exit_config = self.checked_exit(exit)
         if pages not in ("reserve", "grow"):
@@ -137,8 +162,15 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.table_width = bucket(pages_needed(self.max_len, page_size))
         self.cache = model.new_cache(num_pages, page_size)
         self.allocator = PageAllocator(num_pages)
-        self.scheduler = BucketScheduler(self.max_len + 1, page_size, policy=policy, bucketing=bucketing,
-                                         online=online, max_rows=max_slots, margin=margin)
+        self.scheduler = BucketScheduler(
+            self.max_len + 1,
+            page_size,
+            policy=policy,
+            bucketing=bucketing,
+            online=online,
+            max_rows=max_slots,
+            margin=margin,
+        )
         self.sampling = SamplingParams(float(temperature), int(top_k), float(top_p))  # a request's default
         self.sampling.check_vocab(config.vocab_size)
         # The options of the engine's programs; a group of rows replaces the per-request ones.
@@ -170,9 +202,18 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self.prometheus = ServeMetrics(config.num_layers)
-        self.counters = {"steps": 0, "prefills": 0, "preemptions": 0, "generated_tokens": 0, "padding_tokens": 0,
-                         "prompt_tokens": 0, "prefix_cache_hit_tokens": 0, "scheduler_s": 0.0, "step_s": 0.0,
-                         "prefill_s": 0.0}
+        self.counters = {
+            "steps": 0,
+            "prefills": 0,
+            "preemptions": 0,
+            "generated_tokens": 0,
+            "padding_tokens": 0,
+            "prompt_tokens": 0,
+            "prefix_cache_hit_tokens": 0,
+            "scheduler_s": 0.0,
+            "step_s": 0.0,
+            "prefill_s": 0.0,
+        }
 
     def _empty_state(self):
         """The device state of empty slots (with room for an encoder-decoder's context)."""
@@ -295,8 +336,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
             if not seq.finished and self.running.get(slot) is seq:  # else ended, or preempted (recomputed later)
                 self._guarded([seq], self._deliver, seq, slot, *out["host"], now)
 
-    def _deliver(self, seq: Sequence, slot: int, num, done, tokens, layers, confident, counters, record,
-                 now) -> None:
+    def _deliver(self, seq: Sequence, slot: int, num, done, tokens, layers, confident, counters, record, now) -> None:
         """Appends a row's new tokens (and log-probs) to its Sequence; releases it if it ended."""
         n = min(seq.offset + int(num[slot]), seq.max_new_tokens)
         stopped = False
@@ -307,9 +347,13 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
             seq.confident_layers.append(int(confident[slot, j]))
             if seq.logprobs is not None:
                 seq.token_logprobs.append(float(record.chosen[slot, j]))
-                seq.top_logprobs.append([(int(t), float(x)) for t, x in zip(
-                    record.top_ids[slot, j, : seq.logprobs], record.top[slot, j, : seq.logprobs])
-                    if np.isfinite(x)])  # tokens that top-k / top-p filtered out cannot be drawn
+                seq.top_logprobs.append(
+                    [
+                        (int(t), float(x))
+                        for t, x in zip(record.top_ids[slot, j, : seq.logprobs], record.top[slot, j, : seq.logprobs])
+                        if np.isfinite(x)
+                    ]
+                )  # tokens that top-k / top-p filtered out cannot be drawn
             seq.token_times.append(now)
             seq._events.put(seq.tokens[-1])
             self.counters["generated_tokens"] += 1
@@ -358,10 +402,15 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
     # -- reports -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         return {
-            "waiting": len(self.waiting), "running": len(self.running), "prefilling": len(self.prefilling),
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "prefilling": len(self.prefilling),
             "slots": self.slots,
-            "kv_pages_used": self.allocator.num_allocated, "kv_pages_total": self.allocator.num_free
-            + self.allocator.num_allocated, "kv_pages_cached": self.allocator.num_cached,
-            "prefix_cache_evictions": self.allocator.evictions, "compiled_programs": self.model.programs.num_programs,
-            "buckets": len(self.scheduler.buckets), **self.counters,
+            "kv_pages_used": self.allocator.num_allocated,
+            "kv_pages_total": self.allocator.num_free + self.allocator.num_allocated,
+            "kv_pages_cached": self.allocator.num_cached,
+            "prefix_cache_evictions": self.allocator.evictions,
+            "compiled_programs": self.model.programs.num_programs,
+            "buckets": len(self.scheduler.buckets),
+            **self.counters,
         }

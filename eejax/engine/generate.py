@@ -116,14 +116,29 @@ def generate(
     # `batch_size` when it is given and smaller.
     slots = batch_bucket(len(rows)) if batch_size is None or batch_size >= len(rows) else batch_size
     num_pages = min(budget_pages, 1 + bucket(slots * bucket(max(need))))
-    engine = Engine(model, max_slots=slots, max_new_tokens=max_new_tokens, cache_budget=num_pages * per_page,
-                    page_size=page_size, exit=exit_config, temperature=sampling.temperature, top_k=sampling.top_k,
-                    top_p=sampling.top_p, bucketing=False, attention=attention, prefix_caching=False,
-                    max_prompt_tokens=max(map(len, rows)), ignore_eos=ignore_eos, batch_job=True)
+    engine = Engine(
+        model,
+        max_slots=slots,
+        max_new_tokens=max_new_tokens,
+        cache_budget=num_pages * per_page,
+        page_size=page_size,
+        exit=exit_config,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        bucketing=False,
+        attention=attention,
+        prefix_caching=False,
+        max_prompt_tokens=max(map(len, rows)),
+        ignore_eos=ignore_eos,
+        batch_job=True,
+    )
     compile_before = model.programs.compile_seconds
     start = time.perf_counter()
-    seqs = [engine.submit(r, max_new_tokens=max_new_tokens, spec=spec_config, seed=seed, choice=i)
-            for i, r in enumerate(rows)]
+    seqs = [
+        engine.submit(r, max_new_tokens=max_new_tokens, spec=spec_config, seed=seed, choice=i)
+        for i, r in enumerate(rows)
+    ]
     while engine.busy:  # nano-vllm's loop: admit, dispatch, read back
         engine.step()
     failed = [seq for seq in seqs if seq.finish_reason == "error"]
@@ -134,5 +149,12 @@ def generate(
     out_tokens = [seq.tokens for seq in seqs]
     decoded = [model.tokenizer.decode(t, skip_special_tokens=True) if model.tokenizer else None for t in out_tokens]
     stats = generate_stats(model, engine, seqs, exit_config, spec_config, run_s, compile_s)
-    return GenerateResult(texts, rows, out_tokens, decoded, [seq.exit_layers for seq in seqs],
-                          [seq.confident_layers for seq in seqs], stats)
+    return GenerateResult(
+        texts,
+        rows,
+        out_tokens,
+        decoded,
+        [seq.exit_layers for seq in seqs],
+        [seq.confident_layers for seq in seqs],
+        stats,
+    )

@@ -16,27 +16,39 @@ class ServeMetrics:
         self.pages_used = Gauge("eejax_kv_pages_used", "KV cache pages in use", registry=r)
         self.pages_total = Gauge("eejax_kv_pages_total", "KV cache pages", registry=r)
         self.programs = Gauge("eejax_compiled_programs", "jitted programs compiled", registry=r)
-        self.ttft = Histogram("eejax_time_to_first_token_seconds", "submit to first token", registry=r,
-                              buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("eejax_inter_token_latency_seconds", "time between a request's tokens", registry=r,
-                             buckets=LATENCY_BUCKETS)
-        self.exit_layer = Histogram("eejax_exit_layer", "layers run per generated token", registry=r,
-                                    buckets=tuple(range(1, num_layers + 1)))
+        self.ttft = Histogram(
+            "eejax_time_to_first_token_seconds", "submit to first token", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.itl = Histogram(
+            "eejax_inter_token_latency_seconds", "time between a request's tokens", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.exit_layer = Histogram(
+            "eejax_exit_layer", "layers run per generated token", registry=r, buckets=tuple(range(1, num_layers + 1))
+        )
         self.tokens = Counter("eejax_generated_tokens", "tokens generated", registry=r)
         self.requests = Counter("eejax_requests", "requests ended", ["finish_reason"], registry=r)
         self.preemptions = Counter("eejax_preemptions", "rows preempted for pages", registry=r)
         self.prompt_tokens = Counter("eejax_prompt_tokens", "prompt tokens of admitted rows", registry=r)
-        self.prefix_hits = Counter("eejax_prefix_cache_hit_tokens", "prompt tokens whose KV pages came from the "
-                                   "prefix cache (not prefilled)", registry=r)
-        self.prefill_chunk = Histogram("eejax_prefill_chunk_tokens", "prompt tokens a row prefilled in one program",
-                                       registry=r, buckets=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
-        self.pages_cached = Gauge("eejax_kv_pages_cached", "KV pages kept by the prefix cache (held or idle)",
-                                  registry=r)
+        self.prefix_hits = Counter(
+            "eejax_prefix_cache_hit_tokens",
+            "prompt tokens whose KV pages came from the prefix cache (not prefilled)",
+            registry=r,
+        )
+        self.prefill_chunk = Histogram(
+            "eejax_prefill_chunk_tokens",
+            "prompt tokens a row prefilled in one program",
+            registry=r,
+            buckets=(16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+        )
+        self.pages_cached = Gauge(
+            "eejax_kv_pages_cached", "KV pages kept by the prefix cache (held or idle)", registry=r
+        )
         self.drafted = Counter("eejax_spec_drafted_tokens", "self-speculation drafts", registry=r)
         self.accepted = Counter("eejax_spec_accepted_tokens", "self-speculation drafts accepted", registry=r)
         self.acceptance = Gauge("eejax_spec_acceptance_rate", "accepted / drafted, over all requests", registry=r)
-        self.tokens_per_s = Gauge("eejax_tokens_per_second", "tokens generated per second of engine step time",
-                                  registry=r)
+        self.tokens_per_s = Gauge(
+            "eejax_tokens_per_second", "tokens generated per second of engine step time", registry=r
+        )
         self.drafted_total = self.accepted_total = 0
 
     def finished(self, seq) -> None:

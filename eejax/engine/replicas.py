@@ -20,8 +20,20 @@ import numpy as np
 
 HEARTBEAT_S = 0.5
 STOP = "stop"
-SEQUENCE_FIELDS = ("id", "prompt", "max_new_tokens", "priority", "exit", "sampling", "spec", "key", "logprobs",
-                   "stop", "stop_token_ids", "submitted_at")
+SEQUENCE_FIELDS = (
+    "id",
+    "prompt",
+    "max_new_tokens",
+    "priority",
+    "exit",
+    "sampling",
+    "spec",
+    "key",
+    "logprobs",
+    "stop",
+    "stop_token_ids",
+    "submitted_at",
+)
 
 
 def submitted(seq) -> tuple:

@@ -30,10 +30,23 @@ class Requests:
         """A seed for a request that names none (drawn from the engine's own seed)."""
         return int(self._seeds.integers(0, 2**31 - 1))
 
-    def submit(self, prompt, *, max_new_tokens: int = 64, priority: int = 0, exit=None,  # noqa: A002
-               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-               spec: SpecConfig | str | None = None, seed: int | None = None, choice: int = 0,
-               logprobs: int | None = None, stop=(), stop_token_ids=()) -> Sequence:
+    def submit(
+        self,
+        prompt,
+        *,
+        max_new_tokens: int = 64,
+        priority: int = 0,
+        exit=None,  # noqa: A002
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        spec: SpecConfig | str | None = None,
+        seed: int | None = None,
+        choice: int = 0,
+        logprobs: int | None = None,
+        stop=(),
+        stop_token_ids=(),
+    ) -> Sequence:
         """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
         engine's early-exit option for this request ("none" = full depth), `spec` ("E:d", or
         "draft:d" with a draft head) decodes it by speculation, `temperature`, `top_k`, `top_p` set its sampling (traced values:
@@ -46,27 +59,36 @@ class Requests:
             if exit not in (None, "none"):
                 raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
             if spec_config.adaptive and jax.process_count() > 1:
-                raise EejaxError("adaptive speculation picks d from this process's timings; across processes use a "
-                                 "fixed E:d or draft:d")
+                raise EejaxError(
+                    "adaptive speculation picks d from this process's timings; across processes use a "
+                    "fixed E:d or draft:d"
+                )
             exits.resolve_options(self.model.params, self.config, spec=spec_config)
             exit = "none"  # noqa: A001
         default = self.sampling
-        sampling = SamplingParams(default.temperature if temperature is None else float(temperature),
-                                  default.top_k if top_k is None else int(top_k),
-                                  default.top_p if top_p is None else float(top_p))
+        sampling = SamplingParams(
+            default.temperature if temperature is None else float(temperature),
+            default.top_k if top_k is None else int(top_k),
+            default.top_p if top_p is None else float(top_p),
+        )
         sampling.check_vocab(self.config.vocab_size)
         exit_config = self.exit_config if exit is None else (None if exit == "none" else self.checked_exit(exit))
         if not 1 <= max_new_tokens <= self.max_new_tokens:
             raise EejaxError(f"max_new_tokens must lie in [1, {self.max_new_tokens}], got {max_new_tokens}")
         (ids,), _ = prompt_token_ids(self.model.tokenizer, [prompt] if isinstance(prompt, str) else [list(prompt)])
         if self.encoder_decoder and len(ids) > self.max_prompt_tokens:
-            raise EejaxError(f"prompt of {len(ids)} tokens exceeds this engine's max_prompt_tokens "
-                             f"({self.max_prompt_tokens}: the encoder output each slot holds)")
+            raise EejaxError(
+                f"prompt of {len(ids)} tokens exceeds this engine's max_prompt_tokens "
+                f"({self.max_prompt_tokens}: the encoder output each slot holds)"
+            )
         if self._cache_prompt_len(ids) + max_new_tokens > self.max_len:
-            bound = (f"the model's context of {self.max_len} tokens" if self.max_len < self.cache_len else
-                     f"the {self.max_len} tokens a request may hold in this server's KV cache "
-                     f"({self.allocator.num_pages - 1} pages of {self.page_size} tokens, of which admission grants at "
-                     f"most 90%)")
+            bound = (
+                f"the model's context of {self.max_len} tokens"
+                if self.max_len < self.cache_len
+                else f"the {self.max_len} tokens a request may hold in this server's KV cache "
+                f"({self.allocator.num_pages - 1} pages of {self.page_size} tokens, of which admission grants at "
+                f"most 90%)"
+            )
             prompt = "decoder start token" if self.encoder_decoder else f"prompt of {len(ids)} tokens"
             raise EejaxError(f"{prompt} + {max_new_tokens} new tokens exceeds {bound}")
         if max(ids) >= self.config.vocab_size or min(ids) < 0:
@@ -88,8 +110,19 @@ class Requests:
         key = np.asarray(jax.random.fold_in(seed_key(seed), choice))
         with self._lock:
             self._count_decoding_options(exit_config, spec_config)
-            seq = Sequence(next(self._ids), ids, max_new_tokens, priority, exit_config, sampling, spec_config, key,
-                           logprobs, stop, stop_token_ids)
+            seq = Sequence(
+                next(self._ids),
+                ids,
+                max_new_tokens,
+                priority,
+                exit_config,
+                sampling,
+                spec_config,
+                key,
+                logprobs,
+                stop,
+                stop_token_ids,
+            )
             self._queue(seq)
             if self._changes is not None:
                 self._changes.append(replicas.submitted(seq))
@@ -104,10 +137,13 @@ class Requests:
         if options in self.decoding_options:
             return
         if len(self.decoding_options) >= self.max_decoding_options:
-            served = sorted("spec " + s.spec if s else "exit " + (e.spec if e else "none")
-                            for e, s in self.decoding_options)
-            raise EejaxError(f"this server compiles programs for at most {self.max_decoding_options} early-exit / "
-                             f"speculation options and has them all; use one of: {', '.join(served)}")
+            served = sorted(
+                "spec " + s.spec if s else "exit " + (e.spec if e else "none") for e, s in self.decoding_options
+            )
+            raise EejaxError(
+                f"this server compiles programs for at most {self.max_decoding_options} early-exit / "
+                f"speculation options and has them all; use one of: {', '.join(served)}"
+            )
         self.decoding_options.add(options)
 
     def _queue(self, seq: Sequence) -> None:
@@ -116,8 +152,9 @@ class Requests:
         those of the prompt and one token."""
         prompt_len = self._cache_prompt_len(seq.prompt) + len(seq.tokens)
         remaining = seq.max_new_tokens - len(seq.tokens)
-        request = Request(seq.id, prompt_len, 1 if self.grow else remaining, arrival=seq.submitted_at,
-                          priority=seq.priority)
+        request = Request(
+            seq.id, prompt_len, 1 if self.grow else remaining, arrival=seq.submitted_at, priority=seq.priority
+        )
         self._requests[seq.id] = request
         self.waiting[seq.id] = seq
         self.scheduler.submit(request)

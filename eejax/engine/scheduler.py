@@ -83,8 +83,18 @@ class BucketScheduler:
     the batch is bounded by slots as well as by memory.
     """
 
-    def __init__(self, max_len: int, page_size: int, *, policy: str = "fcfs", theta: float = 0.5,
-                 bucketing: bool = True, online: bool = True, margin: float = 0.1, max_rows: int | None = None):
+    def __init__(
+        self,
+        max_len: int,
+        page_size: int,
+        *,
+        policy: str = "fcfs",
+        theta: float = 0.5,
+        bucketing: bool = True,
+        online: bool = True,
+        margin: float = 0.1,
+        max_rows: int | None = None,
+    ):
         if policy not in POLICIES:
             raise EejaxError(f"unknown policy {policy!r}; choose one of: " + ", ".join(POLICIES))
         if max_len < 1 or page_size < 1 or not 0 <= theta < 1 or not 0 <= margin < 1:
@@ -98,8 +108,9 @@ class BucketScheduler:
     # -- queue -------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         if not 0 < request.length < self.max_len:
-            raise EejaxError(f"request {request.id!r}: prompt + max new tokens = {request.length} must lie in "
-                             f"[1, {self.max_len})")
+            raise EejaxError(
+                f"request {request.id!r}: prompt + max new tokens = {request.length} must lie in [1, {self.max_len})"
+            )
         next(b for b in self.buckets if b.holds(request.length)).requests.append(request)
 
     def remove(self, request: Request) -> bool:

@@ -27,8 +27,9 @@ class Speculation:
         if key not in self.policies:
             spec = options.spec
             reduced = spec.uses_reduced_head(exits.has_reduced_head(self.model.params.get("exits")))
-            unit_costs = cost.spec_unit_weights(cost.WeightCounts.of(self.model.params, self.config),
-                                                spec.exit_layer, reduced, spec.draft_head)
+            unit_costs = cost.spec_unit_weights(
+                cost.WeightCounts.of(self.model.params, self.config), spec.exit_layer, reduced, spec.draft_head
+            )
             self.policies[key] = SpeculationPolicy(spec, unit_costs=unit_costs, sampled=options.sampler != GREEDY)
         return self.policies[key]
 

@@ -58,14 +58,21 @@ class Launch:
     bias: RelativePositionBias | None = None
 
     def plan(self) -> LaunchPlan:
-        return plan_launch(self.q_shape, self.cache_shape, self.table_shape, self.dtype, scale=self.scale,
-                           bias=self.bias)
+        return plan_launch(
+            self.q_shape, self.cache_shape, self.table_shape, self.dtype, scale=self.scale, bias=self.bias
+        )
 
 
 def _llama(name, batch, tokens, heads, kv_heads, head_dim, dtype, pages=128, **kw):
     """A SmolLM2 / Llama launch over a 2k-token context (pages of 16)."""
-    return Launch(name, (batch, tokens, heads, head_dim), (30, kv_heads, batch * pages + 1, 16, head_dim),
-                  (batch, pages), dtype, **kw)
+    return Launch(
+        name,
+        (batch, tokens, heads, head_dim),
+        (30, kv_heads, batch * pages + 1, 16, head_dim),
+        (batch, pages),
+        dtype,
+        **kw,
+    )
 
 
 LAUNCHES = (
@@ -91,7 +98,7 @@ def triton_type(value) -> str:
     if isinstance(value, bool):
         return "B"
     if isinstance(value, (int, np.integer)):
-        return "i32" if -2**31 <= value < 2**31 else "i64"
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
     if isinstance(value, np.float32):
         return "fp32"
     if isinstance(value, float):
@@ -108,8 +115,19 @@ def kernel_signature(plan: LaunchPlan, dtype) -> tuple[dict, dict, dict]:
     equal to 1 become constants, and the plan's constexprs are constants."""
     params = list(inspect.signature(_paged_attention_kernel).parameters)
     cache = "*" + _TRITON_DTYPES[jnp.dtype(dtype).name]
-    arrays = dict(q_ptr=cache, k_ptr=cache, v_ptr=cache, layer_ptr="*i32", table_ptr="*i32", qpos_ptr="*i32",
-                  kvlen_ptr="*i32", bias_ptr="*fp32", out_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32")
+    arrays = dict(
+        q_ptr=cache,
+        k_ptr=cache,
+        v_ptr=cache,
+        layer_ptr="*i32",
+        table_ptr="*i32",
+        qpos_ptr="*i32",
+        kvlen_ptr="*i32",
+        bias_ptr="*fp32",
+        out_ptr="*fp32",
+        m_ptr="*fp32",
+        l_ptr="*fp32",
+    )
     scalar_names = [p for p in params if p not in arrays and p not in plan.constexprs]
     if len(scalar_names) != len(plan.scalars):
         raise AssertionError(f"the plan has {len(plan.scalars)} scalars, the kernel takes {len(scalar_names)}")
@@ -158,16 +176,30 @@ def ptxas_report(ptx: str, arch: int) -> dict[str, int]:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as src:
         src.write(ptx)
         src.flush()
-        done = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", src.name,
-                               "-o", src.name + ".cubin"], capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [
+                get_ptxas(arch).path,
+                "-v",
+                f"--gpu-name={sm_arch_from_capability(arch)}",
+                src.name,
+                "-o",
+                src.name + ".cubin",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     log = done.stderr + done.stdout
 
     def number(pattern):
         found = re.search(pattern, log)
         return int(found.group(1)) if found else 0
 
-    return dict(registers=number(r"Used (\d+) registers"), spill_stores=number(r"(\d+) bytes spill stores"),
-                spill_loads=number(r"(\d+) bytes spill loads"))
+    return dict(
+        registers=number(r"Used (\d+) registers"),
+        spill_stores=number(r"(\d+) bytes spill stores"),
+        spill_loads=number(r"(\d+) bytes spill loads"),
+    )
 
 
 def compile_launch(launch: Launch, arch: int) -> KernelBuild:
@@ -177,19 +209,32 @@ def compile_launch(launch: Launch, arch: int) -> KernelBuild:
     from triton.compiler import ASTSource
 
     plan = launch.plan()
-    base = dict(launch=launch.name, arch=arch, grid=plan.grid, block_m=plan.constexprs["BLOCK_M"],
-                block_n=plan.constexprs["BLOCK_N"])
+    base = dict(
+        launch=launch.name,
+        arch=arch,
+        grid=plan.grid,
+        block_m=plan.constexprs["BLOCK_M"],
+        block_n=plan.constexprs["BLOCK_N"],
+    )
     start = time.perf_counter()
     try:
         signature, constexprs, attrs = kernel_signature(plan, launch.dtype)
         source = ASTSource(fn=_kernel(interpret=False), signature=signature, constexprs=constexprs, attrs=attrs)
-        built = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                               options=dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES))
+        built = triton.compile(
+            source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        )
         report = ptxas_report(built.asm["ptx"], arch)
     except Exception as e:  # noqa: BLE001 - every failure is reported, per launch
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return KernelBuild(**base, shared_bytes=0, registers=0, spill_stores=0, spill_loads=0,
-                           seconds=time.perf_counter() - start, error=f"{type(e).__name__}: {first_line}")
+        return KernelBuild(
+            **base,
+            shared_bytes=0,
+            registers=0,
+            spill_stores=0,
+            spill_loads=0,
+            seconds=time.perf_counter() - start,
+            error=f"{type(e).__name__}: {first_line}",
+        )
     return KernelBuild(**base, shared_bytes=built.metadata.shared, seconds=time.perf_counter() - start, **report)
 
 
@@ -197,7 +242,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m eejax.kernels.aot",
         description="Compile every Triton attention launch eejax makes for real GPUs (no GPU needed) and check "
-                    "that registers and shared memory fit.")
+        "that registers and shared memory fit.",
+    )
     parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated (default 80,90)")
     parser.add_argument("--json", action="store_true", help="one JSON object per build instead of a table")
     args = parser.parse_args(argv)
@@ -219,9 +265,12 @@ def main(argv=None) -> int:
             if args.json:
                 print(json.dumps(dict(dataclasses.asdict(build), problems=problems)), flush=True)
             else:
-                print(f"{build.launch:40} sm_{arch:<2} {str(build.grid):>14} {build.block_m:>3}x{build.block_n:<3} "
-                      f"{build.shared_bytes:>7} {build.registers:>5} {build.spill_stores + build.spill_loads:>6} "
-                      f"{build.seconds:>5.1f}  {'; '.join(problems) or 'ok'}", flush=True)
+                print(
+                    f"{build.launch:40} sm_{arch:<2} {str(build.grid):>14} {build.block_m:>3}x{build.block_n:<3} "
+                    f"{build.shared_bytes:>7} {build.registers:>5} {build.spill_stores + build.spill_loads:>6} "
+                    f"{build.seconds:>5.1f}  {'; '.join(problems) or 'ok'}",
+                    flush=True,
+                )
     return 1 if failed else 0
 
 

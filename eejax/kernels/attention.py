@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def resolve_impl(impl: str, head_dim: int = 64) -> str:
-    """"reference" or "triton" for this process's default backend; auto keeps the reference
+    """ "reference" or "triton" for this process's default backend; auto keeps the reference
     for head sizes the kernel does not take (not a power of two >= 16)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {IMPLS}")
@@ -37,8 +37,20 @@ def resolve_impl(impl: str, head_dim: int = 64) -> str:
     return impl
 
 
-def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, impl="auto",
-                    scale=None, bias_table=None, bias: RelativePositionBias | None = None):
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    block_table,
+    q_positions,
+    kv_len,
+    *,
+    impl="auto",
+    scale=None,
+    bias_table=None,
+    bias: RelativePositionBias | None = None,
+):
     """Attention of new queries against one layer of the paged cache.
 
     q:            [B, T, Hq, Dh]   queries (rotary already applied)
@@ -56,25 +68,61 @@ def paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len
     impl = resolve_impl(impl, q.shape[-1])
     mesh = head_mesh(k_cache.shape[1])
     if mesh is not None:
-        return _head_parallel(mesh, impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, scale=scale,
-                              bias_table=bias_table, bias=bias)
-    return _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, scale=scale,
-                   bias_table=bias_table, bias=bias)
+        return _head_parallel(
+            mesh,
+            impl,
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            block_table,
+            q_positions,
+            kv_len,
+            scale=scale,
+            bias_table=bias_table,
+            bias=bias,
+        )
+    return _attend(
+        impl,
+        q,
+        k_cache,
+        v_cache,
+        layer,
+        block_table,
+        q_positions,
+        kv_len,
+        scale=scale,
+        bias_table=bias_table,
+        bias=bias,
+    )
 
 
-def _head_parallel(mesh, impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table,
-                   bias):
+def _head_parallel(
+    mesh, impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table, bias
+):
     """Attention on each device's own heads (`head_parallel`), rows over `data` where it divides them."""
     rows = row_axis(mesh, q.shape[0])
     heads, per_row, cache = P(rows, None, "tensor", None), P(rows), P(None, "tensor")
     in_specs = (heads, cache, cache, P(), per_row, per_row, per_row, None if bias_table is None else P(None, "tensor"))
 
     def local(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, bias_table):
-        return _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, scale=scale,
-                       bias_table=bias_table, bias=bias)
+        return _attend(
+            impl,
+            q,
+            k_cache,
+            v_cache,
+            layer,
+            block_table,
+            q_positions,
+            kv_len,
+            scale=scale,
+            bias_table=bias_table,
+            bias=bias,
+        )
 
-    return on_head_shards(local, mesh, in_specs, heads)(q, k_cache, v_cache, layer, block_table, q_positions, kv_len,
-                                                        bias_table)
+    return on_head_shards(local, mesh, in_specs, heads)(
+        q, k_cache, v_cache, layer, block_table, q_positions, kv_len, bias_table
+    )
 
 
 def _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table, bias):
@@ -85,13 +133,25 @@ def _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, 
         interpret = jax.default_backend() != "gpu"
         if interpret:
             log.warning("attention impl 'triton' without a GPU: running the kernel in Triton's interpreter (slow)")
-        return triton_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len,
-                                      interpret=interpret, **extra)
+        return triton_paged_attention(
+            q, k_cache, v_cache, layer, block_table, q_positions, kv_len, interpret=interpret, **extra
+        )
     return reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, **extra)
 
 
-def reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *,
-                              scale=None, bias_table=None, bias: RelativePositionBias | None = None):
+def reference_paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    block_table,
+    q_positions,
+    kv_len,
+    *,
+    scale=None,
+    bias_table=None,
+    bias: RelativePositionBias | None = None,
+):
     """jnp reference: gathers only the row's `M` pages of this layer (one gather, no layer copy).
 
     A step with few queries per row over many rows (decode, a verify pass) computes its scores

@@ -23,7 +23,7 @@ def head_mesh(num_kv_heads: int):
 
 
 def row_axis(mesh, rows: int):
-    """"data" when the mesh's data axis (> 1) divides `rows`, else None (rows replicated)."""
+    """ "data" when the mesh's data axis (> 1) divides `rows`, else None (rows replicated)."""
     data = dict(zip(mesh.axis_names, mesh.axis_sizes)).get("data", 1)
     return "data" if data > 1 and rows % data == 0 else None
 

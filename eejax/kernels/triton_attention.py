@@ -50,17 +50,49 @@ SPLIT_TARGET_PROGRAMS = 132  # about one program per SM of an H100
 
 
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, layer_ptr, table_ptr, qpos_ptr, kvlen_ptr, bias_ptr,
-    stride_qb, stride_qt, stride_qh,
-    stride_kl, stride_kh, stride_kp, stride_ks,
-    stride_tb, stride_pb,
-    stride_ob, stride_os, stride_ot, stride_oh,
-    stride_mb, stride_ms, stride_mt,
-    num_tokens, keys_per_split, scale, bias_log_scale,
-    out_ptr, m_ptr, l_ptr,
-    GROUP: constexpr, PAGE: constexpr, HEAD_DIM: constexpr, M_BLOCKS: constexpr,
-    BLOCK_M: constexpr, BLOCK_N: constexpr, PRECISION: constexpr, UPCAST_DOTS: constexpr,
-    HAS_BIAS: constexpr, BIDIRECTIONAL: constexpr, HALF_BUCKETS: constexpr, MAX_EXACT: constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    layer_ptr,
+    table_ptr,
+    qpos_ptr,
+    kvlen_ptr,
+    bias_ptr,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kl,
+    stride_kh,
+    stride_kp,
+    stride_ks,
+    stride_tb,
+    stride_pb,
+    stride_ob,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_mb,
+    stride_ms,
+    stride_mt,
+    num_tokens,
+    keys_per_split,
+    scale,
+    bias_log_scale,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    GROUP: constexpr,
+    PAGE: constexpr,
+    HEAD_DIM: constexpr,
+    M_BLOCKS: constexpr,
+    BLOCK_M: constexpr,
+    BLOCK_N: constexpr,
+    PRECISION: constexpr,
+    UPCAST_DOTS: constexpr,
+    HAS_BIAS: constexpr,
+    BIDIRECTIONAL: constexpr,
+    HALF_BUCKETS: constexpr,
+    MAX_EXACT: constexpr,
     NUM_HEADS: constexpr,
 ):
     row = tl.program_id(0)
@@ -77,8 +109,11 @@ def _paged_attention_kernel(
     row_ok = offs_m < num_tokens * GROUP
     q_pos = tl.load(qpos_ptr + row * stride_pb + tok, mask=row_ok, other=-1)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + row * stride_qb + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + row * stride_qb + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     if UPCAST_DOTS:  # Triton's interpreter multiplies bf16 bit patterns in tl.dot: use f32 there
         q = q.to(tl.float32)
 
@@ -144,16 +179,24 @@ class LaunchPlan:
 
 
 def _strides(shape) -> tuple[int, ...]:
-    return tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-def plan_launch(q_shape, cache_shape, table_shape, dtype, *, interpret: bool = False,
-                num_splits: int | None = None, scale: float | None = None,
-                bias: RelativePositionBias | None = None) -> LaunchPlan:
+def plan_launch(
+    q_shape,
+    cache_shape,
+    table_shape,
+    dtype,
+    *,
+    interpret: bool = False,
+    num_splits: int | None = None,
+    scale: float | None = None,
+    bias: RelativePositionBias | None = None,
+) -> LaunchPlan:
     """The launch of `_paged_attention_kernel` for q [B, T, Hq, Dh] over a cache
     [L, Hkv, P, S, Dh] with a block table [B, M]; `interpret` for Triton's CPU interpreter;
     `scale` of the scores (default Dh^-0.5)."""
@@ -176,23 +219,52 @@ def plan_launch(q_shape, cache_shape, table_shape, dtype, *, interpret: bool = F
     qs, cs, ts = _strides(q_shape), _strides(cache_shape), _strides(table_shape)
     os_, ms = _strides(acc_shape), _strides(ml_shape)
     scalars = (
-        qs[0], qs[1], qs[2],
-        cs[0], cs[1], cs[2], cs[3],
-        ts[0], t,  # positions [B, T]: row stride T
-        os_[0], os_[1], os_[2], os_[3],
-        ms[0], ms[1], ms[2],
-        t, keys_per_split,
+        qs[0],
+        qs[1],
+        qs[2],
+        cs[0],
+        cs[1],
+        cs[2],
+        cs[3],
+        ts[0],
+        t,  # positions [B, T]: row stride T
+        os_[0],
+        os_[1],
+        os_[2],
+        os_[3],
+        ms[0],
+        ms[1],
+        ms[2],
+        t,
+        keys_per_split,
         # float32 scalars: jax-triton types a Python float as fp64, which the kernel cannot take
-        np.float32(dh ** -0.5 if scale is None else scale), np.float32(bias.log_scale if bias else 0.0),
+        np.float32(dh**-0.5 if scale is None else scale),
+        np.float32(bias.log_scale if bias else 0.0),
     )
-    constexprs = dict(GROUP=group, PAGE=page, HEAD_DIM=dh, M_BLOCKS=m_blocks, BLOCK_M=block_m, BLOCK_N=block_n,
-                      # fp32 inputs: exact products (no TF32); bf16: tensor cores with the default
-                      PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else None,
-                      UPCAST_DOTS=interpret and jnp.dtype(dtype) != jnp.float32,
-                      HAS_BIAS=bias is not None, BIDIRECTIONAL=bool(bias and bias.bidirectional),
-                      HALF_BUCKETS=bias.half if bias else 1, MAX_EXACT=bias.max_exact if bias else 1, NUM_HEADS=hq)
-    return LaunchPlan((b, hkv * m_blocks, num_splits), num_splits, keys_per_split, scalars, constexprs,
-                      (acc_shape, ml_shape, ml_shape))
+    constexprs = dict(
+        GROUP=group,
+        PAGE=page,
+        HEAD_DIM=dh,
+        M_BLOCKS=m_blocks,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        # fp32 inputs: exact products (no TF32); bf16: tensor cores with the default
+        PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else None,
+        UPCAST_DOTS=interpret and jnp.dtype(dtype) != jnp.float32,
+        HAS_BIAS=bias is not None,
+        BIDIRECTIONAL=bool(bias and bias.bidirectional),
+        HALF_BUCKETS=bias.half if bias else 1,
+        MAX_EXACT=bias.max_exact if bias else 1,
+        NUM_HEADS=hq,
+    )
+    return LaunchPlan(
+        (b, hkv * m_blocks, num_splits),
+        num_splits,
+        keys_per_split,
+        scalars,
+        constexprs,
+        (acc_shape, ml_shape, ml_shape),
+    )
 
 
 def merge_splits(acc, m, l, dtype):
@@ -247,17 +319,45 @@ def _interpret_on_host(plan: LaunchPlan, q, k, v, layer, table, q_pos, kv_len, b
     return tuple(o.numpy() for o in outs)
 
 
-def triton_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *,
-                           interpret: bool, num_splits: int | None = None, scale=None, bias_table=None,
-                           bias: RelativePositionBias | None = None):
+def triton_paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    block_table,
+    q_positions,
+    kv_len,
+    *,
+    interpret: bool,
+    num_splits: int | None = None,
+    scale=None,
+    bias_table=None,
+    bias: RelativePositionBias | None = None,
+):
     """`paged_attention` (same arguments and result) through the Triton kernel; `interpret`
     runs it in Triton's interpreter on the host (CPU), otherwise through jax-triton (CUDA)."""
-    plan = plan_launch(q.shape, k_cache.shape, block_table.shape, q.dtype, interpret=interpret,
-                       num_splits=num_splits, scale=scale, bias=bias)
+    plan = plan_launch(
+        q.shape,
+        k_cache.shape,
+        block_table.shape,
+        q.dtype,
+        interpret=interpret,
+        num_splits=num_splits,
+        scale=scale,
+        bias=bias,
+    )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     bias_table = jnp.zeros((1, q.shape[2]), jnp.float32) if bias_table is None else bias_table.astype(jnp.float32)
-    args = (q, k_cache, v_cache, layer, block_table.astype(jnp.int32), q_positions.astype(jnp.int32),
-            kv_len.astype(jnp.int32), bias_table)
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        layer,
+        block_table.astype(jnp.int32),
+        q_positions.astype(jnp.int32),
+        kv_len.astype(jnp.int32),
+        bias_table,
+    )
     out_shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in plan.out_shapes)
     if interpret:
         acc, m, l = jax.pure_callback(functools.partial(_interpret_on_host, plan), out_shapes, *args)
@@ -265,7 +365,13 @@ def triton_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions,
         import jax_triton
 
         acc, m, l = jax_triton.triton_call(
-            *args, *plan.scalars, kernel=_kernel(interpret=False), out_shape=out_shapes, grid=plan.grid,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **plan.constexprs,
+            *args,
+            *plan.scalars,
+            kernel=_kernel(interpret=False),
+            out_shape=out_shapes,
+            grid=plan.grid,
+            num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
+            **plan.constexprs,
         )
     return merge_splits(acc, m, l, q.dtype)

@@ -105,9 +105,14 @@ def apply_draft_arrays(model, arrays: dict):
     """`model` with the draft head and reduced head of a delta's arrays ("draft/fc",
     "draft/layer/NAME", "vocab_ids"), cast to the model's dtype."""
     dtype = model.dtype
-    draft = {"fc": jnp.asarray(np.asarray(arrays["draft/fc"], np.float32), dtype),
-             "layer": {k.split("/")[-1]: jnp.asarray(np.asarray(v, np.float32), dtype)
-                       for k, v in arrays.items() if k.startswith("draft/layer/")}}
+    draft = {
+        "fc": jnp.asarray(np.asarray(arrays["draft/fc"], np.float32), dtype),
+        "layer": {
+            k.split("/")[-1]: jnp.asarray(np.asarray(v, np.float32), dtype)
+            for k, v in arrays.items()
+            if k.startswith("draft/layer/")
+        },
+    }
     draft_head.check_draft(draft, model.config)
     params = set_exit_vocab({**model.params, "draft": draft}, arrays["vocab_ids"], model.config.tie_embeddings)
     return model.with_params(params)
@@ -148,7 +153,8 @@ def check_probe(path, meta: dict, ids: list[int], logits: np.ndarray, tolerance:
     want = np.asarray(meta["probe_top_logits"], np.float32)
     got = logits[np.asarray(meta["probe_top_ids"])]
     if ids != meta["probe_ids"] or not np.allclose(got, want, rtol=0, atol=tolerance * np.abs(want).max()):
-        raise EejaxError(f"the delta {path} does not reproduce the logits recorded when it was trained "
-                         f"(largest difference {np.abs(got - want).max():.3g}): is the base model "
-                         f"{meta.get('base')!r}?")
-
+        raise EejaxError(
+            f"the delta {path} does not reproduce the logits recorded when it was trained "
+            f"(largest difference {np.abs(got - want).max():.3g}): is the base model "
+            f"{meta.get('base')!r}?"
+        )

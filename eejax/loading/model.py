@@ -54,8 +54,14 @@ class Model:
 
     def with_params(self, params: dict) -> Model:
         """The same model (config, tokenizer, layer layout, mesh) with other params and its own programs."""
-        return Model(self.config, params, self.tokenizer, layer_buffers=self.layer_buffers, mesh=self.mesh,
-                     programs=ProgramCache(self.programs.mesh, self.programs.rules))
+        return Model(
+            self.config,
+            params,
+            self.tokenizer,
+            layer_buffers=self.layer_buffers,
+            mesh=self.mesh,
+            programs=ProgramCache(self.programs.mesh, self.programs.rules),
+        )
 
     def new_cache(self, num_pages: int, page_size: int):
         """A zeroed paged KV cache for this model, on its mesh when it has one (split by KV heads)."""
@@ -106,8 +112,14 @@ def init_exits(model: Model, *, adapter_rank: int = 0, classifier: bool = True, 
     (identity adapters of rank `adapter_rank`, classifiers with P(exit) = 0.5); see
     `eejax.models.exits`. Replaces any exits the model had."""
     c = model.config
-    new = exits.init_exits(c.num_layers, c.hidden_size, jax.random.PRNGKey(seed), adapter_rank=adapter_rank,
-                           classifier=classifier, dtype=model.dtype)
+    new = exits.init_exits(
+        c.num_layers,
+        c.hidden_size,
+        jax.random.PRNGKey(seed),
+        adapter_rank=adapter_rank,
+        classifier=classifier,
+        dtype=model.dtype,
+    )
     return model.with_params({**model.params, "exits": new})
 
 

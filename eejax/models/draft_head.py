@@ -63,8 +63,10 @@ class DraftHead(nn.Module):
 
 def check_model(config) -> None:
     if getattr(config, "architecture", None) != "llama":
-        raise UnsupportedModelError(f"draft heads are built for decoder-only Llama models, not "
-                                    f"{getattr(config, 'architecture', type(config).__name__)}")
+        raise UnsupportedModelError(
+            f"draft heads are built for decoder-only Llama models, not "
+            f"{getattr(config, 'architecture', type(config).__name__)}"
+        )
 
 
 def has_draft(params) -> bool:
@@ -100,8 +102,9 @@ def check_draft(draft, config) -> None:
     want = jax.eval_shape(lambda: init_draft(config, jax.random.PRNGKey(0)))["layer"]
     for k, x in draft["layer"].items():
         if tuple(x.shape) != tuple(want[k].shape):
-            raise EejaxError(f"params['draft']['layer'][{k!r}] has shape {tuple(x.shape)}, "
-                             f"the model needs {tuple(want[k].shape)}")
+            raise EejaxError(
+                f"params['draft']['layer'][{k!r}] has shape {tuple(x.shape)}, the model needs {tuple(want[k].shape)}"
+            )
 
 
 def logical_axes(config: LlamaConfig) -> dict:
@@ -140,8 +143,9 @@ def draft_layer(params, feature, token_embeds, cache: KVCache, batch: TokenBatch
     x = _apply(config, draft, "inputs", feature, token_embeds)
     q, k, v = _layer(config, draft, "qkv", x, batch.cos, batch.sin)
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
-    attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len,
-                           impl=batch.attention)
+    attn = paged_attention(
+        q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len, impl=batch.attention
+    )
     return _layer(config, draft, "out_mlp", x, attn), cache
 
 
@@ -160,4 +164,3 @@ def dense_forward(config: LlamaConfig, draft, feature, token_embeds, lengths):
     features [B, T, D]."""
     _, valid, cos, sin = _dense_positions(config, jnp.zeros(feature.shape[:2], jnp.int32), lengths)
     return _apply(config, draft, None, feature, token_embeds, cos, sin, valid)
-

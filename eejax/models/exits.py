@@ -73,8 +73,10 @@ def set_exit_vocab(params, ids, tied: bool) -> dict:
     head = head_weight(params, tied)
     vocab = head.shape[0] if tied else head.shape[1]
     if ids.size == 0 or ids[0] < 0 or ids[-1] >= vocab:
-        raise EejaxError(f"reduced vocabulary ids must lie in [0, {vocab}) and be at least one, "
-                         f"got {ids.size} ids in [{ids.min(initial=0)}, {ids.max(initial=0)}]")
+        raise EejaxError(
+            f"reduced vocabulary ids must lie in [0, {vocab}) and be at least one, "
+            f"got {ids.size} ids in [{ids.min(initial=0)}, {ids.max(initial=0)}]"
+        )
     rows = jnp.asarray(ids, jnp.int32)
     gathered = head[rows] if tied else head[:, rows]
     return {**params, "exits": {**(params.get("exits") or {}), "vocab_ids": rows, "vocab_head": gathered}}
@@ -89,8 +91,10 @@ def check_reduced_head(params, tied: bool) -> None:
     head, ids = head_weight(params, tied), e["vocab_ids"]
     want = head[ids] if tied else head[:, ids]
     if not bool(jnp.array_equal(want, e["vocab_head"])):
-        raise EejaxError("the reduced exit head does not match the model's head rows for its vocabulary ids "
-                         "(the head changed since eejax exit-vocab ran): run eejax exit-vocab again")
+        raise EejaxError(
+            "the reduced exit head does not match the model's head rows for its vocabulary ids "
+            "(the head changed since eejax exit-vocab ran): run eejax exit-vocab again"
+        )
 
 
 class ExitAdapter(nn.Module):
@@ -104,10 +108,15 @@ class ExitAdapter(nn.Module):
     def __call__(self, h):
         d = h.shape[-1]
         norm = self.param("adapter_norm", _init(nn.initializers.ones, ("norm",)), (d,), self.param_dtype)
-        down = self.param("adapter_down", _init(nn.initializers.normal(d**-0.5), ("embed", "adapter")),
-                          (d, self.rank), self.param_dtype)
-        up = self.param("adapter_up", _init(nn.initializers.zeros, ("adapter", "embed")), (self.rank, d),
-                        self.param_dtype)
+        down = self.param(
+            "adapter_down",
+            _init(nn.initializers.normal(d**-0.5), ("embed", "adapter")),
+            (d, self.rank),
+            self.param_dtype,
+        )
+        up = self.param(
+            "adapter_up", _init(nn.initializers.zeros, ("adapter", "embed")), (self.rank, d), self.param_dtype
+        )
         x = (_normalise(h) * norm.astype(jnp.float32)).astype(h.dtype)
         return h + (x @ down) @ up
 
@@ -135,24 +144,33 @@ class Exits(nn.Module):
     param_dtype: Any = jnp.float32
 
     def setup(self):
-        stack = functools.partial(nn.vmap, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None,
-                                  axis_size=self.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+        stack = functools.partial(
+            nn.vmap,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=None,
+            axis_size=self.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
         self.adapters = stack(ExitAdapter)(self.adapter_rank, self.param_dtype) if self.adapter_rank else None
         self.classifiers = stack(ExitClassifier)(self.param_dtype) if self.classifier else None
         share_scope(self, *(m for m in (self.adapters, self.classifiers) if m is not None))
 
     def __call__(self, h):
         """Every exit applied to h [..., D]: (adapted [L, ..., D] or None, P(exit) [L, ...] or None)."""
-        return (self.adapters(h) if self.adapters is not None else None,
-                self.classifiers(h) if self.classifiers is not None else None)
+        return (
+            self.adapters(h) if self.adapters is not None else None,
+            self.classifiers(h) if self.classifiers is not None else None,
+        )
 
 
 def _init(initializer, axes):
     return nn.with_logical_partitioning(initializer, axes)
 
 
-def init_exits(num_layers: int, hidden: int, key, *, adapter_rank: int = 0, classifier: bool = True,
-               dtype=jnp.float32) -> dict:
+def init_exits(
+    num_layers: int, hidden: int, key, *, adapter_rank: int = 0, classifier: bool = True, dtype=jnp.float32
+) -> dict:
     """Deterministic untrained exits (`Exits.init` from `key`): adapters are the identity,
     classifiers give P(exit) = 0.5 everywhere."""
     if adapter_rank < 0 or adapter_rank > hidden:
@@ -191,31 +209,39 @@ def check_exits(exits, config) -> None:
     if "exit_layers" in exits:
         layers = np.asarray(exits["exit_layers"])
         if layers.ndim != 1 or not np.all((layers >= 1) & (layers < num_layers)) or np.any(np.diff(layers) <= 0):
-            raise EejaxError("params['exits']['exit_layers'] must be increasing layer counts in "
-                             f"[1, {num_layers - 1}], got {layers.tolist()}")
+            raise EejaxError(
+                "params['exits']['exit_layers'] must be increasing layer counts in "
+                f"[1, {num_layers - 1}], got {layers.tolist()}"
+            )
     if has_reduced_head(exits) or "vocab_head" in exits:
         if set(VOCAB_KEYS) - set(exits):
             raise EejaxError(f"params['exits'] needs both {list(VOCAB_KEYS)} for a reduced head")
         ids = exits["vocab_ids"]
         k = ids.shape[0] if ids.ndim == 1 else -1
         if not 1 <= k <= vocab or not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise EejaxError(f"params['exits']['vocab_ids'] must be 1 to {vocab} integer ids, got shape "
-                             f"{tuple(ids.shape)} {ids.dtype}")
+            raise EejaxError(
+                f"params['exits']['vocab_ids'] must be 1 to {vocab} integer ids, got shape "
+                f"{tuple(ids.shape)} {ids.dtype}"
+            )
         values = np.asarray(ids)
         if values[0] < 0 or values[-1] >= vocab or np.any(np.diff(values) <= 0):
             raise EejaxError(f"params['exits']['vocab_ids'] must be increasing token ids in [0, {vocab})")
         shape = (k, hidden) if config.tie_embeddings else (hidden, k)
         if tuple(exits["vocab_head"].shape) != shape:
-            raise EejaxError(f"params['exits']['vocab_head'] has shape {tuple(exits['vocab_head'].shape)}, "
-                             f"the model's head needs {shape} for {k} ids")
+            raise EejaxError(
+                f"params['exits']['vocab_head'] has shape {tuple(exits['vocab_head'].shape)}, "
+                f"the model's head needs {shape} for {k} ids"
+            )
     for group in (ADAPTER_KEYS, CLASSIFIER_KEYS):
         present = [k for k in group if k in exits]
         if present and len(present) != len(group):
             raise EejaxError(f"params['exits'] has {present} but not all of {list(group)}")
     rank = exits["adapter_down"].shape[-1] if has_adapters(exits) else 0
     want = {
-        "adapter_norm": (num_layers, hidden), "adapter_down": (num_layers, hidden, rank),
-        "adapter_up": (num_layers, rank, hidden), "classifier_w": (num_layers, hidden),
+        "adapter_norm": (num_layers, hidden),
+        "adapter_down": (num_layers, hidden, rank),
+        "adapter_up": (num_layers, rank, hidden),
+        "classifier_w": (num_layers, hidden),
         "classifier_b": (num_layers,),
     }
     for name, x in exits.items():
@@ -232,8 +258,13 @@ def resolve_options(params, config, exit=None, spec=None):  # noqa: A002
     if exit is not None:
         exit.check_model(config.num_layers, has_classifier(e), has_reduced_head(e))
         trained = trained_layers(e)
-        if trained and exit.exit_layers is None and exit.checks_confidence and exit.measure != "static" \
-                and (exit.min_exit_layer, exit.every) == (1, 1):
+        if (
+            trained
+            and exit.exit_layers is None
+            and exit.checks_confidence
+            and exit.measure != "static"
+            and (exit.min_exit_layer, exit.every) == (1, 1)
+        ):
             exit = dataclasses.replace(exit, exit_layers=trained)  # noqa: A001
     if spec is not None:
         spec.check_model(config.num_layers, has_reduced_head(e), bool(params.get("draft")))

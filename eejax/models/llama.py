@@ -66,8 +66,9 @@ class TokenBatch:
     attention: str = dataclasses.field(default="auto", metadata=dict(static=True))
 
 
-def token_batch(config: LlamaConfig, positions, valid, block_table, kv_len, page_size,
-                attention: str = "auto", *, context=None) -> TokenBatch:
+def token_batch(
+    config: LlamaConfig, positions, valid, block_table, kv_len, page_size, attention: str = "auto", *, context=None
+) -> TokenBatch:
     """`context` is the rows' per-request state besides the KV cache: a Llama has none."""
     pages, slots = slot_indices(block_table, positions, valid, page_size)
     inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -100,8 +101,18 @@ class DecoderLayer(nn.Module):
         self.gate_proj = linear("w_gate", c.intermediate_size, ("embed", "mlp"))
         self.up_proj = linear("w_up", c.intermediate_size, ("embed", "mlp"))
         self.down_proj = linear("w_down", c.hidden_size, ("mlp", "embed"))
-        share_scope(self, self.input_norm, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.post_norm,
-                    self.gate_proj, self.up_proj, self.down_proj)
+        share_scope(
+            self,
+            self.input_norm,
+            self.q_proj,
+            self.k_proj,
+            self.v_proj,
+            self.o_proj,
+            self.post_norm,
+            self.gate_proj,
+            self.up_proj,
+            self.down_proj,
+        )
 
     def qkv(self, h, cos, sin):
         """Rotated q [B, T, Hq, Dh], k and v [B, T, Hkv, Dh] of hidden states h [B, T, D]."""
@@ -192,8 +203,9 @@ def _layer_apply(config: LlamaConfig, lp: dict, method: str | None, *args):
 def kv_of_layer(params, h, layer, batch: TokenBatch, config: LlamaConfig):
     """Layer `layer`'s (traced) K and V `[B, T, Hkv, Dh]` of hidden states h (KV fill); reads
     only that layer's input norm, wk and wv."""
-    return on_layer(params["layers"], KV_KEYS, layer,
-                    lambda lp: _layer_apply(config, lp, "kv", h, batch.cos, batch.sin))
+    return on_layer(
+        params["layers"], KV_KEYS, layer, lambda lp: _layer_apply(config, lp, "kv", h, batch.cos, batch.sin)
+    )
 
 
 def causal_attention(q, k, v, valid):
@@ -245,13 +257,15 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
     layers = params["layers"]
     q, k, v = on_layer(layers, QKV_KEYS, layer, lambda lp: _layer_apply(config, lp, "qkv", h, batch.cos, batch.sin))
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
-    attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len,
-                           impl=batch.attention)
+    attn = paged_attention(
+        q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len, impl=batch.attention
+    )
     return on_layer(layers, OUT_KEYS, layer, lambda lp: _layer_apply(config, lp, "out_mlp", h, attn)), cache
 
 
-def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig, start=0, stop=None,
-               length: int | None = None):
+def run_layers(
+    params, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig, start=0, stop=None, length: int | None = None
+):
     """Layers [start, stop), or [start, start + length), with a traced layer index (`run_layer_range`)."""
     return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop, length)
 

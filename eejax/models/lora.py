@@ -44,14 +44,16 @@ def check_lora(factors: dict, layers: dict) -> None:
             raise EejaxError(f"the LoRA delta lacks {name}_a / {name}_b")
         n, d_in, d_out = layers[name].shape
         if a.shape[:2] != (n, d_in) or b.shape[0] != n or b.shape[2] != d_out or a.shape[2] != b.shape[1]:
-            raise EejaxError(f"the LoRA factors of {name} ({a.shape} x {b.shape}) do not fit its weight "
-                             f"{layers[name].shape}")
+            raise EejaxError(
+                f"the LoRA factors of {name} ({a.shape} x {b.shape}) do not fit its weight {layers[name].shape}"
+            )
 
 
 @jax.jit
 def _merged(w, a, b):
-    return (w.astype(jnp.float32) + jnp.einsum("ldr,lro->ldo", a.astype(jnp.float32),
-                                               b.astype(jnp.float32))).astype(w.dtype)
+    return (w.astype(jnp.float32) + jnp.einsum("ldr,lro->ldo", a.astype(jnp.float32), b.astype(jnp.float32))).astype(
+        w.dtype
+    )
 
 
 def merge_lora(params: dict, factors: dict) -> dict:

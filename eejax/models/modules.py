@@ -51,8 +51,7 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        w = self.param(self.weight, normal(self.init_scale, self.axes), (x.shape[-1], self.features),
-                       self.param_dtype)
+        w = self.param(self.weight, normal(self.init_scale, self.axes), (x.shape[-1], self.features), self.param_dtype)
         if self.accumulate:
             y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
         else:
@@ -72,8 +71,9 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param(self.weight, nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-                           (x.shape[-1],), self.param_dtype)
+        scale = self.param(
+            self.weight, nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],), self.param_dtype
+        )
         return rms_norm(x, scale, self.eps)
 
 
@@ -86,8 +86,9 @@ class Embedder(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     def setup(self):
-        self.embed = self.param("embed", normal(self.init_scale, ("vocab", "embed")), (self.vocab_size, self.dim),
-                                self.param_dtype)
+        self.embed = self.param(
+            "embed", normal(self.init_scale, ("vocab", "embed")), (self.vocab_size, self.dim), self.param_dtype
+        )
 
     def __call__(self, tokens):
         """tokens [B, T] int32 -> hidden [B, T, D]."""
@@ -110,8 +111,9 @@ class Unembed(nn.Module):
 
     @nn.compact
     def __call__(self, x, weight=None):
-        w = self.param("lm_head", normal(self.init_scale, ("embed", "vocab")), (x.shape[-1], self.vocab_size),
-                       self.param_dtype)
+        w = self.param(
+            "lm_head", normal(self.init_scale, ("embed", "vocab")), (x.shape[-1], self.vocab_size), self.param_dtype
+        )
         return jnp.matmul(x, w if weight is None else weight, preferred_element_type=jnp.float32)
 
 
@@ -122,8 +124,14 @@ def scan_layers(layer: nn.Module, h, *broadcast, length: int):
     def body(module, h, *broadcast):
         return module(h, *broadcast), None
 
-    scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
-                   in_axes=nn.broadcast, metadata_params={nn.PARTITION_NAME: "layers"})
+    scan = nn.scan(
+        body,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=length,
+        in_axes=nn.broadcast,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
     return scan(layer, h, *broadcast)[0]
 
 

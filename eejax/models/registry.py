@@ -63,5 +63,6 @@ def model_module(config) -> ModelModule:
         return ARCHITECTURES[config.architecture]  # type: ignore[return-value]
     except (AttributeError, KeyError):
         name = getattr(config, "architecture", type(config).__name__)
-        raise UnsupportedModelError(f"no model module for architecture {name!r}; eejax has: "
-                                    + ", ".join(ARCHITECTURES)) from None
+        raise UnsupportedModelError(
+            f"no model module for architecture {name!r}; eejax has: " + ", ".join(ARCHITECTURES)
+        ) from None

@@ -71,8 +71,9 @@ class TokenBatch:
     attention: str = dataclasses.field(default="auto", metadata=dict(static=True))
 
 
-def token_batch(config: T5Config, positions, valid, block_table, kv_len, page_size, attention="auto", *,
-                context: CrossKV) -> TokenBatch:
+def token_batch(
+    config: T5Config, positions, valid, block_table, kv_len, page_size, attention="auto", *, context: CrossKV
+) -> TokenBatch:
     """`context`: the rows' cross-attention K/V (`cross_kv`)."""
     pages, slots = slot_indices(block_table, positions, valid, page_size)
     return TokenBatch(positions, pages, slots, block_table, kv_len, context, attention)
@@ -102,8 +103,7 @@ class T5Block(nn.Module):
 
     def setup(self):
         c = self.config
-        linear = functools.partial(Linear, init_scale=self.init_scale, param_dtype=self.param_dtype,
-                                   accumulate=False)
+        linear = functools.partial(Linear, init_scale=self.init_scale, param_dtype=self.param_dtype, accumulate=False)
         norm = functools.partial(RMSNorm, eps=c.layer_norm_eps, param_dtype=self.param_dtype)
         hd, d, f = c.num_heads * c.head_dim, c.hidden_size, c.intermediate_size
         self.input_norm, self.post_norm = norm("attn_norm"), norm("mlp_norm")
@@ -112,8 +112,16 @@ class T5Block(nn.Module):
         self.o_proj = linear("wo", d, ("heads", "embed"))
         self.in_projs = [linear(w, f, ("embed", "mlp")) for w in ff_keys(c)]
         self.ff_out = linear("wo_ff", d, ("mlp", "embed"))
-        blocks = [self.input_norm, self.post_norm, self.q_proj, self.k_proj, self.v_proj, self.o_proj, *self.in_projs,
-                  self.ff_out]
+        blocks = [
+            self.input_norm,
+            self.post_norm,
+            self.q_proj,
+            self.k_proj,
+            self.v_proj,
+            self.o_proj,
+            *self.in_projs,
+            self.ff_out,
+        ]
         if self.cross:
             self.cross_input_norm = norm("cross_norm")
             self.cq_proj, self.ck_proj, self.cv_proj = (linear(w, hd, ("embed", "heads")) for w in ("cq", "ck", "cv"))
@@ -183,8 +191,12 @@ class PositionBiasTable(nn.Module):
 
     @nn.compact
     def __call__(self, buckets):
-        table = self.param("rel_bias", normal(self.init_scale, ("relpos_buckets", "heads")),
-                           (self.num_buckets, self.num_heads), self.param_dtype)
+        table = self.param(
+            "rel_bias",
+            normal(self.init_scale, ("relpos_buckets", "heads")),
+            (self.num_buckets, self.num_heads),
+            self.param_dtype,
+        )
         return table.astype(jnp.float32)[buckets].transpose(2, 0, 1)
 
 
@@ -207,8 +219,9 @@ class T5Stack(nn.Module):
     def position_bias(self, t: int):
         """The bias [H, T, T] between T positions (bidirectional in the encoder, causal in the decoder)."""
         pos = jnp.arange(t, dtype=jnp.int32)
-        return self.bias(relative_position_bucket(pos[None, :] - pos[:, None],
-                                                  position_bias(self.config, not self.decoder)))
+        return self.bias(
+            relative_position_bucket(pos[None, :] - pos[:, None], position_bias(self.config, not self.decoder))
+        )
 
     def final_norm(self, h):
         return self.norm(h)
@@ -289,8 +302,10 @@ def encode(params, tokens, lengths, config: T5Config):
 def cross_kv(params, enc_out, lengths, config: T5Config) -> CrossKV:
     """Every decoder layer's cross-attention K/V of the encoder output (computed once)."""
     layers = params["decoder"]["layers"]
-    kv = [_block(config, {w: layers[w][layer] for w in ("ck", "cv")}, "cross_kv", enc_out)
-          for layer in range(config.num_layers)]
+    kv = [
+        _block(config, {w: layers[w][layer] for w in ("ck", "cv")}, "cross_kv", enc_out)
+        for layer in range(config.num_layers)
+    ]
     return CrossKV(tuple(k for k, _ in kv), tuple(v for _, v in kv), lengths)
 
 
@@ -320,16 +335,27 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: T
     b, t, _ = h.shape
     q, k, v = _block(config, lp, "self_qkv", h)
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
-    attn = paged_attention(q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len,
-                           impl=batch.attention, scale=1.0, bias_table=dec["rel_bias"],
-                           bias=position_bias(config, False))
+    attn = paged_attention(
+        q,
+        cache.k,
+        cache.v,
+        layer,
+        batch.block_table,
+        batch.positions,
+        batch.kv_len,
+        impl=batch.attention,
+        scale=1.0,
+        bias_table=dec["rel_bias"],
+        bias=position_bias(config, False),
+    )
     h = _block(config, lp, "attn_out", h, attn.reshape(b, t, -1))
     h = _block(config, lp, "cross_out", h, cross_attention(_block(config, lp, "cross_q", h), batch.cross, layer))
     return _block(config, lp, "feed_forward", h), cache
 
 
-def run_layers(params, h, cache: KVCache, batch: TokenBatch, config: T5Config, start=0, stop=None,
-               length: int | None = None):
+def run_layers(
+    params, h, cache: KVCache, batch: TokenBatch, config: T5Config, start=0, stop=None, length: int | None = None
+):
     """Decoder layers [start, stop), or [start, start + length), with a traced layer index."""
     return run_layer_range(decoder_layer, params, h, cache, batch, config, start, stop, length)
 
@@ -346,15 +372,18 @@ def decoder_layers(params) -> dict:
 
 def forward_states(params, tokens, lengths, config: T5Config, skip=None):
     """The training forward (`llama.forward_states`) is written for decoder-only models."""
-    raise UnsupportedModelError("training exits runs decoder-only (Llama) models; T5 decodes with exits it was "
-                                "given (CALM-style checkpoints)")
+    raise UnsupportedModelError(
+        "training exits runs decoder-only (Llama) models; T5 decodes with exits it was given (CALM-style checkpoints)"
+    )
 
 
 def lm_head(params, h, config: T5Config, weight=None):
     """Decoder final norm (+ v1.0's d_model^-0.5 scaling) + head: [..., D] -> float32 [..., V]
     (`T5.logits`); `weight` as in `llama.lm_head`."""
-    head = {"decoder": {"final_norm": params["decoder"]["final_norm"]},
-            **{k: params[k] for k in ("embed" if config.tie_embeddings else "lm_head",)}}
+    head = {
+        "decoder": {"final_norm": params["decoder"]["final_norm"]},
+        **{k: params[k] for k in ("embed" if config.tie_embeddings else "lm_head",)},
+    }
     return T5(config).apply({"params": head}, h, weight, method="logits")
 
 

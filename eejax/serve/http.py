@@ -17,7 +17,6 @@ event loop. A request the engine failed on gets a 500 naming the error; `/health
 the engine's loop has died.
 """
 
-
 import asyncio
 import contextlib
 import json
@@ -66,8 +65,14 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
     created_at = int(time.time())
 
     def error(status: int, message: str, param: str | None = None):
-        kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-                429: "rate_limit_error", 500: "server_error", 503: "server_error"}.get(status, "error")
+        kind = {
+            400: "invalid_request_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+            500: "server_error",
+            503: "server_error",
+        }.get(status, "error")
         return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
     async def read_body(request: Request):
@@ -94,8 +99,9 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
 
     def check_served(name: str) -> None:
         if name != served_model_name:
-            raise RequestError(404, f"model {name!r} is not served here (this server serves {served_model_name!r})",
-                               "model")
+            raise RequestError(
+                404, f"model {name!r} is not served here (this server serves {served_model_name!r})", "model"
+            )
 
     async def read_request(request: Request, schema):
         """The body validated against `schema`; fields no schema knows are logged and ignored."""
@@ -116,8 +122,9 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
             raise RequestError(429, f"the server is at capacity ({max_waiting} requests waiting); retry later")
         max_tokens = 16 if max_tokens is None else max_tokens
         if max_tokens > engine.max_new_tokens:
-            raise RequestError(400, f"{limit_field} must lie in [1, {engine.max_new_tokens}], got {max_tokens}",
-                               limit_field)
+            raise RequestError(
+                400, f"{limit_field} must lie in [1, {engine.max_new_tokens}], got {max_tokens}", limit_field
+            )
         for field, parse_option in (("exit", ExitConfig.parse), ("spec", SpecConfig.parse)):
             value = getattr(req, field)
             if value not in (None, "", "none"):
@@ -131,18 +138,45 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
             if isinstance(prompt, str):  # tokenized once for all n choices
                 (prompt,), _ = prompt_token_ids(tokenizer, [prompt])
             for choice in range(req.choices):
-                seqs.append(engine.submit(
-                    prompt, max_new_tokens=max_tokens, priority=req.priority, exit=req.exit or None,
-                    spec=None if req.spec in (None, "", "none") else req.spec,
-                    temperature=req.temperature, top_p=req.top_p,
-                    top_k=None if req.top_k is None else max(req.top_k, 0), seed=seed, choice=choice,
-                    logprobs=top_logprobs, stop=req.stops, stop_token_ids=req.stop_token_ids or ()))
+                seqs.append(
+                    engine.submit(
+                        prompt,
+                        max_new_tokens=max_tokens,
+                        priority=req.priority,
+                        exit=req.exit or None,
+                        spec=None if req.spec in (None, "", "none") else req.spec,
+                        temperature=req.temperature,
+                        top_p=req.top_p,
+                        top_k=None if req.top_k is None else max(req.top_k, 0),
+                        seed=seed,
+                        choice=choice,
+                        logprobs=top_logprobs,
+                        stop=req.stops,
+                        stop_token_ids=req.stop_token_ids or (),
+                    )
+                )
         except EejaxError as e:
             for seq in seqs:
                 engine.cancel(seq)
             message = str(e)
-            param = next((f for f in ("spec", "exit", "temperature", "top_p", "top_k", "stop_token_ids", "stop",
-                                      "seed", "logprobs") if f in message), "prompt")
+            param = next(
+                (
+                    f
+                    for f in (
+                        "spec",
+                        "exit",
+                        "temperature",
+                        "top_p",
+                        "top_k",
+                        "stop_token_ids",
+                        "stop",
+                        "seed",
+                        "logprobs",
+                    )
+                    if f in message
+                ),
+                "prompt",
+            )
             raise RequestError(400, message, param) from None
         return seqs
 
@@ -186,17 +220,24 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
                 out.setdefault(token_text(token), logprob)
             return out
 
-        return {"tokens": texts, "token_logprobs": seq.token_logprobs[start:end],
-                "top_logprobs": [alternatives(top) for top in seq.top_logprobs[start:end]], "text_offset": offsets}
+        return {
+            "tokens": texts,
+            "token_logprobs": seq.token_logprobs[start:end],
+            "top_logprobs": [alternatives(top) for top in seq.top_logprobs[start:end]],
+            "text_offset": offsets,
+        }
 
     def chat_logprobs(seq, start: int, end: int) -> dict:
         def entry(token, logprob):
             text = token_text(token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
-                            for t, lp, top in zip(seq.tokens[start:end], seq.token_logprobs[start:end],
-                                                  seq.top_logprobs[start:end])]}
+        return {
+            "content": [
+                {**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                for t, lp, top in zip(seq.tokens[start:end], seq.token_logprobs[start:end], seq.top_logprobs[start:end])
+            ]
+        }
 
     def extras(seq) -> dict:
         out = {"tokens": seq.tokens, "exit_layers": seq.exit_layers}
@@ -218,8 +259,12 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
         kind = "chat.completion" if chat else "text_completion"
         scored = seqs[0].logprobs is not None
         if req.stream:
-            head = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
-                    "model": served_model_name}
+            head = {
+                "id": rid,
+                "object": kind + (".chunk" if chat else ""),
+                "created": created,
+                "model": served_model_name,
+            }
 
             def chunk(choices, **more) -> str:
                 return f"data: {json.dumps({**head, 'choices': choices, **more})}\n\n"
@@ -236,15 +281,24 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
                                 continue
                             seen[j] = len(seq.tokens)
                             text = text_of(seq, req.stops)
-                            delta, n = text[len(sent[j]):], len(seq.tokens)
+                            delta, n = text[len(sent[j]) :], len(seq.tokens)
                             if delta or (scored and n > scored_upto[j]):
-                                message = {"content": delta} if sent[j] or scored_upto[j] else {
-                                    "role": "assistant", "content": delta}
-                                choice = ({"index": j, "delta": message, "finish_reason": None} if chat
-                                          else {"index": j, "text": delta, "finish_reason": None})
+                                message = (
+                                    {"content": delta}
+                                    if sent[j] or scored_upto[j]
+                                    else {"role": "assistant", "content": delta}
+                                )
+                                choice = (
+                                    {"index": j, "delta": message, "finish_reason": None}
+                                    if chat
+                                    else {"index": j, "text": delta, "finish_reason": None}
+                                )
                                 if scored:
-                                    choice["logprobs"] = (chat_logprobs(seq, scored_upto[j], n) if chat else
-                                                          completion_logprobs(seq, scored_upto[j], n, len(sent[j])))
+                                    choice["logprobs"] = (
+                                        chat_logprobs(seq, scored_upto[j], n)
+                                        if chat
+                                        else completion_logprobs(seq, scored_upto[j], n, len(sent[j]))
+                                    )
                                     scored_upto[j] = n
                                 sent[j] = text
                                 yield chunk([choice])
@@ -254,8 +308,11 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
                                 return
                             if seq.finished:
                                 ended[j] = True
-                                final = ({"index": j, "delta": {}, "finish_reason": seq.finish_reason} if chat
-                                         else {"index": j, "text": "", "finish_reason": seq.finish_reason})
+                                final = (
+                                    {"index": j, "delta": {}, "finish_reason": seq.finish_reason}
+                                    if chat
+                                    else {"index": j, "text": "", "finish_reason": seq.finish_reason}
+                                )
                                 yield chunk([final], eejax=extras(seq))
                     if req.include_usage:
                         yield chunk([], usage=usage(seqs))
@@ -272,18 +329,35 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
         for j, seq in enumerate(seqs):
             text = text_of(seq, req.stops)
             if chat:
-                choice = {"index": j, "message": {"role": "assistant", "content": text},
-                          "finish_reason": seq.finish_reason, "logprobs": None}
+                choice = {
+                    "index": j,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": seq.finish_reason,
+                    "logprobs": None,
+                }
                 if scored:
                     choice["logprobs"] = chat_logprobs(seq, 0, len(seq.tokens))
             else:
-                choice = {"index": j, "text": text, "finish_reason": seq.finish_reason,
-                          "logprobs": completion_logprobs(seq, 0, len(seq.tokens), 0) if scored else None}
+                choice = {
+                    "index": j,
+                    "text": text,
+                    "finish_reason": seq.finish_reason,
+                    "logprobs": completion_logprobs(seq, 0, len(seq.tokens), 0) if scored else None,
+                }
             if len(seqs) > 1:
                 choice["eejax"] = extras(seq)
             choices.append(choice)
-        return JSONResponse({"id": rid, "object": kind, "created": created, "model": served_model_name,
-                             "choices": choices, "usage": usage(seqs), "eejax": extras(seqs[0])})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": served_model_name,
+                "choices": choices,
+                "usage": usage(seqs),
+                "eejax": extras(seqs[0]),
+            }
+        )
 
     @app.exception_handler(RequestError)
     async def request_error(_, exc: RequestError):
@@ -314,8 +388,13 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
         return await respond(request, req, seqs, chat=True)
 
     def model_card() -> dict:
-        return {"id": served_model_name, "object": "model", "created": created_at, "owned_by": "eejax",
-                "max_model_len": engine.max_len}
+        return {
+            "id": served_model_name,
+            "object": "model",
+            "created": created_at,
+            "owned_by": "eejax",
+            "max_model_len": engine.max_len,
+        }
 
     @app.get("/v1/models")
     async def models():

@@ -161,8 +161,9 @@ class ChatRequest(_Common):
     def check(self) -> None:
         super().check()
         if self.response_format not in (None, {}, {"type": "text"}):
-            raise RequestError(400, f"eejax does not support response_format={self.response_format!r}",
-                               "response_format")
+            raise RequestError(
+                400, f"eejax does not support response_format={self.response_format!r}", "response_format"
+            )
         if self.tool_choice not in (None, "none", "auto"):
             raise RequestError(400, f"eejax does not support tool_choice={self.tool_choice!r}", "tool_choice")
         if self.top_logprobs and not self.logprobs:
@@ -196,7 +197,8 @@ def parse(body: Any, schema: type[_Common]) -> _Common:
         # The path to the field (messages.0.role), without pydantic's names of union members.
         path = [str(p) for p in error["loc"] if isinstance(p, int) or p in schema.model_fields or p in _NESTED]
         field = ".".join(path) or None
-        raise RequestError(400, f"{field}: {error['msg']}" if field else error["msg"],
-                           path[0] if path else None) from None
+        raise RequestError(
+            400, f"{field}: {error['msg']}" if field else error["msg"], path[0] if path else None
+        ) from None
     request.check()
     return request

@@ -71,14 +71,18 @@ class Calibration:
     def certificate(self) -> str:
         """One paragraph saying what was certified."""
         if not self.certified:
-            return (f"no threshold certified: the most conservative (λ={self.thresholds[0]:g}) has empirical risk "
-                    f"{self.risks[0]:.4f} and p-value {self.p_values[0]:.3g} > ε={self.epsilon:g} "
-                    f"(n={self.n}, δ={self.delta:g}, {self.method})")
+            return (
+                f"no threshold certified: the most conservative (λ={self.thresholds[0]:g}) has empirical risk "
+                f"{self.risks[0]:.4f} and p-value {self.p_values[0]:.3g} > ε={self.epsilon:g} "
+                f"(n={self.n}, δ={self.delta:g}, {self.method})"
+            )
         j = self.index
-        return (f"λ={self.threshold:g}: with probability >= {1 - self.epsilon:g} over the {self.n} calibration "
-                f"examples, its risk is <= δ={self.delta:g} (empirical {self.risks[j]:.4f}, p-value "
-                f"{self.p_values[j]:.3g}; {j + 1} of {len(self.thresholds)} thresholds certified in sequence, "
-                f"{self.method} p-values)")
+        return (
+            f"λ={self.threshold:g}: with probability >= {1 - self.epsilon:g} over the {self.n} calibration "
+            f"examples, its risk is <= δ={self.delta:g} (empirical {self.risks[j]:.4f}, p-value "
+            f"{self.p_values[j]:.3g}; {j + 1} of {len(self.thresholds)} thresholds certified in sequence, "
+            f"{self.method} p-values)"
+        )
 
 
 def learn_then_test(thresholds, losses, *, delta: float, epsilon: float, method: str = "auto") -> Calibration:
@@ -136,9 +140,20 @@ def token_disagreement(early: list[int], full: list[int]) -> float:
     return 1.0 - same / n
 
 
-def calibrate_exit_threshold(model, prompts, *, measure: str, thresholds, delta: float, epsilon: float,
-                             max_new_tokens: int = 64, consistency: str = "tokens", batch_size: int = 1,
-                             progress: bool = False, **exit_options):
+def calibrate_exit_threshold(
+    model,
+    prompts,
+    *,
+    measure: str,
+    thresholds,
+    delta: float,
+    epsilon: float,
+    max_new_tokens: int = 64,
+    consistency: str = "tokens",
+    batch_size: int = 1,
+    progress: bool = False,
+    **exit_options,
+):
     """Learn then Test for an early-exit threshold on `prompts` (the calibration set).
 
     Generates full depth once and with `ExitConfig(measure, threshold=λ, **exit_options)` for
@@ -171,6 +186,10 @@ def calibrate_exit_threshold(model, prompts, *, measure: str, thresholds, delta:
         if scorer is None:
             losses.append([token_disagreement(e, f) for e, f in zip(res.tokens, full.tokens)])
         else:
-            losses.append([0.0 if et == ft else 1.0 - scorer.score(f, e)["rougeL"].fmeasure
-                           for e, f, et, ft in zip(res.texts, full.texts, res.tokens, full.tokens)])
+            losses.append(
+                [
+                    0.0 if et == ft else 1.0 - scorer.score(f, e)["rougeL"].fmeasure
+                    for e, f, et, ft in zip(res.texts, full.texts, res.tokens, full.tokens)
+                ]
+            )
     return learn_then_test(thresholds, np.asarray(losses), delta=delta, epsilon=epsilon), layers

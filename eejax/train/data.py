@@ -9,8 +9,9 @@ from eejax.errors import EejaxError
 from eejax.train.exit_training import ExitBatch
 
 
-def continued_sequences(model, prompts: list[list[int]], new_tokens: int, *, batch_size: int = 8,
-                        progress: bool = True) -> list[list[int]]:
+def continued_sequences(
+    model, prompts: list[list[int]], new_tokens: int, *, batch_size: int = 8, progress: bool = True
+) -> list[list[int]]:
     """Each prompt (token ids) followed by `new_tokens` greedy full-depth tokens of the model (fewer
     when it ends at EOS)."""
     from tqdm.auto import tqdm
@@ -23,7 +24,7 @@ def continued_sequences(model, prompts: list[list[int]], new_tokens: int, *, bat
         return [list(p) for p in prompts]
     sequences = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="generating continuations", disable=not progress):
-        chunk = prompts[start:start + batch_size]
+        chunk = prompts[start : start + batch_size]
         res = generate(model, chunk, max_new_tokens=new_tokens, batch_size=batch_size)
         sequences += [list(p) + list(t) for p, t in zip(chunk, res.tokens)]
     return sequences
@@ -39,7 +40,7 @@ def sequence_batches(sequences: list[list[int]], batch_size: int, max_len: int, 
         raise EejaxError("no training sequence has 2 or more tokens")
     batches = []
     for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
+        chunk = rows[start : start + batch_size]
         t = max(map(len, chunk))
         tokens = np.full((len(chunk), t), pad_id, np.int32)
         for i, r in enumerate(chunk):

@@ -25,13 +25,22 @@ def text_windows(token_lists: list[list[int]], window: int, max_windows: int) ->
     pieces = []
     for ids in token_lists:
         starts = range(0, max(len(ids) - window, 0) + 1, window)
-        pieces += [ids[s:s + window] for s in list(starts)[:max_windows]]
+        pieces += [ids[s : s + window] for s in list(starts)[:max_windows]]
     return [p for p in pieces if p]
 
 
-def continue_windows(model, prompts: list[list[int]], new_tokens: int, *, sampled_every: int = 2,
-                     temperature: float = 0.8, top_p: float = 0.95, seed: int = 0, batch_size: int = 16,
-                     progress: bool = True) -> list[list[int]]:
+def continue_windows(
+    model,
+    prompts: list[list[int]],
+    new_tokens: int,
+    *,
+    sampled_every: int = 2,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+    seed: int = 0,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> list[list[int]]:
     """Each prompt followed by `new_tokens` of the model's greedy continuation; every
     `sampled_every`-th prompt (0: none) also once with a sampled one (temperature, top_p)."""
     from tqdm.auto import tqdm
@@ -40,13 +49,21 @@ def continue_windows(model, prompts: list[list[int]], new_tokens: int, *, sample
 
     groups = [(prompts, 0.0)] + ([(prompts[::sampled_every], temperature)] if sampled_every else [])
     sequences = []
-    with tqdm(total=sum(len(g) for g, _ in groups), desc="generating continuations", unit="seq",
-              disable=not progress) as bar:
+    with tqdm(
+        total=sum(len(g) for g, _ in groups), desc="generating continuations", unit="seq", disable=not progress
+    ) as bar:
         for group, temp in groups:
             for start in range(0, len(group), batch_size):
-                chunk = group[start:start + batch_size]
-                res = generate(model, chunk, max_new_tokens=new_tokens, batch_size=batch_size, temperature=temp,
-                               top_p=top_p if temp else 1.0, seed=seed + start)
+                chunk = group[start : start + batch_size]
+                res = generate(
+                    model,
+                    chunk,
+                    max_new_tokens=new_tokens,
+                    batch_size=batch_size,
+                    temperature=temp,
+                    top_p=top_p if temp else 1.0,
+                    seed=seed + start,
+                )
                 sequences += [list(p) + list(o) for p, o in zip(chunk, res.tokens)]
                 bar.update(len(chunk))
     return sequences
@@ -83,8 +100,13 @@ class DistillData:
         lengths = self.lengths[rows]
         t = int(lengths.max())
         weights = (np.arange(t)[None] < lengths[:, None]).astype(np.float32)
-        return DistillBatch(self.tokens[rows, :t], lengths, weights, self.target_ids[rows, :t],
-                            self.target_probs[rows, :t].astype(np.float32))
+        return DistillBatch(
+            self.tokens[rows, :t],
+            lengths,
+            weights,
+            self.target_ids[rows, :t],
+            self.target_probs[rows, :t].astype(np.float32),
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("config", "top_k"))
@@ -94,8 +116,9 @@ def _teacher_top_k(params, tokens, lengths, *, config, top_k):
     return ids, jnp.exp(logp)  # not renormalised: the rest of the mass is the tail's
 
 
-def teacher_targets(model, sequences: list[list[int]], *, top_k: int = 32, batch_size: int = 8,
-                    progress: bool = True) -> DistillData:
+def teacher_targets(
+    model, sequences: list[list[int]], *, top_k: int = 32, batch_size: int = 8, progress: bool = True
+) -> DistillData:
     """The model's own next-token distribution at every position of `sequences`: its `top_k`
     most likely ids and their probabilities, whose sum falls short of 1 by the tail's mass."""
     from tqdm.auto import tqdm
@@ -114,7 +137,8 @@ def teacher_targets(model, sequences: list[list[int]], *, top_k: int = 32, batch
     for start in tqdm(range(0, n, batch_size), desc="teacher targets", unit="batch", disable=not progress):
         rows = np.arange(start, min(start + batch_size, n))
         rows = np.pad(rows, (0, batch_size - len(rows)), mode="edge")  # one program for the last batch too
-        i, p = _teacher_top_k(model.params, jnp.asarray(tokens[rows]), jnp.asarray(lengths[rows]),
-                              config=model.config, top_k=top_k)
+        i, p = _teacher_top_k(
+            model.params, jnp.asarray(tokens[rows]), jnp.asarray(lengths[rows]), config=model.config, top_k=top_k
+        )
         ids[rows], probs[rows] = np.asarray(i), np.asarray(p).astype(np.float16)
     return DistillData(tokens, lengths, ids, probs)

@@ -61,17 +61,25 @@ def window_summary_prompts(tokenizer, texts: list[str], windows=SUMMARY_WINDOWS)
     has more than offset + 64 tokens."""
     suffix = tokenizer(SUMMARY_SUFFIX)["input_ids"]
     ids = [tokenizer(t)["input_ids"] for t in texts]
-    return [x[o:o + n] + suffix for x in ids for o, n in windows if len(x) > o + 64]
+    return [x[o : o + n] + suffix for x in ids for o, n in windows if len(x) > o + 64]
 
 
 def text_prompts(tokenizer, texts: list[str], offsets=TEXT_WINDOWS, length: int = 256) -> list[list[int]]:
     """Windows of `length` tokens of each text at `offsets`, where it has more than offset + 64."""
     ids = [tokenizer(t)["input_ids"] for t in texts]
-    return [x[o:o + length] for x in ids for o in offsets if len(x) > o + 64]
+    return [x[o : o + length] for x in ids for o in offsets if len(x) > o + 64]
 
 
-def sampled_continuations(model, prompts: list[list[int]], path: str | Path, *, new_tokens: int = 96,
-                          temperature: float = 0.7, seed: int = 1, batch_size: int = 32) -> list[list[int]]:
+def sampled_continuations(
+    model,
+    prompts: list[list[int]],
+    path: str | Path,
+    *,
+    new_tokens: int = 96,
+    temperature: float = 0.7,
+    seed: int = 1,
+    batch_size: int = 32,
+) -> list[list[int]]:
     """Each prompt followed by a sampled continuation (one `generate` call: row i draws with
     (seed, i)), saved as JSON in `path` (read back on a rerun with the same prompts)."""
     from eejax.engine.generate import generate
@@ -81,15 +89,21 @@ def sampled_continuations(model, prompts: list[list[int]], path: str | Path, *, 
         saved = json.loads(path.read_text())
         if saved.get("prompts") == prompts and saved.get("new_tokens") == new_tokens:
             return saved["sequences"]
-    res = generate(model, prompts, max_new_tokens=new_tokens, temperature=temperature, seed=seed,
-                   batch_size=batch_size)
+    res = generate(model, prompts, max_new_tokens=new_tokens, temperature=temperature, seed=seed, batch_size=batch_size)
     sequences = [list(p) + list(t) for p, t in zip(prompts, res.tokens)]
     _save(path, prompts, new_tokens, sequences)
     return sequences
 
 
-def continuations(model, prompts: list[list[int]], path: str | Path, *, new_tokens: int = 96,
-                  batch_size: int = 32, progress: bool = True) -> list[list[int]]:
+def continuations(
+    model,
+    prompts: list[list[int]],
+    path: str | Path,
+    *,
+    new_tokens: int = 96,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> list[list[int]]:
     """Each prompt followed by the model's greedy continuation, saved as JSON in `path` (read back
     on a rerun with the same prompts)."""
     from eejax.train.data import continued_sequences

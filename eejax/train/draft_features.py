@@ -39,7 +39,7 @@ def windows(sequences: list[list[int]], length: int) -> list[list[int]]:
     out = []
     for seq in sequences:
         for start in range(0, len(seq), length):
-            piece = list(seq[start:start + length])
+            piece = list(seq[start : start + length])
             if len(piece) >= 16 or (start == 0 and len(piece) >= 2):
                 out.append(piece)
     return out
@@ -58,8 +58,17 @@ def _features_program(config):
     return jax.jit(run)
 
 
-def build_feature_cache(model, sequences: list[list[int]], out_dir: str | Path, *, window: int = 512,
-                        batch_size: int = 4, shard_rows: int = 32, source: str = "", progress: bool = True) -> Path:
+def build_feature_cache(
+    model,
+    sequences: list[list[int]],
+    out_dir: str | Path,
+    *,
+    window: int = 512,
+    batch_size: int = 4,
+    shard_rows: int = 32,
+    source: str = "",
+    progress: bool = True,
+) -> Path:
     """Writes (or completes) the feature cache of `sequences` (token ids) in `out_dir`. Returns it."""
     from tqdm.auto import tqdm
 
@@ -71,9 +80,16 @@ def build_feature_cache(model, sequences: list[list[int]], out_dir: str | Path, 
         raise EejaxError("no training text: every sequence is shorter than 2 tokens")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"window": window, "rows": len(rows), "shard_rows": shard_rows, "top_k": TOP_K,
-            "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size,
-            "tokens": int(sum(map(len, rows))), "source": source}
+    meta = {
+        "window": window,
+        "rows": len(rows),
+        "shard_rows": shard_rows,
+        "top_k": TOP_K,
+        "hidden_size": model.config.hidden_size,
+        "vocab_size": model.config.vocab_size,
+        "tokens": int(sum(map(len, rows))),
+        "source": source,
+    }
     meta_path = out / "meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
@@ -85,19 +101,26 @@ def build_feature_cache(model, sequences: list[list[int]], out_dir: str | Path, 
     shards = range(0, len(rows), shard_rows)
     todo = [s for s in shards if not (out / f"shard_{s // shard_rows:05d}.npz").exists()]
     bar = tqdm(total=meta["tokens"], unit="tok", desc="features", disable=not progress)
-    bar.update(sum(len(r) for s in shards if s not in todo for r in rows[s:s + shard_rows]))
+    bar.update(sum(len(r) for s in shards if s not in todo for r in rows[s : s + shard_rows]))
     for start in todo:
-        chunk = rows[start:start + shard_rows]
+        chunk = rows[start : start + shard_rows]
         parts = []
         for b in range(0, len(chunk), batch_size):
-            batch = chunk[b:b + batch_size]
+            batch = chunk[b : b + batch_size]
             tokens = np.zeros((batch_size, window), np.int32)
             lengths = np.zeros((batch_size,), np.int32)
             for i, r in enumerate(batch):
-                tokens[i, :len(r)], lengths[i] = r, len(r)
+                tokens[i, : len(r)], lengths[i] = r, len(r)
             feats, ids, probs = jax.device_get(program(model.params, tokens, lengths))
-            parts.append((tokens[:len(batch)], lengths[:len(batch)], feats[:len(batch)], ids[:len(batch)],
-                          probs[:len(batch)]))
+            parts.append(
+                (
+                    tokens[: len(batch)],
+                    lengths[: len(batch)],
+                    feats[: len(batch)],
+                    ids[: len(batch)],
+                    probs[: len(batch)],
+                )
+            )
             bar.update(int(lengths.sum()))
         tokens, lengths, feats, ids, probs = (np.concatenate(x) for x in zip(*parts))
         path = out / f"shard_{start // shard_rows:05d}.npz"

@@ -1,12 +1,12 @@
 """A whole draft-head training run (what `eejax train-draft` does), resumable in one directory:
 
-    OUTPUT/run.json              the settings and data it was started with (a rerun must match)
-    OUTPUT/continuations.json    the model's greedy continuations of summary prompts of the texts
-    OUTPUT/features/             the feature cache (`draft_features`)
-    OUTPUT/checkpoints/          orbax checkpoints of the training (`draft_training`)
-    OUTPUT/draft.safetensors     the shipped delta: the draft head, the reduced head's token ids,
-                                 and a probe's logits to check it against at load (`eejax.loading.deltas.apply_draft`)
-    OUTPUT/model/                the eejax checkpoint of the model with its draft head
+OUTPUT/run.json              the settings and data it was started with (a rerun must match)
+OUTPUT/continuations.json    the model's greedy continuations of summary prompts of the texts
+OUTPUT/features/             the feature cache (`draft_features`)
+OUTPUT/checkpoints/          orbax checkpoints of the training (`draft_training`)
+OUTPUT/draft.safetensors     the shipped delta: the draft head, the reduced head's token ids,
+                             and a probe's logits to check it against at load (`eejax.loading.deltas.apply_draft`)
+OUTPUT/model/                the eejax checkpoint of the model with its draft head
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ class DraftRunSettings:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
-def training_data(model, texts: list[str], other_texts: list[str], out: Path, settings: DraftRunSettings,
-                  progress: bool = True) -> dict:
+def training_data(
+    model, texts: list[str], other_texts: list[str], out: Path, settings: DraftRunSettings, progress: bool = True
+) -> dict:
     """The feature cache of the model's continuations (`draft_corpus`: greedy ones of summary
     prompts of `texts` and of windows of `other_texts`, sampled ones of the summary prompts), then
     the `texts` and `other_texts` themselves. Built once in `out`, then loaded."""
@@ -64,20 +65,27 @@ def training_data(model, texts: list[str], other_texts: list[str], out: Path, se
         parts.append(f"{len(summary)} summary prompts")
         if settings.window_prompts:
             later = dc.window_summary_prompts(tok, texts)
-            generated += dc.continuations(model, later, out / "continuations_windows.json", new_tokens=n,
-                                          progress=progress)
+            generated += dc.continuations(
+                model, later, out / "continuations_windows.json", new_tokens=n, progress=progress
+            )
             windows = dc.text_prompts(tok, other_texts)
-            generated += dc.continuations(model, windows, out / "continuations_texts.json", new_tokens=n,
-                                          progress=progress)
+            generated += dc.continuations(
+                model, windows, out / "continuations_texts.json", new_tokens=n, progress=progress
+            )
             parts.append(f"{len(later)} later-window summary prompts, {len(windows)} document windows")
         if settings.sampled_copies:
             first = dc.summary_prompts(tok, texts, (256,)) * settings.sampled_copies
             generated += dc.sampled_continuations(model, first, out / "continuations_sampled.json", new_tokens=n)
             parts.append(f"{len(first)} sampled (T=0.7)")
     human = [tok(t)["input_ids"] for t in texts + other_texts]
-    cache = build_feature_cache(model, generated + human, out / "features", window=settings.window,
-                                source=f"continuations ({n} tokens) of {', '.join(parts) or 'none'}; "
-                                f"{len(texts)} + {len(other_texts)} texts", progress=progress)
+    cache = build_feature_cache(
+        model,
+        generated + human,
+        out / "features",
+        window=settings.window,
+        source=f"continuations ({n} tokens) of {', '.join(parts) or 'none'}; {len(texts)} + {len(other_texts)} texts",
+        progress=progress,
+    )
     return load_feature_cache(cache)
 
 

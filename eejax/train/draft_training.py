@@ -44,8 +44,7 @@ def _reduced_index(params, vocab_size: int):
     return e["vocab_head"], jnp.asarray(index)
 
 
-def draft_losses(draft, params, batch, key, *, config, noise: float, feature_weight: float, unroll: int,
-                 index):
+def draft_losses(draft, params, batch, key, *, config, noise: float, feature_weight: float, unroll: int, index):
     """Loss and per-pass top-1 agreement of the draft on a batch of windows (see the module
     docstring). batch: tokens [B, T], lengths [B], features [B, T, D], top_ids/top_probs [B, T, K]."""
     tokens, lengths = batch["tokens"], batch["lengths"]
@@ -79,8 +78,8 @@ def draft_losses(draft, params, batch, key, *, config, noise: float, feature_wei
 @functools.partial(jax.jit, static_argnames=("config", "optimizer", "noise", "feature_weight", "unroll"))
 def train_step(draft, opt_state, params, batch, key, index, *, config, optimizer, noise, feature_weight, unroll):
     (loss, agree), grads = jax.value_and_grad(draft_losses, has_aux=True)(
-        draft, params, batch, key, config=config, noise=noise, feature_weight=feature_weight, unroll=unroll,
-        index=index)
+        draft, params, batch, key, config=config, noise=noise, feature_weight=feature_weight, unroll=unroll, index=index
+    )
     updates, opt_state = optimizer.update(grads, opt_state, draft)
     return optax.apply_updates(draft, updates), opt_state, loss, agree
 
@@ -98,10 +97,23 @@ def _batch(data: dict, by_length: np.ndarray, batch_size: int, rng: np.random.Ge
     return {k: data[k][rows][:, :width] if data[k].ndim > 1 else data[k][rows] for k in data}
 
 
-def train_draft(model, data: dict, *, steps: int, batch_size: int = 8, learning_rate: float = 1e-3,
-                noise: float = 0.1, feature_weight: float = 0.1, unroll: int = 2, seed: int = 0,
-                hours: float | None = None, checkpoint_dir: str | Path | None = None, save_every: int = 100,
-                progress: bool = True, on_step=None):
+def train_draft(
+    model,
+    data: dict,
+    *,
+    steps: int,
+    batch_size: int = 8,
+    learning_rate: float = 1e-3,
+    noise: float = 0.1,
+    feature_weight: float = 0.1,
+    unroll: int = 2,
+    seed: int = 0,
+    hours: float | None = None,
+    checkpoint_dir: str | Path | None = None,
+    save_every: int = 100,
+    progress: bool = True,
+    on_step=None,
+):
     """Trains `model.params["draft"]` (initialised by `draft_head.init_draft` when absent) on a
     loaded feature cache `data` for `steps` steps (adamw, warmup then cosine decay), or until
     `hours` have passed. Returns (the draft params, losses [steps run], agreement [steps run,
@@ -111,13 +123,17 @@ def train_draft(model, data: dict, *, steps: int, batch_size: int = 8, learning_
     config = model.config
     draft_head.check_model(config)
     if steps < 1 or batch_size < 1 or save_every < 1 or unroll not in (1, 2, 3):
-        raise EejaxError(f"steps, batch_size and save_every must be >= 1 and unroll 1 to 3, got {steps}, "
-                         f"{batch_size}, {save_every} and {unroll}")
+        raise EejaxError(
+            f"steps, batch_size and save_every must be >= 1 and unroll 1 to 3, got {steps}, "
+            f"{batch_size}, {save_every} and {unroll}"
+        )
     if learning_rate <= 0 or noise < 0 or feature_weight < 0 or (hours is not None and hours <= 0):
         raise EejaxError("learning_rate and hours must be > 0, noise and feature_weight >= 0")
     if data["features"].shape[-1] != config.hidden_size:
-        raise EejaxError(f"the feature cache has features of width {data['features'].shape[-1]}, the model "
-                         f"{config.hidden_size}: it was built for another model")
+        raise EejaxError(
+            f"the feature cache has features of width {data['features'].shape[-1]}, the model "
+            f"{config.hidden_size}: it was built for another model"
+        )
     params = {k: v for k, v in model.params.items() if k != "draft"}
     draft = model.params.get("draft") or draft_head.init_draft(config, jax.random.PRNGKey(seed))
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(100, steps // 10 + 1), steps)
@@ -136,8 +152,18 @@ def train_draft(model, data: dict, *, steps: int, batch_size: int = 8, learning_
             rng = np.random.default_rng([seed, step])
             batch = _batch(data, by_length, batch_size, rng)
             draft, opt_state, loss, agree = train_step(
-                draft, opt_state, params, batch, jax.random.PRNGKey(rng.integers(2**31)), index, config=config,
-                optimizer=optimizer, noise=float(noise), feature_weight=float(feature_weight), unroll=int(unroll))
+                draft,
+                opt_state,
+                params,
+                batch,
+                jax.random.PRNGKey(rng.integers(2**31)),
+                index,
+                config=config,
+                optimizer=optimizer,
+                noise=float(noise),
+                feature_weight=float(feature_weight),
+                unroll=int(unroll),
+            )
             log["losses"].append(float(loss))
             log["agree"].append([float(a) for a in agree])
             done = step + 1

@@ -54,8 +54,7 @@ def check_exit_layers(exit_layers, num_layers: int) -> np.ndarray:
     return e.astype(np.int32)
 
 
-def distillation_loss(exit_params, params, states, valid, exit_layers, weights, config, labels=None,
-                      ce_weight=0.0):
+def distillation_loss(exit_params, params, states, valid, exit_layers, weights, config, labels=None, ce_weight=0.0):
     """sum_k w_k [KL(p_L || q_k) + ce_weight * CE(q_k, labels)], each a mean over valid tokens
     [B, T]; q_k is the exit after exit_layers[k] layers; states [L, B, T, D] (constants);
     labels [B, T] next tokens (-1 where there is none)."""
@@ -111,13 +110,15 @@ def sampled_states(params, batch: ExitBatch, config):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer"))
-def train_step(exit_params, opt_state, params, batch: ExitBatch, exit_layers, weights, ce_weight=0.0, *, config,
-               optimizer):
+def train_step(
+    exit_params, opt_state, params, batch: ExitBatch, exit_layers, weights, ce_weight=0.0, *, config, optimizer
+):
     """One optax step on the exit adapters of `exit_layers` [K] weighted by `weights` [K].
     Returns (exit_params, opt_state, loss)."""
     states, labels = sampled_states(params, batch, config)
-    loss, grads = jax.value_and_grad(distillation_loss)(exit_params, params, states, batch.mask, exit_layers,
-                                                        weights, config, labels, ce_weight)
+    loss, grads = jax.value_and_grad(distillation_loss)(
+        exit_params, params, states, batch.mask, exit_layers, weights, config, labels, ce_weight
+    )
     updates, opt_state = optimizer.update(grads, opt_state, exit_params)
     return optax.apply_updates(exit_params, updates), opt_state, loss
 
@@ -129,8 +130,7 @@ def exit_agreement(model, batches, start: int = 0) -> np.ndarray:
     agree = np.zeros((config.num_layers - 1,), np.int64)
     total = 0
     for tokens, lengths in batches:
-        agree += np.asarray(_agreement_counts(model.params, jnp.asarray(tokens), jnp.asarray(lengths), start,
-                                              config))
+        agree += np.asarray(_agreement_counts(model.params, jnp.asarray(tokens), jnp.asarray(lengths), start, config))
         total += int(np.sum(np.maximum(np.asarray(lengths) - start, 0)))
     return agree / max(total, 1)
 

@@ -17,8 +17,15 @@ from eejax.models import exits
 CORPORA = ("continuations", "prompts", "both")
 
 
-def count_tokens(model, prompts: list[list[int]], *, corpus: str = "continuations", new_tokens: int = 64,
-                 batch_size: int = 8, progress: bool = True) -> np.ndarray:
+def count_tokens(
+    model,
+    prompts: list[list[int]],
+    *,
+    corpus: str = "continuations",
+    new_tokens: int = 64,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> np.ndarray:
     """Token counts [V] over `corpus`: the model's greedy `new_tokens` continuations of the
     prompts (token ids), the prompts themselves, or both."""
     from eejax.train.data import continued_sequences
@@ -31,7 +38,7 @@ def count_tokens(model, prompts: list[list[int]], *, corpus: str = "continuation
             raise EejaxError(f"counting continuations needs new_tokens >= 1, got {new_tokens}")
         sequences = continued_sequences(model, prompts, new_tokens, batch_size=batch_size, progress=progress)
         for p, s in zip(prompts, sequences):
-            np.add.at(counts, np.asarray(s[len(p):], np.int64), 1)
+            np.add.at(counts, np.asarray(s[len(p) :], np.int64), 1)
     if corpus != "continuations":
         for p in prompts:
             np.add.at(counts, np.asarray(p, np.int64), 1)

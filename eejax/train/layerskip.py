@@ -163,8 +163,11 @@ def distill_loss(logits, batch: DistillBatch):
 def at_positions(batch: DistillBatch, positions) -> DistillBatch:
     """The batch's targets at positions [B, P] of each row (tokens and lengths unchanged)."""
     rows = jnp.arange(positions.shape[0])[:, None]
-    return batch._replace(weights=batch.weights[rows, positions], target_ids=batch.target_ids[rows, positions],
-                          target_probs=batch.target_probs[rows, positions])
+    return batch._replace(
+        weights=batch.weights[rows, positions],
+        target_ids=batch.target_ids[rows, positions],
+        target_probs=batch.target_probs[rows, positions],
+    )
 
 
 def layerskip_loss(trainable, frozen, batch: DistillBatch, skip, exit_index, exit_scale, config, exit_positions=None):
@@ -182,8 +185,10 @@ def layerskip_loss(trainable, frozen, batch: DistillBatch, skip, exit_index, exi
     early = states[exit_index[:-1]]
     targets = batch
     if exit_positions is not None:
-        early, targets = early[:, jnp.arange(early.shape[1])[:, None], exit_positions], at_positions(batch,
-                                                                                                     exit_positions)
+        early, targets = (
+            early[:, jnp.arange(early.shape[1])[:, None], exit_positions],
+            at_positions(batch, exit_positions),
+        )
 
     def body(heads, state):  # one early head's logits alive at a time, forward and backward
         return heads + 1, jax.checkpoint(head_loss)(state, targets)
@@ -194,8 +199,19 @@ def layerskip_loss(trainable, frozen, batch: DistillBatch, skip, exit_index, exi
 
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer"), donate_argnums=(0, 1))
-def layerskip_train_step(trainable, opt_state, frozen, batch: DistillBatch, skip, exit_index, exit_scale,
-                         exit_positions=None, *, config, optimizer):
+def layerskip_train_step(
+    trainable,
+    opt_state,
+    frozen,
+    batch: DistillBatch,
+    skip,
+    exit_index,
+    exit_scale,
+    exit_positions=None,
+    *,
+    config,
+    optimizer,
+):
     """One optax step on `trainable` (LoRA factors or whole params, see `merged_params`) with
     layers `skip` [L] dropped and heads at `exit_index` [n] (ending with the last layer)
     weighted `exit_scale` [n] (`enabled_exits` of the step's `exit_loss_scales`); see
@@ -203,6 +219,7 @@ def layerskip_train_step(trainable, opt_state, frozen, batch: DistillBatch, skip
     `trainable` and {"layers": {}} as `frozen`. Returns (trainable, opt_state, loss, (per-exit
     losses, layers computed, heads evaluated))."""
     (loss, aux), grads = jax.value_and_grad(layerskip_loss, has_aux=True)(
-        trainable, frozen, batch, skip, exit_index, exit_scale, config, exit_positions)
+        trainable, frozen, batch, skip, exit_index, exit_scale, config, exit_positions
+    )
     updates, opt_state = optimizer.update(grads, opt_state, trainable)
     return optax.apply_updates(trainable, updates), opt_state, loss, aux

@@ -60,8 +60,9 @@ class RunSettings:
 def optimizer_for(settings: RunSettings):
     """adam with a linear warm-up over the first 5% of the steps, then cosine decay to 10%."""
     warmup = max(1, settings.steps // 20)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, settings.learning_rate, warmup, settings.steps,
-                                                  end_value=settings.learning_rate / 10)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, settings.learning_rate, warmup, settings.steps, end_value=settings.learning_rate / 10
+    )
     return optax.adam(schedule)
 
 
@@ -82,7 +83,7 @@ def step_rows(settings: RunSettings, num_rows: int, step: int) -> np.ndarray:
     per_epoch = max(num_rows // settings.batch_size, 1)
     epoch, i = divmod(step, per_epoch)
     order = np.random.default_rng([settings.seed, epoch]).permutation(num_rows)
-    rows = order[i * settings.batch_size:(i + 1) * settings.batch_size]
+    rows = order[i * settings.batch_size : (i + 1) * settings.batch_size]
     return np.resize(rows, settings.batch_size)  # fewer rows than a batch: repeat them
 
 
@@ -108,8 +109,17 @@ def _manager(checkpoint_dir: Path):
     return ocp.CheckpointManager(checkpoint_dir.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2))
 
 
-def train_layerskip(model, data: DistillData, settings: RunSettings, checkpoint_dir: str | Path, *,
-                    hours: float | None = None, save_every: int = 25, progress: bool = True, on_step=None):
+def train_layerskip(
+    model,
+    data: DistillData,
+    settings: RunSettings,
+    checkpoint_dir: str | Path,
+    *,
+    hours: float | None = None,
+    save_every: int = 25,
+    progress: bool = True,
+    on_step=None,
+):
     """Runs the steps from the latest checkpoint in `checkpoint_dir` (or from the start) until
     `settings.steps` are done or `hours` have passed, saving every `save_every` steps and at the
     end. `on_step(step, loss)` is called after each step. Returns (trainable, log, done): log
@@ -130,21 +140,32 @@ def train_layerskip(model, data: DistillData, settings: RunSettings, checkpoint_
     manager = _manager(Path(checkpoint_dir))
     latest = manager.latest_step()
     if latest is not None:
-        restored = manager.restore(latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(state),
-                                                                   log=ocp.args.JsonRestore()))
+        restored = manager.restore(
+            latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(state), log=ocp.args.JsonRestore())
+        )
         state, log = restored.state, {k: list(v) for k, v in restored.log.items()}
     start = int(state["step"])
     trainable, opt_state = state["trainable"], state["opt"]
     deadline = None if hours is None else time.monotonic() + hours * 3600
-    bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, desc="LayerSkip training",
-               unit="step", disable=not progress)
+    bar = tqdm(
+        range(start, settings.steps),
+        initial=start,
+        total=settings.steps,
+        desc="LayerSkip training",
+        unit="step",
+        disable=not progress,
+    )
 
     def save(done):
         # A copy of the log: orbax saves in the background while the next steps append to it (a
         # resumed run then re-ran steps its restored log already had).
-        manager.save(done, args=ocp.args.Composite(
-            state=ocp.args.StandardSave({"trainable": trainable, "opt": opt_state, "step": jnp.int32(done)}),
-            log=ocp.args.JsonSave({k: list(v) for k, v in log.items()})))
+        manager.save(
+            done,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"trainable": trainable, "opt": opt_state, "step": jnp.int32(done)}),
+                log=ocp.args.JsonSave({k: list(v) for k, v in log.items()}),
+            ),
+        )
 
     done = start
     try:
@@ -152,13 +173,23 @@ def train_layerskip(model, data: DistillData, settings: RunSettings, checkpoint_
             t0 = time.perf_counter()
             batch, skip, index, scale, positions = step_inputs(settings, data, step, config.num_layers)
             trainable, opt_state, loss, (losses, layers_run, heads) = layerskip_train_step(
-                trainable, opt_state, frozen, jax.tree.map(jnp.asarray, batch), jnp.asarray(skip), jnp.asarray(index),
-                jnp.asarray(scale), None if positions is None else jnp.asarray(positions), config=config,
-                optimizer=optimizer)
+                trainable,
+                opt_state,
+                frozen,
+                jax.tree.map(jnp.asarray, batch),
+                jnp.asarray(skip),
+                jnp.asarray(index),
+                jnp.asarray(scale),
+                None if positions is None else jnp.asarray(positions),
+                config=config,
+                optimizer=optimizer,
+            )
             loss = float(loss)
             if not np.isfinite(loss):
-                raise EejaxError(f"the loss became {loss} at step {step}; lower the learning rate "
-                                 f"(the last checkpoint, before this step, is kept)")
+                raise EejaxError(
+                    f"the loss became {loss} at step {step}; lower the learning rate "
+                    f"(the last checkpoint, before this step, is kept)"
+                )
             log["loss"].append(loss)
             log["exit_losses"].append([[int(i), float(x)] for i, x in zip(index, np.asarray(losses))])
             log["layers_run"].append(int(layers_run))
@@ -195,15 +226,25 @@ def trained_model(model, trainable: dict, settings: RunSettings, data: DistillDa
         exits["exit_layers"] = jnp.asarray(settings.layerskip.exit_layers, jnp.int32)
     params = {**params, "exits": exits} if exits else params
     if exit_vocab_size:
-        counts = np.bincount(data.tokens[np.arange(data.tokens.shape[1])[None] < data.lengths[:, None]],
-                             minlength=model.config.vocab_size)
+        counts = np.bincount(
+            data.tokens[np.arange(data.tokens.shape[1])[None] < data.lengths[:, None]],
+            minlength=model.config.vocab_size,
+        )
         ids = most_frequent(counts, exit_vocab_size, always=model.eos_token_ids)
         params = set_exit_vocab(params, ids, model.config.tie_embeddings)
     return model.with_params(params)
 
 
-def export_run(model, trainable: dict, settings: RunSettings, data: DistillData, run_dir: str | Path, *,
-               base_name: str, exit_vocab_size: int = 8192) -> Path:
+def export_run(
+    model,
+    trainable: dict,
+    settings: RunSettings,
+    data: DistillData,
+    run_dir: str | Path,
+    *,
+    base_name: str,
+    exit_vocab_size: int = 8192,
+) -> Path:
     """Writes `run_dir/model` (the trained eejax checkpoint) and, for LoRA, `run_dir/delta.safetensors`:
     the factors, the exit vocabulary and metadata (base model, settings, the probe's 64 largest
     logits and their ids)."""
@@ -216,8 +257,12 @@ def export_run(model, trainable: dict, settings: RunSettings, data: DistillData,
     save(trained, run_dir / "model", overwrite=True, metadata={"layerskip": meta})
     if settings.lora_rank:
         extra = {"exit_vocab_ids": np.asarray(trained.params["exits"]["vocab_ids"])} if exit_vocab_size else {}
-        save_delta(run_dir / "delta.safetensors", {k: np.asarray(v) for k, v in trainable["layers"].items()}, extra,
-                   {**meta, **probe_record(*probe_logits(trained), top=64)})
+        save_delta(
+            run_dir / "delta.safetensors",
+            {k: np.asarray(v) for k, v in trainable["layers"].items()},
+            extra,
+            {**meta, **probe_record(*probe_logits(trained), top=64)},
+        )
     return run_dir / "model"
 
 
@@ -246,6 +291,7 @@ def load_run(run_dir: str | Path):
     finally:
         manager.close()
     data = DistillData.load(run_dir / "data.npz")
-    trained = trained_model(model, restored.state["trainable"], settings, data,
-                            exit_vocab_size=run.get("exit_vocab_size", 8192))
+    trained = trained_model(
+        model, restored.state["trainable"], settings, data, exit_vocab_size=run.get("exit_vocab_size", 8192)
+    )
     return trained, step

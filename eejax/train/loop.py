@@ -24,10 +24,22 @@ def check_trainable(config) -> None:
         raise UnsupportedModelError(f"exit training runs on decoder-only Llama models, not {config.architecture}")
 
 
-def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e-3, weights: str = "calm",
-                        exit_layers=None, ce_weight: float = 0.0, positions_per_row: int | None = None,
-                        seed: int = 0, checkpoint_dir: str | Path | None = None, save_every: int = 50,
-                        progress: bool = True, on_step=None):
+def train_exit_adapters(
+    model,
+    batches,
+    *,
+    steps: int,
+    learning_rate: float = 1e-3,
+    weights: str = "calm",
+    exit_layers=None,
+    ce_weight: float = 0.0,
+    positions_per_row: int | None = None,
+    seed: int = 0,
+    checkpoint_dir: str | Path | None = None,
+    save_every: int = 50,
+    progress: bool = True,
+    on_step=None,
+):
     """Trains the adapters in `model.params["exits"]` by self-distillation for `steps` optax
     steps (adam, learning rate decayed to 0 on a cosine); step i uses batches[i % len(batches)]
     (tokens [B, T], lengths [B]) and trains the exits after `exit_layers` layers (default all
@@ -43,7 +55,9 @@ def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e
     config = model.config
     check_trainable(config)
     if not has_adapters(model.params.get("exits")):
-        raise EejaxError("the model has no exit adapters to train; add them with eejax.init_exits(model, adapter_rank=R)")
+        raise EejaxError(
+            "the model has no exit adapters to train; add them with eejax.init_exits(model, adapter_rank=R)"
+        )
     if steps < 1 or save_every < 1:
         raise EejaxError(f"steps and save_every must be >= 1, got {steps} and {save_every}")
     if not batches:
@@ -69,14 +83,27 @@ def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e
         for step in bar:
             tokens, lengths = batches[step % len(batches)]
             batch = exit_batch(tokens, lengths, positions_per_row, np.random.default_rng([seed, step]))
-            exit_params, opt_state, loss = train_step(exit_params, opt_state, model.params, batch, trained, w,
-                                                      jnp.float32(ce_weight), config=config, optimizer=optimizer)
+            exit_params, opt_state, loss = train_step(
+                exit_params,
+                opt_state,
+                model.params,
+                batch,
+                trained,
+                w,
+                jnp.float32(ce_weight),
+                config=config,
+                optimizer=optimizer,
+            )
             losses[step] = float(loss)
             bar.set_postfix(loss=f"{losses[step]:.4f}")
             done = step + 1
             if manager is not None and (done % save_every == 0 or done == steps):
-                runs.save(manager, done, {"exits": exit_params, "opt": opt_state, "step": jnp.int32(done)},
-                          {"losses": losses[:done].tolist()})
+                runs.save(
+                    manager,
+                    done,
+                    {"exits": exit_params, "opt": opt_state, "step": jnp.int32(done)},
+                    {"losses": losses[:done].tolist()},
+                )
             if on_step is not None:
                 on_step(step, losses[step])
     finally:
@@ -89,8 +116,18 @@ def train_exit_adapters(model, batches, *, steps: int, learning_rate: float = 1e
     return kept, losses, start
 
 
-def fit_exit_adapters(model, prompts, *, adapter_rank: int = 128, continuation_tokens: int = 64, max_len: int = 512,
-                      batch_size: int = 4, steps: int = 200, progress: bool = True, **train_options):
+def fit_exit_adapters(
+    model,
+    prompts,
+    *,
+    adapter_rank: int = 128,
+    continuation_tokens: int = 64,
+    max_len: int = 512,
+    batch_size: int = 4,
+    steps: int = 200,
+    progress: bool = True,
+    **train_options,
+):
     """Makes `model` exit-capable: adds identity exit adapters of rank `adapter_rank` (unless it
     has adapters, which then train further), builds the data (each prompt followed by
     `continuation_tokens` greedy tokens of the model itself, at most `max_len` tokens, in batches
@@ -112,8 +149,9 @@ def fit_exit_adapters(model, prompts, *, adapter_rank: int = 128, continuation_t
     if not has_adapters(exits):
         adapters = init_exits(model, adapter_rank=adapter_rank, classifier=False).params["exits"]
         model = model.with_params({**model.params, "exits": {**exits, **adapters}})
-    sequences = continued_sequences(model, [p[: max_len - continuation_tokens] for p in ids],
-                                    continuation_tokens, progress=progress)
+    sequences = continued_sequences(
+        model, [p[: max_len - continuation_tokens] for p in ids], continuation_tokens, progress=progress
+    )
     batches = sequence_batches(sequences, batch_size, max_len)
     trained, losses, _ = train_exit_adapters(model, batches, steps=steps, progress=progress, **train_options)
     return model.with_params({**model.params, "exits": trained}), losses

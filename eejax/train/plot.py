@@ -39,7 +39,7 @@ def save_loss_plot(losses, path: str | Path, title: str = "exit training loss") 
     smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     ax.plot(steps, losses, lw=0.8, alpha=0.5, label="loss")
-    ax.plot(steps[window - 1:], smooth, lw=1.8, label=f"mean of {window} steps")
+    ax.plot(steps[window - 1 :], smooth, lw=1.8, label=f"mean of {window} steps")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)
@@ -61,7 +61,7 @@ def save_layerskip_plot(log: dict, path: str | Path, num_layers: int) -> Path:
         window = min(20, len(kls))
         smooth = np.convolve(kls, np.ones(window) / window, mode="valid")
         label = "last layer" if layer == num_layers - 1 else f"exit after {layer + 1} layers"
-        ax.plot(steps[window - 1:], smooth, lw=1.6, label=label)
+        ax.plot(steps[window - 1 :], smooth, lw=1.6, label=label)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("KL to the original model (nats)")
@@ -87,8 +87,12 @@ def save_draft_plot(losses, agreement, path: str | Path) -> Path:
     left.set_ylabel("loss")
     left.set_title("draft head: loss")
     for k in range(agreement.shape[1]):
-        right.plot(steps, smooth(agreement[:, k]), lw=1.6,
-                   label="on the model's features" if k == 0 else f"pass {k + 1}: on its own predictions")
+        right.plot(
+            steps,
+            smooth(agreement[:, k]),
+            lw=1.6,
+            label="on the model's features" if k == 0 else f"pass {k + 1}: on its own predictions",
+        )
     right.set_xlabel("step")
     right.set_ylabel("top-1 agreement")
     right.set_title("draft head: next-token agreement")

@@ -12,11 +12,14 @@ def resume(checkpoint_dir: str | Path | None, state: dict, log: dict):
 
     if checkpoint_dir is None:
         return None, state, log
-    manager = ocp.CheckpointManager(Path(checkpoint_dir).absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    manager = ocp.CheckpointManager(
+        Path(checkpoint_dir).absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=2)
+    )
     latest = manager.latest_step()
     if latest is not None:
-        restored = manager.restore(latest, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(state), log=ocp.args.JsonRestore()))
+        restored = manager.restore(
+            latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(state), log=ocp.args.JsonRestore())
+        )
         state, log = restored.state, dict(restored.log)
     return manager, state, log
 
