@@ -175,9 +175,8 @@ def cpu_share(args) -> int:
                 flush=True,
             )
         rows.append(result)
-    print(
-        f"wrote {write_result('kernels_cpu_share', {'prompt_tokens': args.prompt_tokens, 'new_tokens': args.new_tokens, 'rows': rows})}"
-    )
+    record = {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rows": rows}
+    print(f"wrote {write_result('kernels_cpu_share', record)}")
     return 0
 
 

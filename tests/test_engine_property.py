@@ -76,8 +76,8 @@ def _forget_the_model_after_this_module():
 
 # A request: prompt, limit, and one decoding mode: self-speculation from E = 2 (every draft
 # accepted) with d from 1 to 8 or from E = 1 (some rejected), a static exit (batch-independent),
-# or sampling with the request's own seed. (Every (E, d) and block-table width compiles its own programs: the space is kept
-# small enough for the suite.)
+# or sampling with the request's own seed. (Every (E, d) and block-table width compiles its own
+# programs: the space is kept small enough for the suite.)
 MODES = st.one_of(
     st.just(("plain", None)),
     st.tuples(st.just("spec"), st.one_of(st.integers(1, 8).map("2:{}".format), st.just("1:3"))),

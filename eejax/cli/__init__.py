@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eejax.cli import convert, draft, exits, generate, serve, train
+from eejax.cli import convert, draft, exits, generate, layerskip, serve, train
 from eejax.cli.args import run_guarded
 from eejax.cli.parsing import OneLineErrorParser
 
@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `eejax COMMAND --help` for a command's options.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineErrorParser)
-    for module in (convert, generate, exits, train, draft, serve):  # in the order `eejax --help` lists them
+    for module in (convert, generate, exits, train, layerskip, draft, serve):  # in the order `eejax --help` lists them
         module.add_parsers(sub)
     return parser
 

@@ -182,7 +182,8 @@ class Admission:
         """Compiles ahead of the first requests the programs they will need with the engine's
         own options: prefill for every batch bucket up to the slots x every prompt bucket up to
         `max_prompt_len` (default: the context), decode for every page-table width up to that
-        prompt + max new tokens, of one step and of `steps_per_dispatch`. Nothing runs. Returns how many programs were new."""
+        prompt + max new tokens, of one step and of `steps_per_dispatch`. Nothing runs. Returns how
+        many programs were new."""
         from tqdm.auto import tqdm
 
         longest_prompt = self.max_prompt_tokens or self.max_len

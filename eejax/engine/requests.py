@@ -49,9 +49,9 @@ class Requests:
     ) -> Sequence:
         """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
         engine's early-exit option for this request ("none" = full depth), `spec` ("E:d", or
-        "draft:d" with a draft head) decodes it by speculation, `temperature`, `top_k`, `top_p` set its sampling (traced values:
-        a new setting compiles nothing). Sampled tokens depend only on the prompt,
-        the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`.
+        "draft:d" with a draft head) decodes it by speculation, `temperature`, `top_k`, `top_p`
+        set its sampling (traced values: a new setting compiles nothing). Sampled tokens depend
+        only on the prompt, the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`.
         `logprobs` (0 to 20 alternatives) records each token's log-probability; `stop` (strings)
         and `stop_token_ids` end the request like EOS does."""
         spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec

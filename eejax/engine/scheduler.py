@@ -9,8 +9,9 @@ in pages of the one preallocated cache, so the paper's Eq. 5-6 become
 
 Buckets follow Algorithm 1 (AdjustBuckets): with fewer than N_max requests waiting, one bucket
 [0, L_max); otherwise every bucket holding more than N_max requests of which more than θ lie
-below its midpoint splits there, pass after pass until none does (before each admission). A batch is drawn from one bucket: online, the bucket holding the
-earliest arrival; offline, the fullest. Inside it, higher priority first, then the policy.
+below its midpoint splits there, pass after pass until none does (before each admission). A
+batch is drawn from one bucket: online, the bucket holding the earliest arrival; offline, the
+fullest. Inside it, higher priority first, then the policy.
 """
 
 from __future__ import annotations
