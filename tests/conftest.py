@@ -5,6 +5,7 @@ Llama checkpoints converted to eejax. Helpers that are not fixtures live in `tes
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,13 @@ os.environ.setdefault("EEJAX_CACHE", str(ROOT / ".cache" / "eejax"))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # Many tests (and the CLI and server processes they start) compile the same programs for the same
 # tiny models: JAX's persistent compilation cache, shared by the test workers, compiles each once.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".cache" / "jax"))
+# It lives outside the clone, so a second run (of any clone on this machine) compiles little:
+# $EEJAX_COMPILE_CACHE, default ~/.cache/eejax/jax-compile; "off" runs without one.
+COMPILE_CACHE = os.environ.get("EEJAX_COMPILE_CACHE") or str(Path.home() / ".cache" / "eejax" / "jax-compile")
+if COMPILE_CACHE.lower() in ("off", "none", "0", "false"):
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+else:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", COMPILE_CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # A size cap turns on JAX's file lock around cache reads and writes: without it a worker can read
 # an entry another worker is still writing, and deserialising half an executable segfaults
@@ -100,10 +107,18 @@ SLOW_FIRST = (
 )
 
 
+# The quick tier (`scripts/test.sh --quick`, pytest -m quick): the unit files, then conversion and
+# HF parity on the tiny models.
+QUICK = (*UNIT_FIRST, "test_conversion.py", "test_llama_hf.py")
+
+
 def pytest_collection_modifyitems(items):
-    """The torch-free unit tests run first (a broken invariant shows in seconds), then the
-    slowest parity and end-to-end files, then the rest; the sort is stable, so each file keeps
-    its own order."""
+    """Marks the quick tier; runs the torch-free unit tests first (a broken invariant shows in
+    seconds), then the slowest parity and end-to-end files, then the rest; the sort is stable, so
+    each file keeps its own order."""
+    for item in items:
+        if item.path.name in QUICK:
+            item.add_marker(pytest.mark.quick)
 
     def rank(item) -> tuple[bool, int]:
         name = item.path.name
