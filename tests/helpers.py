@@ -105,9 +105,10 @@ def prefilled(model, prompts, max_new_tokens=8, temperature=0.0, pages_per_row=4
     return state, cache, table
 
 
-def serve_in_thread(engine, name: str = "tiny"):
-    """Starts `engine` and an `eejax serve` app for it on a free 127.0.0.1 port in this process;
-    a context manager yielding the base URL, stopping both at exit."""
+def serve_in_thread(engine, name: str = "tiny", ssl: tuple | None = None, **app_options):
+    """Starts `engine` and an `eejax serve` app for it (`create_app(..., **app_options)`) on a free
+    127.0.0.1 port in this process, over TLS with `ssl` = (keyfile, certfile); a context manager
+    yielding the base URL, stopping both at exit."""
     import contextlib
     import socket
     import threading
@@ -123,15 +124,19 @@ def serve_in_thread(engine, name: str = "tiny"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        app = create_app(engine, served_model_name=name, **app_options)
+        keyfile, certfile = ssl or (None, None)
         server = uvicorn.Server(
-            uvicorn.Config(create_app(engine, served_model_name=name), host="127.0.0.1", port=port, log_level="warning")
+            uvicorn.Config(
+                app, host="127.0.0.1", port=port, log_level="warning", ssl_keyfile=keyfile, ssl_certfile=certfile
+            )
         )
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         while not server.started:
             time.sleep(0.05)
         try:
-            yield f"http://127.0.0.1:{port}"
+            yield f"{'https' if ssl else 'http'}://127.0.0.1:{port}"
         finally:
             server.should_exit = True
             thread.join()

@@ -119,6 +119,37 @@ def test_abort_ends_what_still_runs(tiny_model):
     assert all(len(s.tokens) <= 1 for s in seqs)
 
 
+def test_deadlines_end_requests_with_what_they_have_and_free_their_pages(tiny_model):
+    """A request past its deadline ends with finish reason "length" and `timed_out`: one still
+    queued (its wait counts) with no tokens, one decoding with a prefix of its greedy tokens; every
+    page comes back and a request without a deadline is untouched."""
+    engine = Engine(tiny_model, max_slots=1, max_new_tokens=64, cache_budget="4MiB", page_size=8)
+    real_step = engine.step
+
+    def slow_step():  # ~20 ms a step, so that a 0.3 s deadline falls mid-generation
+        time.sleep(0.02)
+        real_step()
+
+    engine.step = slow_step
+    prompts = random_prompts(3, [5, 7, 4], seed=5)
+    engine.start()
+    try:
+        cut = engine.submit(prompts[0], max_new_tokens=64, timeout=0.3)
+        queued = engine.submit(prompts[1], max_new_tokens=8, timeout=0.1)  # behind `cut` in the one slot
+        free = engine.submit(prompts[2], max_new_tokens=8)
+        for seq in (cut, queued, free):
+            seq.result(timeout=60)
+    finally:
+        engine.stop()
+    assert (cut.finish_reason, cut.timed_out) == ("length", True) and 0 < len(cut.tokens) < 64
+    assert cut.tokens == greedy(tiny_model, prompts[0], 64)[: len(cut.tokens)]
+    assert (queued.finish_reason, queued.timed_out, queued.tokens) == ("length", True, [])
+    assert not free.timed_out and free.tokens == greedy(tiny_model, prompts[2], 8)
+    assert engine.metrics()["kv_pages_used"] == 0
+    with pytest.raises(EejaxError, match="timeout"):
+        engine.submit(prompts[2], timeout=0)
+
+
 # --- admission: what is accepted can always start ---------------------------------------------
 
 

@@ -191,3 +191,17 @@ def test_fields_that_ask_for_nothing_are_accepted(client, tiny_model):
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], max_completion_tokens=-1
         )
+
+
+def test_a_batch_of_prompts_gets_one_choice_per_prompt_and_n(client, tiny_model):
+    """`prompt` as a list of strings or of token-id lists: choice i * n + j is choice j of prompt
+    i (OpenAI's numbering), each equal to `generate` on its prompt; usage sums the prompts."""
+    prompts = [PROMPT, "A second, longer prompt about the weather"]
+    want = eejax.generate(tiny_model, prompts, max_new_tokens=6)
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [want.texts[0]] * 2 + [want.texts[1]] * 2
+    ids = [tiny_model.tokenizer(p)["input_ids"] for p in prompts]
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=6)
+    assert [c.text for c in r.choices] == want.texts

@@ -173,6 +173,11 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def seconds_or_off(text: str) -> float:
+    """A duration in seconds >= 0; "off" / "none" are 0 (no limit)."""
+    return 0.0 if text.strip().lower() in ("off", "none") else non_negative_float(text)
+
+
 def number_or_off(text: str, option: str) -> float:
     try:
         return float(text)

@@ -13,6 +13,7 @@ from eejax.cli.args import (
     non_negative_float,
     non_negative_int,
     positive_int,
+    seconds_or_off,
 )
 from eejax.errors import EejaxError
 
@@ -25,6 +26,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from eejax.cache import parse_bytes
     from eejax.engine.engine import Engine
+    from eejax.serve.access import ACCESS_LOG, api_keys, exposure_warning
     from eejax.serve.http import create_app
 
     try:
@@ -32,8 +34,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise EejaxError('eejax serve needs the serve extra: pip install "eejax[serve]"') from None
     max_body = parse_bytes(args.max_body_size)
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise EejaxError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    for tls_file in (args.ssl_keyfile, args.ssl_certfile):
+        if tls_file is not None and not os.path.isfile(tls_file):
+            raise EejaxError(f"no such file: {tls_file}")
+    keys = api_keys(args.api_key, os.environ)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.log_format == "json":  # each access line a JSON object of its own
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        ACCESS_LOG.addHandler(handler)
+        ACCESS_LOG.propagate = False
     log = logging.getLogger("eejax.serve")
+    if exposure_warning(args.host, keys):
+        log.warning(exposure_warning(args.host, keys))
     join_processes(args)
     model = load_model(args)
     engine = Engine(
@@ -65,6 +80,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model,
         max_waiting=args.max_waiting,
         max_body_bytes=max_body,
+        api_keys=keys,
+        protect_metrics=args.protect_metrics,
+        log_format=args.log_format,
+        request_timeout=args.request_timeout or None,
     )
 
     class Server(uvicorn.Server):
@@ -84,7 +103,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     server = Server(
         uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout + 1
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            access_log=False,  # eejax.access logs every request, with its id
+            timeout_graceful_shutdown=args.shutdown_timeout + 1,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
         )
     )
 
@@ -219,6 +245,34 @@ def add_parsers(sub) -> None:
         metavar="TOKENS",
         help="before listening, compile the programs for prompts of up to TOKENS tokens (default: "
         "each program compiles on its first request)",
+    )
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require Authorization: Bearer KEY on every /v1/* route (repeat for several keys; "
+        "default: the comma-separated keys of $EEJAX_API_KEY, else none: the server is open). /health "
+        "stays open; a missing or wrong key gets 401",
+    )
+    srv.add_argument("--protect-metrics", action="store_true", help="/metrics needs the API key too (default: open)")
+    srv.add_argument("--ssl-keyfile", metavar="FILE", help="TLS private key (PEM); with --ssl-certfile serves https")
+    srv.add_argument("--ssl-certfile", metavar="FILE", help="TLS certificate chain (PEM)")
+    srv.add_argument(
+        "--request-timeout",
+        type=seconds_or_off,
+        default=0.0,
+        metavar="SECONDS",
+        help="a request ends this long after it arrived (waiting in the queue included) with what it has: "
+        'finish reason "length" and eejax.timed_out, or a 504 if a non-streamed request has no token yet. '
+        "A request's own timeout field (seconds) can only shorten it (default 0 or off: no deadline)",
+    )
+    srv.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="the access log (one line per request on the eejax.access logger: id, route, status, "
+        "tokens, finish reason, time to first token, total time, decoding option) as key=value text "
+        "or one JSON object per line (default text)",
     )
     srv.set_defaults(func=cmd_serve)
 

@@ -361,11 +361,11 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
                 stopped = True
                 break
         seq._notify()
-        if seq.finish_reason == "cancelled" or done[slot] or stopped:
+        if seq.ending or done[slot] or stopped:
             ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.options.eos_ids
             seq.spec_counters = {f.name: int(getattr(counters, f.name)[slot]) for f in dataclasses.fields(counters)}
             self._release(seq)
-            self._finish(seq, seq.finish_reason or ("stop" if ended_at_eos or stopped else "length"))
+            self._finish(seq, seq.ending or ("stop" if ended_at_eos or stopped else "length"))
 
     def _stops_at(self, seq: Sequence) -> bool:
         """Whether the request's newest token ends it: a stop token, or a stop string now in its text."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import jax
 
@@ -142,19 +143,34 @@ class Lifecycle:
                 self._changes.append(replicas.cancelled(seq))
             self._cancel_locked(seq)
 
-    def _cancel_locked(self, seq: Sequence) -> None:
-        """`cancel` with the lock held."""
+    def _cancel_locked(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """`cancel` with the lock held: the request ends with finish reason `reason`."""
         if seq.finished:
             return
         if seq.id in self.waiting:
             self.scheduler.remove(self._requests[seq.id])
             del self.waiting[seq.id]
-            self._finish(seq, "cancelled")
+            self._finish(seq, reason)
         elif seq.slot is not None and self.prefilling.get(seq.slot) is seq:  # no tokens in flight
             self._release(seq)
-            self._finish(seq, "cancelled")
+            self._finish(seq, reason)
         else:
-            seq.finish_reason = "cancelled"  # released after the step in flight
+            seq.ending = reason  # released after the step in flight, with the tokens it made
+
+    def _expire_deadlines(self) -> None:
+        """Ends the requests past their deadline (waiting ones too) with finish reason "length"
+        and `timed_out`, like a cancellation (so replicas hear of it with this step's changes).
+        Only the loop that serves calls it: replicas follow its decisions, never their clocks."""
+        now = time.perf_counter()
+        with self._lock:
+            seqs = [*self.waiting.values(), *self.prefilling.values(), *self.running.values()]
+            for seq in seqs:
+                if seq.deadline is None or now < seq.deadline or seq.finished or seq.ending:
+                    continue
+                seq.timed_out = True
+                if self._changes is not None:
+                    self._changes.append(replicas.cancelled(seq))
+                self._cancel_locked(seq, "length")
 
     def _step_or_recover(self) -> None:
         try:
@@ -172,6 +188,7 @@ class Lifecycle:
     def _replicated_iteration(self) -> bool:
         """Process 0 of several: sends its changes to the replicas and steps with them (the lock
         held throughout, so no request slips in between); False once it has told them to stop."""
+        self._expire_deadlines()
         with self._lock:
             changes, self._changes = self._changes, []
             busy = self.busy
@@ -195,6 +212,7 @@ class Lifecycle:
                         return
                     continue
                 if self.busy:
+                    self._expire_deadlines()
                     self._step_or_recover()
                     continue
                 if self._stopping.is_set():

@@ -4,6 +4,8 @@ and what the scheduler is told about a queued request. A mixin over the engine's
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 
@@ -46,6 +48,7 @@ class Requests:
         logprobs: int | None = None,
         stop=(),
         stop_token_ids=(),
+        timeout: float | None = None,
     ) -> Sequence:
         """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
         engine's early-exit option for this request ("none" = full depth), `spec` ("E:d", or
@@ -53,7 +56,10 @@ class Requests:
         set its sampling (traced values: a new setting compiles nothing). Sampled tokens depend
         only on the prompt, the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`.
         `logprobs` (0 to 20 alternatives) records each token's log-probability; `stop` (strings)
-        and `stop_token_ids` end the request like EOS does."""
+        and `stop_token_ids` end the request like EOS does. `timeout` (seconds from now, waiting
+        in the queue included; None: none): past it the request ends with what it has, finish
+        reason "length" and `timed_out` set, its pages freed (a background loop's check, each
+        step)."""
         spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec
         if spec_config is not None:
             if exit not in (None, "none"):
@@ -102,6 +108,8 @@ class Requests:
             raise EejaxError("stop strings need a model with a tokenizer (use stop_token_ids)")
         if any(not 0 <= t < self.config.vocab_size for t in stop_token_ids):
             raise EejaxError(f"stop_token_ids must lie in [0, {self.config.vocab_size})")
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            raise EejaxError(f"timeout must be a positive number of seconds, got {timeout}")
         if not 0 <= choice < 2**31:
             raise EejaxError(f"choice must lie in [0, 2^31), got {choice}")
         seed = self.fresh_seed() if seed is None else int(seed)
@@ -123,6 +131,7 @@ class Requests:
                 stop,
                 stop_token_ids,
             )
+            seq.deadline = None if timeout is None else seq.submitted_at + timeout
             self._queue(seq)
             if self._changes is not None:
                 self._changes.append(replicas.submitted(seq))

@@ -40,6 +40,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "cancelled",
     # "abort" (the server shut down before it ended), "error" (a step failed on it: see `error`)
     error: str | None = None
+    ending: str | None = None  # the finish reason it ends with once the step in flight is read (cancelled)
+    deadline: float | None = None  # (perf_counter) it ends at the first step after this, finish reason "length"
+    timed_out: bool = False  # it ended at its deadline
     submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
     token_times: list[float] = dataclasses.field(default_factory=list)
     slot: int | None = None

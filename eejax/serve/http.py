@@ -22,13 +22,13 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 
 from eejax.decode.prompts import prompt_token_ids
 from eejax.engine.stops import visible_text
 from eejax.errors import EejaxError
 from eejax.options import ExitConfig, SpecConfig
-from eejax.serve.schema import ChatRequest, CompletionRequest, RequestError, parse
+from eejax.serve.access import AccessMiddleware, completion_fields, decoding_of
+from eejax.serve.schema import ChatRequest, CompletionRequest, RequestError, parse, unicode_error
 
 log = logging.getLogger("eejax.serve")
 
@@ -36,31 +36,33 @@ DISCONNECT_POLL_S = 0.5  # how often a request waiting for tokens checks that it
 MAX_BODY_BYTES = 2 * 2**20  # the largest request body read (a prompt fills the context long before)
 
 
-def _unicode_error(body) -> str | None:
-    """Where `body` (parsed JSON) holds a string that is not valid Unicode (a lone surrogate
-    from a "\\ud800" escape), or None. Iterative: the depth is whatever json allowed."""
-    stack = [("body", body)]
-    while stack:
-        where, value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:
-                return f"{where}: not valid Unicode ({e.reason} at character {e.start})"
-        elif isinstance(value, dict):
-            stack.extend((f"{where} key", k) for k in value)
-            stack.extend((f"{where}.{k}" if where != "body" else str(k), v) for k, v in value.items())
-        elif isinstance(value, list):
-            stack.extend((f"{where}.{i}", v) for i, v in enumerate(value))
-    return None
-
-
-def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_body_bytes: int = MAX_BODY_BYTES):
-    """The FastAPI app serving `engine` (whose loop must be running: `engine.start()`)."""
+def create_app(
+    engine,
+    *,
+    served_model_name: str,
+    max_waiting: int = 256,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_keys: tuple[str, ...] = (),
+    protect_metrics: bool = False,
+    log_format: str = "text",
+    request_timeout: float | None = None,
+):
+    """The FastAPI app serving `engine` (whose loop must be running: `engine.start()`). With
+    `api_keys`, /v1/* (and /metrics with `protect_metrics`) need one as a Bearer token
+    (`eejax.serve.access`); every request gets an id and a line in the access log. A request
+    ends at `request_timeout` seconds after it arrived (None: never), or at its own `timeout`
+    if that is sooner."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
     app = FastAPI(title="eejax", version="0.1")
+    app.add_middleware(
+        AccessMiddleware,
+        keys=tuple(api_keys),
+        protect_metrics=protect_metrics,
+        log_format=log_format,
+        summarize=completion_fields,
+    )
     tokenizer = engine.model.tokenizer
     created_at = int(time.time())
 
@@ -72,6 +74,7 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
             429: "rate_limit_error",
             500: "server_error",
             503: "server_error",
+            504: "timeout",
         }.get(status, "error")
         return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
@@ -92,7 +95,7 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
             raise RequestError(400, f"malformed JSON: {e}") from None
         except RecursionError:
             raise RequestError(400, "malformed JSON: nested too deep") from None
-        problem = _unicode_error(body)
+        problem = unicode_error(body)
         if problem:
             raise RequestError(400, problem, problem.split(":")[0].split(".")[0])
         return body
@@ -112,13 +115,13 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
             log.info("ignoring unknown fields: %s", ", ".join(ignored))
         return req
 
-    def admit(req, prompt, max_tokens: int | None, limit_field: str, top_logprobs: int | None) -> list:
-        """Submits the request's n choices; returns their Sequences."""
+    def admit(req, prompts: list, max_tokens: int | None, limit_field: str, top_logprobs: int | None) -> list:
+        """Submits the request's n choices of each prompt; returns their Sequences, prompt-major."""
         if req.model is not None:
             check_served(req.model)
         if not engine.alive:
             raise RequestError(503, "the engine is not running (see /health)")
-        if len(engine.waiting) + req.choices > max_waiting:
+        if len(engine.waiting) + len(prompts) * req.choices > max_waiting:
             raise RequestError(429, f"the server is at capacity ({max_waiting} requests waiting); retry later")
         max_tokens = 16 if max_tokens is None else max_tokens
         if max_tokens > engine.max_new_tokens:
@@ -133,28 +136,31 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
                 except EejaxError as e:
                     raise RequestError(400, f"{field}: {e}", field) from None
         seed = engine.fresh_seed() if req.seed is None else req.seed  # one seed, a key per choice
+        timeout = min((t for t in (req.timeout, request_timeout) if t), default=None)
         seqs = []
         try:
-            if isinstance(prompt, str):  # tokenized once for all n choices
-                (prompt,), _ = prompt_token_ids(tokenizer, [prompt])
-            for choice in range(req.choices):
-                seqs.append(
-                    engine.submit(
-                        prompt,
-                        max_new_tokens=max_tokens,
-                        priority=req.priority,
-                        exit=req.exit or None,
-                        spec=None if req.spec in (None, "", "none") else req.spec,
-                        temperature=req.temperature,
-                        top_p=req.top_p,
-                        top_k=None if req.top_k is None else max(req.top_k, 0),
-                        seed=seed,
-                        choice=choice,
-                        logprobs=top_logprobs,
-                        stop=req.stops,
-                        stop_token_ids=req.stop_token_ids or (),
+            for prompt in prompts:
+                if isinstance(prompt, str):  # tokenized once for all n choices
+                    (prompt,), _ = prompt_token_ids(tokenizer, [prompt])
+                for choice in range(req.choices):
+                    seqs.append(
+                        engine.submit(
+                            prompt,
+                            max_new_tokens=max_tokens,
+                            priority=req.priority,
+                            exit=req.exit or None,
+                            spec=None if req.spec in (None, "", "none") else req.spec,
+                            temperature=req.temperature,
+                            top_p=req.top_p,
+                            top_k=None if req.top_k is None else max(req.top_k, 0),
+                            seed=seed,
+                            choice=choice,
+                            logprobs=top_logprobs,
+                            stop=req.stops,
+                            stop_token_ids=req.stop_token_ids or (),
+                            timeout=timeout,
+                        )
                     )
-                )
         except EejaxError as e:
             for seq in seqs:
                 engine.cancel(seq)
@@ -241,12 +247,14 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
 
     def extras(seq) -> dict:
         out = {"tokens": seq.tokens, "exit_layers": seq.exit_layers}
+        if seq.timed_out:
+            out["timed_out"] = True  # ended at its deadline: finish reason "length"
         if seq.spec is not None:
             out["acceptance_rate"] = seq.accepted / seq.drafted if seq.drafted else 0.0
         return out
 
-    def usage(seqs) -> dict:
-        prompt, completion = len(seqs[0].prompt), sum(len(s.tokens) for s in seqs)
+    def usage(seqs, n: int) -> dict:
+        prompt, completion = sum(len(s.prompt) for s in seqs[::n]), sum(len(s.tokens) for s in seqs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def failure(seq) -> dict:
@@ -254,7 +262,9 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
         return {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
 
     async def respond(request: Request, req, seqs, chat: bool):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        rid = request.state.request_id  # the response's X-Request-Id (`eejax.serve.access`)
+        request.state.completions, request.state.choices = seqs, req.choices
+        request.state.decoding = decoding_of(req, engine)
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         scored = seqs[0].logprobs is not None
@@ -315,7 +325,7 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
                                 )
                                 yield chunk([final], eejax=extras(seq))
                     if req.include_usage:
-                        yield chunk([], usage=usage(seqs))
+                        yield chunk([], usage=usage(seqs, req.choices))
                     yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -325,6 +335,8 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
         failed = next((seq for seq in seqs if seq.finish_reason == "error"), None)
         if failed is not None:
             return JSONResponse(failure(failed), 500)
+        if all(seq.timed_out and not seq.tokens for seq in seqs):
+            return error(504, "the request passed its deadline before it produced a token", "timeout")
         choices = []
         for j, seq in enumerate(seqs):
             text = text_of(seq, req.stops)
@@ -354,7 +366,7 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
                 "created": created,
                 "model": served_model_name,
                 "choices": choices,
-                "usage": usage(seqs),
+                "usage": usage(seqs, req.choices),
                 "eejax": extras(seqs[0]),
             }
         )
@@ -367,7 +379,7 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
     async def completions(request: Request):
         req = await read_request(request, CompletionRequest)
         # Tokenizing (and waiting for the engine's lock) runs off the event loop.
-        seqs = await asyncio.to_thread(admit, req, req.prompt, req.max_tokens, "max_tokens", req.top_logprobs)
+        seqs = await asyncio.to_thread(admit, req, req.prompts, req.max_tokens, "max_tokens", req.top_logprobs)
         return await respond(request, req, seqs, chat=False)
 
     def chat_prompt(req) -> list[int]:
@@ -382,7 +394,7 @@ def create_app(engine, *, served_model_name: str, max_waiting: int = 256, max_bo
         req = await read_request(request, ChatRequest)
 
         def submit():
-            return admit(req, chat_prompt(req), req.token_limit, req.token_limit_field, req.top_logprobs_wanted)
+            return admit(req, [chat_prompt(req)], req.token_limit, req.token_limit_field, req.top_logprobs_wanted)
 
         seqs = await asyncio.to_thread(submit)
         return await respond(request, req, seqs, chat=True)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_STOP = 4  # stop strings per request (OpenAI's bound)
 MAX_N = 16  # choices per request
+MAX_ROWS = 64  # prompts x choices per completions request
 MAX_TOP_LOGPROBS = 20
 
 
@@ -55,7 +56,8 @@ class _Common(BaseModel):
     user: str | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # eejax's extras: scheduling priority,
     exit: str | None = None  # early exit ("softmax:0.9", "static:15", "none"),
-    spec: str | None = None  # speculation ("E:d", or "draft:d" with a draft head)
+    spec: str | None = None  # speculation ("E:d", or "draft:d" with a draft head),
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds (capped by the server's)
     # Defined by OpenAI, honoured only when they ask for nothing:
     presence_penalty: float | None = Field(None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, allow_inf_nan=False)
@@ -93,7 +95,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
@@ -109,18 +111,27 @@ class CompletionRequest(_Common):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, value):
-        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
-            if len(value) != 1:
-                raise ValueError("one prompt per request (send a request per prompt, or use n for choices)")
-            value = value[0]
         if not value:
             raise ValueError("the prompt is empty")
+        if isinstance(value, list) and isinstance(value[0], str | list) and not all(value):
+            raise ValueError(f"prompt {[bool(p) for p in value].index(False)} of the batch is empty")
         return value
+
+    @property
+    def prompts(self) -> list:
+        """The batch: each prompt text or token ids (one for a single prompt). Choice j of prompt
+        i is the response's choice i * n + j, as OpenAI numbers them."""
+        batch = isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list)
+        return list(self.prompt) if batch else [self.prompt]
 
     def check(self) -> None:
         super().check()
         if self.best_of not in (None, self.choices):
             raise RequestError(400, f"eejax does not support best_of={self.best_of!r} (only n)", "best_of")
+        if len(self.prompts) * self.choices > MAX_ROWS:
+            raise RequestError(
+                400, f"{len(self.prompts)} prompts x n={self.choices} exceeds {MAX_ROWS} completions", "prompt"
+            )
 
     @property
     def top_logprobs(self) -> int | None:
@@ -202,3 +213,22 @@ def parse(body: Any, schema: type[_Common]) -> _Common:
         ) from None
     request.check()
     return request
+
+
+def unicode_error(body) -> str | None:
+    """Where `body` (parsed JSON) holds a string that is not valid Unicode (a lone surrogate
+    from a "\\ud800" escape), or None. Iterative: the depth is whatever json allowed."""
+    stack = [("body", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f"{where}: not valid Unicode ({e.reason} at character {e.start})"
+        elif isinstance(value, dict):
+            stack.extend((f"{where} key", k) for k in value)
+            stack.extend((f"{where}.{k}" if where != "body" else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{where}.{i}", v) for i, v in enumerate(value))
+    return None
