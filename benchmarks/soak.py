@@ -297,7 +297,7 @@ def main() -> int:
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "eejax.cli", "serve", "--model", args.model, "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "--max-tokens-limit", "64", "--warmup", "256", "--api-key", KEY]
-    cmd += ["--request-timeout", "120", "--log-format", "json"]
+    cmd += ["--request-timeout", "120", "--log-format", "json", "--served-model-name", "m"]
     (ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
     log = open(ROOT / "benchmarks" / "out" / "soak-server.log", "w")  # the server's log, JSON access lines
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
