@@ -31,7 +31,7 @@ class Model:
     # How the generation programs read the layer weights: "stacked" (the params as they are) or
     # "split" (each layer's weights in their own buffers: see `run_params`).
     layer_buffers: str = "stacked"
-    # The device mesh the params are placed on (`eejax.sharding.shard`), or None: one device.
+    # The device mesh the params are placed on (`shard`), or None: one device.
     mesh: Any = None
     _run: tuple | None = dataclasses.field(default=None, init=False, repr=False)
 
