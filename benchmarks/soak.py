@@ -275,7 +275,8 @@ def plot(result: dict, path) -> None:
     axes[3].set_ylabel("latency (s)")
     axes[3].set_xlabel("minutes")
     axes[3].legend()
-    fig.suptitle("eejax serve soak: " + ", ".join(f"{k} {v}" for k, v in MIX.items()), fontsize=8)
+    mix = ", ".join(f"{k} {v}" for k, v in MIX.items())
+    fig.suptitle(f"eejax serve soak, requests by weight:\n{mix}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
