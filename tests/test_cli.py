@@ -534,3 +534,17 @@ def test_convert_checks_its_inputs_before_working_and_cleans_dead_partials(capsy
     alive.mkdir()
     code, _, _ = run_cli(capsys, "convert", hf_dir, tmp_path / "dst", "--quiet")
     assert code == 0 and not stale.exists() and alive.exists() and (tmp_path / "dst" / "eejax.json").is_file()
+
+
+def test_the_compile_cache_directory_and_off():
+    """`eejax` commands keep compiled programs in $EEJAX_COMPILE_CACHE (default
+    ~/.cache/eejax/jax-compile); "off" and its kin turn it off; an explicit JAX directory wins."""
+    from pathlib import Path
+
+    from eejax.compile_cache import compile_cache_dir, enable_compile_cache
+
+    assert compile_cache_dir({}) == Path.home() / ".cache" / "eejax" / "jax-compile"
+    assert compile_cache_dir({"EEJAX_COMPILE_CACHE": "~/cc"}) == Path.home() / "cc"
+    for off in ("off", "OFF", "none", "0", "false"):
+        assert compile_cache_dir({"EEJAX_COMPILE_CACHE": off}) is None
+    assert enable_compile_cache({"JAX_COMPILATION_CACHE_DIR": "/x", "EEJAX_COMPILE_CACHE": "off"}) == Path("/x")

@@ -10,6 +10,7 @@ import sys
 from eejax.cli import convert, draft, exits, generate, layerskip, serve, train
 from eejax.cli.args import run_guarded
 from eejax.cli.parsing import OneLineErrorParser
+from eejax.compile_cache import enable_compile_cache
 
 __all__ = ["build_parser", "main", "run_guarded"]
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    enable_compile_cache()  # a second run of a command loads its programs instead of compiling them
     return run_guarded(lambda: args.func(args))
 
 
