@@ -25,13 +25,14 @@ def enable_compile_cache(environ=os.environ) -> Path | None:
     directory, or None when it is off."""
     import jax
 
-    if environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return Path(environ["JAX_COMPILATION_CACHE_DIR"])
-    path = compile_cache_dir(environ)
+    explicit = environ.get("JAX_COMPILATION_CACHE_DIR")
+    path = Path(explicit) if explicit else compile_cache_dir(environ)
     if path is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
-    jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in environ:
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return path

@@ -5,7 +5,6 @@ Llama checkpoints converted to eejax. Helpers that are not fixtures live in `tes
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -20,17 +19,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Many tests (and the CLI and server processes they start) compile the same programs for the same
 # tiny models: JAX's persistent compilation cache, shared by the test workers, compiles each once.
 # It lives outside the clone, so a second run (of any clone on this machine) compiles little:
-# $EEJAX_COMPILE_CACHE, default ~/.cache/eejax/jax-compile; "off" runs without one.
-COMPILE_CACHE = os.environ.get("EEJAX_COMPILE_CACHE") or str(Path.home() / ".cache" / "eejax" / "jax-compile")
-if COMPILE_CACHE.lower() in ("off", "none", "0", "false"):
+# $EEJAX_COMPILE_CACHE, default ~/.cache/eejax/jax-compile; "off" runs without one. Its size cap
+# turns on JAX's file lock around cache reads and writes: without it a worker can read an entry
+# another worker is still writing, and deserialising half an executable segfaults (seen once in the
+# suite: tests/test_gpu_lowering.py reading what a test_speculative.py worker wrote).
+from eejax.compile_cache import MAX_BYTES, MIN_COMPILE_S, enable_compile_cache  # noqa: E402
+
+COMPILE_CACHE = enable_compile_cache()
+if COMPILE_CACHE is None:
     os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-else:
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", COMPILE_CACHE)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-# A size cap turns on JAX's file lock around cache reads and writes: without it a worker can read
-# an entry another worker is still writing, and deserialising half an executable segfaults
-# (seen once in the suite: tests/test_gpu_lowering.py reading what a test_speculative.py worker wrote).
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+else:  # for the CLI and server processes the tests start
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(COMPILE_CACHE))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(MIN_COMPILE_S))
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(MAX_BYTES))
 # Two test workers share the machine's cores: torch's OpenMP threads, spinning beside the other
 # worker's XLA threads, made the HF parity test of test_smollm2.py 3x slower (60 s, 20 s with one
 # thread; 2 cores). A worker's torch (and the processes it starts) runs one thread.
