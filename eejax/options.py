@@ -291,6 +291,9 @@ class StepOptions:
     bonus:          a draft program runs the (d + 1)-th pass (`speculative.draft`).
     attention:      the attention implementation (`kernels.attention.IMPLS`).
     logprobs:       keep a log-prob record of the generated tokens.
+    penalties:      apply the rows' repetition / frequency / presence penalties, over the
+                    token counts the program then takes and returns in `DecodeState.counts`.
+    prompt_logprobs: a prefill also scores the prompt's own tokens (`prompt_scores`).
     num_steps:      decode steps per program (`steps.decode_steps`).
 
     Each program reads some of these; the views below keep those and reset the rest, so that
@@ -305,6 +308,8 @@ class StepOptions:
     bonus: bool = False
     attention: str = "auto"
     logprobs: bool = False
+    penalties: bool = False
+    prompt_logprobs: bool = False
     num_steps: int = 1
 
     def __post_init__(self):

@@ -208,6 +208,7 @@ def bad_inputs(tmp_path, ckpt):
         ),
         "too many drafts": (base + ["--prompt", "hi", "--spec", "1:100000"], "[1, 64]"),
         "infinite temperature": (base + ["--prompt", "hi", "--temperature", "inf"], "finite"),
+        "zero repetition penalty": (base + ["--prompt", "hi", "--repetition-penalty", 0], "repetition penalty"),
     }
 
 
@@ -240,6 +241,7 @@ def bad_inputs(tmp_path, ckpt):
         "top-k above the vocabulary",
         "too many drafts",
         "infinite temperature",
+        "zero repetition penalty",
     ],
 )
 def test_bad_input_is_one_line_and_status_2(capsys, ckpt, tmp_path, case):

@@ -185,3 +185,39 @@ def test_preemption_with_chunked_prefill_and_shared_prefixes(tiny_model):
     for seq, w in zip(seqs, want):
         assert seq.tokens == w, seq.id
     assert engine.metrics()["kv_pages_used"] == 0 and engine.allocator.num_cached >= 3
+
+
+def test_penalised_rows_beside_plain_ones_through_preemption_chunks_and_speculation(tiny_model):
+    """Rows with repetition / frequency / presence penalties share the slots with plain rows,
+    are preempted and recomputed (their counts rebuilt from the host's tokens), prefill in chunks
+    after a shared prefix, and speculate: each gets exactly the tokens `generate` gives it alone."""
+    from eejax.cache import page_bytes
+
+    c = tiny_model.config
+    budget = 16 * page_bytes(c.num_layers, 8, c.num_kv_heads, c.head_dim, tiny_model.dtype)
+    prefix = random_prompts(1, [24], seed=5)[0]
+    prompts = [prefix + rest for rest in random_prompts(6, [3, 9, 1], seed=14)]
+    penalties = [
+        dict(repetition_penalty=1.4),
+        {},
+        dict(frequency_penalty=0.7, presence_penalty=0.3),
+        dict(repetition_penalty=0.8, presence_penalty=-0.5),
+        dict(frequency_penalty=1.5),
+        {},
+    ]
+    specs = [None, None, "1:2", None, "2:3:adaptive", "1:2"]
+    engine = Engine(
+        tiny_model, max_slots=4, max_new_tokens=40, cache_budget=budget, page_size=8, pages="grow", prefill_chunk=12
+    )
+    seqs = [
+        engine.submit(p, max_new_tokens=30, priority=i % 2, spec=s, **kw)
+        for i, (p, s, kw) in enumerate(zip(prompts, specs, penalties))
+    ]
+    engine.run()
+    assert engine.counters["preemptions"] > 0 and engine.counters["prefix_cache_hit_tokens"] > 0
+    plain = eejax.generate(tiny_model, prompts, max_new_tokens=30).tokens
+    for seq, prompt, kw, want_plain in zip(seqs, prompts, penalties, plain):
+        want = eejax.generate(tiny_model, [prompt], max_new_tokens=30, **kw).tokens[0] if kw else want_plain
+        assert seq.tokens == want, (seq.id, kw)
+        assert (seq.tokens != want_plain) == bool(kw), (seq.id, kw)  # the penalties changed something
+    assert engine.metrics()["kv_pages_used"] == 0

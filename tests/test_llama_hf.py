@@ -82,3 +82,72 @@ def test_greedy_generate_matches_hf(tiny_checkpoints, kind):
             )
         assert res.tokens[i] == out[0, len(p) :].tolist(), f"row {i}"
         assert res.exit_layers[i] == [model.config.num_layers] * 24
+
+
+def penalised_greedy(hf, prompt, steps, presence=0.0, frequency=0.0, repetition=1.0):
+    """Greedy tokens under the penalties, each step's logits from HF, the penalties in numpy."""
+    ids, out = list(prompt), []
+    for _ in range(steps):
+        logits = hf_logits(hf, ids)[-1]
+        counts = np.bincount(np.asarray(out, np.int64), minlength=logits.shape[0])
+        seen = (counts > 0) | np.isin(np.arange(logits.shape[0]), prompt)
+        r = np.float32(repetition)
+        logits = np.where(seen, np.where(logits > 0, logits / r, logits * r), logits)
+        logits = logits - np.float32(frequency) * counts.astype(np.float32) - np.float32(presence) * (counts > 0)
+        out.append(int(np.argmax(logits)))
+        ids.append(out[-1])
+    return out
+
+
+def test_penalties_match_hf_and_a_reference(tiny_checkpoints):
+    """The repetition penalty gives HF generate's tokens; with frequency and presence penalties
+    too, a step-by-step reference's (HF logits, the penalties in numpy); self-speculation with
+    them gives the same tokens (lossless); without them, other tokens (they act)."""
+    hf, _, path = tiny_checkpoints["gqa-tied"]
+    model = eejax.load(path)
+    prompts = random_prompts(4, [3, 20, 9, 14], seed=3)
+    kw = dict(max_new_tokens=20, ignore_eos=True, page_size=8)
+    plain = eejax.generate(model, prompts, **kw).tokens
+    rep = eejax.generate(model, prompts, repetition_penalty=1.3, **kw).tokens
+    mixed = dict(presence_penalty=0.4, frequency_penalty=0.6, repetition_penalty=1.1)
+    res = eejax.generate(model, prompts, **mixed, **kw).tokens
+    spec = eejax.generate(model, prompts, spec="1:3", **mixed, **kw).tokens
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=20,
+                eos_token_id=None,
+                pad_token_id=0,
+                repetition_penalty=1.3,
+            )
+        assert rep[i] == out[0, len(p) :].tolist(), f"row {i}"
+        assert res[i] == penalised_greedy(hf, p, 20, 0.4, 0.6, 1.1), f"row {i}"
+        assert spec[i] == res[i] and plain[i] != res[i] and plain[i] != rep[i], f"row {i}"
+
+
+def test_prompt_logprobs_match_hf_across_prefill_chunks(tiny_checkpoints):
+    """A request's prompt log-probs (`prompt_logprobs`, OpenAI's echo) equal HF's log-softmax at
+    each position, its top alternatives HF's, with the prompt prefilled in chunks of 8 and a
+    cached prefix that the scored request must not share."""
+    from eejax.engine.engine import Engine
+
+    hf, _, path = tiny_checkpoints["gqa-tied"]
+    model = eejax.load(path)
+    prompt = random_prompts(1, [37], seed=8)[0]
+    engine = Engine(model, max_slots=2, max_new_tokens=8, cache_budget="4MiB", page_size=8, prefill_chunk=8)
+    first = engine.submit(prompt, max_new_tokens=3)
+    engine.run()
+    seq = engine.submit(prompt, max_new_tokens=3, prompt_logprobs=3)
+    engine.run()
+    assert seq.cached == 0 and seq.tokens == first.tokens
+    want = torch.log_softmax(torch.tensor(hf_logits(hf, prompt)), -1).numpy()
+    assert len(seq.prompt_token_logprobs) == len(prompt) and seq.prompt_token_logprobs[0] is None
+    assert seq.prompt_top_logprobs[0] is None
+    for p in range(len(prompt) - 1):
+        np.testing.assert_allclose(seq.prompt_token_logprobs[p + 1], want[p, prompt[p + 1]], atol=1e-4)
+        top = seq.prompt_top_logprobs[p + 1]
+        assert [t for t, _ in top] == np.argsort(-want[p], kind="stable")[:3].tolist()
+        np.testing.assert_allclose([lp for _, lp in top], np.sort(want[p])[::-1][:3], atol=1e-4)

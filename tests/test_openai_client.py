@@ -185,12 +185,65 @@ def test_fields_that_ask_for_nothing_are_accepted(client, tiny_model):
         stop="",
     )
     assert r.choices[0].finish_reason in ("length", "stop")
-    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, presence_penalty=1.0)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, logit_bias={"5": 1.0})
     with pytest.raises(openai.BadRequestError, match="max_completion_tokens"):
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], max_completion_tokens=-1
         )
+
+
+def test_penalties_are_honoured_and_new_values_compile_nothing(client, tiny_model):
+    """presence_penalty, frequency_penalty and vLLM's repetition_penalty give `generate`'s tokens
+    with the same penalties (completions and chat); twenty other values compile no program."""
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.8, repetition_penalty=1.3)
+    want = eejax.generate(tiny_model, [PROMPT], max_new_tokens=12, **penalties).texts[0]
+    assert want != greedy(tiny_model, PROMPT, 12).texts[0]
+    kw = dict(
+        model="tiny",
+        max_tokens=12,
+        presence_penalty=0.5,
+        frequency_penalty=0.8,
+        extra_body={"repetition_penalty": 1.3},
+    )
+    assert client.completions.create(prompt=PROMPT, **kw).choices[0].text == want
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **kw)
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    before = tiny_model.programs.num_programs
+    texts = set()
+    for i in range(20):
+        r = client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=12,
+            presence_penalty=-1 + i / 10,
+            frequency_penalty=2 - i / 10,
+            extra_body={"repetition_penalty": 0.5 + i / 10},
+        )
+        texts.add(r.choices[0].text)
+    assert tiny_model.programs.num_programs == before and len(texts) > 1
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(client, tiny_model):
+    """echo puts the prompt before each choice's text (a batch: its own prompt; a stream: in the
+    first chunk); with logprobs, the prompt's tokens lead the logprobs, the first one null, and
+    the completion's entries are those of the same request without echo."""
+    prompts = [PROMPT, "Another prompt"]
+    want = eejax.generate(tiny_model, prompts, max_new_tokens=6).texts
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, echo=True, n=2)
+    assert [c.text for c in r.choices] == [prompts[0] + want[0]] * 2 + [prompts[1] + want[1]] * 2
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, logprobs=2).choices[0].logprobs
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, logprobs=2, echo=True)
+    lp, n_prompt = r.choices[0].logprobs, len(tiny_model.tokenizer(PROMPT)["input_ids"])
+    assert r.choices[0].text == PROMPT + want[0] and r.usage.prompt_tokens == n_prompt
+    assert len(lp.tokens) == n_prompt + len(plain.tokens) and "".join(lp.tokens[:n_prompt]) == PROMPT
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:n_prompt]) and all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.token_logprobs[n_prompt:] == plain.token_logprobs and lp.tokens[n_prompt:] == plain.tokens
+    assert lp.text_offset[n_prompt] == len(PROMPT)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT + want[0]
 
 
 def test_a_batch_of_prompts_gets_one_choice_per_prompt_and_n(client, tiny_model):

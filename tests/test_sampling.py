@@ -1,5 +1,6 @@
 """Torch-free unit tests of sampling: top-k / top-p filtering against numpy, greedy rows, draws
-that stay inside each row's filtered set, per-row keys independent of the batch, option checks."""
+that stay inside each row's filtered set, per-row keys independent of the batch, option checks,
+penalties (off: the logits unchanged; a round's positions: as if emitted one by one)."""
 
 import jax
 import jax.numpy as jnp
@@ -102,8 +103,39 @@ def test_sampling_options_are_checked_and_pick_their_sampler():
         (dict(top_k=-1), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
+        (dict(presence=2.5), "presence penalty"),
+        (dict(frequency=float("nan")), "frequency penalty"),
+        (dict(repetition=0.0), "repetition penalty"),
+        (dict(repetition=float("inf")), "repetition penalty"),
     ]:
         with pytest.raises(EejaxError, match=match):
             SamplingParams(**bad)
     with pytest.raises(EejaxError, match="vocabulary size 40"):
         SamplingParams(1.0, top_k=41).check_vocab(40)
+
+
+def test_penalties_off_change_nothing_and_positions_count_the_drafts_before_them():
+    from eejax.decode.penalties import TokenCounts, apply_penalties, apply_to_positions, count_tokens
+
+    rng = np.random.default_rng(0)
+    vocab, rows = 12, [SamplingParams(), SamplingParams(0.7, presence=0.5, frequency=-0.3, repetition=1.7)]
+    logits = jnp.asarray(rng.normal(size=(2, 3, vocab)) * 3, jnp.float32)
+    sampling = jax.tree.map(jnp.asarray, RowSampling.of(rows))
+    counts = jax.tree.map(jnp.asarray, TokenCounts.of([[1, 2, 2], [3, 4]], [[5, 5, 1], [3, 6, 6, 6]], vocab, 2))
+    assert SamplingParams(0.7).penalized is False and rows[1].penalized
+    off = apply_penalties(logits[:, 0], sampling, counts)
+    assert np.array_equal(np.asarray(off[0]), np.asarray(logits[0, 0]))  # bit for bit
+    drafts = jnp.asarray([[7, 7], [4, 8]], jnp.int32)
+    at_positions = apply_to_positions(logits, sampling, counts, drafts)
+    step = counts
+    for j in range(3):  # position j: as if drafts[:, :j] had been emitted one by one
+        want = apply_penalties(logits[:, j], sampling, step)
+        np.testing.assert_array_equal(np.asarray(at_positions[:, j]), np.asarray(want))
+        if j < 2:
+            step = count_tokens(step, drafts[:, j : j + 1], jnp.ones((2, 1), bool))
+    row = np.asarray(logits[1, 0])  # by hand: token 6 (3 times generated), 4 (prompt), 0 (unseen)
+    got = np.asarray(off[1])
+    assert np.isclose(got[0], row[0])
+    assert np.isclose(got[4], row[4] / 1.7 if row[4] > 0 else row[4] * 1.7)
+    rep6 = row[6] / 1.7 if row[6] > 0 else row[6] * 1.7
+    assert np.isclose(got[6], rep6 + 0.3 * 3 - 0.5)

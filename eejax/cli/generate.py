@@ -70,6 +70,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
             batch_size=args.batch_size,
@@ -155,6 +158,25 @@ def add_parsers(sub) -> None:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    gen.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide a positive logit (multiply a negative one) of every token already in the prompt or "
+        "output by this (> 0; 1.0 = off, the default; 1.1-1.3 tames loops like SmolLM2's)",
+    )
+    gen.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this times a token's count in the output from its logit ([-2, 2]; 0 = off)",
+    )
+    gen.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this from the logit of every token already in the output ([-2, 2]; 0 = off)",
+    )
     gen.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
     gen.add_argument(
         "--truncate-prompt-tokens", type=positive_int, metavar="N", help="keep the first N tokens of each prompt"

@@ -1,4 +1,5 @@
-"""Next-token choice from logits: greedy, or temperature with top-k / top-p filtering.
+"""Next-token choice from logits: greedy, or temperature with top-k / top-p filtering (after the
+repetition / frequency / presence penalties of `penalties.py`, when a row has them).
 
 Randomness is per row and per position: the token a row generates at (absolute) index t is drawn
 with `token_keys(keys, t, stream)`, the row's own key folded with t and a stream id. So a row's
@@ -23,11 +24,15 @@ GREEDY, TEMPERATURE, FILTERED = "greedy", "temperature", "filtered"
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling options (host side): temperature 0 is greedy; top_k 0 and top_p
-    1.0 switch those filters off. On device they ride per row in a `RowSampling`."""
+    1.0 switch those filters off; the penalties (`penalties.py`) are off at presence 0,
+    frequency 0 and repetition 1. On device they ride per row in a `RowSampling`."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
 
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):
@@ -36,6 +41,16 @@ class SamplingParams:
             raise EejaxError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise EejaxError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence", "frequency"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise EejaxError(f"{name} penalty must lie in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if not 0 < self.repetition < float("inf"):
+            raise EejaxError(f"repetition penalty must be a finite number > 0 (1 = off), got {self.repetition}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on (a static program option: the counts are kept and read)."""
+        return (self.presence, self.frequency, self.repetition) != (0.0, 0.0, 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -58,11 +73,15 @@ class SamplingParams:
 @dataclasses.dataclass
 class RowSampling:
     """Sampling options per row, traced (so a new temperature compiles nothing):
-    temperature [B] f32 (0: greedy), top_k [B] int32 (0: off), top_p [B] f32 (1: off)."""
+    temperature [B] f32 (0: greedy), top_k [B] int32 (0: off), top_p [B] f32 (1: off), and the
+    presence [B], frequency [B] (0: off) and repetition [B] (1: off) penalties, f32."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
 
     @classmethod
     def of(cls, params: SamplingParams | list[SamplingParams], rows: int | None = None) -> RowSampling:
@@ -72,6 +91,9 @@ class RowSampling:
             np.asarray([p.temperature for p in params], np.float32),
             np.asarray([p.top_k for p in params], np.int32),
             np.asarray([p.top_p for p in params], np.float32),
+            np.asarray([p.presence for p in params], np.float32),
+            np.asarray([p.frequency for p in params], np.float32),
+            np.asarray([p.repetition for p in params], np.float32),
         )
 
     @property

@@ -15,9 +15,10 @@ A round has two jitted programs:
   distributions p_0..p_{P-1} decide:
   greedy accepts the longest prefix of drafts equal to argmax p (`greedy_accept`); with
   temperature > 0 speculative rejection sampling keeps the output distribution exactly the
-  full model's (`speculative_sample`). Either way a row emits n accepted drafts plus one token
-  of the full model (none when all d were accepted without the bonus pass), cut at EOS and at
-  the row's own limit.
+  full model's (`speculative_sample`). With penalties, p_i is penalised as if x_1..x_i had been
+  emitted, so that both stay exact. Either way a row emits n accepted drafts plus one token of
+  the full model (none when all d were accepted without the bonus pass), cut at EOS and at the
+  row's own limit.
 
 Every row keeps x_0..x_{k-1} of the k tokens it emitted in the cache and the rest is rolled
 back by `seq_len` alone: the K/V at an accepted position were computed from the same tokens
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 from eejax.cache import KVCache
 from eejax.decode import feature_draft
 from eejax.decode.drafts import Drafts, token_batch
+from eejax.decode.penalties import apply_to_positions, count_tokens
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
 from eejax.decode.state import DecodeState, is_eos, only_group, record_logprobs, ungrouped
 from eejax.decode.steps import decode, exit_logits, reduced_logits
@@ -190,6 +192,8 @@ def verify(
     m = model_module(config)
     h, cache = m.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
     logits = m.lm_head(params, h, config)  # [B, d+1, V]
+    if options.penalties:  # each position as if the drafts before it were emitted
+        logits = apply_to_positions(logits, state.sampling, state.counts, drafts.tokens[:, 1:t])
     n, new = greedy_accept(logits, drafts.tokens[:, 1:])  # [B], [B, t]
     if sampler != GREEDY:  # rejection sampling for the rows that sample; greedy rows keep the argmax
         per_position = jax.tree.map(lambda x: jnp.repeat(x, t), state.sampling)
@@ -228,6 +232,7 @@ def verify(
         exit_layers=state.exit_layers.at[rows, idx].set(layers, mode="drop"),
         confident_layers=state.confident_layers.at[rows, idx].set(layers, mode="drop"),
         logprobs=record_logprobs(state, logits, new, idx, emitted, sampler) if options.logprobs else state.logprobs,
+        counts=count_tokens(state.counts, new, emitted) if options.penalties else state.counts,
     )
     if options.spec.draft_head:  # the draft's K/V of the verified positions, from the model's features
         new_state, cache = feature_draft.catch_up(params, cache, state, new_state, h, new, count, batch, config)

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from eejax.decode.penalties import TokenCounts
 from eejax.decode.sampling import RowSampling, SamplingParams, logprobs_of
 
 TOP_LOGPROBS = 20  # the most alternatives a row's log-prob record keeps (OpenAI's bound)
@@ -75,6 +76,8 @@ class DecodeState:
     logprobs:             a `LogprobRecord`, or None when nobody asks for log-probabilities
     draft_hidden [B, D] f32: with a draft head (`feature_draft`), its output at the row's last
                           cached position (its guess of the feature of last_token); else None
+    counts:               with penalties (`StepOptions.penalties`), the rows' `TokenCounts`
+                          (prompt tokens, and the generated ones, last_token included); else None
     """
 
     last_token: jax.Array
@@ -91,6 +94,7 @@ class DecodeState:
     context: Any = None
     logprobs: LogprobRecord | None = None
     draft_hidden: jax.Array | None = None
+    counts: TokenCounts | None = None
 
     @property
     def position(self):

@@ -21,6 +21,8 @@ from eejax.cache import KVCache
 from eejax.decode import feature_draft
 from eejax.decode.confidence import exit_threshold
 from eejax.decode.early_exit import ExitFns, early_exit_layers
+from eejax.decode.penalties import apply_penalties, count_tokens
+from eejax.decode.prompt_scores import score_prompt
 from eejax.decode.sampling import SAMPLE, RowSampling, SamplingParams, expand_logits, row_keys, sample, token_keys
 from eejax.decode.state import DecodeState, LogprobRecord, insert_rows, is_eos, only_group, record_logprobs, ungrouped
 from eejax.models import draft_head, exits
@@ -40,6 +42,8 @@ def prefill(
     sampling=None,
     offset=None,
     next_token=None,
+    counts=None,
+    targets=None,
     *,
     config,
     options: StepOptions,
@@ -54,10 +58,14 @@ def prefill(
     absolute index of each row's first new token; default 0), limit [B] (each row's max new
     tokens; default options.max_new_tokens, the record's width), sampling: the rows'
     `RowSampling` (default greedy); next_token [B] (with a draft head): the prompt token after
-    this chunk, or -1 where the prompt ends in it (default); `options` (`StepOptions.prefilling`):
-    the first token's sampler, EOS ids, attention, and whether a `LogprobRecord` is kept. With a
-    draft head the draft's K/V of the prompt is written too (`feature_draft.prompt_draft`).
+    this chunk, or -1 where the prompt ends in it (default); counts (with `options.penalties`):
+    the rows' `TokenCounts` so far (their whole prompts, not only this chunk); `options`
+    (`StepOptions.prefilling`): the first token's sampler, EOS ids, attention, penalties and
+    whether a `LogprobRecord` is kept. With a draft head the draft's K/V of the prompt is
+    written too (`feature_draft.prompt_draft`).
     Returns (DecodeState, cache). A T5 encodes the prompts and decodes its first token.
+    With `options.prompt_logprobs` (Llama only) it returns (DecodeState, cache, PromptScores
+    [B, T] of the chunk's positions, scoring targets [B, T]: each position's next prompt token).
     """
     max_new_tokens, sampler = options.max_new_tokens, options.sampler
     b = tokens.shape[0]
@@ -79,6 +87,7 @@ def prefill(
             limit,
             sampling,
             record,
+            counts,
             config=config,
             options=options,
         )
@@ -90,9 +99,13 @@ def prefill(
     h, cache = m.run_layers(params, m.embed(params, tokens), cache, batch, config)
     last = h[jnp.arange(b), jnp.maximum(lengths - offset - 1, 0)]
     logits = m.lm_head(params, last, config)
+    if options.penalties:
+        logits = apply_penalties(logits, sampling, counts)
     first = sample(logits, token_keys(keys, start, SAMPLE), sampling, sampler)
     padding = lengths == 0
     first = jnp.where(padding, 0, first)
+    if options.penalties:
+        counts = count_tokens(counts, first[:, None], ~padding[:, None])
     done = padding | is_eos(first, options.eos_ids) | (limit <= 1)
     draft_hidden = None
     if draft_head.has_draft(params):
@@ -116,11 +129,15 @@ def prefill(
         sampling=sampling,
         logprobs=record,
         draft_hidden=draft_hidden,
+        counts=counts if options.penalties else None,
     )
     scores = record_logprobs(
         state, logits[:, None], first[:, None], jnp.zeros((b, 1), jnp.int32), ~padding[:, None], sampler
     )
-    return dataclasses.replace(state, logprobs=scores), cache
+    state = dataclasses.replace(state, logprobs=scores)
+    if options.prompt_logprobs:
+        return state, cache, score_prompt(lambda x: m.lm_head(params, x, config), h, targets)
+    return state, cache
 
 
 def _prefill_encoder_decoder(
@@ -134,6 +151,7 @@ def _prefill_encoder_decoder(
     limit,
     sampling,
     record,
+    counts,
     *,
     config,
     options: StepOptions,
@@ -158,6 +176,7 @@ def _prefill_encoder_decoder(
         sampling=sampling,
         context=model_module(config).encode_context(params, tokens, lengths, config),
         logprobs=logprob_record,
+        counts=counts if options.penalties else None,
     )
     return decode(params, cache, state, block_table, config=config, options=options.decoding())
 
@@ -257,6 +276,8 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, o
         )
         logits, cache, confident = out.logits, out.cache, out.confident_layer
         exit_layer = jnp.full(active.shape, out.exit_layer, jnp.int32)
+    if options.penalties:
+        logits = apply_penalties(logits, state.sampling, state.counts)
     token = jnp.where(
         active,
         sample(logits, token_keys(state.keys, state.position, SAMPLE), state.sampling, sampler),
@@ -285,6 +306,7 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, o
         exit_layers=record(state.exit_layers, exit_layer),
         confident_layers=record(state.confident_layers, confident),
         logprobs=scores,
+        counts=count_tokens(state.counts, token[:, None], active[:, None]) if options.penalties else state.counts,
     ), cache
 
 
@@ -316,6 +338,8 @@ def prefill_slots(
     sampling,
     offset,
     next_token=None,
+    counts=None,
+    targets=None,
     *,
     config,
     options: StepOptions,
@@ -323,9 +347,11 @@ def prefill_slots(
     """Prefills right-padded prompts into decode slots `slots` [b] of `state`: tokens [b, T] are
     positions offset..lengths-1 of each row (offset [b]: a shared prefix already cached), with
     the rows' keys [b, 2], start [b] (tokens generated before, recomputed), limit [b] (max new
-    tokens from there), sampling (`RowSampling` [b]) and with a draft head next_token [b] (see
-    `prefill`). Returns (state, cache)."""
-    new, cache = prefill(
+    tokens from there), sampling (`RowSampling` [b]), with a draft head next_token [b], with
+    penalties counts (`TokenCounts` [b], written into `state.counts`) and with prompt scores
+    targets [b, T] (see `prefill`). Returns (state, cache), and with `options.prompt_logprobs`
+    the chunk's `PromptScores`."""
+    out = prefill(
         params,
         cache,
         tokens,
@@ -337,10 +363,12 @@ def prefill_slots(
         sampling,
         offset,
         next_token,
+        counts,
+        targets,
         config=config,
         options=options,
     )
-    return insert_rows(state, new, slots), cache
+    return (insert_rows(state, out[0], slots),) + out[1:]
 
 
 def decode_slots(params, cache, state, block_table, group, *, config, options: StepOptions):

@@ -14,6 +14,7 @@ import numpy as np
 
 from eejax.cache import pages_needed, prefix_keys
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
+from eejax.decode.penalties import TokenCounts
 from eejax.decode.sampling import RowSampling, SamplingParams
 from eejax.decode.steps import prefill_slots
 from eejax.engine.scheduler import Request, preemption_victim
@@ -73,9 +74,11 @@ class Admission:
             budget -= end - seq.prefilled
             work.append((seq, end))
 
-        # The prefill samples each row's first token: one program per (sampler, log-probs) option.
+        # The prefill samples each row's first token: one program per (sampler, log-probs,
+        # penalties, prompt scores) option.
         def options(item):
-            return self._options(item[0]).prefilling()
+            seq = item[0]
+            return dataclasses.replace(self._options(seq).prefilling(), prompt_logprobs=seq.scoring_prompt)
 
         for group in {options(item): None for item in work}:
             members = [item for item in work if options(item) == group]
@@ -83,8 +86,9 @@ class Admission:
 
     def _shared_prefix(self, seq: Sequence) -> list[int]:
         """The cached pages of the longest prefix of `seq`'s prompt that it shares, one more
-        hold each; at least the last token is left to prefill (it gives the first new token)."""
-        if not self.prefix_caching:
+        hold each; at least the last token is left to prefill (it gives the first new token).
+        None for a row whose prompt must be scored (each position's logits are needed)."""
+        if not self.prefix_caching or seq.scoring_prompt:
             return []
         shareable = (len(seq.prompt) + seq.offset - 1) // self.page_size
         return self.allocator.match(prefix_keys(seq.prompt, self.page_size)[:shareable])
@@ -122,11 +126,24 @@ class Admission:
             table[j] = self.block_table[seq.slot, : table.shape[1]]
             # The prefill writes positions prefilled.. only, into pages no one shares.
             assert all(self.allocator.writable(p) for p in seq.pages[seq.prefilled // self.page_size :]), seq.id
+        targets = None
+        if options.prompt_logprobs:  # each position scores the prompt's next token (-1: none)
+            targets = np.full((b, t), -1, np.int32)
+            for j, (seq, end) in enumerate(work):
+                after = seq.prompt[seq.prefilled + 1 : end + 1]
+                targets[j, : len(after)] = after
+        counts = None
+        if options.penalties:  # the whole prompt's tokens and those generated before a preemption
+            history = [(seq.prompt, seq.tokens[: seq.offset]) for seq, _ in work]
+            counts = TokenCounts.of(*zip(*history), self.config.vocab_size, b)
         program, args = self._prefill_program(
-            tokens, lengths, table, slots, keys, start, limit, sampling, offset, options, next_token
+            tokens, lengths, table, slots, keys, start, limit, sampling, offset, options, next_token, counts, targets
         )
         started = time.perf_counter()
-        self.state, self.cache = program(*args)
+        state, self.cache, *scores = program(*args)
+        self._keep(state)
+        if scores:
+            self._record_prompt_scores(work, jax.device_get(scores[0]))
         if self.batch_job:
             jax.block_until_ready(self.state)
             self.counters["prefill_s"] += time.perf_counter() - started
@@ -145,6 +162,19 @@ class Admission:
         self.counters["prefills"] += 1
         self.counters["padding_tokens"] += int(b * t - (lengths - offset).sum())
 
+    @staticmethod
+    def _record_prompt_scores(work: list[tuple[Sequence, int]], scores) -> None:
+        """Appends to each row's prompt log-probs those of its positions prefilled..end-1 (host
+        `PromptScores` [b, T]); the first prompt token gets None."""
+        for j, (seq, end) in enumerate(work):
+            if not seq.prompt_token_logprobs:
+                seq.prompt_token_logprobs.append(None)
+                seq.prompt_top_logprobs.append(None)
+            for i in range(min(end, len(seq.prompt) - 1) - seq.prefilled):
+                seq.prompt_token_logprobs.append(float(scores.chosen[j, i]))
+                top = zip(scores.top_ids[j, i, : seq.prompt_logprobs], scores.top[j, i, : seq.prompt_logprobs])
+                seq.prompt_top_logprobs.append([(int(a), float(b)) for a, b in top])
+
     def _prefill_width(self, prompt_bucket: int) -> int:
         return min(self.table_width, bucket(pages_needed(prompt_bucket, self.page_size)))
 
@@ -161,21 +191,34 @@ class Admission:
         offset,
         options: StepOptions,
         next_token=None,
+        counts: TokenCounts | None = None,
+        targets=None,
     ):
         """The prefill program and its arguments; `next_token` [b] only matters with a draft head
-        (`steps.prefill`), and is passed only then."""
-        if self.model.params.get("draft") and next_token is None:
-            next_token = np.full((len(lengths),), -1, np.int32)
+        (`steps.prefill`), and is passed only then; `counts` (host `TokenCounts` [b]) only with
+        `options.penalties` (default: none seen), `targets` [b, T] only with
+        `options.prompt_logprobs` (default: none)."""
+        b = len(lengths)
+        extra = options.penalties or options.prompt_logprobs  # arguments after next_token
+        if (self.model.params.get("draft") or extra) and next_token is None:
+            next_token = np.full((b,), -1, np.int32)
         args = (
             self.model.run_params,
             self.cache,
-            self.state,
+            self._with_counts(options),
             *map(jnp.asarray, (tokens, lengths, table, slots, keys, start, limit)),
             jax.tree.map(jnp.asarray, sampling),
             jnp.asarray(offset),
         )
-        if self.model.params.get("draft"):
+        if self.model.params.get("draft") or extra:
             args += (jnp.asarray(next_token),)
+        if options.penalties:
+            counts = TokenCounts.zeros(b, self.config.vocab_size) if counts is None else counts
+            args += (jax.tree.map(jnp.asarray, counts),)
+        elif extra:
+            args += (None,)
+        if options.prompt_logprobs:
+            args += (jnp.asarray(np.full(tokens.shape, -1, np.int32) if targets is None else targets),)
         return self.model.programs.get(prefill_slots, args, self.config, options, donate_argnums=(1,)), args
 
     def warmup(self, max_prompt_len: int | None = None, progress: bool = True) -> int:

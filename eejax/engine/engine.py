@@ -40,6 +40,7 @@ import numpy as np
 from eejax.cache import PageAllocator, page_bytes, pages_for_budget, pages_needed
 from eejax.decode import speculative
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
+from eejax.decode.penalties import TokenCounts
 from eejax.decode.sampling import SamplingParams
 from eejax.decode.state import empty_state
 from eejax.decode.steps import decode_slots
@@ -85,6 +86,9 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
         seed: int = 0,
         policy: str = "fcfs",
         bucketing: bool = True,
@@ -171,7 +175,14 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
             max_rows=max_slots,
             margin=margin,
         )
-        self.sampling = SamplingParams(float(temperature), int(top_k), float(top_p))  # a request's default
+        self.sampling = SamplingParams(  # a request's default
+            float(temperature),
+            int(top_k),
+            float(top_p),
+            float(presence_penalty),
+            float(frequency_penalty),
+            float(repetition_penalty),
+        )
         self.sampling.check_vocab(config.vocab_size)
         # The options of the engine's programs; a group of rows replaces the per-request ones.
         self.options = StepOptions(max_new_tokens, () if ignore_eos else model.eos_token_ids, attention=attention)
@@ -181,6 +192,9 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.max_decoding_options = max_decoding_options
         self.decoding_options: set = {(self.exit_config, None)}
         self.state = self._empty_state()
+        # The slots' token counts, for rows with penalties: apart from `state` (which every program
+        # returns anew) and taken only by the programs of such rows (`_with_counts`).
+        self.counts = TokenCounts.zeros(max_slots, config.vocab_size)
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
         self.block_table = np.zeros((max_slots, self.table_width), np.int32)
@@ -293,7 +307,8 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         speculation round."""
         if options.spec is None:
             program, args = self._decode_program(table, group, options)
-            self.state, self.cache = program(*args)
+            state, self.cache = program(*args)
+            self._keep(state)
         else:
             self._dispatch_round(table, group, options)
         self.counters["steps"] += 1
@@ -303,7 +318,12 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         a program with sampled ones: their argmax runs alone; nor do rows that filter (top-k /
         top-p: a sort) with rows that only scale.) A speculation round's d and bonus pass come from
         its group's policy at dispatch (`Speculation`)."""
-        options = dataclasses.replace(self.options, sampler=seq.sampling.sampler, logprobs=seq.logprobs is not None)
+        options = dataclasses.replace(
+            self.options,
+            sampler=seq.sampling.sampler,
+            logprobs=seq.logprobs is not None,
+            penalties=seq.sampling.penalized,
+        )
         if seq.spec is not None:
             return dataclasses.replace(options, spec=seq.spec)
         return dataclasses.replace(options, exit=seq.exit, num_steps=self._next_steps)
@@ -313,8 +333,19 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         width = min(self.table_width, bucket(pages_needed(longest, self.page_size)))
         return jnp.asarray(self.block_table[:, :width])
 
+    def _with_counts(self, options: StepOptions):
+        """The slots' state for a program of `options`: with the token counts when it applies
+        penalties (the program returns them in its state: `_keep`)."""
+        return dataclasses.replace(self.state, counts=self.counts) if options.penalties else self.state
+
+    def _keep(self, state) -> None:
+        """Takes a program's new state, and its token counts when it returns them."""
+        if state.counts is not None:
+            self.counts, state = state.counts, dataclasses.replace(state, counts=None)
+        self.state = state
+
     def _decode_program(self, table, group, options: StepOptions):
-        args = (self.model.run_params, self.cache, self.state, table, group)
+        args = (self.model.run_params, self.cache, self._with_counts(options), table, group)
         return self.model.programs.get(decode_slots, args, self.config, options, donate_argnums=(1,)), args
 
     def _read(self, state, running: dict[int, Sequence], counters) -> None:

@@ -51,6 +51,9 @@ def generate(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
     seed: int = 0,
     ignore_eos: bool = False,
     batch_size: int | None = None,
@@ -74,6 +77,9 @@ def generate(
     (Triton on CUDA, the jnp reference elsewhere), "reference" or "triton" (interpreted without
     a GPU: slow). Sampling is seeded per row and position: row i draws with
     `fold_in(seed_key(seed), i)` folded with each token's index, whatever batch it runs in.
+    `presence_penalty` / `frequency_penalty` (OpenAI's, in [-2, 2], 0 = off) and
+    `repetition_penalty` (vLLM's and HF's, > 0, 1 = off) penalise tokens already seen before
+    temperature, top-k and top-p (`decode/penalties.py`); lossless speculation stays exact.
     """
 
     config = model.config
@@ -94,7 +100,14 @@ def generate(
         raise EejaxError(f"batch_size must be >= 1, got {batch_size}")
     if page_size < 1:
         raise EejaxError(f"page_size must be >= 1, got {page_size}")
-    sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
+    sampling = SamplingParams(
+        float(temperature),
+        int(top_k),
+        float(top_p),
+        float(presence_penalty),
+        float(frequency_penalty),
+        float(repetition_penalty),
+    )
     sampling.check_vocab(config.vocab_size)
 
     # The cache holds a Llama's prompt and new tokens, a T5 decoder's start and new tokens (its
@@ -126,6 +139,9 @@ def generate(
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
+        presence_penalty=sampling.presence,
+        frequency_penalty=sampling.frequency,
+        repetition_penalty=sampling.repetition,
         bucketing=False,
         attention=attention,
         prefix_caching=False,

@@ -12,6 +12,7 @@ import time
 import jax
 
 from eejax.decode import speculative
+from eejax.decode.penalties import TokenCounts
 from eejax.engine import replicas
 from eejax.engine.sequence import Sequence
 
@@ -33,7 +34,7 @@ class Lifecycle:
 
     def _device_state_ok(self) -> bool:
         try:
-            jax.block_until_ready((self.cache, self.state, self.spec_counters))
+            jax.block_until_ready((self.cache, self.state, self.counts, self.spec_counters))
             return True
         except Exception:  # noqa: BLE001 - donated to a program that failed, or computed by one
             return False
@@ -43,6 +44,7 @@ class Lifecycle:
         log.error("the device state was lost; failing %d running requests", len(self.running))
         self.cache = self.model.new_cache(self.allocator.num_pages, self.page_size)
         self.state = self._empty_state()
+        self.counts = TokenCounts.zeros(self.slots, self.config.vocab_size)
         self.spec_counters = speculative.SpecCounters.zeros(self.slots)
         self._pending = None
         self._fail(self._in_slots(), error)

@@ -32,6 +32,7 @@ SEQUENCE_FIELDS = (
     "logprobs",
     "stop",
     "stop_token_ids",
+    "prompt_logprobs",
     "submitted_at",
 )
 

@@ -42,10 +42,14 @@ class Requests:
         temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
         spec: SpecConfig | str | None = None,
         seed: int | None = None,
         choice: int = 0,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
         stop=(),
         stop_token_ids=(),
         timeout: float | None = None,
@@ -53,9 +57,12 @@ class Requests:
         """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
         engine's early-exit option for this request ("none" = full depth), `spec` ("E:d", or
         "draft:d" with a draft head) decodes it by speculation, `temperature`, `top_k`, `top_p`
-        set its sampling (traced values: a new setting compiles nothing). Sampled tokens depend
+        set its sampling, `presence_penalty`, `frequency_penalty` and `repetition_penalty` its
+        penalties (`decode/penalties.py`; None: the engine's; traced values: a new setting compiles
+        nothing, though rows with penalties run apart from those without). Sampled tokens depend
         only on the prompt, the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`.
-        `logprobs` (0 to 20 alternatives) records each token's log-probability; `stop` (strings)
+        `logprobs` (0 to 20 alternatives) records each token's log-probability, `prompt_logprobs`
+        (0 to 20) each prompt token's under the model (`seq.prompt_token_logprobs`); `stop` (strings)
         and `stop_token_ids` end the request like EOS does. `timeout` (seconds from now, waiting
         in the queue included; None: none): past it the request ends with what it has, finish
         reason "length" and `timed_out` set, its pages freed (a background loop's check, each
@@ -76,6 +83,9 @@ class Requests:
             default.temperature if temperature is None else float(temperature),
             default.top_k if top_k is None else int(top_k),
             default.top_p if top_p is None else float(top_p),
+            default.presence if presence_penalty is None else float(presence_penalty),
+            default.frequency if frequency_penalty is None else float(frequency_penalty),
+            default.repetition if repetition_penalty is None else float(repetition_penalty),
         )
         sampling.check_vocab(self.config.vocab_size)
         exit_config = self.exit_config if exit is None else (None if exit == "none" else self.checked_exit(exit))
@@ -99,8 +109,11 @@ class Requests:
             raise EejaxError(f"{prompt} + {max_new_tokens} new tokens exceeds {bound}")
         if max(ids) >= self.config.vocab_size or min(ids) < 0:
             raise EejaxError(f"token ids must lie in [0, {self.config.vocab_size})")
-        if logprobs is not None and not 0 <= logprobs <= TOP_LOGPROBS:
-            raise EejaxError(f"logprobs must lie in [0, {TOP_LOGPROBS}], got {logprobs}")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and not 0 <= value <= TOP_LOGPROBS:
+                raise EejaxError(f"{name} must lie in [0, {TOP_LOGPROBS}], got {value}")
+        if prompt_logprobs is not None and self.encoder_decoder:
+            raise EejaxError("prompt_logprobs need a decoder-only model (an encoder-decoder's prompt is the encoder's)")
         stop, stop_token_ids = tuple(stop), tuple(int(t) for t in stop_token_ids)
         if not all(isinstance(x, str) and x for x in stop):
             raise EejaxError("stop strings must be non-empty strings")
@@ -130,6 +143,7 @@ class Requests:
                 logprobs,
                 stop,
                 stop_token_ids,
+                prompt_logprobs,
             )
             seq.deadline = None if timeout is None else seq.submitted_at + timeout
             self._queue(seq)

@@ -28,6 +28,7 @@ class Sequence:
     logprobs: int | None = None  # top alternatives to report per token (0: the token's own only); None: off
     stop: tuple[str, ...] = ()  # strings that end the request (matched on the detokenised text)
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the request (kept, like EOS)
+    prompt_logprobs: int | None = None  # alternatives to report per prompt token; None: the prompt is not scored
     # Self-speculation's `SpecCounters` of the row (drafted, accepted, rounds, ...: set when the
     # request ends), and the (accepted, rejections) the engine's policy has seen of them.
     spec_counters: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -37,6 +38,9 @@ class Sequence:
     confident_layers: list[int] = dataclasses.field(default_factory=list)  # the row's own first confident layer
     token_logprobs: list[float] = dataclasses.field(default_factory=list)  # with `logprobs`
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # With `prompt_logprobs`, per prompt token (None for the first: nothing precedes it):
+    prompt_token_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "cancelled",
     # "abort" (the server shut down before it ended), "error" (a step failed on it: see `error`)
     error: str | None = None
@@ -64,6 +68,11 @@ class Sequence:
     def accepted(self) -> int:
         """Self-speculation drafts accepted (0 until the request ends)."""
         return self.spec_counters.get("accepted", 0)
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether its prefill must still score prompt tokens (`prompt_logprobs`)."""
+        return self.prompt_logprobs is not None and len(self.prompt_token_logprobs) < len(self.prompt)
 
     @property
     def finished(self) -> bool:

@@ -39,27 +39,30 @@ class Speculation:
         d = policy.next_speculations()
         params, programs = self.model.run_params, self.model.programs
         if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
-            args = (params, self.cache, self.state, self.spec_counters, table, group)
+            args = (params, self.cache, self._with_counts(options), self.spec_counters, table, group)
             plain = programs.get(plain_step_slots, args, self.config, options.plain(), donate_argnums=(1,))
             start = time.perf_counter()
-            self.state, self.cache, self.spec_counters = jax.block_until_ready(plain(*args))
+            state, self.cache, self.spec_counters = jax.block_until_ready(plain(*args))
+            self._keep(state)
             policy.observe_plain(time.perf_counter() - start)
             return
         bonus = policy.bonus(d)
         round_options = options.round(d, bonus)
         if not options.spec.adaptive:
-            args = (params, self.cache, self.state, self.spec_counters, table, group)
+            args = (params, self.cache, self._with_counts(options), self.spec_counters, table, group)
             program = programs.get(spec_round_slots, args, self.config, round_options, donate_argnums=(1,))
-            self.state, self.cache, self.spec_counters = program(*args)
+            state, self.cache, self.spec_counters = program(*args)
+            self._keep(state)
             return
         args = (params, self.cache, self.state, table, group)
         draft = programs.get(draft_slots, args, self.config, round_options.drafting(), donate_argnums=(1,))
         start = time.perf_counter()
         drafts, self.cache = jax.block_until_ready(draft(*args))
         drafted_at = time.perf_counter()
-        args = (params, self.cache, self.state, drafts, self.spec_counters, table, group)
+        args = (params, self.cache, self._with_counts(options), drafts, self.spec_counters, table, group)
         verify = programs.get(verify_slots, args, self.config, round_options.verifying(), donate_argnums=(1,))
-        self.state, self.cache, self.spec_counters = jax.block_until_ready(verify(*args))
+        state, self.cache, self.spec_counters = jax.block_until_ready(verify(*args))
+        self._keep(state)
         policy.observe_times(d, drafted_at - start, time.perf_counter() - drafted_at, passes=d + bonus)
 
     def _observe_acceptance(self, running: dict[int, Sequence], counters) -> None:

@@ -3,12 +3,14 @@
 POST /v1/completions, POST /v1/chat/completions (chat template from the tokenizer), `stream: true`
 as server-sent events; GET /v1/models; GET /health; GET /metrics (Prometheus text). Honoured
 besides the prompt: max_tokens / max_completion_tokens, temperature, top_p, top_k (vLLM's), n,
-seed, stop, stop_token_ids (vLLM's), logprobs (completions: 0 to 20 alternatives; chat: logprobs
-and top_logprobs), stream_options.include_usage; see `eejax.serve.schema` for what is refused.
+seed, stop, stop_token_ids (vLLM's), presence_penalty, frequency_penalty, repetition_penalty
+(vLLM's), logprobs (completions: 0 to 20 alternatives; chat: logprobs and top_logprobs), echo
+(completions; with logprobs, the prompt's own), stream_options.include_usage; see
+`eejax.serve.schema` for what is refused.
 eejax extras: `exit`, `spec` and `priority` in a request; `eejax.tokens` and `eejax.exit_layers`
 (layers run per token) in a response (of its first choice; each choice has its own with n > 1).
 Temperature / top_p / top_k default to the server's (`eejax serve --temperature`, greedy by
-default); they are traced values, so no setting compiles a new program.
+default); they and the penalties are traced values, so no setting compiles a new program.
 
 Hostile input gets a 4xx and never reaches the engine: bodies over `max_body_bytes` (413), bad
 JSON, JSON nested too deep and strings that are not Unicode (a lone surrogate) (400), and every
@@ -27,6 +29,7 @@ from eejax.decode.prompts import prompt_token_ids
 from eejax.engine.stops import visible_text
 from eejax.errors import EejaxError
 from eejax.options import ExitConfig, SpecConfig
+from eejax.serve import logprobs as spelled
 from eejax.serve.access import AccessMiddleware, completion_fields, decoding_of
 from eejax.serve.schema import ChatRequest, CompletionRequest, RequestError, parse, unicode_error
 
@@ -153,9 +156,11 @@ def create_app(
                             temperature=req.temperature,
                             top_p=req.top_p,
                             top_k=None if req.top_k is None else max(req.top_k, 0),
+                            **req.penalties,
                             seed=seed,
                             choice=choice,
                             logprobs=top_logprobs,
+                            prompt_logprobs=top_logprobs if getattr(req, "echo", False) else None,
                             stop=req.stops,
                             stop_token_ids=req.stop_token_ids or (),
                             timeout=timeout,
@@ -214,36 +219,21 @@ def create_app(
     def token_text(token: int) -> str:
         return tokenizer.decode([token])
 
-    def completion_logprobs(seq, start: int, end: int, offset: int) -> dict:
-        """OpenAI's legacy completions logprobs of tokens [start, end), text offsets from `offset`."""
-        texts = [token_text(t) for t in seq.tokens[start:end]]
-        offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
-
-        def alternatives(top) -> dict:
-            """Keyed by text: of tokens with the same text (bytes of one character, say), the likeliest."""
-            out: dict = {}
-            for token, logprob in top:
-                out.setdefault(token_text(token), logprob)
-            return out
-
-        return {
-            "tokens": texts,
-            "token_logprobs": seq.token_logprobs[start:end],
-            "top_logprobs": [alternatives(top) for top in seq.top_logprobs[start:end]],
-            "text_offset": offsets,
-        }
+    def completion_logprobs(seq, start: int, end: int, offset: int, echo: bool = False) -> dict:
+        """Legacy completions logprobs of tokens [start, end), text offsets from `offset`; with
+        `echo`, the prompt's tokens first (from offset 0)."""
+        prompt = (seq.prompt, seq.prompt_token_logprobs, seq.prompt_top_logprobs) if echo else ([], [], [])
+        return spelled.completion_logprobs(
+            token_text,
+            prompt[0] + seq.tokens[start:end],
+            prompt[1] + seq.token_logprobs[start:end],
+            prompt[2] + seq.top_logprobs[start:end],
+            0 if echo else offset,
+        )
 
     def chat_logprobs(seq, start: int, end: int) -> dict:
-        def entry(token, logprob):
-            text = token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {
-            "content": [
-                {**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
-                for t, lp, top in zip(seq.tokens[start:end], seq.token_logprobs[start:end], seq.top_logprobs[start:end])
-            ]
-        }
+        tokens, logprobs, tops = seq.tokens[start:end], seq.token_logprobs[start:end], seq.top_logprobs[start:end]
+        return spelled.chat_logprobs(token_text, tokens, logprobs, tops)
 
     def extras(seq) -> dict:
         out = {"tokens": seq.tokens, "exit_layers": seq.exit_layers}
@@ -268,6 +258,15 @@ def create_app(
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         scored = seqs[0].logprobs is not None
+        echo = not chat and bool(req.echo)
+
+        def echoed(j: int) -> str:
+            """The prompt text choice j starts with (`echo`): the prompt as sent, or its ids' text."""
+            if not echo:
+                return ""
+            prompt = req.prompts[j // req.choices]
+            return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
         if req.stream:
             head = {
                 "id": rid,
@@ -284,6 +283,7 @@ def create_app(
                 scored_upto = [0] * len(seqs)  # tokens whose log-probs were streamed
                 seen = [0] * len(seqs)  # tokens looked at (decoding the text is the costly part)
                 ended = [False] * len(seqs)
+                echoed_yet = [False] * len(seqs)
                 async with contextlib.aclosing(updates(seqs, request)) as ticks:  # closed with the stream
                     async for _ in ticks:
                         for j, seq in enumerate(seqs):
@@ -292,7 +292,8 @@ def create_app(
                             seen[j] = len(seq.tokens)
                             text = text_of(seq, req.stops)
                             delta, n = text[len(sent[j]) :], len(seq.tokens)
-                            if delta or (scored and n > scored_upto[j]):
+                            first = echo and not echoed_yet[j]  # the echoed prompt goes first
+                            if delta or (scored and n > scored_upto[j]) or first:
                                 message = (
                                     {"content": delta}
                                     if sent[j] or scored_upto[j]
@@ -301,16 +302,18 @@ def create_app(
                                 choice = (
                                     {"index": j, "delta": message, "finish_reason": None}
                                     if chat
-                                    else {"index": j, "text": delta, "finish_reason": None}
+                                    else {"index": j, "text": echoed(j) * first + delta, "finish_reason": None}
                                 )
                                 if scored:
                                     choice["logprobs"] = (
                                         chat_logprobs(seq, scored_upto[j], n)
                                         if chat
-                                        else completion_logprobs(seq, scored_upto[j], n, len(sent[j]))
+                                        else completion_logprobs(
+                                            seq, scored_upto[j], n, len(echoed(j) + sent[j]), first
+                                        )
                                     )
                                     scored_upto[j] = n
-                                sent[j] = text
+                                sent[j], echoed_yet[j] = text, echo
                                 yield chunk([choice])
                             if seq.finish_reason == "error":  # the engine failed on it: say so, end the stream
                                 yield f"data: {json.dumps(failure(seq))}\n\n"
@@ -352,9 +355,9 @@ def create_app(
             else:
                 choice = {
                     "index": j,
-                    "text": text,
+                    "text": echoed(j) + text,
                     "finish_reason": seq.finish_reason,
-                    "logprobs": completion_logprobs(seq, 0, len(seq.tokens), 0) if scored else None,
+                    "logprobs": completion_logprobs(seq, 0, len(seq.tokens), 0, echo) if scored else None,
                 }
             if len(seqs) > 1:
                 choice["eejax"] = extras(seq)

@@ -58,12 +58,13 @@ class _Common(BaseModel):
     exit: str | None = None  # early exit ("softmax:0.9", "static:15", "none"),
     spec: str | None = None  # speculation ("E:d", or "draft:d" with a draft head),
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds (capped by the server's)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)  # 0: off
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)  # 0: off
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's extra; 1: off
     # Defined by OpenAI, honoured only when they ask for nothing:
-    presence_penalty: float | None = Field(None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
 
-    NOT_HONOURED: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "logit_bias")
+    NOT_HONOURED: ClassVar[tuple[str, ...]] = ("logit_bias",)
 
     @field_validator("stop")
     @classmethod
@@ -76,6 +77,15 @@ class _Common(BaseModel):
     @property
     def stops(self) -> list[str]:
         return self.stop or []
+
+    @property
+    def penalties(self) -> dict[str, float | None]:
+        """The penalties as `Engine.submit` takes them (None: the server's default)."""
+        return {
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
 
     @property
     def include_usage(self) -> bool:
@@ -101,7 +111,7 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
-    NOT_HONOURED: ClassVar[tuple[str, ...]] = _Common.NOT_HONOURED + ("echo", "suffix")
+    NOT_HONOURED: ClassVar[tuple[str, ...]] = _Common.NOT_HONOURED + ("suffix",)
 
     @field_validator("logprobs", mode="before")
     @classmethod
