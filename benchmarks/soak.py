@@ -1,10 +1,12 @@
 """A soak: `eejax serve` (its own process, loopback only) under a mixed load for --minutes.
 
 The load, Poisson arrivals at --rate requests/s, each drawn from `MIX`: greedy and sampled
-requests, streamed and not, early exit and self-speculation, n = 2, prompts that share a long
-prefix (the prefix cache), clients that hang up after their first token, hostile bodies (bad
-JSON, a lone surrogate, n far too large, a wrong API key: each must get its 4xx), and requests
-past their deadline (a 0.05 s `timeout`: a 504 or finish reason "length" with `timed_out`).
+requests, streamed and not, early exit and self-speculation, n = 2, repetition and frequency
+penalties, echo with the prompt's log-probs, prompts that share a long prefix (the prefix
+cache), clients that hang up after their first token, hostile bodies (bad JSON, a lone
+surrogate, n far too large, a wrong API key: each must get its 4xx), and requests past their
+deadline (a 0.05 s `timeout`: a 504 or finish reason "length" with `timed_out`). The server
+compiles the mix's programs before it listens (`--warmup-for`).
 Every minute a greedy canary must return the tokens it returned on the unloaded server at the
 start. Every --sample-s seconds it records the server's RSS, its KV pages in use and cached,
 its compiled programs and the latency (end to end, p50 / p99) of the requests that ended in that
@@ -30,12 +32,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import ROOT, write_result  # noqa: E402
+from benchmarks.common import OUT, ROOT  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 
 KEY = "sk-soak-" + os.urandom(8).hex()
@@ -46,10 +49,20 @@ MIX = {  # kind -> weight
     "speculation": 2,
     "n2_sampled": 1,
     "shared_prefix": 2,
+    "penalised": 1,
+    "echo": 1,
     "hang_up": 1,
     "hostile": 1,
     "deadline": 1,
 }
+# The option sets of the mix's requests besides the server's defaults (greedy, full depth) and
+# speculation (--spec).
+WARMUP_FOR = (
+    "temperature=0.8,top_p=0.95",
+    "exit=softmax:0.9",
+    "repetition_penalty=1.2,frequency_penalty=0.4",
+    "logprobs=2,prompt_logprobs=2",
+)
 UNTIMED = ("hostile", "hang_up", "deadline")  # kinds whose time says nothing of the server's latency
 CANARY = "The city council met on Tuesday to discuss"
 
@@ -79,14 +92,14 @@ def prometheus_values(text: str) -> dict[str, float]:
 class Load:
     """The mixed requests, each returning (kind, outcome, seconds); outcome "ok" or what went wrong."""
 
-    def __init__(self, http, texts: list[str], rng: random.Random):
-        self.http, self.texts, self.rng = http, texts, rng
-        self.prefix = texts[-1][:600]  # ~130 tokens every "shared_prefix" request starts with
+    def __init__(self, http, texts: list[str], rng: random.Random, spec: str, scale: float = 1.0):
+        self.http, self.texts, self.rng, self.spec, self.scale = http, texts, rng, spec, scale
+        self.prefix = texts[-1][: int(600 * scale)]  # ~130 tokens every "shared_prefix" request starts with
 
     def prompt(self) -> str:
         text = self.rng.choice(self.texts[20:80])
         start = self.rng.randrange(0, max(1, len(text) - 400))
-        return text[start : start + self.rng.choice((80, 200, 400))]
+        return text[start : start + int(self.rng.choice((80, 200, 400)) * self.scale)]
 
     async def completion(self, body: dict, *, stream: bool = False, hang_up: bool = False) -> tuple[str, dict | None]:
         body = {"model": "m", "max_tokens": self.rng.choice((8, 16, 32)), **body}
@@ -129,9 +142,16 @@ class Load:
             elif kind == "early_exit_stream":
                 outcome, _ = await self.completion({"prompt": self.prompt(), "exit": "softmax:0.9"}, stream=True)
             elif kind == "speculation":
-                outcome, _ = await self.completion({"prompt": self.prompt(), "spec": "15:2"})
+                outcome, _ = await self.completion({"prompt": self.prompt(), "spec": self.spec})
             elif kind == "n2_sampled":
                 outcome, _ = await self.completion({"prompt": self.prompt(), "n": 2, **sampled})
+            elif kind == "penalised":
+                body = {"prompt": self.prompt(), "repetition_penalty": 1.2, "frequency_penalty": 0.4}
+                outcome, _ = await self.completion(body, stream=True)
+            elif kind == "echo":
+                outcome, out = await self.completion({"prompt": self.prompt(), "echo": True, "logprobs": 2})
+                if outcome == "ok" and out["choices"][0]["logprobs"]["token_logprobs"][0] is not None:
+                    outcome = "echo: the first prompt token has a log-prob"
             elif kind == "shared_prefix":
                 outcome, _ = await self.completion({"prompt": self.prefix + " " + self.prompt()}, stream=True)
             elif kind == "hang_up":
@@ -164,7 +184,7 @@ async def soak(args, pid: int, port: int) -> dict:
     kinds, weights = zip(*MIX.items())
     headers = {"Authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=headers, timeout=300) as http:
-        load = Load(http, articles(), rng)
+        load = Load(http, articles(), rng, args.spec, args.prompt_scale)
         want = await canary_tokens(http)  # the unloaded server's answer
         t0 = time.perf_counter()
         end = t0 + args.minutes * 60
@@ -290,6 +310,12 @@ def main() -> int:
     p.add_argument("--sample-s", type=float, default=30.0, help="seconds between samples (default 30)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=str(ROOT / "docs" / "soak.png"), help="the PNG written (default docs/soak.png)")
+    p.add_argument("--spec", default="15:2", help="the speculation requests' spec (default 15:2, for SmolLM2)")
+    p.add_argument(
+        "--warmup", type=int, default=256, help="eejax serve --warmup TOKENS, for the mix's options (0: off)"
+    )
+    p.add_argument("--prompt-scale", type=float, default=1.0, help="prompt lengths x this (a small model's context)")
+    p.add_argument("--out", default=str(OUT), help="the result (soak.json) and the server's log go here")
     args = p.parse_args()
     if args.minutes < 15:
         print("note: with --minutes under 15 the p99 check compares overlapping windows", file=sys.stderr)
@@ -297,10 +323,15 @@ def main() -> int:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "eejax.cli", "serve", "--model", args.model, "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--max-tokens-limit", "64", "--warmup", "256", "--api-key", KEY]
+    cmd += ["--port", str(port), "--max-tokens-limit", "64", "--api-key", KEY]
+    if args.warmup:  # the mix's requests compile before the server listens
+        cmd += ["--warmup", str(args.warmup)]
+        for options in (*WARMUP_FOR, f"spec={args.spec}"):
+            cmd += ["--warmup-for", options]
     cmd += ["--request-timeout", "120", "--log-format", "json", "--served-model-name", "m"]
-    (ROOT / "benchmarks" / "out").mkdir(parents=True, exist_ok=True)
-    log = open(ROOT / "benchmarks" / "out" / "soak-server.log", "w")  # the server's log, JSON access lines
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "soak-server.log", "w")  # the server's log, JSON access lines
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         import httpx
@@ -324,7 +355,9 @@ def main() -> int:
     kinds = {k: sum(d[1] == k for d in result["done"]) for k in MIX}
     payload = {"args": vars(args), "checks": checks, "requests": kinds, "samples": result["samples"]}
     payload["canaries"] = result["canaries"]
-    print(f"wrote {write_result('soak', payload)}")
+    path = out / "soak.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
     plot(result, args.plot)
     print(f"wrote {args.plot}")
     return 0 if all(ok for ok, _ in checks.values()) else 1

@@ -73,14 +73,30 @@ def test_requests_with_their_own_exit_options_share_the_slots(tiny_model):
 
 def test_warmup_compiles_every_program_the_requests_then_need(tiny_model):
     engine = Engine(tiny_model, max_slots=3, max_new_tokens=6, cache_budget="4MiB", page_size=8)
-    # Batch buckets 1, 2, 3 x prompt buckets 16, 24 + decode widths 1, 2, 3, 4 pages (up to 24 + 6 + 2 tokens)
-    # x 1 and 4 steps per program.
-    assert engine.warmup(max_prompt_len=20, progress=False) == 3 * 2 + 4 * 2
+    # Batch buckets 1, 2, 3 x prompt buckets 16 (in a table of 2 pages, or of 3 after a cached prefix)
+    # and 24 (3 pages) + decode widths 1, 2, 3, 4 pages (up to 24 + 6 + 2 tokens) x 1 and 4 steps per program.
+    assert engine.warmup(max_prompt_len=20, progress=False) == 3 * 3 + 4 * 2
     compiled = tiny_model.programs.num_programs
     prompts = random_prompts(7, [1, 20, 9, 14], seed=3)
     seqs = engine.generate_offline(prompts, max_new_tokens=6, progress=False)
     assert tiny_model.programs.num_programs == compiled  # nothing compiled while serving
     assert [s.tokens for s in seqs] == eejax.generate(tiny_model, prompts, max_new_tokens=6).tokens
+
+
+def test_warmup_for_other_requests_compiles_what_they_need(tiny_model):
+    """`warmup(requests=...)`: sampled and penalised, speculating and echo-scored requests, prompts
+    after a cached prefix and in chunks, then compile nothing."""
+    kinds = [dict(temperature=0.8, top_p=0.9, repetition_penalty=1.2), dict(spec="1:2"), dict(prompt_logprobs=2)]
+    engine = Engine(tiny_model, max_slots=1, max_new_tokens=4, cache_budget="4MiB", page_size=8, prefill_chunk=12)
+    engine.warmup(max_prompt_len=16, progress=False, requests=kinds)
+    compiled = tiny_model.programs.num_programs
+    prefix = random_prompts(1, [8], seed=4)[0]
+    prompts = [prefix + p for p in random_prompts(6, [1, 8, 5], seed=3)] + random_prompts(3, [16, 3], seed=5)
+    seqs = [engine.submit(p, max_new_tokens=4, seed=i, **kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
+    engine.run()
+    assert all(s.finish_reason in ("stop", "length") for s in seqs)
+    assert engine.counters["prefix_cache_hit_tokens"] > 0
+    assert tiny_model.programs.num_programs == compiled  # nothing compiled while serving
 
 
 def test_generate_offline_keeps_the_order(tiny_model):

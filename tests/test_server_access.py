@@ -166,7 +166,8 @@ def test_deadlines_over_http(tiny_model):
         started = time.monotonic()
         r = httpx.post(url + "/v1/completions", json={**body, "timeout": 100}, timeout=60)
         assert r.status_code == 504 and r.json()["error"]["param"] == "timeout"
-        assert time.monotonic() - started < 5  # the server's 1 s, not the request's 100
+        # The server's 1 s, not the request's 100 (a loaded machine has taken 5.4 s: the bound is loose).
+        assert time.monotonic() - started < 30
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True, "timeout": 0.2}) as r:
             events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
         assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["eejax"]["timed_out"]

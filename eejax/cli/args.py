@@ -190,3 +190,39 @@ def layer_counts(text: str) -> list[int]:
         return [int(x) for x in text.replace(",", " ").split()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected layer counts such as 3,6,9, got {text!r}") from None
+
+
+# A request's options as `eejax serve --warmup-for` spells them, with their types.
+REQUEST_OPTIONS = {
+    "exit": str,
+    "spec": str,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "logprobs": int,
+    "prompt_logprobs": int,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "repetition_penalty": float,
+}
+
+
+def request_options(text: str) -> dict:
+    """`key=value,key=value` of a request's options (`REQUEST_OPTIONS`) -> submit's keyword arguments."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in REQUEST_OPTIONS:
+            raise argparse.ArgumentTypeError(
+                f"expected key=value pairs of {', '.join(REQUEST_OPTIONS)} separated by commas, got {item!r}"
+            )
+        if key in out:
+            raise argparse.ArgumentTypeError(f"{key} given twice in {text!r}")
+        try:
+            out[key] = REQUEST_OPTIONS[key](value.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{key}: expected {REQUEST_OPTIONS[key].__name__}, got {value!r}"
+            ) from None
+    return out

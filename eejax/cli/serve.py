@@ -13,6 +13,7 @@ from eejax.cli.args import (
     non_negative_float,
     non_negative_int,
     positive_int,
+    request_options,
     seconds_or_off,
 )
 from eejax.errors import EejaxError
@@ -34,6 +35,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise EejaxError('eejax serve needs the serve extra: pip install "eejax[serve]"') from None
     max_body = parse_bytes(args.max_body_size)
+    if args.warmup_for and not args.warmup:
+        raise EejaxError("--warmup-for needs --warmup TOKENS (the prompt lengths to compile for)")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise EejaxError("TLS needs both --ssl-keyfile and --ssl-certfile")
     for tls_file in (args.ssl_keyfile, args.ssl_certfile):
@@ -67,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         steps_per_dispatch=args.steps_per_dispatch,
     )
     if args.warmup:
-        engine.warmup(args.warmup)
+        engine.warmup(args.warmup, requests=args.warmup_for)
     if args.num_processes > 1 and args.process_id != 0:  # a replica: steps with process 0 until it stops
         from eejax.engine.replicas import follow
 
@@ -245,6 +248,17 @@ def add_parsers(sub) -> None:
         metavar="TOKENS",
         help="before listening, compile the programs for prompts of up to TOKENS tokens (default: "
         "each program compiles on its first request)",
+    )
+    srv.add_argument(
+        "--warmup-for",
+        action="append",
+        type=request_options,
+        default=[],
+        metavar="OPTIONS",
+        help="with --warmup, also compile the programs of requests with these options, as key=value pairs "
+        "separated by commas (exit, spec, temperature, top_k, top_p, logprobs, prompt_logprobs, "
+        "presence_penalty, frequency_penalty, repetition_penalty), e.g. 'temperature=0.8,top_p=0.95' or "
+        "'spec=15:2'; repeat for several kinds of request (default: the server's own options only)",
     )
     srv.add_argument(
         "--api-key",

@@ -6,6 +6,7 @@ is left. A mixin: it works on the engine's slots, pages, block table and device 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -221,44 +222,64 @@ class Admission:
             args += (jnp.asarray(np.full(tokens.shape, -1, np.int32) if targets is None else targets),)
         return self.model.programs.get(prefill_slots, args, self.config, options, donate_argnums=(1,)), args
 
-    def warmup(self, max_prompt_len: int | None = None, progress: bool = True) -> int:
-        """Compiles ahead of the first requests the programs they will need with the engine's
-        own options: prefill for every batch bucket up to the slots x every prompt bucket up to
-        `max_prompt_len` (default: the context), decode for every page-table width up to that
-        prompt + max new tokens, of one step and of `steps_per_dispatch`. Nothing runs. Returns how
-        many programs were new."""
+    def warmup(self, max_prompt_len: int | None = None, progress: bool = True, requests=()) -> int:
+        """Compiles ahead of the first requests the programs they will need, for the engine's own
+        options and for each of `requests` (dicts of `submit`'s options: exit, spec, temperature,
+        top_k, top_p, logprobs, prompt_logprobs and the penalties; checked as `submit` checks them,
+        and counted among the decoding options served): prefill for every batch bucket up to the
+        slots x every prompt bucket up to `max_prompt_len` (default: the context) x, where a prefill
+        may start after cached tokens (prefix caching, chunks), every page-table width up to that
+        prompt's; decode for every page-table width up to that prompt + max new tokens, of one
+        step and of `steps_per_dispatch`, or every speculation round (`_compile_spec`). Nothing
+        runs. Returns how many programs were new."""
         from tqdm.auto import tqdm
 
+        seqs = [self.submit([0], max_new_tokens=1, queue=False, **r) for r in ({}, *requests)]
         longest_prompt = self.max_prompt_tokens or self.max_len
         max_prompt_len = min(max_prompt_len or longest_prompt, longest_prompt)
         batches = sorted({bucket(n) for n in range(1, self.slots + 1)})
         prompts = sorted({bucket(n, MIN_PROMPT_BUCKET) for n in range(1, max_prompt_len + 1)})
+        top_width = self._prefill_width(prompts[-1])
         longest = min(self._cache_prompt_len(range(max_prompt_len)) + self.max_new_tokens - 1, self.max_len)
         widths = sorted({min(self.table_width, bucket(pages_needed(n, self.page_size))) for n in range(1, longest + 1)})
-        options = dataclasses.replace(self.options, sampler=self.sampling.sampler)
+        group = jnp.zeros((self.slots,), bool)
         before = self.model.programs.num_programs
-        shapes = [(b, t) for b in batches for t in prompts] + [
-            (-k, w) for k in {1, self.steps_per_dispatch} for w in widths
-        ]
-        for b, n in tqdm(shapes, desc="compiling", disable=not progress):
-            if b < 0:  # -b decode steps at table width n
-                table = jnp.zeros((self.slots, n), jnp.int32)
-                group = jnp.zeros((self.slots,), bool)
-                self._decode_program(table, group, dataclasses.replace(options, exit=self.exit_config, num_steps=-b))
-            else:  # prefill of b rows of n tokens
-                zeros = np.zeros((b,), np.int32)
-                self._prefill_program(
-                    np.zeros((b, n), np.int32),
-                    zeros,
-                    np.zeros((b, self._prefill_width(n)), np.int32),
-                    zeros,
-                    np.zeros((b, 2), np.uint32),
-                    zeros,
-                    zeros,
-                    RowSampling.of(self.sampling, b),
-                    zeros,
-                    options.prefilling(),
-                )
+
+        def prefill(b, t, width, options):
+            zeros = np.zeros((b,), np.int32)
+            table = np.zeros((b, width), np.int32)
+            args = (np.zeros((b, t), np.int32), zeros, table, zeros, np.zeros((b, 2), np.uint32), zeros, zeros)
+            self._prefill_program(*args, RowSampling.of(self.sampling, b), zeros, options)
+
+        def decode(width, options):
+            table = jnp.zeros((self.slots, width), jnp.int32)
+            if options.spec is None:
+                self._decode_program(table, group, options)
+            else:
+                self._compile_spec(table, group, options)
+
+        work = []
+        prefill_options = {
+            dataclasses.replace(self._options(s).prefilling(), prompt_logprobs=s.prompt_logprobs is not None): None
+            for s in seqs
+        }
+        for options in prefill_options:
+            # A prefill after cached tokens (a shared prefix, unless the prompt is scored; an
+            # earlier chunk) writes into a wider table than its own tokens need.
+            resumes = (self.prefix_caching and not options.prompt_logprobs) or self.prefill_chunk is not None
+            for b in batches:
+                for t in prompts:
+                    first = self._prefill_width(t)
+                    for width in sorted({w for w in widths if first < w <= top_width and resumes} | {first}):
+                        work.append(functools.partial(prefill, b, t, width, options))
+        decode_options = {}
+        for s in seqs:
+            options = self._options(s)
+            steps = {1, self.steps_per_dispatch} if options.spec is None else {1}
+            decode_options.update({dataclasses.replace(options, num_steps=k): None for k in steps})
+        work += [functools.partial(decode, w, options) for options in decode_options for w in widths]
+        for compile_one in tqdm(work, desc="compiling", disable=not progress):
+            compile_one()
         return self.model.programs.num_programs - before
 
     def _grow(self) -> None:

@@ -53,6 +53,7 @@ class Requests:
         stop=(),
         stop_token_ids=(),
         timeout: float | None = None,
+        queue: bool = True,
     ) -> Sequence:
         """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
         engine's early-exit option for this request ("none" = full depth), `spec` ("E:d", or
@@ -66,7 +67,8 @@ class Requests:
         and `stop_token_ids` end the request like EOS does. `timeout` (seconds from now, waiting
         in the queue included; None: none): past it the request ends with what it has, finish
         reason "length" and `timed_out` set, its pages freed (a background loop's check, each
-        step)."""
+        step). `queue=False` checks the request and returns its Sequence without queueing it
+        (`warmup` learns a request's programs so)."""
         spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec
         if spec_config is not None:
             if exit not in (None, "none"):
@@ -145,6 +147,8 @@ class Requests:
                 stop_token_ids,
                 prompt_logprobs,
             )
+            if not queue:
+                return seq
             seq.deadline = None if timeout is None else seq.submitted_at + timeout
             self._queue(seq)
             if self._changes is not None:

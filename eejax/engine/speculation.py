@@ -7,9 +7,11 @@ engine's slots and device state."""
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
+import jax.numpy as jnp
 
 from eejax.decode import cost
 from eejax.decode.sampling import GREEDY
@@ -37,10 +39,8 @@ class Speculation:
         """One speculation round of the slots in `group` (adaptive: or a plain step)."""
         policy = self._policy(options)
         d = policy.next_speculations()
-        params, programs = self.model.run_params, self.model.programs
         if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
-            args = (params, self.cache, self._with_counts(options), self.spec_counters, table, group)
-            plain = programs.get(plain_step_slots, args, self.config, options.plain(), donate_argnums=(1,))
+            plain, args = self._plain_program(table, group, options)
             start = time.perf_counter()
             state, self.cache, self.spec_counters = jax.block_until_ready(plain(*args))
             self._keep(state)
@@ -49,21 +49,57 @@ class Speculation:
         bonus = policy.bonus(d)
         round_options = options.round(d, bonus)
         if not options.spec.adaptive:
-            args = (params, self.cache, self._with_counts(options), self.spec_counters, table, group)
-            program = programs.get(spec_round_slots, args, self.config, round_options, donate_argnums=(1,))
+            program, args = self._round_program(table, group, round_options)
             state, self.cache, self.spec_counters = program(*args)
             self._keep(state)
             return
-        args = (params, self.cache, self.state, table, group)
-        draft = programs.get(draft_slots, args, self.config, round_options.drafting(), donate_argnums=(1,))
+        draft, args = self._draft_program(table, group, round_options)
         start = time.perf_counter()
         drafts, self.cache = jax.block_until_ready(draft(*args))
         drafted_at = time.perf_counter()
-        args = (params, self.cache, self._with_counts(options), drafts, self.spec_counters, table, group)
-        verify = programs.get(verify_slots, args, self.config, round_options.verifying(), donate_argnums=(1,))
+        verify, args = self._verify_program(table, group, drafts, round_options)
         state, self.cache, self.spec_counters = jax.block_until_ready(verify(*args))
         self._keep(state)
         policy.observe_times(d, drafted_at - start, time.perf_counter() - drafted_at, passes=d + bonus)
+
+    def _plain_program(self, table, group, options: StepOptions):
+        args = (self.model.run_params, self.cache, self._with_counts(options), self.spec_counters, table, group)
+        return self.model.programs.get(plain_step_slots, args, self.config, options.plain(), donate_argnums=(1,)), args
+
+    def _round_program(self, table, group, round_options: StepOptions):
+        args = (self.model.run_params, self.cache, self._with_counts(round_options), self.spec_counters, table, group)
+        return self.model.programs.get(spec_round_slots, args, self.config, round_options, donate_argnums=(1,)), args
+
+    def _draft_program(self, table, group, round_options: StepOptions):
+        args = (self.model.run_params, self.cache, self.state, table, group)
+        options = round_options.drafting()
+        return self.model.programs.get(draft_slots, args, self.config, options, donate_argnums=(1,)), args
+
+    def _verify_program(self, table, group, drafts, round_options: StepOptions):
+        state = self._with_counts(round_options)
+        args = (self.model.run_params, self.cache, state, drafts, self.spec_counters, table, group)
+        options = round_options.verifying()
+        return self.model.programs.get(verify_slots, args, self.config, options, donate_argnums=(1,)), args
+
+    def _compile_spec(self, table, group, options: StepOptions) -> None:
+        """Compiles (runs nothing) the programs rows speculating with `options` may run at page-table
+        width `table`: every round's (each d an adaptive policy may pick, with and without the
+        bonus pass), and an adaptive group's plain step."""
+        spec = options.spec
+        if not spec.adaptive:
+            for bonus in (False, True):
+                self._round_program(table, group, options.round(spec.num_speculations, bonus))
+            return
+        self._plain_program(table, group, options)
+        for d in range(1, spec.max_speculations + 1):
+            for bonus in (False, True):
+                round_options = options.round(d, bonus)
+                draft, args = self._draft_program(table, group, round_options)
+                shapes = jax.eval_shape(
+                    functools.partial(draft_slots, config=self.config, options=round_options.drafting()), *args
+                )
+                drafts = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])
+                self._verify_program(table, group, drafts, round_options)
 
     def _observe_acceptance(self, running: dict[int, Sequence], counters) -> None:
         """Gives each policy the drafts its rows accepted and the rounds that rejected one since
