@@ -100,14 +100,8 @@ def generate(
         raise EejaxError(f"batch_size must be >= 1, got {batch_size}")
     if page_size < 1:
         raise EejaxError(f"page_size must be >= 1, got {page_size}")
-    sampling = SamplingParams(
-        float(temperature),
-        int(top_k),
-        float(top_p),
-        float(presence_penalty),
-        float(frequency_penalty),
-        float(repetition_penalty),
-    )
+    # Checked here, before any work (the engine checks them again as its defaults).
+    sampling = SamplingParams(temperature, top_k, top_p, presence_penalty, frequency_penalty, repetition_penalty)
     sampling.check_vocab(config.vocab_size)
 
     # The cache holds a Llama's prompt and new tokens, a T5 decoder's start and new tokens (its
