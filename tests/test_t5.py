@@ -107,11 +107,11 @@ def padded(prompts):
     return tokens, np.array([len(p) for p in prompts], np.int32)
 
 
-def hf_greedy(hf, prompt, new_tokens):
+def hf_greedy(hf, prompt, new_tokens, **kw):
     """HF generate for one prompt (no KV cache: transformers' T5 cache assumes as many decoder
     layers as encoder layers); the generated ids, cut after EOS."""
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens, use_cache=False)
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=new_tokens, use_cache=False, **kw)
     ids = out[0, 1:].tolist()  # drop the decoder start token
     return ids[: ids.index(1) + 1] if 1 in ids else ids
 
@@ -228,6 +228,14 @@ def test_greedy_generate_matches_hf(t5_models, kind):
     assert res.tokens == want
     assert len({tuple(t) for t in want}) > 1 and any(len(set(t)) > 3 for t in want)  # not degenerate
     assert res.exit_layers == [[3] * len(t) for t in want]
+
+
+def test_repetition_penalty_matches_hf(t5_models):
+    """The decoder's seen tokens are its start token and its output (not the encoder's prompt), as in HF."""
+    hf, model = t5_models[KINDS[0]]
+    res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, repetition_penalty=1.6)
+    want = [hf_greedy(hf, p, NEW, repetition_penalty=1.6) for p in PROMPTS]
+    assert res.tokens == want and want != [hf_greedy(hf, p, NEW) for p in PROMPTS]
 
 
 def test_rows_do_not_depend_on_their_batch(t5_models):

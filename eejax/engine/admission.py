@@ -88,7 +88,7 @@ class Admission:
     def _shared_prefix(self, seq: Sequence) -> list[int]:
         """The cached pages of the longest prefix of `seq`'s prompt that it shares, one more
         hold each; at least the last token is left to prefill (it gives the first new token).
-        None for a row whose prompt must be scored (each position's logits are needed)."""
+        None (an empty list) for a row whose prompt must be scored: each position needs its logits."""
         if not self.prefix_caching or seq.scoring_prompt:
             return []
         shareable = (len(seq.prompt) + seq.offset - 1) // self.page_size
@@ -135,7 +135,9 @@ class Admission:
                 targets[j, : len(after)] = after
         counts = None
         if options.penalties:  # the whole prompt's tokens and those generated before a preemption
-            history = [(seq.prompt, seq.tokens[: seq.offset]) for seq, _ in work]
+            # (an encoder-decoder's decoder has seen its start token, not the encoder's prompt: as HF)
+            start_token = [self.config.decoder_start_token_id] if self.encoder_decoder else None
+            history = [(start_token or seq.prompt, seq.tokens[: seq.offset]) for seq, _ in work]
             counts = TokenCounts.of(*zip(*history), self.config.vocab_size, b)
         program, args = self._prefill_program(
             tokens, lengths, table, slots, keys, start, limit, sampling, offset, options, next_token, counts, targets
