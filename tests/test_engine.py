@@ -73,9 +73,10 @@ def test_requests_with_their_own_exit_options_share_the_slots(tiny_model):
 
 def test_warmup_compiles_every_program_the_requests_then_need(tiny_model):
     engine = Engine(tiny_model, max_slots=3, max_new_tokens=6, cache_budget="4MiB", page_size=8)
-    # Batch buckets 1, 2, 3 x prompt buckets 16 (in a table of 2 pages, or of 3 after a cached prefix)
-    # and 24 (3 pages) + decode widths 1, 2, 3, 4 pages (up to 24 + 6 + 2 tokens) x 1 and 4 steps per program.
-    assert engine.warmup(max_prompt_len=20, progress=False) == 3 * 3 + 4 * 2
+    # Batch buckets 1, 2, 3 x prompt buckets 16 and 24, each in its own table (2, 3 pages) and in that
+    # of a prefill after a cached prefix (`_resume_width`) + decode widths 1, 2, 3, 4 pages (up to
+    # 24 + 6 + 2 tokens) x 1 and 4 steps per program.
+    assert engine.warmup(max_prompt_len=20, progress=False) == 3 * 2 * 2 + 4 * 2
     compiled = tiny_model.programs.num_programs
     prompts = random_prompts(7, [1, 20, 9, 14], seed=3)
     seqs = engine.generate_offline(prompts, max_new_tokens=6, progress=False)
@@ -237,3 +238,14 @@ def test_penalised_rows_beside_plain_ones_through_preemption_chunks_and_speculat
         assert seq.tokens == want, (seq.id, kw)
         assert (seq.tokens != want_plain) == bool(kw), (seq.id, kw)  # the penalties changed something
     assert engine.metrics()["kv_pages_used"] == 0
+
+
+def test_a_scored_prompt_and_a_plain_one_prefill_in_the_same_step(tiny_model):
+    """A prompt whose log-probs are scored (echo) prefills in its own program beside plain ones in
+    the same step, once each (scoring it must not move it into the plain group as well)."""
+    prompts = random_prompts(3, [6, 11, 4], seed=31)
+    engine = Engine(tiny_model, max_slots=3, max_new_tokens=5, cache_budget="4MiB", page_size=8)
+    seqs = [engine.submit(p, max_new_tokens=5, prompt_logprobs=1 if i == 0 else None) for i, p in enumerate(prompts)]
+    engine.run()
+    assert [s.tokens for s in seqs] == eejax.generate(tiny_model, prompts, max_new_tokens=5).tokens
+    assert len(seqs[0].prompt_token_logprobs) == len(prompts[0]) and not seqs[1].prompt_token_logprobs

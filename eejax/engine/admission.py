@@ -16,7 +16,7 @@ import numpy as np
 from eejax.cache import pages_needed, prefix_keys
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.penalties import TokenCounts
-from eejax.decode.sampling import RowSampling, SamplingParams
+from eejax.decode.sampling import FILTERED, RowSampling, SamplingParams
 from eejax.decode.steps import prefill_slots
 from eejax.engine.scheduler import Request, preemption_victim
 from eejax.engine.sequence import Sequence
@@ -75,15 +75,35 @@ class Admission:
             budget -= end - seq.prefilled
             work.append((seq, end))
 
-        # The prefill samples each row's first token: one program per (sampler, log-probs,
-        # penalties, prompt scores) option.
-        def options(item):
-            seq = item[0]
-            return dataclasses.replace(self._options(seq).prefilling(), prompt_logprobs=seq.scoring_prompt)
-
-        for group in {options(item): None for item in work}:
-            members = [item for item in work if options(item) == group]
+        # Options taken before any prefill runs: a prefill changes them (a scored prompt, once
+        # scored, is not scored again), and a row must not join a second group.
+        options = [self._prefill_options(seq) for seq, _ in work]
+        for group in dict.fromkeys(options):
+            members = [item for item, o in zip(work, options) if o == group]
             self._guarded([seq for seq, _ in members], self._prefill, members, group)
+
+    def _prefill_options(self, seq: Sequence) -> StepOptions:
+        """The options of a row's prefill: one program for every sampler, log-prob and penalty
+        setting (only the prompt's scoring has its own), since a prefill samples one token per
+        row: the filtered sampler gives greedy rows their argmax, penalties at their off values
+        change no logit, and the first token's log-prob record is cheap. (Each program a process
+        holds costs memory maps: see `warmup`.)"""
+        return dataclasses.replace(
+            self.options.prefilling(),
+            sampler=FILTERED,
+            logprobs=True,
+            penalties=True,
+            prompt_logprobs=seq.scoring_prompt,
+        )
+
+    @property
+    def _resume_width(self) -> int:
+        """The page-table width of a prefill that starts after cached tokens (a shared prefix, an
+        earlier chunk): that of the longest prompt `max_prompt_tokens`, whatever its own, so that
+        such prefills compile one program per chunk bucket rather than one per (chunk, prompt)
+        pair (their attention then reads a few more pages of the null page, masked)."""
+        longest = min(self.max_prompt_tokens or self.max_len, self.max_len)
+        return self._prefill_width(bucket(longest, MIN_PROMPT_BUCKET))
 
     def _shared_prefix(self, seq: Sequence) -> list[int]:
         """The cached pages of the longest prefix of `seq`'s prompt that it shares, one more
@@ -114,7 +134,10 @@ class Admission:
         next_token = np.full((b,), -1, np.int32)  # a draft head's token after the chunk (-1: the prompt ends)
         keys = np.zeros((b, 2), np.uint32)
         slots = np.full((b,), self.slots, np.int32)  # padding rows and unfinished prompts: dropped
-        table = np.zeros((b, self._prefill_width(longest)), np.int32)
+        width = self._prefill_width(longest)
+        if any(seq.prefilled > 0 for seq, _ in work):
+            width = max(width, self._resume_width)
+        table = np.zeros((b, width), np.int32)
         sampling = RowSampling.of([seq.sampling for seq, _ in work] + [SamplingParams()] * (b - len(work)))
         for j, (seq, end) in enumerate(work):
             prompt = seq.prompt + seq.tokens[: seq.offset]
@@ -229,11 +252,14 @@ class Admission:
         options and for each of `requests` (dicts of `submit`'s options: exit, spec, temperature,
         top_k, top_p, logprobs, prompt_logprobs and the penalties; checked as `submit` checks them,
         and counted among the decoding options served): prefill for every batch bucket up to the
-        slots x every prompt bucket up to `max_prompt_len` (default: the context) x, where a prefill
-        may start after cached tokens (prefix caching, chunks), every page-table width up to that
-        prompt's; decode for every page-table width up to that prompt + max new tokens, of one
-        step and of `steps_per_dispatch`, or every speculation round (`_compile_spec`). Nothing
-        runs. Returns how many programs were new."""
+        slots x every prompt bucket up to `max_prompt_len` (default: the context), in its own
+        table and, where a prefill may start after cached tokens (prefix caching, chunks), in the
+        `_resume_width` one (prefill programs do not depend on sampling: `_prefill_options`);
+        decode for every page-table width up to that prompt + max new tokens, of one step and of
+        `steps_per_dispatch`, or every speculation round (`_compile_spec`). Nothing runs. Returns
+        how many programs were new. Mind the count: each compiled program maps memory, and an
+        XLA:CPU process here failed ("LLVM compilation error: Cannot allocate memory") at ~340
+        SmolLM2 programs (vm.max_map_count 65530)."""
         from tqdm.auto import tqdm
 
         seqs = [self.submit([0], max_new_tokens=1, queue=False, **r) for r in ({}, *requests)]
@@ -241,7 +267,6 @@ class Admission:
         max_prompt_len = min(max_prompt_len or longest_prompt, longest_prompt)
         batches = sorted({bucket(n) for n in range(1, self.slots + 1)})
         prompts = sorted({bucket(n, MIN_PROMPT_BUCKET) for n in range(1, max_prompt_len + 1)})
-        top_width = self._prefill_width(prompts[-1])
         longest = min(self._cache_prompt_len(range(max_prompt_len)) + self.max_new_tokens - 1, self.max_len)
         widths = sorted({min(self.table_width, bucket(pages_needed(n, self.page_size))) for n in range(1, longest + 1)})
         group = jnp.zeros((self.slots,), bool)
@@ -261,18 +286,15 @@ class Admission:
                 self._compile_spec(table, group, options)
 
         work = []
-        prefill_options = {
-            dataclasses.replace(self._options(s).prefilling(), prompt_logprobs=s.prompt_logprobs is not None): None
-            for s in seqs
-        }
+        prefill_options = {self._prefill_options(s): None for s in seqs}
         for options in prefill_options:
             # A prefill after cached tokens (a shared prefix, unless the prompt is scored; an
-            # earlier chunk) writes into a wider table than its own tokens need.
+            # earlier chunk) writes into the wider `_resume_width` table.
             resumes = (self.prefix_caching and not options.prompt_logprobs) or self.prefill_chunk is not None
             for b in batches:
                 for t in prompts:
                     first = self._prefill_width(t)
-                    for width in sorted({w for w in widths if first < w <= top_width and resumes} | {first}):
+                    for width in sorted({first, max(first, self._resume_width)} if resumes else {first}):
                         work.append(functools.partial(prefill, b, t, width, options))
         decode_options = {}
         for s in seqs:
