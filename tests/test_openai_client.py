@@ -240,7 +240,9 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, tiny_model):
     assert len(lp.tokens) == n_prompt + len(plain.tokens) and "".join(lp.tokens[:n_prompt]) == PROMPT
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(x <= 0 for x in lp.token_logprobs[1:n_prompt]) and all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
-    assert lp.token_logprobs[n_prompt:] == plain.token_logprobs and lp.tokens[n_prompt:] == plain.tokens
+    # (the plain request may resume after a cached prefix, in a wider page table: the last digits differ)
+    assert lp.token_logprobs[n_prompt:] == pytest.approx(plain.token_logprobs, abs=1e-5)
+    assert lp.tokens[n_prompt:] == plain.tokens
     assert lp.text_offset[n_prompt] == len(PROMPT)
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, echo=True, stream=True))
     assert chunks[0].choices[0].text.startswith(PROMPT)
