@@ -249,3 +249,15 @@ def test_a_scored_prompt_and_a_plain_one_prefill_in_the_same_step(tiny_model):
     engine.run()
     assert [s.tokens for s in seqs] == eejax.generate(tiny_model, prompts, max_new_tokens=5).tokens
     assert len(seqs[0].prompt_token_logprobs) == len(prompts[0]) and not seqs[1].prompt_token_logprobs
+
+
+def test_warmup_warns_when_memory_maps_may_run_out(tiny_model, monkeypatch, caplog):
+    """Each XLA:CPU program holds memory maps (~256 for SmolLM2): a warm-up larger than the
+    process's headroom under vm.max_map_count says so, naming the sysctl, before it compiles."""
+    from eejax.engine import admission
+
+    engine = Engine(tiny_model, max_slots=1, max_new_tokens=4, cache_budget="4MiB", page_size=8)
+    monkeypatch.setattr(admission, "map_headroom", lambda: 100)
+    with caplog.at_level("WARNING", logger="eejax.serve"):
+        engine.warmup(max_prompt_len=16, progress=False)
+    assert "vm.max_map_count" in caplog.text and "sysctl" in caplog.text

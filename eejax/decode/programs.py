@@ -2,6 +2,11 @@
 
 Shapes are drawn from bucketed sets (see `buckets.py`), so a session compiles a bounded number
 of programs; `num_programs` and `compile_seconds` report how many and for how long.
+
+Each compiled program holds memory maps: an XLA:CPU executable of SmolLM2-135M ~256 (jaxlib
+0.10.2, measured), so under Linux's default vm.max_map_count of 65530 one process holds ~250 of
+them before compiling fails ("LLVM compilation error: Cannot allocate memory"). `map_headroom`
+says how many maps are left.
 """
 
 from __future__ import annotations
@@ -15,6 +20,19 @@ from typing import Any
 import jax
 
 from eejax.options import StepOptions
+
+MAPS_PER_PROGRAM = 256  # memory maps one compiled SmolLM2-135M program holds on XLA:CPU (measured)
+
+
+def map_headroom() -> int | None:
+    """How many more memory maps this process may create (vm.max_map_count minus the maps it
+    holds); None where the system does not say (not Linux)."""
+    try:
+        limit = int(open("/proc/sys/vm/max_map_count").read())
+        with open("/proc/self/maps") as f:
+            return limit - sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
 
 
 class ProgramCache:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 
 import jax
@@ -16,12 +17,15 @@ import numpy as np
 from eejax.cache import pages_needed, prefix_keys
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.penalties import TokenCounts
+from eejax.decode.programs import MAPS_PER_PROGRAM, map_headroom
 from eejax.decode.sampling import FILTERED, RowSampling, SamplingParams
 from eejax.decode.steps import prefill_slots
 from eejax.engine.scheduler import Request, preemption_victim
 from eejax.engine.sequence import Sequence
 from eejax.errors import OutOfPagesError
 from eejax.options import StepOptions
+
+log = logging.getLogger("eejax.serve")
 
 
 class Admission:
@@ -302,6 +306,16 @@ class Admission:
             steps = {1, self.steps_per_dispatch} if options.spec is None else {1}
             decode_options.update({dataclasses.replace(options, num_steps=k): None for k in steps})
         work += [functools.partial(decode, w, options) for options in decode_options for w in widths]
+        headroom = map_headroom() if jax.default_backend() == "cpu" else None
+        if headroom is not None and len(work) * MAPS_PER_PROGRAM > headroom:
+            log.warning(
+                "warm-up compiles %d programs; at ~%d memory maps each (XLA:CPU) they may exceed the %d this "
+                "process has left under vm.max_map_count, and compiling then fails ('Cannot allocate memory'): "
+                "raise it (sysctl -w vm.max_map_count=262144) or warm fewer kinds of request",
+                len(work),
+                MAPS_PER_PROGRAM,
+                headroom,
+            )
         for compile_one in tqdm(work, desc="compiling", disable=not progress):
             compile_one()
         return self.model.programs.num_programs - before
