@@ -317,11 +317,10 @@ def main() -> int:
     p.add_argument("--prompt-scale", type=float, default=1.0, help="prompt lengths x this (a small model's context)")
     p.add_argument("--out", default=str(OUT), help="the result (soak.json) and the server's log go here")
     args = p.parse_args()
-    try:  # the server warms ~260 programs of ~256 memory maps each (see eejax/decode/programs.py)
-        if args.warmup and int(open("/proc/sys/vm/max_map_count").read()) < 100_000:
-            print("note: vm.max_map_count is low for the warm-up; sysctl -w vm.max_map_count=262144", file=sys.stderr)
-    except OSError:
-        pass
+    # The server warms ~260 programs of ~256 memory maps each (see eejax/decode/programs.py).
+    maps = Path("/proc/sys/vm/max_map_count")
+    if args.warmup and maps.exists() and int(maps.read_text()) < 100_000:
+        print("note: vm.max_map_count is low for the warm-up; sysctl -w vm.max_map_count=262144", file=sys.stderr)
     if args.minutes < 15:
         print("note: with --minutes under 15 the p99 check compares overlapping windows", file=sys.stderr)
     with socket.socket() as sock:

@@ -64,6 +64,21 @@ def test_logits_match_hf(tiny_checkpoints, kind, page_size):
         )
 
 
+def hf_greedy(hf, prompt, new_tokens, **kw):
+    """HF generate's greedy tokens for one prompt, EOS ignored (`kw`: its logits processors)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+            **kw,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.mark.parametrize("kind", ["gqa-tied", "llama3-rope"])
 def test_greedy_generate_matches_hf(tiny_checkpoints, kind):
     hf, _, path = tiny_checkpoints[kind]
@@ -71,16 +86,7 @@ def test_greedy_generate_matches_hf(tiny_checkpoints, kind):
     prompts = random_prompts(5, [3, 20, 9, 14, 7], seed=3)
     res = eejax.generate(model, prompts, max_new_tokens=24, ignore_eos=True, page_size=8)
     for i, p in enumerate(prompts):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=24,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert res.tokens[i] == out[0, len(p) :].tolist(), f"row {i}"
+        assert res.tokens[i] == hf_greedy(hf, p, 24), f"row {i}"
         assert res.exit_layers[i] == [model.config.num_layers] * 24
 
 
@@ -113,17 +119,7 @@ def test_penalties_match_hf_and_a_reference(tiny_checkpoints):
     res = eejax.generate(model, prompts, **mixed, **kw).tokens
     spec = eejax.generate(model, prompts, spec="1:3", **mixed, **kw).tokens
     for i, p in enumerate(prompts):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=20,
-                eos_token_id=None,
-                pad_token_id=0,
-                repetition_penalty=1.3,
-            )
-        assert rep[i] == out[0, len(p) :].tolist(), f"row {i}"
+        assert rep[i] == hf_greedy(hf, p, 20, repetition_penalty=1.3), f"row {i}"
         assert res[i] == penalised_greedy(hf, p, 20, 0.4, 0.6, 1.1), f"row {i}"
         assert spec[i] == res[i] and plain[i] != res[i] and plain[i] != rep[i], f"row {i}"
 
