@@ -2,8 +2,10 @@
 
 Same CNN/DM prompts (first --prompt-tokens tokens of each article), --new-tokens generated
 tokens per row with EOS ignored, batch 1 / 8 / 32, both measured in this run. Prints tokens/s
-of each, the ratio, layers executed per token, and at batch 1 the memory-bandwidth bound
-(weight bytes read per token / measured read bandwidth).
+of each, the ratio, layers executed per token, and at every batch the memory-bandwidth bound:
+a decode step reads every weight once and each row's K/V (at the mean context of the run), so at
+batch B the bound is B x (measured read bandwidth) / (weight bytes + B x K/V bytes per row), and
+each side's share of it.
 
     python benchmarks/full_depth.py [--batches 1 8 32] [--new-tokens 64] [--prompt-tokens 256] \
         [--layer-buffers stacked|split]
@@ -50,9 +52,12 @@ def main(argv=None) -> int:
     bw = read_bandwidth_gbs()
     weight_bytes = param_bytes_per_token(model.params, model.config)
     bound = bw * 1e9 / weight_bytes
+    c = model.config
+    context = args.prompt_tokens + args.new_tokens / 2  # the mean context a decode step attends to
+    kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize * context
     print(
-        f"read bandwidth {bw:.1f} GB/s; weights read per token {weight_bytes / 1e6:.0f} MB; "
-        f"batch-1 bound {bound:.1f} tokens/s"
+        f"read bandwidth {bw:.1f} GB/s; a decode step reads {weight_bytes / 1e6:.0f} MB of weights and "
+        f"{kv_bytes / 1e6:.1f} MB of K/V per row; batch-1 bound {bound:.1f} tokens/s"
     )
     rows = []
     for b in args.batches:
@@ -74,13 +79,19 @@ def main(argv=None) -> int:
             "layers_per_token": runs[0]["mean_layers_per_token"],
             "compiled_programs": model.programs.num_programs,
         }
-        if b == 1:
-            row["fraction_of_bandwidth_bound"] = ours / bound
+        step_bytes = weight_bytes + b * kv_bytes
+        batch_bound = b * bw * 1e9 / step_bytes
+        row.update(
+            bytes_per_step=step_bytes,
+            bandwidth_bound_tokens_per_s=batch_bound,
+            fraction_of_bandwidth_bound=ours / batch_bound,
+            hf_fraction_of_bandwidth_bound=peer / batch_bound,
+        )
         rows.append(row)
-        extra = f", {ours / bound:.0%} of the bandwidth bound" if b == 1 else ""
         print(
             f"batch {b:3d}: eejax {ours:7.1f} tok/s | HF {peer:7.1f} tok/s | ratio {fmt_ratio(ours, peer)} | "
-            f"layers/token {row['layers_per_token']:.0f}{extra}",
+            f"layers/token {row['layers_per_token']:.0f} | {step_bytes / 1e6:.0f} MB per step, bound "
+            f"{batch_bound:.1f} tok/s: eejax {ours / batch_bound:.0%}, HF {peer / batch_bound:.0%}",
             flush=True,
         )
     name = "full_depth" if args.layer_buffers == "stacked" else f"full_depth_{args.layer_buffers}"

@@ -130,19 +130,35 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs_after_each_module(request):
-    """A test worker runs many files: after each, JAX's caches (and what only they held) go, so
-    compiled programs do not pile up in one process (a worker that had grown to 9 GB crashed
-    inside jaxlib). EEJAX_TEST_RSS_LOG=FILE appends each module's peak RSS to FILE."""
+    """A test worker runs many files: after each, every compiled program goes (those of the
+    session's models too, and JAX's caches), so programs do not pile up in one process (a worker
+    that had grown to 9 GB crashed inside jaxlib; one that held ~60k memory maps, most of them the
+    programs test_engine.py compiled for the session's tiny model, failed with "can't start new
+    thread"). EEJAX_TEST_RSS_LOG=FILE appends each module's peak RSS to FILE."""
     yield
-    import gc
     import resource
 
-    import jax
+    from eejax.decode.programs import release_all
 
-    jax.clear_caches()
-    gc.collect()
+    release_all()
     log = os.environ.get("EEJAX_TEST_RSS_LOG")
     if log:
         with open(log, "a") as f:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
             f.write(f"{os.getpid()} {request.module.__name__} peak {peak} MB\n")
+
+
+# Linux allows a process vm.max_map_count memory maps (default 65530), and each compiled XLA:CPU
+# program holds some (~256 for SmolLM2): a file that compiles many runs its later tests after the
+# programs are freed once fewer than this many maps are left.
+MIN_MAP_HEADROOM = 20_000
+
+
+@pytest.fixture(autouse=True)
+def _free_compiled_programs_when_maps_run_low():
+    yield
+    from eejax.decode.programs import map_headroom, release_all
+
+    headroom = map_headroom()
+    if headroom is not None and headroom < MIN_MAP_HEADROOM:
+        release_all()

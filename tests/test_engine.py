@@ -261,3 +261,17 @@ def test_warmup_warns_when_memory_maps_may_run_out(tiny_model, monkeypatch, capl
     with caplog.at_level("WARNING", logger="eejax.serve"):
         engine.warmup(max_prompt_len=16, progress=False)
     assert "vm.max_map_count" in caplog.text and "sysctl" in caplog.text
+
+
+def test_release_all_frees_compiled_programs_and_their_memory_maps(tiny_model):
+    """`release_all` drops every model's compiled programs (their memory maps go with them); the
+    model then compiles again and decodes the same tokens."""
+    from eejax.decode.programs import map_headroom, release_all
+
+    prompts = [[5, 6, 7], [8, 9]]
+    before = eejax.generate(tiny_model, prompts, max_new_tokens=4, exit="softmax:0.5").tokens
+    held = map_headroom()
+    assert tiny_model.programs.num_programs > 0 and release_all() >= 2
+    assert tiny_model.programs.num_programs == 0
+    assert held is None or map_headroom() > held
+    assert eejax.generate(tiny_model, prompts, max_new_tokens=4, exit="softmax:0.5").tokens == before

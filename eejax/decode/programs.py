@@ -6,14 +6,16 @@ of programs; `num_programs` and `compile_seconds` report how many and for how lo
 Each compiled program holds memory maps: an XLA:CPU executable of SmolLM2-135M ~256 (jaxlib
 0.10.2, measured), so under Linux's default vm.max_map_count of 65530 one process holds ~250 of
 them before compiling fails ("LLVM compilation error: Cannot allocate memory"). `map_headroom`
-says how many maps are left.
+says how many maps are left, and `release_all` frees every compiled program of the process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,8 @@ import jax
 from eejax.options import StepOptions
 
 MAPS_PER_PROGRAM = 256  # memory maps one compiled SmolLM2-135M program holds on XLA:CPU (measured)
+
+_LIVE: weakref.WeakSet[ProgramCache] = weakref.WeakSet()  # every ProgramCache not yet collected
 
 
 def map_headroom() -> int | None:
@@ -45,6 +49,7 @@ class ProgramCache:
         self._compiled: dict[Any, Any] = {}
         self._sources: dict[Any, tuple] = {}  # key -> (fn, abstract args, static, donate_argnums)
         self.compile_seconds = 0.0
+        _LIVE.add(self)
 
     @property
     def num_programs(self) -> int:
@@ -73,6 +78,13 @@ class ProgramCache:
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
             self._sources[key] = (fn, abstract, static, donate_argnums)
         return program
+
+    def clear(self) -> int:
+        """Drops this cache's compiled programs (they compile again on next use); returns how many."""
+        count = len(self._compiled)
+        self._compiled.clear()
+        self._sources.clear()
+        return count
 
     def _placement(self):
         if self.mesh is None:
@@ -104,6 +116,17 @@ class ProgramCache:
             with self._placement():
                 lowered.append((fn.__qualname__, jitted.trace(*args).lower(lowering_platforms=(platform,))))
         return lowered
+
+
+def release_all() -> int:
+    """Drops every compiled program of every model in this process, and JAX's own caches, so that
+    their memory and memory maps are freed once nothing else holds them (a long-lived process that
+    has compiled for many models or options: see `map_headroom`). Later calls compile again (from
+    the persistent compilation cache where one is on). Returns how many programs were dropped."""
+    count = sum(cache.clear() for cache in list(_LIVE))
+    jax.clear_caches()
+    gc.collect()
+    return count
 
 
 def _sharding(x):
