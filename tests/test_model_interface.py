@@ -125,6 +125,15 @@ def test_on_layer_reads_the_same_weights_in_both_layouts():
     assert [float(traced(i)) for i in range(4)] == [float(stack["w"][i].sum()) for i in range(4)]
 
 
+def test_per_layer_buffers_share_the_stacks_memory_on_a_cpu():
+    """One copy of the weights: each layer's buffer is a view of the stack (64-byte layers)."""
+    stack = jnp.arange(4 * 16 * 8, dtype=jnp.float32).reshape(4, 16, 8)
+    layers = split_stack({"w": stack})["w"]
+    base, size = stack.unsafe_buffer_pointer(), 16 * 8 * 4
+    assert [x.unsafe_buffer_pointer() for x in layers] == [base + i * size for i in range(4)]
+    assert all(np.array_equal(x, stack[i]) for i, x in enumerate(layers))
+
+
 def test_the_engine_reads_per_layer_buffers_too():
     import eejax
     from eejax.engine.engine import Engine

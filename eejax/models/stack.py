@@ -8,7 +8,8 @@ A stack is a dict {name: weights of every layer}, in one of two layouts:
   weight three times (read, write the copy, read it); per-layer buffers are read in place: a
   static range of layers runs unrolled, a traced one with each layer's matmuls inside a
   `lax.switch` branch on the layer index. (SmolLM2-135M on a 2-core CPU, batch 1, 256-token
-  context: 46 -> 32 ms per decode step, paired; equal at batch 8; ~3x the compile time.)
+  context: 46 -> 32 ms per decode step, paired; equal at batch 8; ~3x the compile time.) On a
+  CPU the per-layer buffers alias the stack's memory (`layer_views`): one copy of the weights.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 
 def is_split(stack: dict) -> bool:
@@ -24,10 +27,23 @@ def is_split(stack: dict) -> bool:
 
 
 def split_stack(stack: dict) -> dict:
-    """Stacked arrays [L, ...] -> tuples of L arrays, each layer's weights in its own buffer."""
+    """Stacked arrays [L, ...] -> tuples of L arrays, each layer's weights in its own buffer
+    (`layer_views`: on a CPU they share the stack's memory)."""
     if is_split(stack):
         return stack
-    return {k: tuple(v[i] for i in range(v.shape[0])) for k, v in stack.items()}
+    return {k: layer_views(v) for k, v in stack.items()}
+
+
+def layer_views(x) -> tuple:
+    """x [L, ...] -> L arrays [...]. For an array on one CPU device they are views of x's own
+    memory, not copies: XLA:CPU takes a host buffer without copying it when its start is 64-byte
+    aligned, as each layer's is when a layer's bytes are a multiple of 64 (a layer that is not is
+    copied). The per-layer buffers then cost no memory beside the stack; they keep it alive."""
+    devices = getattr(x, "devices", lambda: set())()
+    if len(devices) == 1 and next(iter(devices)).platform == "cpu" and isinstance(x.sharding, SingleDeviceSharding):
+        host = np.asarray(x)  # x's memory, read-only (no copy on a CPU device)
+        return tuple(jax.device_put(host[i], x.sharding) for i in range(host.shape[0]))
+    return tuple(x[i] for i in range(x.shape[0]))
 
 
 def num_stacked(stack: dict) -> int:
