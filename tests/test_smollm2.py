@@ -147,5 +147,8 @@ def test_bfloat16_is_close_to_float32_and_speculates_losslessly(smollm2):
     greedy = eejax.generate(bf16, prompts, max_new_tokens=24, ignore_eos=True)
     spec = eejax.generate(bf16, prompts, max_new_tokens=24, ignore_eos=True, spec="15:2")
     # On an AMD EPYC (avx512_bf16) the verification split a tie of 0.00015 the other way in one
-    # row (logits of tokens 260 and 511 after 20 tokens of the 4th article); elsewhere all rows were identical.
-    assert_equal_until_a_near_tie(bf16, prompts, spec.tokens, greedy.tokens, tol=0.1)
+    # row (logits of tokens 260 and 511 after 20 tokens of the 4th article); elsewhere all rows
+    # were identical. With per-layer buffers (the CPU default) full depth runs its layers unrolled
+    # and verification inside a switch, which round bf16 differently: a tie of 0.12 at logits of
+    # 12.5 went the other way (bf16 holds 8 significant bits: steps of 0.06 at 12).
+    assert_equal_until_a_near_tie(bf16, prompts, spec.tokens, greedy.tokens, tol=0.25)

@@ -251,12 +251,7 @@ def add_parsers(sub) -> None:
         help="the (d+1)-th draft pass that lets a fully accepted round emit d+1 tokens: on, off, or auto "
         "(when it pays at the measured acceptance; default)",
     )
-    add_model_placement(
-        gen,
-        "how decode steps read the layer weights: stacked (default) or split (each layer's in "
-        "its own buffer: on a CPU ~1.4x faster decoding at batch 1, for twice the layer weights' "
-        "memory and ~3x the compile time)",
-    )
+    add_model_placement(gen)
     add_processes(gen, "process 0 prints the result")
     gen.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     gen.set_defaults(func=cmd_generate)

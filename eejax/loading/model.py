@@ -19,7 +19,7 @@ from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
 from eejax.sharding import RULES, cache_sharding, check_fits, param_shardings
 
-LAYER_BUFFERS = ("stacked", "split")
+LAYER_BUFFERS = ("auto", "stacked", "split")
 
 
 @dataclasses.dataclass(eq=False)
@@ -28,9 +28,10 @@ class Model:
     params: dict
     tokenizer: Any = None
     programs: ProgramCache = dataclasses.field(default_factory=ProgramCache, repr=False)
-    # How the generation programs read the layer weights: "stacked" (the params as they are) or
-    # "split" (each layer's weights in their own buffers: see `run_params`).
-    layer_buffers: str = "stacked"
+    # How the generation programs read the layer weights: "stacked" (the params as they are),
+    # "split" (each layer's weights in their own buffers: see `run_params`), or "auto": split on
+    # one CPU device, stacked on an accelerator or a mesh (`layout`).
+    layer_buffers: str = "auto"
     # The device mesh the params are placed on (`shard`), or None: one device.
     mesh: Any = None
     _run: tuple | None = dataclasses.field(default=None, init=False, repr=False)
@@ -40,13 +41,26 @@ class Model:
             raise EejaxError(f"layer_buffers must be one of {', '.join(LAYER_BUFFERS)}, got {self.layer_buffers!r}")
 
     @property
+    def layout(self) -> str:
+        """The layer layout the programs use: `layer_buffers`, with "auto" resolved to "split" for
+        params on one CPU device (where it decodes faster and costs no memory: the per-layer
+        buffers are views of the stack) and "stacked" elsewhere (a GPU reads a dynamic slice in
+        place; a traced layer's `lax.switch` would cost it a host round trip per layer)."""
+        if self.layer_buffers != "auto":
+            return self.layer_buffers
+        if self.mesh is not None or not model_module(self.config).SPLITS_LAYERS:
+            return "stacked"
+        devices = jax.tree.leaves(self.params)[0].devices()
+        return "split" if len(devices) == 1 and next(iter(devices)).platform == "cpu" else "stacked"
+
+    @property
     def run_params(self) -> dict:
-        """The params the generation programs read: `params`, or with layer_buffers="split" the
-        same weights with each decoder layer's in its own buffers, read in place by the layer
-        loop instead of copied out of the stack (`eejax.models.stack`): on a CPU, batch-1 decode
-        runs ~1.4x faster, for a second copy of the layer weights in memory and ~3x the compile
-        time. Built once per `params` object."""
-        split = self.layer_buffers == "split"
+        """The params the decode programs read: `params`, or in the "split" layout the same weights
+        with each decoder layer's in its own buffers, read in place by the layer loop instead of
+        copied out of the stack (`eejax.models.stack`): on a CPU, batch-1 decode runs ~1.4x faster
+        and the buffers share the stack's memory; unrolled layers cost compile time. Built once
+        per `params` object."""
+        split = self.layout == "split"
         if self._run is None or self._run[0] is not self.params or self._run[1] != split:
             run = model_module(self.config).with_layer_buffers(self.params) if split else self.params
             self._run = (self.params, split, run)

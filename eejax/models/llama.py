@@ -40,6 +40,7 @@ from eejax.models.stack import on_layer, run_layer_range, split_stack
 
 ENCODER_DECODER = False  # the prompt is decoded into the paged cache (see `eejax.models.registry`)
 DECODE_ONLY_SKIPS = ()  # layer weights a decode step never reads (none)
+SPLITS_LAYERS = True  # per-layer buffers (`with_layer_buffers`) are what a CPU decodes fastest
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 KV_KEYS = ("attn_norm", "wk", "wv")
 QKV_KEYS = ("attn_norm", "wq", "wk", "wv")

@@ -19,6 +19,7 @@ class ModelModule(Protocol):
     ENCODER_DECODER: the prompt goes to an encoder (`encode_context`) and the paged cache holds
         decoder tokens only; otherwise the prompt is decoded into the cache.
     DECODE_ONLY_SKIPS: names of decoder-layer weights a decode step never reads (cost model).
+    SPLITS_LAYERS: whether `with_layer_buffers` puts each layer's weights in their own buffers.
     init_params(config, key, dtype, scale) -> params in the eejax layout (the Flax model's `init`).
     logical_axes(config) -> the logical axis names of init_params' arrays (PartitionSpecs, same tree).
     token_batch(config, positions, valid, block_table, kv_len, page_size, attention, ...) -> the
@@ -40,6 +41,7 @@ class ModelModule(Protocol):
 
     ENCODER_DECODER: bool
     DECODE_ONLY_SKIPS: tuple[str, ...]
+    SPLITS_LAYERS: bool
 
     def init_params(self, config, key, dtype: Any = ..., scale: float = ...) -> dict: ...
     def logical_axes(self, config) -> dict: ...

@@ -48,6 +48,7 @@ from eejax.models.t5_attention import CrossKV, cross_attention, dense_attention,
 
 ENCODER_DECODER = True  # the prompt goes to the encoder; the paged cache holds decoder tokens
 DECODE_ONLY_SKIPS = ("ck", "cv")  # cross-attention K/V weights: read once per request, by `cross_kv`
+SPLITS_LAYERS = False  # `with_layer_buffers` keeps the stack (its decoder layers pick weights by dynamic slices)
 ENCODER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "wo_ff")
 CROSS_KEYS = ("cross_norm", "cq", "ck", "cv", "co")
 
