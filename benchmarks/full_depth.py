@@ -8,7 +8,7 @@ batch B the bound is B x (measured read bandwidth) / (weight bytes + B x K/V byt
 each side's share of it.
 
     python benchmarks/full_depth.py [--batches 1 8 32] [--new-tokens 64] [--prompt-tokens 256] \
-        [--layer-buffers stacked|split]
+        [--layer-buffers auto|stacked|split] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax.numpy as jnp  # noqa: E402
 
 import eejax  # noqa: E402
 from benchmarks.common import (  # noqa: E402
@@ -41,13 +43,19 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-hf", action="store_true", help="measure eejax only")
     parser.add_argument(
         "--layer-buffers",
-        choices=("stacked", "split"),
-        default="stacked",
-        help="how eejax's decode steps read the layer weights (see eejax.Model.run_params)",
+        choices=("auto", "stacked", "split"),
+        default="auto",
+        help="how eejax's decode steps read the layer weights (see eejax.Model.layout)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="eejax's weights, activations and KV cache (HF runs float32 either way)",
     )
     args = parser.parse_args(argv)
 
-    model = eejax.load("smollm2-135m", layer_buffers=args.layer_buffers)
+    model = eejax.load("smollm2-135m", dtype=jnp.dtype(args.dtype), layer_buffers=args.layer_buffers)
     hf = None if args.skip_hf else load_hf_smollm2()
     bw = read_bandwidth_gbs()
     weight_bytes = param_bytes_per_token(model.params, model.config)
@@ -94,7 +102,7 @@ def main(argv=None) -> int:
             f"{batch_bound:.1f} tok/s: eejax {ours / batch_bound:.0%}, HF {peer / batch_bound:.0%}",
             flush=True,
         )
-    name = "full_depth" if args.layer_buffers == "stacked" else f"full_depth_{args.layer_buffers}"
+    name = "_".join(["full_depth", model.layout] + ([args.dtype] if args.dtype != "float32" else []))
     path = write_result(
         name,
         {
@@ -103,7 +111,8 @@ def main(argv=None) -> int:
             "bandwidth_bound_tokens_per_s": bound,
             "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens,
-            "layer_buffers": args.layer_buffers,
+            "layer_buffers": model.layout,
+            "dtype": args.dtype,
             "rows": rows,
         },
     )

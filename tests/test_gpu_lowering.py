@@ -27,6 +27,11 @@ from tests.test_speculative import tiny
 PROMPTS = random_prompts(3, [5, 12, 2], vocab=60, seed=3)
 
 
+def gpu_layout(model):
+    """`model` with the layer layout a GPU runs (stacked; "auto" picks per-layer buffers here)."""
+    return dataclasses.replace(model, layer_buffers="stacked")
+
+
 # The lowering tests run in a fresh pytest process without JAX's persistent compilation cache: in
 # three full-suite runs (never alone) serialising one of their executables for that cache
 # segfaulted inside jaxlib, in a worker that had run other test files first.
@@ -66,7 +71,7 @@ def assert_cuda_modules(texts: dict[str, list[str]], lowered_count: int):
 
 @fresh_process_only
 def test_llama_programs_lower_for_cuda(monkeypatch):
-    model = eejax.init_exits(tiny(num_layers=4), classifier=True)
+    model = gpu_layout(eejax.init_exits(tiny(num_layers=4), classifier=True))
     # Rounds that never pay (a draft pass as dear as a verify): the adaptive run takes plain steps.
     observe_times = SpeculationPolicy.observe_times
     monkeypatch.setattr(
@@ -108,7 +113,7 @@ def test_t5_programs_lower_for_cuda():
     c = T5Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_encoder_layers=2, num_heads=4, head_dim=8
     )
-    model = eejax.Model(c, t5.init_params(c, jax.random.PRNGKey(0), scale=0.3))
+    model = gpu_layout(eejax.Model(c, t5.init_params(c, jax.random.PRNGKey(0), scale=0.3)))
     for kw in (dict(), dict(exit="softmax:0.3"), dict(spec=SpecConfig(1, 2))):
         eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, **kw)
     texts = lowered_for_cuda(model)
@@ -137,7 +142,7 @@ def test_static_loops_keep_the_tokens_and_cut_the_gpu_round_trips(monkeypatch, e
     results, flows = {}, {}
     for static in (False, True):
         monkeypatch.setattr(early_exit, "static_loops", lambda static=static: static)
-        model = eejax.Model(base.config, base.params)  # its own program cache
+        model = eejax.Model(base.config, base.params, layer_buffers="stacked")  # its own program cache, a GPU's layout
         results[static] = eejax.generate(model, PROMPTS, max_new_tokens=6, ignore_eos=True, exit=exit_config)
         flows[static] = [control_flow(p.as_text()) for name, p in model.programs.compiled() if name == "decode_slots"]
     assert results[True].tokens == results[False].tokens
@@ -154,7 +159,7 @@ def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
     """No loop of unknown trip count anywhere; one conditional, in a draft with the bonus pass
     (the head skipped on the pass that only fills the draft layers' cache: a known round trip),
     alone or in a whole round."""
-    model = tiny(num_layers=4)
+    model = gpu_layout(tiny(num_layers=4))
     for kw in (
         dict(),
         dict(exit="static:2"),
