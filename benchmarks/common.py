@@ -33,8 +33,8 @@ def load_hf_smollm2():
     return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
 
 
-def hf_generate_tokens_per_s(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
-    """HF `generate` (greedy, left-padded batch, exactly `new_tokens` each): generated tokens / wall s."""
+def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    """Wall seconds of HF `generate` (greedy, left-padded batch, exactly `new_tokens` each)."""
     import torch
 
     width = max(map(len, prompts))
@@ -50,7 +50,19 @@ def hf_generate_tokens_per_s(hf, prompts: list[list[int]], new_tokens: int, pad_
         out = hf.generate(ids, attention_mask=mask, **kw)
         elapsed = time.perf_counter() - start
     assert out.shape[1] - width == new_tokens
-    return len(prompts) * new_tokens / elapsed
+    return elapsed
+
+
+def hf_generate_tokens_per_s(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    """HF `generate` (greedy, left-padded batch, exactly `new_tokens` each): generated tokens / wall s."""
+    return len(prompts) * new_tokens / hf_generate_seconds(hf, prompts, new_tokens, pad_id)
+
+
+def hf_decode_tokens_per_s(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    """HF's decode steps alone: tokens 2..new_tokens of each row over the time `generate` takes
+    beyond a 1-token `generate` (the prefill and its token)."""
+    extra = hf_generate_seconds(hf, prompts, new_tokens, pad_id) - hf_generate_seconds(hf, prompts, 1, pad_id)
+    return len(prompts) * (new_tokens - 1) / extra
 
 
 def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:

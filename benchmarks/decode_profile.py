@@ -1,5 +1,5 @@
 """Where a full-depth decode step's time goes on a CPU: a per-op profile of eejax decoding
-SmolLM2-135M (fp32), from XLA:CPU's own trace events (`--xla_cpu_enable_xprof_traceme`, read
+SmolLM2-135M (--dtype), from XLA:CPU's own trace events (`--xla_cpu_enable_xprof_traceme`, read
 back with `jax.profiler.ProfileData`).
 
 The same CNN/DM prompts as `full_depth.py`; untraced runs give the decode step's time, and two
@@ -29,6 +29,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import eejax  # noqa: E402
 from benchmarks.common import cnndm_prompts, read_bandwidth_gbs, write_result  # noqa: E402
@@ -71,8 +72,6 @@ def op_times(trace_dir: Path) -> collections.Counter:
 def weight_matmuls_ms(model, batch: int) -> float:
     """Best-of-20 time of every decode weight matmul (7 per layer and the head) at `batch` rows,
     one jitted program over the per-layer buffers: the weights streamed once, nothing else."""
-    import jax.numpy as jnp
-
     from eejax.models.stack import split_stack
 
     layers = split_stack(model.params["layers"])
@@ -104,11 +103,12 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens per row in the traced run")
     parser.add_argument("--layer-buffers", choices=("auto", "stacked", "split"), default="auto")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.new_tokens < 2:
         parser.error("--batch must be >= 1 and --new-tokens >= 2")
 
-    model = eejax.load("smollm2-135m", layer_buffers=args.layer_buffers)
+    model = eejax.load("smollm2-135m", dtype=jnp.dtype(args.dtype), layer_buffers=args.layer_buffers)
     prompts = cnndm_prompts(model.tokenizer, args.batch, args.prompt_tokens)
     kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
     eejax.generate(model, prompts, **kw)  # compile
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     weight_bytes = param_bytes_per_token(model.params, model.config)
     floor_ms = weight_matmuls_ms(model, args.batch)
     print(
-        f"SmolLM2-135M fp32, batch {args.batch}, {args.prompt_tokens}-token prompts, layout {model.layout}: "
+        f"SmolLM2-135M {args.dtype}, batch {args.batch}, {args.prompt_tokens}-token prompts, layout {model.layout}: "
         f"decode step {step_ms:.1f} ms untraced; {cores} cores"
     )
     print(f"{'what':40s} {'thread-ms/step':>14s} {'share':>7s}")
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         f"{step_ms:.1f} ms ({bound_ms / step_ms:.0%} of the bound)"
     )
     path = write_result(
-        f"decode_profile_b{args.batch}_{model.layout}",
+        "_".join([f"decode_profile_b{args.batch}", model.layout] + ([args.dtype] if args.dtype != "float32" else [])),
         dict(
             batch=args.batch,
             layout=model.layout,

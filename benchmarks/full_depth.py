@@ -2,8 +2,9 @@
 
 Same CNN/DM prompts (first --prompt-tokens tokens of each article), --new-tokens generated
 tokens per row with EOS ignored, batch 1 / 8 / 32, both measured in this run. Prints tokens/s
-of each, the ratio, layers executed per token, and at every batch the memory-bandwidth bound:
-a decode step reads every weight once and each row's K/V (at the mean context of the run), so at
+of each (prefill included), the ratio, layers executed per token, then the decode steps alone
+(HF's: a 64-token generate's time beyond a 1-token one) against the memory-bandwidth bound: a
+decode step reads every weight once and each row's K/V (at the mean context of the run), so at
 batch B the bound is B x (measured read bandwidth) / (weight bytes + B x K/V bytes per row), and
 each side's share of it.
 
@@ -25,12 +26,15 @@ import eejax  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     cnndm_prompts,
     fmt_ratio,
+    hf_decode_tokens_per_s,
     hf_generate_tokens_per_s,
     load_hf_smollm2,
+    paired_runs,
     read_bandwidth_gbs,
     write_result,
 )
-from eejax.cli.parsing import OneLineErrorParser
+from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
+from eejax.loading.model import Model  # noqa: E402
 from eejax.models.llama import param_bytes_per_token  # noqa: E402
 
 
@@ -46,6 +50,12 @@ def main(argv=None) -> int:
         choices=("auto", "stacked", "split"),
         default="auto",
         help="how eejax's decode steps read the layer weights (see eejax.Model.layout)",
+    )
+    parser.add_argument(
+        "--versus-stacked",
+        action="store_true",
+        help="also time the decode steps of the stacked layout (same weights) paired with the chosen one: "
+        "the layouts alternate and the median ratio of --repeats pairs is printed",
     )
     parser.add_argument(
         "--dtype",
@@ -74,32 +84,45 @@ def main(argv=None) -> int:
         eejax.generate(model, prompts, **kw)  # compile
         runs = [eejax.generate(model, prompts, **kw).stats for _ in range(args.repeats)]
         ours = max(r["tokens_per_s"] for r in runs)
-        peer = (
-            float("nan")
-            if hf is None
-            else hf_generate_tokens_per_s(hf, prompts, args.new_tokens, model.config.pad_token_id or 0)
-        )
+        ours_decode = max(r["decode_tokens_per_s"] for r in runs)
+        pad = model.config.pad_token_id or 0
+        peer = float("nan") if hf is None else hf_generate_tokens_per_s(hf, prompts, args.new_tokens, pad)
+        peer_decode = float("nan") if hf is None else hf_decode_tokens_per_s(hf, prompts, args.new_tokens, pad)
+        step_bytes = weight_bytes + b * kv_bytes
+        batch_bound = b * bw * 1e9 / step_bytes
         row = {
             "batch": b,
             "eejax_tokens_per_s": ours,
             "hf_tokens_per_s": peer,
             "ratio": ours / peer if peer else None,
+            "eejax_decode_tokens_per_s": ours_decode,
+            "hf_decode_tokens_per_s": peer_decode,
+            "decode_ratio": ours_decode / peer_decode if peer_decode else None,
             "layers_per_token": runs[0]["mean_layers_per_token"],
             "compiled_programs": model.programs.num_programs,
+            "bytes_per_step": step_bytes,
+            "bandwidth_bound_tokens_per_s": batch_bound,
+            "fraction_of_bandwidth_bound": ours_decode / batch_bound,
+            "hf_fraction_of_bandwidth_bound": peer_decode / batch_bound,
         }
-        step_bytes = weight_bytes + b * kv_bytes
-        batch_bound = b * bw * 1e9 / step_bytes
-        row.update(
-            bytes_per_step=step_bytes,
-            bandwidth_bound_tokens_per_s=batch_bound,
-            fraction_of_bandwidth_bound=ours / batch_bound,
-            hf_fraction_of_bandwidth_bound=peer / batch_bound,
-        )
+        if args.versus_stacked:
+            stacked = Model(model.config, model.params, model.tokenizer, layer_buffers="stacked")
+            paired = paired_runs(
+                lambda layout, stacked=stacked, prompts=prompts, kw=kw: eejax.generate(
+                    stacked if layout is None else model, prompts, **kw
+                ),
+                [model.layout],
+                args.repeats,
+            )
+            row["decode_versus_stacked"] = paired.speedups[0]
+            print(f"   {model.layout} decode steps over stacked's, paired: {paired.speedups[0]:.2f}x")
         rows.append(row)
         print(
             f"batch {b:3d}: eejax {ours:7.1f} tok/s | HF {peer:7.1f} tok/s | ratio {fmt_ratio(ours, peer)} | "
-            f"layers/token {row['layers_per_token']:.0f} | {step_bytes / 1e6:.0f} MB per step, bound "
-            f"{batch_bound:.1f} tok/s: eejax {ours / batch_bound:.0%}, HF {peer / batch_bound:.0%}",
+            f"layers/token {row['layers_per_token']:.0f}\n"
+            f"   decode steps alone: eejax {ours_decode:7.1f} tok/s | HF {peer_decode:7.1f} tok/s | ratio "
+            f"{fmt_ratio(ours_decode, peer_decode)} | {step_bytes / 1e6:.0f} MB per step, bound {batch_bound:.1f} "
+            f"tok/s: eejax {ours_decode / batch_bound:.0%}, HF {peer_decode / batch_bound:.0%}",
             flush=True,
         )
     name = "_".join(["full_depth", model.layout] + ([args.dtype] if args.dtype != "float32" else []))
