@@ -86,3 +86,24 @@ def test_unknown_impl_is_refused():
             np.ones(1, np.int32),
             impl="cuda",
         )
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_cache_writes_set_the_same_bits_and_convert_nothing(dtype):
+    """`scatter_set` writes a 16-bit float cache through its uint16 view: the bits `.at[].set`
+    writes, without XLA:CPU's float32 round trip of the whole buffer (a bf16 scatter's)."""
+    import jax
+    import jax.numpy as jnp
+
+    from eejax.cache.paged import scatter_set
+
+    rng = np.random.default_rng(0)
+    buffer = jnp.asarray(rng.normal(size=(3, 2, 5, 4, 8)), dtype)
+    values = jnp.asarray(rng.normal(size=(2, 2, 3, 8)), jnp.float32)
+    index = (1, jnp.arange(2)[:, None, None], jnp.array([[4, 0, 2], [1, 1, 3]]), jnp.array([[0, 3, 1], [2, 0, 3]]))
+    got = jax.jit(scatter_set)(buffer, index, values)
+    want = buffer.at[index].set(values.astype(dtype))
+    assert got.dtype == buffer.dtype and np.array_equal(np.asarray(got), np.asarray(want))
+    if dtype != "float32":
+        text = jax.jit(scatter_set).lower(buffer, index, values).compile().as_text()
+        assert "f32[3,2,5,4,8]" not in text  # the buffer never goes through float32

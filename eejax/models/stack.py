@@ -7,10 +7,10 @@ A stack is a dict {name: weights of every layer}, in one of two layouts:
   dynamic slice of a weight before a matmul reads it, so a stacked decode step reads every
   weight three times (read, write the copy, read it); per-layer buffers are read in place: a
   static range of layers runs unrolled, a traced one with each layer's matmuls inside a
-  `lax.switch` branch on the layer index. (SmolLM2-135M on a 2-core CPU, batch 1, 256-token
-  context, 2026-11-23: 46 -> 32 ms per decode step, paired; 2026-11-25: 1.04-1.23x at batch 1 to 32,
-  ~5x a decode program's compile time.) On a
-  CPU the per-layer buffers alias the stack's memory (`layer_views`): one copy of the weights.
+  `lax.switch` branch on the layer index. (SmolLM2-135M on a 2-core CPU, 256-token context:
+  batch-1 decode 46 -> 32 ms per step on 2026-11-23, 1.04-1.23x faster at batch 1 to 32 on
+  2026-11-25, paired; ~5x a decode program's compile time.) On a CPU the per-layer buffers
+  alias the stack's memory (`layer_views`): one copy of the weights.
 """
 
 from __future__ import annotations
