@@ -308,12 +308,14 @@ class Admission:
             options = self._options(s)
             steps = {1, self.steps_per_dispatch} if options.spec is None else {1}
             decode_options.update({dataclasses.replace(options, num_steps=k): None for k in steps})
+        prefills = len(work)
         work += [functools.partial(decode, w, options) for options in decode_options for w in widths]
         headroom = map_headroom() if jax.default_backend() == "cpu" else None
-        maps = MAPS_PER_PROGRAM[self.model.layout]
-        if headroom is not None and len(work) * maps > headroom:
+        # Prefills read the stacked weights in either layout; decode programs use the model's.
+        maps = prefills * MAPS_PER_PROGRAM["stacked"] + (len(work) - prefills) * MAPS_PER_PROGRAM[self.model.layout]
+        if headroom is not None and maps > headroom:
             log.warning(
-                "warm-up compiles %d programs; at ~%d memory maps each (XLA:CPU) they may exceed the %d this "
+                "warm-up compiles %d programs, ~%d memory maps in all (XLA:CPU): more than the %d this "
                 "process has left under vm.max_map_count, and compiling then fails ('Cannot allocate memory'): "
                 "raise it (sysctl -w vm.max_map_count=262144), warm fewer kinds of request, or use the "
                 "stacked layer layout (a quarter of the maps)",

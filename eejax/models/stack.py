@@ -40,8 +40,8 @@ def layer_views(x) -> tuple:
     memory, not copies: XLA:CPU takes a host buffer without copying it when its start is 64-byte
     aligned, as each layer's is when a layer's bytes are a multiple of 64 (a layer that is not is
     copied). The per-layer buffers then cost no memory beside the stack; they keep it alive."""
-    devices = getattr(x, "devices", lambda: set())()
-    if len(devices) == 1 and next(iter(devices)).platform == "cpu" and isinstance(x.sharding, SingleDeviceSharding):
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, SingleDeviceSharding) and next(iter(sharding.device_set)).platform == "cpu":
         host = np.asarray(x)  # x's memory, read-only (no copy on a CPU device)
         return tuple(jax.device_put(host[i], x.sharding) for i in range(host.shape[0]))
     return tuple(x[i] for i in range(x.shape[0]))
