@@ -2,6 +2,7 @@
 
 import importlib.util
 import itertools
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +96,18 @@ def test_merge_of_rows_without_keys_is_zero():
     acc = jnp.ones((1, 2, 1, 2, 4))
     m = jnp.full((1, 2, 1, 2), -jnp.inf)
     assert not np.asarray(merge_splits(acc, m, jnp.zeros_like(m), jnp.float32)).any()
+
+
+def test_auto_on_a_gpu_without_jax_triton_takes_the_reference(monkeypatch):
+    """A CUDA jaxlib alone (no `gpu` extra, as on the H200 used for issue 39): auto does not fail
+    at trace time."""
+    from eejax.kernels import attention
+
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setitem(sys.modules, "jax_triton", None)  # importing it raises ImportError
+    attention._have_jax_triton.cache_clear()
+    assert resolve_impl("auto") == "reference"
+    attention._have_jax_triton.cache_clear()
 
 
 def test_dispatch():

@@ -7,12 +7,14 @@ h // group. A row with kv_len = 0 (padding) gets zeros.
 
 Implementations: "reference" (jnp, runs everywhere, the fast path on CPU) and "triton" (the
 kernel in `triton_attention.py`: compiled through jax-triton on CUDA, run by Triton's
-interpreter elsewhere: slow, for tests). "auto" picks Triton on CUDA and the reference
-otherwise. The choice is made at trace time; the model code never knows which one ran.
+interpreter elsewhere: slow, for tests). "auto" picks Triton on CUDA where jax-triton is
+installed (the `gpu` extra) and the reference otherwise. The choice is made at trace time; the
+model code never knows which one ran.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -26,14 +28,26 @@ IMPLS = ("auto", "reference", "triton")
 log = logging.getLogger(__name__)
 
 
+@functools.cache
+def _have_jax_triton() -> bool:
+    """Whether jax-triton imports (it needs a CUDA jaxlib); said once in the log when it does not."""
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError as e:
+        log.warning("jax-triton is not installed (%s): attention uses the jnp reference on this GPU", e)
+        return False
+    return True
+
+
 def resolve_impl(impl: str, head_dim: int = 64) -> str:
     """ "reference" or "triton" for this process's default backend; auto keeps the reference
-    for head sizes the kernel does not take (not a power of two >= 16)."""
+    for head sizes the kernel does not take (not a power of two >= 16) and where jax-triton is
+    missing."""
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {IMPLS}")
     if impl == "auto":
         kernel_fits = head_dim >= 16 and head_dim & (head_dim - 1) == 0
-        return "triton" if jax.default_backend() == "gpu" and kernel_fits else "reference"
+        return "triton" if jax.default_backend() == "gpu" and kernel_fits and _have_jax_triton() else "reference"
     return impl
 
 
