@@ -4,6 +4,7 @@ after a chunked prefill equal to a prefill's of the same tokens, adaptive rounds
 exact sampling, the engine with chunks and prefix caching, training, checkpoints, bad settings."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -314,6 +315,14 @@ def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, 
         "8",
         "--prompt-lengths",
         "8,16",
+        "--sampled-copies",
+        "1",
+        "--sampled-prompts",
+        "all",
+        "--generate-batch-size",
+        "3",
+        "--feature-batch-size",
+        "3",
         "--vocab-size",
         "64",
         "--no-plot",
@@ -321,6 +330,9 @@ def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, 
     ]
     assert main(argv) == 0
     assert "trained 6 steps" in capsys.readouterr().out
+    sampled = json.loads((out / "continuations_sampled.json").read_text())["prompts"]
+    greedy = json.loads((out / "continuations.json").read_text())["prompts"]
+    assert sampled[: len(greedy)] == greedy  # every greedily continued prompt is sampled too
     trained = eejax.load(out / "model")
     base = eejax.load(path)
     full = eejax.generate(base, texts, max_new_tokens=9, ignore_eos=True)

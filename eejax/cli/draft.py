@@ -10,6 +10,7 @@ from pathlib import Path
 
 from eejax.cli.args import add_model_and_prompts, positive_int, prompts_from_args
 from eejax.errors import EejaxError
+from eejax.train.draft_run import SAMPLED_PROMPTS
 
 
 def read_text_file(path: str) -> list[str]:
@@ -59,6 +60,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         prompt_tokens=args.prompt_lengths,
         window_prompts=args.window_prompts,
         sampled_copies=args.sampled_copies,
+        sampled_prompts=args.sampled_prompts,
         vocab_size=args.vocab_size,
     )
     if args.learning_rate <= 0 or args.noise < 0 or args.feature_weight < 0 or args.sampled_copies < 0:
@@ -101,7 +103,16 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     run_file.write_text(json.dumps(run, indent=2) + "\n")
     base = model.with_params({k: v for k, v in model.params.items() if k not in ("draft", "exits")})
-    data = training_data(base, texts, other, out, settings, progress=not args.quiet)
+    data = training_data(
+        base,
+        texts,
+        other,
+        out,
+        settings,
+        progress=not args.quiet,
+        generate_batch_size=args.generate_batch_size,
+        feature_batch_size=args.feature_batch_size,
+    )
     ids = draft_vocabulary(data, settings.vocab_size, model.config.vocab_size, always=model.eos_token_ids)
     trainee = add_exit_vocab(model, ids)
     started = time.perf_counter()
@@ -239,6 +250,28 @@ def add_parsers(sub) -> None:
         default=2,
         metavar="N",
         help="sampled continuations (temperature 0.7) of each 256-token summary prompt (default 2; 0 = none)",
+    )
+    p.add_argument(
+        "--sampled-prompts",
+        choices=SAMPLED_PROMPTS,
+        default="summary",
+        help="which prompts --sampled-copies continues: the 256-token summary prompts (default) or all the "
+        "greedily continued ones (later article windows and document windows too: more varied data)",
+    )
+    p.add_argument(
+        "--generate-batch-size",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="prompts continued at once (default 32; speed only: a GPU takes hundreds)",
+    )
+    p.add_argument(
+        "--feature-batch-size",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="windows per pass of the frozen model when caching features (default 4; speed only, but a "
+        "resumed run keeps the cache's shards: give the same N)",
     )
     p.add_argument(
         "--vocab-size",

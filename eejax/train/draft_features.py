@@ -73,8 +73,8 @@ def build_feature_cache(
     from tqdm.auto import tqdm
 
     check_model(model.config)
-    if batch_size < 1 or shard_rows < 1 or shard_rows % batch_size:
-        raise EejaxError(f"shard_rows ({shard_rows}) must be a positive multiple of batch_size ({batch_size})")
+    if batch_size < 1 or shard_rows < 1:
+        raise EejaxError(f"shard_rows and batch_size must be >= 1, got {shard_rows} and {batch_size}")
     rows = windows(sequences, window)
     if not rows:
         raise EejaxError("no training text: every sequence is shorter than 2 tokens")

@@ -19,6 +19,8 @@ import numpy as np
 
 from eejax.errors import EejaxError
 
+SAMPLED_PROMPTS = ("summary", "all")
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftRunSettings:
@@ -36,6 +38,7 @@ class DraftRunSettings:
     prompt_tokens: tuple[int, ...] = (128, 256, 384)
     window_prompts: bool = True
     sampled_copies: int = 2
+    sampled_prompts: str = "summary"  # "summary": the 256-token summary prompts; "all": every continued prompt
     vocab_size: int = 8192
 
     def check(self, vocab: int) -> None:
@@ -43,39 +46,52 @@ class DraftRunSettings:
             raise EejaxError(f"the draft's reduced head must hold 1 to {vocab} tokens, got {self.vocab_size}")
         if self.continuation_tokens < 0 or not self.prompt_tokens or min(self.prompt_tokens) < 1:
             raise EejaxError("continuation tokens must be >= 0 and prompt lengths >= 1")
+        if self.sampled_prompts not in SAMPLED_PROMPTS:
+            raise EejaxError(f"sampled prompts must be one of {SAMPLED_PROMPTS}, got {self.sampled_prompts!r}")
 
     def to_json(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
 def training_data(
-    model, texts: list[str], other_texts: list[str], out: Path, settings: DraftRunSettings, progress: bool = True
+    model,
+    texts: list[str],
+    other_texts: list[str],
+    out: Path,
+    settings: DraftRunSettings,
+    progress: bool = True,
+    *,
+    generate_batch_size: int = 32,
+    feature_batch_size: int = 4,
 ) -> dict:
     """The feature cache of the model's continuations (`draft_corpus`: greedy ones of summary
-    prompts of `texts` and of windows of `other_texts`, sampled ones of the summary prompts), then
-    the `texts` and `other_texts` themselves. Built once in `out`, then loaded."""
+    prompts of `texts` and of windows of `other_texts`, sampled ones of the 256-token summary
+    prompts or of all of those), then the `texts` and `other_texts` themselves. Built once in
+    `out`, then loaded. The batch sizes set the speed only (a GPU takes far larger ones)."""
     from eejax.train import draft_corpus as dc
     from eejax.train.draft_features import build_feature_cache, load_feature_cache
 
     tok, n = model.tokenizer, settings.continuation_tokens
-    generated, parts = [], []
+    generated, parts, greedy_prompts = [], [], []
+    continued = dict(new_tokens=n, progress=progress, batch_size=generate_batch_size)
     if n:
         summary = dc.summary_prompts(tok, texts, settings.prompt_tokens)
-        generated += dc.continuations(model, summary, out / "continuations.json", new_tokens=n, progress=progress)
+        generated += dc.continuations(model, summary, out / "continuations.json", **continued)
+        greedy_prompts += summary
         parts.append(f"{len(summary)} summary prompts")
         if settings.window_prompts:
             later = dc.window_summary_prompts(tok, texts)
-            generated += dc.continuations(
-                model, later, out / "continuations_windows.json", new_tokens=n, progress=progress
-            )
+            generated += dc.continuations(model, later, out / "continuations_windows.json", **continued)
             windows = dc.text_prompts(tok, other_texts)
-            generated += dc.continuations(
-                model, windows, out / "continuations_texts.json", new_tokens=n, progress=progress
-            )
+            generated += dc.continuations(model, windows, out / "continuations_texts.json", **continued)
+            greedy_prompts += later + windows
             parts.append(f"{len(later)} later-window summary prompts, {len(windows)} document windows")
         if settings.sampled_copies:
-            first = dc.summary_prompts(tok, texts, (256,)) * settings.sampled_copies
-            generated += dc.sampled_continuations(model, first, out / "continuations_sampled.json", new_tokens=n)
+            first = dc.summary_prompts(tok, texts, (256,)) if settings.sampled_prompts == "summary" else greedy_prompts
+            first = first * settings.sampled_copies
+            generated += dc.sampled_continuations(
+                model, first, out / "continuations_sampled.json", new_tokens=n, batch_size=generate_batch_size
+            )
             parts.append(f"{len(first)} sampled (T=0.7)")
     human = [tok(t)["input_ids"] for t in texts + other_texts]
     cache = build_feature_cache(
@@ -83,6 +99,8 @@ def training_data(
         generated + human,
         out / "features",
         window=settings.window,
+        batch_size=feature_batch_size,
+        shard_rows=max(32, feature_batch_size),
         source=f"continuations ({n} tokens) of {', '.join(parts) or 'none'}; {len(texts)} + {len(other_texts)} texts",
         progress=progress,
     )

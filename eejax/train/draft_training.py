@@ -87,9 +87,17 @@ def train_step(draft, opt_state, params, batch, key, index, *, config, optimizer
 WIDTH_STEP = 64  # batches are cut to their longest window rounded up to this: few compiled shapes
 
 
+def _length_order(lengths: np.ndarray, seed: int) -> np.ndarray:
+    """Window indices by width (lengths rounded up to WIDTH_STEP), shuffled within a width: a batch
+    of neighbours has little padding yet mixes sources (sampled copies of one prompt have the same
+    length and would otherwise fill a batch)."""
+    shuffle = np.random.default_rng([seed, 2**31 - 1]).permutation(len(lengths))
+    return np.lexsort((shuffle, -(-np.asarray(lengths) // WIDTH_STEP)))
+
+
 def _batch(data: dict, by_length: np.ndarray, batch_size: int, rng: np.random.Generator) -> dict:
-    """`batch_size` windows of similar lengths: consecutive ones in length order (`by_length`)
-    from a random start, cut to their longest rounded up to WIDTH_STEP (little padding)."""
+    """`batch_size` windows of similar lengths: consecutive ones in `_length_order` from a random
+    start, cut to their longest rounded up to WIDTH_STEP (little padding)."""
     n = len(by_length)
     start = int(rng.integers(n))
     rows = by_length[(start + np.arange(min(batch_size, n))) % n]
@@ -143,7 +151,7 @@ def train_draft(
     start = int(state["step"])
     draft, opt_state = state["draft"], state["opt"]
     _, index = _reduced_index(params, config.vocab_size)
-    by_length = np.argsort(data["lengths"], kind="stable")
+    by_length = _length_order(data["lengths"], seed)
     began = time.monotonic()
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="training draft", disable=not progress)
     done = start
