@@ -20,6 +20,14 @@ def compile_cache_dir(environ=os.environ) -> Path | None:
     return None if value.strip().lower() in OFF else Path(value).expanduser()
 
 
+def background_compile(environ=os.environ) -> bool:
+    """Whether a CPU model whose "auto" layout is split starts decoding on the stacked programs
+    while the split ones compile in the background (`eejax.Model.compiles_split_later`):
+    $EEJAX_BACKGROUND_COMPILE, on unless "off", "none", "0" or "false" (then the split programs
+    compile before their first step; the test suite turns it off, so that each test runs one layout)."""
+    return environ.get("EEJAX_BACKGROUND_COMPILE", "on").strip().lower() not in OFF
+
+
 def enable_compile_cache(environ=os.environ) -> Path | None:
     """Turns the cache on in this process (call it before the first compile); returns its
     directory, or None when it is off."""

@@ -32,6 +32,10 @@ else:  # for the CLI and server processes the tests start
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(COMPILE_CACHE))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(MIN_COMPILE_S))
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(MAX_BYTES))
+# Each test runs one layer layout: "auto" on this CPU compiles the split programs before their
+# first step, instead of decoding on the stacked ones while they compile in the background
+# (`Model.compiles_split_later`: its own test turns it on).
+os.environ.setdefault("EEJAX_BACKGROUND_COMPILE", "off")
 # Two test workers share the machine's cores: torch's OpenMP threads, spinning beside the other
 # worker's XLA threads, made the HF parity test of test_smollm2.py 3x slower (60 s, 20 s with one
 # thread; 2 cores). A worker's torch (and the processes it starts) runs one thread.

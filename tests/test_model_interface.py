@@ -113,6 +113,39 @@ def test_per_layer_weight_buffers_give_the_stacked_layouts_tokens(options):
         assert min(map(min, out["split"][1])) < config.num_layers  # some steps exited: traced layer ranges ran
 
 
+def test_auto_decodes_stacked_while_the_split_program_compiles(monkeypatch):
+    """On a CPU "auto" takes the split layout, but its first steps run the stacked loop while the
+    unrolled program compiles in a background thread; once it is ready, decoding uses it. An
+    explicit "split" (or $EEJAX_BACKGROUND_COMPILE=off) compiles it before the first step. The
+    tokens are the same throughout."""
+    import eejax
+
+    config = dataclasses.replace(LLAMA, num_layers=4)
+    params = model_module(config).init_params(config, jax.random.PRNGKey(1), scale=0.3)
+    prompts = [[3, 9, 27, 5, 8], [11, 4]]
+    want = eejax.generate(eejax.Model(config, params, layer_buffers="stacked"), prompts, max_new_tokens=6).tokens
+    model = eejax.Model(config, params)
+    assert not model.compiles_split_later  # the suite's setting (conftest)
+    monkeypatch.setenv("EEJAX_BACKGROUND_COMPILE", "on")
+    assert model.layout == "split" and model.compiles_split_later
+    assert not eejax.Model(config, params, layer_buffers="split").compiles_split_later
+    took_split, get_soon = [], model.programs.get_soon
+
+    def spy(*args, **kwargs):
+        program, program_args = get_soon(*args, **kwargs)
+        took_split.append(is_split(program_args[0]["layers"]))
+        return program, program_args
+
+    model.programs.get_soon = spy
+    assert eejax.generate(model, prompts, max_new_tokens=6).tokens == want
+    assert took_split[0] is False  # the first step did not wait for the split program
+    model.programs.wait()
+    took_split.clear()
+    assert eejax.generate(model, prompts, max_new_tokens=6).tokens == want
+    assert took_split and all(took_split)
+    assert model.programs.background_seconds > 0
+
+
 def test_on_layer_reads_the_same_weights_in_both_layouts():
     stack = {"w": jnp.arange(24.0).reshape(4, 2, 3)}
     split = split_stack(stack)

@@ -1,7 +1,9 @@
 """Ahead-of-time compiled programs, one per (function, model config, `StepOptions`, input shapes).
 
 Shapes are drawn from bucketed sets (see `buckets.py`), so a session compiles a bounded number
-of programs; `num_programs` and `compile_seconds` report how many and for how long.
+of programs; `num_programs` and `compile_seconds` report how many and for how long. `get_soon`
+compiles a program in a background thread and hands out a fallback until it is ready (the
+split layer layout's decode programs, `Model.compiles_split_later`).
 
 Each compiled program holds memory maps: an XLA:CPU executable of SmolLM2-135M ~256 (jaxlib
 0.10.2, measured; ~1000 with its layers unrolled over per-layer buffers), so under Linux's
@@ -12,9 +14,12 @@ left, and `release_all` frees every compiled program of the process.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import gc
+import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -28,6 +33,8 @@ from eejax.options import StepOptions
 # the split layout's decode programs unroll the layers, ~4x the code).
 MAPS_PER_PROGRAM = {"stacked": 256, "split": 1024}
 
+log = logging.getLogger(__name__)
+IDLE_S = 0.5  # `get_soon` compiles in the background after this long without a program request
 _LIVE: weakref.WeakSet[ProgramCache] = weakref.WeakSet()  # every ProgramCache not yet collected
 
 
@@ -51,7 +58,13 @@ class ProgramCache:
         self.mesh, self.rules = mesh, tuple(rules)
         self._compiled: dict[Any, Any] = {}
         self._sources: dict[Any, tuple] = {}  # key -> (fn, abstract args, static, donate_argnums)
-        self.compile_seconds = 0.0
+        self._pending: dict[Any, threading.Thread] = {}  # key -> its background compilation (`get_soon`)
+        self._lock = threading.Lock()
+        self._closing = threading.Event()  # set: background compilations not yet started give up
+        self._last_request = 0.0  # time.monotonic() of the last get, get_soon or in_use's end
+        self._users = 0  # callers inside in_use()
+        self.compile_seconds = 0.0  # compiling while the caller waited
+        self.background_seconds = 0.0  # compiling in background threads
         _LIVE.add(self)
 
     @property
@@ -60,34 +73,91 @@ class ProgramCache:
 
     def get(self, fn: Callable, args: tuple, config, options: StepOptions, donate_argnums=()):
         """The compiled `fn(*args, config=config, options=options)`, compiling it on first use."""
-        leaves, treedef = jax.tree.flatten(args)
-        static = dict(config=config, options=options)
-        key = (
-            fn.__module__,
-            fn.__qualname__,
-            config,
-            options,
-            treedef,
-            tuple((x.shape, str(x.dtype), _sharding(x)) for x in leaves),
-        )
+        self._last_request = time.monotonic()
+        key = _key(fn, args, config, options)
         program = self._compiled.get(key)
         if program is None:
             start = time.perf_counter()
-            jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate_argnums)
-            with self._placement():
-                program = jitted.lower(*args).compile()
+            program = self._compile(fn, args, config, options, donate_argnums)
             self.compile_seconds += time.perf_counter() - start
-            self._compiled[key] = program
-            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-            self._sources[key] = (fn, abstract, static, donate_argnums)
+            self._add(key, program, fn, args, config, options, donate_argnums)
         return program
 
+    def get_soon(self, fn: Callable, args: tuple, fallback: tuple, config, options: StepOptions, donate_argnums=()):
+        """(compiled program, the args it takes): `fn` over `args` once it is compiled; until then
+        `fn` over `fallback` (compiled now where need be), and the program over `args` compiles in
+        a background thread once this cache has been idle for IDLE_S seconds (no program asked
+        for, no caller `in_use`: so it never slows the work that runs meanwhile, and a process
+        that ends at once never compiles it). For the split layer layout on a CPU: it decodes faster, but its unrolled
+        layers compile ~3x slower than the stacked loop that `fallback` holds. The two programs
+        compute the same tokens (float rounding aside: ~1e-5 in a log-probability)."""
+        self._last_request = time.monotonic()
+        key = _key(fn, args, config, options)
+        with self._lock:
+            program = self._compiled.get(key)
+            if program is None and key not in self._pending:
+                abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_placed(x)), args)
+                job = (key, fn, abstract, config, options, donate_argnums)
+                self._pending[key] = threading.Thread(target=self._compile_when_idle, args=job, daemon=True)
+                self._pending[key].start()
+        if program is not None:
+            return program, args
+        return self.get(fn, fallback, config, options, donate_argnums), fallback
+
+    @contextlib.contextmanager
+    def in_use(self):
+        """Marks a caller running programs (an engine's step, which may wait long on the device):
+        background compilations start only once no caller is and IDLE_S seconds have passed."""
+        with self._lock:
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+            self._last_request = time.monotonic()
+
+    def wait(self) -> None:
+        """Returns once every background compilation (`get_soon`) has ended: call it idle."""
+        for thread in list(self._pending.values()):
+            thread.join()
+
     def clear(self) -> int:
-        """Drops this cache's compiled programs (they compile again on next use); returns how many."""
-        count = len(self._compiled)
-        self._compiled.clear()
-        self._sources.clear()
+        """Drops this cache's compiled programs (they compile again on next use) and the background
+        compilations not yet started, once those under way have ended; returns how many."""
+        self._closing.set()
+        self.wait()
+        with self._lock:
+            count = len(self._compiled)
+            self._compiled.clear()
+            self._sources.clear()
+            self._pending.clear()
+        self._closing.clear()
         return count
+
+    def _compile(self, fn, args, config, options, donate_argnums):
+        jitted = jax.jit(functools.partial(fn, config=config, options=options), donate_argnums=donate_argnums)
+        with self._placement():
+            return jitted.lower(*args).compile()
+
+    def _compile_when_idle(self, key, fn, abstract, config, options, donate_argnums):
+        while self._users or (idle := time.monotonic() - self._last_request) < IDLE_S:
+            if self._closing.wait(IDLE_S if self._users else IDLE_S - idle):
+                return
+        start = time.perf_counter()
+        try:
+            program = self._compile(fn, abstract, config, options, donate_argnums)
+        except Exception as e:  # the fallback program keeps running; said once
+            log.warning("compiling %s in the background failed (%s); its fallback keeps running", fn.__qualname__, e)
+            return
+        self.background_seconds += time.perf_counter() - start
+        self._add(key, program, fn, abstract, config, options, donate_argnums)
+
+    def _add(self, key, program, fn, args, config, options, donate_argnums) -> None:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+        with self._lock:
+            self._compiled[key] = program
+            self._sources[key] = (fn, abstract, dict(config=config, options=options), donate_argnums)
 
     def _placement(self):
         if self.mesh is None:
@@ -105,20 +175,31 @@ class ProgramCache:
 
     def entries(self) -> list[tuple[str, StepOptions, jax.stages.Compiled]]:
         """[(function name, its options, compiled program)] of every program compiled so far."""
-        return [
-            (source[0].__qualname__, source[2]["options"], self._compiled[key]) for key, source in self._sources.items()
-        ]
+        with self._lock:  # a background compilation may add one meanwhile
+            sources = list(self._sources.items())
+        return [(source[0].__qualname__, source[2]["options"], self._compiled[key]) for key, source in sources]
 
     def lower_for(self, platform: str) -> list[tuple[str, jax.stages.Lowered]]:
         """Every program compiled so far, lowered again for `platform` ("cuda", "rocm", "tpu",
         "cpu") without a device of that kind: [(function name, Lowered)]. Options that
         were resolved for this process's backend (attention "auto") keep their resolution."""
         lowered = []
-        for fn, args, static, donate in self._sources.values():
+        with self._lock:
+            sources = list(self._sources.values())
+        for fn, args, static, donate in sources:
             jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
             with self._placement():
                 lowered.append((fn.__qualname__, jitted.trace(*args).lower(lowering_platforms=(platform,))))
         return lowered
+
+
+@atexit.register
+def _end_background() -> None:
+    """At exit: background compilations not yet started give up, and those under way end first
+    (a thread left inside XLA's compiler while the interpreter shuts down can crash it)."""
+    for cache in list(_LIVE):
+        cache._closing.set()
+        cache.wait()
 
 
 def release_all() -> int:
@@ -130,6 +211,17 @@ def release_all() -> int:
     jax.clear_caches()
     gc.collect()
     return count
+
+
+def _key(fn, args, config, options) -> tuple:
+    leaves, treedef = jax.tree.flatten(args)
+    shapes = tuple((x.shape, str(x.dtype), _sharding(x)) for x in leaves)
+    return (fn.__module__, fn.__qualname__, config, options, treedef, shapes)
+
+
+def _placed(x):
+    """The sharding an argument is placed with (None for a host array)."""
+    return getattr(x, "sharding", None)
 
 
 def _sharding(x):

@@ -288,7 +288,7 @@ class Admission:
         def decode(width, options):
             table = jnp.zeros((self.slots, width), jnp.int32)
             if options.spec is None:
-                self._decode_program(table, group, options)
+                self._decode_program(table, group, options, now=True)
             else:
                 self._compile_spec(table, group, options)
 

@@ -251,7 +251,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         """One iteration: admit into free slots, dispatch a decode step, read the previous one.
         A program that fails fails only the requests it ran for (see `_guarded`)."""
         start = time.perf_counter()
-        with self._lock:
+        with self._lock, self.model.programs.in_use():  # background compilations wait meanwhile
             self._admit()
             self._prefill_some()
             self._next_steps = self._steps_per_dispatch()
@@ -344,8 +344,12 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
             self.counts, state = state.counts, dataclasses.replace(state, counts=None)
         self.state = state
 
-    def _decode_program(self, table, group, options: StepOptions):
+    def _decode_program(self, table, group, options: StepOptions, now: bool = False):
+        """(program, args): stacked while the split one compiles (`Model.compiles_split_later`), unless `now`."""
         args = (self.model.run_params, self.cache, self._with_counts(options), table, group)
+        if self.model.compiles_split_later and not now:
+            stacked = (self.model.params, *args[1:])
+            return self.model.programs.get_soon(decode_slots, args, stacked, self.config, options, donate_argnums=(1,))
         return self.model.programs.get(decode_slots, args, self.config, options, donate_argnums=(1,)), args
 
     def _read(self, state, running: dict[int, Sequence], counters) -> None:

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from eejax.cache import init_cache
 from eejax.checkpoint import CONFIG_FILE, write_checkpoint
+from eejax.compile_cache import background_compile
 from eejax.config import LlamaConfig, T5Config
 from eejax.decode.programs import ProgramCache
 from eejax.errors import EejaxError
@@ -52,6 +53,15 @@ class Model:
             return "stacked"
         devices = jax.tree.leaves(self.params)[0].devices()
         return "split" if len(devices) == 1 and next(iter(devices)).platform == "cpu" else "stacked"
+
+    @property
+    def compiles_split_later(self) -> bool:
+        """Whether decoding starts on the stacked programs while the split ones compile in the
+        background (`ProgramCache.get_soon`): where "auto" chose "split", so that a first
+        `generate` waits for the stacked loop's compile (~3x faster) only. An explicit
+        `layer_buffers="split"`, or $EEJAX_BACKGROUND_COMPILE=off, compiles the split programs
+        before their first step."""
+        return self.layer_buffers == "auto" and self.layout == "split" and background_compile()
 
     @property
     def run_params(self) -> dict:
