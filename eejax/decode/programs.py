@@ -88,9 +88,9 @@ class ProgramCache:
         `fn` over `fallback` (compiled now where need be), and the program over `args` compiles in
         a background thread once this cache has been idle for IDLE_S seconds (no program asked
         for, no caller `in_use`: so it never slows the work that runs meanwhile, and a process
-        that ends at once never compiles it). For the split layer layout on a CPU: it decodes faster, but its unrolled
-        layers compile ~3x slower than the stacked loop that `fallback` holds. The two programs
-        compute the same tokens (float rounding aside: ~1e-5 in a log-probability)."""
+        that ends at once never compiles it). For the split layer layout on a CPU: it decodes
+        faster, but its unrolled layers compile ~3x slower than the stacked loop that `fallback`
+        holds. The two compute the same tokens (float rounding aside: ~1e-5 in a log-probability)."""
         self._last_request = time.monotonic()
         key = _key(fn, args, config, options)
         with self._lock:
@@ -141,8 +141,11 @@ class ProgramCache:
             return jitted.lower(*args).compile()
 
     def _compile_when_idle(self, key, fn, abstract, config, options, donate_argnums):
-        while self._users or (idle := time.monotonic() - self._last_request) < IDLE_S:
-            if self._closing.wait(IDLE_S if self._users else IDLE_S - idle):
+        while True:
+            busy, idle = self._users, time.monotonic() - self._last_request
+            if not busy and idle >= IDLE_S:
+                break
+            if self._closing.wait(IDLE_S if busy else IDLE_S - idle):
                 return
         start = time.perf_counter()
         try:
