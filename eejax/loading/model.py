@@ -67,7 +67,7 @@ class Model:
     def run_params(self) -> dict:
         """The params the decode programs read: `params`, or in the "split" layout the same weights
         with each decoder layer's in its own buffers, read in place by the layer loop instead of
-        copied out of the stack (`eejax.models.stack`): on a CPU, decode runs 1.04-1.23x faster and
+        copied out of the stack (`eejax.models.stack`): on a CPU, decode runs 1.01-1.27x faster and
         the buffers share the stack's memory; unrolled layers cost compile time. Prefills read
         `params` in either layout. Built once per `params` object."""
         if self._run is None or self._run[0] is not self.params or self._run[1] != self.layer_buffers:
