@@ -137,12 +137,14 @@ def test_auto_decodes_stacked_while_the_split_program_compiles(monkeypatch):
         return program, program_args
 
     model.programs.get_soon = spy
-    assert eejax.generate(model, prompts, max_new_tokens=6).tokens == want
-    assert took_split[0] is False  # the first step did not wait for the split program
-    model.programs.wait()
-    took_split.clear()
-    assert eejax.generate(model, prompts, max_new_tokens=6).tokens == want
-    assert took_split and all(took_split)
+    for options in (dict(), dict(spec="1:2")):  # decode steps; speculation rounds
+        took_split.clear()
+        assert eejax.generate(model, prompts, max_new_tokens=6, **options).tokens == want
+        assert took_split[0] is False  # the first program did not wait for the split one
+        model.programs.wait()
+        took_split.clear()
+        assert eejax.generate(model, prompts, max_new_tokens=6, **options).tokens == want
+        assert took_split and all(took_split)
     assert model.programs.background_seconds > 0
 
 

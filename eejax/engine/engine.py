@@ -345,12 +345,8 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.state = state
 
     def _decode_program(self, table, group, options: StepOptions, now: bool = False):
-        """(program, args): stacked while the split one compiles (`Model.compiles_split_later`), unless `now`."""
         args = (self.model.run_params, self.cache, self._with_counts(options), table, group)
-        if self.model.compiles_split_later and not now:
-            stacked = (self.model.params, *args[1:])
-            return self.model.programs.get_soon(decode_slots, args, stacked, self.config, options, donate_argnums=(1,))
-        return self.model.programs.get(decode_slots, args, self.config, options, donate_argnums=(1,)), args
+        return self.model.program(decode_slots, args, options, now)
 
     def _read(self, state, running: dict[int, Sequence], counters) -> None:
         """Delivers the tokens a finished step produced; releases rows that ended (EOS, limit,

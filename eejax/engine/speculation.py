@@ -62,24 +62,24 @@ class Speculation:
         self._keep(state)
         policy.observe_times(d, drafted_at - start, time.perf_counter() - drafted_at, passes=d + bonus)
 
-    def _plain_program(self, table, group, options: StepOptions):
+    # Each returns (program, args); `now`: compile the split layout's program before it runs (warm-up),
+    # not in the background while the stacked one runs (`Model.program`).
+    def _plain_program(self, table, group, options: StepOptions, now: bool = False):
         args = (self.model.run_params, self.cache, self._with_counts(options), self.spec_counters, table, group)
-        return self.model.programs.get(plain_step_slots, args, self.config, options.plain(), donate_argnums=(1,)), args
+        return self.model.program(plain_step_slots, args, options.plain(), now)
 
-    def _round_program(self, table, group, round_options: StepOptions):
+    def _round_program(self, table, group, round_options: StepOptions, now: bool = False):
         args = (self.model.run_params, self.cache, self._with_counts(round_options), self.spec_counters, table, group)
-        return self.model.programs.get(spec_round_slots, args, self.config, round_options, donate_argnums=(1,)), args
+        return self.model.program(spec_round_slots, args, round_options, now)
 
-    def _draft_program(self, table, group, round_options: StepOptions):
+    def _draft_program(self, table, group, round_options: StepOptions, now: bool = False):
         args = (self.model.run_params, self.cache, self.state, table, group)
-        options = round_options.drafting()
-        return self.model.programs.get(draft_slots, args, self.config, options, donate_argnums=(1,)), args
+        return self.model.program(draft_slots, args, round_options.drafting(), now)
 
-    def _verify_program(self, table, group, drafts, round_options: StepOptions):
+    def _verify_program(self, table, group, drafts, round_options: StepOptions, now: bool = False):
         state = self._with_counts(round_options)
         args = (self.model.run_params, self.cache, state, drafts, self.spec_counters, table, group)
-        options = round_options.verifying()
-        return self.model.programs.get(verify_slots, args, self.config, options, donate_argnums=(1,)), args
+        return self.model.program(verify_slots, args, round_options.verifying(), now)
 
     def _compile_spec(self, table, group, options: StepOptions) -> None:
         """Compiles (runs nothing) the programs rows speculating with `options` may run at page-table
@@ -88,18 +88,18 @@ class Speculation:
         spec = options.spec
         if not spec.adaptive:
             for bonus in (False, True):
-                self._round_program(table, group, options.round(spec.num_speculations, bonus))
+                self._round_program(table, group, options.round(spec.num_speculations, bonus), now=True)
             return
-        self._plain_program(table, group, options)
+        self._plain_program(table, group, options, now=True)
         for d in range(1, spec.max_speculations + 1):
             for bonus in (False, True):
                 round_options = options.round(d, bonus)
-                draft, args = self._draft_program(table, group, round_options)
+                draft, args = self._draft_program(table, group, round_options, now=True)
                 shapes = jax.eval_shape(
                     functools.partial(draft_slots, config=self.config, options=round_options.drafting()), *args
                 )
                 drafts = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])
-                self._verify_program(table, group, drafts, round_options)
+                self._verify_program(table, group, drafts, round_options, now=True)
 
     def _observe_acceptance(self, running: dict[int, Sequence], counters) -> None:
         """Gives each policy the drafts its rows accepted and the rounds that rejected one since
