@@ -10,8 +10,8 @@ A stack is a dict {name: weights of every layer}, in one of two layouts:
   `lax.switch` branch on the layer index. (SmolLM2-135M on a 2-core CPU, 256-token context:
   batch-1 decode 46 -> 32 ms per step on 2026-11-23, 1.04-1.23x faster at batch 1 to 32 on
   2026-11-25 and 1.01x / 1.27x at batch 1 / 8 on 2026-11-26, paired; ~3x a decode program's
-  compile time, which "auto" spends in the background: `Model.compiles_split_later`.) On a CPU the per-layer buffers
-  alias the stack's memory (`layer_views`): one copy of the weights.
+  compile time, which "auto" spends in the background: `Model.compiles_split_later`.) On a CPU
+  the per-layer buffers alias the stack's memory (`layer_views`): one copy of the weights.
 """
 
 from __future__ import annotations
