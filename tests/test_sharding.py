@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import pytest
@@ -104,13 +105,22 @@ print("RESULTS" + json.dumps(results))
 """
 
 
+RENDEZVOUS_ABORT = "Termination timeout for"  # what XLA:CPU prints when it aborts a stuck collective
+
+
 @pytest.fixture(scope="module")
 def mesh_results():
-    # XLA:CPU aborts the process when a collective's participants do not all arrive within 40 s;
-    # 8 virtual devices on 2 cores beside another test worker once took longer (a CI run): wait 5 min.
-    flags = "--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=300"
+    # XLA:CPU's in-process collectives have twice deadlocked in CI runs (2 cores, another test
+    # worker beside): one device's participant never arrived, with a 40 s and with a 300 s limit.
+    # It is a runtime hang, not slowness, and the same script passes alone and pinned to one core.
+    # So the wait is 2 min, and a run XLA aborts for it is run once more, with a warning.
+    flags = "--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=120"
     env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    for attempt in range(2):
+        out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+        if out.returncode == 0 or RENDEZVOUS_ABORT not in out.stderr or attempt:
+            break
+        warnings.warn("XLA:CPU aborted the mesh script on a stuck collective; running it once more", stacklevel=1)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.split("RESULTS", 1)[1])
 
