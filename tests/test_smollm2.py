@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import eejax
+from eejax.kernels import cpu_matmul
 from eejax.loading.hub import fetch_original
 from tests.helpers import assert_equal_until_a_near_tie, cnndm_rows, sequence_logits
 
@@ -55,6 +56,9 @@ def test_greedy_equals_hf_generate(smollm2, hf_smollm2):
         want = out[0, enc["input_ids"].shape[1] :].tolist()
         assert res.tokens[i] == want, f"prompt {i}"
         assert res.texts[i] == smollm2.tokenizer.decode(want, skip_special_tokens=True)
+    # The default decode step of these 4 rows ran eejax's CPU matmul kernel (where it builds)
+    decode = [p.as_text() for n, p in smollm2.programs.compiled() if n == "decode_slots"]
+    assert decode and all(("eejax_matmul" in text) == cpu_matmul.available() for text in decode)
 
 
 def test_early_exit_that_never_fires_equals_full_depth(smollm2):

@@ -29,6 +29,7 @@ from eejax.cache import KVCache, write_layer_kv
 from eejax.config import LlamaConfig
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.kernels import paged_attention
+from eejax.kernels.cpu_matmul import matmul, matmul_t
 from eejax.models import exits
 from eejax.models.common import rms_norm
 from eejax.models.llama import LAYER_KEYS, DecoderLayer, TokenBatch, _dense_positions
@@ -153,9 +154,7 @@ def draft_logits(params, predicted, config: LlamaConfig, reduced: bool):
     """The head over predicted features [..., D] (no norm: they are in the head's input space):
     float32 logits [..., V], or [..., K] of the reduced exit head's tokens."""
     w = params["exits"]["vocab_head"] if reduced else exits.head_weight(params, config.tie_embeddings)
-    if config.tie_embeddings:
-        return jnp.einsum("...d,vd->...v", predicted, w, preferred_element_type=jnp.float32)
-    return jnp.matmul(predicted, w, preferred_element_type=jnp.float32)
+    return matmul_t(predicted, w) if config.tie_embeddings else matmul(predicted, w)
 
 
 def dense_forward(config: LlamaConfig, draft, feature, token_embeds, lengths):

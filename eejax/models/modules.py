@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from eejax.kernels.cpu_matmul import matmul, matmul_t
 from eejax.models.common import rms_norm
 
 Dtype = Any
@@ -52,10 +53,7 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         w = self.param(self.weight, normal(self.init_scale, self.axes), (x.shape[-1], self.features), self.param_dtype)
-        if self.accumulate:
-            y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
-        else:
-            y = x @ w
+        y = matmul(x, w) if self.accumulate or x.dtype == jnp.float32 else x @ w
         if self.has_variable("params", self.weight + "_a"):
             a, b = (self.get_variable("params", self.weight + s) for s in ("_a", "_b"))
             y = y + (x @ a) @ b
@@ -98,7 +96,7 @@ class Embedder(nn.Module):
         """x [..., D] against the embedding's rows (or `weight` [K, D]): float32 [..., V or K].
         Contracts with the rows directly: `embed.T` would be copied."""
         w = self.embed if weight is None else weight
-        return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+        return matmul_t(x, w)
 
 
 class Unembed(nn.Module):
@@ -114,7 +112,7 @@ class Unembed(nn.Module):
         w = self.param(
             "lm_head", normal(self.init_scale, ("embed", "vocab")), (x.shape[-1], self.vocab_size), self.param_dtype
         )
-        return jnp.matmul(x, w if weight is None else weight, preferred_element_type=jnp.float32)
+        return matmul(x, w if weight is None else weight)
 
 
 def scan_layers(layer: nn.Module, h, *broadcast, length: int):

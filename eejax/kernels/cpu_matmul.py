@@ -1,0 +1,173 @@
+"""Few-row float32 products on a CPU, streamed by every core: eejax's own kernel
+(`cpu_matmul.cc`, an XLA FFI custom call) in place of XLA:CPU's.
+
+Why. A decode step of a small batch is a chain of products of a few rows by a weight matrix, and
+its time is the time to read the weights. XLA:CPU computes such a product on one core, which
+streams ~22 GB/s on this 2-core EPYC while both cores read 30-43 GB/s; the kernel splits each
+weight between the threads of XLA's own intra-op pool (README, "Batch 1 at the memory bound").
+
+When. `matmul` / `matmul_t` use it at trace time when all of these hold: the process's backend is
+the CPU, no mesh is in context (a custom call is not partitioned), x and w are float32, x has at
+most `MAX_ROWS` rows, $EEJAX_CPU_MATMUL is not off, and the library builds. Otherwise they are
+`jnp.matmul` / `einsum`, as before. The library is built at first use with the machine's C++
+compiler against jaxlib's FFI headers (`g++ -O3 -march=native`, a few seconds) into
+`$EEJAX_CACHE/kernels/`, named by a hash of the source, jaxlib's version and the CPU's flags;
+without a compiler it is logged once and XLA's product is used. Each output row is computed
+the same way whatever the number of rows, so a verify pass and a decode step agree bit for bit.
+Gradients (training) go through jnp (`jax.custom_vjp`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from eejax.compile_cache import OFF
+
+MAX_ROWS = 8  # the kernel's limit (kMaxRows); more rows are a GEMM, which XLA threads itself
+SOURCE = Path(__file__).with_suffix(".cc")
+TARGETS = {"eejax_matmul_nn": "EejaxMatmulNN", "eejax_matmul_nt": "EejaxMatmulNT"}
+log = logging.getLogger(__name__)
+
+
+def enabled(environ=os.environ) -> bool:
+    """$EEJAX_CPU_MATMUL: on unless "off", "none", "0" or "false"."""
+    return environ.get("EEJAX_CPU_MATMUL", "on").strip().lower() not in OFF
+
+
+def matmul(x, w):
+    """x [..., K] @ w [K, N] -> float32 [..., N] (float32 accumulation)."""
+    if _applies(x, w):
+        return _kernel_nn(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32)
+
+
+def matmul_t(x, w):
+    """x [..., K] against the rows of w [N, K] -> float32 [..., N] (a head tied to the embedding:
+    `w.T` is never formed)."""
+    if _applies(x, w):
+        return _kernel_nt(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+
+
+def _applies(x, w) -> bool:
+    rows = 1
+    for n in x.shape[:-1]:
+        rows *= n
+    return (
+        0 < rows <= MAX_ROWS
+        and x.dtype == jnp.float32
+        and w.dtype == jnp.float32
+        and w.ndim == 2
+        and jax.default_backend() == "cpu"
+        and jax.sharding.get_abstract_mesh().empty
+        and enabled()
+        and available()
+    )
+
+
+def _call(target: str, x, n: int):
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")
+
+
+@jax.custom_vjp
+def _kernel_nn(x, w):
+    return _call("eejax_matmul_nn", x, w.shape[1])(x, w)
+
+
+@jax.custom_vjp
+def _kernel_nt(x, w):
+    return _call("eejax_matmul_nt", x, w.shape[0])(x, w)
+
+
+def _nn_fwd(x, w):
+    return _kernel_nn(x, w), (x, w)
+
+
+def _nn_bwd(res, g):
+    x, w = res
+    return g @ w.T, x.T @ g
+
+
+def _nt_fwd(x, w):
+    return _kernel_nt(x, w), (x, w)
+
+
+def _nt_bwd(res, g):
+    x, w = res
+    return g @ w, g.T @ x
+
+
+_kernel_nn.defvjp(_nn_fwd, _nn_bwd)
+_kernel_nt.defvjp(_nt_fwd, _nt_bwd)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel library is built (or builds now) and its targets are registered with
+    XLA; False, said once in the log, where it cannot be (no compiler, a failed build)."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build()))
+    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("eejax's CPU matmul kernel is not available, XLA's products are used: %s", str(detail)[-500:])
+        return False
+    for name, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return True
+
+
+def build(directory: Path | None = None) -> Path:
+    """The kernel library's path, compiled first if it is not there. Raises FileNotFoundError
+    without a C++ compiler ($CXX, else g++ or c++) and CalledProcessError when compiling fails."""
+    directory = directory or Path(os.environ.get("EEJAX_CACHE") or Path.home() / ".cache" / "eejax") / "kernels"
+    path = directory / f"cpu_matmul-{_build_key()}.so"
+    if path.exists():
+        return path
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise FileNotFoundError("no C++ compiler (set $CXX, or install g++)")
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:  # built aside, then renamed: never half-written
+        out = Path(tmp) / path.name
+        command = [compiler, *_flags(), "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(out)]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        os.replace(out, path)
+    log.info("built eejax's CPU matmul kernel: %s", path)
+    return path
+
+
+def _flags() -> list[str]:
+    return ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+
+
+def _build_key() -> str:
+    import jaxlib
+
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join([jaxlib.__version__, platform.machine(), *_flags(), _cpu_flags()]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (-march=native compiles for them), so that a cache directory
+    shared between machines never hands one a library built for another's instructions."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

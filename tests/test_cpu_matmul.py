@@ -1,0 +1,78 @@
+"""eejax's few-row CPU matmul kernel (`kernels/cpu_matmul`): the products XLA computes, every row
+computed alone as in a batch, gradients and vmap through it, XLA's product where it does not
+apply, a build that fails leaving nothing behind, and a decode step that uses it by default."""
+
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eejax.kernels import cpu_matmul
+from eejax.kernels.cpu_matmul import MAX_ROWS, matmul, matmul_t
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C++ compiler for the kernel")
+
+
+def _uses_kernel(fn, *args) -> bool:
+    # a fresh function: jit would reuse an earlier trace, and the choice is made when tracing
+    return "eejax_matmul" in jax.jit(lambda *a: fn(*a)).lower(*args).as_text()
+
+
+@pytest.mark.parametrize(
+    "rows, k, n",
+    [(1, 576, 1536), (3, 37, 50), (8, 1536, 576), (2, 64, 9000)],  # tails of every loop; N split (> 8192)
+)
+def test_products_equal_xlas(rows, k, n):
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, k), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
+    assert _uses_kernel(matmul, x, w) and _uses_kernel(matmul_t, x, w.T)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    tolerance = dict(rtol=1e-5, atol=1e-5 * np.sqrt(k))  # float32 sums of k unit products
+    np.testing.assert_allclose(jax.jit(matmul)(x, w), want, **tolerance)
+    np.testing.assert_allclose(jax.jit(matmul_t)(x, jnp.asarray(w.T)), want, **tolerance)
+
+
+def test_a_row_alone_equals_that_row_in_a_batch():
+    """Bit for bit: a verify pass over d + 1 rows and a decode step of one row agree."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((MAX_ROWS, 96), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((96, 80), dtype=np.float32))
+    for fn, weight in ((matmul, w), (matmul_t, w.T)):
+        batch = np.asarray(jax.jit(fn)(x, weight))
+        for i in (0, 5):
+            np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x[i : i + 1], weight))[0], batch[i])
+
+
+def test_gradients_and_vmap_go_through_it():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 3, 24), dtype=np.float32))  # 6 rows over two axes
+    w = jnp.asarray(rng.standard_normal((24, 40), dtype=np.float32))
+    for fn, weight, ref in ((matmul, w, lambda x, w: x @ w), (matmul_t, w.T, lambda x, w: x @ w.T)):
+        got = jax.grad(lambda x, w, f=fn: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))(x, weight)
+        want = jax.grad(lambda x, w, f=ref: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))(x, weight)
+        for g, e in zip(got, want):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(jax.vmap(fn, in_axes=(0, None))(x, weight), ref(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_xlas_product_where_the_kernel_does_not_apply(monkeypatch):
+    x = jnp.ones((MAX_ROWS + 1, 16), jnp.float32)
+    w = jnp.ones((16, 32), jnp.float32)
+    assert not _uses_kernel(matmul, x, w)  # too many rows: a GEMM, XLA threads it
+    assert not _uses_kernel(matmul, x[:1].astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    assert _uses_kernel(matmul, x[:1], w)
+    monkeypatch.setenv("EEJAX_CPU_MATMUL", "off")
+    assert not _uses_kernel(matmul, x[:1], w)
+
+
+def test_a_failed_build_raises_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
+    with pytest.raises(subprocess.CalledProcessError):
+        cpu_matmul.build(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(FileNotFoundError):
+        cpu_matmul.build(tmp_path)
