@@ -1,8 +1,9 @@
 // Few-row float32 matrix products on a CPU, streamed by every thread of XLA's intra-op pool.
 //
-// XLA:CPU runs a product of one (or a few) rows by a weight matrix on one core: the weights
-// stream at one core's bandwidth, about two thirds of what both cores of a 2-core machine read
-// together. These handlers split the weights between the pool's threads instead:
+// A decode step of a few rows is a chain of products of x [M, K] by weights, and its time is the
+// time to read them. XLA:CPU's one-row products run mostly on one core (README's decode profile),
+// which streams about two thirds of what both cores of a 2-core machine read together. These
+// handlers split each weight between the pool's threads instead:
 //   eejax_matmul_nn:  y[M, N] = x[M, K] @ w[K, N]    (a layer's Linear; w row-major)
 //   eejax_matmul_nt:  y[M, N] = x[M, K] @ w[N, K]^T  (the LM head tied to the embedding)
 // nn splits K (each part sums its rows of w into its own partial [M, N]; the parts are added in
@@ -11,15 +12,15 @@
 // tasks it schedules on the pool; the caller claims what no task has started, so it never waits
 // for a task that is queued behind busy threads (no deadlock when the pool is busy), and a task
 // that starts after every part is claimed returns at once.
-// Built at first use by eejax/kernels/cpu_matmul.py (g++ -O3 -march=native); rows > kMaxRows are
-// refused (the caller keeps XLA's product for them).
+// Built at first use by eejax/kernels/cpu_matmul.py (g++ -O3 -march=native); more than kMaxRows
+// rows are refused (the caller keeps XLA's product for them).
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
+#include <thread>  // std::this_thread::yield
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -38,6 +39,7 @@ inline void pause() {
 #endif
 }
 
+constexpr int kSpins = 2000;  // pauses before a waiting caller sleeps (~10-50 us)
 constexpr int64_t kSplitColumnsAbove = 8192;  // nn: split N, not K, for wider outputs (an untied head)
 
 // GCC's vector extension: 16 floats, compiled to the widest vectors -march=native has.
@@ -151,6 +153,7 @@ struct Job {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
       run_part(i);
       done.fetch_add(1, std::memory_order_release);
+      done.notify_all();  // no system call unless the caller sleeps
     }
   }
 };
@@ -174,11 +177,11 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (job->split_k && job->parts > 1) job->partial.resize((job->parts - 1) * M * N);
   for (int64_t i = 1; i < job->parts; ++i) pool.Schedule([job] { job->claim_parts(); });
   job->claim_parts();
-  // Every part is claimed; wait for those other threads are running.
-  for (int spins = 0; job->done.load(std::memory_order_acquire) < job->parts; ++spins) {
-    if (spins < 4096) pause();
-    else std::this_thread::yield();
-  }
+  // Every part is claimed: wait for those other threads are running. Spin briefly (a part takes
+  // microseconds), then sleep on the counter, so that a caller whose helper was preempted (more
+  // threads than cores: another process, test workers) gives its core back instead of spinning.
+  for (int spins = 0; spins < kSpins && job->done.load(std::memory_order_acquire) < job->parts; ++spins) pause();
+  for (int64_t seen; (seen = job->done.load(std::memory_order_acquire)) < job->parts;) job->done.wait(seen);
   if (job->split_k) {
     float* out = job->y;
     for (int64_t i = 0; i + 1 < job->parts; ++i) {

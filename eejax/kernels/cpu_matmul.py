@@ -150,7 +150,7 @@ def build(directory: Path | None = None) -> Path:
 
 
 def _flags() -> list[str]:
-    return ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+    return ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-w"]
 
 
 def _build_key() -> str:
