@@ -39,10 +39,11 @@ from eejax.models.llama import param_bytes_per_token  # noqa: E402
 # (group, name prefixes of XLA:CPU's kernels), first match wins.
 GROUPS = (
     ("weight slice copies (stacked layout)", ("dynamic-slice", "dynamic_slice")),
-    ("matmuls (dot)", ("dot",)),
+    ("matmuls (dot, eejax's CPU kernel)", ("dot", "ffi_call")),
     ("attention over the paged cache", ("ynn_fusion", "gather", "select_reduce", "subtract_exp")),
     ("cache writes", ("scatter", "dynamic-update", "dynamic_update")),
     ("reductions (norms, softmax, argmax)", ("reduce", "iota_reduce")),
+    ("a thread waiting in XLA's pool", ("SlinkyThreadPool::Await",)),
 )
 
 
@@ -71,21 +72,24 @@ def op_times(trace_dir: Path) -> collections.Counter:
 
 def weight_matmuls_ms(model, batch: int) -> float:
     """Best-of-20 time of every decode weight matmul (7 per layer and the head) at `batch` rows,
-    one jitted program over the per-layer buffers: the weights streamed once, nothing else."""
+    one jitted program over the per-layer buffers, each product as the model computes it
+    (`kernels.cpu_matmul`): the weights streamed once, nothing else."""
+    from eejax.kernels.cpu_matmul import matmul, matmul_t
     from eejax.models.stack import split_stack
 
     layers = split_stack(model.params["layers"])
     names = [k for k, v in layers.items() if v[0].ndim == 2]
     c = model.config
-    head = model.params["embed"].T if c.tie_embeddings else model.params["lm_head"]
+    head = model.params["embed"] if c.tie_embeddings else model.params["lm_head"]
+    head_matmul = matmul_t if c.tie_embeddings else matmul
 
     def matmuls(layers, head):
         total = jnp.zeros((batch,), jnp.float32)
         for i in range(c.num_layers):
             for k in names:
                 w = layers[k][i]
-                total += (jnp.ones((batch, w.shape[0]), w.dtype) @ w).sum(-1)
-        return total + (jnp.ones((batch, head.shape[0]), head.dtype) @ head).sum(-1)
+                total += matmul(jnp.ones((batch, w.shape[0]), w.dtype), w).sum(-1)
+        return total + head_matmul(jnp.ones((batch, c.hidden_size), head.dtype), head).sum(-1)
 
     program = jax.jit(matmuls)
     program(layers, head).block_until_ready()
