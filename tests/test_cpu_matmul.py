@@ -21,15 +21,16 @@ def _uses_kernel(fn, *args) -> bool:
 
 
 @pytest.mark.parametrize(
-    "rows, k, n",
-    [(1, 576, 1536), (3, 37, 50), (8, 1536, 576), (2, 64, 9000)],  # tails of every loop; N split (> 8192)
-)
-def test_products_equal_xlas(rows, k, n):
+    "rows, k, n, dtype",  # tails of every loop; N split (> 8192); bf16 weights and rows
+    [(1, 576, 1536, "float32"), (3, 37, 50, "float32"), (8, 1536, 576, "float32"), (2, 64, 9000, "float32"),
+     (1, 576, 1536, "bfloat16"), (5, 37, 50, "bfloat16")],
+)  # fmt: skip
+def test_products_equal_xlas(rows, k, n, dtype):
     rng = np.random.default_rng(rows)
-    x = jnp.asarray(rng.standard_normal((rows, k), dtype=np.float32))
-    w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
+    x = jnp.asarray(rng.standard_normal((rows, k), dtype=np.float32), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32), dtype)
     assert _uses_kernel(matmul, x, w) and _uses_kernel(matmul_t, x, w.T)
-    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)  # bf16 values are exact in float64
     tolerance = dict(rtol=1e-5, atol=1e-5 * np.sqrt(k))  # float32 sums of k unit products
     np.testing.assert_allclose(jax.jit(matmul)(x, w), want, **tolerance)
     np.testing.assert_allclose(jax.jit(matmul_t)(x, jnp.asarray(w.T)), want, **tolerance)
@@ -50,7 +51,8 @@ def test_gradients_and_vmap_go_through_it():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((2, 3, 24), dtype=np.float32))  # 6 rows over two axes
     w = jnp.asarray(rng.standard_normal((24, 40), dtype=np.float32))
-    for fn, weight, ref in ((matmul, w, lambda x, w: x @ w), (matmul_t, w.T, lambda x, w: x @ w.T)):
+    pairs = ((matmul, w, lambda x, w: x @ w), (matmul_t, w.T, lambda x, w: x @ w.T))
+    for fn, weight, ref in pairs:
         got = jax.grad(lambda x, w, f=fn: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))(x, weight)
         want = jax.grad(lambda x, w, f=ref: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))(x, weight)
         for g, e in zip(got, want):
@@ -62,7 +64,7 @@ def test_xlas_product_where_the_kernel_does_not_apply(monkeypatch):
     x = jnp.ones((MAX_ROWS + 1, 16), jnp.float32)
     w = jnp.ones((16, 32), jnp.float32)
     assert not _uses_kernel(matmul, x, w)  # too many rows: a GEMM, XLA threads it
-    assert not _uses_kernel(matmul, x[:1].astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    assert not _uses_kernel(matmul, x[:1].astype(jnp.float16), w.astype(jnp.float16))
     assert _uses_kernel(matmul, x[:1], w)
     monkeypatch.setenv("EEJAX_CPU_MATMUL", "off")
     assert not _uses_kernel(matmul, x[:1], w)

@@ -51,17 +51,36 @@ inline v16 load(const float* p) {
 }
 inline void store(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
 
+// bfloat16 weights (XLA passes them as uint16): the top half of a float32, widened exactly.
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+inline v16 load(const uint16_t* p) {
+  u16x16 half;
+  __builtin_memcpy(&half, p, sizeof half);
+  const u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
+  v16 v;
+  __builtin_memcpy(&v, &wide, sizeof v);
+  return v;
+}
+inline float scalar(float w) { return w; }
+inline float scalar(uint16_t w) {
+  const uint32_t wide = uint32_t(w) << 16;
+  float f;
+  __builtin_memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
 // p[m, n0:n1] = x[m, k0:k1] @ w[k0:k1, n0:n1] for M rows of x (K apart) into p (N apart). R rows of
 // w per pass over the columns, so each element of p is loaded and stored once per R rows (16 rows
 // streamed 19.6 GB/s on one core of this EPYC at M = 1, 4 rows 16.0, 1 row 12.3).
-template <int M, int R>
-void nn_block(const float* x, const float* w, float* p, int64_t K, int64_t N, int64_t k0, int64_t k1, int64_t n0,
+template <int M, int R, typename W>
+void nn_block(const float* x, const W* w, float* p, int64_t K, int64_t N, int64_t k0, int64_t k1, int64_t n0,
               int64_t n1) {
   for (int m = 0; m < M; ++m) std::memset(p + m * N + n0, 0, (n1 - n0) * sizeof(float));
   const int64_t nv = n0 + (n1 - n0) / 16 * 16;
   int64_t k = k0;
   for (; k + R <= k1; k += R) {
-    const float* wk = w + k * N;
+    const W* wk = w + k * N;
     float a[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) a[m][r] = x[m * K + k + r];
@@ -77,22 +96,22 @@ void nn_block(const float* x, const float* w, float* p, int64_t K, int64_t N, in
     for (int64_t n = nv; n < n1; ++n)
       for (int m = 0; m < M; ++m) {
         float s = p[m * N + n];
-        for (int r = 0; r < R; ++r) s += a[m][r] * wk[r * N + n];
+        for (int r = 0; r < R; ++r) s += a[m][r] * scalar(wk[r * N + n]);
         p[m * N + n] = s;
       }
   }
   for (; k < k1; ++k)
     for (int m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) p[m * N + n] += x[m * K + k] * w[k * N + n];
+      for (int64_t n = n0; n < n1; ++n) p[m * N + n] += x[m * K + k] * scalar(w[k * N + n]);
 }
 
 // y[m, n] = x[m] . w[n] for n in [n0, n1): each row of w is read once, in order, for all M rows
 // of x (one stream: 27 GB/s on one core at M = 1).
-template <int M>
-void nt_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+template <int M, typename W>
+void nt_block(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t kv = K / 32 * 32;
   for (int64_t n = n0; n < n1; ++n) {
-    const float* wn = w + n * K;
+    const W* wn = w + n * K;
     v16 acc[M][2] = {};
     for (int64_t k = 0; k < kv; k += 32) {
       const v16 w0 = load(wn + k), w1 = load(wn + k + 16);
@@ -105,31 +124,35 @@ void nt_block(const float* x, const float* w, float* y, int64_t K, int64_t N, in
       const v16 both = acc[m][0] + acc[m][1];
       float s = 0.f;
       for (int j = 0; j < 16; ++j) s += both[j];
-      for (int64_t k = kv; k < K; ++k) s += x[m * K + k] * wn[k];
+      for (int64_t k = kv; k < K; ++k) s += x[m * K + k] * scalar(wn[k]);
       y[m * N + n] = s;
     }
   }
 }
 
-// The block functions for M = 1..kMaxRows rows, picked once per call.
+// The block functions for M = 1..kMaxRows rows and weights of type W, picked once per call.
+template <typename W>
 struct Blocks {
-  void (*nn)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
-  void (*nt)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+  void (*nn)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+  void (*nt)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t);
 };
 
-template <int M>
-constexpr Blocks blocks_for() {
-  return {&nn_block<M, (M <= 4 ? 16 : 8)>, &nt_block<M>};
+template <typename W, int M>
+constexpr Blocks<W> blocks_for() {
+  return {&nn_block<M, (M <= 4 ? 16 : 8), W>, &nt_block<M, W>};
 }
 
-constexpr Blocks kBlocks[kMaxRows] = {blocks_for<1>(), blocks_for<2>(), blocks_for<3>(), blocks_for<4>(),
-                                      blocks_for<5>(), blocks_for<6>(), blocks_for<7>(), blocks_for<8>()};
+template <typename W>
+constexpr Blocks<W> kBlocks[kMaxRows] = {blocks_for<W, 1>(), blocks_for<W, 2>(), blocks_for<W, 3>(),
+                                         blocks_for<W, 4>(), blocks_for<W, 5>(), blocks_for<W, 6>(),
+                                         blocks_for<W, 7>(), blocks_for<W, 8>()};
 
+template <typename W>
 struct Job {
   bool transposed;
   bool split_k;
   const float* x;
-  const float* w;
+  const W* w;
   float* y;
   int64_t M, K, N, parts;
   std::vector<float> partial;  // split_k: parts 1.. write [parts - 1, M, N] here; part 0 writes y
@@ -138,7 +161,7 @@ struct Job {
 
   void run_part(int64_t i) {
     const int64_t lo = (split_k ? K : N) * i / parts, hi = (split_k ? K : N) * (i + 1) / parts;
-    const Blocks& f = kBlocks[M - 1];
+    const Blocks<W>& f = kBlocks<W>[M - 1];
     if (transposed) {
       f.nt(x, w, y, K, N, lo, hi);
     } else if (split_k) {
@@ -158,18 +181,19 @@ struct Job {
   }
 };
 
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> y, bool transposed) {
+template <typename W, ffi::DataType T>
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w, ffi::ResultBuffer<ffi::F32> y,
+                  bool transposed) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("eejax_matmul: x and w must be 2-D");
   const int64_t M = xd[0], K = xd[1], N = transposed ? wd[0] : wd[1];
   if ((transposed ? wd[1] : wd[0]) != K) return ffi::Error::InvalidArgument("eejax_matmul: x and w do not contract");
   if (M < 1 || M > kMaxRows) return ffi::Error::InvalidArgument("eejax_matmul: x must have 1 to 8 rows");
-  auto job = std::make_shared<Job>();
+  auto job = std::make_shared<Job<W>>();
   job->transposed = transposed;
   job->split_k = !transposed && N <= kSplitColumnsAbove;
   job->x = x.typed_data();
-  job->w = w.typed_data();
+  job->w = reinterpret_cast<const W*>(w.typed_data());
   job->y = y->typed_data();
   job->M = M, job->K = K, job->N = N;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -193,28 +217,22 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulNN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                    ffi::ResultBuffer<ffi::F32> y) {
-  return Matmul(pool, x, w, y, false);
-}
-
-ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                    ffi::ResultBuffer<ffi::F32> y) {
-  return Matmul(pool, x, w, y, true);
+template <typename W, ffi::DataType T, bool kTransposed>
+ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w, ffi::ResultBuffer<ffi::F32> y) {
+  return Matmul<W, T>(pool, x, w, y, kTransposed);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EejaxMatmulNN, MatmulNN,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// float32 or bfloat16 weights (x and y float32), x @ w or x @ w^T.
+#define EEJAX_MATMUL_HANDLER(name, W, T, transposed)                                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (Handler<W, T, transposed>), ffi::Ffi::Bind()                      \
+                                                                       .Ctx<ffi::ThreadPool>()           \
+                                                                       .Arg<ffi::Buffer<ffi::F32>>()     \
+                                                                       .Arg<ffi::Buffer<T>>()            \
+                                                                       .Ret<ffi::Buffer<ffi::F32>>())
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EejaxMatmulNT, MatmulNT,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+EEJAX_MATMUL_HANDLER(EejaxMatmulNN, float, ffi::F32, false);
+EEJAX_MATMUL_HANDLER(EejaxMatmulNT, float, ffi::F32, true);
+EEJAX_MATMUL_HANDLER(EejaxMatmulNNBf16, uint16_t, ffi::BF16, false);
+EEJAX_MATMUL_HANDLER(EejaxMatmulNTBf16, uint16_t, ffi::BF16, true);

@@ -1,20 +1,22 @@
-"""Few-row float32 products on a CPU, streamed by every core: eejax's own kernel
+"""Few-row products on a CPU, streamed by every core: eejax's own kernel
 (`cpu_matmul.cc`, an XLA FFI custom call) in place of XLA:CPU's.
 
 Why. A decode step of a small batch is a chain of products of a few rows by a weight matrix, and
-its time is the time to read the weights. XLA:CPU computes such a product on one core, which
-streams ~22 GB/s on this 2-core EPYC while both cores read 30-43 GB/s; the kernel splits each
-weight between the threads of XLA's own intra-op pool (README, "Batch 1 at the memory bound").
+its time is the time to read the weights. XLA:CPU computes a one-row product mostly on one core,
+which streams ~22 GB/s on this 2-core EPYC while both cores read 30-43 GB/s; the kernel splits
+each weight between the threads of XLA's own intra-op pool (README, the decode profile).
 
 When. `matmul` / `matmul_t` use it at trace time when all of these hold: the process's backend is
-the CPU, no mesh is in context (a custom call is not partitioned), x and w are float32, x has at
-most `MAX_ROWS` rows, $EEJAX_CPU_MATMUL is not off, and the library builds. Otherwise they are
-`jnp.matmul` / `einsum`, as before. The library is built at first use with the machine's C++
-compiler against jaxlib's FFI headers (`g++ -O3 -march=native`, a few seconds) into
-`$EEJAX_CACHE/kernels/`, named by a hash of the source, jaxlib's version and the CPU's flags;
-without a compiler it is logged once and XLA's product is used. Each output row is computed
-the same way whatever the number of rows, so a verify pass and a decode step agree bit for bit.
-Gradients (training) go through jnp (`jax.custom_vjp`).
+the CPU, no mesh is in context (a custom call is not partitioned), x and w are float32 or
+bfloat16, x has at most `MAX_ROWS` rows, $EEJAX_CPU_MATMUL is not off, and the library builds.
+Otherwise they are `jnp.matmul` / `einsum`, as before. x is widened to float32; bf16 weights are
+widened as they are read, so a bf16 step reads half the bytes (XLA:CPU's one-row bf16 product
+converts the whole weight to an fp32 copy first). The library is built at first use with the
+machine's C++ compiler against jaxlib's FFI headers (`g++ -O3 -march=native`, a few seconds)
+into `$EEJAX_CACHE/kernels/`, named by a hash of the source, jaxlib's version and the CPU's
+flags; without a compiler it is logged once and XLA's product is used. Each output row is
+computed the same way whatever the number of rows, so a verify pass and a decode step agree bit
+for bit. Gradients (training) go through jnp (`jax.custom_vjp`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from eejax.compile_cache import OFF
 
 MAX_ROWS = 8  # the kernel's limit (kMaxRows); more rows are a GEMM, which XLA threads itself
 SOURCE = Path(__file__).with_suffix(".cc")
-TARGETS = {"eejax_matmul_nn": "EejaxMatmulNN", "eejax_matmul_nt": "EejaxMatmulNT"}
+TARGETS = {  # XLA's name for a handler -> its symbol in the library
+    "eejax_matmul_nn": "EejaxMatmulNN",
+    "eejax_matmul_nt": "EejaxMatmulNT",
+    "eejax_matmul_nn_bf16": "EejaxMatmulNNBf16",
+    "eejax_matmul_nt_bf16": "EejaxMatmulNTBf16",
+}
+WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 log = logging.getLogger(__name__)
 
 
@@ -47,9 +55,9 @@ def enabled(environ=os.environ) -> bool:
 
 
 def matmul(x, w):
-    """x [..., K] @ w [K, N] -> float32 [..., N] (float32 accumulation)."""
+    """x [..., K] @ w [K, N] -> float32 [..., N] (float32 products and sums)."""
     if _applies(x, w):
-        return _kernel_nn(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
+        return _kernel_nn(_rows(x), w).reshape(*x.shape[:-1], w.shape[1])
     return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
 
@@ -57,8 +65,13 @@ def matmul_t(x, w):
     """x [..., K] against the rows of w [N, K] -> float32 [..., N] (a head tied to the embedding:
     `w.T` is never formed)."""
     if _applies(x, w):
-        return _kernel_nt(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+        return _kernel_nt(_rows(x), w).reshape(*x.shape[:-1], w.shape[0])
     return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+
+
+def _rows(x):
+    """x [..., K] as float32 rows [M, K] (a bf16 value is exact in float32)."""
+    return x.reshape(-1, x.shape[-1]).astype(jnp.float32)
 
 
 def _applies(x, w) -> bool:
@@ -67,8 +80,8 @@ def _applies(x, w) -> bool:
         rows *= n
     return (
         0 < rows <= MAX_ROWS
-        and x.dtype == jnp.float32
-        and w.dtype == jnp.float32
+        and x.dtype in WEIGHT_DTYPES
+        and w.dtype in WEIGHT_DTYPES
         and w.ndim == 2
         and jax.default_backend() == "cpu"
         and jax.sharding.get_abstract_mesh().empty
@@ -77,19 +90,20 @@ def _applies(x, w) -> bool:
     )
 
 
-def _call(target: str, x, n: int):
+def _call(target: str, x, w, n: int):
+    name = target + ("_bf16" if w.dtype == jnp.bfloat16 else "")
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")
+    return jax.ffi.ffi_call(name, out, vmap_method="sequential")(x, w)
 
 
 @jax.custom_vjp
 def _kernel_nn(x, w):
-    return _call("eejax_matmul_nn", x, w.shape[1])(x, w)
+    return _call("eejax_matmul_nn", x, w, w.shape[1])
 
 
 @jax.custom_vjp
 def _kernel_nt(x, w):
-    return _call("eejax_matmul_nt", x, w.shape[0])(x, w)
+    return _call("eejax_matmul_nt", x, w, w.shape[0])
 
 
 def _nn_fwd(x, w):
@@ -98,7 +112,7 @@ def _nn_fwd(x, w):
 
 def _nn_bwd(res, g):
     x, w = res
-    return g @ w.T, x.T @ g
+    return g @ w.T.astype(g.dtype), (x.T @ g).astype(w.dtype)
 
 
 def _nt_fwd(x, w):
@@ -107,7 +121,7 @@ def _nt_fwd(x, w):
 
 def _nt_bwd(res, g):
     x, w = res
-    return g @ w, g.T @ x
+    return g @ w.astype(g.dtype), (g.T @ x).astype(w.dtype)
 
 
 _kernel_nn.defvjp(_nn_fwd, _nn_bwd)

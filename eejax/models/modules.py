@@ -39,7 +39,7 @@ def normal(scale: float, axes: tuple[str, ...]):
 
 class Linear(nn.Module):
     """y = x @ W for W [D_in, features] named `weight` (`kernels.cpu_matmul.matmul`: eejax's own
-    product for a few float32 rows on a CPU, XLA's otherwise), plus LoRA's low-rank update
+    product for a few rows on a CPU, XLA's otherwise), plus LoRA's low-rank update
     x @ a @ b when the params carry `weight + "_a"` [D_in, r] and `weight + "_b"` [r, features]
     (training, before the update is merged). `accumulate`: accumulate in float32 and round once
     to x's dtype (bf16 weights: as cuBLAS does; Llama); otherwise x's dtype throughout (HF T5's
