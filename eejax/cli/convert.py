@@ -28,9 +28,10 @@ def add_parsers(sub) -> None:
         choices=("float32", "bfloat16"),
         default="float32",
         help="dtype of the stored weights (default: float32). bfloat16 halves the bytes a decode step "
-        "reads, which pays on a GPU; on a CPU, XLA:CPU (jaxlib 0.10) decodes SmolLM2 2.8x slower in "
-        "bfloat16 at batch 1 and 1.1x at batch 8 (an AMD EPYC with avx512_bf16: a one-row bf16 matmul "
-        "converts its weights to float32 copies), so keep float32 there",
+        "reads, which pays on a GPU; on a CPU, SmolLM2 decodes ~3x slower in bfloat16 at batch 1 and "
+        "batch 8 (an AMD EPYC with avx512_bf16, jaxlib 0.10: XLA:CPU converts the bf16 embedding to "
+        "float32 for each step's token lookup, and widening bf16 weights costs eejax's matmul kernel "
+        "compute), so keep float32 there",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
