@@ -1,6 +1,6 @@
-"""eejax's few-row CPU matmul kernel (`kernels/cpu_matmul`): the products XLA computes, every row
+"""eejax's CPU kernel library (`kernels/cpu_matmul`): the products XLA computes, every row
 computed alone as in a batch, gradients and vmap through it, XLA's product where it does not
-apply, a build that fails leaving nothing behind, and a decode step that uses it by default."""
+apply, a build that fails leaving nothing behind; rows of a bf16 table as jnp reads them."""
 
 import subprocess
 
@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from eejax.kernels import cpu_matmul
-from eejax.kernels.cpu_matmul import MAX_ROWS, matmul, matmul_t
+from eejax.kernels.cpu_matmul import MAX_ROWS, matmul, matmul_t, take_rows
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C++ compiler for the kernel")
 
 
 def _uses_kernel(fn, *args) -> bool:
     # a fresh function: jit would reuse an earlier trace, and the choice is made when tracing
-    return "eejax_matmul" in jax.jit(lambda *a: fn(*a)).lower(*args).as_text()
+    return "@eejax_" in jax.jit(lambda *a: fn(*a)).lower(*args).as_text()
 
 
 @pytest.mark.parametrize(
@@ -78,3 +78,15 @@ def test_a_failed_build_raises_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(FileNotFoundError):
         cpu_matmul.build(tmp_path)
+
+
+def test_rows_of_a_bf16_table_as_jnp_indexing_reads_them():
+    table = jnp.asarray(np.random.default_rng(2).standard_normal((100, 24)), jnp.bfloat16)
+    ids = jnp.asarray([[3, 99, 0], [150, -5, 7], [-150, 42, 42]], jnp.int32)  # outside, from the end, repeated
+    assert _uses_kernel(take_rows, table, ids) and not _uses_kernel(take_rows, table.astype(jnp.float32), ids)
+    np.testing.assert_array_equal(jax.jit(take_rows)(table, ids), table[ids])
+    got, want = (
+        jax.grad(lambda t, f=f: jnp.sum(f(t).astype(jnp.float32) ** 2))(table)
+        for f in (lambda t: take_rows(t, ids), lambda t: t[ids])
+    )
+    np.testing.assert_array_equal(got, want)

@@ -222,7 +222,29 @@ ffi::Error Handler(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T>
   return Matmul<W, T>(pool, x, w, y, kTransposed);
 }
 
+// out[i] = table[clamp(ids[i])]: rows of a bf16 table copied as they are. XLA:CPU converts the
+// whole bf16 table to float32 to gather a few rows of it (an embedding lookup per decode step).
+ffi::Error TakeRows(ffi::Buffer<ffi::BF16> table, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::BF16> out) {
+  const auto td = table.dimensions();
+  if (td.size() != 2) return ffi::Error::InvalidArgument("eejax_take_rows: the table must be 2-D");
+  const int64_t V = td[0], D = td[1], n = ids.element_count();
+  const uint16_t* rows = table.typed_data();
+  const int32_t* id = ids.typed_data();
+  uint16_t* dst = out->typed_data();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = std::clamp<int64_t>(id[i], 0, V - 1);  // as jnp indexing clamps
+    std::memcpy(dst + i * D, rows + row * D, D * sizeof(uint16_t));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EejaxTakeRowsBf16, TakeRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
 
 // float32 or bfloat16 weights (x and y float32), x @ w or x @ w^T.
 #define EEJAX_MATMUL_HANDLER(name, W, T, transposed)                                                      \

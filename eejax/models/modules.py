@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from eejax.kernels.cpu_matmul import matmul, matmul_t
+from eejax.kernels.cpu_matmul import matmul, matmul_t, take_rows
 from eejax.models.common import rms_norm
 
 Dtype = Any
@@ -91,8 +91,9 @@ class Embedder(nn.Module):
         )
 
     def __call__(self, tokens):
-        """tokens [B, T] int32 -> hidden [B, T, D]."""
-        return self.embed[tokens]
+        """tokens [B, T] int32 -> hidden [B, T, D] (`kernels.cpu_matmul.take_rows`: a bf16 table
+        on a CPU is read by eejax's row copy)."""
+        return take_rows(self.embed, tokens)
 
     def attend(self, x, weight=None):
         """x [..., D] against the embedding's rows (or `weight` [K, D]): float32 [..., V or K].
