@@ -87,15 +87,12 @@ def take_rows(table, tokens):
 
 
 def _applies_to_table(table, tokens) -> bool:
-    return (
-        table.dtype == jnp.bfloat16
-        and table.ndim == 2
-        and 0 < tokens.size <= MAX_ROWS * 64  # decode and verify steps; a prompt's prefill too
-        and jax.default_backend() == "cpu"
-        and jax.sharding.get_abstract_mesh().empty
-        and enabled()
-        and available()
-    )
+    return table.dtype == jnp.bfloat16 and table.ndim == 2 and tokens.size > 0 and _library_applies()
+
+
+def _library_applies() -> bool:
+    """The conditions every use shares: one CPU device, the switch on, the library built."""
+    return jax.default_backend() == "cpu" and jax.sharding.get_abstract_mesh().empty and enabled() and available()
 
 
 @jax.custom_vjp
@@ -133,10 +130,7 @@ def _applies(x, w) -> bool:
         and x.dtype in WEIGHT_DTYPES
         and w.dtype in WEIGHT_DTYPES
         and w.ndim == 2
-        and jax.default_backend() == "cpu"
-        and jax.sharding.get_abstract_mesh().empty
-        and enabled()
-        and available()
+        and _library_applies()
     )
 
 
