@@ -25,7 +25,12 @@ def background_compile(environ=os.environ) -> bool:
     while the split ones compile in the background (`eejax.Model.compiles_split_later`):
     $EEJAX_BACKGROUND_COMPILE, on unless "off", "none", "0" or "false" (then the split programs
     compile before their first step; the test suite turns it off, so that each test runs one layout)."""
-    return environ.get("EEJAX_BACKGROUND_COMPILE", "on").strip().lower() not in OFF
+    return switched_on("EEJAX_BACKGROUND_COMPILE", environ)
+
+
+def switched_on(name: str, environ=os.environ) -> bool:
+    """Whether the environment switch `name` is on: it is unless set to "off", "none", "0" or "false"."""
+    return environ.get(name, "on").strip().lower() not in OFF
 
 
 def enable_compile_cache(environ=os.environ) -> Path | None:

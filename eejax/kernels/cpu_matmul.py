@@ -38,7 +38,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from eejax.compile_cache import OFF
+from eejax.compile_cache import switched_on
 
 MAX_ROWS = 8  # the kernel's limit (kMaxRows); more rows are a GEMM, which XLA threads itself
 SOURCE = Path(__file__).with_suffix(".cc")
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 def enabled(environ=os.environ) -> bool:
     """$EEJAX_CPU_MATMUL: on unless "off", "none", "0" or "false"."""
-    return environ.get("EEJAX_CPU_MATMUL", "on").strip().lower() not in OFF
+    return switched_on("EEJAX_CPU_MATMUL", environ)
 
 
 def matmul(x, w):
@@ -223,9 +223,7 @@ def _cpu_flags() -> str:
     """The CPU's feature flags (-march=native compiles for them), so that a cache directory
     shared between machines never hands one a library built for another's instructions."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux: the processor's name is the best there is
+        lines = []
+    return next((line for line in lines if line.startswith(("flags", "Features"))), platform.processor())
