@@ -334,12 +334,13 @@ class StepOptions:
         bonus = bonus and not spec.draft_head  # a draft head's round always scores d + 1 positions
         return dataclasses.replace(self, exit=None, spec=spec, bonus=bonus, num_steps=1)
 
-    def plain(self) -> StepOptions:
-        """What a plain step in place of a round reads: with a draft head, that it keeps the
-        draft's K/V (a verification of no drafts); else a full-depth decode step (`decoding`)."""
+    def plain(self, num_steps: int = 1) -> StepOptions:
+        """What `num_steps` plain steps in place of a round read: with a draft head, that each
+        keeps the draft's K/V (a verification of no drafts); else full-depth decode steps
+        (`decoding`)."""
         if self.spec is not None and self.spec.draft_head:
-            return self.round(1)
-        return self.decoding()
+            return dataclasses.replace(self.round(1), num_steps=num_steps)
+        return self.decoding(num_steps)
 
     def drafting(self) -> StepOptions:
         """What a round's draft program reads: no limits, EOS or log-probs (`round` first)."""

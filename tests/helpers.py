@@ -228,3 +228,24 @@ def assert_equal_until_a_near_tie(model, prompts, got, want, tol: float) -> None
         logits = sequence_logits(model, prompt + w[:part])[-1]
         pair = logits[[g[part], w[part]]]
         assert abs(pair[0] - pair[1]) < tol and pair.max() >= logits.max() - tol, (part, pair, logits.max())
+
+
+def fixed_policy_costs(monkeypatch, draft_pass: float, verify: float, plain: float) -> None:
+    """Feeds every adaptive speculation policy these seconds instead of the wall times the engine
+    measures (a busy 2-core machine's are noise at a tiny model's size): a draft pass, a verify
+    of any d, a plain step. What a policy then chooses depends only on the acceptance."""
+    from eejax.decode.spec_policy import SpeculationPolicy
+
+    # the policy's own methods, also when an earlier call in the same test replaced them
+    observe_times = getattr(SpeculationPolicy.observe_times, "original", SpeculationPolicy.observe_times)
+    observe_plain = getattr(SpeculationPolicy.observe_plain, "original", SpeculationPolicy.observe_plain)
+
+    def times(self, d, draft_s, verify_s, passes=None, whole=False):
+        observe_times(self, d, draft_pass * (d + 1), verify, passes=d + 1, whole=whole)
+
+    def plain_step(self, seconds):
+        observe_plain(self, plain)
+
+    times.original, plain_step.original = observe_times, observe_plain
+    monkeypatch.setattr(SpeculationPolicy, "observe_times", times)
+    monkeypatch.setattr(SpeculationPolicy, "observe_plain", plain_step)

@@ -14,13 +14,12 @@ import pytest
 import eejax
 from eejax.decode import steps
 from eejax.decode.sampling import RowSampling, SamplingParams
-from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.engine.engine import Engine
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import draft_head, llama
 from eejax.models.exits import set_exit_vocab
 from eejax.options import SpecConfig, StepOptions
-from tests.helpers import prefilled
+from tests.helpers import fixed_policy_costs, prefilled
 from tests.test_speculative import NEW, PROMPTS, chi_square_p, perfect_drafts, spec_round, tiny
 
 
@@ -169,13 +168,8 @@ def test_engine_with_chunks_and_prefix_caching_is_lossless(model):
 
 def test_adaptive_generation_is_lossless(model, monkeypatch):
     full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
-    observe_times = SpeculationPolicy.observe_times
     # CPU-like costs where no round pays: plain steps (verifications of no drafts), probe rounds.
-    monkeypatch.setattr(
-        SpeculationPolicy,
-        "observe_times",
-        lambda self, d, *t, passes=None: observe_times(self, d, 1.0 * (d + 1), 1.0, passes=d + 1),
-    )
+    fixed_policy_costs(monkeypatch, draft_pass=1.0, verify=1.0, plain=1.0)
     res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec="draft:2:adaptive")
     assert res.tokens == full.tokens
     assert 0.5 < res.stats["plain_step_rate"] < 1 and res.stats["rounds"] > 0

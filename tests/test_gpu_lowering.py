@@ -18,10 +18,9 @@ import eejax
 from eejax.config import T5Config
 from eejax.decode import early_exit
 from eejax.decode.control_flow import control_flow
-from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.models import exits, t5
 from eejax.options import ExitConfig, SpecConfig
-from tests.helpers import random_prompts
+from tests.helpers import fixed_policy_costs, random_prompts
 from tests.test_speculative import tiny
 
 PROMPTS = random_prompts(3, [5, 12, 2], vocab=60, seed=3)
@@ -73,12 +72,7 @@ def assert_cuda_modules(texts: dict[str, list[str]], lowered_count: int):
 def test_llama_programs_lower_for_cuda(monkeypatch):
     model = gpu_layout(eejax.init_exits(tiny(num_layers=4), classifier=True))
     # Rounds that never pay (a draft pass as dear as a verify): the adaptive run takes plain steps.
-    observe_times = SpeculationPolicy.observe_times
-    monkeypatch.setattr(
-        SpeculationPolicy,
-        "observe_times",
-        lambda self, d, *t, passes=None: observe_times(self, d, 1.0 * (d + 1), 1.0, passes=d + 1),
-    )
+    fixed_policy_costs(monkeypatch, draft_pass=1.0, verify=1.0, plain=1.0)
     runs = [
         dict(),
         dict(temperature=0.8, top_k=5, seed=1),

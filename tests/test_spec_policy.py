@@ -5,6 +5,7 @@ import pytest
 
 from eejax.decode.spec_policy import (
     PROBE_EVERY,
+    REFRESH_EVERY,
     SpeculationPolicy,
     best_speculations,
     break_even_acceptance,
@@ -29,7 +30,9 @@ def test_cost_model():
 
 def test_policy_follows_acceptance_and_costs():
     policy = SpeculationPolicy(SpecConfig(2, 3, adaptive=True, max_speculations=8))
-    assert policy.next_speculations() == 3  # untimed: the configured start
+    assert policy.next_speculations() == 0  # first a plain step, to time one
+    policy.observe_plain(1.0)
+    assert policy.next_speculations() == 3 and policy.split  # the configured start, its draft pass timed apart
     for _ in range(10):
         policy.observe(4, accepted=32, rejected=0, draft_s=0.5, verify_s=2.25)  # 8 rows, all accepted
     assert policy.alpha > 0.95 and policy.c_draft == pytest.approx(0.1) and policy.c_verify(7) == 2.25
@@ -49,9 +52,11 @@ def test_adaptive_policy_falls_back_to_plain_steps_while_no_round_pays():
     policy = SpeculationPolicy(SpecConfig(2, 2, adaptive=True, max_speculations=4), unit_costs=(1.0, 0.1, 1.0))
     for _ in range(10):  # nothing accepted; a draft pass 0.5 s and a verify 0.5 s: a round cannot pay
         policy.observe(2, accepted=0, rejected=8, draft_s=1.0, verify_s=0.5, passes=2)
+    policy.observe_plain(0.9)
     assert policy.predicted_speedup(1) < 1
-    chosen = [policy.next_speculations() for _ in range(2 * PROBE_EVERY + 2)]
-    assert chosen == ([0] * PROBE_EVERY + [1]) * 2  # a probe round every PROBE_EVERY plain steps
+    chosen = [policy.next_speculations() for _ in range(3 * PROBE_EVERY + 2)]
+    # probe rounds, each after twice as many plain steps as the one before
+    assert chosen == [0] * PROBE_EVERY + [1] + [0] * 2 * PROBE_EVERY + [1]
     policy.observe_plain(2.0)  # plain steps dearer than thought: rounds pay again
     for _ in range(10):
         policy.observe(1, accepted=8, rejected=0, draft_s=1.0, verify_s=0.5, passes=2)
@@ -59,3 +64,55 @@ def test_adaptive_policy_falls_back_to_plain_steps_while_no_round_pays():
     fixed = SpeculationPolicy(SpecConfig(2, 2), unit_costs=(1.0, 0.1, 1.0))
     fixed.observe(2, accepted=0, rejected=8)
     assert [fixed.next_speculations() for _ in range(3)] == [2, 2, 2]  # a fixed d never falls back
+
+
+def test_rounds_run_whole_and_every_cost_is_measured_again():
+    """A plain step, then a draft pass timed in a split round, then whole rounds whose verify time
+    is what their draft passes leave; every REFRESH_EVERY rounds a plain step and a split round."""
+    policy = SpeculationPolicy(SpecConfig(2, 2, adaptive=True, max_speculations=4))
+    chosen = []
+    for _ in range(2 + 2 * (REFRESH_EVERY + 2)):
+        d = policy.next_speculations()
+        chosen.append(("split" if policy.split else "round") if d else "plain")
+        if d == 0:
+            policy.observe_plain(1.0)
+        elif policy.split:
+            policy.observe(d, accepted=8, rejected=0, draft_s=0.1 * (d + 1), verify_s=1.0)
+        else:
+            assert d == 4  # everything accepted, drafts cheap: the longest round
+            policy.observe(d, accepted=16, rejected=0)
+            policy.observe_round(d, 0.1 * (d + 1) + 1.0)  # its verify: 1.0, as in the split rounds
+    cycle = ["round"] * REFRESH_EVERY + ["plain", "split"]
+    assert chosen == ["plain", "split"] + cycle * 2
+    assert policy.c_draft == pytest.approx(0.1) and policy.verify_s[4] == pytest.approx(1.0)
+    assert policy.bonus_choices() == (True,)
+    assert SpeculationPolicy(SpecConfig(2, 2), unit_costs=(1.0, 0.1, 1.0)).bonus_choices() == (False, True)
+    assert SpeculationPolicy(SpecConfig(0, 2, draft_head=True), unit_costs=(1.0, 0.1, 1.0)).bonus_choices() == (True,)
+
+
+def test_a_whole_rounds_verify_time_replaces_a_split_rounds():
+    policy = SpeculationPolicy(SpecConfig(2, 2, adaptive=True, max_speculations=4))
+    policy.observe(2, accepted=8, rejected=0, draft_s=0.3, verify_s=5.0)  # split: the host waited between
+    policy.observe_round(2, 0.3 + 1.0)
+    assert policy.verify_s == {2: pytest.approx(1.0)}  # not a mean with the split round's 5.0
+    policy.observe(2, accepted=8, rejected=0, draft_s=0.3, verify_s=5.0)  # a refresh: c_draft only
+    assert policy.verify_s == {2: pytest.approx(1.0)} and policy.c_draft == pytest.approx(0.1)
+
+
+def test_a_programs_first_run_is_not_timed():
+    """The engine times a program from its second run on: the first pays one-time costs."""
+    import weakref
+
+    import jax
+    import jax.numpy as jnp
+
+    from eejax.engine.speculation import Speculation
+
+    class Engine(Speculation):
+        programs_run = weakref.WeakSet()
+
+    program = jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
+    engine, args = Engine(), (jnp.ones(3),)
+    out, seconds = engine._run(program, args, True)
+    assert seconds is None and float(out[0]) == 2.0
+    assert engine._run(program, args, True)[1] > 0 and engine._run(program, args, False)[1] is None

@@ -14,11 +14,10 @@ from eejax.cache import init_cache
 from eejax.config import LlamaConfig
 from eejax.decode import speculative, steps
 from eejax.decode.sampling import SamplingParams
-from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.errors import EejaxError
 from eejax.models import llama
 from eejax.options import SpecConfig, StepOptions
-from tests.helpers import prefilled, random_prompts
+from tests.helpers import fixed_policy_costs, prefilled, random_prompts
 
 # 8 rows of different lengths (one a single token) as one padded batch.
 PROMPTS = random_prompts(8, [5, 17, 1, 11, 3, 9, 24, 2], vocab=60, seed=7)
@@ -315,26 +314,16 @@ def test_adaptive_generation_is_lossless(model, monkeypatch):
     )
     assert res.tokens == full.tokens
     assert 1 <= res.stats["mean_speculations"] <= 5
-    # The rounds' wall times on a busy 2-core machine are noise at this size: the policy is fed
-    # GPU-like costs instead (a draft pass 0.1, a verify 0.3 for any small d), so what it
-    # chooses depends only on the acceptance the engine reads back.
-    observe_times = SpeculationPolicy.observe_times
-
-    def gpu_like_costs(self, d, draft_s, verify_s, passes=None):
-        observe_times(self, d, 0.1 * (d + 1), 0.3, passes=d + 1)
-
-    monkeypatch.setattr(SpeculationPolicy, "observe_times", gpu_like_costs)
+    # GPU-like costs (a draft pass 0.1, a verify 0.3 for any small d, a plain step 0.35): what
+    # the policy chooses depends only on the acceptance the engine reads back.
+    fixed_policy_costs(monkeypatch, draft_pass=0.1, verify=0.3, plain=0.35)
     perfect = perfect_drafts(model, 1)
     res = eejax.generate(
         perfect, PROMPTS, max_new_tokens=40, ignore_eos=True, spec=SpecConfig(1, 1, adaptive=True, max_speculations=6)
     )
     assert res.stats["mean_speculations"] > 2  # all accepted: the policy lengthens the rounds
     # CPU-like costs where no round pays: plain full-depth steps, a probe round every few, same tokens.
-    monkeypatch.setattr(
-        SpeculationPolicy,
-        "observe_times",
-        lambda self, d, *t, passes=None: observe_times(self, d, 1.0 * (d + 1), 1.0, passes=d + 1),
-    )
+    fixed_policy_costs(monkeypatch, draft_pass=1.0, verify=1.0, plain=1.0)
     res = eejax.generate(
         model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=SpecConfig(3, 2, adaptive=True, max_speculations=5)
     )

@@ -16,11 +16,24 @@ solves it for 1.
 
 **Plain steps.** When no d is predicted to beat plain decoding at the measured acceptance
 (an exit that rarely agrees with the last layer: untrained exits, text the early layers cannot
-guess), the adaptive policy answers d = 0, one plain full-depth step, whose time it measures
-(c_full; until a plain step ran, a draft pass without its head plus a one-token verify stand
-for it). Every `PROBE_EVERY`-th such step runs a speculation round instead, so the acceptance
-estimate keeps following the text and speculation resumes once it pays. A fixed d never falls
-back.
+guess), the adaptive policy answers d = 0, one plain full-depth step. After `PROBE_EVERY` such
+steps a probe round runs instead, so the acceptance estimate keeps following the text and
+speculation resumes once it pays; each probe after which rounds still do not pay doubles the
+steps before the next (up to `MAX_PROBE_EVERY`), so text where speculation never pays loses
+little to probing. A fixed d never falls back.
+
+**What is timed.** Every cost above is measured, never guessed: first a plain step (c_full),
+then a round at the configured d as two programs, a draft and a verify, timed apart (c_draft;
+one round only: at a batch of 8 a round can cost two plain steps); then rounds run as one
+program each, as a fixed d's do (no host round trip between draft and verify), and a round's
+wall time less its draft passes at c_draft is its verify's. While the policy chooses plain
+steps, the engine runs several per program (`steps_per_dispatch`, as full depth does). To
+time a program the host waits for it, which costs the overlap of the next dispatch with it
+(~4% of a round on the 2-core CPU): after its first `TIMED_SAMPLES`, one decision in
+`TIME_EVERY` is timed, the others run asynchronously. A program's first run is never timed
+(one-time costs: 3x a round's time was seen). Every `REFRESH_EVERY` rounds a plain step and a
+split round measure c_full and c_draft again, so both follow the batch's size and the
+machine's load as the verify times do.
 
 The bonus pass (the (d + 1)-th pass over x_d, see `speculative`) buys one token only when all
 d drafts are accepted (probability α^d) and costs E layers every round. The policy turns it on
@@ -40,8 +53,12 @@ import numpy as np
 from eejax.options import SpecConfig
 
 FORGET = 0.8  # weight of the past per round in the acceptance estimate
-PROBE_EVERY = 8  # plain steps between speculation rounds while speculation does not pay
+PROBE_EVERY = 8  # plain steps before a probe round while speculation does not pay ...
+MAX_PROBE_EVERY = 64  # ... doubled after each probe that did not make it pay, up to this
 PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected) before any round: α = 0.5
+REFRESH_EVERY = 32  # rounds between re-measurements of a draft pass (a split round) and a plain step
+TIME_EVERY = 4  # after its first TIMED_SAMPLES, one decision in this many is timed (a host sync)
+TIMED_SAMPLES = 3
 
 
 def expected_tokens(alpha: float, d: int) -> float:
@@ -105,9 +122,14 @@ class SpeculationPolicy:
     c_draft: float | None = None  # seconds per draft pass
     c_full: float | None = None  # seconds per plain full-depth step (adaptive, once one ran)
     plain_steps: int = 0  # plain steps chosen since the last speculation round
+    probe_every: int = PROBE_EVERY  # plain steps before the next probe round
+    split: bool = False  # the round just chosen runs as a draft and a verify program, timed apart
+    timed: bool = False  # the round or plain step just chosen is timed (the host waits for it)
+    since_refresh: int = 0  # rounds since the last split one
     plain_timed: int = 0  # plain steps timed
     verify_s: dict[int, float] = dataclasses.field(default_factory=dict)  # d -> mean seconds of a verify
     timed_rounds: dict[int, int] = dataclasses.field(default_factory=dict)  # d -> rounds timed
+    whole_rounds: set[int] = dataclasses.field(default_factory=set)  # the d's timed as one program
     chosen: list[int] = dataclasses.field(default_factory=list)
     bonuses: list[bool] = dataclasses.field(default_factory=list)
 
@@ -129,28 +151,36 @@ class SpeculationPolicy:
         return float(intercept + slope * (d + 1))
 
     def next_speculations(self) -> int:
-        """d for the next round; 0 (adaptive only): a plain full-depth step instead."""
-        if not self.spec.adaptive or self.c_draft is None:
+        """d for the next round; 0 (adaptive only): a plain full-depth step instead. `split` then
+        says whether the round runs as two programs timed apart (see the module docstring)."""
+        self.split = False
+        if not self.spec.adaptive:
             d = self.spec.num_speculations
+        elif self.c_full is None or (self.since_refresh >= REFRESH_EVERY and not self.plain_steps):
+            d = 0  # measure a plain step (again)
+        elif self.c_draft is None or self.since_refresh >= REFRESH_EVERY:
+            d, self.split = self.spec.num_speculations, True  # measure a draft pass (again)
         else:
             d = best_speculations(self.alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
-            if self.predicted_speedup(d) < 1.0 and self.plain_steps < PROBE_EVERY:
+            if self.predicted_speedup(d) >= 1.0:
+                self.probe_every = PROBE_EVERY
+            elif self.plain_steps < self.probe_every:
                 d = 0
+            else:  # a probe round; if rounds still do not pay after it, the next waits longer
+                self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
         self.plain_steps = self.plain_steps + 1 if d == 0 else 0
+        self.since_refresh = 0 if self.split else self.since_refresh + (d > 0)
+        samples = self.plain_timed if d == 0 else self.timed_rounds.get(d, 0)
+        self.timed = self.spec.adaptive and (
+            self.split or samples < TIMED_SAMPLES or len(self.chosen) % TIME_EVERY == 0
+        )
         self.chosen.append(d)
         return d
 
     def predicted_speedup(self, d: int) -> float:
         """A round of d drafts (the bonus pass as `bonus` would choose it) over a plain step,
-        at the measured acceptance and times."""
-        c_full = self.c_full if self.c_full is not None else self.plain_step_estimate()
-        return speedup(self.alpha, d, self.c_draft, self.c_verify, c_full, bonus=self._bonus_choice(d))
-
-    def plain_step_estimate(self) -> float:
-        """Seconds of a plain step before one ran: a draft pass without its head (the head's share
-        by the unit costs' weights) plus a one-token verify."""
-        head_share = 0.0 if self.unit_costs is None else self.unit_costs[1] / sum(self.unit_costs[:2])
-        return self.c_draft * (1.0 - head_share) + self.c_verify(0)
+        at the measured acceptance and times (a draft pass, a verify and a plain step measured)."""
+        return speedup(self.alpha, d, self.c_draft, self.c_verify, self.c_full, bonus=self._bonus_choice(d))
 
     def bonus(self, d: int) -> bool:
         """Whether the next round runs the bonus pass: `spec.bonus` when set, else whether it
@@ -191,12 +221,37 @@ class SpeculationPolicy:
         if draft_s is not None and verify_s is not None:
             self.observe_times(d, draft_s, verify_s, passes)
 
-    def observe_times(self, d: int, draft_s: float, verify_s: float, passes: int | None = None) -> None:
+    def observe_times(
+        self, d: int, draft_s: float, verify_s: float, passes: int | None = None, whole: bool = False
+    ) -> None:
         """The wall times of a round's draft (`passes` draft passes, default d + 1) and verify
-        programs (running means, the recent 16 weigh most)."""
+        programs (running means, the recent 16 weigh most). `whole`: the round ran as one
+        program (`observe_round`); a verify timed in split rounds stands for its d only until a
+        whole round of that d is timed (the host's wait between the two programs costs time that
+        a whole round does not spend)."""
         per_pass = draft_s / (d + 1 if passes is None else passes)
         total = sum(self.timed_rounds.values()) + 1
         self.c_draft = per_pass if self.c_draft is None else self.c_draft + (per_pass - self.c_draft) / min(total, 16)
+        if whole and d not in self.whole_rounds:
+            self.whole_rounds.add(d)
+            self.timed_rounds.pop(d, None)
+            self.verify_s.pop(d, None)
+        elif not whole and d in self.whole_rounds:
+            return
         n = self.timed_rounds[d] = self.timed_rounds.get(d, 0) + 1
         mean = self.verify_s.get(d, verify_s)
         self.verify_s[d] = mean + (verify_s - mean) / min(n, 16)  # running mean, recent 16 weigh most
+
+    def observe_round(self, d: int, seconds: float, passes: int | None = None) -> None:
+        """A round run as one program took `seconds`: its verify took what its `passes` draft
+        passes (default d + 1) at the measured c_draft leave."""
+        draft_s = (d + 1 if passes is None else passes) * self.c_draft
+        self.observe_times(d, draft_s, max(seconds - draft_s, 0.0), passes, whole=True)
+
+    def bonus_choices(self) -> tuple[bool, ...]:
+        """The values `bonus` may answer (the round programs a warm-up compiles)."""
+        if self.spec.draft_head or self.sampled:
+            return (True,)
+        if self.spec.bonus is not None:
+            return (self.spec.bonus,)
+        return (True,) if self.unit_costs is None else (False, True)

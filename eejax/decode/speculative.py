@@ -45,7 +45,7 @@ from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.penalties import apply_to_positions, count_tokens
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
 from eejax.decode.state import DecodeState, is_eos, only_group, record_logprobs, ungrouped
-from eejax.decode.steps import decode, exit_logits, reduced_logits
+from eejax.decode.steps import decode_steps, exit_logits, reduced_logits
 from eejax.models import exits
 from eejax.models.modules import embed
 from eejax.models.registry import model_module
@@ -252,22 +252,34 @@ def verify(
 def plain_step(
     params, cache: KVCache, state: DecodeState, counters: SpecCounters, block_table, *, config, options: StepOptions
 ):
-    """One full-depth decode token (`steps.decode`) in place of a round, when speculation does
-    not pay (`spec_policy`); counted in `counters.plain_steps`. Returns (state, cache, counters)."""
-    active = ~state.done
-    if options.spec is not None and options.spec.draft_head:  # a verification of no drafts: the draft's
-        tokens = state.last_token[:, None]  # K/V and draft_hidden follow
-        q_width = 0 if options.sampler == GREEDY else config.vocab_size
-        none = Drafts(tokens, embed(params, tokens), jnp.zeros((tokens.shape[0], 0, q_width), jnp.float32))
-        state, cache, _ = verify(params, cache, state, none, counters, block_table, config=config, options=options)
-        return state, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + active)
-    state, cache = decode(params, cache, state, block_table, config=config, options=options.decoding())
-    return state, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + active)
+    """`options.num_steps` full-depth decode tokens (`steps.decode_steps`) in place of a round,
+    when speculation does not pay (`spec_policy`); counted in `counters.plain_steps`. Returns
+    (state, cache, counters)."""
+    if options.spec is not None and options.spec.draft_head:  # verifications of no drafts: the
+        q_width = 0 if options.sampler == GREEDY else config.vocab_size  # draft's K/V and draft_hidden follow
+
+        def verify_none(_, carry):
+            state, cache = carry
+            tokens = state.last_token[:, None]
+            none = Drafts(tokens, embed(params, tokens), jnp.zeros((tokens.shape[0], 0, q_width), jnp.float32))
+            state, cache, _ = verify(params, cache, state, none, counters, block_table, config=config, options=options)
+            return state, cache
+
+        steps = options.num_steps
+        new, cache = (
+            verify_none(0, (state, cache)) if steps == 1 else jax.lax.fori_loop(0, steps, verify_none, (state, cache))
+        )
+    else:
+        new, cache = decode_steps(
+            params, cache, state, block_table, config=config, options=options.decoding(options.num_steps)
+        )
+    made = new.num_generated - state.num_generated
+    return new, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + made)
 
 
 def plain_step_slots(params, cache, state, counters, block_table, group, *, config, options: StepOptions):
-    """One full-depth decode step of the slots in `group` in place of a speculation round
-    (`plain_step`: counted). Returns (state, cache, counters)."""
+    """`options.num_steps` full-depth decode steps of the slots in `group` in place of a
+    speculation round (`plain_step`: counted). Returns (state, cache, counters)."""
     masked, waiting = only_group(state, group)
     new, cache, counters = plain_step(params, cache, masked, counters, block_table, config=config, options=options)
     return ungrouped(new, waiting), cache, counters

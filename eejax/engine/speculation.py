@@ -1,8 +1,9 @@
 """Self-speculation in the engine, a part of `Engine`: the rows of one speculation option and
 sampler kind form a group with its own `SpeculationPolicy`, which picks each round's d (adaptive)
 and whether the bonus pass runs, from the acceptance the engine reads back. A fixed d runs a
-round as one program; an adaptive group runs draft and verify apart and times them (the policy
-weighs their measured costs), or a plain full-depth step while no round pays. A mixin over the
+round as one program; so does an adaptive group, timing each round (the policy weighs the
+measured costs), apart from the rounds that time the draft and the verify programs apart and
+the plain full-depth steps taken while no round pays (`SpeculationPolicy`). A mixin over the
 engine's slots and device state."""
 
 from __future__ import annotations
@@ -40,33 +41,54 @@ class Speculation:
         policy = self._policy(options)
         d = policy.next_speculations()
         if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
-            plain, args = self._plain_program(table, group, options)
-            start = time.perf_counter()
-            state, self.cache, self.spec_counters = jax.block_until_ready(plain(*args))
+            steps = self._plain_steps(options)
+            plain, args = self._plain_program(table, group, options, steps)
+            (state, self.cache, self.spec_counters), seconds = self._run(plain, args, policy.timed)
             self._keep(state)
-            policy.observe_plain(time.perf_counter() - start)
+            if seconds is not None:
+                policy.observe_plain(seconds / steps)
             return
         bonus = policy.bonus(d)
         round_options = options.round(d, bonus)
-        if not options.spec.adaptive:
-            program, args = self._round_program(table, group, round_options)
-            state, self.cache, self.spec_counters = program(*args)
+        if policy.split:  # adaptive: time the draft passes apart from the verification
+            draft, args = self._draft_program(table, group, round_options)
+            (drafts, self.cache), draft_s = self._run(draft, args, True)
+            verify, args = self._verify_program(table, group, drafts, round_options)
+            (state, self.cache, self.spec_counters), verify_s = self._run(verify, args, True)
             self._keep(state)
+            if draft_s is not None and verify_s is not None:
+                policy.observe_times(d, draft_s, verify_s, passes=d + bonus)
             return
-        draft, args = self._draft_program(table, group, round_options)
-        start = time.perf_counter()
-        drafts, self.cache = jax.block_until_ready(draft(*args))
-        drafted_at = time.perf_counter()
-        verify, args = self._verify_program(table, group, drafts, round_options)
-        state, self.cache, self.spec_counters = jax.block_until_ready(verify(*args))
+        program, args = self._round_program(table, group, round_options)
+        (state, self.cache, self.spec_counters), seconds = self._run(program, args, policy.timed)
         self._keep(state)
-        policy.observe_times(d, drafted_at - start, time.perf_counter() - drafted_at, passes=d + bonus)
+        if seconds is not None:
+            policy.observe_round(d, seconds, passes=d + bonus)
+
+    def _run(self, program, args, timed: bool):
+        """(program(*args), its wall seconds or None). Timed, it starts once what runs before it
+        ended and the host waits for its end; untimed (also a program's first run, which pays
+        one-time costs: 3x a round's time seen), it is dispatched asynchronously."""
+        first = program not in self.programs_run
+        self.programs_run.add(program)
+        if not timed or first:
+            return program(*args), None
+        jax.block_until_ready(args)
+        start = time.perf_counter()
+        out = jax.block_until_ready(program(*args))
+        return out, time.perf_counter() - start
 
     # Each returns (program, args); `now`: compile the split layout's program before it runs (warm-up),
     # not in the background while the stacked one runs (`Model.program`).
-    def _plain_program(self, table, group, options: StepOptions, now: bool = False):
+    def _plain_program(self, table, group, options: StepOptions, steps: int, now: bool = False):
         args = (self.model.run_params, self.cache, self._with_counts(options), self.spec_counters, table, group)
-        return self.model.program(plain_step_slots, args, options.plain(), now)
+        return self.model.program(plain_step_slots, args, options.plain(steps), now)
+
+    def _plain_steps(self, options: StepOptions) -> int:
+        """Plain steps per program in place of a round: as many as a decode program runs (one
+        dispatch, and one read, for several tokens), at most the d + 1 positions a round may
+        write (the pages a speculating row holds ahead of its last token)."""
+        return min(self._next_steps, options.spec.max_speculations + 1)
 
     def _round_program(self, table, group, round_options: StepOptions, now: bool = False):
         args = (self.model.run_params, self.cache, self._with_counts(round_options), self.spec_counters, table, group)
@@ -90,16 +112,20 @@ class Speculation:
             for bonus in (False, True):
                 self._round_program(table, group, options.round(spec.num_speculations, bonus), now=True)
             return
-        self._plain_program(table, group, options, now=True)
+        for steps in {1, min(self.steps_per_dispatch, spec.max_speculations + 1)}:  # `_plain_steps`'s values
+            self._plain_program(table, group, options, steps, now=True)
+        bonuses = self._policy(options).bonus_choices()
         for d in range(1, spec.max_speculations + 1):
-            for bonus in (False, True):
-                round_options = options.round(d, bonus)
-                draft, args = self._draft_program(table, group, round_options, now=True)
-                shapes = jax.eval_shape(
-                    functools.partial(draft_slots, config=self.config, options=round_options.drafting()), *args
-                )
-                drafts = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])
-                self._verify_program(table, group, drafts, round_options, now=True)
+            for bonus in bonuses:
+                self._round_program(table, group, options.round(d, bonus), now=True)
+        for bonus in bonuses:  # the split rounds that time a draft pass run at the configured d
+            round_options = options.round(spec.num_speculations, bonus)
+            draft, args = self._draft_program(table, group, round_options, now=True)
+            shapes = jax.eval_shape(
+                functools.partial(draft_slots, config=self.config, options=round_options.drafting()), *args
+            )
+            drafts = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])
+            self._verify_program(table, group, drafts, round_options, now=True)
 
     def _observe_acceptance(self, running: dict[int, Sequence], counters) -> None:
         """Gives each policy the drafts its rows accepted and the rounds that rejected one since
