@@ -335,9 +335,8 @@ class StepOptions:
         return dataclasses.replace(self, exit=None, spec=spec, bonus=bonus, num_steps=1)
 
     def plain(self, num_steps: int = 1) -> StepOptions:
-        """What `num_steps` plain steps in place of a round read: with a draft head, that each
-        keeps the draft's K/V (a verification of no drafts); else full-depth decode steps
-        (`decoding`)."""
+        """What `num_steps` full-depth decode steps in place of a round read (`decoding`); with a
+        draft head, also that they end with the draft's catch-up (`speculative.plain_step`)."""
         if self.spec is not None and self.spec.draft_head:
             return dataclasses.replace(self.round(1), num_steps=num_steps)
         return self.decoding(num_steps)

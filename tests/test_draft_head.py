@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import eejax
-from eejax.decode import steps
+from eejax.decode import speculative, steps
 from eejax.decode.sampling import RowSampling, SamplingParams
 from eejax.engine.engine import Engine
 from eejax.errors import EejaxError, UnsupportedModelError
@@ -89,11 +89,16 @@ def _draft_kv(cache, table, row, n, layer):
     return np.stack([k[:, int(table[row, p // 8]), p % 8] for p in range(n)])
 
 
-def test_draft_kv_after_rounds_equals_a_prefill_of_the_same_tokens(model):
+def test_draft_kv_after_rounds_and_plain_steps_equals_a_prefill_of_the_same_tokens(model):
     spec = SpecConfig(0, 3, draft_head=True)
-    state, cache, table = prefilled(model, PROMPTS, max_new_tokens=12, pages_per_row=6)
-    for _ in range(3):
-        state, cache, _ = spec_round(model, state, cache, table, spec, max_new_tokens=12)
+    state, cache, table = prefilled(model, PROMPTS, max_new_tokens=16, pages_per_row=6)
+    counters = speculative.SpecCounters.zeros(len(PROMPTS))
+    plain = StepOptions(16, spec=spec).plain(3)  # 3 plain steps in one program: one draft catch-up
+    for _ in range(2):
+        state, cache, _ = spec_round(model, state, cache, table, spec, max_new_tokens=16)
+        state, cache, _ = speculative.plain_step(
+            model.params, cache, state, counters, table, config=model.config, options=plain
+        )
     tokens, gen, L = np.asarray(state.tokens), np.asarray(state.num_generated), model.config.num_layers
     # A prefill of prompt + every emitted token but the last (whose greedy first token is that last one).
     texts = [p + tokens[i, : gen[i] - 1].tolist() for i, p in enumerate(PROMPTS)]
@@ -168,7 +173,7 @@ def test_engine_with_chunks_and_prefix_caching_is_lossless(model):
 
 def test_adaptive_generation_is_lossless(model, monkeypatch):
     full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
-    # CPU-like costs where no round pays: plain steps (verifications of no drafts), probe rounds.
+    # CPU-like costs where no round pays: plain steps (each program's ends with a draft catch-up), probe rounds.
     fixed_policy_costs(monkeypatch, draft_pass=1.0, verify=1.0, plain=1.0)
     res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec="draft:2:adaptive")
     assert res.tokens == full.tokens

@@ -101,18 +101,13 @@ def test_a_whole_rounds_verify_time_replaces_a_split_rounds():
 
 def test_a_programs_first_run_is_not_timed():
     """The engine times a program from its second run on: the first pays one-time costs."""
-    import weakref
-
     import jax
     import jax.numpy as jnp
 
     from eejax.engine.speculation import Speculation
 
-    class Engine(Speculation):
-        programs_run = weakref.WeakSet()
-
     program = jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
-    engine, args = Engine(), (jnp.ones(3),)
+    engine, args = Speculation(), (jnp.ones(3),)
     out, seconds = engine._run(program, args, True)
     assert seconds is None and float(out[0]) == 2.0
     assert engine._run(program, args, True)[1] > 0 and engine._run(program, args, False)[1] is None

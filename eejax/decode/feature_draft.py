@@ -14,8 +14,8 @@ with d drafts:
   model, never from its guesses, and draft_hidden moves to the row's new last position.
 
 The prefill (`steps.prefill`) fills the draft's K/V of the prompt the same way (`prompt_draft`).
-A plain step in place of a round (adaptive) is a verification of no drafts: its draft K/V and
-draft_hidden stay current.
+Plain steps in place of rounds (adaptive; `speculative.plain_step`) are full-depth decode steps,
+then one `catch_up` over their positions from the features they computed.
 """
 
 from __future__ import annotations

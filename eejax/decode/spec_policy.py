@@ -16,19 +16,19 @@ solves it for 1.
 
 **Plain steps.** When no d is predicted to beat plain decoding at the measured acceptance
 (an exit that rarely agrees with the last layer: untrained exits, text the early layers cannot
-guess), the adaptive policy answers d = 0, one plain full-depth step. After `PROBE_EVERY` such
-steps a probe round runs instead, so the acceptance estimate keeps following the text and
-speculation resumes once it pays; each probe after which rounds still do not pay doubles the
-steps before the next (up to `MAX_PROBE_EVERY`), so text where speculation never pays loses
-little to probing. A fixed d never falls back.
+guess), the adaptive policy answers d = 0: plain full-depth steps, as many in one program as
+full depth runs (`steps_per_dispatch`, at most d_max + 1: the positions a round may write).
+After `PROBE_EVERY` such programs a probe round runs instead, so the acceptance estimate keeps
+following the text and speculation resumes once it pays; each probe after which rounds still
+do not pay doubles the programs before the next (up to `MAX_PROBE_EVERY`), so text where
+speculation never pays loses little to probing. A fixed d never falls back.
 
 **What is timed.** Every cost above is measured, never guessed: first a plain step (c_full),
 then a round at the configured d as two programs, a draft and a verify, timed apart (c_draft;
 one round only: at a batch of 8 a round can cost two plain steps); then rounds run as one
 program each, as a fixed d's do (no host round trip between draft and verify), and a round's
-wall time less its draft passes at c_draft is its verify's. While the policy chooses plain
-steps, the engine runs several per program (`steps_per_dispatch`, as full depth does). To
-time a program the host waits for it, which costs the overlap of the next dispatch with it
+wall time less its draft passes at c_draft is its verify's (c_full: a plain program's time
+per step). To time a program the host waits for it, which costs the overlap of the next dispatch with it
 (~4% of a round on the 2-core CPU): after its first `TIMED_SAMPLES`, one decision in
 `TIME_EVERY` is timed, the others run asynchronously. A program's first run is never timed
 (one-time costs: 3x a round's time was seen). Every `REFRESH_EVERY` rounds a plain step and a
@@ -53,7 +53,7 @@ import numpy as np
 from eejax.options import SpecConfig
 
 FORGET = 0.8  # weight of the past per round in the acceptance estimate
-PROBE_EVERY = 8  # plain steps before a probe round while speculation does not pay ...
+PROBE_EVERY = 8  # plain programs before a probe round while speculation does not pay ...
 MAX_PROBE_EVERY = 64  # ... doubled after each probe that did not make it pay, up to this
 PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected) before any round: α = 0.5
 REFRESH_EVERY = 32  # rounds between re-measurements of a draft pass (a split round) and a plain step
@@ -121,8 +121,8 @@ class SpeculationPolicy:
     rejected: float = PRIOR[1]
     c_draft: float | None = None  # seconds per draft pass
     c_full: float | None = None  # seconds per plain full-depth step (adaptive, once one ran)
-    plain_steps: int = 0  # plain steps chosen since the last speculation round
-    probe_every: int = PROBE_EVERY  # plain steps before the next probe round
+    plain_steps: int = 0  # plain programs chosen since the last speculation round
+    probe_every: int = PROBE_EVERY  # plain programs before the next probe round
     split: bool = False  # the round just chosen runs as a draft and a verify program, timed apart
     timed: bool = False  # the round or plain step just chosen is timed (the host waits for it)
     since_refresh: int = 0  # rounds since the last split one

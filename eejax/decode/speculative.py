@@ -45,9 +45,8 @@ from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.penalties import apply_to_positions, count_tokens
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
 from eejax.decode.state import DecodeState, is_eos, only_group, record_logprobs, ungrouped
-from eejax.decode.steps import decode_steps, exit_logits, reduced_logits
+from eejax.decode.steps import decode_and_hidden, decode_steps, exit_logits, reduced_logits
 from eejax.models import exits
-from eejax.models.modules import embed
 from eejax.models.registry import model_module
 from eejax.options import StepOptions
 
@@ -253,26 +252,33 @@ def plain_step(
     params, cache: KVCache, state: DecodeState, counters: SpecCounters, block_table, *, config, options: StepOptions
 ):
     """`options.num_steps` full-depth decode tokens (`steps.decode_steps`) in place of a round,
-    when speculation does not pay (`spec_policy`); counted in `counters.plain_steps`. Returns
-    (state, cache, counters)."""
-    if options.spec is not None and options.spec.draft_head:  # verifications of no drafts: the
-        q_width = 0 if options.sampler == GREEDY else config.vocab_size  # draft's K/V and draft_hidden follow
+    when speculation does not pay (`spec_policy`); counted in `counters.plain_steps`. With a
+    draft head, its K/V and draft_hidden then follow from the model's features at those
+    positions in one pass of the draft layer (`feature_draft.catch_up`, as after a verification).
+    Returns (state, cache, counters)."""
+    decoding = options.decoding(options.num_steps)
+    if options.spec is not None and options.spec.draft_head:
 
-        def verify_none(_, carry):
+        def step(carry, _):
             state, cache = carry
-            tokens = state.last_token[:, None]
-            none = Drafts(tokens, embed(params, tokens), jnp.zeros((tokens.shape[0], 0, q_width), jnp.float32))
-            state, cache, _ = verify(params, cache, state, none, counters, block_table, config=config, options=options)
-            return state, cache
+            new, cache, hidden = decode_and_hidden(params, cache, state, block_table, config=config, options=decoding)
+            return (new, cache), (hidden, new.last_token)
 
-        steps = options.num_steps
-        new, cache = (
-            verify_none(0, (state, cache)) if steps == 1 else jax.lax.fori_loop(0, steps, verify_none, (state, cache))
+        (new, cache), (hidden, tokens) = jax.lax.scan(step, (state, cache), None, length=options.num_steps)
+        batch = token_batch(
+            config,
+            state,
+            jnp.arange(options.num_steps, dtype=jnp.int32),
+            block_table,
+            cache.page_size,
+            options.attention,
+        )
+        count = new.num_generated - state.num_generated
+        new, cache = feature_draft.catch_up(
+            params, cache, state, new, hidden.swapaxes(0, 1), tokens.T, count, batch, config
         )
     else:
-        new, cache = decode_steps(
-            params, cache, state, block_table, config=config, options=options.decoding(options.num_steps)
-        )
+        new, cache = decode_steps(params, cache, state, block_table, config=config, options=decoding)
     made = new.num_generated - state.num_generated
     return new, cache, dataclasses.replace(counters, plain_steps=counters.plain_steps + made)
 

@@ -235,8 +235,15 @@ def exit_fns(params, batch, config, *, check_reduced: bool = False, emit_reduced
 
 
 def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
+    """One decode token for every row that is not done (`decode_and_hidden`). Returns (state, cache)."""
+    new, cache, _ = decode_and_hidden(params, cache, state, block_table, config=config, options=options)
+    return new, cache
+
+
+def decode_and_hidden(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
     """One decode token for every row that is not done; a row ends at EOS or its own limit.
-    Returns (state, cache).
+    Returns (state, cache, hidden): hidden [B, D] the last layer's state at each row's input
+    token (full depth; None with early exit), what a draft head's K/V are made from.
 
     Full depth when `options.exit` is None; otherwise the early-exit loop decides how many
     layers run and fills the KV of the rest, with λ(t) at each row's absolute position over its
@@ -253,9 +260,11 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, o
         config, positions, active[:, None], block_table, kv_len, cache.page_size, attention, context=state.context
     )
     h = m.embed(params, state.last_token[:, None])
+    hidden = None
     if exit_config is None:
         h, cache = m.run_layers(params, h, cache, batch, config)
-        logits = m.lm_head(params, h[:, 0], config)
+        hidden = h[:, 0]
+        logits = m.lm_head(params, hidden, config)
         exit_layer = confident = jnp.full(active.shape, config.num_layers, jnp.int32)
     else:
         threshold = exit_threshold(exit_config, state.position, state.start + state.limit)
@@ -296,18 +305,22 @@ def decode(params, cache: KVCache, state: DecodeState, block_table, *, config, o
         if options.logprobs
         else state.logprobs
     )
-    return dataclasses.replace(
-        state,
-        last_token=token,
-        seq_len=kv_len,
-        num_generated=num_generated,
-        done=done,
-        tokens=record(state.tokens, token),
-        exit_layers=record(state.exit_layers, exit_layer),
-        confident_layers=record(state.confident_layers, confident),
-        logprobs=scores,
-        counts=count_tokens(state.counts, token[:, None], active[:, None]) if options.penalties else state.counts,
-    ), cache
+    return (
+        dataclasses.replace(
+            state,
+            last_token=token,
+            seq_len=kv_len,
+            num_generated=num_generated,
+            done=done,
+            tokens=record(state.tokens, token),
+            exit_layers=record(state.exit_layers, exit_layer),
+            confident_layers=record(state.confident_layers, confident),
+            logprobs=scores,
+            counts=count_tokens(state.counts, token[:, None], active[:, None]) if options.penalties else state.counts,
+        ),
+        cache,
+        hidden,
+    )
 
 
 def decode_steps(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):

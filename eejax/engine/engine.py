@@ -31,7 +31,6 @@ import dataclasses
 import itertools
 import threading
 import time
-import weakref
 from typing import Any
 
 import jax
@@ -198,7 +197,6 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.counts = TokenCounts.zeros(max_slots, config.vocab_size)
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
-        self.programs_run = weakref.WeakSet()  # the speculation programs that have run (`Speculation._run`)
         self.block_table = np.zeros((max_slots, self.table_width), np.int32)
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.prefilling: dict[int, Sequence] = {}  # slot -> admitted sequence whose prompt is not all cached yet

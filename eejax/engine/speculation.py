@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,8 @@ from eejax.decode.speculative import draft_slots, plain_step_slots, spec_round_s
 from eejax.engine.sequence import Sequence
 from eejax.models import exits
 from eejax.options import StepOptions
+
+PROGRAMS_RUN = weakref.WeakSet()  # the compiled programs this process has run (`Speculation._run`)
 
 
 class Speculation:
@@ -67,10 +70,11 @@ class Speculation:
 
     def _run(self, program, args, timed: bool):
         """(program(*args), its wall seconds or None). Timed, it starts once what runs before it
-        ended and the host waits for its end; untimed (also a program's first run, which pays
-        one-time costs: 3x a round's time seen), it is dispatched asynchronously."""
-        first = program not in self.programs_run
-        self.programs_run.add(program)
+        ended and the host waits for its end; untimed (also a program's first run in this
+        process, which pays one-time costs: 3x a round's time was seen), it is dispatched
+        asynchronously."""
+        first = program not in PROGRAMS_RUN
+        PROGRAMS_RUN.add(program)
         if not timed or first:
             return program(*args), None
         jax.block_until_ready(args)
