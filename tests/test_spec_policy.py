@@ -42,7 +42,7 @@ def test_policy_follows_acceptance_and_costs():
     assert policy.c_verify(8) == pytest.approx(3.25) and policy.c_verify(2) == pytest.approx(1.75)
     policy.observe(6, accepted=48, rejected=0, draft_s=0.7, verify_s=0.5)  # a line below 0 at d = 0
     assert policy.c_verify(0) >= 0 and policy.c_verify(8) > policy.c_verify(2)
-    for _ in range(30):
+    for _ in range(120):  # the acceptance estimate forgets the past (FORGET per read)
         policy.observe(8, accepted=0, rejected=8, draft_s=0.9, verify_s=1.0)
     assert policy.alpha < 0.05 and best_speculations(policy.alpha, policy.c_draft, policy.c_verify, 8) == 1
     assert policy.next_speculations() == 0  # and even d = 1 does not pay: a plain step

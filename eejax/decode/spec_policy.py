@@ -52,7 +52,7 @@ import numpy as np
 
 from eejax.options import SpecConfig
 
-FORGET = 0.8  # weight of the past per round in the acceptance estimate
+FORGET = 0.95  # weight of the past per read of the counters in the acceptance estimate (~20 reads)
 PROBE_EVERY = 8  # plain programs before a probe round while speculation does not pay ...
 MAX_PROBE_EVERY = 64  # ... doubled after each probe that did not make it pay, up to this
 PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected) before any round: α = 0.5
