@@ -81,11 +81,11 @@ def test_llama_programs_lower_for_cuda(monkeypatch):
         dict(exit="state:0.5"),
         dict(exit="classifier:0.5"),
         dict(spec="2:2"),
-        dict(spec="1:3:adaptive"),
+        dict(spec="1:3:adaptive", max_new_tokens=24),  # a split round, plain steps (several per program)
         dict(spec="2:2", temperature=0.7, seed=2),
     ]
     for kw in runs:
-        eejax.generate(model, PROMPTS, max_new_tokens=6, ignore_eos=True, **kw)
+        eejax.generate(model, PROMPTS, ignore_eos=True, **{"max_new_tokens": 6, **kw})
     for static in (False, True):  # the CPU's loop structure, and the GPU's (`early_exit.static_loops`)
         monkeypatch.setattr(early_exit, "static_loops", lambda static=static: static)
         texts = lowered_for_cuda(model)

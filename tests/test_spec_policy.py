@@ -30,12 +30,12 @@ def test_cost_model():
 
 def test_policy_follows_acceptance_and_costs():
     policy = SpeculationPolicy(SpecConfig(2, 3, adaptive=True, max_speculations=8))
-    assert policy.next_speculations() == 0  # first a plain step, to time one
-    policy.observe_plain(1.0)
     assert policy.next_speculations() == 3 and policy.split  # the configured start, its draft pass timed apart
     for _ in range(10):
         policy.observe(4, accepted=32, rejected=0, draft_s=0.5, verify_s=2.25)  # 8 rows, all accepted
     assert policy.alpha > 0.95 and policy.c_draft == pytest.approx(0.1) and policy.c_verify(7) == 2.25
+    assert policy.next_speculations() == 0  # then a plain step, to time one
+    policy.observe_plain(1.0)
     assert policy.next_speculations() == 8
     # Verify time that grows with the tokens (a CPU), 1 + 0.25 (d + 1): two tried d's give the line.
     policy.observe(8, accepted=64, rejected=0, draft_s=0.9, verify_s=3.25)
@@ -67,7 +67,7 @@ def test_adaptive_policy_falls_back_to_plain_steps_while_no_round_pays():
 
 
 def test_rounds_run_whole_and_every_cost_is_measured_again():
-    """A plain step, then a draft pass timed in a split round, then whole rounds whose verify time
+    """A draft pass timed in a split round, then a plain step, then whole rounds whose verify time
     is what their draft passes leave; every REFRESH_EVERY rounds a plain step and a split round."""
     policy = SpeculationPolicy(SpecConfig(2, 2, adaptive=True, max_speculations=4))
     chosen = []
@@ -83,7 +83,7 @@ def test_rounds_run_whole_and_every_cost_is_measured_again():
             policy.observe(d, accepted=16, rejected=0)
             policy.observe_round(d, 0.1 * (d + 1) + 1.0)  # its verify: 1.0, as in the split rounds
     cycle = ["round"] * REFRESH_EVERY + ["plain", "split"]
-    assert chosen == ["plain", "split"] + cycle * 2
+    assert chosen == ["split", "plain"] + cycle * 2
     assert policy.c_draft == pytest.approx(0.1) and policy.verify_s[4] == pytest.approx(1.0)
     assert policy.bonus_choices() == (True,)
     assert SpeculationPolicy(SpecConfig(2, 2), unit_costs=(1.0, 0.1, 1.0)).bonus_choices() == (False, True)

@@ -23,9 +23,9 @@ following the text and speculation resumes once it pays; each probe after which 
 do not pay doubles the programs before the next (up to `MAX_PROBE_EVERY`), so text where
 speculation never pays loses little to probing. A fixed d never falls back.
 
-**What is timed.** Every cost above is measured, never guessed: first a plain step (c_full),
-then a round at the configured d as two programs, a draft and a verify, timed apart (c_draft;
-one round only: at a batch of 8 a round can cost two plain steps); then rounds run as one
+**What is timed.** Every cost above is measured, never guessed: first a round at the
+configured d as two programs, a draft and a verify, timed apart (c_draft; one round only: at a
+batch of 8 a round can cost two plain steps), then a plain step (c_full); then rounds run as one
 program each, as a fixed d's do (no host round trip between draft and verify), and a round's
 wall time less its draft passes at c_draft is its verify's (c_full: a plain program's time
 per step). To time a program the host waits for it, which costs the overlap of the next dispatch with it
@@ -156,10 +156,12 @@ class SpeculationPolicy:
         self.split = False
         if not self.spec.adaptive:
             d = self.spec.num_speculations
+        elif self.c_draft is None:
+            d, self.split = self.spec.num_speculations, True  # measure a draft pass
         elif self.c_full is None or (self.since_refresh >= REFRESH_EVERY and not self.plain_steps):
             d = 0  # measure a plain step (again)
-        elif self.c_draft is None or self.since_refresh >= REFRESH_EVERY:
-            d, self.split = self.spec.num_speculations, True  # measure a draft pass (again)
+        elif self.since_refresh >= REFRESH_EVERY:
+            d, self.split = self.spec.num_speculations, True  # measure a draft pass again
         else:
             d = best_speculations(self.alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
             if self.predicted_speedup(d) >= 1.0:
