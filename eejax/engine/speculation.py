@@ -44,7 +44,7 @@ class Speculation:
         policy = self._policy(options)
         d = policy.next_speculations()
         if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
-            steps = self._plain_steps(options)
+            steps = self._plain_steps(options, self._next_steps)
             plain, args = self._plain_program(table, group, options, steps)
             (state, self.cache, self.spec_counters), seconds = self._run(plain, args, policy.timed)
             self._keep(state)
@@ -88,11 +88,12 @@ class Speculation:
         args = (self.model.run_params, self.cache, self._with_counts(options), self.spec_counters, table, group)
         return self.model.program(plain_step_slots, args, options.plain(steps), now)
 
-    def _plain_steps(self, options: StepOptions) -> int:
-        """Plain steps per program in place of a round: as many as a decode program runs (one
-        dispatch, and one read, for several tokens), at most the d + 1 positions a round may
-        write (the pages a speculating row holds ahead of its last token)."""
-        return min(self._next_steps, options.spec.max_speculations + 1)
+    @staticmethod
+    def _plain_steps(options: StepOptions, decode_steps: int) -> int:
+        """Plain steps per program in place of a round: as many as a decode program runs
+        (`decode_steps`: one dispatch, and one read, for several tokens), at most the d + 1
+        positions a round may write (the pages a speculating row holds ahead of its last token)."""
+        return min(decode_steps, options.spec.max_speculations + 1)
 
     def _round_program(self, table, group, round_options: StepOptions, now: bool = False):
         args = (self.model.run_params, self.cache, self._with_counts(round_options), self.spec_counters, table, group)
@@ -116,7 +117,7 @@ class Speculation:
             for bonus in (False, True):
                 self._round_program(table, group, options.round(spec.num_speculations, bonus), now=True)
             return
-        for steps in {1, min(self.steps_per_dispatch, spec.max_speculations + 1)}:  # `_plain_steps`'s values
+        for steps in {self._plain_steps(options, 1), self._plain_steps(options, self.steps_per_dispatch)}:
             self._plain_program(table, group, options, steps, now=True)
         bonuses = self._policy(options).bonus_choices()
         for d in range(1, spec.max_speculations + 1):
