@@ -22,9 +22,13 @@ SUMMARY_SUFFIX = "\n\nSummary:"
 
 
 def articles(path: str | Path, *, skip_rows: int = EVAL_ROWS) -> list[str]:
-    """The `article` (or `text`) field of each JSON line of `path` after its first `skip_rows` rows."""
+    """The `article` (or `text`) field of each JSON line of `path` (.jsonl or .jsonl.gz) after its
+    first `skip_rows` rows."""
+    import gzip
+
     rows = []
-    with Path(path).open() as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for i, line in enumerate(f):
             if i < skip_rows or not line.strip():
                 continue

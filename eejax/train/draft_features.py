@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import jax
@@ -68,8 +69,12 @@ def build_feature_cache(
     shard_rows: int = 32,
     source: str = "",
     progress: bool = True,
+    deadline: float | None = None,
 ) -> Path:
-    """Writes (or completes) the feature cache of `sequences` (token ids) in `out_dir`. Returns it."""
+    """Writes (or completes) the feature cache of `sequences` (token ids) in `out_dir`. Returns it.
+    With a `deadline` (a `time.monotonic()` value) it stops after the shard in progress once that
+    has passed (one shard at least is written): `load_feature_cache` reads the shards written, and
+    a rerun completes the rest."""
     from tqdm.auto import tqdm
 
     check_model(model.config)
@@ -103,6 +108,8 @@ def build_feature_cache(
     bar = tqdm(total=meta["tokens"], unit="tok", desc="features", disable=not progress)
     bar.update(sum(len(r) for s in shards if s not in todo for r in rows[s : s + shard_rows]))
     for start in todo:
+        if deadline is not None and start != todo[0] and time.monotonic() > deadline:
+            break
         chunk = rows[start : start + shard_rows]
         parts = []
         for b in range(0, len(chunk), batch_size):

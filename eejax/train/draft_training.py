@@ -44,9 +44,20 @@ def _reduced_index(params, vocab_size: int):
     return e["vocab_head"], jnp.asarray(index)
 
 
+def _counted(batch, width: int):
+    """[B, width] which predictions count: those of a real next token (p + 1 < length), and with
+    a batch["first"] [B], only those of tokens at or after it (the generated ones of an evaluation)."""
+    p = jnp.arange(width)[None, :]
+    valid = p < (batch["lengths"] - 1)[:, None]
+    if "first" in batch:
+        valid &= p + 1 >= batch["first"][:, None]
+    return valid
+
+
 def draft_losses(draft, params, batch, key, *, config, noise: float, feature_weight: float, unroll: int, index):
     """Loss and per-pass top-1 agreement of the draft on a batch of windows (see the module
-    docstring). batch: tokens [B, T], lengths [B], features [B, T, D], top_ids/top_probs [B, T, K]."""
+    docstring). batch: tokens [B, T], lengths [B], features [B, T, D], top_ids/top_probs [B, T, K],
+    optionally first [B] (`_counted`)."""
     tokens, lengths = batch["tokens"], batch["lengths"]
     feats = batch["features"].astype(jnp.float32)
     x = feats[:, :-1]  # f_p, p = 0..T-2
@@ -55,7 +66,7 @@ def draft_losses(draft, params, batch, key, *, config, noise: float, feature_wei
     emb = embed(params, tokens[:, 1:]).astype(jnp.float32)  # token p+1
     target_f = feats[:, 1:]
     top_ids, top_p = batch["top_ids"][:, 1:], batch["top_probs"][:, 1:].astype(jnp.float32)
-    valid = jnp.arange(x.shape[1])[None, :] < (lengths - 1)[:, None]
+    valid = _counted(batch, x.shape[1])
     where = index[top_ids]  # [B, T-1, K] position in the drafting head, -1 outside
     weight = jnp.where(where >= 0, top_p, 0.0)
     total, agree = 0.0, []
@@ -189,3 +200,42 @@ def train_draft(
             manager.wait_until_finished()
             manager.close()
     return draft, np.asarray(log["losses"]), np.asarray(log["agree"])
+
+
+@functools.partial(jax.jit, static_argnames=("config", "unroll"))
+def _agreement(draft, params, batch, index, *, config, unroll):
+    _, agree = draft_losses(
+        draft,
+        params,
+        batch,
+        jax.random.PRNGKey(0),
+        config=config,
+        noise=0.0,
+        feature_weight=0.0,
+        unroll=unroll,
+        index=index,
+    )
+    return agree, _counted(batch, batch["tokens"].shape[1] - 1).sum()
+
+
+def heldout_agreement(model, data: dict, *, unroll: int = 3, first=None, batch_size: int = 8) -> np.ndarray:
+    """Teacher-forced top-1 agreement [unroll] of `model`'s draft head with the model's next token
+    on a loaded feature cache `data`, without noise: pass k after the first reads the draft's own
+    predicted features, as the k-th draft of a round does after k - 1 accepted ones. `first` [N]:
+    per window, the first position counted (the tokens generated after a prompt); default all."""
+    if not draft_head.has_draft(model.params):
+        raise EejaxError("the model has no draft head to evaluate")
+    params = {k: v for k, v in model.params.items() if k != "draft"}
+    _, index = _reduced_index(params, model.config.vocab_size)
+    n = len(data["lengths"])
+    first = np.zeros(n, np.int32) if first is None else np.asarray(first, np.int32)
+    hits, count = np.zeros(unroll), 0
+    for s in range(0, n, batch_size):
+        rows = np.arange(s, min(s + batch_size, n))
+        batch = {k: data[k][rows] for k in ("tokens", "lengths", "features", "top_ids", "top_probs")}
+        agree, c = _agreement(
+            model.params["draft"], params, batch | {"first": first[rows]}, index, config=model.config, unroll=unroll
+        )
+        hits += np.asarray(agree) * int(c)
+        count += int(c)
+    return hits / max(count, 1)
