@@ -4,7 +4,9 @@ after a chunked prefill equal to a prefill's of the same tokens, adaptive rounds
 exact sampling, the engine with chunks and prefix caching, training, checkpoints, bad settings."""
 
 import dataclasses
+import hashlib
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -217,8 +219,9 @@ def test_training_on_cached_features_learns_the_next_token(tmp_path):
     """The identity-layer model's next token is a function of the current one: a draft trained a
     few dozen steps on its cached features predicts it far better than chance; the feature cache
     resumes at a missing shard with the same content."""
+    from eejax.train import draft_training
     from eejax.train.draft_features import build_feature_cache, load_feature_cache
-    from eejax.train.draft_training import train_draft
+    from eejax.train.draft_training import heldout_agreement, train_draft
 
     base = perfect_drafts(tiny(vocab=32, scale=0.5, seed=2), 0)
     rng = np.random.default_rng(0)
@@ -234,7 +237,13 @@ def test_training_on_cached_features_learns_the_next_token(tmp_path):
         np.testing.assert_array_equal(np.asarray(first[k]), np.asarray(data[k]), err_msg=k)
     with pytest.raises(EejaxError, match="other text or settings"):
         build_feature_cache(base, texts[:3], cache_dir, window=32, batch_size=4, shard_rows=8, progress=False)
-    _, losses, agree = train_draft(
+    # past its deadline a pass writes one shard; the next pass completes the cache
+    late = dict(window=32, batch_size=4, shard_rows=8, progress=False)
+    build_feature_cache(base, texts, tmp_path / "late", deadline=time.monotonic(), **late)
+    assert len(load_feature_cache(tmp_path / "late")["lengths"]) == 8
+    build_feature_cache(base, texts, tmp_path / "late", **late)
+    np.testing.assert_array_equal(load_feature_cache(tmp_path / "late")["features"], data["features"])
+    draft, losses, agree = train_draft(
         base,
         data,
         steps=60,
@@ -246,6 +255,15 @@ def test_training_on_cached_features_learns_the_next_token(tmp_path):
     )
     assert agree[:5, 0].mean() < 0.3 and agree[-5:, 0].mean() > 0.6, agree[:, 0]  # chance: 1/32
     assert losses[-5:].mean() < losses[:5].mean()
+    # held out of the noise: agreement per draft position, the same whatever the batches
+    trained = base.with_params({**base.params, "draft": draft})
+    held = heldout_agreement(trained, data, unroll=2, batch_size=16)
+    np.testing.assert_allclose(heldout_agreement(trained, data, unroll=2, batch_size=3), held, rtol=1e-6)
+    assert held.shape == (2,) and held[0] > 0.6, held
+    late_only = heldout_agreement(trained, data, unroll=1, first=data["lengths"] - 1)  # each window's last token
+    assert 0 <= late_only[0] <= 1 and late_only[0] != held[0]
+    counted = draft_training._counted({"lengths": jnp.asarray([5, 3]), "first": jnp.asarray([2, 0])}, 4)
+    np.testing.assert_array_equal(counted, [[False, True, True, True], [True, True, False, False]])
     # resumes from its last checkpoint: nothing left to run
     _, again, _ = train_draft(
         base, data, steps=60, batch_size=8, learning_rate=3e-3, progress=False, checkpoint_dir=tmp_path / "run"
@@ -349,6 +367,13 @@ def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, 
     )
     known = eejax.load("tiny-eagle")
     assert (tmp_path / "cache" / "models" / "tiny-eagle").is_dir() and known.cache_layers == base.config.num_layers + 1
+    # a cache built from another delta (an older shipped head) is built again from the current one
+    cached = tmp_path / "cache" / "models" / "tiny-eagle" / "eejax.json"
+    digest = hashlib.sha256((out / "draft.safetensors").read_bytes()).hexdigest()
+    assert json.loads(cached.read_text())["delta_sha256"] == digest
+    cached.write_text(json.dumps({**json.loads(cached.read_text()), "delta_sha256": "an older head"}))
+    assert eejax.load("tiny-eagle").cache_layers == known.cache_layers
+    assert json.loads(cached.read_text())["delta_sha256"] == digest
     # a rerun with other settings is refused, naming them
     assert main(argv[:-4] + ["--vocab-size", "32", "--no-plot", "--quiet"]) == 2
     assert "settings" in capsys.readouterr().err
