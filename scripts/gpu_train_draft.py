@@ -1,0 +1,288 @@
+"""The draft head of smollm2-135m-eagle at GPU scale, inside a fixed time budget (a device-tool
+call runs 10 minutes at most, and a session has 15 minutes of device time).
+
+Two steps:
+
+    # here, where the model's tokenizer is: the training and evaluation prompts as token ids
+    python scripts/gpu_train_draft.py prepare .gpu/jobs.json.gz
+
+    # on the GPU machine: continuations, features, training and evaluation in SECONDS
+    python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 540 [--out DIR]
+    # a dry run of the same shapes on random weights (--random-like: a checkpoint's eejax.json
+    # and tokenizer/, no weights), to find errors and fill the compile cache first
+    python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 90 --random-like DIR
+
+The text (provenance: data/SOURCES.md): CNN/DM rows 20..99 of data/cnndm_test_dev100.jsonl and the
+1,240 other CNN/DM articles of data/cnndm_more.jsonl.gz (rows 0..19 of the first are the evaluation
+rows, never trained on), and WikiText-2. `run` continues prompts made from them with the frozen
+model in a fixed order of priority (greedy continuations of 256-token summary prompts first, the
+evaluation's format; then sampled ones, other prompt lengths, later article windows, document
+windows, more samples) until its generation time is up, caches the features of those sequences
+and of the texts themselves (shuffled, so that a pass cut short keeps a fair sample), trains the
+draft head (`draft_training.train_draft`, --steps, stopped early if its time runs out), and
+measures its held-out agreement on rows 0..19 (256-token summary prompts, the model's 64 greedy
+tokens, teacher-forced). It writes RUN_DIR/draft.safetensors, and copies it with the
+continuations, the losses and a result.json to --out.
+
+The shipped head (README: the model card of smollm2-135m-eagle) was made on one H100 on 2026-11-26
+in two calls: this script's continuations (217 s: 15,277 sequences) and features (74 s: 6.3M
+tokens), then `train_draft` for 3000 steps of 32 windows (180 s) on that feature cache, as `run`
+now does. (Its first version sized the training by timing 12 steps, which timed compilations:
+the step compiles once per window width, up to 8 of them, and it ran 12 steps.)
+
+How it ran through the device tool (one call carries 64 MiB, the GGUF is 98 MB): the tracked
+assets were moved aside for both calls; call 1 carried .gpu/ (jobs.json.gz, the first 52.7 MB of
+the GGUF, its sha256, the `gguf` wheel that transformers' GGUF reader needs) and copied it to
+/tmp; call 2, on the same warm machine, carried the rest of the GGUF, joined and checked it into
+$EEJAX_CACHE/downloads, and ran `run` with PYTHONPATH set to the checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+NEW_TOKENS = 96  # per training continuation
+EVAL_TOKENS = 64  # per evaluation continuation, as in benchmarks/draft_head.py
+# (prompt set, temperature, seed): the order in which continuations are made until time is up
+JOBS = (
+    ("summary256", 0.0, 0),
+    ("summary256", 0.7, 1),
+    ("summary128_384", 0.0, 0),
+    ("windows", 0.0, 0),
+    ("summary256", 0.7, 2),
+    ("documents", 0.0, 0),
+    ("summary128_384", 0.7, 3),
+    ("windows", 0.7, 4),
+    ("documents", 0.7, 5),
+    *(("summary256", 0.7, s) for s in range(6, 12)),
+)
+
+
+def prepare(out: Path) -> None:
+    import eejax
+    from eejax.cli.draft import read_text_file
+    from eejax.train import draft_corpus as dc
+
+    tok = eejax.load("smollm2-135m").tokenizer
+    news = dc.articles(ROOT / "data/cnndm_test_dev100.jsonl") + dc.articles(
+        ROOT / "data/cnndm_more.jsonl.gz", skip_rows=0
+    )
+    documents = read_text_file(str(ROOT / "data/wikitext2_valid_test.txt.gz"))
+    evaluation = dc.articles(ROOT / "data/cnndm_test_dev100.jsonl", skip_rows=0)[: dc.EVAL_ROWS]
+    sets = {
+        "summary256": dc.summary_prompts(tok, news, (256,)),
+        "summary128_384": dc.summary_prompts(tok, news, (128, 384)),
+        "windows": dc.window_summary_prompts(tok, news),
+        "documents": dc.text_prompts(tok, documents),
+    }
+    jobs = {
+        "sets": sets,
+        "jobs": JOBS,
+        "texts": [tok(t)["input_ids"] for t in news + documents],
+        "evaluation": dc.summary_prompts(tok, evaluation, (256,)),
+        "source": f"{len(news)} CNN/DM articles, {len(documents)} WikiText-2 documents",
+    }
+    with gzip.open(out, "wt") as f:
+        json.dump(jobs, f)
+    print({k: len(v) for k, v in sets.items()}, "texts", len(jobs["texts"]), "->", out)
+
+
+def load_model(args):
+    import jax
+
+    import eejax
+    from eejax.checkpoint import read_config, read_metadata
+    from eejax.loading.model import Model
+
+    if args.random_like is None:
+        return eejax.load(args.model)
+    from transformers import AutoTokenizer
+
+    from eejax.models.llama import init_params
+
+    config = read_config(args.random_like, read_metadata(args.random_like))
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(args.random_like) / "tokenizer"))
+    return Model(config, init_params(config, jax.random.PRNGKey(0)), tokenizer)
+
+
+def continue_prompts(model, prompts, *, new_tokens, temperature, seed, batch_size, until=None):
+    """Prompts (sorted by length, in batches) followed by the model's continuations, until the
+    `until` time passes (then fewer)."""
+    from eejax.engine.generate import generate
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out = []
+    for start in range(0, len(order), batch_size):
+        if until is not None and time.monotonic() > until:
+            break
+        chunk = [prompts[i] for i in order[start : start + batch_size]]
+        res = generate(
+            model,
+            chunk,
+            max_new_tokens=new_tokens,
+            temperature=temperature,
+            seed=seed * 100_003 + start,
+            batch_size=batch_size,
+            cache_budget="16GiB",
+        )
+        out += [list(p) + list(t) for p, t in zip(chunk, res.tokens)]
+    return out
+
+
+def save_sequences(path: Path, sequences) -> None:
+    """Token sequences as one uint16 array and their lengths (npz)."""
+    flat = np.concatenate([np.asarray(s, np.uint16) for s in sequences]) if sequences else np.zeros(0, np.uint16)
+    np.savez_compressed(path, tokens=flat, lengths=np.asarray([len(s) for s in sequences]))
+
+
+def run(args) -> None:
+    from eejax.train.draft_features import build_feature_cache, load_feature_cache
+    from eejax.train.draft_run import draft_vocabulary, save_draft
+    from eejax.train.draft_training import heldout_agreement, train_draft
+    from eejax.train.exit_vocab import add_exit_vocab
+
+    began = time.monotonic()
+    end = began + args.seconds
+    run_dir, out = Path(args.run_dir), Path(args.out or args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"seconds": args.seconds, "random_weights": args.random_like is not None, "phases": {}}
+
+    def phase(name, t):
+        result["phases"][name] = round(time.monotonic() - t, 1)
+        print(f"[{time.monotonic() - began:6.1f} s] {name}: {result['phases'][name]} s", flush=True)
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+
+    with gzip.open(args.jobs, "rt") as f:
+        jobs = json.load(f)
+    t = time.monotonic()
+    model = load_model(args)
+    phase("load", t)
+    left = end - time.monotonic() - args.reserve
+    gen_until, features_until = time.monotonic() + 0.45 * left, time.monotonic() + 0.6 * left
+
+    t = time.monotonic()
+    evaluation = continue_prompts(
+        model, jobs["evaluation"], new_tokens=EVAL_TOKENS, temperature=0.0, seed=0, batch_size=args.generate_batch
+    )
+    generated, made = [], []
+    for name, temperature, seed in jobs["jobs"]:
+        seqs = continue_prompts(
+            model,
+            jobs["sets"][name],
+            new_tokens=NEW_TOKENS,
+            temperature=temperature,
+            seed=seed,
+            batch_size=args.generate_batch,
+            until=gen_until,
+        )
+        generated += seqs
+        made.append([name, temperature, seed, len(seqs)])
+        print(f"  {name} T={temperature} seed {seed}: {len(seqs)} of {len(jobs['sets'][name])}", flush=True)
+        save_sequences(out / "continuations.npz", generated)  # after each job: kept if a later phase fails
+        result["continuations"] = made
+        if time.monotonic() > gen_until:
+            break
+    phase("continuations", t)
+
+    t = time.monotonic()
+    sequences = generated + jobs["texts"]
+    shuffled = [sequences[i] for i in np.random.default_rng(0).permutation(len(sequences))]
+    source = f"{jobs['source']}; continuations {made}"
+    cache = build_feature_cache(
+        model,
+        shuffled,
+        run_dir / "features",
+        batch_size=args.feature_batch,
+        shard_rows=4 * args.feature_batch,
+        source=source,
+        progress=False,
+        deadline=features_until,
+    )
+    data = load_feature_cache(cache)
+    held = load_feature_cache(
+        build_feature_cache(model, evaluation, run_dir / "evaluation", batch_size=args.feature_batch, progress=False)
+    )
+    result["training_tokens"], result["training_windows"] = int(data["lengths"].sum()), len(data["lengths"])
+    phase("features", t)
+
+    t = time.monotonic()
+    ids = draft_vocabulary(data, 8192, model.config.vocab_size, always=model.eos_token_ids)
+    trainee = add_exit_vocab(model, ids)
+    settings = dict(batch_size=args.batch_size, learning_rate=args.learning_rate, unroll=args.unroll)
+    budget = end - args.reserve - time.monotonic()  # a run out of time stops early (its schedule unfinished)
+    draft, losses, agree = train_draft(
+        trainee, data, steps=args.steps, progress=False, hours=max(budget, 1) / 3600, **settings
+    )
+    result["steps"], result["steps_run"] = args.steps, len(losses)
+    np.savez(out / "training.npz", losses=losses, agree=agree)
+    phase("training", t)
+
+    t = time.monotonic()
+    trained = trainee.with_params({**trainee.params, "draft": draft})
+    first = [len(p) for p in jobs["evaluation"]]
+    result["heldout_agreement"] = [round(float(a), 4) for a in heldout_agreement(trained, held, first=first)]
+    result["train_agreement_last_100"] = [round(float(a), 4) for a in np.mean(agree[-100:], axis=0)]
+    delta = save_draft(
+        run_dir / "draft.safetensors",
+        trained,
+        ids,
+        {
+            "base": "smollm2-135m",
+            "made_by": "scripts/gpu_train_draft.py",
+            "settings": {
+                **settings,
+                "steps": args.steps,
+                "new_tokens": NEW_TOKENS,
+                "noise": 0.1,
+                "feature_weight": 0.1,
+            },
+            "training_tokens": result["training_tokens"],
+            "data": source,
+            "heldout_agreement": result["heldout_agreement"],
+        },
+    )
+    if out != run_dir:
+        shutil.copy(delta, out / "draft.safetensors")
+    phase("evaluation and save", t)
+    print(json.dumps(result), flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="tokenize the training and evaluation prompts (here)")
+    p.add_argument("jobs", type=Path, help="where to write them (.json.gz)")
+    p = sub.add_parser("run", help="continue, cache features, train and evaluate within --seconds (on a GPU)")
+    p.add_argument("jobs", type=Path, help="the prepared prompts (.json.gz)")
+    p.add_argument("run_dir", type=Path, help="where the feature cache and the head go")
+    p.add_argument("--seconds", type=float, required=True, help="the whole run's time")
+    p.add_argument("--reserve", type=float, default=30.0, help="seconds kept for the evaluation and saving")
+    p.add_argument("--out", type=Path, help="where to copy the results (default RUN_DIR)")
+    p.add_argument("--model", default="smollm2-135m", help="the frozen model (default smollm2-135m)")
+    p.add_argument("--random-like", type=Path, help="a dry run on random weights of this checkpoint's config")
+    p.add_argument("--generate-batch", type=int, default=512, help="prompts continued at once (default 512)")
+    p.add_argument("--feature-batch", type=int, default=32, help="windows per feature pass (default 32)")
+    p.add_argument("--batch-size", type=int, default=32, help="windows per training step (default 32)")
+    p.add_argument("--learning-rate", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--unroll", type=int, default=3, choices=(1, 2, 3), help="training-time test passes (default 3)")
+    p.add_argument("--steps", type=int, default=3000, help="training steps (default 3000: ~3 min on an H100)")
+    args = parser.parse_args(argv)
+    if args.command == "prepare":
+        prepare(args.jobs)
+    else:
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
