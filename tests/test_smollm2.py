@@ -117,7 +117,7 @@ def test_layerskip_model_speculates_losslessly_and_accepts_more(smollm2, smollm2
 def test_eagle_model_drafts_losslessly_and_is_accepted(smollm2):
     """The shipped draft head (its probe checked at load) on two held-out summary prompts: the
     base model's weights untouched, draft:2 token-identical to full depth, and its drafts accepted
-    far more often than an untrained head's (~0.02)."""
+    far more often than an untrained head's (~0.02), and more than the CPU recipe's head's."""
     import jax
 
     eagle = eejax.load("smollm2-135m-eagle")
@@ -128,7 +128,8 @@ def test_eagle_model_drafts_losslessly_and_is_accepted(smollm2):
     full = eejax.generate(eagle, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     res = eejax.generate(eagle, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, spec="draft:2")
     assert res.tokens == full.tokens
-    assert res.stats["acceptance_rate"] > 0.15 and res.stats["tokens_per_round"] > 1.3
+    # the H100-trained head: ~0.43 and ~1.8 here (the CPU recipe's head before it: ~0.27 and ~1.5)
+    assert res.stats["acceptance_rate"] > 0.33 and res.stats["tokens_per_round"] > 1.65, res.stats
 
 
 def test_bfloat16_is_close_to_float32_and_speculates_losslessly(smollm2):
