@@ -11,6 +11,9 @@ Two steps:
     # a dry run of the same shapes on random weights (--random-like: a checkpoint's eejax.json
     # and tokenizer/, no weights), to find errors and fill the compile cache first
     python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 90 --random-like DIR
+    # more training with the time a generation would take: an earlier run's sequences, its head
+    python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 540 \
+        --continuations OLD/continuations.npz --init eejax/assets/smollm2-135m-eagle.safetensors --steps 6000
 
 The text (provenance: data/SOURCES.md): CNN/DM rows 20..99 of data/cnndm_test_dev100.jsonl and the
 1,240 other CNN/DM articles of data/cnndm_more.jsonl.gz (rows 0..19 of the first are the evaluation
@@ -138,13 +141,24 @@ def continue_prompts(model, prompts, *, new_tokens, temperature, seed, batch_siz
     return out
 
 
-def save_sequences(path: Path, sequences) -> None:
-    """Token sequences as one uint16 array and their lengths (npz)."""
+def save_sequences(path: Path, sequences, made) -> None:
+    """Token sequences as one uint16 array and their lengths, and what made them (npz)."""
     flat = np.concatenate([np.asarray(s, np.uint16) for s in sequences]) if sequences else np.zeros(0, np.uint16)
-    np.savez_compressed(path, tokens=flat, lengths=np.asarray([len(s) for s in sequences]))
+    lengths = np.asarray([len(s) for s in sequences])
+    np.savez_compressed(path, tokens=flat, lengths=lengths, made=np.asarray(json.dumps(made)))
+
+
+def load_sequences(path: Path) -> tuple[list[list[int]], list]:
+    """(sequences, what made them) of `save_sequences`' file."""
+    with np.load(path) as f:
+        ends = np.cumsum(f["lengths"])
+        sequences = [x.tolist() for x in np.split(f["tokens"].astype(np.int64), ends[:-1])] if len(ends) else []
+        made = json.loads(str(f["made"])) if "made" in f else [["an earlier run", None, None, len(sequences)]]
+    return sequences, made
 
 
 def run(args) -> None:
+    from eejax.loading.deltas import apply_draft
     from eejax.train.draft_features import build_feature_cache, load_feature_cache
     from eejax.train.draft_run import draft_vocabulary, save_draft
     from eejax.train.draft_training import heldout_agreement, train_draft
@@ -174,8 +188,12 @@ def run(args) -> None:
     evaluation = continue_prompts(
         model, jobs["evaluation"], new_tokens=EVAL_TOKENS, temperature=0.0, seed=0, batch_size=args.generate_batch
     )
-    generated, made = [], []
-    for name, temperature, seed in jobs["jobs"]:
+    if args.continuations is not None:  # an earlier run's: no generation, more time to train
+        generated, made = load_sequences(args.continuations)
+        features_until = time.monotonic() + 0.3 * left
+    else:
+        generated, made = [], []
+    for name, temperature, seed in [] if args.continuations is not None else jobs["jobs"]:
         seqs = continue_prompts(
             model,
             jobs["sets"][name],
@@ -188,10 +206,10 @@ def run(args) -> None:
         generated += seqs
         made.append([name, temperature, seed, len(seqs)])
         print(f"  {name} T={temperature} seed {seed}: {len(seqs)} of {len(jobs['sets'][name])}", flush=True)
-        save_sequences(out / "continuations.npz", generated)  # after each job: kept if a later phase fails
-        result["continuations"] = made
+        save_sequences(out / "continuations.npz", generated, made)  # after each job: kept if a later phase fails
         if time.monotonic() > gen_until:
             break
+    result["continuations"] = made
     phase("continuations", t)
 
     t = time.monotonic()
@@ -216,8 +234,12 @@ def run(args) -> None:
     phase("features", t)
 
     t = time.monotonic()
-    ids = draft_vocabulary(data, 8192, model.config.vocab_size, always=model.eos_token_ids)
-    trainee = add_exit_vocab(model, ids)
+    if args.init is not None:  # go on from a trained head (and its reduced head's tokens)
+        trainee = apply_draft(model, args.init)
+        ids = np.asarray(trainee.params["exits"]["vocab_ids"])
+    else:
+        ids = draft_vocabulary(data, 8192, model.config.vocab_size, always=model.eos_token_ids)
+        trainee = add_exit_vocab(model, ids)
     settings = dict(batch_size=args.batch_size, learning_rate=args.learning_rate, unroll=args.unroll)
     budget = end - args.reserve - time.monotonic()  # a run out of time stops early (its schedule unfinished)
     draft, losses, agree = train_draft(
@@ -239,6 +261,7 @@ def run(args) -> None:
         {
             "base": "smollm2-135m",
             "made_by": "scripts/gpu_train_draft.py",
+            "init": None if args.init is None else str(args.init),
             "settings": {
                 **settings,
                 "steps": args.steps,
@@ -270,6 +293,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="where to copy the results (default RUN_DIR)")
     p.add_argument("--model", default="smollm2-135m", help="the frozen model (default smollm2-135m)")
     p.add_argument("--random-like", type=Path, help="a dry run on random weights of this checkpoint's config")
+    p.add_argument(
+        "--continuations", type=Path, help="an earlier run's continuations.npz: train on them instead of generating"
+    )
+    p.add_argument("--init", type=Path, help="a draft head (.safetensors delta) to go on training from")
     p.add_argument("--generate-batch", type=int, default=512, help="prompts continued at once (default 512)")
     p.add_argument("--feature-batch", type=int, default=32, help="windows per feature pass (default 32)")
     p.add_argument("--batch-size", type=int, default=32, help="windows per training step (default 32)")
