@@ -13,7 +13,7 @@ Two steps:
     python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 90 --random-like DIR
     # more training with the time a generation would take: an earlier run's sequences, its head
     python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 540 \
-        --continuations OLD/continuations.npz --init eejax/assets/smollm2-135m-eagle.safetensors --steps 6000
+        --continuations data/smollm2_continuations.npz --init eejax/assets/smollm2-135m-eagle.safetensors --steps 6000
 
 The text (provenance: data/SOURCES.md): CNN/DM rows 20..99 of data/cnndm_test_dev100.jsonl and the
 1,240 other CNN/DM articles of data/cnndm_more.jsonl.gz (rows 0..19 of the first are the evaluation
@@ -30,7 +30,7 @@ continuations, the losses and a result.json to --out.
 The shipped head (README: the model card of smollm2-135m-eagle) was made on one H100 on 2026-11-26
 in two calls: this script's continuations (217 s: 15,277 sequences) and features (74 s: 6.3M
 tokens), then `train_draft` for 3000 steps of 32 windows (180 s) on that feature cache, as `run`
-now does. (Its first version sized the training by timing 12 steps, which timed compilations:
+now does. Those continuations are data/smollm2_continuations.npz. (Its first version sized the training by timing 12 steps, which timed compilations:
 the step compiles once per window width, up to 8 of them, and it ran 12 steps.)
 
 How it ran through the device tool (one call carries 64 MiB, the GGUF is 98 MB): the tracked
