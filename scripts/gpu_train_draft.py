@@ -30,14 +30,16 @@ continuations, the losses and a result.json to --out.
 The shipped head (README: the model card of smollm2-135m-eagle) was made on one H100 on 2026-11-26
 in two calls: this script's continuations (217 s: 15,277 sequences) and features (74 s: 6.3M
 tokens), then `train_draft` for 3000 steps of 32 windows (180 s) on that feature cache, as `run`
-now does. Those continuations are data/smollm2_continuations.npz. (Its first version sized the training by timing 12 steps, which timed compilations:
-the step compiles once per window width, up to 8 of them, and it ran 12 steps.)
+now does; those continuations are data/smollm2_continuations.npz. (The script's first version
+sized the training by timing 12 steps, which timed compilations: the step compiles once per
+window width, up to 8 of them, and it ran 12 steps.)
 
 How it ran through the device tool (one call carries 64 MiB, the GGUF is 98 MB): the tracked
 assets were moved aside for both calls; call 1 carried .gpu/ (jobs.json.gz, the first 52.7 MB of
 the GGUF, its sha256, the `gguf` wheel that transformers' GGUF reader needs) and copied it to
 /tmp; call 2, on the same warm machine, carried the rest of the GGUF, joined and checked it into
-$EEJAX_CACHE/downloads, and ran `run` with PYTHONPATH set to the checkout.
+$EEJAX_CACHE/downloads, and ran `run` with PYTHONPATH set to the checkout. The tracked tree is
+now 6 MB larger (these continuations): send a smaller first part.
 """
 
 from __future__ import annotations
