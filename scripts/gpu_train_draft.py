@@ -123,6 +123,7 @@ def continue_prompts(model, prompts, *, new_tokens, temperature, seed, batch_siz
     """Prompts (sorted by length, in batches) followed by the model's continuations, until the
     `until` time passes (then fewer)."""
     from eejax.engine.generate import generate
+    from eejax.train.data import cache_budget_for
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out = []
@@ -137,7 +138,7 @@ def continue_prompts(model, prompts, *, new_tokens, temperature, seed, batch_siz
             temperature=temperature,
             seed=seed * 100_003 + start,
             batch_size=batch_size,
-            cache_budget="16GiB",
+            cache_budget=cache_budget_for(model, chunk, new_tokens, batch_size),
         )
         out += [list(p) + list(t) for p, t in zip(chunk, res.tokens)]
     return out

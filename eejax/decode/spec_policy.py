@@ -28,9 +28,9 @@ configured d as two programs, a draft and a verify, timed apart (c_draft; one ro
 batch of 8 a round can cost two plain steps), then a plain step (c_full); then rounds run as one
 program each, as a fixed d's do (no host round trip between draft and verify), and a round's
 wall time less its draft passes at c_draft is its verify's (c_full: a plain program's time
-per step). To time a program the host waits for it, which costs the overlap of the next dispatch with it
-(~4% of a round on the 2-core CPU): after its first `TIMED_SAMPLES`, one decision in
-`TIME_EVERY` is timed, the others run asynchronously. A program's first run is never timed
+per step). To time a program the host waits for it, which costs the overlap of the next
+dispatch with it (~4% of a round on the 2-core CPU): after its first `TIMED_SAMPLES`, one
+decision in `TIME_EVERY` is timed, the others run asynchronously. A program's first run is never timed
 (one-time costs: 3x a round's time was seen). Every `REFRESH_EVERY` rounds a plain step and a
 split round measure c_full and c_draft again, so both follow the batch's size and the
 machine's load as the verify times do.

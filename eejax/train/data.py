@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import numpy as np
 
+from eejax.cache import page_bytes, pages_needed
 from eejax.errors import EejaxError
 from eejax.train.exit_training import ExitBatch
+
+
+def cache_budget_for(model, prompts: list[list[int]], new_tokens: int, batch_size: int, page_size: int = 16) -> int:
+    """KV-cache bytes for `batch_size` of `prompts` decoding at once, each with `new_tokens` more,
+    and never less than `generate`'s default of 1 GiB: the batch a trainer asks for is the batch it
+    gets (1 GiB holds ~47 SmolLM2 rows of 480 tokens, so a GPU's batch of 512 would run ~47 at a time)."""
+    config = model.config
+    per_page = page_bytes(model.cache_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
+    longest = max(map(len, prompts)) + new_tokens
+    return max(1 << 30, (1 + min(batch_size, len(prompts)) * pages_needed(longest, page_size)) * per_page)
 
 
 def continued_sequences(
     model, prompts: list[list[int]], new_tokens: int, *, batch_size: int = 8, progress: bool = True
 ) -> list[list[int]]:
     """Each prompt (token ids) followed by `new_tokens` greedy full-depth tokens of the model (fewer
-    when it ends at EOS)."""
+    when it ends at EOS), `batch_size` at once (`cache_budget_for`)."""
     from tqdm.auto import tqdm
 
     from eejax.engine.generate import generate
@@ -25,7 +36,8 @@ def continued_sequences(
     sequences = []
     for start in tqdm(range(0, len(prompts), batch_size), desc="generating continuations", disable=not progress):
         chunk = prompts[start : start + batch_size]
-        res = generate(model, chunk, max_new_tokens=new_tokens, batch_size=batch_size)
+        budget = cache_budget_for(model, chunk, new_tokens, batch_size)
+        res = generate(model, chunk, max_new_tokens=new_tokens, batch_size=batch_size, cache_budget=budget)
         sequences += [list(p) + list(t) for p, t in zip(chunk, res.tokens)]
     return sequences
 

@@ -85,15 +85,26 @@ def sampled_continuations(
     batch_size: int = 32,
 ) -> list[list[int]]:
     """Each prompt followed by a sampled continuation (one `generate` call: row i draws with
-    (seed, i)), saved as JSON in `path` (read back on a rerun with the same prompts)."""
+    (seed, i)), saved as JSON in `path` (read back on a rerun with the same prompts); `batch_size`
+    at once (`data.cache_budget_for`)."""
     from eejax.engine.generate import generate
+    from eejax.train.data import cache_budget_for
 
     path = Path(path)
     if path.exists():
         saved = json.loads(path.read_text())
         if saved.get("prompts") == prompts and saved.get("new_tokens") == new_tokens:
             return saved["sequences"]
-    res = generate(model, prompts, max_new_tokens=new_tokens, temperature=temperature, seed=seed, batch_size=batch_size)
+    budget = cache_budget_for(model, prompts, new_tokens, batch_size)
+    res = generate(
+        model,
+        prompts,
+        max_new_tokens=new_tokens,
+        temperature=temperature,
+        seed=seed,
+        batch_size=batch_size,
+        cache_budget=budget,
+    )
     sequences = [list(p) + list(t) for p, t in zip(prompts, res.tokens)]
     _save(path, prompts, new_tokens, sequences)
     return sequences
