@@ -215,6 +215,26 @@ def _last_logits(model, tokens):
 # --- training -----------------------------------------------------------------------------------
 
 
+def test_unrolled_passes_attend_as_a_round_of_drafts_does(model):
+    """Pass k at p of the training forward is the (k+1)-th draft of a round from p - k: the same as
+    the causal forward over the model's features up to p - k followed by the round's own drafts."""
+    config, draft = model.config, model.params["draft"]
+    b, t, d = 2, 9, config.hidden_size
+    feature = jax.random.normal(jax.random.PRNGKey(3), (b, t, d))
+    embeds = jax.random.normal(jax.random.PRNGKey(4), (b, t, d))
+    lengths = jnp.asarray([t, 7])
+    passes = draft_head.unrolled_forward(config, draft, feature, embeds, lengths, 3)
+    np.testing.assert_allclose(passes[0], draft_head.dense_forward(config, draft, feature, embeds, lengths), atol=1e-5)
+    for start in (0, 2, 4):
+        x = feature[:, : start + 1]
+        for k in range(3):  # the round's k-th draft: causal over the model's features, then its own
+            out = draft_head.dense_forward(config, draft, x, embeds[:, : x.shape[1]], jnp.full((b,), x.shape[1]))
+            p = start + k
+            rows = np.asarray(p < lengths)
+            np.testing.assert_allclose(passes[k][rows, p], out[rows, -1], atol=1e-4, err_msg=f"pass {k} at {p}")
+            x = jnp.concatenate([x, out[:, -1:]], axis=1)
+
+
 def test_training_on_cached_features_learns_the_next_token(tmp_path):
     """The identity-layer model's next token is a function of the current one: a draft trained a
     few dozen steps on its cached features predicts it far better than chance; the feature cache

@@ -145,7 +145,14 @@ def draft_layer(params, feature, token_embeds, cache: KVCache, batch: TokenBatch
     q, k, v = _layer(config, draft, "qkv", x, batch.cos, batch.sin)
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
     attn = paged_attention(
-        q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len, impl=batch.attention
+        q,
+        cache.k,
+        cache.v,
+        layer,
+        batch.block_table,
+        batch.positions,
+        batch.kv_len,
+        impl=batch.attention,
     )
     return _layer(config, draft, "out_mlp", x, attn), cache
 
@@ -163,3 +170,52 @@ def dense_forward(config: LlamaConfig, draft, feature, token_embeds, lengths):
     features [B, T, D]."""
     _, valid, cos, sin = _dense_positions(config, jnp.zeros(feature.shape[:2], jnp.int32), lengths)
     return _apply(config, draft, None, feature, token_embeds, cos, sin, valid)
+
+
+def unrolled_forward(config: LlamaConfig, draft, feature, token_embeds, lengths, passes: int):
+    """Training: `passes` drafts in a row from every position, attending as decoding does (EAGLE-3's
+    training-time test). feature [B, T, D] at 0..T-1, token_embeds [B, T, D] of the tokens at
+    1..T, lengths [B] -> predicted features [passes, B, T, D].
+
+    Pass k at p is the (k+1)-th draft of a round whose first draft is pass 0 at p-k. Its input is
+    pass k-1's output at p-1 (pass 0's: the model's feature at p) with the token at p+1; it
+    attends to pass 0's keys at positions <= p-k (the cached draft K/V, which decoding always
+    computes from the model's features) and to pass j's key at p-k+j for j = 1..k (the round's own
+    earlier drafts), never to keys computed from its guesses at other positions. Pass 0 is
+    `dense_forward`. Pass k at p < k is no draft of any round: the caller leaves it out."""
+    b, t, _ = feature.shape
+    _, valid, cos, sin = _dense_positions(config, jnp.zeros((b, t), jnp.int32), lengths)
+    hkv, dh = config.num_kv_heads, config.head_dim
+    g = config.num_heads // hkv
+    pos = jnp.tile(jnp.arange(t), g)  # the query axis below: G*T, t-minor
+
+    def heads(x):  # [B, T, Hkv, Dh] -> [B, Hkv, G*T, Dh], each key repeated for its G query heads
+        return jnp.tile(x.transpose(0, 2, 1, 3), (1, 1, g, 1))
+
+    def shifted(x, n):  # x at p - n, zeros where p < n
+        return jnp.pad(x, ((0, 0), (n, 0), (0, 0), (0, 0)))[:, :t]
+
+    keys, values, preds, x = [], [], [], feature
+    for k in range(passes):
+        h = _apply(config, draft, "inputs", x, token_embeds)
+        q, key, value = _layer(config, draft, "qkv", h, cos, sin)
+        keys.append(key)
+        values.append(value)
+        qh = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, dh) * dh**-0.5
+        cached = jnp.einsum("bkqd,bksd->bkqs", qh, keys[0].transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
+        own = [heads(shifted(keys[j], k - j)) for j in range(1, k + 1)]
+        scores = jnp.concatenate([cached] + [jnp.sum(qh * kj, -1, keepdims=True) for kj in own], axis=-1)
+        mask = jnp.concatenate(
+            [(jnp.arange(t)[None, :] <= pos[:, None] - k)[None, None] & valid[:, None, None, :]]
+            + [jnp.broadcast_to((pos >= k - j)[None, None, :, None], (b, 1, g * t, 1)) for j in range(1, k + 1)],
+            axis=-1,
+        )
+        has_key = mask.any(-1, keepdims=True)
+        probs = jax.nn.softmax(jnp.where(mask, scores, jnp.where(has_key, -jnp.inf, 0.0)), axis=-1)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs[..., :t], values[0].transpose(0, 2, 1, 3))
+        for j in range(1, k + 1):
+            out = out + probs[..., t + j - 1 : t + j] * heads(shifted(values[j], k - j))
+        attn = out.reshape(b, hkv, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, hkv * g, dh).astype(q.dtype)
+        preds.append(_layer(config, draft, "out_mlp", h, attn))
+        x = jnp.concatenate([feature[:, :1], preds[-1][:, :-1].astype(feature.dtype)], axis=1)
+    return jnp.stack(preds)
