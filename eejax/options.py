@@ -171,6 +171,37 @@ def _check_points(layers) -> tuple[int, ...]:
 
 
 MAX_SPECULATIONS = 64  # drafts per round: each is a pass of E layers, their K/V written ahead
+MAX_TREE_NODES = 15  # drafts in a tree: its verify pass scores them and the last token (16 rows per row)
+MAX_TREE_RANK = 8  # a tree's branches take at most the draft head's 8 likeliest tokens
+
+
+def default_tree(depth: int) -> tuple[tuple[int, ...], ...]:
+    """`draft:D:tree`: the chain of the head's likeliest tokens to depth D, plus the 2nd likeliest
+    first draft, the 2nd likeliest after the likeliest, and the likeliest after the 2nd (7 drafts
+    at D = 4: the best 7-node tree by the shipped SmolLM2 head's held-out ranks, README)."""
+    chain = tuple((0,) * j for j in range(1, depth + 1))
+    return tuple(sorted(chain + ((1,),) + (((0, 1), (1, 0)) if depth >= 2 else ())))
+
+
+def check_tree(tree) -> tuple[tuple[int, ...], ...]:
+    """A tree of drafts as its nodes' rank paths (the path (0, 1): the head's 2nd likeliest token
+    after its likeliest first draft), in lexicographic order (each node after its ancestors, the
+    likeliest chain first, where a chain's drafts would sit); an EejaxError naming what is wrong."""
+    try:
+        paths = [tuple(p) for p in tree]
+    except TypeError:
+        raise EejaxError(f"a draft tree is a list of rank paths such as (0,), (1,), (0, 0), got {tree!r}") from None
+    if not paths or len(paths) > MAX_TREE_NODES:
+        raise EejaxError(f"a draft tree has 1 to {MAX_TREE_NODES} nodes, got {len(paths)}")
+    for p in paths:
+        if not p or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < MAX_TREE_RANK for r in p):
+            raise EejaxError(f"draft tree node {p!r}: a path of ranks 0..{MAX_TREE_RANK - 1}, at least one")
+    if len(set(paths)) != len(paths):
+        raise EejaxError(f"draft tree nodes repeat: {sorted(p for p in set(paths) if paths.count(p) > 1)}")
+    missing = sorted({p[:-1] for p in paths if len(p) > 1} - set(paths))
+    if missing:
+        raise EejaxError(f"draft tree nodes {missing} are missing: every node's parent is a node")
+    return tuple(sorted(paths))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +224,10 @@ class SpecConfig:
     bonus:             run the (d + 1)-th draft pass so a round whose d drafts were all accepted
                        emits d + 1 tokens (True), never (False), or when it pays under the cost
                        model at the measured acceptance (None, default; see `spec_policy`).
+    tree:              a draft head's drafts as a tree verified in one pass (`decode.tree`):
+                       the nodes' rank paths (`check_tree`); d is its depth. Spelled
+                       `draft:d:tree` (`default_tree`) or `draft:tree=0,1,00,...` (each node's
+                       ranks as digits). Greedy rows only, without penalties.
     """
 
     exit_layer: int
@@ -202,8 +237,16 @@ class SpecConfig:
     head: str = "auto"
     bonus: bool | None = None
     draft_head: bool = False
+    tree: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
+        if self.tree is not None:
+            object.__setattr__(self, "tree", check_tree(self.tree))
+            if not self.draft_head or self.adaptive:
+                raise EejaxError("a draft tree needs a draft head at a fixed depth: draft:d:tree, not adaptive")
+            depth = max(map(len, self.tree))
+            if self.num_speculations != depth:
+                raise EejaxError(f"num_speculations ({self.num_speculations}) must be the draft tree's depth ({depth})")
         if self.draft_head not in (True, False):
             raise EejaxError(f"speculation draft_head must be True or False, got {self.draft_head!r}")
         if self.draft_head and self.exit_layer != 0:
@@ -234,8 +277,18 @@ class SpecConfig:
     @property
     def spec(self) -> str:
         """The CLI spelling: `E:d`, `draft:d`, with `:adaptive` (d is then the first round's)."""
+        if self.tree is not None:
+            if self.tree == default_tree(self.num_speculations):
+                return f"draft:{self.num_speculations}:tree"
+            return "draft:tree=" + ",".join("".join(map(str, p)) for p in self.tree)
         drafter = "draft" if self.draft_head else self.exit_layer
         return f"{drafter}:{self.num_speculations}" + (":adaptive" if self.adaptive else "")
+
+    @property
+    def positions_ahead(self) -> int:
+        """The most cache positions a round writes past a row's last token: its drafts (d, or a
+        tree's nodes)."""
+        return len(self.tree) if self.tree is not None else self.num_speculations
 
     def uses_reduced_head(self, has_reduced: bool) -> bool:
         return self.head == "reduced" or (self.head == "auto" and has_reduced)
@@ -259,21 +312,36 @@ class SpecConfig:
 
     @classmethod
     def parse(cls, spec: str, **kw) -> SpecConfig:
-        """`E:d` (d drafts per round from the first E layers), `draft:d` (from the draft head), or
-        either with `:adaptive`."""
+        """`E:d` (d drafts per round from the first E layers), `draft:d` (from the draft head),
+        either with `:adaptive`, `draft:d:tree` or `draft:tree=0,1,00,...` (a tree of drafts)."""
         parts = spec.split(":")
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "adaptive"):
+        if len(parts) == 2 and parts[0] == "draft" and parts[1].startswith("tree="):
+            nodes = parts[1][len("tree=") :].split(",")
+            if not all(n.isdigit() for n in nodes):
+                raise EejaxError(f"cannot read the draft tree {spec!r}: each node is its ranks as digits (e.g. 0,1,00)")
+            tree = check_tree(tuple(int(c) for c in n) for n in nodes)
+            return cls(0, max(map(len, tree)), draft_head=True, tree=tree, **kw)
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("adaptive", "tree")):
             raise EejaxError(
-                f"cannot read speculation {spec!r}; expected E:d, draft:d or either with :adaptive (e.g. 12:4, draft:4)"
+                f"cannot read speculation {spec!r}; expected E:d, draft:d or either with :adaptive, "
+                "or draft:d:tree (e.g. 12:4, draft:4, draft:4:tree)"
             )
         head = parts[0] == "draft"
+        if parts[-1] == "tree" and not head:
+            raise EejaxError(f"cannot read speculation {spec!r}: a tree of drafts needs the draft head (draft:d:tree)")
         try:
             e, d = 0 if head else int(parts[0]), int(parts[1])
         except ValueError:
             raise EejaxError(
                 f"cannot read speculation {spec!r}: E and d must be integers (e.g. 12:4, draft:4)"
             ) from None
-        return cls(e, d, adaptive=len(parts) == 3, draft_head=head, **kw)
+        if parts[-1] == "tree":
+            if not 1 <= d <= MAX_TREE_NODES - 3:
+                raise EejaxError(
+                    f"cannot read speculation {spec!r}: a draft tree's depth d lies in [1, {MAX_TREE_NODES - 3}]"
+                )
+            return cls(0, d, draft_head=True, tree=default_tree(d), **kw)
+        return cls(e, d, adaptive=parts[-1] == "adaptive", draft_head=head, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +386,11 @@ class StepOptions:
             raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
         if isinstance(self.num_steps, bool) or int(self.num_steps) != self.num_steps or self.num_steps < 1:
             raise EejaxError(f"num_steps (decode steps per program) must be an integer >= 1, got {self.num_steps}")
+        if self.spec is not None and self.spec.tree is not None and (self.sampler != "greedy" or self.penalties):
+            raise EejaxError(
+                "a tree of drafts verifies greedy rows without penalties only; "
+                "sample or penalise with a chain (draft:d)"
+            )
 
     def prefilling(self) -> StepOptions:
         """What a prefill reads: no early exit (prompts run at full depth), speculation or steps."""
@@ -330,7 +403,13 @@ class StepOptions:
     def round(self, num_speculations: int, bonus: bool = False) -> StepOptions:
         """A speculation round of d = `num_speculations` drafts: only the draft layers, d, the
         draft head and `bonus` of `spec` matter to its programs (not adaptive, max, or bonus policy)."""
-        spec = SpecConfig(self.spec.exit_layer, num_speculations, head=self.spec.head, draft_head=self.spec.draft_head)
+        spec = SpecConfig(
+            self.spec.exit_layer,
+            num_speculations,
+            head=self.spec.head,
+            draft_head=self.spec.draft_head,
+            tree=self.spec.tree,
+        )
         bonus = bonus and not spec.draft_head  # a draft head's round always scores d + 1 positions
         return dataclasses.replace(self, exit=None, spec=spec, bonus=bonus, num_steps=1)
 

@@ -20,6 +20,7 @@ from eejax.engine.engine import Engine
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import draft_head, llama
 from eejax.models.exits import set_exit_vocab
+from eejax.models.modules import embed
 from eejax.options import SpecConfig, StepOptions
 from tests.helpers import fixed_policy_costs, prefilled
 from tests.test_speculative import NEW, PROMPTS, chi_square_p, perfect_drafts, spec_round, tiny
@@ -81,6 +82,79 @@ def test_perfect_drafts_are_all_accepted_and_counted():
         assert short.tokens == [
             t[:new] for t in eejax.generate(perfect, PROMPTS, max_new_tokens=new, ignore_eos=True).tokens
         ]
+
+
+# --- a tree of drafts ---------------------------------------------------------------------------
+
+
+def test_tree_drafts_are_lossless_and_a_perfect_head_fills_the_chain(model):
+    full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    for spec in ("draft:3:tree", "draft:tree=0,00,000,1,10,2,20"):
+        res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=spec)
+        assert res.tokens == full.tokens, spec
+        assert res.stats["spec"] == spec and res.stats["rounds"] > 0
+    perfect = perfect_head(tiny())
+    full = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True)
+    res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec="draft:4:tree")
+    # the likeliest chain sits where a chain's drafts would: the same rounds as draft:4
+    assert res.tokens == full.tokens
+    assert (res.stats["acceptance_rate"], res.stats["rounds"], res.stats["tokens_per_round"]) == (1.0, 6, 5.0)
+
+
+def test_a_path_through_side_branches_leaves_what_a_chain_of_its_tokens_leaves(model):
+    """Each row's greedy tokens g1, g2 sit on side branches of the tree 0,1,10,11 (wrong tokens at
+    (0,) and (1, 0)): the round accepts both, moves their K/V to n+1, n+2, and leaves the state
+    and cache (every layer, the draft's too, up to seq_len) that a chain round of g1, g2 leaves."""
+    rows = PROMPTS[:4]
+    state0, cache0, table = prefilled(model, rows, max_new_tokens=12, pages_per_row=6)
+    greedy = np.asarray(eejax.generate(model, rows, max_new_tokens=3, ignore_eos=True).tokens)  # x_n, g1, g2
+    wrong = (greedy + 1) % model.config.vocab_size
+    last = np.asarray(state0.last_token)
+    results = []
+    for spec, tokens in (
+        (SpecConfig.parse("draft:tree=0,1,10,11"), [last, wrong[:, 1], greedy[:, 1], wrong[:, 2], greedy[:, 2]]),
+        (SpecConfig.parse("draft:2"), [last, greedy[:, 1], greedy[:, 2]]),
+    ):
+        tokens = jnp.asarray(np.stack(tokens, axis=1), jnp.int32)
+        drafts = speculative.Drafts(tokens, embed(model.params, tokens), jnp.zeros((len(rows), tokens.shape[1] - 1, 0)))
+        options = StepOptions(12, spec=spec).round(spec.num_speculations).verifying()
+        counters = speculative.SpecCounters.zeros(len(rows))
+        results.append(
+            speculative.verify(
+                model.params, cache0, state0, drafts, counters, table, config=model.config, options=options
+            )
+        )
+    (tree_state, tree_cache, tree_counters), (chain_state, chain_cache, _) = results
+    assert np.asarray(tree_counters.accepted).tolist() == [2] * len(rows)
+    np.testing.assert_array_equal(tree_state.tokens, chain_state.tokens)
+    np.testing.assert_array_equal(tree_state.seq_len, chain_state.seq_len)
+    np.testing.assert_allclose(tree_state.draft_hidden, chain_state.draft_hidden, atol=2e-5, rtol=1e-5)
+    for row in range(len(rows)):
+        n = int(chain_state.seq_len[row])
+        for layer in range(model.cache_layers):
+            np.testing.assert_allclose(
+                _draft_kv(tree_cache, table, row, n, layer),
+                _draft_kv(chain_cache, table, row, n, layer),
+                atol=2e-5,
+                rtol=1e-5,
+                err_msg=f"row {row} layer {layer}",
+            )
+
+
+def test_tree_settings_are_refused_on_one_line():
+    for spec, message in (
+        ("draft:tree=00", r"\[\(0,\)\] are missing"),
+        ("draft:tree=0,9", "ranks 0..7"),
+        ("12:4:tree", "needs the draft head"),
+        ("draft:tree=0,x", "ranks as digits"),
+    ):
+        with pytest.raises(EejaxError, match=message):
+            SpecConfig.parse(spec)
+    with pytest.raises(EejaxError, match="num_speculations \\(2\\) must be the draft tree's depth \\(1\\)"):
+        SpecConfig(0, 2, draft_head=True, tree=[(0,), (1,)])
+    with pytest.raises(EejaxError, match="greedy rows without penalties"):
+        StepOptions(8, sampler="temperature", spec=SpecConfig.parse("draft:2:tree"))
+    assert SpecConfig.parse("draft:tree=1,0,00").tree == ((0,), (0, 0), (1,))
 
 
 # --- the draft's K/V: always the model's features, however the tokens reached the cache -------

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.decode import feature_draft
+from eejax.decode import feature_draft, tree
 from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.penalties import apply_to_positions, count_tokens
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
@@ -80,6 +80,8 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
     emits up to d + 1 tokens instead of d). Returns (drafts, state, cache); the state is
     unchanged."""
     spec, sampler, attention, bonus = options.spec, options.sampler, options.attention, options.bonus
+    if spec.tree is not None:
+        return tree.draft(params, cache, state, block_table, config=config, options=options)
     if spec.draft_head:
         return feature_draft.draft(params, cache, state, block_table, config=config, options=options)
     e, m = spec.exit_layer, model_module(config)
@@ -180,20 +182,26 @@ def verify(
     config,
     options: StepOptions,
 ):
-    """Layers [E, L) over the d + 1 drafted positions, acceptance, and the new tokens recorded
-    (with `options.logprobs`, their log-probabilities under the full model). Returns (state,
-    cache, counters)."""
+    """Layers [E, L) over the d + 1 drafted positions (a tree's nodes: `tree.score`), acceptance,
+    and the new tokens recorded (with `options.logprobs`, their log-probabilities under the full
+    model). Returns (state, cache, counters)."""
     sampler, attention, eos_ids = options.sampler, options.attention, options.eos_ids
-    b, t = drafts.hidden.shape[:2]  # t positions scored: d + 1 with the bonus pass, else d
-    d, e, num_layers = drafts.tokens.shape[1] - 1, options.spec.exit_layer, config.num_layers
+    e, num_layers = options.spec.exit_layer, config.num_layers
+    if options.spec.tree is not None:  # the accepted path's logits, states and tokens, as a chain's
+        logits, h, tokens, cache = tree.score(params, cache, state, drafts, block_table, config=config, options=options)
+        t = tokens.shape[1]
+    else:
+        tokens, t = drafts.tokens, drafts.hidden.shape[1]  # t positions scored: d + 1 with the bonus pass, else d
+    b, d = tokens.shape[0], tokens.shape[1] - 1
     offsets = jnp.arange(t, dtype=jnp.int32)
     batch = token_batch(config, state, offsets, block_table, cache.page_size, attention)
-    m = model_module(config)
-    h, cache = m.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
-    logits = m.lm_head(params, h, config)  # [B, d+1, V]
+    if options.spec.tree is None:
+        m = model_module(config)
+        h, cache = m.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
+        logits = m.lm_head(params, h, config)  # [B, d+1, V]
     if options.penalties:  # each position as if the drafts before it were emitted
-        logits = apply_to_positions(logits, state.sampling, state.counts, drafts.tokens[:, 1:t])
-    n, new = greedy_accept(logits, drafts.tokens[:, 1:])  # [B], [B, t]
+        logits = apply_to_positions(logits, state.sampling, state.counts, tokens[:, 1:t])
+    n, new = greedy_accept(logits, tokens[:, 1:])  # [B], [B, t]
     if sampler != GREEDY:  # rejection sampling for the rows that sample; greedy rows keep the argmax
         per_position = jax.tree.map(lambda x: jnp.repeat(x, t), state.sampling)
         p = jax.nn.softmax(filtered_logits(logits.reshape(b * t, -1), per_position, sampler), axis=-1).reshape(
@@ -202,7 +210,7 @@ def verify(
         n_sampled, new_sampled = speculative_sample(
             p,
             drafts.probs,
-            drafts.tokens[:, 1:],
+            tokens[:, 1:],
             token_keys(state.keys, state.position, ACCEPT),
             token_keys(state.keys, state.position, RESAMPLE),
         )

@@ -153,4 +153,4 @@ class Speculation:
         """The most drafts a round of `seq` writes ahead of its last token."""
         if seq.spec is None:
             return 0
-        return seq.spec.max_speculations if seq.spec.adaptive else seq.spec.num_speculations
+        return seq.spec.max_speculations if seq.spec.adaptive else seq.spec.positions_ahead

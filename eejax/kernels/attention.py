@@ -14,6 +14,7 @@ model code never knows which one ran.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -26,6 +27,25 @@ from eejax.kernels.position_bias import RelativePositionBias, relative_position_
 
 IMPLS = ("auto", "reference", "triton")
 log = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TreeMask:
+    """Attention within a tree of drafts written at consecutive cache positions (`decode.tree`):
+    a key at start <= p < start + W is visible to query t only where visible[t, p - start] (its
+    ancestors and itself), keys from start + W on never, keys before `start` as usual.
+    start [B] int32, visible [T, W] bool."""
+
+    start: jax.Array
+    visible: jax.Array
+
+    def allows(self, key_pos):
+        """key_pos [K] -> [B, T, K]: which keys the tree lets each query see."""
+        rel = key_pos[None, :] - self.start[:, None]  # [B, K]
+        width = self.visible.shape[1]
+        inside = jnp.take(self.visible, jnp.clip(rel, 0, width - 1), axis=1).transpose(1, 0, 2)  # [B, T, K]
+        return (rel < 0)[:, None, :] | ((rel < width)[:, None, :] & inside)
 
 
 @functools.cache
@@ -64,6 +84,7 @@ def paged_attention(
     scale=None,
     bias_table=None,
     bias: RelativePositionBias | None = None,
+    tree: TreeMask | None = None,
 ):
     """Attention of new queries against one layer of the paged cache.
 
@@ -75,6 +96,7 @@ def paged_attention(
     kv_len:       [B] int32        valid keys of each row (after this step's writes)
     scale:        score scale (default Dh^-0.5; T5 uses 1.0)
     bias_table:   [num_buckets, Hq] T5 relative-position bias, bucketed as `bias` says
+    tree:         a `TreeMask` over the queries (a tree of drafts; always the jnp reference)
     returns       [B, T, Hq, Dh]
     """
     if (bias_table is None) != (bias is None):
@@ -82,6 +104,8 @@ def paged_attention(
     impl = resolve_impl(impl, q.shape[-1])
     mesh = head_mesh(k_cache.shape[1])
     if mesh is not None:
+        if tree is not None:  # unreachable today: a draft head's params are not sharded
+            raise ValueError("tree attention does not run over KV heads split on a mesh")
         return _head_parallel(
             mesh,
             impl,
@@ -108,6 +132,7 @@ def paged_attention(
         scale=scale,
         bias_table=bias_table,
         bias=bias,
+        tree=tree,
     )
 
 
@@ -132,6 +157,7 @@ def _head_parallel(
             scale=scale,
             bias_table=bias_table,
             bias=bias,
+            tree=None,
         )
 
     return on_head_shards(local, mesh, in_specs, heads)(
@@ -139,9 +165,9 @@ def _head_parallel(
     )
 
 
-def _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table, bias):
+def _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table, bias, tree):
     extra = dict(scale=scale, bias_table=bias_table, bias=bias)
-    if impl == "triton":
+    if impl == "triton" and tree is None:  # the kernel has no tree mask
         from eejax.kernels.triton_attention import triton_paged_attention
 
         interpret = jax.default_backend() != "gpu"
@@ -150,7 +176,7 @@ def _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, 
         return triton_paged_attention(
             q, k_cache, v_cache, layer, block_table, q_positions, kv_len, interpret=interpret, **extra
         )
-    return reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, **extra)
+    return reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, tree=tree, **extra)
 
 
 def reference_paged_attention(
@@ -165,6 +191,7 @@ def reference_paged_attention(
     scale=None,
     bias_table=None,
     bias: RelativePositionBias | None = None,
+    tree: TreeMask | None = None,
 ):
     """jnp reference: gathers only the row's `M` pages of this layer (one gather, no layer copy).
 
@@ -194,6 +221,8 @@ def reference_paged_attention(
     mask = (key_pos[None, None, :] < kv_len[:, None, None]) & (
         key_pos[None, None, :] <= q_positions[:, :, None]
     )  # [B, T, M*S]
+    if tree is not None:
+        mask &= tree.allows(key_pos)
     mask = jnp.repeat(mask, group, axis=1)[None]  # [1, B, T*G, M*S], query rows t-major
     has_key = mask.any(-1, keepdims=True)
     # Rows with no valid key would give NaN; they get zeros instead.

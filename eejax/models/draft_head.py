@@ -153,6 +153,7 @@ def draft_layer(params, feature, token_embeds, cache: KVCache, batch: TokenBatch
         batch.positions,
         batch.kv_len,
         impl=batch.attention,
+        tree=batch.tree,
     )
     return _layer(config, draft, "out_mlp", x, attn), cache
 

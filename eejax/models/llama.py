@@ -23,6 +23,7 @@ import numpy as np
 from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import LlamaConfig
 from eejax.kernels import paged_attention
+from eejax.kernels.attention import TreeMask
 from eejax.models import modules
 from eejax.models.modules import (
     Dtype,
@@ -54,7 +55,8 @@ class TokenBatch:
 
     positions [B, T] int32, pages/slots [B, T] int32 (cache destination; invalid -> null page),
     block_table [B, M] int32, kv_len [B] int32 (valid keys after the step), cos/sin [B, T, Dh];
-    attention: the attention implementation (static; see `eejax.kernels.attention`).
+    attention: the attention implementation (static; see `eejax.kernels.attention`);
+    tree: a `TreeMask` when the tokens are a tree of drafts (`decode.tree`), else None.
     """
 
     positions: jax.Array
@@ -65,16 +67,29 @@ class TokenBatch:
     cos: jax.Array
     sin: jax.Array
     attention: str = dataclasses.field(default="auto", metadata=dict(static=True))
+    tree: TreeMask | None = None
 
 
 def token_batch(
-    config: LlamaConfig, positions, valid, block_table, kv_len, page_size, attention: str = "auto", *, context=None
+    config: LlamaConfig,
+    positions,
+    valid,
+    block_table,
+    kv_len,
+    page_size,
+    attention: str = "auto",
+    *,
+    context=None,
+    rope_positions=None,
+    tree: TreeMask | None = None,
 ) -> TokenBatch:
-    """`context` is the rows' per-request state besides the KV cache: a Llama has none."""
+    """`context` is the rows' per-request state besides the KV cache: a Llama has none. A tree of
+    drafts (`decode.tree`) is rotated by `rope_positions` [B, T] (its nodes' depths), not by the
+    cache positions it is written at, and attends through `tree`."""
     pages, slots = slot_indices(block_table, positions, valid, page_size)
     inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-    cos, sin = rope_tables(positions, inv_freq)
-    return TokenBatch(positions, pages, slots, block_table, kv_len, cos, sin, attention)
+    cos, sin = rope_tables(positions if rope_positions is None else rope_positions, inv_freq)
+    return TokenBatch(positions, pages, slots, block_table, kv_len, cos, sin, attention, tree)
 
 
 class DecoderLayer(nn.Module):
@@ -259,7 +274,15 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
     q, k, v = on_layer(layers, QKV_KEYS, layer, lambda lp: _layer_apply(config, lp, "qkv", h, batch.cos, batch.sin))
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
     attn = paged_attention(
-        q, cache.k, cache.v, layer, batch.block_table, batch.positions, batch.kv_len, impl=batch.attention
+        q,
+        cache.k,
+        cache.v,
+        layer,
+        batch.block_table,
+        batch.positions,
+        batch.kv_len,
+        impl=batch.attention,
+        tree=batch.tree,
     )
     return on_layer(layers, OUT_KEYS, layer, lambda lp: _layer_apply(config, lp, "out_mlp", h, attn)), cache
 
