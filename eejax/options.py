@@ -290,6 +290,14 @@ class SpecConfig:
         tree's nodes)."""
         return len(self.tree) if self.tree is not None else self.num_speculations
 
+    def check_sampling(self, sampler: str, penalized: bool) -> None:
+        """An EejaxError where this speculation cannot decode rows of `sampler` (with penalties)."""
+        if self.tree is not None and (sampler != "greedy" or penalized):
+            raise EejaxError(
+                "a tree of drafts verifies greedy rows without penalties only; "
+                "sample or penalise with a chain (draft:d)"
+            )
+
     def uses_reduced_head(self, has_reduced: bool) -> bool:
         return self.head == "reduced" or (self.head == "auto" and has_reduced)
 
@@ -386,11 +394,8 @@ class StepOptions:
             raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
         if isinstance(self.num_steps, bool) or int(self.num_steps) != self.num_steps or self.num_steps < 1:
             raise EejaxError(f"num_steps (decode steps per program) must be an integer >= 1, got {self.num_steps}")
-        if self.spec is not None and self.spec.tree is not None and (self.sampler != "greedy" or self.penalties):
-            raise EejaxError(
-                "a tree of drafts verifies greedy rows without penalties only; "
-                "sample or penalise with a chain (draft:d)"
-            )
+        if self.spec is not None:
+            self.spec.check_sampling(self.sampler, self.penalties)
 
     def prefilling(self) -> StepOptions:
         """What a prefill reads: no early exit (prompts run at full depth), speculation or steps."""

@@ -141,7 +141,7 @@ def test_a_path_through_side_branches_leaves_what_a_chain_of_its_tokens_leaves(m
             )
 
 
-def test_tree_settings_are_refused_on_one_line():
+def test_tree_settings_are_refused_on_one_line(model):
     for spec, message in (
         ("draft:tree=00", r"\[\(0,\)\] are missing"),
         ("draft:tree=0,9", "ranks 0..7"),
@@ -154,6 +154,9 @@ def test_tree_settings_are_refused_on_one_line():
         SpecConfig(0, 2, draft_head=True, tree=[(0,), (1,)])
     with pytest.raises(EejaxError, match="greedy rows without penalties"):
         StepOptions(8, sampler="temperature", spec=SpecConfig.parse("draft:2:tree"))
+    for kw in (dict(temperature=0.7), dict(repetition_penalty=1.2)):  # refused before anything runs
+        with pytest.raises(EejaxError, match="greedy rows without penalties"):
+            eejax.generate(model, PROMPTS[:2], max_new_tokens=4, spec="draft:2:tree", **kw)
     assert SpecConfig.parse("draft:tree=1,0,00").tree == ((0,), (0, 0), (1,))
 
 

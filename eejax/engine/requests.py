@@ -90,6 +90,8 @@ class Requests:
             default.repetition if repetition_penalty is None else float(repetition_penalty),
         )
         sampling.check_vocab(self.config.vocab_size)
+        if spec_config is not None:
+            spec_config.check_sampling(sampling.sampler, sampling.penalized)
         exit_config = self.exit_config if exit is None else (None if exit == "none" else self.checked_exit(exit))
         if not 1 <= max_new_tokens <= self.max_new_tokens:
             raise EejaxError(f"max_new_tokens must lie in [1, {self.max_new_tokens}], got {max_new_tokens}")
