@@ -4,6 +4,7 @@ the best d, break-even acceptance, and the adaptive policy's choices from what i
 import pytest
 
 from eejax.decode.spec_policy import (
+    PAYS_ABOVE,
     PROBE_EVERY,
     REFRESH_EVERY,
     SpeculationPolicy,
@@ -46,6 +47,29 @@ def test_policy_follows_acceptance_and_costs():
         policy.observe(8, accepted=0, rejected=8, draft_s=0.9, verify_s=1.0)
     assert policy.alpha < 0.05 and best_speculations(policy.alpha, policy.c_draft, policy.c_verify, 8) == 1
     assert policy.next_speculations() == 0  # and even d = 1 does not pay: a plain step
+
+
+def test_a_draft_heads_plain_step_is_the_verify_lines_d0_point():
+    """Verifying d + 1 positions of 8 rows costs ~(d + 1) plain steps (a compute-bound CPU): from one
+    round at d = 4 and one plain step the line says so, and no d pays (flat, d = 8 looked best)."""
+    policy = SpeculationPolicy(SpecConfig(0, 4, adaptive=True, max_speculations=8, draft_head=True))
+    assert policy.next_speculations() == 4 and policy.split
+    policy.observe(4, accepted=20, rejected=4, draft_s=0.25, verify_s=5.0)
+    assert policy.c_verify(8) == 5.0  # one point: flat
+    assert policy.next_speculations() == 0
+    policy.observe_plain(1.0)
+    assert policy.c_verify(0) == pytest.approx(1.0) and policy.c_verify(8) == pytest.approx(9.0)
+    assert max(policy.predicted_speedup(d) for d in range(1, 9)) < 1 and policy.next_speculations() == 0
+    # a round predicted to beat plain steps by less than its timings' error runs plain steps
+    even = SpeculationPolicy(SpecConfig(0, 1, adaptive=True, max_speculations=1, draft_head=True))
+    even.observe(1, accepted=30, rejected=30, draft_s=0.0, verify_s=1.5 / 1.03)  # 1.5 tokens, 1.03x
+    even.observe_plain(1.0)
+    assert even.predicted_speedup(1) == pytest.approx(1.03, rel=0.01) and 1.03 < PAYS_ABOVE
+    assert even.next_speculations() == 0
+    layerskip = SpeculationPolicy(SpecConfig(2, 4, adaptive=True))  # its verify runs L - E layers only
+    layerskip.observe(4, accepted=20, rejected=4, draft_s=0.25, verify_s=5.0)
+    layerskip.observe_plain(1.0)
+    assert layerskip.c_verify(0) == 5.0
 
 
 def test_adaptive_policy_falls_back_to_plain_steps_while_no_round_pays():

@@ -9,13 +9,17 @@ second, using α measured so far (accepted / (accepted + rejections), both with 
 forgetting so it follows the text), c_draft the running mean of the draft program's time per
 pass, and c_verify(d) a least-squares line a + b (d + 1) through the mean verify time of each d
 tried (flat while only one d was tried: on a GPU a verify pass costs about the same for any
-small d, on a CPU it grows with the tokens, which the line learns once a second d ran).
+small d, on a CPU it grows with the tokens, which the line learns once a second d ran). With a
+draft head, a plain step is the line's d = 0 point (the whole model over one position, then the
+draft's catch-up: a verify with no drafts), so the line has a slope from the first round and
+plain step on, and no d looks cheap for want of a second one (on a 2-core CPU at batch 8, where
+verifying 8 (d + 1) rows costs about d + 1 steps, the flat line made the largest d look best).
 Against plain decoding (c_full a step) the speed-up is
 `expected_tokens(α, d) * c_full / ((d + 1) c_draft + c_verify)`; `break_even_acceptance`
 solves it for 1.
 
-**Plain steps.** When no d is predicted to beat plain decoding at the measured acceptance
-(an exit that rarely agrees with the last layer: untrained exits, text the early layers cannot
+**Plain steps.** When no d is predicted to beat plain decoding by `PAYS_ABOVE` at the measured
+acceptance (an exit that rarely agrees with the last layer: untrained exits, text the early layers cannot
 guess), the adaptive policy answers d = 0: plain full-depth steps, as many in one program as
 full depth runs (`steps_per_dispatch`, at most d_max + 1: the positions a round may write).
 After `PROBE_EVERY` such programs a probe round runs instead, so the acceptance estimate keeps
@@ -59,6 +63,9 @@ PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected) before any round: α = 
 REFRESH_EVERY = 32  # rounds between re-measurements of a draft pass (a split round) and a plain step
 TIME_EVERY = 4  # after its first TIMED_SAMPLES, one decision in this many is timed (a host sync)
 TIMED_SAMPLES = 3
+PAYS_ABOVE = 1.05  # a round is chosen over plain steps when predicted this much faster: the margin of
+# its timings (a timed program loses its overlap with the next dispatch; 2-core CPU timings move
+# 10-40%), without which rounds predicted to break even at batch 8 ran at 0.94x of full depth
 
 
 def expected_tokens(alpha: float, d: int) -> float:
@@ -139,10 +146,13 @@ class SpeculationPolicy:
 
     def c_verify(self, d: int) -> float:
         """Predicted seconds of a verify pass over d + 1 tokens (see the module docstring)."""
-        if len(self.verify_s) == 1:
-            return next(iter(self.verify_s.values()))
-        xs = np.array([k + 1 for k in self.verify_s], float)
-        ys = np.array(list(self.verify_s.values()))
+        points = dict(self.verify_s)
+        if self.spec.draft_head and self.c_full is not None:
+            points.setdefault(0, self.c_full)  # a plain step: a verify of no drafts
+        if len(points) == 1:
+            return next(iter(points.values()))
+        xs = np.array([k + 1 for k in points], float)
+        ys = np.array(list(points.values()))
         slope, intercept = np.polyfit(xs, ys, 1)
         if slope < 0:  # noise: more tokens never cost less
             slope, intercept = 0.0, float(ys.mean())
@@ -164,7 +174,7 @@ class SpeculationPolicy:
             d, self.split = self.spec.num_speculations, True  # measure a draft pass again
         else:
             d = best_speculations(self.alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
-            if self.predicted_speedup(d) >= 1.0:
+            if self.predicted_speedup(d) >= PAYS_ABOVE:
                 self.probe_every = PROBE_EVERY
             elif self.plain_steps < self.probe_every:
                 d = 0
