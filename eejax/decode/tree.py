@@ -48,7 +48,7 @@ from eejax.options import StepOptions
 class Tree:
     """The static shape of a tree of N drafts: per node (0 the root) its parent, depth and rank
     among its siblings; `visible` [N+1, N+1] its ancestors and itself; `expanded[l]` the nodes
-    at depth l with children, each child's (index in expanded[l], rank)."""
+    at depth l that have children (the draft layer runs over them)."""
 
     parent: tuple[int, ...]
     depth: tuple[int, ...]

@@ -1,0 +1,117 @@
+"""What one speculation round costs, in full-depth steps, without the engine around it: each
+setting's round (drafts + one verify pass + the draft's catch-up) as one jitted program on the
+same prefilled rows (CNN/DM evaluation row 0.., a --prompt-tokens summary prompt), timed against
+one full-depth decode step, medians of --repeats alternating runs. On a CPU a verify pass costs
+more per position it scores (`verified rows` = rows x positions); this is what a tree of drafts
+pays for its extra nodes.
+
+    python benchmarks/round_costs.py [--batch 1] [--specs draft:2 draft:4 draft:2:tree draft:4:tree]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import eejax  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
+from benchmarks.early_exit import summary_prompts  # noqa: E402
+from eejax.cache import init_cache  # noqa: E402
+from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
+from eejax.decode import speculative, steps  # noqa: E402
+from eejax.decode.sampling import RowSampling, SamplingParams  # noqa: E402
+from eejax.options import SpecConfig, StepOptions  # noqa: E402
+
+PAGE = 16
+
+
+def prefilled(model, prompts, new_tokens: int):
+    """(state, cache, block table) after a full-depth greedy prefill of `prompts`."""
+    c, b, t = model.config, len(prompts), max(map(len, prompts))
+    tokens = np.zeros((b, t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    per_row = -(-(t + new_tokens) // PAGE)
+    table = jnp.asarray(1 + np.arange(b * per_row, dtype=np.int32).reshape(b, per_row))
+    cache = init_cache(model.cache_layers, 1 + b * per_row, PAGE, c.num_kv_heads, c.head_dim, model.dtype)
+    state, cache = steps.prefill(
+        model.run_params,
+        cache,
+        jnp.asarray(tokens),
+        jnp.asarray([len(p) for p in prompts], jnp.int32),
+        table,
+        jax.random.PRNGKey(0),
+        sampling=RowSampling.of(SamplingParams(), b),
+        config=c,
+        options=StepOptions(new_tokens),
+    )
+    return state, cache, table
+
+
+def main() -> int:
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-eagle", help="an eejax model with a draft head")
+    parser.add_argument("--batch", type=int, default=1, help="rows (CNN/DM evaluation rows 0..)")
+    parser.add_argument("--specs", nargs="+", action="extend", default=None, help="fixed speculation settings")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs of each program (median kept)")
+    parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="split")
+    parser.add_argument("--name", default="round_costs", help="output name under benchmarks/out/")
+    args = parser.parse_args()
+    specs = [SpecConfig.parse(s) for s in (args.specs or ["draft:2", "draft:4", "draft:2:tree", "draft:4:tree"])]
+    if any(s.adaptive for s in specs):
+        parser.error("--specs takes fixed settings (an adaptive round is one of them)")
+    model = eejax.load(args.model, layer_buffers=args.layer_buffers)
+    prompts, _ = summary_prompts(model.tokenizer, args.batch, args.prompt_tokens)
+    state, cache, table = prefilled(model, prompts, 64)
+    config = model.config
+
+    def round_program(spec):
+        options = StepOptions(64, spec=spec).round(spec.num_speculations, bonus=True)
+
+        def run(params, cache, state):
+            drafts, state, cache = speculative.draft(
+                params, cache, state, table, config=config, options=options.drafting()
+            )
+            counters = speculative.SpecCounters.zeros(args.batch)
+            return speculative.verify(
+                params, cache, state, drafts, counters, table, config=config, options=options.verifying()
+            )
+
+        return jax.jit(run)
+
+    step = jax.jit(
+        lambda params, cache, state: steps.decode_steps(
+            params, cache, state, table, config=config, options=StepOptions(64).decoding(1)
+        )
+    )
+    programs = {"full-depth step": step} | {s.spec: round_program(s) for s in specs}
+    seconds = {name: [] for name in programs}
+    for rep in range(args.repeats + 2):
+        for name, program in programs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(program(model.run_params, cache, state))
+            if rep >= 2:  # the first runs compile and warm up
+                seconds[name].append(time.perf_counter() - start)
+    step_s = float(np.median(seconds["full-depth step"]))
+    rows = []
+    print("| setting | verified rows | ms | steps |\n|---|---|---|---|")
+    for name, spec in [("full-depth step", None)] + [(s.spec, s) for s in specs]:
+        ms = 1e3 * float(np.median(seconds[name]))
+        verified = args.batch * (1 if spec is None else spec.positions_ahead + 1)
+        rows.append(dict(setting=name, verified_rows=verified, ms=ms, steps=ms / 1e3 / step_s))
+        print(f"| {name} | {verified} | {ms:.1f} | {ms / 1e3 / step_s:.2f} |", flush=True)
+    write_result(args.name, {"args": vars(args), "device": jax.devices()[0].device_kind, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
