@@ -28,11 +28,10 @@ import numpy as np
 from eejax.cache import KVCache, write_layer_kv
 from eejax.config import LlamaConfig
 from eejax.errors import EejaxError, UnsupportedModelError
-from eejax.kernels import paged_attention
 from eejax.kernels.cpu_matmul import matmul, matmul_t
 from eejax.models import exits
 from eejax.models.common import rms_norm
-from eejax.models.llama import LAYER_KEYS, DecoderLayer, TokenBatch, _dense_positions
+from eejax.models.llama import LAYER_KEYS, DecoderLayer, TokenBatch, _dense_positions, cache_attention
 from eejax.models.modules import Dtype, Linear, share_scope, unboxed_init
 
 DRAFT_KEYS = ("fc", "layer")
@@ -144,17 +143,7 @@ def draft_layer(params, feature, token_embeds, cache: KVCache, batch: TokenBatch
     x = _apply(config, draft, "inputs", feature, token_embeds)
     q, k, v = _layer(config, draft, "qkv", x, batch.cos, batch.sin)
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
-    attn = paged_attention(
-        q,
-        cache.k,
-        cache.v,
-        layer,
-        batch.block_table,
-        batch.positions,
-        batch.kv_len,
-        impl=batch.attention,
-        tree=batch.tree,
-    )
+    attn = cache_attention(q, cache, layer, batch)
     return _layer(config, draft, "out_mlp", x, attn), cache
 
 

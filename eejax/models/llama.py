@@ -273,7 +273,14 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
     layers = params["layers"]
     q, k, v = on_layer(layers, QKV_KEYS, layer, lambda lp: _layer_apply(config, lp, "qkv", h, batch.cos, batch.sin))
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
-    attn = paged_attention(
+    attn = cache_attention(q, cache, layer, batch)
+    return on_layer(layers, OUT_KEYS, layer, lambda lp: _layer_apply(config, lp, "out_mlp", h, attn)), cache
+
+
+def cache_attention(q, cache: KVCache, layer, batch: TokenBatch):
+    """q [B, T, Hq, Dh] over layer `layer` of the paged cache (its new K/V already written), at the
+    batch's positions and under its tree mask, if any."""
+    return paged_attention(
         q,
         cache.k,
         cache.v,
@@ -284,7 +291,6 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
         impl=batch.attention,
         tree=batch.tree,
     )
-    return on_layer(layers, OUT_KEYS, layer, lambda lp: _layer_apply(config, lp, "out_mlp", h, attn)), cache
 
 
 def run_layers(
