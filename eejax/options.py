@@ -171,14 +171,15 @@ def _check_points(layers) -> tuple[int, ...]:
 
 
 MAX_SPECULATIONS = 64  # drafts per round: each is a pass of E layers, their K/V written ahead
-MAX_TREE_NODES = 15  # drafts in a tree: its verify pass scores them and the last token (16 rows per row)
+MAX_TREE_NODES = 15  # drafts in a tree: its verify pass scores them and the row's last token
 MAX_TREE_RANK = 8  # a tree's branches take at most the draft head's 8 likeliest tokens
 
 
 def default_tree(depth: int) -> tuple[tuple[int, ...], ...]:
     """`draft:D:tree`: the chain of the head's likeliest tokens to depth D, plus the 2nd likeliest
     first draft, the 2nd likeliest after the likeliest, and the likeliest after the 2nd (7 drafts
-    at D = 4: the best 7-node tree by the shipped SmolLM2 head's held-out ranks, README)."""
+    at D = 4: the 7 nodes of depth <= 4 most often on the model's path, by the shipped SmolLM2
+    head's teacher-forced ranks on the held-out rows)."""
     chain = tuple((0,) * j for j in range(1, depth + 1))
     return tuple(sorted(chain + ((1,),) + (((0, 1), (1, 0)) if depth >= 2 else ())))
 
@@ -276,7 +277,8 @@ class SpecConfig:
 
     @property
     def spec(self) -> str:
-        """The CLI spelling: `E:d`, `draft:d`, with `:adaptive` (d is then the first round's)."""
+        """The CLI spelling: `E:d`, `draft:d`, with `:adaptive` (d is then the first round's), or a
+        tree's (`draft:d:tree`, `draft:tree=...`)."""
         if self.tree is not None:
             if self.tree == default_tree(self.num_speculations):
                 return f"draft:{self.num_speculations}:tree"
