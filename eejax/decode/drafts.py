@@ -25,14 +25,16 @@ class Drafts:
     probs: jax.Array
 
 
-def token_batch(config, state: DecodeState, offsets, block_table, page_size, attention):
+def token_batch(config, state: DecodeState, offsets, block_table, page_size, attention, *, width=None, **tree):
     """Positions seq_len + offsets [T] of every row; the ones a row may never emit (past its
-    limit; all of an inactive row) go to the null page. Keys valid up to the last offset."""
+    limit; all of an inactive row) go to the null page. Keys valid up to the last offset, or
+    up to offset `width` - 1. `tree`: a tree of drafts' rotary positions and mask
+    (`rope_positions`, `tree`: see `llama.token_batch`)."""
     active = ~state.done
     room = state.limit - state.num_generated
     positions = state.seq_len[:, None] + offsets[None, :]
     valid = active[:, None] & (offsets[None, :] < room[:, None])
-    kv_len = state.seq_len + jnp.where(active, offsets[-1] + 1, 0)
+    kv_len = state.seq_len + jnp.where(active, offsets[-1] + 1 if width is None else width, 0)
     return model_module(config).token_batch(
-        config, positions, valid, block_table, kv_len, page_size, attention, context=state.context
+        config, positions, valid, block_table, kv_len, page_size, attention, context=state.context, **tree
     )

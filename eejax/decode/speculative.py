@@ -186,22 +186,23 @@ def verify(
     and the new tokens recorded (with `options.logprobs`, their log-probabilities under the full
     model). Returns (state, cache, counters)."""
     sampler, attention, eos_ids = options.sampler, options.attention, options.eos_ids
-    e, num_layers = options.spec.exit_layer, config.num_layers
-    if options.spec.tree is not None:  # the accepted path's logits, states and tokens, as a chain's
-        logits, h, tokens, cache = tree.score(params, cache, state, drafts, block_table, config=config, options=options)
-        t = tokens.shape[1]
-    else:
-        tokens, t = drafts.tokens, drafts.hidden.shape[1]  # t positions scored: d + 1 with the bonus pass, else d
-    b, d = tokens.shape[0], tokens.shape[1] - 1
+    e, num_layers, is_tree = options.spec.exit_layer, config.num_layers, options.spec.tree is not None
+    # t positions scored: d + 1 with the bonus pass (a tree: its depth + 1 along the accepted path), else d
+    t = options.spec.num_speculations + 1 if is_tree else drafts.hidden.shape[1]
     offsets = jnp.arange(t, dtype=jnp.int32)
     batch = token_batch(config, state, offsets, block_table, cache.page_size, attention)
-    if options.spec.tree is None:
-        m = model_module(config)
+    if is_tree:  # the accepted path's logits, states, tokens and acceptance, as a chain's (never penalised)
+        logits, h, tokens, (n, new), cache = tree.score(
+            params, cache, state, drafts, block_table, config=config, options=options
+        )
+    else:
+        tokens, m = drafts.tokens, model_module(config)
         h, cache = m.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
         logits = m.lm_head(params, h, config)  # [B, d+1, V]
-    if options.penalties:  # each position as if the drafts before it were emitted
-        logits = apply_to_positions(logits, state.sampling, state.counts, tokens[:, 1:t])
-    n, new = greedy_accept(logits, tokens[:, 1:])  # [B], [B, t]
+        if options.penalties:  # each position as if the drafts before it were emitted
+            logits = apply_to_positions(logits, state.sampling, state.counts, tokens[:, 1:t])
+        n, new = greedy_accept(logits, tokens[:, 1:])  # [B], [B, t]
+    b, d = tokens.shape[0], tokens.shape[1] - 1
     if sampler != GREEDY:  # rejection sampling for the rows that sample; greedy rows keep the argmax
         per_position = jax.tree.map(lambda x: jnp.repeat(x, t), state.sampling)
         p = jax.nn.softmax(filtered_logits(logits.reshape(b * t, -1), per_position, sampler), axis=-1).reshape(

@@ -34,7 +34,7 @@ import numpy as np
 
 from eejax.cache import KVCache, slot_indices
 from eejax.cache.paged import scatter_set
-from eejax.decode.drafts import Drafts
+from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.feature_draft import uses_reduced_head
 from eejax.decode.state import DecodeState
 from eejax.kernels.attention import TreeMask
@@ -96,21 +96,14 @@ def _batch(config, state: DecodeState, nodes, rope_depths, visible, block_table,
     """The token batch of tree `nodes` at cache offsets `nodes` past seq_len, rotated at
     seq_len + rope_depths, each attending to the rows' cache before seq_len and to the offsets
     `visible` [len(nodes), window] marks."""
-    offsets = jnp.asarray(nodes, jnp.int32)
-    active = ~state.done
-    room = state.limit - state.num_generated
-    positions = state.seq_len[:, None] + offsets[None, :]
-    valid = active[:, None] & (offsets[None, :] < room[:, None])
-    kv_len = state.seq_len + jnp.where(active, window, 0)
-    return model_module(config).token_batch(
+    return token_batch(
         config,
-        positions,
-        valid,
+        state,
+        jnp.asarray(nodes, jnp.int32),
         block_table,
-        kv_len,
         page_size,
         "reference",  # the Triton kernel has no tree mask
-        context=state.context,
+        width=window,
         rope_positions=state.seq_len[:, None] + jnp.asarray(rope_depths, jnp.int32)[None, :],
         tree=TreeMask(state.seq_len, jnp.asarray(visible)),
     )
@@ -175,9 +168,10 @@ def compact_path(cache: KVCache, state: DecodeState, path, found, block_table):
 
 def score(params, cache: KVCache, state: DecodeState, drafts: Drafts, block_table, *, config, options: StepOptions):
     """The model over the tree (one pass), each row's accepted path, and its K/V compacted.
-    Returns (logits [B, D+1, V], last-layer states h [B, D+1, D], tokens [B, D+1], cache), at the
-    path's nodes, the root first; tokens are x_n then the path's drafts, -1 past its end (as a
-    chain whose later drafts were rejected)."""
+    Returns (logits [B, D+1, V], last-layer states h [B, D+1, D], tokens [B, D+1], (n [B],
+    new [B, D+1]), cache), at the path's nodes, the root first; tokens are x_n then the path's
+    drafts, -1 past its end (as a chain whose later drafts were rejected); n drafts accepted and
+    the model's argmax at each path node, as `speculative.greedy_accept` gives them for a chain."""
     tree = Tree.of(options.spec.tree)
     count = tree.size + 1
     batch = _batch(config, state, range(count), tree.depth, tree.visible, block_table, cache.page_size, count)
@@ -198,4 +192,5 @@ def score(params, cache: KVCache, state: DecodeState, drafts: Drafts, block_tabl
     rows = jnp.arange(path.shape[0])[:, None]
     tokens = jnp.where(found, drafts.tokens[rows, path], -1)
     cache = compact_path(cache, state, path, found, block_table)
-    return logits[rows, path], h[rows, path], tokens, cache
+    accepted = jnp.sum(found[:, 1:], axis=1).astype(jnp.int32), target[rows, path]
+    return logits[rows, path], h[rows, path], tokens, accepted, cache
