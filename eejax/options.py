@@ -366,6 +366,8 @@ class StepOptions:
     exit:           early exit in decode steps (a resolved `ExitConfig`), None: full depth.
     spec:           self-speculation; in a round's programs `spec.num_speculations` is that
                     round's d (see `round`).
+    spec_off:       (engine groups) rows of `spec` whose speculation the adaptive policy turned
+                    off: plain steps without the draft's catch-up (`plain(catch_up=False)`).
     bonus:          a draft program runs the (d + 1)-th pass (`speculative.draft`).
     attention:      the attention implementation (`kernels.attention.IMPLS`).
     logprobs:       keep a log-prob record of the generated tokens.
@@ -383,6 +385,7 @@ class StepOptions:
     sampler: str = "greedy"
     exit: ExitConfig | None = None
     spec: SpecConfig | None = None
+    spec_off: bool = False
     bonus: bool = False
     attention: str = "auto"
     logprobs: bool = False
@@ -401,11 +404,11 @@ class StepOptions:
 
     def prefilling(self) -> StepOptions:
         """What a prefill reads: no early exit (prompts run at full depth), speculation or steps."""
-        return dataclasses.replace(self, exit=None, spec=None, bonus=False, num_steps=1)
+        return dataclasses.replace(self, exit=None, spec=None, spec_off=False, bonus=False, num_steps=1)
 
     def decoding(self, num_steps: int = 1) -> StepOptions:
         """What `num_steps` decode steps read (no speculation)."""
-        return dataclasses.replace(self, spec=None, bonus=False, num_steps=num_steps)
+        return dataclasses.replace(self, spec=None, spec_off=False, bonus=False, num_steps=num_steps)
 
     def round(self, num_speculations: int, bonus: bool = False) -> StepOptions:
         """A speculation round of d = `num_speculations` drafts: only the draft layers, d, the
@@ -420,10 +423,11 @@ class StepOptions:
         bonus = bonus and not spec.draft_head  # a draft head's round always scores d + 1 positions
         return dataclasses.replace(self, exit=None, spec=spec, bonus=bonus, num_steps=1)
 
-    def plain(self, num_steps: int = 1) -> StepOptions:
+    def plain(self, num_steps: int = 1, catch_up: bool = True) -> StepOptions:
         """What `num_steps` full-depth decode steps in place of a round read (`decoding`); with a
-        draft head, also that they end with the draft's catch-up (`speculative.plain_step`)."""
-        if self.spec is not None and self.spec.draft_head:
+        draft head and `catch_up`, also that they end with the draft's catch-up
+        (`speculative.plain_step`)."""
+        if catch_up and self.spec is not None and self.spec.draft_head:
             return dataclasses.replace(self.round(1), num_steps=num_steps)
         return self.decoding(num_steps)
 

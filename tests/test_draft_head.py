@@ -258,13 +258,27 @@ def test_engine_with_chunks_and_prefix_caching_is_lossless(model):
 # --- adaptive rounds, sampling -----------------------------------------------------------------
 
 
-def test_adaptive_generation_is_lossless(model, monkeypatch):
+def test_adaptive_generation_is_lossless_and_turns_speculation_off(model, monkeypatch):
+    """CPU-like costs where no round pays even with every draft accepted: a round and a plain step
+    (its program ends with a draft catch-up) measure them, then the rows' speculation is off for
+    good (plain steps, no catch-up, no probe rounds); a row that comes later gets a new policy."""
     full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
-    # CPU-like costs where no round pays: plain steps (each program's ends with a draft catch-up), probe rounds.
     fixed_policy_costs(monkeypatch, draft_pass=1.0, verify=1.0, plain=1.0)
     res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec="draft:2:adaptive")
     assert res.tokens == full.tokens
-    assert 0.5 < res.stats["plain_step_rate"] < 1 and res.stats["rounds"] > 0
+    assert res.stats["rounds"] > 0 and res.stats["plain_step_rate"] > 0.5
+    longer = 3 * NEW  # time for a new engine's first runs (not timed) and its measurements
+    engine = Engine(model, max_slots=2, max_new_tokens=longer, ignore_eos=True)
+    first = engine.submit(PROMPTS[0], max_new_tokens=longer, spec="draft:2:adaptive")
+    while not first.spec_off and engine.busy:  # costs from the steps' wall times (one program each)
+        engine.step()
+    assert first.spec_off and not first.finished
+    later = engine.submit(PROMPTS[1], max_new_tokens=longer, spec="draft:2:adaptive")
+    engine.run()
+    full = eejax.generate(model, PROMPTS[:2], max_new_tokens=longer, ignore_eos=True)
+    assert [first.tokens, later.tokens] == full.tokens and later.spec_off
+    policies = [*engine.past_policies, *engine.policies.values()]  # the later row's own, also turned off
+    assert len(policies) == 2 and all(p.turned_off for p in policies)
 
 
 def test_speculative_sampling_with_a_draft_head_matches_the_models_softmax():

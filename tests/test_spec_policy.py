@@ -7,6 +7,7 @@ from eejax.decode.spec_policy import (
     PAYS_ABOVE,
     PROBE_EVERY,
     REFRESH_EVERY,
+    TURN_OFF_MARGIN,
     SpeculationPolicy,
     best_speculations,
     break_even_acceptance,
@@ -70,6 +71,45 @@ def test_a_draft_heads_plain_step_is_the_verify_lines_d0_point():
     layerskip.observe(4, accepted=20, rejected=4, draft_s=0.25, verify_s=5.0)
     layerskip.observe_plain(1.0)
     assert layerskip.c_verify(0) == 5.0
+
+
+def test_a_draft_heads_speculation_is_turned_off_where_no_round_would_pay_at_more_acceptance():
+    """Plain steps keep a draft head's K/V up to date at a cost; where no round would pay even at
+    TURN_OFF_MARGIN more acceptance than measured, the policy turns speculation off for good."""
+
+    def measured(alpha, verify):  # one split round at d = 2 (8 rows), then a plain step of 1 s
+        policy = SpeculationPolicy(SpecConfig(0, 2, adaptive=True, max_speculations=4, draft_head=True))
+        assert policy.next_speculations() == 2 and policy.split
+        n = 1000  # a long-measured acceptance (no prior to speak of)
+        policy.observe(2, accepted=alpha * n, rejected=(1 - alpha) * n, draft_s=0.0, verify_s=verify)
+        assert policy.next_speculations() == 0
+        policy.observe_plain(1.0)
+        return policy
+
+    # verifying 3 positions takes 1.8 steps, so 2 take 1.4 (the line): d = 1 pays 1.05x at α = 0.47
+    off = measured(0.35, 1.8)
+    assert not off.pays_at(off.alpha + TURN_OFF_MARGIN) and off.next_speculations() == 0 and off.turned_off
+    assert [off.next_speculations() for _ in range(2 * PROBE_EVERY)] == [0] * 2 * PROBE_EVERY  # no probes
+    near = measured(0.44, 1.8)  # pays at 0.49: plain steps that keep the draft, and probe rounds
+    assert near.predicted_speedup(2) < PAYS_ABOVE and near.pays_at(near.alpha + TURN_OFF_MARGIN)
+    assert any(near.next_speculations() for _ in range(PROBE_EVERY)) and not near.turned_off
+    layers = SpeculationPolicy(
+        SpecConfig(2, 2, adaptive=True, max_speculations=4)
+    )  # their plain steps cost nothing extra
+    layers.observe(2, accepted=0, rejected=1000, draft_s=0.3, verify_s=1.8)
+    layers.observe_plain(1.0)
+    assert any(layers.next_speculations() for _ in range(PROBE_EVERY + 1)) and not layers.turned_off
+
+
+def test_a_timed_rounds_own_cost_wins_over_the_line():
+    """A round costs more than its positions on the line through a plain step (its drafts, its
+    acceptance): once a whole round of d was timed, d is costed at its own time."""
+    policy = SpeculationPolicy(SpecConfig(0, 4, adaptive=True, max_speculations=4, draft_head=True))
+    policy.observe(4, accepted=8, rejected=8, draft_s=0.0, verify_s=2.0)  # split: the line's point at d = 4
+    policy.observe_plain(1.0)
+    assert policy.c_verify(1) == pytest.approx(1.25)  # the line through (1, 1.0) and (5, 2.0)
+    policy.observe_round(1, 1.6)
+    assert policy.c_verify(1) == pytest.approx(1.6)  # the line through the three points: 1.38
 
 
 def test_adaptive_policy_falls_back_to_plain_steps_while_no_round_pays():

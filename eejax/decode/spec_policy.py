@@ -27,14 +27,29 @@ following the text and speculation resumes once it pays; each probe after which 
 do not pay doubles the programs before the next (up to `MAX_PROBE_EVERY`), so text where
 speculation never pays loses little to probing. A fixed d never falls back.
 
+**Turning speculation off (draft heads).** A draft head's plain steps keep its K/V up to date
+(one draft-layer pass over their positions, so a later round can draft), which costs ~1/31 of
+the products per token: ~3.5% of a step on a CPU at batch 8, where the products are the cost,
+next to nothing at batch 1. When no round would pay even at `TURN_OFF_MARGIN` more acceptance
+than measured, the policy answers d = 0 with `turned_off` set: the engine then runs the group's
+rows as plain full-depth rows for the rest of their lives (`Speculation`), with no catch-up and
+no probes; rows that come later start with a policy of their own, which measures again.
+Measured costs win over the line: a d whose whole round was timed is costed at its own time
+(a round has costs of its own beyond its positions' products, which the line through the plain
+step understates for small d).
+
 **What is timed.** Every cost above is measured, never guessed: first a round at the
-configured d as two programs, a draft and a verify, timed apart (c_draft; one round only: at a
-batch of 8 a round can cost two plain steps), then a plain step (c_full); then rounds run as one
-program each, as a fixed d's do (no host round trip between draft and verify), and a round's
-wall time less its draft passes at c_draft is its verify's (c_full: a plain program's time
-per step). To time a program the host waits for it, which costs the overlap of the next
-dispatch with it (~4% of a round on the 2-core CPU): after its first `TIMED_SAMPLES`, one
-decision in `TIME_EVERY` is timed, the others run asynchronously. A program's first run is never timed
+configured d as two programs, a draft and a verify, timed apart (the host waits for each:
+c_draft; one round only: at a batch of 8 a round can cost two plain steps), then plain steps
+(c_full); then rounds run as one program each, as a fixed d's do (no host round trip between
+draft and verify), and a round's cost less its draft passes at c_draft is its verify's (c_full:
+a plain program's cost per step). The cost of a plain program or a whole round is what it
+costs in the engine's loop, with nothing waited for: the wall time of the engine step that
+reads its tokens, end to end, when it was the only program of its step and that step
+prefilled nothing (`Speculation._time_program`). That counts the host's own work per
+dispatch where it cannot hide behind the device (on a 2-core CPU the host's Python and XLA's
+threads share the cores), which a program timed alone does not: d = 1 rounds timed alone at
+1.5 plain steps cost ~1.8 in the loop at batch 8. A program's first run is not counted
 (one-time costs: 3x a round's time was seen). Every `REFRESH_EVERY` rounds a plain step and a
 split round measure c_full and c_draft again, so both follow the batch's size and the
 machine's load as the verify times do.
@@ -61,12 +76,10 @@ PROBE_EVERY = 8  # plain programs before a probe round while speculation does no
 MAX_PROBE_EVERY = 64  # ... doubled after each probe that did not make it pay, up to this
 PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected) before any round: α = 0.5
 REFRESH_EVERY = 32  # rounds between re-measurements of a draft pass (a split round) and a plain step
-TIME_EVERY = 4  # after its first TIMED_SAMPLES, one decision in this many is timed (a host sync)
-TIMED_SAMPLES = 3
+TURN_OFF_MARGIN = 0.05  # (draft heads) off when no round pays even at this much more acceptance:
+# on held-out CNN/DM rows the shipped head's acceptance moved ~0.05 between runs of 8 rows
 PAYS_ABOVE = 1.05  # a round is chosen over plain steps when predicted this much faster: the margin of
-# its timings (a timed program loses its overlap with the next dispatch; 2-core CPU timings move
-# 10-40%). At batch 8 on that CPU, without it 88% of the tokens came from d = 1 rounds predicted
-# to about break even, with it 88% from plain steps; both ran at 0.93-0.94x of full depth.
+# its timings (2-core CPU timings move 10-40% within a minute).
 
 
 def expected_tokens(alpha: float, d: int) -> float:
@@ -131,8 +144,8 @@ class SpeculationPolicy:
     c_full: float | None = None  # seconds per plain full-depth step (adaptive, once one ran)
     plain_steps: int = 0  # plain programs chosen since the last speculation round
     probe_every: int = PROBE_EVERY  # plain programs before the next probe round
+    turned_off: bool = False  # (draft head) its rows' speculation is off: plain steps, no catch-up, from now on
     split: bool = False  # the round just chosen runs as a draft and a verify program, timed apart
-    timed: bool = False  # the round or plain step just chosen is timed (the host waits for it)
     since_refresh: int = 0  # rounds since the last split one
     plain_timed: int = 0  # plain steps timed
     verify_s: dict[int, float] = dataclasses.field(default_factory=dict)  # d -> mean seconds of a verify
@@ -146,7 +159,10 @@ class SpeculationPolicy:
         return self.accepted / (self.accepted + self.rejected)
 
     def c_verify(self, d: int) -> float:
-        """Predicted seconds of a verify pass over d + 1 tokens (see the module docstring)."""
+        """Seconds of a verify pass over d + 1 tokens: measured, where a whole round of d was
+        timed, else predicted by the line (see the module docstring)."""
+        if d in self.whole_rounds and d in self.verify_s:
+            return self.verify_s[d]
         points = dict(self.verify_s)
         if self.spec.draft_head and self.c_full is not None:
             points.setdefault(0, self.c_full)  # a plain step: a verify of no drafts
@@ -165,7 +181,9 @@ class SpeculationPolicy:
         """d for the next round; 0 (adaptive only): a plain full-depth step instead. `split` then
         says whether the round runs as two programs timed apart (see the module docstring)."""
         self.split = False
-        if not self.spec.adaptive:
+        if self.turned_off:
+            d = 0
+        elif not self.spec.adaptive:
             d = self.spec.num_speculations
         elif self.c_draft is None:
             d, self.split = self.spec.num_speculations, True  # measure a draft pass
@@ -177,18 +195,22 @@ class SpeculationPolicy:
             d = best_speculations(self.alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
             if self.predicted_speedup(d) >= PAYS_ABOVE:
                 self.probe_every = PROBE_EVERY
+            elif self.spec.draft_head and not self.pays_at(min(self.alpha + TURN_OFF_MARGIN, 1.0)):
+                d, self.turned_off = 0, True
             elif self.plain_steps < self.probe_every:
                 d = 0
             else:  # a probe round; if rounds still do not pay after it, the next waits longer
                 self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
         self.plain_steps = self.plain_steps + 1 if d == 0 else 0
         self.since_refresh = 0 if self.split else self.since_refresh + (d > 0)
-        samples = self.plain_timed if d == 0 else self.timed_rounds.get(d, 0)
-        self.timed = self.spec.adaptive and (
-            self.split or samples < TIMED_SAMPLES or len(self.chosen) % TIME_EVERY == 0
-        )
         self.chosen.append(d)
         return d
+
+    def pays_at(self, alpha: float) -> bool:
+        """Whether some round would beat plain steps by `PAYS_ABOVE` at acceptance α (the times
+        measured so far)."""
+        best = best_speculations(alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
+        return speedup(alpha, best, self.c_draft, self.c_verify, self.c_full) >= PAYS_ABOVE
 
     def predicted_speedup(self, d: int) -> float:
         """A round of d drafts (the bonus pass as `bonus` would choose it) over a plain step,

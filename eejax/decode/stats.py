@@ -120,7 +120,7 @@ def generate_stats(model, engine, seqs, exit_config, spec_config, run_s: float, 
         engine_steps=engine.counters["steps"],
     )
     if spec_config is not None:
-        t, policies = spec_totals, list(engine.policies.values())
+        t, policies = spec_totals, list(engine.policies.values()) + engine.past_policies
         speculations = [d for p in policies for d in p.chosen if d]  # rounds only; plain steps are counted apart
         bonuses = [b for p in policies for b in p.bonuses]
         stats = dataclasses.replace(

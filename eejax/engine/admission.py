@@ -38,7 +38,7 @@ class Admission:
         last, and up to d positions past it (a round's drafts). Never more than prompt + max
         tokens - 1: nothing past a row's limit is written."""
         d = self._span_drafts(seq)
-        in_flight, steps = (1, 1) if seq.spec is not None else (self._steps_in_flight, self._next_steps)
+        in_flight, steps = (1, 1) if seq.speculating else (self._steps_in_flight, self._next_steps)
         unread = in_flight * (d + 1) + (len(seq.tokens) == seq.offset)
         ahead = (steps - 1) * (d + 1) + d
         prompt = self._cache_prompt_len(seq.prompt)

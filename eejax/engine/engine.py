@@ -197,6 +197,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.counts = TokenCounts.zeros(max_slots, config.vocab_size)
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
+        self.past_policies: list = []  # those that turned their rows' speculation off
         self.block_table = np.zeros((max_slots, self.table_width), np.int32)
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.prefilling: dict[int, Sequence] = {}  # slot -> admitted sequence whose prompt is not all cached yet
@@ -211,6 +212,12 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self._pending = None  # (state, slot -> sequence) of the last dispatched step, not read yet
         # Decode steps of the program in flight (read after the next dispatch), and of the next.
         self._steps_in_flight = self._next_steps = 1
+        # The programs the last step dispatched and when it ended: an adaptive speculation
+        # policy's costs (`Speculation._time_program`).
+        self._dispatched: list = []
+        self._programs_now = 0  # programs the step being taken dispatches
+        self._last_dispatched: list = []
+        self._last_step_end: float | None = None
         self.error: BaseException | None = None  # what stopped the background loop, if it died
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -250,10 +257,12 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
     def step(self) -> None:
         """One iteration: admit into free slots, dispatch a decode step, read the previous one.
         A program that fails fails only the requests it ran for (see `_guarded`)."""
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), self.model.programs.compile_seconds
         with self._lock, self.model.programs.in_use():  # background compilations wait meanwhile
             self._admit()
+            prefills = bool(self.prefilling)
             self._prefill_some()
+            self._dispatched = []  # per program: what an adaptive policy learns from its cost, or None
             self._next_steps = self._steps_per_dispatch()
             if self.grow:
                 self._grow()
@@ -267,6 +276,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
                 groups: dict = {}
                 for seq in self.running.values():
                     groups.setdefault(self._options(seq), []).append(seq)
+                self._programs_now = len(groups)
                 for options, members in groups.items():
                     group = np.zeros((self.slots,), bool)
                     group[[seq.slot for seq in members]] = True
@@ -276,7 +286,11 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
             self._steps_in_flight = self._next_steps if dispatch else 0  # 0: nothing in flight
             if pending is not None:
                 self._read(*pending)
-        self.counters["step_s"] += time.perf_counter() - start
+            end = time.perf_counter()
+            if not prefills and self.model.programs.compile_seconds == compiled and self._last_step_end is not None:
+                self._time_program(end - self._last_step_end)
+            self._last_dispatched, self._last_step_end = self._dispatched, end
+        self.counters["step_s"] += end - start
 
     def _to_make(self, seq: Sequence) -> int:
         """Tokens a running row still has to make beyond those it surely has: read back, the
@@ -284,7 +298,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         one per speculation round)."""
         made = len(seq.tokens) + (len(seq.tokens) == seq.offset)
         if self._steps_in_flight and self._pending is not None and self._pending[1].get(seq.slot) is seq:
-            made += 1 if seq.spec is not None else self._steps_in_flight
+            made += 1 if seq.speculating else self._steps_in_flight
         return seq.max_new_tokens - made
 
     def _steps_per_dispatch(self) -> int:
@@ -305,6 +319,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
     def _dispatch(self, table, group, options: StepOptions) -> None:
         """Dispatches one program of the slots in `group`: `options.num_steps` decode steps, or a
         speculation round."""
+        self._dispatched.append(None)
         if options.spec is None:
             program, args = self._decode_program(table, group, options)
             state, self.cache = program(*args)
@@ -325,7 +340,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
             penalties=seq.sampling.penalized,
         )
         if seq.spec is not None:
-            return dataclasses.replace(options, spec=seq.spec)
+            return dataclasses.replace(options, spec=seq.spec, spec_off=seq.spec_off)
         return dataclasses.replace(options, exit=seq.exit, num_steps=self._next_steps)
 
     def _table(self):

@@ -33,6 +33,9 @@ class Sequence:
     # request ends), and the (accepted, rejections) the engine's policy has seen of them.
     spec_counters: dict[str, int] = dataclasses.field(default_factory=dict)
     spec_read: tuple[int, int] = (0, 0)
+    # The adaptive policy turned its speculation off (`SpeculationPolicy.turned_off`): plain
+    # full-depth steps from then on, its draft not kept up.
+    spec_off: bool = False
     tokens: list[int] = dataclasses.field(default_factory=list)
     exit_layers: list[int] = dataclasses.field(default_factory=list)
     confident_layers: list[int] = dataclasses.field(default_factory=list)  # the row's own first confident layer
@@ -68,6 +71,11 @@ class Sequence:
     def accepted(self) -> int:
         """Self-speculation drafts accepted (0 until the request ends)."""
         return self.spec_counters.get("accepted", 0)
+
+    @property
+    def speculating(self) -> bool:
+        """Whether its decode programs are speculation rounds (or plain steps in their place)."""
+        return self.spec is not None and not self.spec_off
 
     @property
     def scoring_prompt(self) -> bool:

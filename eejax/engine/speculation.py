@@ -1,13 +1,17 @@
 """Self-speculation in the engine, a part of `Engine`: the rows of one speculation option and
 sampler kind form a group with its own `SpeculationPolicy`, which picks each round's d (adaptive)
 and whether the bonus pass runs, from the acceptance the engine reads back. A fixed d runs a
-round as one program; so does an adaptive group, timing each round (the policy weighs the
-measured costs), apart from the rounds that time the draft and the verify programs apart and
-the plain full-depth steps taken while no round pays (`SpeculationPolicy`). A mixin over the
-engine's slots and device state."""
+round as one program; so does an adaptive group, costing each round by the wall time of the
+engine step that reads it (`_time_program`; the policy weighs the measured costs), apart from
+the rounds that time the draft and the verify programs apart and the plain full-depth steps
+taken while no round pays (`SpeculationPolicy`). Where the policy
+turns a draft head's speculation off, its rows run as plain rows for good (`Sequence.spec_off`:
+their own group, plain steps without the draft's catch-up, still counted as plain steps), and
+rows that come later get a new policy. A mixin over the engine's slots and device state."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import weakref
@@ -28,8 +32,11 @@ PROGRAMS_RUN = weakref.WeakSet()  # the compiled programs this process has run (
 
 class Speculation:
     def _policy(self, options: StepOptions) -> SpeculationPolicy:
-        """The policy of the rows speculating with `options.spec` and `options.sampler`."""
+        """The policy of the rows speculating with `options.spec` and `options.sampler` (a new
+        one where the last turned its rows' speculation off: these rows came later)."""
         key = (options.spec, options.sampler)
+        if key in self.policies and self.policies[key].turned_off:
+            self.past_policies.append(self.policies.pop(key))
         if key not in self.policies:
             spec = options.spec
             reduced = spec.uses_reduced_head(exits.has_reduced_head(self.model.params.get("exits")))
@@ -41,12 +48,27 @@ class Speculation:
 
     def _dispatch_round(self, table, group, options: StepOptions) -> None:
         """One speculation round of the slots in `group` (adaptive: or a plain step)."""
+        if options.spec_off:
+            self._dispatch_plain(table, group, options, self._next_steps)
+            return
         policy = self._policy(options)
         d = policy.next_speculations()
+        if policy.turned_off:  # no round would pay even at a higher acceptance: off for good
+            for seq in self.running.values():
+                if self._options(seq) == options:
+                    seq.spec_off = True
+            # the rows' pages cover a round's positions this time (`_span`)
+            self._dispatch_plain(
+                table, group, dataclasses.replace(options, spec_off=True), self._plain_steps(options, self._next_steps)
+            )
+            return
         if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
             steps = self._plain_steps(options, self._next_steps)
             plain, args = self._plain_program(table, group, options, steps)
-            (state, self.cache, self.spec_counters), seconds = self._run(plain, args, policy.timed)
+            self._dispatched[-1] = (policy, 0, steps, plain not in PROGRAMS_RUN)
+            (state, self.cache, self.spec_counters), seconds = self._run(
+                plain, args, self._must_wait(policy.c_full is not None)
+            )
             self._keep(state)
             if seconds is not None:
                 policy.observe_plain(seconds / steps)
@@ -63,10 +85,43 @@ class Speculation:
                 policy.observe_times(d, draft_s, verify_s, passes=d + bonus)
             return
         program, args = self._round_program(table, group, round_options)
-        (state, self.cache, self.spec_counters), seconds = self._run(program, args, policy.timed)
+        timed = False
+        if policy.spec.adaptive:
+            self._dispatched[-1] = (policy, d, d + bonus, program not in PROGRAMS_RUN)
+            timed = self._must_wait(d in policy.whole_rounds)
+        (state, self.cache, self.spec_counters), seconds = self._run(program, args, timed)
         self._keep(state)
         if seconds is not None:
             policy.observe_round(d, seconds, passes=d + bonus)
+
+    def _must_wait(self, known: bool) -> bool:
+        """Whether to time a program of an adaptive policy by waiting for it: where other
+        programs run in the same step, its step's wall time is not its own (`_time_program`),
+        so a cost the policy has no value for yet (not `known`) is timed alone."""
+        return self._programs_now > 1 and not known
+
+    def _time_program(self, seconds: float) -> None:
+        """The previous step dispatched one program and this one prefilled and compiled nothing:
+        this step's `seconds` (end to end) are that program's cost in the loop, as the host waited
+        for it to read its tokens (with the host's own work that it could not hide). An adaptive
+        policy learns its plain steps and whole rounds from these (a first run pays one-time
+        costs: not counted)."""
+        if len(self._last_dispatched) != 1 or self._last_dispatched[0] is None:
+            return
+        policy, d, passes, first = self._last_dispatched[0]
+        if first:
+            return
+        if d == 0:
+            policy.observe_plain(seconds / passes)
+        else:
+            policy.observe_round(d, seconds, passes=passes)
+
+    def _dispatch_plain(self, table, group, options: StepOptions, steps: int) -> None:
+        """`steps` plain full-depth steps of the slots in `group`, whose speculation is off, counted
+        as the plain steps a round's place takes are (`speculative.plain_step`)."""
+        plain, args = self._plain_program(table, group, options, steps)
+        (state, self.cache, self.spec_counters), _ = self._run(plain, args, False)
+        self._keep(state)
 
     def _run(self, program, args, timed: bool):
         """(program(*args), its wall seconds or None). Timed, it starts once what runs before it
@@ -86,7 +141,7 @@ class Speculation:
     # not in the background while the stacked one runs (`Model.program`).
     def _plain_program(self, table, group, options: StepOptions, steps: int, now: bool = False):
         args = (self.model.run_params, self.cache, self._with_counts(options), self.spec_counters, table, group)
-        return self.model.program(plain_step_slots, args, options.plain(steps), now)
+        return self.model.program(plain_step_slots, args, options.plain(steps, catch_up=not options.spec_off), now)
 
     @staticmethod
     def _plain_steps(options: StepOptions, decode_steps: int) -> int:
@@ -111,7 +166,8 @@ class Speculation:
     def _compile_spec(self, table, group, options: StepOptions) -> None:
         """Compiles (runs nothing) the programs rows speculating with `options` may run at page-table
         width `table`: every round's (each d an adaptive policy may pick, with and without the
-        bonus pass), and an adaptive group's plain step."""
+        bonus pass), and an adaptive group's plain steps (with a draft head, also those without
+        its catch-up, once speculation is off)."""
         spec = options.spec
         if not spec.adaptive:
             for bonus in (False, True):
@@ -119,6 +175,10 @@ class Speculation:
             return
         for steps in {self._plain_steps(options, 1), self._plain_steps(options, self.steps_per_dispatch)}:
             self._plain_program(table, group, options, steps, now=True)
+        if spec.draft_head:  # once the policy turns the rows' speculation off (`_dispatch_round`)
+            off = dataclasses.replace(options, spec_off=True)
+            for steps in {1, self.steps_per_dispatch, self._plain_steps(options, self.steps_per_dispatch)}:
+                self._plain_program(table, group, off, steps, now=True)
         bonuses = self._policy(options).bonus_choices()
         for d in range(1, spec.max_speculations + 1):
             for bonus in bonuses:
@@ -137,7 +197,7 @@ class Speculation:
         the last read (counters: the host copy of a step's `SpecCounters`)."""
         seen: dict = {}
         for slot, seq in running.items():
-            if seq.spec is None or self.running.get(slot) is not seq:
+            if not seq.speculating or self.running.get(slot) is not seq:
                 continue
             accepted, rejections = int(counters.accepted[slot]), int(counters.rejections[slot])
             key = (seq.spec, seq.sampling.sampler)
@@ -151,6 +211,6 @@ class Speculation:
     @staticmethod
     def _span_drafts(seq: Sequence) -> int:
         """The most drafts a round of `seq` writes ahead of its last token."""
-        if seq.spec is None:
+        if not seq.speculating:
             return 0
         return seq.spec.max_speculations if seq.spec.adaptive else seq.spec.positions_ahead
