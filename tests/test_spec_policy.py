@@ -60,6 +60,9 @@ def test_a_draft_heads_plain_step_is_the_verify_lines_d0_point():
     assert policy.next_speculations() == 0
     policy.observe_plain(1.0)
     assert policy.c_verify(0) == pytest.approx(1.0) and policy.c_verify(8) == pytest.approx(9.0)
+    assert policy.c_plain == pytest.approx(
+        1.0 - 0.05
+    )  # to beat: a plain step less the catch-up (a draft pass bounds it)
     assert max(policy.predicted_speedup(d) for d in range(1, 9)) < 1 and policy.next_speculations() == 0
     # a round predicted to beat plain steps by less than its timings' error runs plain steps
     even = SpeculationPolicy(SpecConfig(0, 1, adaptive=True, max_speculations=1, draft_head=True))
@@ -70,7 +73,7 @@ def test_a_draft_heads_plain_step_is_the_verify_lines_d0_point():
     layerskip = SpeculationPolicy(SpecConfig(2, 4, adaptive=True))  # its verify runs L - E layers only
     layerskip.observe(4, accepted=20, rejected=4, draft_s=0.25, verify_s=5.0)
     layerskip.observe_plain(1.0)
-    assert layerskip.c_verify(0) == 5.0
+    assert layerskip.c_verify(0) == 5.0 and layerskip.c_plain == 1.0
 
 
 def test_a_draft_heads_speculation_is_turned_off_where_no_round_would_pay_at_more_acceptance():

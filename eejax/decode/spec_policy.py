@@ -30,7 +30,9 @@ speculation never pays loses little to probing. A fixed d never falls back.
 **Turning speculation off (draft heads).** A draft head's plain steps keep its K/V up to date
 (one draft-layer pass over their positions, so a later round can draft), which costs ~1/31 of
 the products per token: ~3.5% of a step on a CPU at batch 8, where the products are the cost,
-next to nothing at batch 1. When no round would pay even at `TURN_OFF_MARGIN` more acceptance
+next to nothing at batch 1. So a round must beat the plain step less that catch-up
+(`c_plain`: c_full less a draft pass, which bounds it): what the rows would run with
+speculation off. When no round would pay even at `TURN_OFF_MARGIN` more acceptance
 than measured, the policy answers d = 0 with `turned_off` set: the engine then runs the group's
 rows as plain full-depth rows for the rest of their lives (`Speculation`), with no catch-up and
 no probes; rows that come later start with a policy of their own, which measures again.
@@ -211,12 +213,18 @@ class SpeculationPolicy:
         """Whether some round would beat plain steps by `PAYS_ABOVE` at acceptance α (the times
         measured so far)."""
         best = best_speculations(alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
-        return speedup(alpha, best, self.c_draft, self.c_verify, self.c_full) >= PAYS_ABOVE
+        return speedup(alpha, best, self.c_draft, self.c_verify, self.c_plain) >= PAYS_ABOVE
 
     def predicted_speedup(self, d: int) -> float:
-        """A round of d drafts (the bonus pass as `bonus` would choose it) over a plain step,
+        """A round of d drafts (the bonus pass as `bonus` would choose it) over a plain step (`c_plain`),
         at the measured acceptance and times (a draft pass, a verify and a plain step measured)."""
-        return speedup(self.alpha, d, self.c_draft, self.c_verify, self.c_full, bonus=self._bonus_choice(d))
+        return speedup(self.alpha, d, self.c_draft, self.c_verify, self.c_plain, bonus=self._bonus_choice(d))
+
+    @property
+    def c_plain(self) -> float:
+        """Seconds of the plain step a round must beat: c_full, or with a draft head c_full less
+        its draft's catch-up (which a draft pass bounds), as turning speculation off drops it."""
+        return self.c_full - self.c_draft if self.spec.draft_head else self.c_full
 
     def bonus(self, d: int) -> bool:
         """Whether the next round runs the bonus pass: `spec.bonus` when set, else whether it
