@@ -50,8 +50,9 @@ costs in the engine's loop, with nothing waited for: the wall time of the engine
 reads its tokens, end to end, when it was the only program of its step and that step
 prefilled nothing (`Speculation._time_program`). That counts the host's own work per
 dispatch where it cannot hide behind the device (on a 2-core CPU the host's Python and XLA's
-threads share the cores), which a program timed alone does not: d = 1 rounds timed alone at
-1.5 plain steps cost ~1.8 in the loop at batch 8. A program's first run is not counted
+threads share the cores), costs a round and a plain step alike, and keeps the overlap of one
+dispatch with the next that a timed program (the host waiting for it) loses; it also compiles
+nothing: a step that compiled or prefilled is not counted. A program's first run is not counted
 (one-time costs: 3x a round's time was seen). Every `REFRESH_EVERY` rounds a plain step and a
 split round measure c_full and c_draft again, so both follow the batch's size and the
 machine's load as the verify times do.
