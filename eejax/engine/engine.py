@@ -197,7 +197,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.counts = TokenCounts.zeros(max_slots, config.vocab_size)
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
-        self.past_policies: list = []  # those that turned their rows' speculation off
+        self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
         self.block_table = np.zeros((max_slots, self.table_width), np.int32)
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.prefilling: dict[int, Sequence] = {}  # slot -> admitted sequence whose prompt is not all cached yet

@@ -33,10 +33,13 @@ PROGRAMS_RUN = weakref.WeakSet()  # the compiled programs this process has run (
 class Speculation:
     def _policy(self, options: StepOptions) -> SpeculationPolicy:
         """The policy of the rows speculating with `options.spec` and `options.sampler` (a new
-        one where the last turned its rows' speculation off: these rows came later)."""
+        one where the last turned its rows' speculation off: these rows came later; a batch job
+        keeps the old one for its stats, a server drops it)."""
         key = (options.spec, options.sampler)
         if key in self.policies and self.policies[key].turned_off:
-            self.past_policies.append(self.policies.pop(key))
+            old = self.policies.pop(key)
+            if self.batch_job:
+                self.past_policies.append(old)
         if key not in self.policies:
             spec = options.spec
             reduced = spec.uses_reduced_head(exits.has_reduced_head(self.model.params.get("exits")))
