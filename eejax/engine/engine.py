@@ -258,6 +258,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         """One iteration: admit into free slots, dispatch a decode step, read the previous one.
         A program that fails fails only the requests it ran for (see `_guarded`)."""
         start, compiled = time.perf_counter(), self.model.programs.compile_seconds
+        last_end, self._last_step_end = self._last_step_end, None  # a step that raises times nothing after it
         with self._lock, self.model.programs.in_use():  # background compilations wait meanwhile
             self._admit()
             prefills = bool(self.prefilling)
@@ -287,8 +288,8 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
             if pending is not None:
                 self._read(*pending)
             end = time.perf_counter()
-            if not prefills and self.model.programs.compile_seconds == compiled and self._last_step_end is not None:
-                self._time_program(end - self._last_step_end)
+            if not prefills and self.model.programs.compile_seconds == compiled and last_end is not None:
+                self._time_program(end - last_end)
             self._last_dispatched, self._last_step_end = self._dispatched, end
         self.counters["step_s"] += end - start
 
