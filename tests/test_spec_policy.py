@@ -124,6 +124,8 @@ def test_adaptive_policy_falls_back_to_plain_steps_while_no_round_pays():
     chosen = [policy.next_speculations() for _ in range(3 * PROBE_EVERY + 2)]
     # probe rounds, each after twice as many plain steps as the one before
     assert chosen == [0] * PROBE_EVERY + [1] + [0] * 2 * PROBE_EVERY + [1]
+    # what was chosen is counted, not listed (a server's policy lives as long as its rows come)
+    assert policy.chosen == {0: 3 * PROBE_EVERY, 1: 2} and len(policy.chosen) <= 5
     policy.observe_plain(2.0)  # plain steps dearer than thought: rounds pay again
     for _ in range(10):
         policy.observe(1, accepted=8, rejected=0, draft_s=1.0, verify_s=0.5, passes=2)

@@ -68,6 +68,7 @@ independent of the rest of its batch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -155,8 +156,9 @@ class SpeculationPolicy:
     verify_s: dict[int, float] = dataclasses.field(default_factory=dict)  # d -> mean seconds of a verify
     timed_rounds: dict[int, int] = dataclasses.field(default_factory=dict)  # d -> rounds timed
     whole_rounds: set[int] = dataclasses.field(default_factory=set)  # the d's timed as one program
-    chosen: list[int] = dataclasses.field(default_factory=list)
-    bonuses: list[bool] = dataclasses.field(default_factory=list)
+    chosen: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # d -> times chosen
+    bonuses: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # bonus pass -> rounds
+    # (counts, not lists: a server's policy lives for as long as its rows keep coming)
 
     @property
     def alpha(self) -> float:
@@ -207,7 +209,7 @@ class SpeculationPolicy:
                 self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
         self.plain_steps = self.plain_steps + 1 if d == 0 else 0
         self.since_refresh = 0 if self.split else self.since_refresh + (d > 0)
-        self.chosen.append(d)
+        self.chosen[d] += 1
         return d
 
     def pays_at(self, alpha: float) -> bool:
@@ -231,7 +233,7 @@ class SpeculationPolicy:
         """Whether the next round runs the bonus pass: `spec.bonus` when set, else whether it
         pays at the acceptance measured so far (always, without unit costs)."""
         choice = self._bonus_choice(d)
-        self.bonuses.append(choice)
+        self.bonuses[choice] += 1
         return choice
 
     def _bonus_choice(self, d: int) -> bool:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -121,8 +122,9 @@ def generate_stats(model, engine, seqs, exit_config, spec_config, run_s: float, 
     )
     if spec_config is not None:
         t, policies = spec_totals, list(engine.policies.values()) + engine.past_policies
-        speculations = [d for p in policies for d in p.chosen if d]  # rounds only; plain steps are counted apart
-        bonuses = [b for p in policies for b in p.bonuses]
+        chosen = sum((p.chosen for p in policies), collections.Counter())
+        bonuses = sum((p.bonuses for p in policies), collections.Counter())
+        rounds = sum(n for d, n in chosen.items() if d)  # rounds only; plain steps are counted apart
         stats = dataclasses.replace(
             stats,
             acceptance_rate=t["accepted"] / t["drafted"] if t["drafted"] else 0.0,
@@ -131,8 +133,8 @@ def generate_stats(model, engine, seqs, exit_config, spec_config, run_s: float, 
             drafted_tokens=t["drafted"],
             accepted_tokens=t["accepted"],
             rounds=t["rounds"],
-            mean_speculations=float(np.mean(speculations)) if speculations else 0.0,
-            bonus_pass_rate=float(np.mean(bonuses)) if bonuses else 0.0,
+            mean_speculations=sum(d * n for d, n in chosen.items()) / rounds if rounds else 0.0,
+            bonus_pass_rate=bonuses[True] / bonuses.total() if bonuses.total() else 0.0,
         )
         timed = [p for p in policies if p.c_draft is not None]
         if timed:  # adaptive: measured seconds per draft pass, and of a verify pass at the first d
