@@ -7,6 +7,7 @@ from eejax.decode.spec_policy import (
     PAYS_ABOVE,
     PROBE_EVERY,
     REFRESH_EVERY,
+    TURN_OFF_EVIDENCE,
     TURN_OFF_MARGIN,
     SpeculationPolicy,
     best_speculations,
@@ -80,10 +81,10 @@ def test_a_draft_heads_speculation_is_turned_off_where_no_round_would_pay_at_mor
     """Plain steps keep a draft head's K/V up to date at a cost; where no round would pay even at
     TURN_OFF_MARGIN more acceptance than measured, the policy turns speculation off for good."""
 
-    def measured(alpha, verify):  # one split round at d = 2 (8 rows), then a plain step of 1 s
+    def measured(alpha, verify, n=1000):  # one split round at d = 2 (8 rows), then a plain step of 1 s
         policy = SpeculationPolicy(SpecConfig(0, 2, adaptive=True, max_speculations=4, draft_head=True))
         assert policy.next_speculations() == 2 and policy.split
-        n = 1000  # a long-measured acceptance (no prior to speak of)
+        # n = 1000: a long-measured acceptance (no prior to speak of)
         policy.observe(2, accepted=alpha * n, rejected=(1 - alpha) * n, draft_s=0.0, verify_s=verify)
         assert policy.next_speculations() == 0
         policy.observe_plain(1.0)
@@ -93,6 +94,12 @@ def test_a_draft_heads_speculation_is_turned_off_where_no_round_would_pay_at_mor
     off = measured(0.35, 1.8)
     assert not off.pays_at(off.alpha + TURN_OFF_MARGIN) and off.next_speculations() == 0 and off.turned_off
     assert [off.next_speculations() for _ in range(2 * PROBE_EVERY)] == [0] * 2 * PROBE_EVERY  # no probes
+    # The same acceptance from a few judged drafts (a few rounds at batch 1) is not enough to stop
+    # for good: rounds at the best d (no waits between probes) until TURN_OFF_EVIDENCE, then off.
+    early = measured(0.3, 1.8, n=10)
+    assert early.observed < TURN_OFF_EVIDENCE and early.next_speculations() == 1 and not early.turned_off
+    early.observe(1, accepted=3, rejected=TURN_OFF_EVIDENCE - 13)
+    assert early.next_speculations() == 0 and early.turned_off
     near = measured(0.44, 1.8)  # pays at 0.49: plain steps that keep the draft, and probe rounds
     assert near.predicted_speedup(2) < PAYS_ABOVE and near.pays_at(near.alpha + TURN_OFF_MARGIN)
     assert any(near.next_speculations() for _ in range(PROBE_EVERY)) and not near.turned_off

@@ -32,10 +32,14 @@ speculation never pays loses little to probing. A fixed d never falls back.
 the products per token: ~3.5% of a step on a CPU at batch 8, where the products are the cost,
 next to nothing at batch 1. So a round must beat the plain step less that catch-up
 (`c_plain`: c_full less a draft pass, which bounds it): what the rows would run with
-speculation off. When no round would pay even at `TURN_OFF_MARGIN` more acceptance
-than measured, the policy answers d = 0 with `turned_off` set: the engine then runs the group's
-rows as plain full-depth rows for the rest of their lives (`Speculation`), with no catch-up and
-no probes; rows that come later start with a policy of their own, which measures again.
+speculation off. When no round would pay even at `TURN_OFF_MARGIN` more acceptance than
+measured, the policy answers d = 0 with `turned_off` set: the engine then runs the group's rows
+as plain full-depth rows for the rest of their lives (`Speculation`), with no catch-up and no
+probes; rows that come later start with a policy of their own, which measures again. The
+acceptance must rest on `TURN_OFF_EVIDENCE` judged drafts first (at batch 1 a few rounds say
+little, and off is for good): before, speculation turns off only where not even every draft
+accepted would pay, and a group whose rounds do not pay keeps running rounds at the best d
+rather than plain steps between probes, which gathers that evidence sooner.
 Measured costs win over the line: a d whose whole round was timed is costed at its own time
 (a round has costs of its own beyond its positions' products, which the line through the plain
 step understates for small d).
@@ -83,6 +87,9 @@ REFRESH_EVERY = 32  # rounds between re-measurements of a draft pass (a split ro
 TURN_OFF_MARGIN = 0.05  # (draft heads) off when no round pays even at this much more acceptance: the
 # shipped head's α on held-out CNN/DM rows 0..19 (`draft:2`) is 0.53 / 0.56 / 0.60 / 0.65 over rows
 # 0-7 / 4-11 / 8-15 / 12-19 (0.44-0.98 per row), so a batch's text rarely moves it much more
+TURN_OFF_EVIDENCE = 24  # (draft heads) ... once this many drafts were judged (accepted, or a round's
+# rejection): the acceptance of a few rounds at batch 1 is too noisy to stop a row's speculation for good
+# (its standard error at 24: ~0.1; per-row α of the shipped head spans 0.44-0.98)
 PAYS_ABOVE = 1.05  # a round is chosen over plain steps when predicted this much faster: the margin of
 # its timings (2-core CPU timings move 10-40% within a minute).
 
@@ -150,6 +157,7 @@ class SpeculationPolicy:
     plain_steps: int = 0  # plain programs chosen since the last speculation round
     probe_every: int = PROBE_EVERY  # plain programs before the next probe round
     turned_off: bool = False  # (draft head) its rows' speculation is off: plain steps, no catch-up, from now on
+    observed: float = 0.0  # drafts accepted and rounds that rejected one, in all (the acceptance's evidence)
     split: bool = False  # the round just chosen runs as a draft and a verify program, timed apart
     since_refresh: int = 0  # rounds since the last split one
     plain_timed: int = 0  # plain steps timed
@@ -201,8 +209,10 @@ class SpeculationPolicy:
             d = best_speculations(self.alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
             if self.predicted_speedup(d) >= PAYS_ABOVE:
                 self.probe_every = PROBE_EVERY
-            elif self.spec.draft_head and not self.pays_at(min(self.alpha + TURN_OFF_MARGIN, 1.0)):
+            elif self.spec.draft_head and not self.pays_at(self._turn_off_alpha):
                 d, self.turned_off = 0, True
+            elif self.spec.draft_head and self.observed < TURN_OFF_EVIDENCE:
+                pass  # a round at the best d: the evidence to turn off (or on) comes sooner than from probes
             elif self.plain_steps < self.probe_every:
                 d = 0
             else:  # a probe round; if rounds still do not pay after it, the next waits longer
@@ -211,6 +221,13 @@ class SpeculationPolicy:
         self.since_refresh = 0 if self.split else self.since_refresh + (d > 0)
         self.chosen[d] += 1
         return d
+
+    @property
+    def _turn_off_alpha(self) -> float:
+        """The acceptance at which no round may pay for a draft head's speculation to turn off:
+        the measured one plus `TURN_OFF_MARGIN` once `TURN_OFF_EVIDENCE` drafts were judged, 1
+        before (off only where not even every draft accepted would pay)."""
+        return min(self.alpha + TURN_OFF_MARGIN, 1.0) if self.observed >= TURN_OFF_EVIDENCE else 1.0
 
     def pays_at(self, alpha: float) -> bool:
         """Whether some round would beat plain steps by `PAYS_ABOVE` at acceptance α (the times
@@ -265,6 +282,7 @@ class SpeculationPolicy:
         default d + 1) and verify programs (None when not timed)."""
         self.accepted = FORGET * self.accepted + accepted
         self.rejected = FORGET * self.rejected + rejected
+        self.observed += accepted + rejected
         if draft_s is not None and verify_s is not None:
             self.observe_times(d, draft_s, verify_s, passes)
 
