@@ -6,6 +6,8 @@ import pytest
 from eejax.decode.spec_policy import (
     PAYS_ABOVE,
     PROBE_EVERY,
+    RECHECK_BELOW,
+    RECHECK_EVERY,
     REFRESH_EVERY,
     TURN_OFF_EVIDENCE,
     TURN_OFF_MARGIN,
@@ -187,3 +189,28 @@ def test_a_programs_first_run_is_not_timed():
     out, seconds = engine._run(program, args, True)
     assert seconds is None and float(out[0]) == 2.0
     assert engine._run(program, args, True)[1] > 0 and engine._run(program, args, False)[1] is None
+
+
+def test_marginal_rounds_time_a_plain_step_again():
+    """A plain step's cost is timed only when one runs, a round's every round: rounds predicted to
+    pay less than RECHECK_BELOW give way to a plain step every RECHECK_EVERY rounds, whose new
+    time (the machine sped up) then shows they do not pay; rounds that pay well never do."""
+
+    def running(plain_s):
+        policy = SpeculationPolicy(SpecConfig(0, 2, adaptive=True, max_speculations=2, draft_head=True))
+        assert policy.next_speculations() == 2 and policy.split
+        policy.observe(2, accepted=600, rejected=400, draft_s=0.0, verify_s=2.0)  # α 0.6, τ(d=2) 1.96
+        assert policy.next_speculations() == 0
+        policy.observe_plain(plain_s)
+        policy.observe_round(2, 2.0)
+        return policy
+
+    marginal = running(1.15)  # 1.96 * 1.15 / 2.0: 1.13x
+    best = best_speculations(marginal.alpha, marginal.c_draft, marginal.c_verify, 2)
+    assert RECHECK_BELOW > marginal.predicted_speedup(best) >= PAYS_ABOVE
+    chosen = [marginal.next_speculations() for _ in range(RECHECK_EVERY + 1)]
+    assert chosen == [best] * RECHECK_EVERY + [0]
+    marginal.observe_plain(0.7)  # the machine is faster now: the recent plain times weigh most
+    assert marginal.c_full < 0.95 and marginal.next_speculations() == 0
+    paying = running(1.5)
+    assert all(paying.next_speculations() > 0 for _ in range(3 * RECHECK_EVERY))

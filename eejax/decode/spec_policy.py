@@ -59,7 +59,9 @@ dispatch with the next that a timed program (the host waiting for it) loses; it 
 nothing: a step that compiled or prefilled is not counted. A program's first run is not counted
 (one-time costs: 3x a round's time was seen). Every `REFRESH_EVERY` rounds a plain step and a
 split round measure c_full and c_draft again, so both follow the batch's size and the
-machine's load as the verify times do.
+machine's load as the verify times do; while rounds are predicted to pay less than
+`RECHECK_BELOW`, a plain step runs every `RECHECK_EVERY` rounds, so that a marginal round is
+weighed against a plain step timed at about the same moment (the machine's speed drifts).
 
 The bonus pass (the (d + 1)-th pass over x_d, see `speculative`) buys one token only when all
 d drafts are accepted (probability α^d) and costs E layers every round. The policy turns it on
@@ -90,6 +92,11 @@ TURN_OFF_MARGIN = 0.05  # (draft heads) off when no round pays even at this much
 TURN_OFF_EVIDENCE = 24  # (draft heads) ... once this many drafts were judged (accepted, or a round's
 # rejection): the acceptance of a few rounds at batch 1 is too noisy to stop a row's speculation for good
 # (its standard error at 24: ~0.1; per-row α of the shipped head spans 0.44-0.98)
+RECHECK_BELOW = 1.2  # rounds predicted to pay less than this ...
+RECHECK_EVERY = 8  # ... give way to a plain step every this many, which times it again: a round's
+# cost is timed every round, a plain step's only when one runs, and on a 2-core CPU the machine's speed
+# drifts 10-40% within a run, so a plain step timed long ago made marginal rounds look paying (batch 8:
+# plain steps timed at 62 ms in a slow minute, d = 2 rounds then run at 100 ms against 47 ms steps)
 PAYS_ABOVE = 1.05  # a round is chosen over plain steps when predicted this much faster: the margin of
 # its timings (2-core CPU timings move 10-40% within a minute).
 
@@ -160,6 +167,7 @@ class SpeculationPolicy:
     observed: float = 0.0  # drafts accepted and rounds that rejected one, in all (the acceptance's evidence)
     split: bool = False  # the round just chosen runs as a draft and a verify program, timed apart
     since_refresh: int = 0  # rounds since the last split one
+    rounds_since_plain: int = 0  # rounds since the last plain step
     plain_timed: int = 0  # plain steps timed
     verify_s: dict[int, float] = dataclasses.field(default_factory=dict)  # d -> mean seconds of a verify
     timed_rounds: dict[int, int] = dataclasses.field(default_factory=dict)  # d -> rounds timed
@@ -207,8 +215,11 @@ class SpeculationPolicy:
             d, self.split = self.spec.num_speculations, True  # measure a draft pass again
         else:
             d = best_speculations(self.alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
-            if self.predicted_speedup(d) >= PAYS_ABOVE:
+            predicted = self.predicted_speedup(d)
+            if predicted >= PAYS_ABOVE:
                 self.probe_every = PROBE_EVERY
+                if predicted < RECHECK_BELOW and self.rounds_since_plain >= RECHECK_EVERY:
+                    d = 0  # a plain step again: its cost, next to the rounds' recent ones
             elif self.spec.draft_head and not self.pays_at(self._turn_off_alpha):
                 d, self.turned_off = 0, True
             elif self.spec.draft_head and self.observed < TURN_OFF_EVIDENCE:
@@ -219,6 +230,7 @@ class SpeculationPolicy:
                 self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
         self.plain_steps = self.plain_steps + 1 if d == 0 else 0
         self.since_refresh = 0 if self.split else self.since_refresh + (d > 0)
+        self.rounds_since_plain = self.rounds_since_plain + 1 if d else 0
         self.chosen[d] += 1
         return d
 
@@ -263,10 +275,11 @@ class SpeculationPolicy:
         return self.unit_costs is None or bonus_pays(self.alpha, d, *self.unit_costs)
 
     def observe_plain(self, seconds: float) -> None:
-        """A plain full-depth step took `seconds` (running mean, recent 16 weigh most)."""
+        """A plain full-depth step took `seconds` (running mean, the recent 4 weigh most: plain
+        steps are timed rarely while rounds run, and the machine's speed drifts meanwhile)."""
         self.plain_timed += 1
         mean = seconds if self.c_full is None else self.c_full
-        self.c_full = mean + (seconds - mean) / min(self.plain_timed, 16)
+        self.c_full = mean + (seconds - mean) / min(self.plain_timed, 4)
 
     def observe(
         self,
