@@ -28,6 +28,7 @@ RULES = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("embed", None),
+    ("fused", None),  # a draft head's [embedding ⊕ feature] input
     ("norm", None),
     ("layers", None),
     ("relpos_buckets", None),

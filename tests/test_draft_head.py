@@ -141,14 +141,6 @@ def test_a_path_through_side_branches_leaves_what_a_chain_of_its_tokens_leaves(m
             )
 
 
-def test_a_draft_head_is_refused_on_a_mesh(model):
-    from eejax.loading import shard
-    from eejax.sharding import make_mesh
-
-    with pytest.raises(EejaxError, match="draft head .* does not run on a mesh"):
-        shard(model, make_mesh(1, 1))
-
-
 def test_tree_settings_are_refused_on_one_line(model):
     for spec, message in (
         ("draft:tree=00", r"\[\(0,\)\] are missing"),

@@ -1,6 +1,7 @@
-"""Models on a device mesh (8 virtual CPU devices, in a fresh process): greedy tokens, early exit
-and self-speculation identical to one device (tiny Llamas with 4 and 1 KV heads, a T5, SmolLM2 at
-tensor 3, the engine); params and cache placed by the logical axes, rows split over data."""
+"""Models on a device mesh (8 virtual CPU devices, in a fresh process): greedy tokens, early exit,
+self-speculation and a draft head's chain and tree identical to one device (tiny Llamas with 4 and
+1 KV heads, a T5, SmolLM2 at tensor 3, the engine); params and cache placed by the logical axes,
+rows split over data."""
 
 import json
 import os
@@ -24,6 +25,7 @@ from eejax.models.registry import model_module
 from eejax import ExitConfig, SpecConfig
 from eejax.decode.collectives import collectives
 from eejax.models.exits import set_exit_vocab
+from eejax.models import draft_head
 from eejax.engine.engine import Engine
 from eejax.sharding import make_mesh
 from eejax.loading import shard
@@ -82,7 +84,9 @@ for kv in (4, 1):
         reduced = base.with_params(set_exit_vocab(base.params, range(0, 64, 2), tied=False))
         for kw in (dict(exit=ExitConfig("softmax", 0.05, head="reduced")), dict(spec=SpecConfig(2, 2, head="reduced"))):
             check("llama-reduced-head", reduced, make_mesh(2, 2), **kw)
-        model = shard(reduced, make_mesh(2, 1))
+        drafting = reduced.with_params({**reduced.params, "draft": draft_head.init_draft(c, jax.random.PRNGKey(1),
+                                                                                         params=base.params)})
+        model = shard(drafting, make_mesh(2, 1))
         specs = jax.tree.leaves(model.logical_axes(), is_leaf=lambda x: isinstance(x, P))
         arrays = jax.tree.leaves(model.params)
         counts = dict(heads=4, kv_heads=kv)
@@ -90,6 +94,18 @@ for kv in (4, 1):
                    if any(name in ("vocab", "heads", "kv_heads", "mlp") and counts.get(name, dim) % 2 == 0
                           for name, dim in zip(spec, x.shape)) and "tensor" not in tuple(x.sharding.spec)]
         results.append(dict(name="silently-replicated", arrays=unsplit))
+        # A draft head over the reduced head: the chain and a tree (its mask goes with each
+        # device's heads and rows), against one device and against full depth, and the engine.
+        for kw in (dict(spec="draft:2"), dict(spec="draft:3:tree")):
+            check("llama-draft-head", drafting, make_mesh(2, 2), **kw)
+        model = shard(drafting, make_mesh(2, 2))
+        got = eejax.generate(model, prompts, max_new_tokens=6, ignore_eos=True, spec="draft:2")
+        engine = Engine(model, max_slots=4, max_new_tokens=8, cache_budget="1MiB", page_size=8)
+        seqs = [engine.submit(p, max_new_tokens=6, spec="draft:2") for p in prompts]
+        engine.run()
+        results.append(dict(name="draft-head-2x2", full_depth=got.tokens == want,
+                            engine=[s.tokens for s in seqs] == want, accepted=got.stats["acceptance_rate"],
+                            wq=list(model.params["draft"]["layer"]["wq"].sharding.spec)))
 
 tc = T5Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_encoder_layers=2, num_heads=4,
               head_dim=8, gated=True, activation="gelu_new", tie_embeddings=False)
@@ -127,10 +143,19 @@ def mesh_results():
 
 def test_sharded_decoding_gives_one_devices_tokens_and_exit_layers(mesh_results):
     runs = [r for r in mesh_results if "options" in r]
-    assert len(runs) == 17
+    assert len(runs) == 19
     assert [r for r in runs if not (r["same"] and r["same_layers"])] == []
     assert any(r["exited"] < 4 for r in runs if "exit" in r["options"])  # early exits ran on the mesh
     assert [r["same"] for r in mesh_results if r["name"].startswith(("engine", "smollm2"))] == [True] * 5
+
+
+def test_a_draft_head_decodes_on_a_mesh_as_full_depth(mesh_results):
+    """Tensor 2 x data 2: the draft's layer split by heads like the model's, its rounds accepting
+    some drafts and rejecting others, the tokens full depth's, in `generate` and the engine."""
+    run = next(r for r in mesh_results if r["name"] == "draft-head-2x2")
+    assert run["full_depth"] and run["engine"]
+    assert 0 < run["accepted"] < 1
+    assert run["wq"] == [None, "tensor"]
 
 
 def test_params_and_cache_are_placed_by_the_logical_axes(mesh_results):
@@ -147,7 +172,7 @@ def test_params_and_cache_are_placed_by_the_logical_axes(mesh_results):
 
 def test_no_array_the_rules_split_is_silently_replicated(mesh_results):
     """At tensor 2 every param with a vocab, heads, KV heads or MLP axis that 2 divides is split
-    (the reduced exit head included)."""
+    (the reduced exit head and the draft head's layer included)."""
     assert next(r for r in mesh_results if r["name"] == "silently-replicated")["arrays"] == []
 
 

@@ -104,8 +104,6 @@ def paged_attention(
     impl = resolve_impl(impl, q.shape[-1])
     mesh = head_mesh(k_cache.shape[1])
     if mesh is not None:
-        if tree is not None:  # unreachable today: a draft head's params are not sharded
-            raise ValueError("tree attention does not run over KV heads split on a mesh")
         return _head_parallel(
             mesh,
             impl,
@@ -119,6 +117,7 @@ def paged_attention(
             scale=scale,
             bias_table=bias_table,
             bias=bias,
+            tree=tree,
         )
     return _attend(
         impl,
@@ -137,14 +136,25 @@ def paged_attention(
 
 
 def _head_parallel(
-    mesh, impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table, bias
+    mesh, impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table, bias, tree
 ):
-    """Attention on each device's own heads (`head_parallel`), rows over `data` where it divides them."""
+    """Attention on each device's own heads (`head_parallel`), rows over `data` where it divides
+    them; a tree mask (the same for every head) goes with its rows."""
     rows = row_axis(mesh, q.shape[0])
     heads, per_row, cache = P(rows, None, "tensor", None), P(rows), P(None, "tensor")
-    in_specs = (heads, cache, cache, P(), per_row, per_row, per_row, None if bias_table is None else P(None, "tensor"))
+    in_specs = (
+        heads,
+        cache,
+        cache,
+        P(),
+        per_row,
+        per_row,
+        per_row,
+        None if bias_table is None else P(None, "tensor"),
+        None if tree is None else TreeMask(start=per_row, visible=P()),
+    )
 
-    def local(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, bias_table):
+    def local(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, bias_table, tree):
         return _attend(
             impl,
             q,
@@ -157,11 +167,11 @@ def _head_parallel(
             scale=scale,
             bias_table=bias_table,
             bias=bias,
-            tree=None,
+            tree=tree,
         )
 
     return on_head_shards(local, mesh, in_specs, heads)(
-        q, k_cache, v_cache, layer, block_table, q_positions, kv_len, bias_table
+        q, k_cache, v_cache, layer, block_table, q_positions, kv_len, bias_table, tree
     )
 
 

@@ -164,14 +164,9 @@ def save(model: Model, path: str | Path, *, overwrite: bool = False, metadata: d
 
 def shard(model: Model, mesh: Mesh, rules=RULES) -> Model:
     """`model` with its params placed on `mesh` by their logical axes (`eejax.sharding`); its KV
-    caches are created there (`Model.new_cache`) and its programs compiled for it. A draft head
-    is refused: its params have no sharding rules yet."""
+    caches are created there (`Model.new_cache`) and its programs compiled for it. A draft head is
+    placed as a decoder layer is (its K/V are one more cache layer, split by KV heads too)."""
     check_fits(model.config, mesh)
-    if draft_head.has_draft(model.params):
-        raise EejaxError(
-            "a model with a draft head (spec draft:d) does not run on a mesh yet: decode it on one device, "
-            "or shard the model without its head"
-        )
     params = jax.device_put(model.params, param_shardings(model, mesh, rules))
     return dataclasses.replace(model.with_params(params), mesh=mesh, programs=ProgramCache(mesh, rules))
 

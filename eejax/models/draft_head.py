@@ -47,7 +47,7 @@ class DraftHead(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     def setup(self):
-        self.fuse = Linear("fc", self.config.hidden_size, ("embed", "embed"), self.init_scale, self.param_dtype)
+        self.fuse = Linear("fc", self.config.hidden_size, ("fused", "embed"), self.init_scale, self.param_dtype)
         self.layer = DecoderLayer(self.config, self.init_scale, self.param_dtype)
         share_scope(self, self.fuse)
 
