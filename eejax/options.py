@@ -198,6 +198,8 @@ class SpecConfig:
                        the nodes' rank paths (`check_tree`); d is its depth. Spelled
                        `draft:d:tree` (`default_tree`) or `draft:tree=0,1,00,...` (each node's
                        ranks as digits). Greedy rows only, without penalties.
+    confidence_stop:   η (Kangaroo), a draft head's fixed chain: a row's drafts count up to its
+                       first whose top probability is < η (`draft:d:stop=η`; None or 0: off).
     """
 
     exit_layer: int
@@ -208,8 +210,15 @@ class SpecConfig:
     bonus: bool | None = None
     draft_head: bool = False
     tree: tuple[tuple[int, ...], ...] | None = None
+    confidence_stop: float | None = None
 
     def __post_init__(self):
+        stop = self.confidence_stop
+        if stop is not None and (isinstance(stop, bool) or not isinstance(stop, (int, float)) or not 0 <= stop <= 1):
+            raise EejaxError(f"speculation confidence_stop (η) must lie in [0, 1] (0: off), got {stop!r}")
+        object.__setattr__(self, "confidence_stop", float(stop) if stop else None)
+        if self.confidence_stop is not None and (not self.draft_head or self.tree is not None or self.adaptive):
+            raise EejaxError("a confidence stop (η) takes a draft head's fixed chain: draft:d:stop=η")
         if self.tree is not None:
             object.__setattr__(self, "tree", check_tree(self.tree))
             if not self.draft_head or self.adaptive:
@@ -253,6 +262,8 @@ class SpecConfig:
                 return f"draft:{self.num_speculations}:tree"
             return "draft:tree=" + ",".join("".join(map(str, p)) for p in self.tree)
         drafter = "draft" if self.draft_head else self.exit_layer
+        if self.confidence_stop is not None:
+            return f"{drafter}:{self.num_speculations}:stop={self.confidence_stop:g}"
         return f"{drafter}:{self.num_speculations}" + (":adaptive" if self.adaptive else "")
 
     @property
@@ -292,8 +303,17 @@ class SpecConfig:
     @classmethod
     def parse(cls, spec: str, **kw) -> SpecConfig:
         """`E:d` (d drafts per round from the first E layers), `draft:d` (from the draft head),
-        either with `:adaptive`, `draft:d:tree` or `draft:tree=0,1,00,...` (a tree of drafts)."""
+        either with `:adaptive`, `draft:d:tree` or `draft:tree=0,1,00,...` (a tree of drafts), or
+        `draft:d:stop=η` (a confidence stop)."""
         parts = spec.split(":")
+        if len(parts) == 3 and parts[0] == "draft" and parts[2].startswith("stop="):
+            try:
+                d, stop = int(parts[1]), float(parts[2][len("stop=") :])
+            except ValueError:
+                raise EejaxError(
+                    f"cannot read speculation {spec!r}: expected draft:d:stop=η (e.g. draft:4:stop=0.5)"
+                ) from None
+            return cls(0, d, draft_head=True, confidence_stop=stop, **kw)
         if len(parts) == 2 and parts[0] == "draft" and parts[1].startswith("tree="):
             nodes = parts[1][len("tree=") :].split(",")
             if not all(n.isdigit() for n in nodes):
@@ -303,7 +323,7 @@ class SpecConfig:
         if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("adaptive", "tree")):
             raise EejaxError(
                 f"cannot read speculation {spec!r}; expected E:d, draft:d or either with :adaptive, "
-                "or draft:d:tree (e.g. 12:4, draft:4, draft:4:tree)"
+                "draft:d:tree or draft:d:stop=η (e.g. 12:4, draft:4, draft:4:tree, draft:4:stop=0.3)"
             )
         head = parts[0] == "draft"
         if parts[-1] == "tree" and not head:
@@ -388,6 +408,7 @@ class StepOptions:
             head=self.spec.head,
             draft_head=self.spec.draft_head,
             tree=self.spec.tree,
+            confidence_stop=self.spec.confidence_stop,
         )
         bonus = bonus and not spec.draft_head  # a draft head's round always scores d + 1 positions
         return dataclasses.replace(self, exit=None, spec=spec, bonus=bonus, num_steps=1)

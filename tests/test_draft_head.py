@@ -66,6 +66,17 @@ def test_greedy_equals_full_depth(model, rows):
         assert res.stats["spec"] == spec and res.stats["rounds"] > 0
 
 
+def test_a_confidence_stop_drafts_less_and_stays_lossless(model):
+    """draft:3:stop=0.7: rounds stop drafting at an unconfident draft (fewer drafts judged than 3
+    per round, more than the first), the batch drafting on while a row does; full depth's tokens."""
+    for rows in (1, 8):
+        full = eejax.generate(model, PROMPTS[:rows], max_new_tokens=NEW, ignore_eos=True)
+        res = eejax.generate(model, PROMPTS[:rows], max_new_tokens=NEW, ignore_eos=True, spec="draft:3:stop=0.7")
+        s = res.stats
+        assert res.tokens == full.tokens and s["spec"] == "draft:3:stop=0.7"
+        assert s["rounds"] < s["drafted_tokens"] < 0.7 * 3 * s["rounds"], rows
+
+
 def test_perfect_drafts_are_all_accepted_and_counted():
     perfect = perfect_head(tiny())
     full = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True)
@@ -274,28 +285,57 @@ def test_adaptive_generation_is_lossless_and_turns_speculation_off(model, monkey
     assert later_policy is not first_policy and later_policy.turned_off and not engine.past_policies
 
 
+SAMPLED_PROMPT = [3, 7, 1, 12, 5]
+
+
+def sampled_round(rows: int, spec, max_new_tokens: int, seed: int):
+    """One round at temperature 1 of `rows` copies of SAMPLED_PROMPT (after a greedy prefill) on
+    the perfect head of a 16-token model: (model, state before, state after, counters)."""
+    model = perfect_head(tiny(vocab=16, scale=0.6, seed=3))
+    state, cache, table = prefilled(model, [SAMPLED_PROMPT] * rows, max_new_tokens=max_new_tokens, pages_per_row=2)
+    state = dataclasses.replace(
+        state,
+        sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(1.0), rows)),
+        keys=jax.random.split(jax.random.PRNGKey(seed), rows),
+    )
+    round_ = jax.jit(spec_round, static_argnums=(0, 4, 5, 6))
+    new_state, _, counters = round_(model, state, cache, table, spec, max_new_tokens, 1.0)
+    return model, state, new_state, counters
+
+
 def test_speculative_sampling_with_a_draft_head_matches_the_models_softmax():
     """Many identical rows (a greedy prefill), one round at temperature 1 over a 16-token
     vocabulary: the first token the round emits is distributed as the model's next-token softmax,
     not as the draft's (the perfect head's drafts: the right argmax at another temperature)."""
-    model = perfect_head(tiny(vocab=16, scale=0.6, seed=3))
-    rows, prompt = 4096, [3, 7, 1, 12, 5]
-    state, cache, table = prefilled(model, [prompt] * rows, max_new_tokens=4, pages_per_row=2)
-    state = dataclasses.replace(
-        state,
-        sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(1.0), rows)),
-        keys=jax.random.split(jax.random.PRNGKey(5), rows),
-    )
-    spec = SpecConfig(0, 2, draft_head=True)
-    new_state, _, counters = jax.jit(spec_round, static_argnums=(0, 4, 5, 6))(model, state, cache, table, spec, 4, 1.0)
+    model, state, new_state, counters = sampled_round(4096, SpecConfig(0, 2, draft_head=True), 4, seed=5)
     first = np.asarray(new_state.tokens)[:, 1]
-    p = np.asarray(jax.nn.softmax(_last_logits(model, prompt + [int(state.last_token[0])])))
+    p = np.asarray(jax.nn.softmax(_last_logits(model, SAMPLED_PROMPT + [int(state.last_token[0])])))
     q = np.asarray(jax.nn.softmax(draft_head.draft_logits(model.params, state.draft_hidden[0], model.config, False)))
     acceptance = np.asarray(counters.accepted).sum() / np.asarray(counters.drafted).sum()
     assert 0.5 * np.abs(p - q).sum() > 0.1  # the draft is wrong often enough to matter
     assert 0.1 < acceptance < 0.95
     assert chi_square_p(np.bincount(first, minlength=16), p) > 1e-3
     assert chi_square_p(np.bincount(first, minlength=16), q) < 1e-6
+
+
+def test_sampling_after_a_confidence_stop_takes_the_next_token_from_the_model():
+    """d = 3, η = 0.5 splits identical rows by their sampled first draft: 2 drafts count in some,
+    3 in the others (which keep the batch drafting). A row that accepted both of its 2 drafts
+    draws its third token from the model's softmax after them, not from a residual against the
+    third draft that the batch made but the row never counted."""
+    spec = SpecConfig(0, 3, draft_head=True, confidence_stop=0.5)
+    model, state, new_state, counters = sampled_round(8192, spec, 5, seed=6)
+    made = np.asarray(new_state.num_generated) - np.asarray(state.num_generated)
+    drafted, tokens = np.asarray(counters.drafted), np.asarray(new_state.tokens)
+    assert set(drafted) == {2, 3} and made[drafted == 2].max() == 3  # 2 drafts: at most 3 tokens
+    both = (drafted == 2) & (made == 3)
+    pair = tokens[:, 1] * 16 + tokens[:, 2]
+    top = np.bincount(pair[both]).argmax()
+    third = tokens[both & (pair == top), 3]
+    p = np.asarray(
+        jax.nn.softmax(_last_logits(model, SAMPLED_PROMPT + [int(state.last_token[0]), top // 16, top % 16]))
+    )
+    assert len(third) > 500 and chi_square_p(np.bincount(third, minlength=16), p) > 1e-3
 
 
 def _last_logits(model, tokens):
@@ -419,6 +459,18 @@ def test_bad_draft_settings(model):
         SpecConfig(3, 2, draft_head=True)
     assert SpecConfig.parse("draft:4:adaptive") == SpecConfig(0, 4, adaptive=True, draft_head=True)
     assert SpecConfig.parse("draft:4").spec == "draft:4"
+    assert SpecConfig.parse("draft:4:stop=0.5") == SpecConfig(0, 4, draft_head=True, confidence_stop=0.5)
+    assert SpecConfig.parse("draft:4:stop=0.5").spec == "draft:4:stop=0.5"
+    assert SpecConfig.parse("draft:4:stop=0") == SpecConfig.parse("draft:4")  # 0: off
+    for spec, message in (
+        ("draft:4:stop=1.5", r"must lie in \[0, 1\]"),
+        ("draft:4:stop=x", "expected draft:d:stop"),
+        ("12:4:stop=0.5", "cannot read speculation"),
+    ):
+        with pytest.raises(EejaxError, match=message):
+            SpecConfig.parse(spec)
+    with pytest.raises(EejaxError, match="fixed chain"):
+        SpecConfig(0, 4, adaptive=True, draft_head=True, confidence_stop=0.5)
     with pytest.raises(UnsupportedModelError, match="Llama"):
         draft_head.check_model(dataclasses.replace(plain.config, architecture="t5"))
     bad = {**model.params["draft"], "fc": model.params["draft"]["fc"][:3]}

@@ -233,7 +233,9 @@ def add_parsers(sub) -> None:
         "head (eejax train-draft; e.g. the model smollm2-135m-eagle) and verifies with every layer. Greedy output "
         "equals full depth, sampling keeps the full model's distribution. A :adaptive suffix chooses d per round "
         "from the measured acceptance and costs. draft:d:tree drafts a tree of depth d (the head's likeliest chain "
-        "plus its 2nd choices near the root; draft:tree=0,00,1 names the nodes) verified in one pass, greedy only",
+        "plus its 2nd choices near the root; draft:tree=0,00,1 names the nodes) verified in one pass, greedy only. "
+        "draft:d:stop=η stops a round's drafting at the first draft whose top probability is below η (Kangaroo); "
+        "η 0 is off",
     )
     gen.add_argument(
         "--spec-max-d",

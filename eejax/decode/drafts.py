@@ -18,11 +18,13 @@ class Drafts:
     """tokens [B, d+1] int32: x_0 (the last token) then the d drafts; hidden [B, P, D]: the
     hidden state after E layers of x_0..x_{P-1}, the positions verification scores (P = d + 1
     with the bonus pass, else d); probs [B, d, V] f32: the draft distribution q_i each draft was
-    sampled from ([B, d, 0] when greedy)."""
+    sampled from ([B, d, 0] when greedy); valid [B] int32 or None: with a confidence stop, the
+    drafts each row made before its first unconfident one (the rest are never accepted)."""
 
     tokens: jax.Array
     hidden: jax.Array
     probs: jax.Array
+    valid: jax.Array | None = None
 
 
 def token_batch(config, state: DecodeState, offsets, block_table, page_size, attention, *, width=None, **tree):

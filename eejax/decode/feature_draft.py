@@ -13,6 +13,9 @@ with d drafts:
   and the tokens that follow them, so the draft's K/V of every emitted position comes from the
   model, never from its guesses, and draft_hidden moves to the row's new last position.
 
+With a confidence stop (`draft:d:stop=η`, Kangaroo) the draft passes run while a row's drafts stay
+confident (`_draft_until_unconfident`), and verification scores only the positions drafted.
+
 The prefill (`steps.prefill`) fills the draft's K/V of the prompt the same way (`prompt_draft`).
 Plain steps in place of rounds (adaptive; `speculative.plain_step`) are full-depth decode steps,
 then one `catch_up` over their positions from the features they computed.
@@ -39,16 +42,19 @@ def uses_reduced_head(params, options: StepOptions) -> bool:
 
 
 def _propose(params, predicted, state: DecodeState, i, config, options: StepOptions):
-    """(draft token [B], q [B, V] or [B, 0] when greedy) of the head at predicted features [B, D]."""
+    """(draft token [B], q [B, V] or [B, 0] when greedy, the head's top probability [B]) of the
+    head at predicted features [B, D]."""
     reduced = uses_reduced_head(params, options)
-    return draft_proposal(
-        draft_head.draft_logits(params, predicted, config, reduced),
+    logits = draft_head.draft_logits(params, predicted, config, reduced)
+    token, q = draft_proposal(
+        logits,
         params["exits"]["vocab_ids"] if reduced else None,
         token_keys(state.keys, state.position + i, DRAFT),
         state.sampling,
         options.sampler,
         config.vocab_size,
     )
+    return token, q, jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
 
 
 def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
@@ -57,16 +63,24 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
     drafts.hidden [B, d+1, D] the embeddings verification starts from, drafts.probs [B, d, V]
     (greedy: [B, d, 0])."""
     d = options.spec.num_speculations
-    first, q1 = _propose(params, state.draft_hidden, state, 0, config, options)
+    first, q1, confidence = _propose(params, state.draft_hidden, state, 0, config, options)
 
-    def step(carry, i):
-        cache, predicted, token = carry
+    def next_draft(cache, predicted, token, i):
+        """The draft layer at position n+i-1 and the head: (proposal, q, confidence, output, cache)."""
         batch = token_batch(config, state, jnp.reshape(i - 1, (1,)), block_table, cache.page_size, options.attention)
         out, cache = draft_head.draft_layer(
             params, predicted[:, None], embed(params, token[:, None]), cache, batch, config
         )
-        proposal, q = _propose(params, out[:, 0], state, i, config, options)
-        return (cache, out[:, 0].astype(predicted.dtype), proposal), (proposal, q)
+        proposal, q, conf = _propose(params, out[:, 0], state, i, config, options)
+        return proposal, q, conf, out[:, 0].astype(predicted.dtype), cache
+
+    if options.spec.confidence_stop is not None and d > 1:
+        return _draft_until_unconfident(params, cache, state, first, q1, confidence, next_draft, options)
+
+    def step(carry, i):
+        cache, predicted, token = carry
+        proposal, q, _, out, cache = next_draft(cache, predicted, token, i)
+        return (cache, out, proposal), (proposal, q)
 
     tokens, probs = first[:, None], q1[:, None]
     if d > 1:
@@ -77,6 +91,34 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
         probs = jnp.concatenate([probs, more_q.swapaxes(0, 1)], axis=1)
     tokens = jnp.concatenate([state.last_token[:, None], tokens], axis=1)
     return Drafts(tokens=tokens, hidden=embed(params, tokens), probs=probs), state, cache
+
+
+def _draft_until_unconfident(params, cache, state: DecodeState, first, q1, confidence, next_draft, options):
+    """A chain with Kangaroo's confidence stop η: draft i + 1 counts for a row while its drafts 1..i
+    had top probability >= η; the batch drafts on while any active row still does (a while loop:
+    the passes after the last such row are not run). Returns (drafts with `valid`, state, cache);
+    the positions no pass reached hold token 0 (scored by verification, never accepted)."""
+    d, eta = options.spec.num_speculations, options.spec.confidence_stop
+    b = first.shape[0]
+    tokens = jnp.zeros((b, d), jnp.int32).at[:, 0].set(first)
+    probs = jnp.zeros((b, d) + q1.shape[1:], q1.dtype).at[:, 0].set(q1)
+    drafting = ~state.done & (confidence >= eta)
+
+    def more(carry):
+        i, drafting = carry[0], carry[-1]
+        return (i < d) & drafting.any()
+
+    def body(carry):
+        i, cache, predicted, token, tokens, probs, valid, drafting = carry
+        proposal, q, conf, out, cache = next_draft(cache, predicted, token, i)
+        tokens = jax.lax.dynamic_update_slice(tokens, proposal[:, None], (0, i))
+        probs = jax.lax.dynamic_update_slice(probs, q[:, None], (0, i) + (0,) * (q.ndim - 1))
+        return i + 1, cache, out, proposal, tokens, probs, valid + drafting, drafting & (conf >= eta)
+
+    start = (jnp.int32(1), cache, state.draft_hidden, first, tokens, probs, jnp.ones((b,), jnp.int32), drafting)
+    _, cache, _, _, tokens, probs, valid, _ = jax.lax.while_loop(more, body, start)
+    tokens = jnp.concatenate([state.last_token[:, None], tokens], axis=1)
+    return Drafts(tokens=tokens, hidden=embed(params, tokens), probs=probs, valid=valid), state, cache
 
 
 def catch_up(params, cache: KVCache, state: DecodeState, new: DecodeState, h, emitted_tokens, count, batch, config):

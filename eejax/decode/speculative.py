@@ -142,26 +142,27 @@ def greedy_accept(logits, drafts):
     return n, target
 
 
-def speculative_sample(p, q, drafts, accept_keys, resample_keys):
+def speculative_sample(p, q, drafts, accept_keys, resample_keys, valid=None):
     """Speculative rejection sampling. p [B, P, V] full-model probabilities at x_0..x_{P-1}
     (P = d + 1, or d without the bonus pass), q [B, d, V] draft probabilities, drafts [B, d]
-    sampled from q, per-row keys [B, 2] for the acceptance tests and the final draw ->
-    (n [B], tokens [B, P]).
+    sampled from q, per-row keys [B, 2] for the acceptance tests and the final draw, valid [B]
+    (a confidence stop: the row's drafts that count; None: all d) -> (n [B], tokens [B, P]).
 
     Draft i is accepted with probability min(1, p_i(x)/q_i(x)); the row keeps the accepted
     prefix, then samples once more: from max(0, p_n - q_n) normalised after a rejection, from
-    p_d when all d were accepted (with the bonus pass; without it the row emits the d drafts).
-    Each emitted token is then distributed exactly as p."""
+    p_n when all its valid drafts were accepted (with the bonus pass; without it the row emits
+    the d drafts). Each emitted token is then distributed exactly as p."""
     b, d = drafts.shape
+    valid = jnp.full((b,), d, jnp.int32) if valid is None else valid
     positions = p.shape[1]
     px = jnp.take_along_axis(p[:, :d], drafts[..., None], axis=-1)[..., 0]
     qx = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
     u = jax.vmap(lambda k: jax.random.uniform(k, (d,)))(accept_keys)
-    accepted = u * qx < px  # u < p/q without dividing (q(x) > 0: x was drawn from q)
+    accepted = (u * qx < px) & (jnp.arange(d)[None] < valid[:, None])  # u < p/q without dividing (q(x) > 0)
     n = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
     rows = jnp.arange(b)
     p_n = p[rows, jnp.minimum(n, positions - 1)]  # n = P = d: nothing more is emitted
-    q_n = jnp.where((n < d)[:, None], q[rows, jnp.minimum(n, d - 1)], 0.0) if d else jnp.zeros_like(p_n)
+    q_n = jnp.where((n < valid)[:, None], q[rows, jnp.minimum(n, d - 1)], 0.0) if d else jnp.zeros_like(p_n)
     residual = jnp.maximum(p_n - q_n, 0.0)
     total = residual.sum(-1, keepdims=True)
     # p_n == q_n leaves no residual mass; a rejection then has probability 0, keep p_n.
@@ -184,7 +185,25 @@ def verify(
 ):
     """Layers [E, L) over the d + 1 drafted positions (a tree's nodes: `tree.score`), acceptance,
     and the new tokens recorded (with `options.logprobs`, their log-probabilities under the full
-    model). Returns (state, cache, counters)."""
+    model). After a confidence stop (`drafts.valid`) only the first k + 1 positions are scored, k
+    the most drafts a row made: one branch per k (`lax.switch`), so the positions no row drafted
+    cost nothing. Returns (state, cache, counters)."""
+    if drafts.valid is None:
+        return _verify(params, cache, state, drafts, counters, block_table, config=config, options=options)
+
+    def scoring(k):
+        first_k = Drafts(drafts.tokens[:, : k + 1], drafts.hidden[:, : k + 1], drafts.probs[:, :k], drafts.valid)
+        return lambda cache, state, counters: _verify(
+            params, cache, state, first_k, counters, block_table, config=config, options=options
+        )
+
+    d = drafts.tokens.shape[1] - 1
+    most = jnp.clip(jnp.max(drafts.valid), 1, d)
+    return jax.lax.switch(most - 1, [scoring(k) for k in range(1, d + 1)], cache, state, counters)
+
+
+def _verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters, block_table, *, config, options):
+    """`verify` over every position of `drafts`."""
     sampler, attention, eos_ids = options.sampler, options.attention, options.eos_ids
     e, num_layers, is_tree = options.spec.exit_layer, config.num_layers, options.spec.tree is not None
     # t positions scored: d + 1 with the bonus pass (a tree: its depth + 1 along the accepted path), else d
@@ -203,6 +222,8 @@ def verify(
             logits = apply_to_positions(logits, state.sampling, state.counts, tokens[:, 1:t])
         n, new = greedy_accept(logits, tokens[:, 1:])  # [B], [B, t]
     b, d = tokens.shape[0], tokens.shape[1] - 1
+    valid = jnp.full((b,), d, jnp.int32) if drafts.valid is None else drafts.valid  # a confidence stop's
+    n = jnp.minimum(n, valid)
     if sampler != GREEDY:  # rejection sampling for the rows that sample; greedy rows keep the argmax
         per_position = jax.tree.map(lambda x: jnp.repeat(x, t), state.sampling)
         p = jax.nn.softmax(filtered_logits(logits.reshape(b * t, -1), per_position, sampler), axis=-1).reshape(
@@ -214,6 +235,7 @@ def verify(
             tokens[:, 1:],
             token_keys(state.keys, state.position, ACCEPT),
             token_keys(state.keys, state.position, RESAMPLE),
+            valid,
         )
         greedy = state.sampling.greedy
         n, new = jnp.where(greedy, n, n_sampled), jnp.where(greedy[:, None], new, new_sampled)
@@ -244,14 +266,14 @@ def verify(
     )
     if options.spec.draft_head:  # the draft's K/V of the verified positions, from the model's features
         new_state, cache = feature_draft.catch_up(params, cache, state, new_state, h, new, count, batch, config)
-    judged = jnp.where(active, jnp.minimum(d, room), 0)  # drafts past the row's room never count
+    judged = jnp.where(active, jnp.minimum(valid, room), 0)  # drafts past the row's room never count
     new_counters = SpecCounters(
         drafted=counters.drafted + judged,
         accepted=counters.accepted + jnp.minimum(n, judged),
         rounds=counters.rounds + active,
         rejections=counters.rejections + (n < judged),
         layer_passes=counters.layer_passes + active * (t * e + num_layers - e),
-        draft_heads=counters.draft_heads + active * d,
+        draft_heads=counters.draft_heads + active * (d if drafts.valid is None else jnp.max(valid)),
         plain_steps=counters.plain_steps,
     )
     return new_state, cache, new_counters
