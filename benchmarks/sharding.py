@@ -2,7 +2,8 @@
 compiled, and what a generated token communicates; then a paper estimate for a 7B LayerSkip Llama
 on 8 GPUs.
 
-For each mesh (tensor x data) and decoding mode (full depth, early exit, self-speculation), on
+For each mesh (tensor x data) and decoding mode (full depth, early exit, self-speculation, and
+SmolLM2's trained draft head: `smollm2-135m-eagle`, `draft:2`), on
 --prompts CNN/DM prompts of --prompt-tokens tokens and --new-tokens greedy tokens: whether the
 tokens equal one device's, how many programs were compiled, and the bytes of the collectives
 (`eejax.decode.collectives`: each collective's result size on one device, loops' trip counts
@@ -42,7 +43,9 @@ MODES = {
     "full depth": {},
     "softmax:0.9 @8,16,24": dict(exit=eejax.ExitConfig("softmax", 0.9, exit_layers=(8, 16, 24))),
     "self-spec 15:2": dict(spec="15:2"),
+    "draft head draft:2": dict(spec="draft:2"),  # on smollm2-135m-eagle (DRAFTED)
 }
+DRAFTED = {"draft head draft:2"}  # the modes that run on the model with its draft head
 
 
 def per_token_bytes(model, stats, rows: int) -> tuple[float, int]:
@@ -95,10 +98,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=16)
     args = parser.parse_args()
-    base = eejax.load("smollm2-135m")
+    base, drafting = eejax.load("smollm2-135m"), eejax.load("smollm2-135m-eagle")
     prompts = cnndm_prompts(base.tokenizer, args.prompts, args.prompt_tokens)
+    model_of = {mode: drafting if mode in DRAFTED else base for mode in MODES}
     want = {
-        mode: eejax.generate(base, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, **kw)
+        mode: eejax.generate(model_of[mode], prompts, max_new_tokens=args.new_tokens, ignore_eos=True, **kw)
         for mode, kw in MODES.items()
     }
     rows = []
@@ -107,7 +111,7 @@ def main() -> None:
         if tensor * data > len(jax.devices()):
             continue
         for mode, kw in MODES.items():
-            model = shard(base, make_mesh(tensor, data))
+            model = shard(model_of[mode], make_mesh(tensor, data))
             out = eejax.generate(model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, **kw)
             moved, unknown = per_token_bytes(model, out.stats, len(prompts))
             layers = out.stats["mean_layers_per_token"]
