@@ -13,6 +13,7 @@ nodes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ from benchmarks.early_exit import summary_prompts  # noqa: E402
 from eejax.cache import init_cache  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.decode import speculative, steps  # noqa: E402
+from eejax.decode.lookup import PromptTokens  # noqa: E402
 from eejax.decode.sampling import RowSampling, SamplingParams  # noqa: E402
 from eejax.options import SpecConfig, StepOptions  # noqa: E402
 
@@ -56,6 +58,21 @@ def prefilled(model, prompts, new_tokens: int):
         options=StepOptions(new_tokens),
     )
     return state, cache, table
+
+
+def with_prompts(state, copied: bool):
+    """`state` with a prompt lookup's prompts: in each row 7, its first new token, 1, 2, 3, 4, 7,
+    so that its history ends in "7 first" again and the lookup copies d drafts (`copied`), or a
+    prompt of one -1, which nothing matches (the head drafts every row)."""
+    b = state.last_token.shape[0]
+    first = np.asarray(state.last_token)
+    if copied:
+        tokens = np.stack([[7, int(f), 1, 2, 3, 4, 7] for f in first]).astype(np.int32)
+    else:
+        tokens = np.full((b, 1), -1, np.int32)  # no token equals -1: nothing matches
+    return dataclasses.replace(
+        state, prompt=PromptTokens(jnp.asarray(tokens), jnp.full((b,), tokens.shape[1], jnp.int32))
+    )
 
 
 def main() -> int:
@@ -96,19 +113,26 @@ def main() -> int:
         ),
         donate_argnums=(1,),
     )
-    programs = {"full-depth step": step} | {s.spec: round_program(s) for s in specs}
+    programs = {"full-depth step": (step, state)}
+    for s in specs:
+        if s.lookup:  # a round whose rows all copy their drafts, and one whose rows have no match
+            programs[f"{s.spec} (copied)"] = (round_program(s), with_prompts(state, copied=True))
+            programs[f"{s.spec} (no match)"] = (round_program(s), with_prompts(state, copied=False))
+        else:
+            programs[s.spec] = (round_program(s), state)
     seconds = {name: [] for name in programs}
     for rep in range(args.repeats + 2):
-        for name, program in programs.items():
+        for name, (program, state_in) in programs.items():
             own = jax.block_until_ready(jax.tree.map(jnp.copy, cache))  # donated to the program
             start = time.perf_counter()
-            jax.block_until_ready(program(model.run_params, own, state))
+            jax.block_until_ready(program(model.run_params, own, state_in))
             if rep >= 2:  # the first runs compile and warm up
                 seconds[name].append(time.perf_counter() - start)
     step_s = float(np.median(seconds["full-depth step"]))
     rows = []
     print("| setting | verified rows | ms | steps |\n|---|---|---|---|")
-    for name, spec in [("full-depth step", None)] + [(s.spec, s) for s in specs]:
+    by_name = {name: next((s for s in specs if name.split(" ")[0] == s.spec), None) for name in programs}
+    for name, spec in by_name.items():
         ms = 1e3 * float(np.median(seconds[name]))
         verified = args.batch * (1 if spec is None else spec.positions_ahead + 1)
         rows.append(dict(setting=name, verified_rows=verified, ms=ms, steps=ms / 1e3 / step_s))

@@ -200,6 +200,11 @@ class SpecConfig:
                        ranks as digits). Greedy rows only, without penalties.
     confidence_stop:   η (Kangaroo), a draft head's fixed chain: a row's drafts count up to its
                        first whose top probability is < η (`draft:d:stop=η`; None or 0: off).
+    lookup:            with a draft head's chain, up to this many drafts copied where the row's
+                       last tokens occurred before in its prompt or output: the tokens that
+                       followed them there (prompt lookup, `decode.lookup`); the head's d
+                       elsewhere. Spelled `draft:d:lookup` (d) or `draft:d:lookup=k`; True: d;
+                       0 or False: off.
     """
 
     exit_layer: int
@@ -211,6 +216,7 @@ class SpecConfig:
     draft_head: bool = False
     tree: tuple[tuple[int, ...], ...] | None = None
     confidence_stop: float | None = None
+    lookup: int = 0
 
     def __post_init__(self):
         stop = self.confidence_stop
@@ -219,6 +225,12 @@ class SpecConfig:
         object.__setattr__(self, "confidence_stop", float(stop) if stop else None)
         if self.confidence_stop is not None and (not self.draft_head or self.tree is not None or self.adaptive):
             raise EejaxError("a confidence stop (η) takes a draft head's fixed chain: draft:d:stop=η")
+        lookup = self.num_speculations if self.lookup is True else self.lookup
+        if not isinstance(lookup, int) or not 0 <= lookup <= MAX_SPECULATIONS:
+            raise EejaxError(f"speculation lookup (copied drafts) must lie in [0, {MAX_SPECULATIONS}], got {lookup!r}")
+        object.__setattr__(self, "lookup", int(lookup))
+        if self.lookup and (not self.draft_head or self.tree is not None or self.confidence_stop is not None):
+            raise EejaxError("a prompt lookup takes a draft head's chain: draft:d:lookup (not a tree, nor a stop)")
         if self.tree is not None:
             object.__setattr__(self, "tree", check_tree(self.tree))
             if not self.draft_head or self.adaptive:
@@ -236,17 +248,13 @@ class SpecConfig:
             raise EejaxError(f"speculation bonus must be True, False or None (decided per round), got {self.bonus!r}")
         if self.head not in HEADS:
             raise EejaxError(f"speculation head must be one of {', '.join(HEADS)}, got {self.head!r}")
-        for name in ("exit_layer", "num_speculations", "max_speculations"):
+        for name in ("exit_layer", "num_speculations", "max_speculations")[self.draft_head :]:
             value = getattr(self, name)
-            if name == "exit_layer" and self.draft_head:
-                continue
             if isinstance(value, bool) or int(value) != value or value < 1:
                 raise EejaxError(f"speculation {name} must be an integer >= 1, got {value!r}")
-        for name in ("num_speculations", "max_speculations"):
-            if getattr(self, name) > MAX_SPECULATIONS:
+            if name != "exit_layer" and value > MAX_SPECULATIONS:
                 raise EejaxError(
-                    f"speculation {name} must lie in [1, {MAX_SPECULATIONS}] (drafts per round), "
-                    f"got {getattr(self, name)}"
+                    f"speculation {name} must lie in [1, {MAX_SPECULATIONS}] (drafts per round), got {value}"
                 )
         if self.adaptive and self.max_speculations < self.num_speculations:
             raise EejaxError(
@@ -264,13 +272,16 @@ class SpecConfig:
         drafter = "draft" if self.draft_head else self.exit_layer
         if self.confidence_stop is not None:
             return f"{drafter}:{self.num_speculations}:stop={self.confidence_stop:g}"
-        return f"{drafter}:{self.num_speculations}" + (":adaptive" if self.adaptive else "")
+        copies = ":lookup" * bool(self.lookup) + f"={self.lookup}" * (self.lookup not in (0, self.num_speculations))
+        return f"{drafter}:{self.num_speculations}" + ":adaptive" * self.adaptive + copies
 
     @property
     def positions_ahead(self) -> int:
-        """The most cache positions a round writes past a row's last token: its drafts (d, or a
-        tree's nodes)."""
-        return len(self.tree) if self.tree is not None else self.num_speculations
+        """The most cache positions a round writes past a row's last token: its drafts (d, the
+        adaptive policy's largest, a tree's nodes, or a prompt lookup's copies)."""
+        if self.tree is not None:
+            return len(self.tree)
+        return max(self.max_speculations if self.adaptive else self.num_speculations, self.lookup)
 
     def check_sampling(self, sampler: str, penalized: bool) -> None:
         """An EejaxError where this speculation cannot decode rows of `sampler` (with penalties)."""
@@ -302,45 +313,45 @@ class SpecConfig:
 
     @classmethod
     def parse(cls, spec: str, **kw) -> SpecConfig:
-        """`E:d` (d drafts per round from the first E layers), `draft:d` (from the draft head),
-        either with `:adaptive`, `draft:d:tree` or `draft:tree=0,1,00,...` (a tree of drafts), or
-        `draft:d:stop=η` (a confidence stop)."""
-        parts = spec.split(":")
-        if len(parts) == 3 and parts[0] == "draft" and parts[2].startswith("stop="):
-            try:
-                d, stop = int(parts[1]), float(parts[2][len("stop=") :])
-            except ValueError:
-                raise EejaxError(
-                    f"cannot read speculation {spec!r}: expected draft:d:stop=η (e.g. draft:4:stop=0.5)"
-                ) from None
-            return cls(0, d, draft_head=True, confidence_stop=stop, **kw)
-        if len(parts) == 2 and parts[0] == "draft" and parts[1].startswith("tree="):
-            nodes = parts[1][len("tree=") :].split(",")
-            if not all(n.isdigit() for n in nodes):
+        """`E:d` (d drafts per round from the first E layers) or `draft:d` (from the draft head),
+        then modifiers, each at most once: `:adaptive`, and with the draft head `:tree` (a tree of
+        drafts; or `draft:tree=0,1,00,...`), `:stop=η` (a confidence stop), `:lookup` or
+        `:lookup=k` (prompt lookup: up to d or k copied drafts)."""
+        drafter, *rest = spec.split(":")
+        head = drafter == "draft"
+        if head and rest and rest[0].startswith("tree="):
+            nodes = rest[0][len("tree=") :].split(",")
+            if len(rest) > 1 or not all(n.isdigit() for n in nodes):
                 raise EejaxError(f"cannot read the draft tree {spec!r}: each node is its ranks as digits (e.g. 0,1,00)")
             tree = check_tree(tuple(int(c) for c in n) for n in nodes)
             return cls(0, max(map(len, tree)), draft_head=True, tree=tree, **kw)
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("adaptive", "tree")):
+        modifiers = rest[1:]
+        stops = [m for m in modifiers if m.startswith("stop=")]
+        copies = [m for m in modifiers if m.startswith("lookup")]
+        known = {"adaptive", "tree"} | set(stops[:1]) | set(copies[:1])
+        if not rest or len(set(modifiers)) < len(modifiers) or not set(modifiers) <= known or (stops and not head):
             raise EejaxError(
                 f"cannot read speculation {spec!r}; expected E:d, draft:d or either with :adaptive, "
-                "draft:d:tree or draft:d:stop=η (e.g. 12:4, draft:4, draft:4:tree, draft:4:stop=0.3)"
+                "draft:d:tree, draft:d:stop=η or draft:d:lookup (e.g. 12:4, draft:4, draft:4:tree, draft:4:stop=0.3)"
             )
-        head = parts[0] == "draft"
-        if parts[-1] == "tree" and not head:
+        if "tree" in modifiers and not head:
             raise EejaxError(f"cannot read speculation {spec!r}: a tree of drafts needs the draft head (draft:d:tree)")
         try:
-            e, d = 0 if head else int(parts[0]), int(parts[1])
+            e, d = 0 if head else int(drafter), int(rest[0])
+            stop = float(stops[0][len("stop=") :]) if stops else None
+            lookup = 0 if not copies else d if copies[0] == "lookup" else int(copies[0].removeprefix("lookup="))
         except ValueError:
             raise EejaxError(
-                f"cannot read speculation {spec!r}: E and d must be integers (e.g. 12:4, draft:4)"
+                f"cannot read speculation {spec!r}: E, d and k must be integers, η a number "
+                "(e.g. 12:4, draft:4, draft:4:stop=0.5, draft:2:lookup=8)"
             ) from None
-        if parts[-1] == "tree":
-            if not 1 <= d <= MAX_TREE_NODES - 3:
-                raise EejaxError(
-                    f"cannot read speculation {spec!r}: a draft tree's depth d lies in [1, {MAX_TREE_NODES - 3}]"
-                )
-            return cls(0, d, draft_head=True, tree=default_tree(d), **kw)
-        return cls(e, d, adaptive=parts[-1] == "adaptive", draft_head=head, **kw)
+        if "tree" in modifiers and not 1 <= d <= MAX_TREE_NODES - 3:
+            raise EejaxError(
+                f"cannot read speculation {spec!r}: a draft tree's depth d lies in [1, {MAX_TREE_NODES - 3}]"
+            )
+        tree = default_tree(d) if "tree" in modifiers else None
+        adaptive = "adaptive" in modifiers
+        return cls(e, d, adaptive=adaptive, draft_head=head, tree=tree, confidence_stop=stop, lookup=lookup, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +420,7 @@ class StepOptions:
             draft_head=self.spec.draft_head,
             tree=self.spec.tree,
             confidence_stop=self.spec.confidence_stop,
+            lookup=self.spec.lookup,
         )
         bonus = bonus and not spec.draft_head  # a draft head's round always scores d + 1 positions
         return dataclasses.replace(self, exit=None, spec=spec, bonus=bonus, num_steps=1)
@@ -418,7 +430,8 @@ class StepOptions:
         draft head and `catch_up`, also that they end with the draft's catch-up
         (`speculative.plain_step`)."""
         if catch_up and self.spec is not None and self.spec.draft_head:
-            return dataclasses.replace(self.round(1), num_steps=num_steps)
+            steps = self.round(1)  # (a plain step looks nothing up)
+            return dataclasses.replace(steps, spec=dataclasses.replace(steps.spec, lookup=0), num_steps=num_steps)
         return self.decoding(num_steps)
 
     def drafting(self) -> StepOptions:

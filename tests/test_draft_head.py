@@ -15,7 +15,9 @@ import pytest
 
 import eejax
 from eejax.decode import speculative, steps
+from eejax.decode.lookup import PromptTokens
 from eejax.decode.sampling import RowSampling, SamplingParams
+from eejax.decode.stats import SPEC_COUNTERS
 from eejax.engine.engine import Engine
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import draft_head, llama
@@ -75,6 +77,39 @@ def test_a_confidence_stop_drafts_less_and_stays_lossless(model):
         s = res.stats
         assert res.tokens == full.tokens and s["spec"] == "draft:3:stop=0.7"
         assert s["rounds"] < s["drafted_tokens"] < 0.7 * 3 * s["rounds"], rows
+
+
+def test_prompt_lookup_copies_drafts_and_stays_lossless():
+    """A prompt lookup with the perfect head (never wrong; its model's next token depends on the
+    current one only): each prompt holds x, f(x), 4 other tokens, f(x)..f^4(x), 2 others, x (after
+    8 tokens that all share, for the prefix cache), so the first round copies the 4 wrong tokens
+    (rejected) and later ones copy the chain (accepted). In one row (draft:3:lookup) and in a
+    batch (draft:2:lookup=5: copies longer than the head's chain), also through an engine with
+    chunks, prefix caching and a preempted row (its prompt then holds what it generated before):
+    full depth's tokens, drafts rejected (only copies can be), and rounds that ran no head (fewer
+    head passes than rounds x d; a pass of the draft's layer each: its catch-up)."""
+    perfect = perfect_head(tiny())
+    prompts = []
+    for x in (3, 8, 21, 40, 52):
+        chain = [x] + eejax.generate(perfect, [[x]], max_new_tokens=5, ignore_eos=True).tokens[0]
+        other = [t for t in range(60) if t not in chain][x % 7 : x % 7 + 6]
+        prompts.append(PROMPTS[6][:8] + chain[:2] + other[:4] + chain[1:5] + other[4:] + [x])
+
+    def lossless(engine, spec, rows):
+        seqs = [engine.submit(p, max_new_tokens=NEW, spec=spec) for p in prompts[:rows]]
+        engine.run()
+        full = eejax.generate(perfect, prompts[:rows], max_new_tokens=NEW, ignore_eos=True)
+        assert [s.tokens for s in seqs] == full.tokens, spec
+        total = {k: sum(s.spec_counters[k] for s in seqs) for k in SPEC_COUNTERS}
+        d = SpecConfig.parse(spec).num_speculations
+        assert total["accepted"] < total["drafted"], spec
+        assert total["draft_heads"] < d * total["rounds"] and total["draft_layers"] > total["draft_heads"], spec
+
+    for rows, spec in ((1, "draft:3:lookup"), (5, "draft:2:lookup=5")):
+        lossless(Engine(perfect, max_slots=rows, max_new_tokens=NEW, ignore_eos=True), spec, rows)
+    engine = chunked_engine(perfect)
+    lossless(engine, "draft:2:lookup=5", 3)
+    assert engine.counters["preemptions"] > 0
 
 
 def test_perfect_drafts_are_all_accepted_and_counted():
@@ -237,21 +272,27 @@ def test_a_chunked_prefill_writes_the_same_draft_kv(model):
     )
 
 
-def test_engine_with_chunks_and_prefix_caching_is_lossless(model):
-    """Rows in turn through one slot, so later prompts share the first's cached pages, prompts
-    prefilled 5 tokens per step, and a row preempted on the way: the same tokens as full depth."""
-    prompts = [PROMPTS[6], PROMPTS[6][:20] + [5, 6, 7], PROMPTS[1]]
-    full = eejax.generate(model, prompts, max_new_tokens=NEW, ignore_eos=True)
-    engine = Engine(
+def chunked_engine(model, pages=9):
+    """Two slots, prompts prefilled 5 tokens per step, pages of 8 as rows grow (few: rows preempted)."""
+    budget = model.cache_layers * 2 * 8 * 2 * 8 * 4 * pages
+    return Engine(
         model,
         max_slots=2,
         max_new_tokens=NEW,
         page_size=8,
         prefill_chunk=5,
         pages="grow",
-        cache_budget=model.cache_layers * 2 * 8 * 2 * 8 * 4 * 9,
+        cache_budget=budget,
         ignore_eos=True,
     )
+
+
+def test_engine_with_chunks_and_prefix_caching_is_lossless(model):
+    """Rows in turn through one slot, so later prompts share the first's cached pages, prompts
+    prefilled 5 tokens per step, and a row preempted on the way: the same tokens as full depth."""
+    prompts = [PROMPTS[6], PROMPTS[6][:20] + [5, 6, 7], PROMPTS[1]]
+    full = eejax.generate(model, prompts, max_new_tokens=NEW, ignore_eos=True)
+    engine = chunked_engine(model)
     seqs = [engine.submit(p, max_new_tokens=NEW, spec="draft:3") for p in prompts]
     engine.run()
     assert [s.tokens for s in seqs] == full.tokens
@@ -288,9 +329,10 @@ def test_adaptive_generation_is_lossless_and_turns_speculation_off(model, monkey
 SAMPLED_PROMPT = [3, 7, 1, 12, 5]
 
 
-def sampled_round(rows: int, spec, max_new_tokens: int, seed: int):
+def sampled_round(rows: int, spec, max_new_tokens: int, seed: int, lookup=None):
     """One round at temperature 1 of `rows` copies of SAMPLED_PROMPT (after a greedy prefill) on
-    the perfect head of a 16-token model: (model, state before, state after, counters)."""
+    the perfect head of a 16-token model: (model, state before, state after, counters). `lookup`:
+    a function of the first token giving the prompt a prompt lookup searches."""
     model = perfect_head(tiny(vocab=16, scale=0.6, seed=3))
     state, cache, table = prefilled(model, [SAMPLED_PROMPT] * rows, max_new_tokens=max_new_tokens, pages_per_row=2)
     state = dataclasses.replace(
@@ -298,6 +340,10 @@ def sampled_round(rows: int, spec, max_new_tokens: int, seed: int):
         sampling=jax.tree.map(jnp.asarray, RowSampling.of(SamplingParams(1.0), rows)),
         keys=jax.random.split(jax.random.PRNGKey(seed), rows),
     )
+    if lookup is not None:
+        prompt = lookup(int(state.last_token[0]))
+        tokens = jnp.tile(jnp.asarray([prompt], jnp.int32), (rows, 1))
+        state = dataclasses.replace(state, prompt=PromptTokens(tokens, jnp.full((rows,), len(prompt), jnp.int32)))
     round_ = jax.jit(spec_round, static_argnums=(0, 4, 5, 6))
     new_state, _, counters = round_(model, state, cache, table, spec, max_new_tokens, 1.0)
     return model, state, new_state, counters
@@ -336,6 +382,29 @@ def test_sampling_after_a_confidence_stop_takes_the_next_token_from_the_model():
         jax.nn.softmax(_last_logits(model, SAMPLED_PROMPT + [int(state.last_token[0]), top // 16, top % 16]))
     )
     assert len(third) > 500 and chi_square_p(np.bincount(third, minlength=16), p) > 1e-3
+
+
+def test_sampling_a_copied_draft_takes_the_models_softmax():
+    """A prompt lookup's drafts (here 3: the tokens after an earlier occurrence of the row's last
+    two) were drawn from a q all on them: the first token a round emits is distributed as the
+    model's softmax, whether the copy is the model's likeliest next token or its least likely."""
+    model = perfect_head(tiny(vocab=16, scale=0.6, seed=3))
+    spec = SpecConfig(0, 3, draft_head=True, lookup=True)
+
+    def softmax_after(first):
+        return np.asarray(jax.nn.softmax(_last_logits(model, SAMPLED_PROMPT + [first])))
+
+    for rank, seed in ((-1, 7), (0, 8)):
+
+        def prompt(first, rank=rank):
+            copy = int(np.argsort(softmax_after(first))[rank])
+            return SAMPLED_PROMPT + [first, copy, 9] + SAMPLED_PROMPT[-1:]  # history: ... 5 first copy 9 5 | first
+
+        _, state, new_state, counters = sampled_round(8192, spec, 5, seed=seed, lookup=prompt)
+        assert set(np.asarray(counters.drafted)) == {3} and not np.asarray(counters.draft_heads).any()
+        first = np.asarray(new_state.tokens)[:, 1]
+        p = softmax_after(int(state.last_token[0]))
+        assert chi_square_p(np.bincount(first, minlength=16), p) > 1e-3, rank
 
 
 def _last_logits(model, tokens):
@@ -462,10 +531,23 @@ def test_bad_draft_settings(model):
     assert SpecConfig.parse("draft:4:stop=0.5") == SpecConfig(0, 4, draft_head=True, confidence_stop=0.5)
     assert SpecConfig.parse("draft:4:stop=0.5").spec == "draft:4:stop=0.5"
     assert SpecConfig.parse("draft:4:stop=0") == SpecConfig.parse("draft:4")  # 0: off
+    assert SpecConfig.parse("draft:4:lookup") == SpecConfig(0, 4, draft_head=True, lookup=True)
+    for spelled in ("draft:4:lookup", "draft:4:adaptive:lookup", "draft:2:lookup=8"):
+        assert SpecConfig.parse(spelled).spec == spelled
+    assert SpecConfig.parse("draft:4:lookup:adaptive").spec == "draft:4:adaptive:lookup"
+    assert SpecConfig.parse("draft:2:lookup=8").positions_ahead == 8  # the pages a round may write
+    assert SpecConfig.parse("draft:4:lookup=0") == SpecConfig.parse("draft:4")  # 0: off
     for spec, message in (
         ("draft:4:stop=1.5", r"must lie in \[0, 1\]"),
-        ("draft:4:stop=x", "expected draft:d:stop"),
+        ("draft:4:stop=x", "η a number"),
         ("12:4:stop=0.5", "cannot read speculation"),
+        ("12:4:lookup", "takes a draft head's chain"),
+        ("draft:4:tree:lookup", "takes a draft head's chain"),
+        ("draft:4:stop=0.3:lookup", "takes a draft head's chain"),
+        ("draft:4:lookup:lookup", "cannot read speculation"),
+        ("draft:4:lookup=x", "k must be integers"),
+        ("draft:4:lookup=99", r"must lie in \[0, 64\]"),
+        ("draft:4:stop=0.3:stop=0.4", "cannot read speculation"),
     ):
         with pytest.raises(EejaxError, match=message):
             SpecConfig.parse(spec)

@@ -235,7 +235,8 @@ def add_parsers(sub) -> None:
         "from the measured acceptance and costs. draft:d:tree drafts a tree of depth d (the head's likeliest chain "
         "plus its 2nd choices near the root; draft:tree=0,00,1 names the nodes) verified in one pass, greedy only. "
         "draft:d:stop=η stops a round's drafting at the first draft whose top probability is below η (Kangaroo); "
-        "η 0 is off",
+        "η 0 is off. draft:d:lookup copies a row's drafts from its prompt or output where its last 2-4 tokens "
+        "occurred before (prompt lookup: summaries, code edits), and drafts with the head elsewhere",
     )
     gen.add_argument(
         "--spec-max-d",

@@ -18,13 +18,16 @@ class Drafts:
     """tokens [B, d+1] int32: x_0 (the last token) then the d drafts; hidden [B, P, D]: the
     hidden state after E layers of x_0..x_{P-1}, the positions verification scores (P = d + 1
     with the bonus pass, else d); probs [B, d, V] f32: the draft distribution q_i each draft was
-    sampled from ([B, d, 0] when greedy); valid [B] int32 or None: with a confidence stop, the
-    drafts each row made before its first unconfident one (the rest are never accepted)."""
+    sampled from ([B, d, 0] when greedy); valid [B] int32 or None: the drafts that count for
+    each row (the rest are never accepted): with a confidence stop those before its first
+    unconfident one, with a prompt lookup its match's; head_passes (int32 scalar) or None: the
+    draft head's passes the round ran, when not d."""
 
     tokens: jax.Array
     hidden: jax.Array
     probs: jax.Array
     valid: jax.Array | None = None
+    head_passes: jax.Array | None = None
 
 
 def token_batch(config, state: DecodeState, offsets, block_table, page_size, attention, *, width=None, **tree):

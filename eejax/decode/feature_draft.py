@@ -14,7 +14,9 @@ with d drafts:
   model, never from its guesses, and draft_hidden moves to the row's new last position.
 
 With a confidence stop (`draft:d:stop=η`, Kangaroo) the draft passes run while a row's drafts stay
-confident (`_draft_until_unconfident`), and verification scores only the positions drafted.
+confident (`_draft_until_unconfident`), and verification scores only the positions drafted. With
+a prompt lookup (`draft:d:lookup`) a row whose last tokens occurred before drafts the tokens that
+followed them (`decode.lookup`), and the head drafts only the others (`_draft_with_lookup`).
 
 The prefill (`steps.prefill`) fills the draft's K/V of the prompt the same way (`prompt_draft`).
 Plain steps in place of rounds (adaptive; `speculative.plain_step`) are full-depth decode steps,
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
+from eejax.decode import lookup
 from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.sampling import DRAFT, draft_proposal, token_keys
 from eejax.decode.state import DecodeState
@@ -62,24 +65,39 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
     state, cache) as `speculative.draft` does: drafts.tokens [B, d+1] (x_n, then the drafts),
     drafts.hidden [B, d+1, D] the embeddings verification starts from, drafts.probs [B, d, V]
     (greedy: [B, d, 0])."""
+    if options.spec.confidence_stop is not None and options.spec.num_speculations > 1:
+        return _draft_until_unconfident(params, cache, state, block_table, config, options)
+    if options.spec.lookup:
+        return _draft_with_lookup(params, cache, state, block_table, config, options)
+    tokens, probs, cache = _head_chain(params, cache, state, block_table, config, options)
+    return _drafts(params, state, tokens, probs), state, cache
+
+
+def _drafts(params, state: DecodeState, tokens, probs, **counted) -> Drafts:
+    """Drafts of tokens [B, d] after each row's last token."""
+    tokens = jnp.concatenate([state.last_token[:, None], tokens], axis=1)
+    return Drafts(tokens=tokens, hidden=embed(params, tokens), probs=probs, **counted)
+
+
+def _next_draft(params, cache, state: DecodeState, block_table, predicted, token, i, config, options):
+    """The draft layer at position n+i-1 over (predicted [B, D], embedding of token [B]), then the
+    head: (proposal, q, confidence, output [B, D], cache)."""
+    batch = token_batch(config, state, jnp.reshape(i - 1, (1,)), block_table, cache.page_size, options.attention)
+    out, cache = draft_head.draft_layer(params, predicted[:, None], embed(params, token[:, None]), cache, batch, config)
+    proposal, q, conf = _propose(params, out[:, 0], state, i, config, options)
+    return proposal, q, conf, out[:, 0].astype(predicted.dtype), cache
+
+
+def _head_chain(params, cache: KVCache, state: DecodeState, block_table, config, options: StepOptions):
+    """The head's chain of d drafts: (tokens [B, d], probs [B, d, V] or [B, d, 0], cache)."""
     d = options.spec.num_speculations
-    first, q1, confidence = _propose(params, state.draft_hidden, state, 0, config, options)
-
-    def next_draft(cache, predicted, token, i):
-        """The draft layer at position n+i-1 and the head: (proposal, q, confidence, output, cache)."""
-        batch = token_batch(config, state, jnp.reshape(i - 1, (1,)), block_table, cache.page_size, options.attention)
-        out, cache = draft_head.draft_layer(
-            params, predicted[:, None], embed(params, token[:, None]), cache, batch, config
-        )
-        proposal, q, conf = _propose(params, out[:, 0], state, i, config, options)
-        return proposal, q, conf, out[:, 0].astype(predicted.dtype), cache
-
-    if options.spec.confidence_stop is not None and d > 1:
-        return _draft_until_unconfident(params, cache, state, first, q1, confidence, next_draft, options)
+    first, q1, _ = _propose(params, state.draft_hidden, state, 0, config, options)
 
     def step(carry, i):
         cache, predicted, token = carry
-        proposal, q, _, out, cache = next_draft(cache, predicted, token, i)
+        proposal, q, _, out, cache = _next_draft(
+            params, cache, state, block_table, predicted, token, i, config, options
+        )
         return (cache, out, proposal), (proposal, q)
 
     tokens, probs = first[:, None], q1[:, None]
@@ -89,16 +107,58 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
         )
         tokens = jnp.concatenate([tokens, more.T], axis=1)
         probs = jnp.concatenate([probs, more_q.swapaxes(0, 1)], axis=1)
-    tokens = jnp.concatenate([state.last_token[:, None], tokens], axis=1)
-    return Drafts(tokens=tokens, hidden=embed(params, tokens), probs=probs), state, cache
+    return tokens, probs, cache
 
 
-def _draft_until_unconfident(params, cache, state: DecodeState, first, q1, confidence, next_draft, options):
+def _draft_with_lookup(params, cache: KVCache, state: DecodeState, block_table, config, options: StepOptions):
+    """A prompt lookup's drafts (`decode.lookup`, up to k = `spec.lookup`) for the rows whose last
+    tokens occurred before, as many counting as the match gives (`valid`); the head's chain of d
+    for the others, not run when every active row has a match. Drafts [B, max(d, k)]. A copied
+    draft was drawn from a q all on it: rejection sampling then accepts it with the model's
+    probability of it, and resamples from the model's distribution without it, which is exact.
+    Returns (drafts with `valid`, state, cache)."""
+    d, k = options.spec.num_speculations, options.spec.lookup
+    copied, count = lookup.propose(state.prompt, state.tokens, state.num_generated, k)
+    copying = (count > 0) & ~state.done
+    needed = jnp.any(~copying & ~state.done)
+
+    # The first head under a cond, the draft layer's passes in a while loop that runs none when no
+    # row needs them (a cond would return the cache, which XLA:CPU may copy).
+    def first_head():
+        return _propose(params, state.draft_hidden, state, 0, config, options)[:2]
+
+    first, q1 = jax.lax.cond(needed, first_head, lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(first_head)))
+    b, width = first.shape[0], max(d, k)
+    tokens = jnp.zeros((b, width), jnp.int32).at[:, 0].set(first)
+    probs = jnp.zeros((b, width) + q1.shape[1:], q1.dtype).at[:, 0].set(q1)
+
+    def body(carry):
+        i, cache, predicted, token, tokens, probs = carry
+        proposal, q, _, out, cache = _next_draft(
+            params, cache, state, block_table, predicted, token, i, config, options
+        )
+        tokens = jax.lax.dynamic_update_slice(tokens, proposal[:, None], (0, i))
+        probs = jax.lax.dynamic_update_slice(probs, q[:, None], (0, i) + (0,) * (q.ndim - 1))
+        return i + 1, cache, out, proposal, tokens, probs
+
+    start = (jnp.int32(1), cache, state.draft_hidden, first, tokens, probs)
+    _, cache, _, _, tokens, probs = jax.lax.while_loop(lambda c: needed & (c[0] < d), body, start)
+    copied = jnp.pad(copied, ((0, 0), (0, width - k)))
+    tokens = jnp.where(copying[:, None], copied, tokens)
+    if probs.shape[-1]:  # rows that sample: q of a copied draft
+        probs = jnp.where(copying[:, None, None], jax.nn.one_hot(copied, probs.shape[-1], dtype=probs.dtype), probs)
+    passes = jnp.where(needed, d, 0).astype(jnp.int32)
+    drafts = _drafts(params, state, tokens, probs, valid=jnp.where(copying, count, d), head_passes=passes)
+    return drafts, state, cache
+
+
+def _draft_until_unconfident(params, cache, state: DecodeState, block_table, config, options: StepOptions):
     """A chain with Kangaroo's confidence stop η: draft i + 1 counts for a row while its drafts 1..i
     had top probability >= η; the batch drafts on while any active row still does (a while loop:
     the passes after the last such row are not run). Returns (drafts with `valid`, state, cache);
     the positions no pass reached hold token 0 (scored by verification, never accepted)."""
     d, eta = options.spec.num_speculations, options.spec.confidence_stop
+    first, q1, confidence = _propose(params, state.draft_hidden, state, 0, config, options)
     b = first.shape[0]
     tokens = jnp.zeros((b, d), jnp.int32).at[:, 0].set(first)
     probs = jnp.zeros((b, d) + q1.shape[1:], q1.dtype).at[:, 0].set(q1)
@@ -110,15 +170,16 @@ def _draft_until_unconfident(params, cache, state: DecodeState, first, q1, confi
 
     def body(carry):
         i, cache, predicted, token, tokens, probs, valid, drafting = carry
-        proposal, q, conf, out, cache = next_draft(cache, predicted, token, i)
+        proposal, q, conf, out, cache = _next_draft(
+            params, cache, state, block_table, predicted, token, i, config, options
+        )
         tokens = jax.lax.dynamic_update_slice(tokens, proposal[:, None], (0, i))
         probs = jax.lax.dynamic_update_slice(probs, q[:, None], (0, i) + (0,) * (q.ndim - 1))
         return i + 1, cache, out, proposal, tokens, probs, valid + drafting, drafting & (conf >= eta)
 
     start = (jnp.int32(1), cache, state.draft_hidden, first, tokens, probs, jnp.ones((b,), jnp.int32), drafting)
-    _, cache, _, _, tokens, probs, valid, _ = jax.lax.while_loop(more, body, start)
-    tokens = jnp.concatenate([state.last_token[:, None], tokens], axis=1)
-    return Drafts(tokens=tokens, hidden=embed(params, tokens), probs=probs, valid=valid), state, cache
+    passes, cache, _, _, tokens, probs, valid, _ = jax.lax.while_loop(more, body, start)
+    return _drafts(params, state, tokens, probs, valid=valid, head_passes=passes), state, cache
 
 
 def catch_up(params, cache: KVCache, state: DecodeState, new: DecodeState, h, emitted_tokens, count, batch, config):

@@ -56,8 +56,8 @@ from eejax.options import StepOptions
 class SpecCounters:
     """Per row, summed over rounds: drafts that could count (at most the tokens the row still
     had room for), drafts accepted, rounds, rounds that rejected a draft, layer passes run
-    (draft + verify), draft-head evaluations, and plain full-depth steps run instead of a round
-    (`plain_step`)."""
+    (draft + verify), draft-head evaluations, passes of a draft head's module (its layer, the
+    catch-up included), and plain full-depth steps run instead of a round (`plain_step`)."""
 
     drafted: jax.Array
     accepted: jax.Array
@@ -65,6 +65,7 @@ class SpecCounters:
     rejections: jax.Array
     layer_passes: jax.Array
     draft_heads: jax.Array
+    draft_layers: jax.Array
     plain_steps: jax.Array
 
     @classmethod
@@ -185,14 +186,17 @@ def verify(
 ):
     """Layers [E, L) over the d + 1 drafted positions (a tree's nodes: `tree.score`), acceptance,
     and the new tokens recorded (with `options.logprobs`, their log-probabilities under the full
-    model). After a confidence stop (`drafts.valid`) only the first k + 1 positions are scored, k
-    the most drafts a row made: one branch per k (`lax.switch`), so the positions no row drafted
-    cost nothing. Returns (state, cache, counters)."""
+    model). Where rows count fewer drafts (`drafts.valid`: a confidence stop, a prompt lookup)
+    only the first k + 1 positions are scored, k the most drafts a row counts: one branch per k
+    (`lax.switch`), so the positions no row drafted cost nothing. Returns (state, cache,
+    counters)."""
     if drafts.valid is None:
         return _verify(params, cache, state, drafts, counters, block_table, config=config, options=options)
 
     def scoring(k):
-        first_k = Drafts(drafts.tokens[:, : k + 1], drafts.hidden[:, : k + 1], drafts.probs[:, :k], drafts.valid)
+        first_k = dataclasses.replace(
+            drafts, tokens=drafts.tokens[:, : k + 1], hidden=drafts.hidden[:, : k + 1], probs=drafts.probs[:, :k]
+        )
         return lambda cache, state, counters: _verify(
             params, cache, state, first_k, counters, block_table, config=config, options=options
         )
@@ -267,13 +271,15 @@ def _verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters
     if options.spec.draft_head:  # the draft's K/V of the verified positions, from the model's features
         new_state, cache = feature_draft.catch_up(params, cache, state, new_state, h, new, count, batch, config)
     judged = jnp.where(active, jnp.minimum(valid, room), 0)  # drafts past the row's room never count
+    heads = d if drafts.head_passes is None else drafts.head_passes  # a draft head's module ran max(heads, 1)
     new_counters = SpecCounters(
         drafted=counters.drafted + judged,
         accepted=counters.accepted + jnp.minimum(n, judged),
         rounds=counters.rounds + active,
         rejections=counters.rejections + (n < judged),
         layer_passes=counters.layer_passes + active * (t * e + num_layers - e),
-        draft_heads=counters.draft_heads + active * (d if drafts.valid is None else jnp.max(valid)),
+        draft_heads=counters.draft_heads + active * heads,
+        draft_layers=counters.draft_layers + active * (jnp.maximum(heads, 1) if options.spec.draft_head else 0),
         plain_steps=counters.plain_steps,
     )
     return new_state, cache, new_counters

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from eejax.decode.lookup import PromptTokens
 from eejax.decode.penalties import TokenCounts
 from eejax.decode.sampling import RowSampling, SamplingParams, logprobs_of
 
@@ -78,6 +79,8 @@ class DecodeState:
                           cached position (its guess of the feature of last_token); else None
     counts:               with penalties (`StepOptions.penalties`), the rows' `TokenCounts`
                           (prompt tokens, and the generated ones, last_token included); else None
+    prompt:               with a prompt lookup (`SpecConfig.lookup`), the rows' `PromptTokens`;
+                          else None
     """
 
     last_token: jax.Array
@@ -95,6 +98,7 @@ class DecodeState:
     logprobs: LogprobRecord | None = None
     draft_hidden: jax.Array | None = None
     counts: TokenCounts | None = None
+    prompt: PromptTokens | None = None
 
     @property
     def position(self):

@@ -13,7 +13,16 @@ import numpy as np
 from eejax.decode import cost
 from eejax.models import exits
 
-SPEC_COUNTERS = ("drafted", "accepted", "rounds", "rejections", "layer_passes", "draft_heads", "plain_steps")
+SPEC_COUNTERS = (
+    "drafted",
+    "accepted",
+    "rounds",
+    "rejections",
+    "layer_passes",
+    "draft_heads",
+    "draft_layers",
+    "plain_steps",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +163,9 @@ def _weights_per_token(model, exit_config, spec_config, exit_layers, spec_totals
         return float("nan")
     if spec_config is not None:
         t, e = spec_totals, spec_config.exit_layer
-        # a draft head runs its module once per draft head (d - 1 drafts and the catch-up)
+        # a draft head's module: d - 1 drafts and the catch-up (one in a round that copied its drafts)
         passes = (
-            t["draft_heads"] if spec_config.draft_head else (t["layer_passes"] - t["rounds"] * (w.num_layers - e)) / e
+            t["draft_layers"] if spec_config.draft_head else (t["layer_passes"] - t["rounds"] * (w.num_layers - e)) / e
         )
         reduced = spec_config.uses_reduced_head(exits.has_reduced_head(model.params.get("exits")))
         rounds = cost.spec_weights(w, e, passes, t["draft_heads"], t["rounds"], reduced, spec_config.draft_head)

@@ -151,6 +151,9 @@ class Admission:
             if end < len(prompt):
                 next_token[j] = prompt[end]
             slots[j] = seq.slot if end == len(prompt) else self.slots
+            if end == len(prompt) and self.prompts is not None:  # for a prompt lookup (`_program_state`)
+                self.prompts[0][seq.slot, :end], self.prompts[1][seq.slot] = prompt, end
+                self._device_prompts = None
             table[j] = self.block_table[seq.slot, : table.shape[1]]
             # The prefill writes positions prefilled.. only, into pages no one shares.
             assert all(self.allocator.writable(p) for p in seq.pages[seq.prefilled // self.page_size :]), seq.id
@@ -238,7 +241,7 @@ class Admission:
         args = (
             self.model.params,
             self.cache,
-            self._with_counts(options),
+            self._program_state(options),
             *map(jnp.asarray, (tokens, lengths, table, slots, keys, start, limit)),
             jax.tree.map(jnp.asarray, sampling),
             jnp.asarray(offset),

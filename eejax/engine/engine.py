@@ -40,6 +40,7 @@ import numpy as np
 from eejax.cache import PageAllocator, page_bytes, pages_for_budget, pages_needed
 from eejax.decode import speculative
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
+from eejax.decode.lookup import PromptTokens
 from eejax.decode.penalties import TokenCounts
 from eejax.decode.sampling import SamplingParams
 from eejax.decode.state import empty_state
@@ -193,8 +194,13 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.decoding_options: set = {(self.exit_config, None)}
         self.state = self._empty_state()
         # The slots' token counts, for rows with penalties: apart from `state` (which every program
-        # returns anew) and taken only by the programs of such rows (`_with_counts`).
+        # returns anew) and taken only by the programs of such rows (`_program_state`).
         self.counts = TokenCounts.zeros(max_slots, config.vocab_size)
+        # The slots' prompts, for rows with a prompt lookup (`SpecConfig.lookup`, a draft head's):
+        # written on the host as a row's prompt is complete (`_prefill`), sent to the device
+        # when a program of such rows next runs (`_program_state`).
+        self.prompts = self._empty_prompts() if model.params.get("draft") else None
+        self._device_prompts: PromptTokens | None = None
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
         self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
@@ -349,19 +355,32 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         width = min(self.table_width, bucket(pages_needed(longest, self.page_size)))
         return jnp.asarray(self.block_table[:, :width])
 
-    def _with_counts(self, options: StepOptions):
+    def _program_state(self, options: StepOptions, counts: bool = True):
         """The slots' state for a program of `options`: with the token counts when it applies
-        penalties (the program returns them in its state: `_keep`)."""
-        return dataclasses.replace(self.state, counts=self.counts) if options.penalties else self.state
+        penalties (and `counts`; the program returns them in its state: `_keep`), with the
+        slots' prompts when its speculation looks them up."""
+        state = self.state
+        if counts and options.penalties:
+            state = dataclasses.replace(state, counts=self.counts)
+        if options.spec is not None and options.spec.lookup:
+            if self._device_prompts is None:
+                self._device_prompts = PromptTokens(*map(jnp.asarray, self.prompts))
+            state = dataclasses.replace(state, prompt=self._device_prompts)
+        return state
+
+    def _empty_prompts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [slots, max_len], lengths [slots]) on the host: what `PromptTokens` holds."""
+        return np.zeros((self.slots, self.max_len), np.int32), np.zeros((self.slots,), np.int32)
 
     def _keep(self, state) -> None:
-        """Takes a program's new state, and its token counts when it returns them."""
+        """Takes a program's new state, and its token counts when it returns them (its prompts
+        are the engine's own)."""
         if state.counts is not None:
             self.counts, state = state.counts, dataclasses.replace(state, counts=None)
-        self.state = state
+        self.state = dataclasses.replace(state, prompt=None)
 
     def _decode_program(self, table, group, options: StepOptions, now: bool = False):
-        args = (self.model.run_params, self.cache, self._with_counts(options), table, group)
+        args = (self.model.run_params, self.cache, self._program_state(options), table, group)
         return self.model.program(decode_slots, args, options, now)
 
     def _read(self, state, running: dict[int, Sequence], counters) -> None:

@@ -45,6 +45,7 @@ class Lifecycle:
         self.cache = self.model.new_cache(self.allocator.num_pages, self.page_size)
         self.state = self._empty_state()
         self.counts = TokenCounts.zeros(self.slots, self.config.vocab_size)
+        self._device_prompts = None
         self.spec_counters = speculative.SpecCounters.zeros(self.slots)
         self._pending = None
         self._fail(self._in_slots(), error)

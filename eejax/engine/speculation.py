@@ -143,7 +143,7 @@ class Speculation:
     # Each returns (program, args); `now`: compile the split layout's program before it runs (warm-up),
     # not in the background while the stacked one runs (`Model.program`).
     def _plain_program(self, table, group, options: StepOptions, steps: int, now: bool = False):
-        args = (self.model.run_params, self.cache, self._with_counts(options), self.spec_counters, table, group)
+        args = (self.model.run_params, self.cache, self._program_state(options), self.spec_counters, table, group)
         return self.model.program(plain_step_slots, args, options.plain(steps, catch_up=not options.spec_off), now)
 
     @staticmethod
@@ -154,15 +154,15 @@ class Speculation:
         return min(decode_steps, options.spec.max_speculations + 1)
 
     def _round_program(self, table, group, round_options: StepOptions, now: bool = False):
-        args = (self.model.run_params, self.cache, self._with_counts(round_options), self.spec_counters, table, group)
+        args = (self.model.run_params, self.cache, self._program_state(round_options), self.spec_counters, table, group)
         return self.model.program(spec_round_slots, args, round_options, now)
 
     def _draft_program(self, table, group, round_options: StepOptions, now: bool = False):
-        args = (self.model.run_params, self.cache, self.state, table, group)
+        args = (self.model.run_params, self.cache, self._program_state(round_options, counts=False), table, group)
         return self.model.program(draft_slots, args, round_options.drafting(), now)
 
     def _verify_program(self, table, group, drafts, round_options: StepOptions, now: bool = False):
-        state = self._with_counts(round_options)
+        state = self._program_state(round_options)
         args = (self.model.run_params, self.cache, state, drafts, self.spec_counters, table, group)
         return self.model.program(verify_slots, args, round_options.verifying(), now)
 
@@ -216,4 +216,4 @@ class Speculation:
         """The most drafts a round of `seq` writes ahead of its last token."""
         if not seq.speculating:
             return 0
-        return seq.spec.max_speculations if seq.spec.adaptive else seq.spec.positions_ahead
+        return seq.spec.positions_ahead
