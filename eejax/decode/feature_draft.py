@@ -88,6 +88,12 @@ def _next_draft(params, cache, state: DecodeState, block_table, predicted, token
     return proposal, q, conf, out[:, 0].astype(predicted.dtype), cache
 
 
+def _put(tokens, probs, i, proposal, q):
+    """tokens [B, d] and probs [B, d, V] with draft i's proposal [B] and q [B, V] written."""
+    tokens = jax.lax.dynamic_update_slice(tokens, proposal[:, None], (0, i))
+    return tokens, jax.lax.dynamic_update_slice(probs, q[:, None], (0, i) + (0,) * (q.ndim - 1))
+
+
 def _head_chain(params, cache: KVCache, state: DecodeState, block_table, config, options: StepOptions):
     """The head's chain of d drafts: (tokens [B, d], probs [B, d, V] or [B, d, 0], cache)."""
     d = options.spec.num_speculations
@@ -137,9 +143,7 @@ def _draft_with_lookup(params, cache: KVCache, state: DecodeState, block_table, 
         proposal, q, _, out, cache = _next_draft(
             params, cache, state, block_table, predicted, token, i, config, options
         )
-        tokens = jax.lax.dynamic_update_slice(tokens, proposal[:, None], (0, i))
-        probs = jax.lax.dynamic_update_slice(probs, q[:, None], (0, i) + (0,) * (q.ndim - 1))
-        return i + 1, cache, out, proposal, tokens, probs
+        return i + 1, cache, out, proposal, *_put(tokens, probs, i, proposal, q)
 
     start = (jnp.int32(1), cache, state.draft_hidden, first, tokens, probs)
     _, cache, _, _, tokens, probs = jax.lax.while_loop(lambda c: needed & (c[0] < d), body, start)
@@ -173,8 +177,7 @@ def _draft_until_unconfident(params, cache, state: DecodeState, block_table, con
         proposal, q, conf, out, cache = _next_draft(
             params, cache, state, block_table, predicted, token, i, config, options
         )
-        tokens = jax.lax.dynamic_update_slice(tokens, proposal[:, None], (0, i))
-        probs = jax.lax.dynamic_update_slice(probs, q[:, None], (0, i) + (0,) * (q.ndim - 1))
+        tokens, probs = _put(tokens, probs, i, proposal, q)
         return i + 1, cache, out, proposal, tokens, probs, valid + drafting, drafting & (conf >= eta)
 
     start = (jnp.int32(1), cache, state.draft_hidden, first, tokens, probs, jnp.ones((b,), jnp.int32), drafting)

@@ -199,7 +199,10 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         # The slots' prompts, for rows with a prompt lookup (`SpecConfig.lookup`, a draft head's):
         # written on the host as a row's prompt is complete (`_prefill`), sent to the device
         # when a program of such rows next runs (`_program_state`).
-        self.prompts = self._empty_prompts() if model.params.get("draft") else None
+        # (tokens [slots, max_len], lengths [slots]): what `PromptTokens` holds.
+        self.prompts = None
+        if model.params.get("draft"):
+            self.prompts = np.zeros((max_slots, self.max_len), np.int32), np.zeros((max_slots,), np.int32)
         self._device_prompts: PromptTokens | None = None
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
@@ -367,10 +370,6 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
                 self._device_prompts = PromptTokens(*map(jnp.asarray, self.prompts))
             state = dataclasses.replace(state, prompt=self._device_prompts)
         return state
-
-    def _empty_prompts(self) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens [slots, max_len], lengths [slots]) on the host: what `PromptTokens` holds."""
-        return np.zeros((self.slots, self.max_len), np.int32), np.zeros((self.slots,), np.int32)
 
     def _keep(self, state) -> None:
         """Takes a program's new state, and its token counts when it returns them (its prompts

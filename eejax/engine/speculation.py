@@ -143,8 +143,9 @@ class Speculation:
     # Each returns (program, args); `now`: compile the split layout's program before it runs (warm-up),
     # not in the background while the stacked one runs (`Model.program`).
     def _plain_program(self, table, group, options: StepOptions, steps: int, now: bool = False):
-        args = (self.model.run_params, self.cache, self._program_state(options), self.spec_counters, table, group)
-        return self.model.program(plain_step_slots, args, options.plain(steps, catch_up=not options.spec_off), now)
+        plain = options.plain(steps, catch_up=not options.spec_off)
+        args = (self.model.run_params, self.cache, self._program_state(plain), self.spec_counters, table, group)
+        return self.model.program(plain_step_slots, args, plain, now)
 
     @staticmethod
     def _plain_steps(options: StepOptions, decode_steps: int) -> int:
