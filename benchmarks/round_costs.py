@@ -5,7 +5,8 @@ one full-depth decode step, medians of --repeats alternating runs. Each program 
 of the cache, donated as the engine donates it (made outside the timing), so no program pays a
 copy of the cache the engine never makes. On a CPU a verify pass costs more per position it
 scores (`verified rows` = rows x positions); this is what a tree of drafts pays for its extra
-nodes.
+nodes. A prompt lookup's round (`draft:d:lookup`) is timed twice: with every row copying and with
+no row matching.
 
     python benchmarks/round_costs.py [--batch 1] [--specs draft:2 draft:4 draft:2:tree draft:4:tree]
 """
@@ -62,8 +63,8 @@ def prefilled(model, prompts, new_tokens: int):
 
 def with_prompts(state, copied: bool):
     """`state` with a prompt lookup's prompts: in each row 7, its first new token, 1, 2, 3, 4, 7,
-    so that its history ends in "7 first" again and the lookup copies d drafts (`copied`), or a
-    prompt of one -1, which nothing matches (the head drafts every row)."""
+    so that its history ends in "7 first" again and the lookup copies min(k, 6) drafts (`copied`),
+    or a prompt of one -1, which nothing matches (the head drafts every row)."""
     b = state.last_token.shape[0]
     first = np.asarray(state.last_token)
     if copied:
