@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 
 from conversion.sources import stack_layers, tensor_reader
 from eejax.config import LlamaConfig
+from eejax.quantized import quantize_int8
 
 # eejax layer key -> HF name inside `model.layers.{i}.`; linear weights are transposed.
 HF_LAYER_NAMES = {
@@ -41,3 +42,14 @@ def llama_params_from_hf(ckpt, config: LlamaConfig, dtype, progress: bool = True
     bar.update()
     bar.close()
     return params
+
+
+def quantize_int8_params(params: dict) -> dict:
+    """params with every matrix as int8 per output channel: the layers' projections (HF's
+    `*_proj`) and an untied head (outputs are their columns), and the embedding (rows are tokens)."""
+    linear = [key for key, hf_name in HF_LAYER_NAMES.items() if "_proj." in hf_name]
+    layers = {**params["layers"], **{k: quantize_int8(params["layers"][k], transposed=True) for k in linear}}
+    out = {**params, "layers": layers, "embed": quantize_int8(params["embed"], transposed=False)}
+    if "lm_head" in params:
+        out["lm_head"] = quantize_int8(params["lm_head"], transposed=True)
+    return out

@@ -15,6 +15,7 @@ import numpy as np
 
 from eejax.config import LlamaConfig, T5Config, check_architecture
 from eejax.errors import EejaxError
+from eejax.quantized import float_dtype, formats, from_tree, to_tree
 
 CONFIG_FILE = "eejax.json"
 FORMAT_VERSION = 1
@@ -28,7 +29,7 @@ def save_checkpoint(directory: str | Path, config, params, tokenizer=None, metad
     directory = Path(directory).absolute()
     directory.mkdir(parents=True)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(directory / "params", jax.tree.map(np.asarray, params))
+    checkpointer.save(directory / "params", jax.tree.map(np.asarray, to_tree(params)))
     checkpointer.wait_until_finished()
     if tokenizer is not None:
         tokenizer.save_pretrained(directory / "tokenizer")
@@ -36,7 +37,8 @@ def save_checkpoint(directory: str | Path, config, params, tokenizer=None, metad
         "format_version": FORMAT_VERSION,
         "architecture": config.architecture,
         "config": config.to_dict(),
-        "dtype": str(jax.tree.leaves(params)[0].dtype),
+        "dtype": str(float_dtype(params)),
+        **({"quantization": "+".join(sorted(formats(params)))} if formats(params) else {}),
         **(metadata or {}),
     }
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
@@ -173,7 +175,7 @@ def load_checkpoint(directory: str | Path):
     # Quiet orbax's informational logs about restoring without a target.
     logging.getLogger("absl").setLevel(logging.WARNING)
     try:
-        params = _to_device(ocp.StandardCheckpointer().restore(weights))
+        params = from_tree(_to_device(ocp.StandardCheckpointer().restore(weights)))
     except Exception as e:  # noqa: BLE001 - orbax / tensorstore raise many kinds for damaged files
         raise EejaxError(
             f"cannot read the weights in {weights} ({_first_line(e)}); the checkpoint is damaged: convert it again"

@@ -8,21 +8,16 @@
 //   eejax_matmul_nt:  y[M, N] = x[M, K] @ w[N, K]^T  (the LM head tied to the embedding)
 // nn splits K (each part sums its rows of w into its own partial [M, N]; the parts are added in
 // a fixed order, so a result does not depend on which thread ran which part), or N when N is
-// large; nt splits N. Parts are claimed from an atomic counter by the calling thread and by the
-// tasks it schedules on the pool; the caller claims what no task has started, so it never waits
-// for a task that is queued behind busy threads (no deadlock when the pool is busy), and a task
-// that starts after every part is claimed returns at once.
+// large; nt splits N (`run_parts`, cpu_parts.h).
 // Built at first use by eejax/kernels/cpu_matmul.py (g++ -O3 -march=native); more than kMaxRows
 // rows are refused (the caller keeps XLA's product for them).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>  // std::this_thread::yield
 #include <vector>
 
+#include "cpu_parts.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,16 +25,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kMaxRows = 8;
-constexpr int64_t kMaxParts = 8;
-inline void pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
-constexpr int kSpins = 2000;  // pauses before a waiting caller sleeps (~10-50 us)
 constexpr int64_t kSplitColumnsAbove = 8192;  // nn: split N, not K, for wider outputs (an untied head)
 
 // GCC's vector extension: 16 floats, compiled to the widest vectors -march=native has.
@@ -156,8 +141,6 @@ struct Job {
   float* y;
   int64_t M, K, N, parts;
   std::vector<float> partial;  // split_k: parts 1.. write [parts - 1, M, N] here; part 0 writes y
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 
   void run_part(int64_t i) {
     const int64_t lo = (split_k ? K : N) * i / parts, hi = (split_k ? K : N) * (i + 1) / parts;
@@ -170,15 +153,6 @@ struct Job {
       f.nn(x, w, y, K, N, 0, K, lo, hi);
     }
   }
-
-  // Claims and runs parts until none is left.
-  void claim_parts() {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
-      run_part(i);
-      done.fetch_add(1, std::memory_order_release);
-      done.notify_all();  // no system call unless the caller sleeps
-    }
-  }
 };
 
 template <typename W, ffi::DataType T>
@@ -189,27 +163,20 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> 
   const int64_t M = xd[0], K = xd[1], N = transposed ? wd[0] : wd[1];
   if ((transposed ? wd[1] : wd[0]) != K) return ffi::Error::InvalidArgument("eejax_matmul: x and w do not contract");
   if (M < 1 || M > kMaxRows) return ffi::Error::InvalidArgument("eejax_matmul: x must have 1 to 8 rows");
-  auto job = std::make_shared<Job<W>>();
-  job->transposed = transposed;
-  job->split_k = !transposed && N <= kSplitColumnsAbove;
-  job->x = x.typed_data();
-  job->w = reinterpret_cast<const W*>(w.typed_data());
-  job->y = y->typed_data();
-  job->M = M, job->K = K, job->N = N;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  job->parts = std::clamp<int64_t>(threads, 1, std::min<int64_t>(kMaxParts, job->split_k ? K : N));
-  if (job->split_k && job->parts > 1) job->partial.resize((job->parts - 1) * M * N);
-  for (int64_t i = 1; i < job->parts; ++i) pool.Schedule([job] { job->claim_parts(); });
-  job->claim_parts();
-  // Every part is claimed: wait for those other threads are running. Spin briefly (a part takes
-  // microseconds), then sleep on the counter, so that a caller whose helper was preempted (more
-  // threads than cores: another process, test workers) gives its core back instead of spinning.
-  for (int spins = 0; spins < kSpins && job->done.load(std::memory_order_acquire) < job->parts; ++spins) pause();
-  for (int64_t seen; (seen = job->done.load(std::memory_order_acquire)) < job->parts;) job->done.wait(seen);
-  if (job->split_k) {
-    float* out = job->y;
-    for (int64_t i = 0; i + 1 < job->parts; ++i) {
-      const float* p = job->partial.data() + i * M * N;
+  Job<W> job;
+  job.transposed = transposed;
+  job.split_k = !transposed && N <= kSplitColumnsAbove;
+  job.x = x.typed_data();
+  job.w = reinterpret_cast<const W*>(w.typed_data());
+  job.y = y->typed_data();
+  job.M = M, job.K = K, job.N = N;
+  job.parts = eejax::num_parts(pool, job.split_k ? K : N);
+  if (job.split_k && job.parts > 1) job.partial.resize((job.parts - 1) * M * N);
+  eejax::run_parts(pool, job.parts, [&job](int64_t i) { job.run_part(i); });
+  if (job.split_k) {
+    float* out = job.y;
+    for (int64_t i = 0; i + 1 < job.parts; ++i) {
+      const float* p = job.partial.data() + i * M * N;
 #pragma GCC ivdep
       for (int64_t j = 0; j < M * N; ++j) out[j] += p[j];
     }

@@ -18,6 +18,13 @@ flags; without a compiler it is logged once and XLA's product is used. Each outp
 computed the same way whatever the number of rows, so a verify pass and a decode step agree bit
 for bit. Gradients (training) go through jnp (`jax.custom_vjp`).
 
+Quantized weights (`quantized.QuantizedMatrix`: GGUF's Q4_0 / Q4_1 / Q8_0 blocks, int8 per
+channel) are multiplied by `rows_product`: the kernel dequantises each block in registers, exactly
+as a dequantising conversion does, so a few rows read the blocks' bytes (0.56-1.06 per weight)
+instead of a float copy; above `MAX_QUANTIZED_ROWS` rows, or off the CPU, the weights are
+dequantised by jnp and multiplied by XLA (on a GPU XLA fuses the dequantisation into the dot's
+operand).
+
 The library also copies rows of a bf16 table (`take_rows`, the token embedding of a bf16 model),
 which XLA:CPU gathers by converting the whole table to float32 first.
 """
@@ -39,16 +46,25 @@ import jax
 import jax.numpy as jnp
 
 from eejax.compile_cache import switched_on
+from eejax import quantized
+from eejax.quantized import QuantizedMatrix, dequantize_rows
 
 MAX_ROWS = 8  # the kernel's limit (kMaxRows); more rows are a GEMM, which XLA threads itself
 SOURCE = Path(__file__).with_suffix(".cc")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_quantized.cc"), SOURCE.with_name("cpu_parts.h"))
 TARGETS = {  # XLA's name for a handler -> its symbol in the library
     "eejax_matmul_nn": "EejaxMatmulNN",
     "eejax_matmul_nt": "EejaxMatmulNT",
     "eejax_matmul_nn_bf16": "EejaxMatmulNNBf16",
     "eejax_matmul_nt_bf16": "EejaxMatmulNTBf16",
     "eejax_take_rows_bf16": "EejaxTakeRowsBf16",
+    **{
+        f"eejax_quantized_{f}_{a}": f"EejaxQuantized{f.capitalize()}{'F32' if a == 'float32' else 'Q8'}"
+        for f in ("q4_0", "q4_1", "q8_0", "int8")
+        for a in ("float32", "int8")
+    },
 }
+MAX_QUANTIZED_ROWS = 64  # more rows (a prefill) dequantise the weights once and run XLA's GEMM
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 log = logging.getLogger(__name__)
 
@@ -59,7 +75,11 @@ def enabled(environ=os.environ) -> bool:
 
 
 def matmul(x, w):
-    """x [..., K] @ w [K, N] -> float32 [..., N] (float32 products and sums)."""
+    """x [..., K] @ w [K, N] -> float32 [..., N] (float32 products and sums). A quantized w is a
+    Linear's (its rows are the N outputs)."""
+    if isinstance(w, QuantizedMatrix):
+        assert w.transposed, "a quantized Linear weight keeps its outputs as rows"
+        return rows_product(x, w)
     if _applies(x, w):
         return _kernel_nn(_rows(x), w).reshape(*x.shape[:-1], w.shape[1])
     return jnp.matmul(x, w, preferred_element_type=jnp.float32)
@@ -68,6 +88,9 @@ def matmul(x, w):
 def matmul_t(x, w):
     """x [..., K] against the rows of w [N, K] -> float32 [..., N] (a head tied to the embedding:
     `w.T` is never formed)."""
+    if isinstance(w, QuantizedMatrix):
+        assert not w.transposed, "a quantized table keeps its N rows"
+        return rows_product(x, w)
     if _applies(x, w):
         return _kernel_nt(_rows(x), w).reshape(*x.shape[:-1], w.shape[0])
     return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
@@ -78,12 +101,32 @@ def take_rows(table, tokens):
     end when negative, clamped in the forward pass, no gradient outside the table). A
     bf16 table on one CPU device is read by the library's row copy: XLA:CPU converts all of a
     bf16 table to float32 to gather from it (113 MB read and 226 MB written per SmolLM2 bf16
-    decode step), and does so for a dynamic slice per row and through a uint16 view too."""
+    decode step), and does so for a dynamic slice per row and through a uint16 view too. A
+    quantized table dequantises the rows it gives (float32)."""
+    if isinstance(table, QuantizedMatrix):
+        return quantized.take_rows(table, tokens)
     if not _applies_to_table(table, tokens):
         return table[tokens]
     ids = tokens.reshape(-1).astype(jnp.int32)
     ids = jnp.where(ids < 0, ids + table.shape[0], ids)  # from the end, as jnp reads them
     return _take_rows(table, ids).reshape(*tokens.shape, table.shape[1])
+
+
+def rows_product(x, w: QuantizedMatrix):
+    """x [..., K] against the rows of a quantized matrix (R rows of K) -> float32 [..., R]:
+    x @ dequantize_rows(w).T, up to summation order. Inference only (no gradient)."""
+    rows = 1
+    for n in x.shape[:-1]:
+        rows *= n
+    if 0 < rows <= MAX_QUANTIZED_ROWS and w.qs.ndim == 3 and w.cols % 32 == 0 and _library_applies():
+        out = jax.ShapeDtypeStruct((rows, w.rows), jnp.float32)
+        mins = w.mins if w.mins is not None else jnp.zeros((0,), jnp.float16)
+        target = f"eejax_quantized_{w.format}_{w.activations}"
+        y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(_rows(x), w.qs, w.scales, mins)
+        return y.reshape(*x.shape[:-1], w.rows)
+    if w.activations == "int8" and w.cols % 32 == 0:
+        return quantized.int8_activation_product(x, w)
+    return jnp.einsum("...k,rk->...r", x.astype(jnp.float32), dequantize_rows(w), preferred_element_type=jnp.float32)
 
 
 def _applies_to_table(table, tokens) -> bool:
@@ -200,7 +243,8 @@ def build(directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:  # built aside, then renamed: never half-written
         out = Path(tmp) / path.name
-        command = [compiler, *_flags(), "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(out)]
+        sources = [str(s) for s in SOURCES if s.suffix == ".cc"]
+        command = [compiler, *_flags(), "-I", jax.ffi.include_dir(), *sources, "-o", str(out)]
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(out, path)
     log.info("built eejax's CPU matmul kernel: %s", path)
@@ -214,7 +258,7 @@ def _flags() -> list[str]:
 def _build_key() -> str:
     import jaxlib
 
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES))
     digest.update(" ".join([jaxlib.__version__, platform.machine(), *_flags(), _cpu_flags()]).encode())
     return digest.hexdigest()[:16]
 

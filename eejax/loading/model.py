@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from eejax.cache import init_cache
@@ -15,7 +16,8 @@ from eejax.checkpoint import CONFIG_FILE, write_checkpoint
 from eejax.compile_cache import background_compile
 from eejax.config import LlamaConfig, T5Config
 from eejax.decode.programs import ProgramCache
-from eejax.errors import EejaxError
+from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.quantized import float_dtype, formats, is_quantized, quantize_int8
 from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
 from eejax.sharding import RULES, cache_sharding, check_fits, param_shardings
@@ -122,7 +124,14 @@ class Model:
 
     @property
     def dtype(self):
-        return jax.tree.leaves(self.params)[0].dtype
+        """The activations' and the KV cache's dtype: the float weights' (a quantized model's norms)."""
+        return float_dtype(self.params)
+
+    @property
+    def quantization(self) -> str | None:
+        """The block format of the quantized weights ("q4_1", "int8", ...; several joined by "+"),
+        or None for a float model."""
+        return "+".join(sorted(formats(self.params))) or None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -136,8 +145,50 @@ class Model:
 
 def cast_floats(params, dtype):
     """params with every floating-point array cast to `dtype` (integer ids, such as the reduced
-    head's vocabulary, stay integers)."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    head's vocabulary, stay integers; quantized matrices keep their blocks)."""
+
+    def cast(x):
+        if is_quantized(x) or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, params, is_leaf=is_quantized)
+
+
+QUANTIZATIONS = ("gguf", "int8")
+
+
+def quantize(model_params: dict, config, kind: str | None) -> dict:
+    """params with their matrices quantized: "int8" per output channel (from float weights; an
+    int8 model is returned as it is), None as they are. "gguf" blocks come from a GGUF file
+    (`conversion.convert(..., quantization="gguf")`), not from float weights."""
+    if kind is None:
+        return model_params
+    if kind not in QUANTIZATIONS:
+        raise EejaxError(f"unknown quantization {kind!r}; choose from {', '.join(QUANTIZATIONS)} (or none)")
+    module = model_module(config)
+    if not hasattr(module, "quantize_weights"):
+        raise UnsupportedModelError(f"quantized weights are not supported for {config.architecture} models yet")
+    held = formats(model_params)
+    if kind == "gguf":
+        if held and "int8" not in held:
+            return model_params
+        raise EejaxError(
+            "quantization='gguf' keeps a GGUF file's own blocks: load a known GGUF model by name or convert a .gguf "
+            "file with `eejax convert --quantize gguf`; this checkpoint holds "
+            + (f"{', '.join(sorted(held))} weights" if held else "float weights (use 'int8')")
+        )
+    if held:
+        if held == {"int8"}:
+            return model_params
+        raise EejaxError(f"this checkpoint already holds {', '.join(sorted(held))} blocks; load it as it is")
+
+    def to_int8(w, transposed):
+        device = next(iter(w.devices())) if hasattr(w, "devices") else None
+        q = quantize_int8(np.asarray(w), transposed)
+        return jax.tree.map(lambda a: jax.device_put(a, device), q)
+
+    return module.quantize_weights(model_params, to_int8)
 
 
 def init_exits(model: Model, *, adapter_rank: int = 0, classifier: bool = True, seed: int = 0) -> Model:
@@ -167,6 +218,11 @@ def shard(model: Model, mesh: Mesh, rules=RULES) -> Model:
     caches are created there (`Model.new_cache`) and its programs compiled for it. A draft head is
     placed as a decoder layer is (its K/V are one more cache layer, split by KV heads too)."""
     check_fits(model.config, mesh)
+    if model.quantization:
+        raise UnsupportedModelError(
+            f"a model with quantized weights ({model.quantization}) cannot be placed on a mesh yet: load it without "
+            "quantization to shard it"
+        )
     params = jax.device_put(model.params, param_shardings(model, mesh, rules))
     return dataclasses.replace(model.with_params(params), mesh=mesh, programs=ProgramCache(mesh, rules))
 
@@ -178,7 +234,8 @@ def check_params(config, params, where: str) -> None:
     expected = jax.eval_shape(lambda: module.init_params(config, jax.random.PRNGKey(0)))
 
     def shapes(tree) -> dict[str, tuple]:
-        return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+        leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_quantized)
+        return {jax.tree_util.keystr(path): tuple(x.shape) for path, x in leaves}
 
     want = shapes(expected)
     have = shapes({k: v for k, v in params.items() if k not in ("exits", "draft")})

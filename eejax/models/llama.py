@@ -46,6 +46,7 @@ LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up",
 KV_KEYS = ("attn_norm", "wk", "wv")
 QKV_KEYS = ("attn_norm", "wq", "wk", "wv")
 OUT_KEYS = ("wo", "mlp_norm", "w_gate", "w_up", "w_down")
+LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the matrices a quantized model keeps as blocks
 
 
 @jax.tree_util.register_dataclass
@@ -317,6 +318,17 @@ def lm_head(params, h, config: LlamaConfig, weight=None):
     return Llama(config).apply({"params": head}, h, weight, method="logits")
 
 
+def quantize_weights(params, quantize) -> dict:
+    """params with every matrix a decode step multiplies by replaced by `quantize(w, transposed)`
+    (`kernels.quantized`): the layers' Linears and an untied head (transposed: their outputs are
+    the columns) and the embedding (its rows are tokens); norms and exits stay float."""
+    layers = {k: quantize(v, True) if k in LINEAR_KEYS else v for k, v in params["layers"].items()}
+    out = {**params, "layers": layers, "embed": quantize(params["embed"], False)}
+    if "lm_head" in params:
+        out["lm_head"] = quantize(params["lm_head"], True)
+    return out
+
+
 def init_params(config: LlamaConfig, key, dtype=jnp.float32, scale: float = 0.02):
     """Random params in the eejax layout, created by `Llama.init`: normal(0, scale) weights,
     unit norms."""
@@ -336,4 +348,5 @@ def param_bytes_per_token(params, config: LlamaConfig) -> int:
     """Weight bytes one decode token reads at full depth (layers + final norm + LM head)."""
     layers = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params["layers"]))
     head = params["embed"] if config.tie_embeddings else params["lm_head"]
-    return layers + head.size * head.dtype.itemsize + params["final_norm"].nbytes
+    head_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(head))  # quantized: its blocks
+    return layers + head_bytes + params["final_norm"].nbytes

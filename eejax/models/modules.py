@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from eejax.kernels.cpu_matmul import matmul, matmul_t, take_rows
+from eejax.quantized import QuantizedMatrix
 from eejax.models.common import rms_norm
 
 Dtype = Any
@@ -31,6 +32,16 @@ def share_scope(parent: nn.Module, *children: nn.Module) -> None:
     """Children declare their weights in `parent`'s scope (call from `parent.setup`)."""
     for child in children:
         nn.share_scope(parent, child)
+
+
+def quantized_param(module: nn.Module, name: str) -> QuantizedMatrix | None:
+    """The weight `name` when the params hold it quantized (`kernels.quantized`), else None (the
+    module declares it with `param` as usual: Flax's shape check would refuse the blocks)."""
+    if module.has_variable("params", name):
+        w = module.get_variable("params", name)
+        if isinstance(w, QuantizedMatrix):
+            return w
+    return None
 
 
 def normal(scale: float, axes: tuple[str, ...]):
@@ -54,7 +65,9 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        w = self.param(self.weight, normal(self.init_scale, self.axes), (x.shape[-1], self.features), self.param_dtype)
+        w = quantized_param(self, self.weight) or self.param(
+            self.weight, normal(self.init_scale, self.axes), (x.shape[-1], self.features), self.param_dtype
+        )
         y = matmul(x, w) if self.accumulate or x.dtype == jnp.float32 else x @ w
         if self.has_variable("params", self.weight + "_a"):
             a, b = (self.get_variable("params", self.weight + s) for s in ("_a", "_b"))
@@ -86,7 +99,7 @@ class Embedder(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     def setup(self):
-        self.embed = self.param(
+        self.embed = quantized_param(self, "embed") or self.param(
             "embed", normal(self.init_scale, ("vocab", "embed")), (self.vocab_size, self.dim), self.param_dtype
         )
 
@@ -112,7 +125,7 @@ class Unembed(nn.Module):
 
     @nn.compact
     def __call__(self, x, weight=None):
-        w = self.param(
+        w = quantized_param(self, "lm_head") or self.param(
             "lm_head", normal(self.init_scale, ("embed", "vocab")), (x.shape[-1], self.vocab_size), self.param_dtype
         )
         return matmul(x, w if weight is None else weight)
@@ -140,7 +153,7 @@ def embed(params, tokens):
     """tokens [B, T] int32 -> hidden [B, T, D]: rows of params["embed"] [V, D] (`Embedder`),
     constrained to the logical axes (batch, -, embed)."""
     table = params["embed"]
-    h = Embedder(*table.shape).apply({"params": {"embed": table}}, tokens)
+    h = Embedder(*table.shape[-2:]).apply({"params": {"embed": table}}, tokens)
     # Rows are the `batch` axis: on a mesh with a data axis they split over it from here on
     # (a no-op without a mesh and rules in context: see `ProgramCache`).
     return nn.with_logical_constraint(h, ("batch", None, "embed"))

@@ -34,6 +34,9 @@ class ModelModule(Protocol):
         buffer where the architecture supports it (`eejax.models.stack`; what a CPU reads fastest).
     forward_states(params, tokens, lengths, config, skip) -> (states [L, B, T, D], layers run):
         the forward without a cache that training uses.
+    quantize_weights(params, quantize) -> params with the matrices a decode step multiplies by
+        replaced by quantize(w, transposed) (`kernels.quantized`); architectures without it
+        cannot be quantized (T5 today).
     encode_context(params, tokens, lengths, config) -> per-row context (encoder-decoders only).
     empty_context(config, rows, length, dtype) -> zero context for rows of prompts up to `length`
         tokens (encoder-decoders only: the serving engine's decode slots).

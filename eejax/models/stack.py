@@ -24,7 +24,8 @@ from jax.sharding import SingleDeviceSharding
 
 
 def is_split(stack: dict) -> bool:
-    """Whether `stack` holds per-layer buffers (tuples) rather than stacked arrays."""
+    """Whether `stack` holds per-layer buffers (tuples) rather than stacked arrays (a weight may
+    be a `QuantizedMatrix`, a small pytree of arrays, in either layout)."""
     return isinstance(next(iter(stack.values())), (tuple, list))
 
 
@@ -33,7 +34,15 @@ def split_stack(stack: dict) -> dict:
     (`layer_views`: on a CPU they share the stack's memory)."""
     if is_split(stack):
         return stack
-    return {k: layer_views(v) for k, v in stack.items()}
+    return {k: _layers_of(v) for k, v in stack.items()}
+
+
+def _layers_of(weight) -> tuple:
+    """A stacked weight (an array, or a pytree of arrays such as a `QuantizedMatrix`) -> a tuple of
+    its L layers, each leaf a `layer_views` view."""
+    leaves, treedef = jax.tree.flatten(weight)
+    per_leaf = [layer_views(leaf) for leaf in leaves]
+    return tuple(jax.tree.unflatten(treedef, [views[i] for views in per_leaf]) for i in range(len(per_leaf[0])))
 
 
 def layer_views(x) -> tuple:
@@ -50,7 +59,7 @@ def layer_views(x) -> tuple:
 
 def num_stacked(stack: dict) -> int:
     first = next(iter(stack.values()))
-    return len(first) if is_split(stack) else first.shape[0]
+    return len(first) if is_split(stack) else jax.tree.leaves(first)[0].shape[0]
 
 
 def on_layer(stack: dict, keys, layer, fn: Callable):
@@ -58,7 +67,7 @@ def on_layer(stack: dict, keys, layer, fn: Callable):
     weights are then sliced dynamically; per-layer buffers are read in place inside a
     `lax.switch` branch per layer (keep what `fn` returns small: a switch copies its results)."""
     if not is_split(stack):
-        return fn({k: jax.lax.dynamic_index_in_dim(stack[k], layer, keepdims=False) for k in keys})
+        return fn({k: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), stack[k]) for k in keys})
     if isinstance(layer, int):
         return fn({k: stack[k][layer] for k in keys})
     branches = [lambda i=i: fn({k: stack[k][i] for k in keys}) for i in range(num_stacked(stack))]

@@ -1,0 +1,362 @@
+// Products of a few float32 rows by a quantized weight matrix kept as its blocks, on a CPU:
+//   y[m, r] = x[m] . dequantize(row r)      x [M, K] f32, R rows of K weights -> y [M, R] f32
+// A row is K / 32 blocks (eejax/quantized.py): q4_0 / q4_1 (16 bytes of nibbles, value j low and
+// value j + 16 high; an f16 scale d [and min m] per block), q8_0 (32 int8 and an f16 d), int8 (32-value
+// pieces of a row, one f32 scale per row).
+//
+// Two ways to take the dot product of a block, each a handler per format:
+//   float ("_f32"): the block is dequantised in registers exactly as a dequantising conversion
+//     computes it in float32 (d * (q - 8), d * q + m, d * q: d * q is exact), then multiplied by x as
+//     the float32 kernel does: the product equals the float32 model's up to summation order.
+//   int8 ("_q8", llama.cpp's method): each 32-value block of x is quantized to int8 with its own
+//     scale (dx = max |x| / 127), the block's dot product is summed in integers (AVX2's
+//     maddubs / madd), then scaled once by d * dx; the minimum (q4_1) or the -8 offset (q4_0)
+//     is added per block from x's float sums. About 2x fewer instructions per block, at the
+//     price of rounding x to 8 bits.
+// Rows of x go in groups of at most 4 (accumulators in registers); weight rows in tiles of 16,
+// so a tile is read from memory once and from L1 by the later groups; the rows are split between
+// the pool's threads (cpu_parts.h). With AVX2, FMA and F16C (this project's machines) the blocks
+// are decoded with intrinsics (GCC's vector extensions scalarised the byte widening: 20x slower);
+// elsewhere a portable loop computes the same sums.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_parts.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define EEJAX_AVX2 1
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum class Format { kQ4_0, kQ4_1, kQ8_0, kInt8 };
+
+template <Format F>
+constexpr bool kNibbles = F == Format::kQ4_0 || F == Format::kQ4_1;
+template <Format F>
+constexpr int64_t kBlockBytes = kNibbles<F> ? 16 : 32;
+constexpr int kGroup = 4;            // rows of x per pass over a weight row
+constexpr int64_t kRowsPerTile = 16;  // weight rows whose blocks stay in L1 while every group of x passes
+
+// An IEEE half as a float (F16C's instruction where there is one: a _Float16 conversion is a
+// libgcc call without AVX512-FP16).
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal
+    int shift = 0;
+    uint32_t m = mantissa;
+    while (!(m & 0x400)) m <<= 1, ++shift;
+    bits = sign | ((113 - shift) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// The integer value of weight j (0..31) of a block, before its scale (q4_0's -8 included).
+template <Format F>
+inline int value(const uint8_t* block, int j) {
+  if constexpr (kNibbles<F>) {
+    const int q = j < 16 ? block[j] & 15 : block[j - 16] >> 4;
+    return F == Format::kQ4_0 ? q - 8 : q;
+  } else {
+    return int8_t(block[j]);
+  }
+}
+
+// What one matrix and one call share.
+struct Weights {
+  const uint8_t* qs;
+  const uint16_t* d;       // per block (not int8)
+  const uint16_t* mins;    // per block (q4_1)
+  const float* row_scale;  // per row (int8)
+  int64_t R, NB;
+};
+
+inline float finish(float sum, const Weights& w, int64_t r, bool int8) { return int8 ? sum * w.row_scale[r] : sum; }
+
+// ---- float: dequantise in registers ----------------------------------------------------------------
+
+#if EEJAX_AVX2
+inline float sum8(__m256 v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// Block b of a row as four vectors of 8 floats (values 0-7, 8-15, 16-23, 24-31), dequantised.
+template <Format F>
+inline void dequantize_block(const Weights& w, int64_t r, int64_t b, __m256 out[4]) {
+  const uint8_t* block = w.qs + (r * w.NB + b) * kBlockBytes<F>;
+  if constexpr (kNibbles<F>) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+    const __m128i nibble = _mm_set1_epi8(15);
+    const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+    const __m256 scale = _mm256_set1_ps(half_to_float(w.d[r * w.NB + b]));
+    if constexpr (F == Format::kQ4_0) {
+      const __m256 eight = _mm256_set1_ps(8.f);
+      for (int i = 0; i < 4; ++i) out[i] = _mm256_mul_ps(scale, _mm256_sub_ps(out[i], eight));
+    } else {
+      const __m256 min = _mm256_set1_ps(half_to_float(w.mins[r * w.NB + b]));
+      for (int i = 0; i < 4; ++i) out[i] = _mm256_fmadd_ps(scale, out[i], min);  // d * q exact: one rounding
+    }
+  } else {
+    for (int i = 0; i < 4; ++i)
+      out[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 8 * i))));
+    if constexpr (F == Format::kQ8_0) {
+      const __m256 scale = _mm256_set1_ps(half_to_float(w.d[r * w.NB + b]));
+      for (int i = 0; i < 4; ++i) out[i] = _mm256_mul_ps(scale, out[i]);
+    }
+  }
+}
+
+// y[m, r] for G (<= kGroup) rows of x (K apart; y rows R apart) and weight rows [r0, r1). At G = 1
+// four accumulators: independent chains hide the FMA's latency.
+template <Format F, int G>
+void float_rows(const float* x, float* y, const Weights& w, int64_t r0, int64_t r1) {
+  constexpr int A = G == 1 ? 4 : 2;
+  const int64_t K = w.NB * 32;
+  for (int64_t r = r0; r < r1; ++r) {
+    __m256 acc[G][A];
+    for (int m = 0; m < G; ++m)
+      for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.NB; ++b) {
+      __m256 v[4];
+      dequantize_block<F>(w, r, b, v);
+      for (int m = 0; m < G; ++m)
+        for (int i = 0; i < 4; ++i)
+          acc[m][i % A] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(x + m * K + b * 32 + 8 * i), acc[m][i % A]);
+    }
+    for (int m = 0; m < G; ++m) {
+      __m256 all = acc[m][0];
+      for (int a = 1; a < A; ++a) all = _mm256_add_ps(all, acc[m][a]);
+      y[m * w.R + r] = finish(sum8(all), w, r, F == Format::kInt8);
+    }
+  }
+}
+#else
+template <Format F, int G>
+void float_rows(const float* x, float* y, const Weights& w, int64_t r0, int64_t r1) {
+  const int64_t K = w.NB * 32;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int m = 0; m < G; ++m) {
+      float s = 0.f;
+      for (int64_t b = 0; b < w.NB; ++b) {
+        const uint8_t* block = w.qs + (r * w.NB + b) * kBlockBytes<F>;
+        const float d = F == Format::kInt8 ? 1.f : half_to_float(w.d[r * w.NB + b]);
+        const float mn = F == Format::kQ4_1 ? half_to_float(w.mins[r * w.NB + b]) : 0.f;
+        for (int j = 0; j < 32; ++j) s += (F == Format::kQ4_1 ? d * value<F>(block, j) + mn : d * value<F>(block, j)) * x[m * K + b * 32 + j];
+      }
+      y[m * w.R + r] = finish(s, w, r, F == Format::kInt8);
+    }
+}
+#endif
+
+// ---- int8: x quantized per block ---------------------------------------------------------------------
+
+// x's rows as int8 blocks: xq [M, K], dx [M, NB] (x ~ dx * xq), and per block the term that the
+// weights' offset multiplies: q4_1 the float sum of x (times m), q4_0 -8 * dx * sum(xq) (times d).
+struct QuantizedX {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, offset;
+};
+
+template <Format F>
+QuantizedX quantize_x(const float* x, int64_t M, int64_t NB) {
+  QuantizedX out{std::vector<int8_t>(M * NB * 32), std::vector<float>(M * NB), std::vector<float>(M * NB)};
+  for (int64_t i = 0; i < M * NB; ++i) {
+    const float* v = x + i * 32;
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j])), sum += v[j];
+    const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int isum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int q = int(std::nearbyint(v[j] * inv));
+      out.xq[i * 32 + j] = int8_t(q);
+      isum += q;
+    }
+    out.dx[i] = dx;
+    out.offset[i] = F == Format::kQ4_1 ? sum : F == Format::kQ4_0 ? -8.f * dx * float(isum) : 0.f;
+  }
+  return out;
+}
+
+#if EEJAX_AVX2
+// The block's weights as 32 bytes in value order: q4 unsigned nibbles (q4_0's -8 is in the offset
+// term), q8 signed.
+template <Format F>
+inline __m256i block_bytes(const uint8_t* block) {
+  if constexpr (kNibbles<F>) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+  } else {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+  }
+}
+
+// The 32 products summed to 8 int32 lanes (maddubs multiplies unsigned by signed bytes: signed
+// weights give their magnitude and x their sign).
+template <Format F>
+inline __m256i dot_bytes(__m256i wq, __m256i xq) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (kNibbles<F>) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq)), ones);
+  }
+}
+
+// The weights' per-block offsets (q4_1: m, q4_0: d) against x's offset terms, 8 blocks at a time.
+template <Format F>
+inline float offset_sum(const Weights& w, int64_t r, const float* offset) {
+  if constexpr (!kNibbles<F>) return 0.f;
+  const uint16_t* o = (F == Format::kQ4_1 ? w.mins : w.d) + r * w.NB;
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= w.NB; b += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + b))),
+                          _mm256_loadu_ps(offset + b), acc);
+  float s = sum8(acc);
+  for (; b < w.NB; ++b) s += half_to_float(o[b]) * offset[b];
+  return s;
+}
+
+template <Format F, int G>
+void int8_rows(const QuantizedX& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
+  const int64_t K = w.NB * 32;
+  for (int64_t r = r0; r < r1; ++r) {
+    __m256 acc[G][2];
+    for (int m = 0; m < G; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < w.NB; ++b) {
+      const __m256i wq = block_bytes<F>(w.qs + (r * w.NB + b) * kBlockBytes<F>);
+      const float d = F == Format::kInt8 ? 1.f : half_to_float(w.d[r * w.NB + b]);
+      for (int m = 0; m < G; ++m) {
+        const int64_t row = m0 + m;
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.xq.data() + row * K + b * 32));
+        const __m256 scale = _mm256_set1_ps(d * qx.dx[row * w.NB + b]);
+        acc[m][b & 1] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_bytes<F>(wq, xq)), acc[m][b & 1]);
+      }
+    }
+    for (int m = 0; m < G; ++m) {
+      const int64_t row = m0 + m;
+      const float s = sum8(_mm256_add_ps(acc[m][0], acc[m][1])) + offset_sum<F>(w, r, qx.offset.data() + row * w.NB);
+      y[m * w.R + r] = finish(s, w, r, F == Format::kInt8);
+    }
+  }
+}
+#else
+template <Format F, int G>
+void int8_rows(const QuantizedX& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
+  const int64_t K = w.NB * 32;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int m = 0; m < G; ++m) {
+      const int64_t row = m0 + m;
+      float s = 0.f;
+      for (int64_t b = 0; b < w.NB; ++b) {
+        const uint8_t* block = w.qs + (r * w.NB + b) * kBlockBytes<F>;
+        int isum = 0;
+        for (int j = 0; j < 32; ++j)
+          isum += (F == Format::kQ4_0 ? value<F>(block, j) + 8 : value<F>(block, j)) * qx.xq[row * K + b * 32 + j];
+        const float d = F == Format::kInt8 ? 1.f : half_to_float(w.d[r * w.NB + b]);
+        s += d * qx.dx[row * w.NB + b] * float(isum);
+        if constexpr (kNibbles<F>)
+          s += half_to_float((F == Format::kQ4_1 ? w.mins : w.d)[r * w.NB + b]) * qx.offset[row * w.NB + b];
+      }
+      y[m * w.R + r] = finish(s, w, r, F == Format::kInt8);
+    }
+}
+#endif
+
+// Groups of rows: G = 1..kGroup picked at run time.
+template <Format F, int G = kGroup>
+void float_group(int g, const float* x, float* y, const Weights& w, int64_t r0, int64_t r1) {
+  if constexpr (G > 1)
+    if (g < G) return float_group<F, G - 1>(g, x, y, w, r0, r1);
+  float_rows<F, G>(x, y, w, r0, r1);
+}
+
+template <Format F, int G = kGroup>
+void int8_group(int g, const QuantizedX& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
+  if constexpr (G > 1)
+    if (g < G) return int8_group<F, G - 1>(g, qx, m0, y, w, r0, r1);
+  int8_rows<F, G>(qx, m0, y, w, r0, r1);
+}
+
+// x [M, K] f32; qs [R, NB, block bytes]; scales [R, NB] f16 (int8: [R, 1] f32); mins [R, NB] f16
+// (q4_1; else any buffer) -> y [M, R].
+template <Format F, bool kInt8Dot>
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::AnyBuffer scales,
+                           ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = qs.dimensions();
+  if (xd.size() != 2 || qd.size() != 3) return ffi::Error::InvalidArgument("eejax_quantized: x must be 2-D, qs 3-D");
+  const int64_t M = xd[0], K = xd[1];
+  if (K % 32 || qd[1] * qd[2] * (kNibbles<F> ? 2 : 1) != K)
+    return ffi::Error::InvalidArgument("eejax_quantized: x and the blocks do not contract");
+  Weights w{static_cast<const uint8_t*>(qs.untyped_data()),
+            F == Format::kInt8 ? nullptr : static_cast<const uint16_t*>(scales.untyped_data()),
+            F == Format::kQ4_1 ? static_cast<const uint16_t*>(mins.untyped_data()) : nullptr,
+            F == Format::kInt8 ? static_cast<const float*>(scales.untyped_data()) : nullptr,
+            qd[0], K / 32};
+  if (M < 1 || w.R < 1) return ffi::Error::Success();
+  const float* xs = x.typed_data();
+  float* out = y->typed_data();
+  QuantizedX qx;
+  if constexpr (kInt8Dot) qx = quantize_x<F>(xs, M, w.NB);
+  const int64_t parts = eejax::num_parts(pool, (w.R + kRowsPerTile - 1) / kRowsPerTile);
+  eejax::run_parts(pool, parts, [&](int64_t i) {
+    const int64_t lo = w.R * i / parts, hi = w.R * (i + 1) / parts;
+    for (int64_t t = lo; t < hi; t += kRowsPerTile)
+      for (int64_t m = 0; m < M; m += kGroup) {
+        const int g = int(std::min<int64_t>(kGroup, M - m));
+        const int64_t t1 = std::min(hi, t + kRowsPerTile);
+        if constexpr (kInt8Dot)
+          int8_group<F>(g, qx, m, out + m * w.R, w, t, t1);
+        else
+          float_group<F>(g, xs + m * K, out + m * w.R, w, t, t1);
+      }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define EEJAX_QUANTIZED_HANDLER(name, format, int8_dot)                                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (QuantizedMatmul<format, int8_dot>), ffi::Ffi::Bind()           \
+                                                                             .Ctx<ffi::ThreadPool>()   \
+                                                                             .Arg<ffi::Buffer<ffi::F32>>() \
+                                                                             .Arg<ffi::AnyBuffer>()    \
+                                                                             .Arg<ffi::AnyBuffer>()    \
+                                                                             .Arg<ffi::AnyBuffer>()    \
+                                                                             .Ret<ffi::Buffer<ffi::F32>>())
+
+EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ4_0F32, Format::kQ4_0, false);
+EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ4_1F32, Format::kQ4_1, false);
+EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ8_0F32, Format::kQ8_0, false);
+EEJAX_QUANTIZED_HANDLER(EejaxQuantizedInt8F32, Format::kInt8, false);
+EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ4_0Q8, Format::kQ4_0, true);
+EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ4_1Q8, Format::kQ4_1, true);
+EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ8_0Q8, Format::kQ8_0, true);
+EEJAX_QUANTIZED_HANDLER(EejaxQuantizedInt8Q8, Format::kInt8, true);

@@ -1,0 +1,231 @@
+"""Quantized weight matrices kept as their blocks (`QuantizedMatrix`, a pytree that stands in a
+params tree where a float matrix would): making them, dequantising them, saving them. Products by
+them are `kernels.cpu_matmul.rows_product`'s (eejax's CPU kernel for a few rows, XLA's product of
+the dequantised weights otherwise).
+
+A matrix is stored as GGUF stores it: `rows` output rows of `cols` weights each, every row cut into
+blocks along `cols`, each block its quantized values, its scale (and, Q4_1, its minimum):
+
+    format  block  qs                          scales            mins         w[r, c]
+    q4_0    32     uint8 [..., R, C/32, 16]    f16 [..., R, C/32]    -        d * (q - 8)
+    q4_1    32     uint8 [..., R, C/32, 16]    f16 [..., R, C/32]    f16 (m)  d * q + m
+    q8_0    32     int8  [..., R, C/32, 32]    f16 [..., R, C/32]    -        d * q
+    int8    C      int8  [..., R, 1, C]        f32 [..., R, 1]       -        s * q   (per output channel)
+
+(a q4 byte j of a block holds value j in its low nibble and value j + 16 in its high one). Leading
+axes are a stack's layers. `dequantize` gives the float32 weights that a dequantising conversion
+(gguf-py's, transformers') makes, bit for bit, so the model converted to float32 today is the
+exact reference of its blocks: a product over the blocks equals the float32 product up to
+summation order.
+
+How a product treats x (`activations`, static, so it keys the compiled programs): "float32"
+multiplies float x by the dequantised blocks (equal to the float32 model's product up to
+summation order); "int8" is llama.cpp's method: x is quantized to int8 per block of 32 values (its
+own scale, max |x| / 127), each block's products are summed in integers and scaled once, and a
+Q4_1 minimum multiplies the float sum of x's block (`int8_activation_product` is its jnp
+equal). About twice as fast on a CPU, at the price of rounding x to 8 bits.
+
+Which matrix it stands for. A Linear's weight is [D_in, features] in eejax's x @ W layout; kept
+quantized it is its transpose's blocks (`transposed=True`: rows are the outputs, blocks run along
+D_in), as in GGUF. The token embedding [V, D] is kept as it is (`transposed=False`): its rows are
+tokens, and the tied LM head multiplies by the same rows. Either way a product is x against the
+rows: `rows_product(x, w)` = x @ dequantize(w).T.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMATS = ("q4_0", "q4_1", "q8_0", "int8")
+BLOCK = 32  # the GGUF formats' block length
+SCALE_DTYPES = {"q4_0": np.float16, "q4_1": np.float16, "q8_0": np.float16, "int8": np.float32}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedMatrix:
+    """A weight matrix kept as quantized blocks (see the module docstring): `qs`, `scales`, `mins`
+    (Q4_1 only, else None); `format` and `transposed` are static. `shape` is the matrix it stands
+    for (a Linear's [D_in, features], an embedding's [V, D]), with any stacked axes first."""
+
+    qs: jax.Array
+    scales: jax.Array
+    mins: jax.Array | None = None
+    format: str = dataclasses.field(default="q8_0", metadata=dict(static=True))
+    transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    activations: str = dataclasses.field(default="float32", metadata=dict(static=True))
+
+    @property
+    def rows(self) -> int:
+        return self.qs.shape[-3]
+
+    @property
+    def cols(self) -> int:
+        blocks, width = self.qs.shape[-2:]
+        return blocks * width * (2 if self.format.startswith("q4") else 1)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        lead = tuple(self.qs.shape[:-3])
+        return (*lead, self.cols, self.rows) if self.transposed else (*lead, self.rows, self.cols)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a product reads: values, scales and minimums."""
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in self.arrays())
+
+    def arrays(self) -> tuple:
+        return (self.qs, self.scales) if self.mins is None else (self.qs, self.scales, self.mins)
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, QuantizedMatrix)
+
+
+def any_quantized(params) -> bool:
+    return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
+
+
+def float_dtype(params):
+    """The dtype of params' first float array outside quantized matrices (the model's activations'
+    and its KV cache's: a quantized model's norms), float32 if there is none."""
+    for x in jax.tree.leaves(params, is_leaf=is_quantized):
+        if not is_quantized(x) and np.issubdtype(x.dtype, np.floating):
+            return np.dtype(x.dtype)
+    return np.dtype(np.float32)
+
+
+def formats(params) -> set[str]:
+    """The block formats of params' quantized matrices (empty for a float model)."""
+    return {x.format for x in jax.tree.leaves(params, is_leaf=is_quantized) if is_quantized(x)}
+
+
+def dequantize_rows(w: QuantizedMatrix):
+    """The rows [..., R, C] as float32 (jnp; numpy arrays work too)."""
+    qs = jnp.asarray(w.qs)
+    scale = jnp.asarray(w.scales).astype(jnp.float32)[..., None]
+    if w.format.startswith("q4"):
+        q = jnp.concatenate([qs & 15, qs >> 4], axis=-1).astype(jnp.float32)  # [..., R, C/32, 32]
+        if w.format == "q4_0":
+            values = scale * (q - 8.0)
+        else:
+            values = scale * q + jnp.asarray(w.mins).astype(jnp.float32)[..., None]
+    else:
+        values = scale * qs.astype(jnp.float32)
+    return values.reshape(*values.shape[:-2], -1)
+
+
+def dequantize(w: QuantizedMatrix):
+    """The matrix `w` stands for, float32 (a Linear's [..., D_in, features])."""
+    rows = dequantize_rows(w)
+    return jnp.swapaxes(rows, -1, -2) if w.transposed else rows
+
+
+def take_rows(w: QuantizedMatrix, tokens):
+    """Rows of a quantized table [V, D] (not transposed) at `tokens` -> float32 [*tokens.shape, D]:
+    only the rows taken are dequantised."""
+    ids = tokens.reshape(-1)
+    picked = dataclasses.replace(w, qs=w.qs[ids], scales=w.scales[ids], mins=None if w.mins is None else w.mins[ids])
+    return dequantize_rows(picked).reshape(*tokens.shape, w.cols)
+
+
+ACTIVATIONS = ("float32", "int8")
+
+
+def with_activations(params, activations: str):
+    """params with every quantized matrix's products taking x as `activations` ("float32", "int8")."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    return jax.tree.map(
+        lambda x: dataclasses.replace(x, activations=activations) if is_quantized(x) else x, params, is_leaf=is_quantized
+    )
+
+
+def int8_activation_product(x, w: QuantizedMatrix):
+    """x [..., K] against w's rows as the kernel's int8 activations compute it (float32 [..., R]):
+    x rounded to int8 per block of 32 (scale max |x| / 127) times the dequantised weights, a Q4_1
+    minimum times x's exact block sums."""
+    x = x.astype(jnp.float32)
+    blocks = x.reshape(*x.shape[:-1], -1, BLOCK)
+    amax = jnp.abs(blocks).max(-1, keepdims=True)
+    scale = amax / 127.0
+    inverse = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    rounded = (jnp.round(blocks * inverse) * scale).reshape(x.shape)
+    if w.format != "q4_1":
+        return jnp.einsum("...k,rk->...r", rounded, dequantize_rows(w), preferred_element_type=jnp.float32)
+    no_min = dataclasses.replace(w, mins=jnp.zeros_like(w.mins))
+    y = jnp.einsum("...k,rk->...r", rounded, dequantize_rows(no_min), preferred_element_type=jnp.float32)
+    sums = blocks.sum(-1)  # [..., K/32]
+    return y + jnp.einsum("...b,rb->...r", sums, jnp.asarray(w.mins).astype(jnp.float32))
+
+
+def layer(w: QuantizedMatrix, index) -> QuantizedMatrix:
+    """Layer `index` (int or traced) of a stacked quantized matrix."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), w)
+
+
+# --- making blocks --------------------------------------------------------------------------------
+
+
+def quantize_int8(w, transposed: bool = True) -> QuantizedMatrix:
+    """A float matrix (numpy) as int8 per output channel: s = max |w| / 127 per output, q =
+    round(w / s). `transposed`: `w` is a Linear's [..., D_in, features] (outputs are its columns);
+    otherwise its rows are the outputs (an embedding [V, D])."""
+    w = np.asarray(w, np.float32)
+    rows = np.swapaxes(w, -1, -2) if transposed else w
+    scale = np.abs(rows).max(axis=-1, keepdims=True) / 127.0
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    q = np.clip(np.rint(rows / scale), -127, 127).astype(np.int8)
+    return QuantizedMatrix(np.ascontiguousarray(q[..., None, :]), scale, None, "int8", transposed)
+
+
+def from_ggml_blocks(raw: np.ndarray, format: str, rows: int, cols: int, transposed: bool) -> QuantizedMatrix:
+    """A GGUF tensor's raw bytes (uint8 [rows * cols / 32 * block bytes], GGML's block structs:
+    f16 d, [f16 m,] then the values) -> its blocks, as numpy arrays (no float copy)."""
+    if cols % BLOCK:
+        raise ValueError(f"a {format} tensor's rows must be whole blocks of {BLOCK}, got {cols}")
+    head = 4 if format == "q4_1" else 2
+    width = 16 if format.startswith("q4") else 32
+    blocks = np.asarray(raw, np.uint8).reshape(rows, cols // BLOCK, head + width)
+    scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if format == "q4_1" else None
+    qs = np.ascontiguousarray(blocks[..., head:])
+    if format == "q8_0":
+        qs = qs.view(np.int8)
+    return QuantizedMatrix(qs, scales, mins, format, transposed)
+
+
+# --- checkpoints ------------------------------------------------------------------------------------
+
+
+def to_tree(params):
+    """params with each QuantizedMatrix as a plain dict {format or format + "_t": {qs, scales[, mins]}},
+    which orbax saves as it saves any dict of arrays; `from_tree` reverses it."""
+
+    def plain(x):
+        if not is_quantized(x):
+            return x
+        arrays = {"qs": x.qs, "scales": x.scales, **({"mins": x.mins} if x.mins is not None else {})}
+        return {x.format + ("_t" if x.transposed else ""): arrays}
+
+    return jax.tree.map(plain, params, is_leaf=is_quantized)
+
+
+def from_tree(tree):
+    """The inverse of `to_tree`."""
+    if isinstance(tree, dict):
+        if len(tree) == 1:
+            (key, value), = tree.items()
+            format = key.removesuffix("_t")
+            if format in FORMATS and isinstance(value, dict) and "qs" in value:
+                return QuantizedMatrix(value["qs"], value["scales"], value.get("mins"), format, key.endswith("_t"))
+        return {k: from_tree(v) for k, v in tree.items()}
+    return tree
