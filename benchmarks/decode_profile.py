@@ -88,8 +88,8 @@ def weight_matmuls_ms(model, batch: int) -> float:
         for i in range(c.num_layers):
             for k in names:
                 w = layers[k][i]
-                total += matmul(jnp.ones((batch, w.shape[0]), w.dtype), w).sum(-1)
-        return total + head_matmul(jnp.ones((batch, c.hidden_size), head.dtype), head).sum(-1)
+                total += matmul(jnp.ones((batch, w.shape[0]), model.dtype), w).sum(-1)
+        return total + head_matmul(jnp.ones((batch, c.hidden_size), model.dtype), head).sum(-1)
 
     program = jax.jit(matmuls)
     program(layers, head).block_until_ready()
@@ -108,11 +108,20 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens per row in the traced run")
     parser.add_argument("--layer-buffers", choices=("auto", "stacked", "split"), default="auto")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--quantization", choices=("gguf", "int8"), default=None, help="quantized weights (eejax.load)")
+    parser.add_argument("--activations", choices=("float32", "int8"), default="float32", help="see eejax.load")
+    parser.add_argument("--top", type=int, default=0, help="also print the N costliest ops by name")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.new_tokens < 2:
         parser.error("--batch must be >= 1 and --new-tokens >= 2")
 
-    model = eejax.load("smollm2-135m", dtype=jnp.dtype(args.dtype), layer_buffers=args.layer_buffers)
+    model = eejax.load(
+        "smollm2-135m",
+        dtype=jnp.dtype(args.dtype),
+        layer_buffers=args.layer_buffers,
+        quantization=args.quantization,
+        activations=args.activations,
+    )
     prompts = cnndm_prompts(model.tokenizer, args.batch, args.prompt_tokens)
     kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
     eejax.generate(model, prompts, **kw)  # compile
@@ -146,6 +155,9 @@ def main(argv=None) -> int:
     for group, ms in groups.most_common():
         rows.append(dict(group=group, thread_ms_per_step=ms))
         print(f"{group:40s} {ms:14.2f} {ms / (cores * step_ms):7.1%}")
+    if args.top:
+        for name, ns in sorted(decode_ops.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"   {name[:60]:60s} {ns / 1e6 / steps:8.3f} thread-ms/step  ({group_of(name)})")
     idle = max(cores * step_ms - busy, 0.0)
     print(f"{'not in an op (waits, dispatch, host)':40s} {idle:14.2f} {idle / (cores * step_ms):7.1%}")
     bound_ms = weight_bytes / (bw * 1e9) * 1e3
@@ -155,7 +167,11 @@ def main(argv=None) -> int:
         f"{step_ms:.1f} ms ({bound_ms / step_ms:.0%} of the bound)"
     )
     path = write_result(
-        "_".join([f"decode_profile_b{args.batch}", model.layout] + ([args.dtype] if args.dtype != "float32" else [])),
+        "_".join(
+            [f"decode_profile_b{args.batch}", model.layout]
+            + ([args.dtype] if args.dtype != "float32" else [])
+            + ([args.quantization, args.activations] if args.quantization else [])
+        ),
         dict(
             batch=args.batch,
             layout=model.layout,

@@ -9,7 +9,11 @@ batch B the bound is B x (measured read bandwidth) / (weight bytes + B x K/V byt
 each side's share of it.
 
     python benchmarks/full_depth.py [--batches 1 8 32] [--new-tokens 64] [--prompt-tokens 256] \
-        [--layer-buffers auto|stacked|split] [--dtype float32|bfloat16]
+        [--layer-buffers auto|stacked|split] [--dtype float32|bfloat16] \
+        [--quantization gguf|int8] [--activations float32|int8]
+
+With --quantization the bound counts the bytes a step reads of the quantized weights (blocks,
+scales and minimums).
 """
 
 from __future__ import annotations
@@ -63,9 +67,27 @@ def main(argv=None) -> int:
         default="float32",
         help="eejax's weights, activations and KV cache (HF runs float32 either way)",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=("gguf", "int8"),
+        default=None,
+        help="eejax's weights quantized: the GGUF's own blocks, or int8 per channel (default: float)",
+    )
+    parser.add_argument(
+        "--activations",
+        choices=("float32", "int8"),
+        default="float32",
+        help="how quantized products take x (see eejax.load)",
+    )
     args = parser.parse_args(argv)
 
-    model = eejax.load("smollm2-135m", dtype=jnp.dtype(args.dtype), layer_buffers=args.layer_buffers)
+    model = eejax.load(
+        "smollm2-135m",
+        dtype=jnp.dtype(args.dtype),
+        layer_buffers=args.layer_buffers,
+        quantization=args.quantization,
+        activations=args.activations,
+    )
     hf = None if args.skip_hf else load_hf_smollm2()
     bw = read_bandwidth_gbs()
     weight_bytes = param_bytes_per_token(model.params, model.config)
@@ -125,7 +147,12 @@ def main(argv=None) -> int:
             f"tok/s: eejax {ours_decode / batch_bound:.0%}, HF {peer_decode / batch_bound:.0%}",
             flush=True,
         )
-    name = "_".join(["full_depth", model.layout] + ([args.dtype] if args.dtype != "float32" else []))
+    name = "_".join(
+        ["full_depth", model.layout]
+        + ([args.dtype] if args.dtype != "float32" else [])
+        + ([args.quantization] if args.quantization else [])
+        + (["act_int8"] if args.quantization and args.activations == "int8" else [])
+    )
     path = write_result(
         name,
         {
@@ -136,6 +163,8 @@ def main(argv=None) -> int:
             "new_tokens": args.new_tokens,
             "layer_buffers": model.layout,
             "dtype": args.dtype,
+            "quantization": model.quantization,
+            "activations": args.activations if args.quantization else None,
             "rows": rows,
         },
     )

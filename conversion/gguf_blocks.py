@@ -68,7 +68,9 @@ def llama_params_from_gguf(path: str | Path, config: LlamaConfig, progress: bool
             )
         return w
 
-    bar = tqdm(total=len(GGUF_LAYER_NAMES) * config.num_layers + 3, desc="reading blocks", unit="tensor", disable=not progress)
+    bar = tqdm(
+        total=len(GGUF_LAYER_NAMES) * config.num_layers + 3, desc="reading blocks", unit="tensor", disable=not progress
+    )
     heads = {"wq": config.num_heads, "wk": config.num_kv_heads}
     layers = {}
     for key, name in GGUF_LAYER_NAMES.items():
@@ -106,5 +108,7 @@ def _stack(per_layer: list):
     formats = {w.format for w in per_layer}
     if len(formats) > 1:
         raise UnsupportedModelError(f"the layers of one weight use several block formats ({sorted(formats)})")
-    stacked = {k: None if a is None else np.stack([_arrays(w)[k] for w in per_layer]) for k, a in _arrays(per_layer[0]).items()}
+    stacked = {
+        k: None if a is None else np.stack([_arrays(w)[k] for w in per_layer]) for k, a in _arrays(per_layer[0]).items()
+    }
     return dataclasses.replace(per_layer[0], **stacked)

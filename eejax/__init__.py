@@ -21,11 +21,14 @@ from eejax.sharding import make_mesh
 __version__ = "0.1.0"
 
 
-def convert(src, dst, *, dtype: str = "float32", overwrite: bool = False, progress: bool = True):
-    """Converts an HF checkpoint directory or a .gguf file into an eejax checkpoint at `dst`."""
+def convert(
+    src, dst, *, dtype: str = "float32", quantization: str | None = None, overwrite: bool = False, progress: bool = True
+):
+    """Converts an HF checkpoint directory or a .gguf file into an eejax checkpoint at `dst`
+    (`quantization`: None, "gguf" to keep a .gguf file's blocks, or "int8"; see `conversion.convert`)."""
     from conversion import convert as _convert
 
-    return _convert(src, dst, dtype=dtype, overwrite=overwrite, progress=progress)
+    return _convert(src, dst, dtype=dtype, quantization=quantization, overwrite=overwrite, progress=progress)
 
 
 __all__ = [

@@ -145,7 +145,9 @@ def with_activations(params, activations: str):
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
     return jax.tree.map(
-        lambda x: dataclasses.replace(x, activations=activations) if is_quantized(x) else x, params, is_leaf=is_quantized
+        lambda x: dataclasses.replace(x, activations=activations) if is_quantized(x) else x,
+        params,
+        is_leaf=is_quantized,
     )
 
 
@@ -223,7 +225,7 @@ def from_tree(tree):
     """The inverse of `to_tree`."""
     if isinstance(tree, dict):
         if len(tree) == 1:
-            (key, value), = tree.items()
+            ((key, value),) = tree.items()
             format = key.removesuffix("_t")
             if format in FORMATS and isinstance(value, dict) and "qs" in value:
                 return QuantizedMatrix(value["qs"], value["scales"], value.get("mins"), format, key.endswith("_t"))

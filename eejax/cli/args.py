@@ -80,8 +80,37 @@ def add_model_and_prompts(parser: argparse.ArgumentParser, what: str, model_help
     parser.add_argument("--limit", type=positive_int, help="use only the first N prompts")
 
 
+def quantization(text: str) -> str | None:
+    """--quantization's value: gguf, int8, or none / off (float weights as stored)."""
+    value = text.strip().lower()
+    if value in ("none", "off", "no", "false", "0", ""):
+        return None
+    if value not in ("gguf", "int8"):
+        raise argparse.ArgumentTypeError(f"expected gguf, int8 or none, got {text!r}")
+    return value
+
+
 def add_model_placement(parser: argparse.ArgumentParser, default_layout: str = "auto", why: str = "") -> None:
-    """--layer-buffers, --tensor-parallel, --data-parallel: how the model's weights are laid out."""
+    """--quantization, --activations, --layer-buffers, --tensor-parallel, --data-parallel: how the
+    model's weights are stored and laid out."""
+    parser.add_argument(
+        "--quantization",
+        type=quantization,
+        default=None,
+        metavar="{gguf,int8,none}",
+        help="keep the weights quantized: gguf (a GGUF model's own 4- and 8-bit blocks: for smollm2-135m, "
+        "Q4_1 layers and a Q8_0 embedding and head, 97 MB instead of 538), int8 (every matrix int8 per output "
+        "channel, made as the model loads), or none (default: the weights as stored, a known GGUF model "
+        "dequantised to float32). Quantized models run on one device",
+    )
+    parser.add_argument(
+        "--activations",
+        choices=("float32", "int8"),
+        default="float32",
+        help="how quantized products take their input: float32 (default: the dequantised weights' "
+        "products, up to summation order) or int8 (rounded to 8 bits per block of 32 as llama.cpp does: "
+        "faster products on a CPU, slightly different logits)",
+    )
     parser.add_argument(
         "--layer-buffers",
         choices=("auto", "stacked", "split"),
@@ -145,7 +174,11 @@ def load_model(args: argparse.Namespace):
     """The model of --model, laid out as --layer-buffers / --tensor-parallel / --data-parallel say."""
     import eejax
 
-    model = eejax.load(args.model, layer_buffers=args.layer_buffers)
+    if args.activations != "float32" and args.quantization is None:
+        raise EejaxError("--activations int8 applies to quantized weights: add --quantization gguf or int8")
+    model = eejax.load(
+        args.model, layer_buffers=args.layer_buffers, quantization=args.quantization, activations=args.activations
+    )
     if (args.tensor_parallel, args.data_parallel) != (1, 1):
         model = eejax.shard(model, eejax.make_mesh(tensor=args.tensor_parallel, data=args.data_parallel))
     return model

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from eejax.cli.args import quantization
+
 DESCRIPTION = """Convert an HF PyTorch checkpoint into an eejax checkpoint.
 
 SRC is an HF model directory (config.json plus model.safetensors, pytorch_model.bin, or their
@@ -32,6 +34,15 @@ def add_parsers(sub) -> None:
         "in bfloat16 at batch 1 and 0.95x at batch 8 (an AMD EPYC with avx512_bf16: widening bf16 "
         "weights costs the kernel compute), and ~3x slower with EEJAX_CPU_MATMUL=off",
     )
+    parser.add_argument(
+        "--quantize",
+        type=quantization,
+        default=None,
+        metavar="{gguf,int8,none}",
+        help="store the matrices quantized (Llama): gguf keeps a .gguf file's own Q4_0 / Q4_1 / Q8_0 blocks "
+        "(no float copy), int8 stores every matrix as int8 per output channel (any checkpoint); default none "
+        "(float weights; a .gguf file dequantised). Norms stay --dtype",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
@@ -50,6 +61,13 @@ def run(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         # SIGTERM unwinds like Ctrl-C, so the partial checkpoint is removed on the way out.
         signal.signal(signal.SIGTERM, _interrupt)
-    dst = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite, progress=not args.quiet)
+    dst = convert(
+        args.src,
+        args.dst,
+        dtype=args.dtype,
+        quantization=args.quantize,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
     print(f"wrote {dst}")
     return 0

@@ -45,8 +45,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from eejax.compile_cache import switched_on
 from eejax import quantized
+from eejax.compile_cache import switched_on
 from eejax.quantized import QuantizedMatrix, dequantize_rows
 
 MAX_ROWS = 8  # the kernel's limit (kMaxRows); more rows are a GEMM, which XLA threads itself

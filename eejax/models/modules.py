@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from eejax.kernels.cpu_matmul import matmul, matmul_t, take_rows
-from eejax.quantized import QuantizedMatrix
 from eejax.models.common import rms_norm
+from eejax.quantized import QuantizedMatrix
 
 Dtype = Any
 

@@ -67,7 +67,9 @@ def on_layer(stack: dict, keys, layer, fn: Callable):
     weights are then sliced dynamically; per-layer buffers are read in place inside a
     `lax.switch` branch per layer (keep what `fn` returns small: a switch copies its results)."""
     if not is_split(stack):
-        return fn({k: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), stack[k]) for k in keys})
+        return fn(
+            {k: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), stack[k]) for k in keys}
+        )
     if isinstance(layer, int):
         return fn({k: stack[k][layer] for k in keys})
     branches = [lambda i=i: fn({k: stack[k][i] for k in keys}) for i in range(num_stacked(stack))]

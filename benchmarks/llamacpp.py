@@ -1,0 +1,172 @@
+"""eejax on a GGUF's own blocks against llama.cpp on the same file (SmolLM2-135M-Instruct Q4_1), batch 1.
+
+The same token ids for both: CNN/DM summary prompts (rows 0..N-1 of data/cnndm_test_dev100.jsonl,
+the first --prompt-tokens tokens ending in "\\n\\nSummary:"), --new-tokens greedy tokens each, EOS
+ignored, one prompt at a time. llama.cpp (llama-cpp-python, the `llamacpp` extra) runs in its own
+process with --threads threads (in eejax's process its thread pool slowed eejax), once before
+eejax's runs and once after (the faster run is kept). Reported for each side: prefill tokens/s,
+decode tokens/s (the steps after the first token) and end-to-end tokens/s (prefill included),
+and eejax's ratios to llama.cpp; eejax's settings are the GGUF blocks with float32 and with int8
+activations at full depth and, with the draft head (smollm2-135m-eagle on the same blocks),
+--specs. Also the share of llama.cpp's greedy tokens that eejax's float32 reference reproduces.
+
+    python benchmarks/llamacpp.py [--prompts 8] [--new-tokens 64] [--threads 2] [--specs draft:4:lookup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_llamacpp(gguf: str, prompts: list[list[int]], new_tokens: int, threads: int) -> dict:
+    """llama.cpp's greedy decoding of each prompt: prefill (to the first token) and decode seconds."""
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=gguf,
+        n_ctx=max(map(len, prompts)) + new_tokens + 8,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        verbose=False,
+    )
+    rows = []
+    for warm in (True, False):
+        for prompt in prompts[:1] if warm else prompts:
+            tokens = []
+            start = time.perf_counter()
+            for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+                tokens.append(int(token))
+                if len(tokens) == 1:
+                    first = time.perf_counter()
+                if len(tokens) == new_tokens:
+                    break
+            end = time.perf_counter()
+            if not warm:
+                rows.append({"prefill_s": first - start, "decode_s": end - first, "tokens": tokens})
+    return summarise(rows, prompts, new_tokens)
+
+
+def summarise(rows: list[dict], prompts: list[list[int]], new_tokens: int) -> dict:
+    prefill = sum(r["prefill_s"] for r in rows)
+    decode = sum(r["decode_s"] for r in rows)
+    return {
+        "prefill_tokens_per_s": sum(map(len, prompts)) / prefill,
+        "decode_tokens_per_s": len(rows) * (new_tokens - 1) / decode,
+        "end_to_end_tokens_per_s": len(rows) * new_tokens / (prefill + decode),
+        "tokens": [r["tokens"] for r in rows],
+    }
+
+
+def llamacpp_in_child(gguf: str, prompts, new_tokens: int, threads: int) -> dict:
+    """`run_llamacpp` in a process of its own."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = os.path.join(tmp, "in.json")
+        with open(spec, "w") as f:
+            json.dump({"gguf": gguf, "prompts": prompts, "new_tokens": new_tokens, "threads": threads}, f)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", spec], check=True, capture_output=True, text=True
+        ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_eejax(model, prompts, new_tokens: int, spec=None) -> dict:
+    """eejax's greedy decoding of each prompt at batch 1 (a warm-up run first)."""
+    import eejax
+
+    kw = dict(max_new_tokens=new_tokens, ignore_eos=True, spec=spec)
+    eejax.generate(model, prompts[:1], **kw)
+    rows = []
+    for prompt in prompts:
+        s = eejax.generate(model, [prompt], **kw)
+        rows.append(
+            {"prefill_s": s.stats.prefill_s, "decode_s": s.stats.run_s - s.stats.prefill_s, "tokens": s.tokens[0]}
+        )
+    return summarise(rows, prompts, new_tokens)
+
+
+def main(argv=None) -> int:
+    from eejax.cli.parsing import OneLineErrorParser
+
+    if argv is None and sys.argv[1:2] == ["--child"]:
+        with open(sys.argv[2]) as f:
+            a = json.load(f)
+        print(json.dumps(run_llamacpp(a["gguf"], a["prompts"], a["new_tokens"], a["threads"])))
+        return 0
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp's threads")
+    parser.add_argument(
+        "--specs", nargs="*", action="extend", default=None, help="draft-head settings (default draft:4:lookup)"
+    )
+    parser.add_argument("--name", default="llamacpp")
+    args = parser.parse_args(argv)
+    specs = ["draft:4:lookup"] if args.specs is None else args.specs
+    if args.prompts > 20:
+        parser.error("at most 20 prompts: rows 0..19 are the draft head's held-out rows")
+
+    import eejax
+    from benchmarks.common import write_result
+    from benchmarks.early_exit import summary_prompts
+    from eejax.loading.hub import fetch_original
+
+    gguf = str(fetch_original("smollm2-135m"))
+    reference = eejax.load("smollm2-135m")
+    prompts, _ = summary_prompts(reference.tokenizer, args.prompts, args.prompt_tokens)
+    peers = [llamacpp_in_child(gguf, prompts, args.new_tokens, args.threads)]
+    float32 = run_eejax(reference, prompts, args.new_tokens)
+    del reference
+    ours = {"float32 (dequantised)": float32}
+    for activations in ("float32", "int8"):
+        model = eejax.load("smollm2-135m", quantization="gguf", activations=activations)
+        ours[f"gguf, {activations} activations"] = run_eejax(model, prompts, args.new_tokens)
+        if specs:
+            drafted = eejax.load("smollm2-135m-eagle", quantization="gguf", activations=activations)
+            for spec in specs:
+                ours[f"gguf, {activations} activations, {spec}"] = run_eejax(drafted, prompts, args.new_tokens, spec)
+            del drafted
+    peers.append(llamacpp_in_child(gguf, prompts, args.new_tokens, args.threads))
+    peer = max(peers, key=lambda p: p["decode_tokens_per_s"])
+    agree = sum(a == b for p, q in zip(peer["tokens"], float32["tokens"]) for a, b in zip(p, q))
+    total = sum(map(len, float32["tokens"]))
+    runs = ", ".join(f"{p['decode_tokens_per_s']:.1f}" for p in peers)
+    lines = [
+        f"llama.cpp ({args.threads} threads): prefill {peer['prefill_tokens_per_s']:.0f} tok/s, decode "
+        f"{peer['decode_tokens_per_s']:.1f} tok/s (runs: {runs}), "
+        f"end to end {peer['end_to_end_tokens_per_s']:.1f} tok/s; its greedy tokens equal eejax float32's at "
+        f"{agree / total:.1%} of positions",
+        "| eejax | prefill tok/s | decode tok/s | vs llama.cpp | end to end tok/s | vs llama.cpp |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in ours.items():
+        lines.append(
+            f"| {name} | {r['prefill_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.1f} | "
+            f"{r['decode_tokens_per_s'] / peer['decode_tokens_per_s']:.2f}x | {r['end_to_end_tokens_per_s']:.1f} | "
+            f"{r['end_to_end_tokens_per_s'] / peer['end_to_end_tokens_per_s']:.2f}x |"
+        )
+    print("\n".join(lines))
+    strip = lambda r: {k: v for k, v in r.items() if k != "tokens"}  # noqa: E731
+    write_result(
+        args.name,
+        {
+            "args": vars(args),
+            "llamacpp": [strip(p) for p in peers],
+            "eejax": {k: strip(v) for k, v in ours.items()},
+            "llamacpp_agreement_with_float32": agree / total,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

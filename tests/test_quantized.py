@@ -1,0 +1,244 @@
+"""Quantized weights (`eejax.quantized`, the CPU kernel's quantized products): GGUF's blocks read
+as gguf-py reads them, products equal to the dequantised weights' up to summation order (int8
+activations to their jnp equal), a quantized Llama that decodes as its dequantised float model
+does, lossless modes token-identical to the quantized model's own full depth, checkpoints, and
+clear refusals."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eejax
+from eejax import quantized as Q
+from eejax.config import LlamaConfig
+from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.kernels import cpu_matmul
+from eejax.models import llama
+from eejax.options import SpecConfig
+from tests.helpers import random_prompts
+
+gguf = pytest.importorskip("gguf")
+GGML = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0"}
+
+
+def ggml_blocks(w: np.ndarray, format: str, transposed: bool) -> Q.QuantizedMatrix:
+    """A float matrix quantized by gguf-py (rows are outputs: a Linear's transposed) and read back
+    by eejax's GGUF reader from its raw bytes."""
+    rows = np.ascontiguousarray(np.swapaxes(w, -1, -2) if transposed else w, np.float32)
+    qtype = gguf.GGMLQuantizationType[GGML[format]]
+    raw = gguf.quants.quantize(rows.reshape(-1, rows.shape[-1]), qtype)
+    return Q.from_ggml_blocks(raw, format, rows.shape[0], rows.shape[1], transposed)
+
+
+def blocks_of(params, layer_format="q4_1", table_format="q8_0") -> dict:
+    """A float Llama's params with GGUF blocks for its matrices (stacked per layer)."""
+
+    def quantize(w, transposed):
+        w = np.asarray(w)
+        fmt = layer_format if transposed else table_format
+        if w.ndim == 2:
+            return jax.tree.map(jnp.asarray, ggml_blocks(w, fmt, transposed))
+        per_layer = [ggml_blocks(w[i], fmt, transposed) for i in range(w.shape[0])]
+        stacked = {k: np.stack([getattr(p, k) for p in per_layer]) for k in ("qs", "scales")}
+        mins = None if per_layer[0].mins is None else np.stack([p.mins for p in per_layer])
+        return Q.QuantizedMatrix(
+            jnp.asarray(stacked["qs"]),
+            jnp.asarray(stacked["scales"]),
+            None if mins is None else jnp.asarray(mins),
+            fmt,
+            transposed,
+        )
+
+    return llama.quantize_weights(params, quantize)
+
+
+def dequantized(params) -> dict:
+    """The float32 model a quantized one stands for (its exact reference)."""
+    return jax.tree.map(lambda x: Q.dequantize(x) if Q.is_quantized(x) else x, params, is_leaf=Q.is_quantized)
+
+
+@pytest.fixture(scope="module")
+def config():
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def float_params(config):
+    return llama.init_params(config, jax.random.PRNGKey(0), scale=0.3)  # peaked: few near-ties
+
+
+@pytest.fixture(scope="module")
+def blocks_model(config, float_params):
+    return eejax.Model(config, blocks_of(float_params))
+
+
+# --- formats and products ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("format", ["q4_0", "q4_1", "q8_0"])
+def test_blocks_dequantise_as_gguf_py_does(format):
+    w = np.random.default_rng(1).standard_normal((96, 64)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[GGML[format]]
+    raw = gguf.quants.quantize(w, qtype)
+    ours = Q.from_ggml_blocks(raw, format, 96, 64, transposed=False)
+    np.testing.assert_array_equal(np.asarray(Q.dequantize(ours)), gguf.quants.dequantize(raw, qtype))
+    assert ours.shape == (96, 64) and ours.nbytes == raw.nbytes
+    transposed = Q.from_ggml_blocks(raw, format, 96, 64, transposed=True)
+    assert transposed.shape == (64, 96)
+
+
+def random_matrix(format, rows, cols, rng, activations="float32") -> Q.QuantizedMatrix:
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.1
+    m = Q.quantize_int8(w, transposed=False) if format == "int8" else ggml_blocks(w, format, transposed=False)
+    return dataclasses.replace(jax.tree.map(jnp.asarray, m), activations=activations)
+
+
+@pytest.mark.parametrize("format", Q.FORMATS)
+def test_products_equal_the_dequantised_weights_up_to_summation_order(format):
+    rng = np.random.default_rng(2)
+    w = random_matrix(format, 80, 96, rng)
+    reference = np.asarray(Q.dequantize_rows(w), np.float64)
+    for rows in (1, 3, 5, 8, 13, cpu_matmul.MAX_QUANTIZED_ROWS + 1):  # the kernel's groups, then XLA's product
+        x = rng.standard_normal((rows, 96)).astype(np.float32)
+        got = np.asarray(jax.jit(cpu_matmul.rows_product)(jnp.asarray(x), w))
+        want = x.astype(np.float64) @ reference.T
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("format", Q.FORMATS)
+def test_int8_activations_match_their_jnp_equal(format):
+    """The kernel's int8 activations and `int8_activation_product` (XLA's path above the kernel's
+    rows) agree up to summation order; both stay near the float32 product."""
+    rng = np.random.default_rng(3)
+    w = random_matrix(format, 80, 96, rng, activations="int8")
+    exact = np.asarray(Q.dequantize_rows(w), np.float64)
+    for rows in (1, 4, 7, cpu_matmul.MAX_QUANTIZED_ROWS + 1):
+        x = rng.standard_normal((rows, 96)).astype(np.float32)
+        got = np.asarray(jax.jit(cpu_matmul.rows_product)(jnp.asarray(x), w))
+        emulated = np.asarray(Q.int8_activation_product(jnp.asarray(x), w))
+        scale = np.abs(emulated).max()
+        np.testing.assert_allclose(got, emulated, rtol=0, atol=2e-6 * scale)
+        np.testing.assert_allclose(got, x @ exact.T, rtol=0, atol=3e-2 * scale)
+
+
+def test_int8_per_channel_keeps_each_output_within_half_a_step():
+    w = np.random.default_rng(4).standard_normal((3, 40, 24)).astype(np.float32)  # stacked [L, D_in, out]
+    q = Q.quantize_int8(w, transposed=True)
+    assert q.shape == w.shape and q.qs.dtype == np.int8 and q.scales.shape == (3, 24, 1)
+    step = np.abs(w).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(np.asarray(Q.dequantize(q)) - w) <= step / 2 + 1e-7)
+
+
+def test_a_quantized_table_gives_the_dequantised_rows():
+    w = random_matrix("q4_1", 50, 64, np.random.default_rng(5))
+    tokens = jnp.asarray([[3, 49, 0], [7, 7, 1]])
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.take_rows(w, tokens)), np.asarray(Q.dequantize_rows(w))[tokens])
+
+
+# --- a quantized model ----------------------------------------------------------------------------------
+
+
+def greedy(model, prompts, new=12, **kw):
+    return eejax.generate(model, prompts, max_new_tokens=new, ignore_eos=True, **kw)
+
+
+PROMPTS = random_prompts(3, [9, 4, 17], vocab=120, seed=3)
+
+
+def test_blocks_decode_as_their_dequantised_float_model(config, float_params, blocks_model):
+    reference = eejax.Model(config, dequantized(blocks_model.params))
+    assert blocks_model.quantization == "q4_1+q8_0" and blocks_model.dtype == jnp.float32
+    assert greedy(blocks_model, PROMPTS).tokens == greedy(reference, PROMPTS).tokens
+    assert eejax.Model(config, float_params).quantization is None
+
+
+@pytest.mark.parametrize("layout", ["stacked", "split"])
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_lossless_modes_equal_the_quantized_full_depth(blocks_model, layout, activations):
+    """Self-speculation (with and without the bonus pass) and early exit that never exits are
+    token-identical to the same quantized model's full depth, in both layer layouts."""
+    params = Q.with_activations(blocks_model.params, activations)
+    model = dataclasses.replace(blocks_model.with_params(params), layer_buffers=layout)
+    full = greedy(model, PROMPTS).tokens
+    for spec in (SpecConfig(2, 3, bonus=True), SpecConfig(1, 2, bonus=False)):
+        assert greedy(model, PROMPTS, spec=spec).tokens == full, spec
+    assert greedy(model, PROMPTS, exit="softmax:inf").tokens == full
+
+
+@pytest.mark.parametrize("exit", ["static:2", "softmax:0.1"])
+def test_early_exit_and_kv_fill_run_as_on_the_dequantised_model(config, blocks_model, exit):
+    """Exits (the KV fill of the layers skipped reads the quantized K/V projections) give the
+    tokens and exit layers of the same exits on the dequantised float model."""
+    reference = eejax.Model(config, dequantized(blocks_model.params))
+    ours, want = greedy(blocks_model, PROMPTS, exit=exit), greedy(reference, PROMPTS, exit=exit)
+    assert (ours.tokens, ours.exit_layers) == (want.tokens, want.exit_layers)
+    assert min(min(e) for e in ours.exit_layers) < config.num_layers  # something exited
+
+
+def test_the_engine_serves_a_quantized_model_with_prefix_caching(blocks_model):
+    """Chunked prefill, a shared prefix and continuous batching over quantized weights give the
+    tokens of one plain generate per prompt."""
+    from eejax.engine.engine import Engine
+
+    shared = random_prompts(1, [20], vocab=120, seed=9)[0]
+    prompts = [shared + p for p in random_prompts(3, [3, 6, 2], vocab=120, seed=10)]
+    engine = Engine(
+        blocks_model, max_slots=2, max_new_tokens=6, cache_budget="4MiB", page_size=8, prefill_chunk=8, ignore_eos=True
+    )
+    seqs = [engine.submit(p, max_new_tokens=6) for p in prompts]
+    engine.run()
+    assert engine.counters["prefix_cache_hit_tokens"] > 0
+    assert [s.tokens for s in seqs] == greedy(blocks_model, prompts, new=6).tokens
+
+
+def test_int8_from_a_float_checkpoint_saves_and_loads(tiny_checkpoints, tmp_path):
+    directory = tiny_checkpoints["gqa-untied"][2]
+    model = eejax.load(directory, quantization="int8")
+    assert model.quantization == "int8"
+    assert eejax.load(directory).quantization is None
+    tokens = greedy(model, PROMPTS).tokens
+    eejax.save(model, tmp_path / "int8")
+    again = eejax.load(tmp_path / "int8")
+    assert again.quantization == "int8" and greedy(again, PROMPTS).tokens == tokens
+    assert eejax.load(tmp_path / "int8", quantization="int8").quantization == "int8"  # already int8: as it is
+
+
+def test_convert_quantize_int8_writes_int8_matrices(tiny_checkpoints, tmp_path):
+    from conversion import convert
+
+    hf_dir = tiny_checkpoints["gqa-tied"][1]
+    out = convert(hf_dir, tmp_path / "q", quantization="int8", progress=False)
+    model = eejax.load(out)
+    assert model.quantization == "int8" and model.params["layers"]["wq"].transposed
+    assert not Q.is_quantized(model.params["layers"]["attn_norm"])
+    reference = eejax.load(tiny_checkpoints["gqa-tied"][2], quantization="int8")
+    assert greedy(model, PROMPTS).tokens == greedy(reference, PROMPTS).tokens
+
+
+def test_bad_quantization_requests_are_refused_by_name(tiny_checkpoints, blocks_model, tmp_path):
+    directory = tiny_checkpoints["gqa-tied"][2]
+    with pytest.raises(EejaxError, match="unknown quantization 'int4'"):
+        eejax.load(directory, quantization="int4")
+    with pytest.raises(EejaxError, match="unknown activations"):
+        eejax.load(directory, quantization="int8", activations="fp8")
+    with pytest.raises(EejaxError, match="keeps a GGUF file's own blocks"):
+        eejax.load(directory, quantization="gguf")
+    with pytest.raises(EejaxError, match="not a .gguf file"):
+        eejax.convert(tiny_checkpoints["gqa-tied"][1], tmp_path / "x", quantization="gguf")
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(UnsupportedModelError, match="cannot be placed on a mesh"):
+        eejax.shard(blocks_model, eejax.make_mesh(tensor=1))
+    assert eejax.load(directory, quantization="none").quantization is None
