@@ -11,7 +11,8 @@ ideal speed-up at the measured τ (weights read per token, `eejax.decode.cost`),
 efficiency = measured / ideal, and layers of the model run per token. Writes
 benchmarks/out/<name>.{json,md}.
 
-    python benchmarks/draft_head.py [--model smollm2-135m-eagle] [--batches 1 8] [--specs draft:4 ...]
+    python benchmarks/draft_head.py [--model smollm2-135m-eagle] [--batches 1 8] [--specs draft:4 ...] \
+        [--quantization gguf|int8] [--activations float32|int8]
 """
 
 from __future__ import annotations
@@ -69,13 +70,17 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each configuration (median kept)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers' full depth")
     parser.add_argument("--name", default="draft_head", help="output name under benchmarks/out/")
+    parser.add_argument("--quantization", choices=("gguf", "int8"), default=None, help="quantized weights (eejax.load)")
+    parser.add_argument("--activations", choices=("float32", "int8"), default="float32", help="see eejax.load")
     args = parser.parse_args()
     batches = args.batches or [1, 8]
     specs = args.specs or ["draft:2", "draft:3", "draft:4", "draft:4:adaptive"]
     if max(args.prompts, *batches) > EVAL_ROWS:
         parser.error(f"at most {EVAL_ROWS} prompts: only rows 0..{EVAL_ROWS - 1} are held out of training")
 
-    model = eejax.load(args.model, layer_buffers=args.layer_buffers)
+    model = eejax.load(
+        args.model, layer_buffers=args.layer_buffers, quantization=args.quantization, activations=args.activations
+    )
     hf = None if args.no_hf else load_hf_smollm2()
     rows, lines = [], []
     for b in batches:

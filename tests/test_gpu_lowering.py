@@ -49,7 +49,7 @@ def test_lowering_in_a_fresh_process():
         text=True,
         timeout=900,
     )
-    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.returncode == 0 and "3 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
 def lowered_for_cuda(model) -> dict[str, list[str]]:
@@ -113,6 +113,27 @@ def test_t5_programs_lower_for_cuda():
     texts = lowered_for_cuda(model)
     assert {"prefill_slots", "decode_slots", "spec_round_slots"} <= set(texts)
     assert_cuda_modules(texts, model.programs.num_programs)
+
+
+@fresh_process_only
+def test_quantized_programs_lower_for_cuda(monkeypatch):
+    """A GPU multiplies quantized weights as XLA's product of the dequantised blocks (the CPU
+    kernel is a CPU custom call): GGUF blocks with float32 and int8 activations, full depth,
+    early exit (KV fill) and self-speculation lower for CUDA with no custom call of eejax's."""
+    from eejax.quantized import with_activations
+    from tests.test_quantized import blocks_of
+
+    monkeypatch.setenv("EEJAX_CPU_MATMUL", "off")  # what a GPU backend traces
+    base = tiny(num_layers=4)
+    for activations in ("float32", "int8"):
+        params = with_activations(blocks_of(base.params), activations)
+        model = gpu_layout(eejax.Model(base.config, params))
+        for kw in (dict(), dict(exit="softmax:0.3"), dict(spec="2:2")):
+            eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, **kw)
+        texts = lowered_for_cuda(model)
+        assert {"prefill_slots", "decode_slots", "spec_round_slots"} <= set(texts)
+        assert_cuda_modules(texts, model.programs.num_programs)
+        assert not any("eejax_" in text for modules in texts.values() for text in modules)
 
 
 # (exit, data-dependent loops of the GPU's structure): the segment loop, and the layer loop of

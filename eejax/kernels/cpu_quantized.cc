@@ -267,14 +267,18 @@ void int8_rows(const QuantizedX& qx, int64_t m0, float* y, const Weights& w, int
     }
     __m256 acc[G][2];
     for (int m = 0; m < G; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < w.NB; ++b) {
-      const __m256i wq = block_bytes<F>(w.qs + (r * w.NB + b) * kBlockBytes<F>);
+    const int8_t* xq0 = qx.xq.data() + m0 * K;
+    const uint8_t* row = w.qs + r * w.NB * kBlockBytes<F>;
+    auto block = [&](int64_t b, int a) {  // `a`: which accumulator (two chains hide the FMA's latency)
+      const __m256i wq = block_bytes<F>(row + b * kBlockBytes<F>);
       for (int m = 0; m < G; ++m) {
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx.xq.data() + (m0 + m) * K + b * 32));
-        acc[m][b & 1] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale[m] + b), _mm256_cvtepi32_ps(dot_bytes<F>(wq, xq)),
-                                        acc[m][b & 1]);
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq0 + m * K + b * 32));
+        acc[m][a] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale[m] + b), _mm256_cvtepi32_ps(dot_bytes<F>(wq, xq)), acc[m][a]);
       }
-    }
+    };
+    int64_t b = 0;
+    for (; b + 2 <= w.NB; b += 2) block(b, 0), block(b + 1, 1);
+    if (b < w.NB) block(b, 0);
     for (int m = 0; m < G; ++m) {
       const int64_t row = m0 + m;
       const float s = sum8(_mm256_add_ps(acc[m][0], acc[m][1])) + offset_sum<F>(w, r, qx.offset.data() + row * w.NB);
