@@ -1,4 +1,5 @@
-"""Reference paged attention against a dense numpy attention over the same keys."""
+"""Paged attention (the jnp reference and eejax's CPU kernel) against a dense numpy attention over
+the same keys."""
 
 import numpy as np
 import pytest
@@ -48,14 +49,16 @@ def build_case(rng, lengths, q_len, page_size, hq, hkv, d, layers=2, layer=1):
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("q_len", [1, 5])
-def test_paged_attention_matches_dense(page_size, hq, hkv, q_len):
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_paged_attention_matches_dense(page_size, hq, hkv, q_len, impl):
     """Six rows: up to 16 query heads x tokens per row take the summed products, 8 heads x 5
-    tokens the batched matmuls (`attention._few_queries`); a row of length 0 gives zeros."""
+    tokens the batched matmuls (`attention._few_queries`), or the CPU kernel; a row of length 0
+    gives zeros."""
     rng = np.random.default_rng(page_size * 100 + hq * 10 + q_len)
     lengths = [0, 1, page_size, page_size + 1, 3 * page_size - 1, 7]
     q, kc, vc, table, q_pos, rows_k, rows_v = build_case(rng, lengths, q_len, page_size, hq, hkv, 16)
     kv_len = np.array(lengths, np.int32)
-    got = np.asarray(paged_attention(q, kc, vc, np.int32(1), table, q_pos, kv_len))
+    got = np.asarray(paged_attention(q, kc, vc, np.int32(1), table, q_pos, kv_len, impl=impl))
     for i, n in enumerate(lengths):
         want = dense_attention(q[i], rows_k[i], rows_v[i], q_pos[i], n)
         np.testing.assert_allclose(got[i], want, atol=1e-5, rtol=1e-5, err_msg=f"row {i} (length {n})")
@@ -107,3 +110,20 @@ def test_cache_writes_set_the_same_bits_and_convert_nothing(dtype):
     if dtype != "float32":
         text = jax.jit(scatter_set).lower(buffer, index, values).compile().as_text()
         assert "f32[3,2,5,4,8]" not in text  # the buffer never goes through float32
+
+
+def test_the_cpu_kernel_computes_each_query_alone():
+    """A query's output is the same bits whether it comes alone (a decode step) or with others
+    (a verify pass), and "auto" on a CPU is the kernel."""
+    import jax
+
+    from eejax.kernels.attention import resolve_impl
+
+    rng = np.random.default_rng(11)
+    q, kc, vc, table, q_pos, _, _ = build_case(rng, [9, 23, 4], 5, 4, 6, 2, 16)
+    kv_len = np.array([9, 23, 4], np.int32)
+    together = np.asarray(paged_attention(q, kc, vc, np.int32(1), table, q_pos, kv_len, impl="cpu"))
+    for t in range(5):
+        alone = paged_attention(q[:, t : t + 1], kc, vc, np.int32(1), table, q_pos[:, t : t + 1], kv_len, impl="cpu")
+        assert np.array_equal(np.asarray(alone)[:, 0], together[:, t])
+    assert resolve_impl("auto") == ("cpu" if jax.default_backend() == "cpu" else resolve_impl("auto"))

@@ -5,11 +5,12 @@ chunked prefill, speculative verification): each query attends to the keys of it
 positions `< kv_len` and `<= its own position` (causal). GQA: query head h reads KV head
 h // group. A row with kv_len = 0 (padding) gets zeros.
 
-Implementations: "reference" (jnp, runs everywhere, the fast path on CPU) and "triton" (the
+Implementations: "reference" (jnp, runs everywhere), "cpu" (eejax's CPU kernel for a few
+queries per row, `cpu_attention.py`; the reference where it does not apply) and "triton" (the
 kernel in `triton_attention.py`: compiled through jax-triton on CUDA, run by Triton's
 interpreter elsewhere: slow, for tests). "auto" picks Triton on CUDA where jax-triton is
-installed (the `gpu` extra) and the reference otherwise. The choice is made at trace time; the
-model code never knows which one ran.
+installed (the `gpu` extra), the CPU kernel on a CPU, and the reference otherwise. The choice is
+made at trace time; the model code never knows which one ran.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from eejax.kernels import cpu_attention
 from eejax.kernels.head_parallel import head_mesh, on_head_shards, row_axis
 from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 
-IMPLS = ("auto", "reference", "triton")
+IMPLS = ("auto", "reference", "cpu", "triton")
 log = logging.getLogger(__name__)
 
 
@@ -67,7 +69,9 @@ def resolve_impl(impl: str, head_dim: int = 64) -> str:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {IMPLS}")
     if impl == "auto":
         kernel_fits = head_dim >= 16 and head_dim & (head_dim - 1) == 0
-        return "triton" if jax.default_backend() == "gpu" and kernel_fits and _have_jax_triton() else "reference"
+        if jax.default_backend() == "gpu" and kernel_fits and _have_jax_triton():
+            return "triton"
+        return "cpu" if jax.default_backend() == "cpu" else "reference"
     return impl
 
 
@@ -186,6 +190,9 @@ def _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, 
         return triton_paged_attention(
             q, k_cache, v_cache, layer, block_table, q_positions, kv_len, interpret=interpret, **extra
         )
+    if impl == "cpu" and cpu_attention.applies(q, k_cache, tree, bias_table):
+        args = (q, k_cache, v_cache, layer, block_table, q_positions, kv_len)
+        return cpu_attention.cpu_paged_attention(*args, scale=scale)
     return reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, tree=tree, **extra)
 
 

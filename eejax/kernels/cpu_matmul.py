@@ -51,13 +51,14 @@ from eejax.quantized import QuantizedMatrix, dequantize_rows
 
 MAX_ROWS = 8  # the kernel's limit (kMaxRows); more rows are a GEMM, which XLA threads itself
 SOURCE = Path(__file__).with_suffix(".cc")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_quantized.cc"), SOURCE.with_name("cpu_parts.h"))
+SOURCES = tuple(SOURCE.with_name(n) for n in ("cpu_matmul.cc", "cpu_quantized.cc", "cpu_attention.cc", "cpu_parts.h"))
 TARGETS = {  # XLA's name for a handler -> its symbol in the library
     "eejax_matmul_nn": "EejaxMatmulNN",
     "eejax_matmul_nt": "EejaxMatmulNT",
     "eejax_matmul_nn_bf16": "EejaxMatmulNNBf16",
     "eejax_matmul_nt_bf16": "EejaxMatmulNTBf16",
     "eejax_take_rows_bf16": "EejaxTakeRowsBf16",
+    "eejax_paged_attention": "EejaxPagedAttention",  # cpu_attention.py
     **{
         f"eejax_quantized_{f}_{a}": f"EejaxQuantized{f.capitalize()}{'F32' if a == 'float32' else 'Q8'}"
         for f in ("q4_0", "q4_1", "q8_0", "int8")
@@ -118,7 +119,7 @@ def rows_product(x, w: QuantizedMatrix):
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
-    if 0 < rows <= MAX_QUANTIZED_ROWS and w.qs.ndim == 3 and w.cols % 32 == 0 and _library_applies():
+    if 0 < rows <= MAX_QUANTIZED_ROWS and w.qs.ndim == 3 and w.cols % 32 == 0 and library_applies():
         out = jax.ShapeDtypeStruct((rows, w.rows), jnp.float32)
         mins = w.mins if w.mins is not None else jnp.zeros((0,), jnp.float16)
         target = f"eejax_quantized_{w.format}_{w.activations}"
@@ -130,10 +131,10 @@ def rows_product(x, w: QuantizedMatrix):
 
 
 def _applies_to_table(table, tokens) -> bool:
-    return table.dtype == jnp.bfloat16 and table.ndim == 2 and tokens.size > 0 and _library_applies()
+    return table.dtype == jnp.bfloat16 and table.ndim == 2 and tokens.size > 0 and library_applies()
 
 
-def _library_applies() -> bool:
+def library_applies() -> bool:
     """The conditions every use shares: one CPU device, the switch on, the library built."""
     return jax.default_backend() == "cpu" and jax.sharding.get_abstract_mesh().empty and enabled() and available()
 
@@ -173,7 +174,7 @@ def _applies(x, w) -> bool:
         and x.dtype in WEIGHT_DTYPES
         and w.dtype in WEIGHT_DTYPES
         and w.ndim == 2
-        and _library_applies()
+        and library_applies()
     )
 
 

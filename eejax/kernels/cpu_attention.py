@@ -1,0 +1,51 @@
+"""Paged attention of a few queries per row on a CPU: eejax's kernel (`cpu_attention.cc`, built
+into the CPU kernel library with `cpu_matmul`) in place of the jnp reference's page gather and
+half a dozen ops over the copy. "auto" attention takes it on one CPU device for float32 caches,
+steps of at most `MAX_QUERIES` tokens per row (decode, verify passes), no tree of drafts and no
+T5 position bias; everything else stays on the reference. Each query is computed alone, keys in
+order, so a verify pass and a decode step agree bit for bit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eejax.kernels import cpu_matmul
+
+MAX_QUERIES = 16  # tokens per row; a prefill keeps the reference's batched matmuls
+
+
+def applies(q, k_cache, tree, bias_table) -> bool:
+    _, t, hq, dh = q.shape
+    return (
+        tree is None
+        and bias_table is None
+        and t <= MAX_QUERIES
+        and t * hq // k_cache.shape[1] <= 64
+        and dh % 8 == 0
+        and q.dtype == jnp.float32
+        and k_cache.dtype == jnp.float32
+        and cpu_matmul.library_applies()
+    )
+
+
+def cpu_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale=None):
+    """As `attention.reference_paged_attention` (no tree, no bias): [B, T, Hq, Dh] float32. Needs
+    the kernel library (`cpu_matmul.available()`)."""
+    if not cpu_matmul.available():
+        raise RuntimeError("eejax's CPU kernel library is not available (see the log)")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    call = jax.ffi.ffi_call("eejax_paged_attention", out, vmap_method="sequential")
+    as_int = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return call(
+        q,
+        k_cache,
+        v_cache,
+        as_int(layer).reshape(()),
+        as_int(block_table),
+        as_int(q_positions),
+        as_int(kv_len),
+        scale=np.float32(scale),
+    )
