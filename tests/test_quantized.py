@@ -5,6 +5,7 @@ does, lossless modes token-identical to the quantized model's own full depth, ch
 clear refusals."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -234,6 +235,8 @@ def test_bad_quantization_requests_are_refused_by_name(tiny_checkpoints, blocks_
         eejax.load(directory, quantization="int4")
     with pytest.raises(EejaxError, match="unknown activations"):
         eejax.load(directory, quantization="int8", activations="fp8")
+    with pytest.raises(EejaxError, match="apply to quantized weights"):
+        eejax.load(directory, activations="int8")
     with pytest.raises(EejaxError, match="keeps a GGUF file's own blocks"):
         eejax.load(directory, quantization="gguf")
     with pytest.raises(EejaxError, match="not a .gguf file"):
@@ -242,3 +245,24 @@ def test_bad_quantization_requests_are_refused_by_name(tiny_checkpoints, blocks_
     with pytest.raises(UnsupportedModelError, match="cannot be placed on a mesh"):
         eejax.shard(blocks_model, eejax.make_mesh(tensor=1))
     assert eejax.load(directory, quantization="none").quantization is None
+
+
+def test_the_cli_quantizes_and_refuses_bad_values(capsys, tiny_checkpoints, tmp_path):
+    from tests.test_cli import run_cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"The river rose"\n')
+    ckpt = tiny_checkpoints["gqa-untied"][2]
+    common = ("generate", "--model", ckpt, "--prompts-file", prompts, "--max-new-tokens", 4, "--ignore-eos", "--json")
+    code, out, _ = run_cli(capsys, *common, "--quantization", "int8", "--activations", "int8")
+    assert code == 0 and len(json.loads(out)["outputs"][0]["tokens"]) == 4
+    code, out, _ = run_cli(capsys, *common, "--quantization", "off")
+    assert code == 0
+    code, _, err = run_cli(capsys, *common, "--quantization", "int4")
+    assert code == 2 and "expected gguf, int8 or none, got 'int4'" in err
+    code, _, err = run_cli(capsys, *common, "--activations", "int8")
+    assert code == 2 and "apply to quantized weights" in err
+    code, out, _ = run_cli(
+        capsys, "convert", tiny_checkpoints["gqa-untied"][1], tmp_path / "q", "--quantize", "int8", "--quiet"
+    )
+    assert code == 0 and eejax.load(tmp_path / "q").quantization == "int8"

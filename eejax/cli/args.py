@@ -174,8 +174,6 @@ def load_model(args: argparse.Namespace):
     """The model of --model, laid out as --layer-buffers / --tensor-parallel / --data-parallel say."""
     import eejax
 
-    if args.activations != "float32" and args.quantization is None:
-        raise EejaxError("--activations int8 applies to quantized weights: add --quantization gguf or int8")
     model = eejax.load(
         args.model, layer_buffers=args.layer_buffers, quantization=args.quantization, activations=args.activations
     )

@@ -68,13 +68,16 @@ void attend_head(const Shapes& n, const float* q, const float* k, const float* v
   int64_t keys_of[64], most = 0;  // keys each query sees (Q <= 64: see the caller)
   for (int64_t t = 0; t < n.T; ++t)
     for (int64_t g = 0; g < G; ++g) {
-      keys_of[t * G + g] = std::max<int64_t>(0, std::min<int64_t>(kv_len, int64_t(positions[b * n.T + t]) + 1));
+      // as the reference's mask: keys < kv_len and <= the query's position, within the row's M pages
+      const int64_t visible = std::min<int64_t>({kv_len, int64_t(positions[b * n.T + t]) + 1, n.M * n.S});
+      keys_of[t * G + g] = std::max<int64_t>(0, visible);
       most = std::max(most, keys_of[t * G + g]);
     }
   auto query = [&](int64_t i) { return q + ((b * n.T + i / G) * n.Hq + kv * G + i % G) * Dh; };
   auto output = [&](int64_t i) { return out + ((b * n.T + i / G) * n.Hq + kv * G + i % G) * Dh; };
-  auto row = [&](const float* cache, int64_t p) {
-    return cache + ((head_base + table[b * n.M + p / n.S]) * n.S + p % n.S) * Dh;
+  auto row = [&](const float* cache, int64_t p) {  // a page id outside the cache reads the null page 0
+    const int64_t page = table[b * n.M + p / n.S];
+    return cache + ((head_base + (page >= 0 && page < n.P ? page : 0)) * n.S + p % n.S) * Dh;
   };
   scores.resize(Q * std::max<int64_t>(most, 1));
   for (int64_t p = 0; p < most; ++p) {

@@ -24,7 +24,7 @@ from eejax.checkpoint import CONFIG_FILE, load_checkpoint
 from eejax.errors import EejaxError
 from eejax.loading.deltas import apply_delta
 from eejax.loading.model import QUANTIZATIONS, Model, cast_floats, check_params, quantize, save
-from eejax.quantized import ACTIVATIONS, with_activations
+from eejax.quantized import ACTIVATIONS, formats, with_activations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +209,10 @@ def load(
     if dtype is not None:
         params = cast_floats(params, dtype)
     if activations != "float32":
+        if not formats(params):
+            raise EejaxError(
+                f"activations {activations!r} apply to quantized weights: add quantization='gguf' or 'int8'"
+            )
         params = with_activations(params, activations)
     return Model(config, params, tokenizer, layer_buffers=layer_buffers)
 
