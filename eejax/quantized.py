@@ -98,9 +98,9 @@ def float_dtype(params):
     """The dtype of params' first float array outside quantized matrices (the model's activations'
     and its KV cache's: a quantized model's norms), float32 if there is none."""
     for x in jax.tree.leaves(params, is_leaf=is_quantized):
-        if not is_quantized(x) and np.issubdtype(x.dtype, np.floating):
-            return np.dtype(x.dtype)
-    return np.dtype(np.float32)
+        if not is_quantized(x) and jnp.issubdtype(x.dtype, jnp.floating):  # bfloat16 included
+            return jnp.dtype(x.dtype)
+    return jnp.dtype(jnp.float32)
 
 
 def formats(params) -> set[str]:

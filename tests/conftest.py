@@ -41,6 +41,9 @@ os.environ.setdefault("EEJAX_BACKGROUND_COMPILE", "off")
 # thread; 2 cores). A worker's torch (and the processes it starts) runs one thread.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Nor do the CPU kernels' helper threads spin between products (`kernels/cpu_parts.h`): the
+    # other worker needs the core.
+    os.environ.setdefault("EEJAX_CPU_LINGER_US", "0")
 
 
 @pytest.fixture(scope="session")

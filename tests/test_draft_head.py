@@ -174,7 +174,8 @@ def test_a_path_through_side_branches_leaves_what_a_chain_of_its_tokens_leaves(m
     assert np.asarray(tree_counters.accepted).tolist() == [2] * len(rows)
     np.testing.assert_array_equal(tree_state.tokens, chain_state.tokens)
     np.testing.assert_array_equal(tree_state.seq_len, chain_state.seq_len)
-    np.testing.assert_allclose(tree_state.draft_hidden, chain_state.draft_hidden, atol=2e-5, rtol=1e-5)
+    # a tree's verify attends through the jnp reference, a chain's through the CPU kernel: float rounding
+    np.testing.assert_allclose(tree_state.draft_hidden, chain_state.draft_hidden, atol=1e-4, rtol=1e-5)
     for row in range(len(rows)):
         n = int(chain_state.seq_len[row])
         for layer in range(model.cache_layers):
@@ -236,7 +237,8 @@ def test_draft_kv_after_rounds_and_plain_steps_equals_a_prefill_of_the_same_toke
             atol=2e-5,
             rtol=1e-5,
         )
-    np.testing.assert_allclose(np.asarray(state.draft_hidden), np.asarray(ref_state.draft_hidden), atol=2e-5, rtol=1e-5)
+    # rounds attend through the CPU kernel, a prefill through the jnp reference: float rounding
+    np.testing.assert_allclose(np.asarray(state.draft_hidden), np.asarray(ref_state.draft_hidden), atol=1e-4, rtol=1e-5)
 
 
 def test_a_chunked_prefill_writes_the_same_draft_kv(model):

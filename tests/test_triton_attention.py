@@ -111,7 +111,7 @@ def test_auto_on_a_gpu_without_jax_triton_takes_the_reference(monkeypatch):
 
 
 def test_dispatch():
-    assert resolve_impl("auto") == "reference" and resolve_impl("auto", 80) == "reference"  # no GPU here
+    assert resolve_impl("auto") == "cpu" and resolve_impl("auto", 80) == "cpu"  # no GPU here: the CPU kernel
     assert resolve_impl("triton") == "triton"
     with pytest.raises(ValueError, match="unknown attention impl"):
         resolve_impl("flash")

@@ -8,15 +8,16 @@
 //
 // Helpers linger. Waking a sleeping pool thread takes longer on a VM than a part of a decode
 // step's product takes (~10-40 us), so the caller often ran every part itself: a helper spins for
-// kLingerNs after its last part, watching the board where each call posts its parts, and the
+// linger_ns() after its last part, watching the board where each call posts its parts, and the
 // next call finds it awake (a call schedules a new helper only when none lingers). A lingering
-// helper holds its pool thread and a core for at most kLingerNs past the last product.
+// helper holds its pool thread and a core for at most that long past the last product.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <thread>  // std::this_thread::yield
@@ -28,7 +29,15 @@ namespace eejax {
 
 constexpr int64_t kMaxParts = 8;
 constexpr int kSpins = 2000;  // pauses before a waiting caller sleeps (~10-50 us)
-constexpr int64_t kLingerNs = 200'000;
+// How long a helper lingers: $EEJAX_CPU_LINGER_US microseconds (default 200; 0: helpers return at
+// once, for a machine whose cores other processes need), read once.
+inline int64_t linger_ns() {
+  static const int64_t ns = [] {
+    const char* text = std::getenv("EEJAX_CPU_LINGER_US");
+    return text && *text ? std::max<int64_t>(0, std::atoll(text)) * 1000 : int64_t(200'000);
+  }();
+  return ns;
+}
 
 inline void pause() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -93,8 +102,7 @@ struct Board {
         continue;
       }
       pause();
-      if (spins % 64 == 0 &&
-          std::chrono::steady_clock::now() - quiet_since > std::chrono::nanoseconds(kLingerNs))
+      if (spins % 64 == 0 && std::chrono::steady_clock::now() - quiet_since > std::chrono::nanoseconds(linger_ns()))
         break;
     }
     lingering.fetch_sub(1, std::memory_order_acq_rel);
