@@ -7,8 +7,8 @@ each with float32 and with int8 activations (`eejax.load`). For each:
     tokens, each product as decoding computes it) and, on the same positions, the share whose
     greedy token equals float32's, where float32's top two logits are at least 1e-3 apart
     (below that a near-tie may go either way);
-  - memory: the RSS a fresh process (JAX's runtime started) adds by loading the model, against
-    the weights' bytes;
+  - memory: the RSS a fresh process (JAX's runtime started, orbax and the tokenizer's code
+    imported) adds by loading the model, against the weights' bytes;
   - speed, in the same run as float32: decode tokens/s at batch 1 and 8 (256-token CNN/DM
     prompts, --new-tokens greedy tokens, prefill excluded) and prefill tokens/s of one 256-token
     prompt, with their ratios to float32 and the batch-1 share of the bandwidth bound (bytes read).
@@ -101,7 +101,8 @@ def rss_added(setting: str) -> dict:
             "sys.path.insert(0, sys.argv[1])",
             "import jax, jax.numpy as jnp",
             "from benchmarks.quantized import load",
-            "jnp.zeros(1).block_until_ready()  # the runtime's own memory is not the model's",
+            "jnp.zeros(1).block_until_ready()  # the runtime's own memory is not the model's,",
+            "import orbax.checkpoint, transformers.models.auto.tokenization_auto  # nor the loaders' code",
             "def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096",
             "before = rss(); m = load(sys.argv[2]); jax.block_until_ready(m.params); after = rss()",
             "weights = sum(x.nbytes for x in jax.tree.leaves(m.params))",

@@ -119,6 +119,19 @@ def test_products_equal_the_dequantised_weights_up_to_summation_order(format):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("activations", Q.ACTIVATIONS)
+def test_a_row_gives_the_same_bits_alone_and_in_a_group(activations):
+    """What makes a verify pass (several rows) and a decode step (one) agree: each row's sums run
+    in the same order whatever rows come with it."""
+    rng = np.random.default_rng(6)
+    w = random_matrix("q4_1", 40, 96, rng, activations)
+    x = jnp.asarray(rng.standard_normal((7, 96)).astype(np.float32))
+    product = jax.jit(cpu_matmul.rows_product)
+    together = np.asarray(product(x, w))
+    for i in range(7):
+        assert np.array_equal(np.asarray(product(x[i : i + 1], w))[0], together[i])
+
+
 @pytest.mark.parametrize("format", Q.FORMATS)
 def test_int8_activations_match_their_jnp_equal(format):
     """The kernel's int8 activations and `int8_activation_product` (XLA's path above the kernel's
@@ -167,12 +180,12 @@ def test_blocks_decode_as_their_dequantised_float_model(config, float_params, bl
 
 
 @pytest.mark.parametrize("layout", ["stacked", "split"])
-@pytest.mark.parametrize("activations", ["float32", "int8"])
-def test_lossless_modes_equal_the_quantized_full_depth(blocks_model, layout, activations):
+def test_lossless_modes_equal_the_quantized_full_depth(blocks_model, layout):
     """Self-speculation (with and without the bonus pass) and early exit that never exits are
-    token-identical to the same quantized model's full depth, in both layer layouts."""
-    params = Q.with_activations(blocks_model.params, activations)
-    model = dataclasses.replace(blocks_model.with_params(params), layer_buffers=layout)
+    token-identical to the same quantized model's full depth, in both layer layouts (float32
+    activations: with int8 ones, rounding x to 8 bits turns the last-bit differences of XLA's ops
+    between a verify pass and a decode step into different tokens; README)."""
+    model = dataclasses.replace(blocks_model, layer_buffers=layout)
     full = greedy(model, PROMPTS).tokens
     for spec in (SpecConfig(2, 3, bonus=True), SpecConfig(1, 2, bonus=False)):
         assert greedy(model, PROMPTS, spec=spec).tokens == full, spec

@@ -134,29 +134,37 @@ inline void dequantize_block(const Weights& w, int64_t r, int64_t b, __m256 out[
   }
 }
 
-// y[m, r] for G (<= kGroup) rows of x (K apart; y rows R apart) and weight rows [r0, r1). At G = 1
-// four accumulators: independent chains hide the FMA's latency.
-template <Format F, int G>
-void float_rows(const float* x, float* y, const Weights& w, int64_t r0, int64_t r1) {
-  constexpr int A = G == 1 ? 4 : 2;
+// y[m, r] for G (<= kGroup) rows of x (K apart; y rows R apart) and weight rows [r0, r1). Two
+// accumulators per row of x and weight row, whatever G: a row's sums run in the same order alone
+// (a decode step) as in a group (a verify pass), so the two agree bit for bit.
+// Weight rows [r, r + NR) against G rows of x.
+template <Format F, int G, int NR>
+inline void float_tile(const float* x, float* y, const Weights& w, int64_t r) {
+  constexpr int A = 2;
   const int64_t K = w.NB * 32;
-  for (int64_t r = r0; r < r1; ++r) {
-    __m256 acc[G][A];
+  __m256 acc[NR][G][A];
+  for (int n = 0; n < NR; ++n)
     for (int m = 0; m < G; ++m)
-      for (int a = 0; a < A; ++a) acc[m][a] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < w.NB; ++b) {
+      for (int a = 0; a < A; ++a) acc[n][m][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < w.NB; ++b)
+    for (int n = 0; n < NR; ++n) {
       __m256 v[4];
-      dequantize_block<F>(w, r, b, v);
+      dequantize_block<F>(w, r + n, b, v);
       for (int m = 0; m < G; ++m)
         for (int i = 0; i < 4; ++i)
-          acc[m][i % A] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(x + m * K + b * 32 + 8 * i), acc[m][i % A]);
+          acc[n][m][i % A] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(x + m * K + b * 32 + 8 * i), acc[n][m][i % A]);
     }
-    for (int m = 0; m < G; ++m) {
-      __m256 all = acc[m][0];
-      for (int a = 1; a < A; ++a) all = _mm256_add_ps(all, acc[m][a]);
-      y[m * w.R + r] = finish(sum8(all), w, r, F == Format::kInt8);
-    }
-  }
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < G; ++m)
+      y[m * w.R + r + n] = finish(sum8(_mm256_add_ps(acc[n][m][0], acc[n][m][1])), w, r + n, F == Format::kInt8);
+}
+
+template <Format F, int G>
+void float_rows(const float* x, float* y, const Weights& w, int64_t r0, int64_t r1) {
+  constexpr int NR = G == 1 ? 2 : 1;  // one row of x: two weight rows at a time (more independent chains)
+  int64_t r = r0;
+  for (; r + NR <= r1; r += NR) float_tile<F, G, NR>(x, y, w, r);
+  for (; r < r1; ++r) float_tile<F, G, 1>(x, y, w, r);
 }
 #else
 template <Format F, int G>
