@@ -90,10 +90,6 @@ def is_quantized(x) -> bool:
     return isinstance(x, QuantizedMatrix)
 
 
-def any_quantized(params) -> bool:
-    return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
-
-
 def float_dtype(params):
     """The dtype of params' first float array outside quantized matrices (the model's activations'
     and its KV cache's: a quantized model's norms), float32 if there is none."""
@@ -167,11 +163,6 @@ def int8_activation_product(x, w: QuantizedMatrix):
     y = jnp.einsum("...k,rk->...r", rounded, dequantize_rows(no_min), preferred_element_type=jnp.float32)
     sums = blocks.sum(-1)  # [..., K/32]
     return y + jnp.einsum("...b,rb->...r", sums, jnp.asarray(w.mins).astype(jnp.float32))
-
-
-def layer(w: QuantizedMatrix, index) -> QuantizedMatrix:
-    """Layer `index` (int or traced) of a stacked quantized matrix."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), w)
 
 
 # --- making blocks --------------------------------------------------------------------------------
