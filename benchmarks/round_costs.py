@@ -8,7 +8,8 @@ scores (`verified rows` = rows x positions); this is what a tree of drafts pays 
 nodes. A prompt lookup's round (`draft:d:lookup`) is timed twice: with every row copying and with
 no row matching.
 
-    python benchmarks/round_costs.py [--batch 1] [--specs draft:2 draft:4 draft:2:tree draft:4:tree]
+    python benchmarks/round_costs.py [--batch 1] [--specs draft:2 draft:4 draft:2:tree draft:4:tree] \
+        [--quantization gguf|int8] [--activations float32|int8]
 """
 
 from __future__ import annotations
@@ -85,11 +86,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10, help="timed runs of each program (median kept)")
     parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="split")
     parser.add_argument("--name", default="round_costs", help="output name under benchmarks/out/")
+    parser.add_argument("--quantization", choices=("gguf", "int8"), default=None, help="quantized weights (eejax.load)")
+    parser.add_argument("--activations", choices=("float32", "int8"), default="float32", help="see eejax.load")
     args = parser.parse_args()
     specs = [SpecConfig.parse(s) for s in (args.specs or ["draft:2", "draft:4", "draft:2:tree", "draft:4:tree"])]
     if any(s.adaptive for s in specs):
         parser.error("--specs takes fixed settings (an adaptive round is one of them)")
-    model = eejax.load(args.model, layer_buffers=args.layer_buffers)
+    model = eejax.load(
+        args.model, layer_buffers=args.layer_buffers, quantization=args.quantization, activations=args.activations
+    )
     prompts, _ = summary_prompts(model.tokenizer, args.batch, args.prompt_tokens)
     state, cache, table = prefilled(model, prompts, 64)
     config = model.config
