@@ -173,3 +173,29 @@ def with_exit_vocab(model, size: int = 8192, articles: range = range(20, 68), ne
             )
         )
     return add_exit_vocab(model, ids)
+
+
+def add_quantization_args(parser) -> None:
+    """--quantization and --activations, as `eejax.load` takes them."""
+    parser.add_argument(
+        "--quantization",
+        choices=("gguf", "int8"),
+        default=None,
+        help="eejax's weights quantized: the GGUF's own blocks, or int8 per channel (default: float)",
+    )
+    parser.add_argument(
+        "--activations", choices=("float32", "int8"), default="float32", help="how quantized products take x"
+    )
+
+
+def load_model(args, name: str = "smollm2-135m", **kwargs):
+    """`eejax.load(name)` with the benchmark's --layer-buffers, --quantization and --activations."""
+    import eejax
+
+    return eejax.load(
+        name,
+        layer_buffers=args.layer_buffers,
+        quantization=args.quantization,
+        activations=args.activations,
+        **kwargs,
+    )

@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import eejax  # noqa: E402
-from benchmarks.common import cnndm_prompts, read_bandwidth_gbs, write_result  # noqa: E402
+from benchmarks.common import add_quantization_args, cnndm_prompts, load_model, read_bandwidth_gbs, write_result  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.models.llama import param_bytes_per_token  # noqa: E402
 
@@ -108,20 +108,13 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens per row in the traced run")
     parser.add_argument("--layer-buffers", choices=("auto", "stacked", "split"), default="auto")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--quantization", choices=("gguf", "int8"), default=None, help="quantized weights (eejax.load)")
-    parser.add_argument("--activations", choices=("float32", "int8"), default="float32", help="see eejax.load")
+    add_quantization_args(parser)
     parser.add_argument("--top", type=int, default=0, help="also print the N costliest ops by name")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.new_tokens < 2:
         parser.error("--batch must be >= 1 and --new-tokens >= 2")
 
-    model = eejax.load(
-        "smollm2-135m",
-        dtype=jnp.dtype(args.dtype),
-        layer_buffers=args.layer_buffers,
-        quantization=args.quantization,
-        activations=args.activations,
-    )
+    model = load_model(args, dtype=jnp.dtype(args.dtype))
     prompts = cnndm_prompts(model.tokenizer, args.batch, args.prompt_tokens)
     kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True)
     eejax.generate(model, prompts, **kw)  # compile

@@ -25,7 +25,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import eejax  # noqa: E402
-from benchmarks.common import OUT, hf_generate_tokens_per_s, load_hf_smollm2, paired_runs, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    OUT,
+    add_quantization_args,
+    hf_generate_tokens_per_s,
+    load_hf_smollm2,
+    load_model,
+    paired_runs,
+    write_result,
+)
 from benchmarks.early_exit import summary_prompts  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.options import SpecConfig  # noqa: E402
@@ -70,17 +78,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each configuration (median kept)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers' full depth")
     parser.add_argument("--name", default="draft_head", help="output name under benchmarks/out/")
-    parser.add_argument("--quantization", choices=("gguf", "int8"), default=None, help="quantized weights (eejax.load)")
-    parser.add_argument("--activations", choices=("float32", "int8"), default="float32", help="see eejax.load")
+    add_quantization_args(parser)
     args = parser.parse_args()
     batches = args.batches or [1, 8]
     specs = args.specs or ["draft:2", "draft:3", "draft:4", "draft:4:adaptive"]
     if max(args.prompts, *batches) > EVAL_ROWS:
         parser.error(f"at most {EVAL_ROWS} prompts: only rows 0..{EVAL_ROWS - 1} are held out of training")
 
-    model = eejax.load(
-        args.model, layer_buffers=args.layer_buffers, quantization=args.quantization, activations=args.activations
-    )
+    model = load_model(args, args.model)
     hf = None if args.no_hf else load_hf_smollm2()
     rows, lines = [], []
     for b in batches:

@@ -28,11 +28,13 @@ import jax.numpy as jnp  # noqa: E402
 
 import eejax  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    add_quantization_args,
     cnndm_prompts,
     fmt_ratio,
     hf_decode_tokens_per_s,
     hf_generate_tokens_per_s,
     load_hf_smollm2,
+    load_model,
     paired_runs,
     read_bandwidth_gbs,
     write_result,
@@ -67,27 +69,10 @@ def main(argv=None) -> int:
         default="float32",
         help="eejax's weights, activations and KV cache (HF runs float32 either way)",
     )
-    parser.add_argument(
-        "--quantization",
-        choices=("gguf", "int8"),
-        default=None,
-        help="eejax's weights quantized: the GGUF's own blocks, or int8 per channel (default: float)",
-    )
-    parser.add_argument(
-        "--activations",
-        choices=("float32", "int8"),
-        default="float32",
-        help="how quantized products take x (see eejax.load)",
-    )
+    add_quantization_args(parser)
     args = parser.parse_args(argv)
 
-    model = eejax.load(
-        "smollm2-135m",
-        dtype=jnp.dtype(args.dtype),
-        layer_buffers=args.layer_buffers,
-        quantization=args.quantization,
-        activations=args.activations,
-    )
+    model = load_model(args, dtype=jnp.dtype(args.dtype))
     hf = None if args.skip_hf else load_hf_smollm2()
     bw = read_bandwidth_gbs()
     weight_bytes = param_bytes_per_token(model.params, model.config)

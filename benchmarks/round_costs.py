@@ -26,8 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import eejax  # noqa: E402
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import add_quantization_args, load_model, write_result  # noqa: E402
 from benchmarks.early_exit import summary_prompts  # noqa: E402
 from eejax.cache import init_cache  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
@@ -86,15 +85,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=10, help="timed runs of each program (median kept)")
     parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="split")
     parser.add_argument("--name", default="round_costs", help="output name under benchmarks/out/")
-    parser.add_argument("--quantization", choices=("gguf", "int8"), default=None, help="quantized weights (eejax.load)")
-    parser.add_argument("--activations", choices=("float32", "int8"), default="float32", help="see eejax.load")
+    add_quantization_args(parser)
     args = parser.parse_args()
     specs = [SpecConfig.parse(s) for s in (args.specs or ["draft:2", "draft:4", "draft:2:tree", "draft:4:tree"])]
     if any(s.adaptive for s in specs):
         parser.error("--specs takes fixed settings (an adaptive round is one of them)")
-    model = eejax.load(
-        args.model, layer_buffers=args.layer_buffers, quantization=args.quantization, activations=args.activations
-    )
+    model = load_model(args, args.model)
     prompts, _ = summary_prompts(model.tokenizer, args.batch, args.prompt_tokens)
     state, cache, table = prefilled(model, prompts, 64)
     config = model.config
