@@ -177,6 +177,8 @@ def with_exit_vocab(model, size: int = 8192, articles: range = range(20, 68), ne
 
 def add_quantization_args(parser) -> None:
     """--quantization and --activations, as `eejax.load` takes them."""
+    from eejax.quantized import ACTIVATIONS
+
     parser.add_argument(
         "--quantization",
         choices=("gguf", "int8"),
@@ -184,7 +186,7 @@ def add_quantization_args(parser) -> None:
         help="eejax's weights quantized: the GGUF's own blocks, or int8 per channel (default: float)",
     )
     parser.add_argument(
-        "--activations", choices=("float32", "int8"), default="float32", help="how quantized products take x"
+        "--activations", choices=ACTIVATIONS, default="float32", help="how quantized products take x"
     )
 
 

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         ["full_depth", model.layout]
         + ([args.dtype] if args.dtype != "float32" else [])
         + ([args.quantization] if args.quantization else [])
-        + (["act_int8"] if args.quantization and args.activations == "int8" else [])
+        + ([f"act_{args.activations}"] if args.quantization and args.activations != "float32" else [])
     )
     path = write_result(
         name,

@@ -119,6 +119,7 @@ def main(argv=None) -> int:
     from benchmarks.common import write_result
     from benchmarks.early_exit import summary_prompts
     from eejax.loading.hub import fetch_original
+    from eejax.quantized import ACTIVATIONS
 
     gguf = str(fetch_original("smollm2-135m"))
     reference = eejax.load("smollm2-135m")
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     float32 = run_eejax(reference, prompts, args.new_tokens)
     del reference
     ours = {"float32 (dequantised)": float32}
-    for activations in ("float32", "int8"):
+    for activations in ACTIVATIONS:
         model = eejax.load("smollm2-135m", quantization="gguf", activations=activations)
         ours[f"gguf, {activations} activations"] = run_eejax(model, prompts, args.new_tokens)
         if specs:

@@ -13,7 +13,7 @@ each with float32 and with int8 activations (`eejax.load`). For each:
     prompts, --new-tokens greedy tokens, prefill excluded) and prefill tokens/s of one 256-token
     prompt, with their ratios to float32 and the batch-1 share of the bandwidth bound (bytes read).
 
-    python benchmarks/quantized.py [--settings float32 gguf gguf:int8 int8 int8:int8] [--ppl-chunks 24]
+    python benchmarks/quantized.py [--settings float32 gguf gguf:int16 ...] [--ppl-chunks 24]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.models import llama  # noqa: E402
 from eejax.models.llama import param_bytes_per_token  # noqa: E402
 
-SETTINGS = ("float32", "gguf", "gguf:int8", "int8", "int8:int8")
+SETTINGS = ("float32", "gguf", "gguf:int16", "gguf:int8", "int8", "int8:int16", "int8:int8")
 NEAR_TIE = 1e-3
 
 

@@ -60,9 +60,9 @@ TARGETS = {  # XLA's name for a handler -> its symbol in the library
     "eejax_take_rows_bf16": "EejaxTakeRowsBf16",
     "eejax_paged_attention": "EejaxPagedAttention",  # cpu_attention.py
     **{
-        f"eejax_quantized_{f}_{a}": f"EejaxQuantized{f.capitalize()}{'F32' if a == 'float32' else 'Q8'}"
-        for f in ("q4_0", "q4_1", "q8_0", "int8")
-        for a in ("float32", "int8")
+        f"eejax_quantized_{f}_{a}": f"EejaxQuantized{f.capitalize()}{suffix}"
+        for f in quantized.FORMATS
+        for a, suffix in (("float32", "F32"), ("int8", "Q8"), ("int16", "Q16"))
     },
 }
 MAX_QUANTIZED_ROWS = 64  # more rows (a prefill) dequantise the weights once and run XLA's GEMM
@@ -125,8 +125,8 @@ def rows_product(x, w: QuantizedMatrix):
         target = f"eejax_quantized_{w.format}_{w.activations}"
         y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(_rows(x), w.qs, w.scales, mins)
         return y.reshape(*x.shape[:-1], w.rows)
-    if w.activations == "int8" and w.cols % 32 == 0:
-        return quantized.int8_activation_product(x, w)
+    if w.activations != "float32" and w.cols % 32 == 0:
+        return quantized.integer_activation_product(x, w)
     return jnp.einsum("...k,rk->...r", x.astype(jnp.float32), dequantize_rows(w), preferred_element_type=jnp.float32)
 
 

@@ -4,15 +4,17 @@
 // value j + 16 high; an f16 scale d [and min m] per block), q8_0 (32 int8 and an f16 d), int8 (32-value
 // pieces of a row, one f32 scale per row).
 //
-// Two ways to take the dot product of a block, each a handler per format:
-//   float ("_f32"): the block is dequantised in registers exactly as a dequantising conversion
+// Three ways to take the dot product of a block, each a handler per format:
+//   float ("F32"): the block is dequantised in registers exactly as a dequantising conversion
 //     computes it in float32 (d * (q - 8), d * q + m, d * q: d * q is exact), then multiplied by x as
 //     the float32 kernel does: the product equals the float32 model's up to summation order.
-//   int8 ("_q8", llama.cpp's method): each 32-value block of x is quantized to int8 with its own
+//   int8 ("Q8", llama.cpp's method): each 32-value block of x is quantized to int8 with its own
 //     scale (dx = max |x| / 127), the block's dot product is summed in integers (AVX2's
 //     maddubs / madd), then scaled once by d * dx; the minimum (q4_1) or the -8 offset (q4_0)
-//     is added per block from x's float sums. About 2x fewer instructions per block, at the
-//     price of rounding x to 8 bits.
+//     is added per block from x's float sums. About 3x fewer instructions per block than float,
+//     at the price of rounding x to 8 bits.
+//   int16 ("Q16"): the same with x rounded to 16 bits (dx = max |x| / 32767; madd on weights
+//     widened to int16): a few more instructions than int8, x's rounding 256x finer.
 // Rows of x go in groups of at most 4 (accumulators in registers); weight rows in tiles of 16,
 // so a tile is read from memory once and from L1 by the later groups; the rows are split between
 // the pool's threads (cpu_parts.h). With AVX2, FMA and F16C (this project's machines) the blocks
@@ -23,6 +25,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_parts.h"
@@ -184,27 +188,30 @@ void float_rows(const float* x, float* y, const Weights& w, int64_t r0, int64_t 
 }
 #endif
 
-// ---- int8: x quantized per block ---------------------------------------------------------------------
+// ---- integer activations: x quantized per block ----------------------------------------------------
 
-// x's rows as int8 blocks: xq [M, K], dx [M, NB] (x ~ dx * xq), and per block the term that the
-// weights' offset multiplies: q4_1 the float sum of x (times m), q4_0 -8 * dx * sum(xq) (times d).
+// x's rows as integer blocks (XQ = int8_t or int16_t): xq [M, K], dx [M, NB] (x ~ dx * xq, dx = max
+// |x| / the type's largest value), and per block the term that the weights' offset multiplies:
+// q4_1 the float sum of x (times m), q4_0 -8 * dx * sum(xq) (times d).
+template <typename XQ>
 struct QuantizedX {
-  std::vector<int8_t> xq;
+  std::vector<XQ> xq;
   std::vector<float> dx, offset;
 };
 
-template <Format F>
-QuantizedX quantize_x(const float* x, int64_t M, int64_t NB) {
-  QuantizedX out{std::vector<int8_t>(M * NB * 32), std::vector<float>(M * NB), std::vector<float>(M * NB)};
+template <Format F, typename XQ>
+QuantizedX<XQ> quantize_x(const float* x, int64_t M, int64_t NB) {
+  constexpr float kLevels = std::numeric_limits<XQ>::max();
+  QuantizedX<XQ> out{std::vector<XQ>(M * NB * 32), std::vector<float>(M * NB), std::vector<float>(M * NB)};
   for (int64_t i = 0; i < M * NB; ++i) {
     const float* v = x + i * 32;
     float amax = 0.f, sum = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j])), sum += v[j];
-    const float dx = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const float dx = amax / kLevels, inv = amax > 0.f ? kLevels / amax : 0.f;
     int isum = 0;
     for (int j = 0; j < 32; ++j) {
       const int q = int(std::nearbyint(v[j] * inv));
-      out.xq[i * 32 + j] = int8_t(q);
+      out.xq[i * 32 + j] = XQ(q);
       isum += q;
     }
     out.dx[i] = dx;
@@ -214,29 +221,52 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t NB) {
 }
 
 #if EEJAX_AVX2
-// The block's weights as 32 bytes in value order: q4 unsigned nibbles (q4_0's -8 is in the offset
-// term), q8 signed.
-template <Format F>
-inline __m256i block_bytes(const uint8_t* block) {
-  if constexpr (kNibbles<F>) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
-  } else {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
-  }
-}
+// A block's weights ready for integer products against x's type, and the product: 32 weight-x
+// products summed to 8 int32 lanes. q4 weights are unsigned nibbles (q4_0's -8 is in the offset
+// term), q8 and int8 signed. Every sum fits int32 (int16: 32 * 128 * 32767 < 2^31).
+template <Format F, typename XQ>
+struct BlockDot;
 
-// The 32 products summed to 8 int32 lanes (maddubs multiplies unsigned by signed bytes: signed
-// weights give their magnitude and x their sign).
 template <Format F>
-inline __m256i dot_bytes(__m256i wq, __m256i xq) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (kNibbles<F>) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);
-  } else {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq)), ones);
+struct BlockDot<F, int8_t> {  // llama.cpp's: maddubs multiplies unsigned by signed bytes
+  __m256i wq;
+  explicit BlockDot(const uint8_t* block) {
+    if constexpr (kNibbles<F>) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+      wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+    } else {
+      wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+    }
   }
-}
+  __m256i dot(const int8_t* xq) const {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), ones = _mm256_set1_epi16(1);
+    if constexpr (kNibbles<F>)  // signed weights below: their magnitude times x with their sign
+      return _mm256_madd_epi16(_mm256_maddubs_epi16(wq, x), ones);
+    else
+      return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(x, wq)), ones);
+  }
+};
+
+template <Format F>
+struct BlockDot<F, int16_t> {  // values 0-15 and 16-31 widened to int16, multiplied pairwise by madd
+  __m256i w0, w1;
+  explicit BlockDot(const uint8_t* block) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+    if constexpr (kNibbles<F>) {
+      const __m128i nibble = _mm_set1_epi8(15);
+      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(lo, nibble));
+      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(lo, 4), nibble));
+    } else {
+      w0 = _mm256_cvtepi8_epi16(lo);
+      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
+    }
+  }
+  __m256i dot(const int16_t* xq) const {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+  }
+};
 
 // The weights' per-block offsets (q4_1: m, q4_0: d) against x's offset terms, 8 blocks at a time.
 template <Format F>
@@ -253,10 +283,10 @@ inline float offset_sum(const Weights& w, int64_t r, const float* offset) {
   return s;
 }
 
-constexpr int64_t kMaxBlocks = 512;  // blocks per row the int8 path's per-row scales hold (K <= 16384)
+constexpr int64_t kMaxBlocks = 512;  // blocks per row the integer paths' per-row scales hold (K <= 16384)
 
-template <Format F, int G>
-void int8_rows(const QuantizedX& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
+template <Format F, typename XQ, int G>
+void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
   const int64_t K = w.NB * 32;
   alignas(32) float scale[G][kMaxBlocks];  // d * dx per block of this row, for each row of x
   for (int64_t r = r0; r < r1; ++r) {
@@ -275,14 +305,12 @@ void int8_rows(const QuantizedX& qx, int64_t m0, float* y, const Weights& w, int
     }
     __m256 acc[G][2];
     for (int m = 0; m < G; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    const int8_t* xq0 = qx.xq.data() + m0 * K;
+    const XQ* xq0 = qx.xq.data() + m0 * K;
     const uint8_t* row = w.qs + r * w.NB * kBlockBytes<F>;
     auto block = [&](int64_t b, int a) {  // `a`: which accumulator (two chains hide the FMA's latency)
-      const __m256i wq = block_bytes<F>(row + b * kBlockBytes<F>);
-      for (int m = 0; m < G; ++m) {
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq0 + m * K + b * 32));
-        acc[m][a] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale[m] + b), _mm256_cvtepi32_ps(dot_bytes<F>(wq, xq)), acc[m][a]);
-      }
+      const BlockDot<F, XQ> wq(row + b * kBlockBytes<F>);
+      for (int m = 0; m < G; ++m)
+        acc[m][a] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale[m] + b), _mm256_cvtepi32_ps(wq.dot(xq0 + m * K + b * 32)), acc[m][a]);
     };
     int64_t b = 0;
     for (; b + 2 <= w.NB; b += 2) block(b, 0), block(b + 1, 1);
@@ -295,8 +323,8 @@ void int8_rows(const QuantizedX& qx, int64_t m0, float* y, const Weights& w, int
   }
 }
 #else
-template <Format F, int G>
-void int8_rows(const QuantizedX& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
+template <Format F, typename XQ, int G>
+void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
   const int64_t K = w.NB * 32;
   for (int64_t r = r0; r < r1; ++r)
     for (int m = 0; m < G; ++m) {
@@ -325,16 +353,17 @@ void float_group(int g, const float* x, float* y, const Weights& w, int64_t r0, 
   float_rows<F, G>(x, y, w, r0, r1);
 }
 
-template <Format F, int G = kGroup>
-void int8_group(int g, const QuantizedX& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
+template <Format F, typename XQ, int G = kGroup>
+void integer_group(int g, const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
   if constexpr (G > 1)
-    if (g < G) return int8_group<F, G - 1>(g, qx, m0, y, w, r0, r1);
-  int8_rows<F, G>(qx, m0, y, w, r0, r1);
+    if (g < G) return integer_group<F, XQ, G - 1>(g, qx, m0, y, w, r0, r1);
+  integer_rows<F, XQ, G>(qx, m0, y, w, r0, r1);
 }
 
 // x [M, K] f32; qs [R, NB, block bytes]; scales [R, NB] f16 (int8: [R, 1] f32); mins [R, NB] f16
 // (q4_1; else any buffer) -> y [M, R].
-template <Format F, bool kInt8Dot>
+// XQ: how x is taken (float: as it is; int8_t, int16_t: quantized per block).
+template <Format F, typename XQ>
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::AnyBuffer scales,
                            ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), qd = qs.dimensions();
@@ -350,9 +379,10 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (M < 1 || w.R < 1) return ffi::Error::Success();
   const float* xs = x.typed_data();
   float* out = y->typed_data();
-  QuantizedX qx;
-  if constexpr (kInt8Dot) qx = quantize_x<F>(xs, M, w.NB);
-  if (kInt8Dot && w.NB > kMaxBlocks) return ffi::Error::InvalidArgument("eejax_quantized: rows longer than 16384");
+  constexpr bool kInteger = !std::is_same_v<XQ, float>;
+  if (kInteger && w.NB > kMaxBlocks) return ffi::Error::InvalidArgument("eejax_quantized: rows longer than 16384");
+  QuantizedX<std::conditional_t<kInteger, XQ, int8_t>> qx;
+  if constexpr (kInteger) qx = quantize_x<F, XQ>(xs, M, w.NB);
   // A part is at least kMinBlocksPerPart blocks of work: waking a helper costs more than a small product.
   const int64_t work = w.R * w.NB * ((M + kGroup - 1) / kGroup);
   const int64_t parts = eejax::num_parts(pool, std::min((w.R + kRowsPerTile - 1) / kRowsPerTile, (work + kMinBlocksPerPart - 1) / kMinBlocksPerPart));
@@ -362,8 +392,8 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
       for (int64_t m = 0; m < M; m += kGroup) {
         const int g = int(std::min<int64_t>(kGroup, M - m));
         const int64_t t1 = std::min(hi, t + kRowsPerTile);
-        if constexpr (kInt8Dot)
-          int8_group<F>(g, qx, m, out + m * w.R, w, t, t1);
+        if constexpr (kInteger)
+          integer_group<F, XQ>(g, qx, m, out + m * w.R, w, t, t1);
         else
           float_group<F>(g, xs + m * K, out + m * w.R, w, t, t1);
       }
@@ -373,8 +403,8 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 
 }  // namespace
 
-#define EEJAX_QUANTIZED_HANDLER(name, format, int8_dot)                                                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (QuantizedMatmul<format, int8_dot>), ffi::Ffi::Bind()           \
+#define EEJAX_QUANTIZED_HANDLER(name, format, activations)                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (QuantizedMatmul<format, activations>), ffi::Ffi::Bind()        \
                                                                              .Ctx<ffi::ThreadPool>()   \
                                                                              .Arg<ffi::Buffer<ffi::F32>>() \
                                                                              .Arg<ffi::AnyBuffer>()    \
@@ -382,11 +412,12 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                                                                              .Arg<ffi::AnyBuffer>()    \
                                                                              .Ret<ffi::Buffer<ffi::F32>>())
 
-EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ4_0F32, Format::kQ4_0, false);
-EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ4_1F32, Format::kQ4_1, false);
-EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ8_0F32, Format::kQ8_0, false);
-EEJAX_QUANTIZED_HANDLER(EejaxQuantizedInt8F32, Format::kInt8, false);
-EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ4_0Q8, Format::kQ4_0, true);
-EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ4_1Q8, Format::kQ4_1, true);
-EEJAX_QUANTIZED_HANDLER(EejaxQuantizedQ8_0Q8, Format::kQ8_0, true);
-EEJAX_QUANTIZED_HANDLER(EejaxQuantizedInt8Q8, Format::kInt8, true);
+#define EEJAX_QUANTIZED_HANDLERS(format_name, format)                          \
+  EEJAX_QUANTIZED_HANDLER(EejaxQuantized##format_name##F32, format, float);   \
+  EEJAX_QUANTIZED_HANDLER(EejaxQuantized##format_name##Q8, format, int8_t);   \
+  EEJAX_QUANTIZED_HANDLER(EejaxQuantized##format_name##Q16, format, int16_t)
+
+EEJAX_QUANTIZED_HANDLERS(Q4_0, Format::kQ4_0);
+EEJAX_QUANTIZED_HANDLERS(Q4_1, Format::kQ4_1);
+EEJAX_QUANTIZED_HANDLERS(Q8_0, Format::kQ8_0);
+EEJAX_QUANTIZED_HANDLERS(Int8, Format::kInt8);
