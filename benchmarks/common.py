@@ -185,9 +185,7 @@ def add_quantization_args(parser) -> None:
         default=None,
         help="eejax's weights quantized: the GGUF's own blocks, or int8 per channel (default: float)",
     )
-    parser.add_argument(
-        "--activations", choices=ACTIVATIONS, default="float32", help="how quantized products take x"
-    )
+    parser.add_argument("--activations", choices=ACTIVATIONS, default="float32", help="how quantized products take x")
 
 
 def load_model(args, name: str = "smollm2-135m", **kwargs):

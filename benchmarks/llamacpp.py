@@ -6,7 +6,7 @@ ignored, one prompt at a time. llama.cpp (llama-cpp-python, the `llamacpp` extra
 process with --threads threads (in eejax's process its thread pool slowed eejax), once before
 eejax's runs and once after (the faster run is kept). Reported for each side: prefill tokens/s,
 decode tokens/s (the steps after the first token) and end-to-end tokens/s (prefill included),
-and eejax's ratios to llama.cpp; eejax's settings are the GGUF blocks with float32 and with int8
+and eejax's ratios to llama.cpp; eejax's settings are the GGUF blocks with float32, int8 and int16
 activations at full depth and, with the draft head (smollm2-135m-eagle on the same blocks),
 --specs. Also the share of llama.cpp's greedy tokens that eejax's float32 reference reproduces.
 

@@ -94,7 +94,8 @@ def quality(model, chunks, reference: list[np.ndarray] | None) -> tuple[dict, li
 
 
 def rss_added(setting: str) -> dict:
-    """RSS a fresh process adds by loading `setting`, and the weights' bytes."""
+    """RSS a fresh process adds by loading `setting` (weights and tokenizer), the weights' bytes,
+    and the RSS that loading the tokenizer alone adds (in a second fresh process)."""
     code = "\n".join(
         [
             "import json, sys",
@@ -109,9 +110,28 @@ def rss_added(setting: str) -> dict:
             "print(json.dumps({'rss_added': after - before, 'weight_bytes': weights}))",
         ]
     )
-    command = [sys.executable, "-c", code, str(ROOT), setting]
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    tokenizer_code = "\n".join(
+        [
+            "import json, sys",
+            "sys.path.insert(0, sys.argv[1])",
+            "import jax, jax.numpy as jnp",
+            "jnp.zeros(1).block_until_ready()",
+            "import orbax.checkpoint, transformers.models.auto.tokenization_auto",
+            "from transformers import AutoTokenizer",
+            "from eejax.checkpoint import release_freed_memory",
+            "from eejax.loading.hub import resolve",
+            "def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096",
+            "directory = resolve('smollm2-135m', sys.argv[2] == 'gguf')",
+            "before = rss(); t = AutoTokenizer.from_pretrained(str(directory / 'tokenizer'))",
+            "release_freed_memory(); print(json.dumps({'tokenizer_rss_added': rss() - before}))",
+        ]
+    )
+    out = {}
+    for source in (code, tokenizer_code):
+        command = [sys.executable, "-c", source, str(ROOT), setting.partition(":")[0]]
+        lines = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        out.update(json.loads(lines.strip().splitlines()[-1]))
+    return out
 
 
 def speed(model, prompts_by_batch: dict, new_tokens: int) -> dict:
@@ -152,7 +172,11 @@ def main(argv=None) -> int:
         rows[setting] = row
         del model
         base = rows["float32"]
-        line = [f"{setting:10s} {row['bytes_per_token'] / 1e6:5.0f} MB/token, RSS +{row['rss_added'] / 1e6:.0f} MB"]
+        line = [
+            f"{setting:10s} {row['bytes_per_token'] / 1e6:5.0f} MB/token, RSS +{row['rss_added'] / 1e6:.0f} MB "
+            f"({row['rss_added'] / row['weight_bytes']:.2f}x the weights; the tokenizer alone "
+            f"+{row['tokenizer_rss_added'] / 1e6:.0f} MB)"
+        ]
         if "perplexity" in row:
             line.append(f"ppl {row['perplexity']:.3f} ({row['perplexity'] / base['perplexity'] - 1:+.2%})")
             if "greedy_agreement" in row:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -157,6 +158,18 @@ def _to_device(host_params):
         on_device.append(jax.device_put(leaves[i]).block_until_ready())
         leaves[i] = None
     return jax.tree.unflatten(treedef, on_device)
+
+
+def release_freed_memory() -> None:
+    """Hands the heap's free pages back to the OS (glibc's malloc_trim; elsewhere nothing). A
+    restore frees its host copies, but glibc keeps freed memory in its per-thread arenas: without
+    this, SmolLM2's 97 MB of GGUF blocks and its tokenizer left RSS +195 MB after loading, with it
+    +141 MB (orbax's reading threads' arenas keep the rest)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
 
 
 def load_checkpoint(directory: str | Path):

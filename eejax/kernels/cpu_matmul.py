@@ -66,6 +66,7 @@ TARGETS = {  # XLA's name for a handler -> its symbol in the library
     },
 }
 MAX_QUANTIZED_ROWS = 64  # more rows (a prefill) dequantise the weights once and run XLA's GEMM
+MAX_FUSED = 8  # matrices one quantized call takes (cpu_quantized.cc's kMaxMatrices)
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 log = logging.getLogger(__name__)
 
@@ -116,18 +117,40 @@ def take_rows(table, tokens):
 def rows_product(x, w: QuantizedMatrix):
     """x [..., K] against the rows of a quantized matrix (R rows of K) -> float32 [..., R]:
     x @ dequantize_rows(w).T, up to summation order. Inference only (no gradient)."""
+    return rows_products(x, [w])[0]
+
+
+def rows_products(x, ws) -> list:
+    """x [..., K] against each quantized matrix in `ws` (`rows_product` of each): on a CPU, for a
+    few rows, one kernel call for matrices of one format and activations (x quantized once, all
+    their rows split between the threads: a layer's q, k and v, or its gate and up)."""
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
-    if 0 < rows <= MAX_QUANTIZED_ROWS and w.qs.ndim == 3 and w.cols % 32 == 0 and library_applies():
-        out = jax.ShapeDtypeStruct((rows, w.rows), jnp.float32)
-        mins = w.mins if w.mins is not None else jnp.zeros((0,), jnp.float16)
-        target = f"eejax_quantized_{w.format}_{w.activations}"
-        y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(_rows(x), w.qs, w.scales, mins)
-        return y.reshape(*x.shape[:-1], w.rows)
-    if w.activations != "float32" and w.cols % 32 == 0:
-        return quantized.integer_activation_product(x, w)
-    return jnp.einsum("...k,rk->...r", x.astype(jnp.float32), dequantize_rows(w), preferred_element_type=jnp.float32)
+    first = ws[0]
+    fused = all(w.format == first.format and w.activations == first.activations and w.cols == first.cols for w in ws)
+    kernel = 0 < rows <= MAX_QUANTIZED_ROWS and first.cols % 32 == 0 and all(w.qs.ndim == 3 for w in ws)
+    if fused and kernel and len(ws) <= MAX_FUSED and library_applies():
+        outs = [jax.ShapeDtypeStruct((rows, w.rows), jnp.float32) for w in ws]
+        buffers = []
+        for w in ws:
+            buffers += [w.qs, w.scales, w.mins if w.mins is not None else jnp.zeros((0,), jnp.float16)]
+        target = f"eejax_quantized_{first.format}_{first.activations}"
+        ys = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(_rows(x), *buffers)
+        return [y.reshape(*x.shape[:-1], w.rows) for y, w in zip(ys, ws)]
+    if len(ws) > 1:
+        return [y for w in ws for y in rows_products(x, [w])]
+    if first.activations != "float32" and first.cols % 32 == 0:
+        return [quantized.integer_activation_product(x, first)]
+    x = x.astype(jnp.float32)
+    return [jnp.einsum("...k,rk->...r", x, dequantize_rows(first), preferred_element_type=jnp.float32)]
+
+
+def matmuls(x, ws) -> list:
+    """[matmul(x, w) for w in ws], quantized Linear weights in one call where `rows_products` can."""
+    if all(isinstance(w, QuantizedMatrix) and w.transposed for w in ws):
+        return rows_products(x, ws)
+    return [matmul(x, w) for w in ws]
 
 
 def _applies_to_table(table, tokens) -> bool:

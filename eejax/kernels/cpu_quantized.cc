@@ -360,57 +360,77 @@ void integer_group(int g, const QuantizedX<XQ>& qx, int64_t m0, float* y, const 
   integer_rows<F, XQ, G>(qx, m0, y, w, r0, r1);
 }
 
-// x [M, K] f32; qs [R, NB, block bytes]; scales [R, NB] f16 (int8: [R, 1] f32); mins [R, NB] f16
-// (q4_1; else any buffer) -> y [M, R].
-// XQ: how x is taken (float: as it is; int8_t, int16_t: quantized per block).
+constexpr int64_t kMaxMatrices = 8;
+
+// x [M, K] f32 against N matrices that share it (a layer's q, k and v; its gate and up), each
+// given as three buffers: qs [R, NB, block bytes]; scales [R, NB] f16 (int8: [R, 1] f32); mins
+// [R, NB] f16 (q4_1; else any buffer) -> N results y [M, R]. One call: x is quantized once and
+// the matrices' rows are one range that the threads split. XQ: how x is taken (float: as it is;
+// int8_t, int16_t: quantized per block).
 template <Format F, typename XQ>
-ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::AnyBuffer scales,
-                           ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), qd = qs.dimensions();
-  if (xd.size() != 2 || qd.size() != 3) return ffi::Error::InvalidArgument("eejax_quantized: x must be 2-D, qs 3-D");
-  const int64_t M = xd[0], K = xd[1];
-  if (K % 32 || qd[1] * qd[2] * (kNibbles<F> ? 2 : 1) != K)
-    return ffi::Error::InvalidArgument("eejax_quantized: x and the blocks do not contract");
-  Weights w{static_cast<const uint8_t*>(qs.untyped_data()),
-            F == Format::kInt8 ? nullptr : static_cast<const uint16_t*>(scales.untyped_data()),
-            F == Format::kQ4_1 ? static_cast<const uint16_t*>(mins.untyped_data()) : nullptr,
-            F == Format::kInt8 ? static_cast<const float*>(scales.untyped_data()) : nullptr,
-            qd[0], K / 32};
-  if (M < 1 || w.R < 1) return ffi::Error::Success();
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("eejax_quantized: x must be 2-D");
+  const int64_t M = xd[0], K = xd[1], N = int64_t(rets.size());
+  if (N < 1 || N > kMaxMatrices || int64_t(args.size()) != 3 * N)
+    return ffi::Error::InvalidArgument("eejax_quantized: give 1 to 8 matrices, three buffers each, one result each");
+  if (K % 32) return ffi::Error::InvalidArgument("eejax_quantized: x's rows must be whole blocks of 32");
+  Weights ws[kMaxMatrices];
+  float* outs[kMaxMatrices];
+  int64_t starts[kMaxMatrices + 1] = {0};  // matrix j's rows are [starts[j], starts[j + 1]) of all rows
+  for (int64_t j = 0; j < N; ++j) {
+    auto qs = args.get<ffi::AnyBuffer>(3 * j), scales = args.get<ffi::AnyBuffer>(3 * j + 1),
+         mins = args.get<ffi::AnyBuffer>(3 * j + 2);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(j);
+    if (!qs || !scales || !mins || !y) return ffi::Error::InvalidArgument("eejax_quantized: bad buffers");
+    const auto qd = qs->dimensions();
+    if (qd.size() != 3 || qd[1] * qd[2] * (kNibbles<F> ? 2 : 1) != K)
+      return ffi::Error::InvalidArgument("eejax_quantized: x and the blocks do not contract");
+    ws[j] = Weights{static_cast<const uint8_t*>(qs->untyped_data()),
+                    F == Format::kInt8 ? nullptr : static_cast<const uint16_t*>(scales->untyped_data()),
+                    F == Format::kQ4_1 ? static_cast<const uint16_t*>(mins->untyped_data()) : nullptr,
+                    F == Format::kInt8 ? static_cast<const float*>(scales->untyped_data()) : nullptr,
+                    qd[0], K / 32};
+    outs[j] = (*y)->typed_data();
+    starts[j + 1] = starts[j] + qd[0];
+  }
+  const int64_t R = starts[N], NB = K / 32;
+  if (M < 1 || R < 1) return ffi::Error::Success();
   const float* xs = x.typed_data();
-  float* out = y->typed_data();
   constexpr bool kInteger = !std::is_same_v<XQ, float>;
-  if (kInteger && w.NB > kMaxBlocks) return ffi::Error::InvalidArgument("eejax_quantized: rows longer than 16384");
+  if (kInteger && NB > kMaxBlocks) return ffi::Error::InvalidArgument("eejax_quantized: rows longer than 16384");
   QuantizedX<std::conditional_t<kInteger, XQ, int8_t>> qx;
-  if constexpr (kInteger) qx = quantize_x<F, XQ>(xs, M, w.NB);
+  if constexpr (kInteger) qx = quantize_x<F, XQ>(xs, M, NB);
   // A part is at least kMinBlocksPerPart blocks of work: waking a helper costs more than a small product.
-  const int64_t work = w.R * w.NB * ((M + kGroup - 1) / kGroup);
-  const int64_t parts = eejax::num_parts(pool, std::min((w.R + kRowsPerTile - 1) / kRowsPerTile, (work + kMinBlocksPerPart - 1) / kMinBlocksPerPart));
+  const int64_t work = R * NB * ((M + kGroup - 1) / kGroup);
+  const int64_t parts = eejax::num_parts(pool, std::min((R + kRowsPerTile - 1) / kRowsPerTile, (work + kMinBlocksPerPart - 1) / kMinBlocksPerPart));
   eejax::run_parts(pool, parts, [&](int64_t i) {
-    const int64_t lo = w.R * i / parts, hi = w.R * (i + 1) / parts;
-    for (int64_t t = lo; t < hi; t += kRowsPerTile)
-      for (int64_t m = 0; m < M; m += kGroup) {
-        const int g = int(std::min<int64_t>(kGroup, M - m));
-        const int64_t t1 = std::min(hi, t + kRowsPerTile);
-        if constexpr (kInteger)
-          integer_group<F, XQ>(g, qx, m, out + m * w.R, w, t, t1);
-        else
-          float_group<F>(g, xs + m * K, out + m * w.R, w, t, t1);
-      }
+    const int64_t lo = R * i / parts, hi = R * (i + 1) / parts;
+    for (int64_t j = 0; j < N; ++j) {  // the part's rows of matrix j
+      const Weights& w = ws[j];
+      const int64_t r0 = std::max(lo, starts[j]) - starts[j], r1 = std::min(hi, starts[j + 1]) - starts[j];
+      for (int64_t t = r0; t < r1; t += kRowsPerTile)
+        for (int64_t m = 0; m < M; m += kGroup) {
+          const int g = int(std::min<int64_t>(kGroup, M - m));
+          const int64_t t1 = std::min(r1, t + kRowsPerTile);
+          if constexpr (kInteger)
+            integer_group<F, XQ>(g, qx, m, outs[j] + m * w.R, w, t, t1);
+          else
+            float_group<F>(g, xs + m * K, outs[j] + m * w.R, w, t, t1);
+        }
+    }
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-#define EEJAX_QUANTIZED_HANDLER(name, format, activations)                                             \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (QuantizedMatmul<format, activations>), ffi::Ffi::Bind()        \
-                                                                             .Ctx<ffi::ThreadPool>()   \
+#define EEJAX_QUANTIZED_HANDLER(name, format, activations)                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (QuantizedMatmul<format, activations>), ffi::Ffi::Bind() \
+                                                                             .Ctx<ffi::ThreadPool>() \
                                                                              .Arg<ffi::Buffer<ffi::F32>>() \
-                                                                             .Arg<ffi::AnyBuffer>()    \
-                                                                             .Arg<ffi::AnyBuffer>()    \
-                                                                             .Arg<ffi::AnyBuffer>()    \
-                                                                             .Ret<ffi::Buffer<ffi::F32>>())
+                                                                             .RemainingArgs()        \
+                                                                             .RemainingRets())
 
 #define EEJAX_QUANTIZED_HANDLERS(format_name, format)                          \
   EEJAX_QUANTIZED_HANDLER(EejaxQuantized##format_name##F32, format, float);   \

@@ -20,7 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from eejax.checkpoint import CONFIG_FILE, load_checkpoint
+from eejax.checkpoint import CONFIG_FILE, load_checkpoint, release_freed_memory
 from eejax.errors import EejaxError
 from eejax.loading.deltas import apply_delta
 from eejax.loading.model import QUANTIZATIONS, Model, cast_floats, check_params, quantize, save
@@ -214,7 +214,9 @@ def load(
                 f"activations {activations!r} apply to quantized weights: add quantization='gguf' or 'int8'"
             )
         params = with_activations(params, activations)
-    return Model(config, params, tokenizer, layer_buffers=layer_buffers)
+    model = Model(config, params, tokenizer, layer_buffers=layer_buffers)
+    release_freed_memory()
+    return model
 
 
 def _from_gguf(name: str) -> bool:

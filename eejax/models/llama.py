@@ -31,6 +31,7 @@ from eejax.models.modules import (
     Linear,
     RMSNorm,
     Unembed,
+    apply_linears,
     embed,
     scan_layers,
     share_scope,
@@ -134,26 +135,29 @@ class DecoderLayer(nn.Module):
     def qkv(self, h, cos, sin):
         """Rotated q [B, T, Hq, Dh], k and v [B, T, Hkv, Dh] of hidden states h [B, T, D]."""
         b, t, _ = h.shape
-        x = self.input_norm(h)
-        q = apply_rope(self.q_proj(x).reshape(b, t, self.config.num_heads, self.config.head_dim), cos, sin)
-        return (q, *self._kv(x, cos, sin))
+        c = self.config
+        q, k, v = apply_linears(self, self.input_norm(h), self.q_proj, self.k_proj, self.v_proj)
+        q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), cos, sin)
+        return q, *self._rotated_kv(k, v, cos, sin)
 
     def kv(self, h, cos, sin):
         """This layer's K and V [B, T, Hkv, Dh] of hidden states h (norm, projection, rotary)."""
         return self._kv(self.input_norm(h), cos, sin)
 
     def _kv(self, x, cos, sin):
-        b, t, _ = x.shape
-        k = self.k_proj(x).reshape(b, t, self.config.num_kv_heads, self.config.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.config.num_kv_heads, self.config.head_dim)
-        return apply_rope(k, cos, sin), v
+        return self._rotated_kv(*apply_linears(self, x, self.k_proj, self.v_proj), cos, sin)
+
+    def _rotated_kv(self, k, v, cos, sin):
+        """k, v [B, T, Hkv * Dh] -> rotated k and v [B, T, Hkv, Dh]."""
+        shape = (*k.shape[:2], self.config.num_kv_heads, self.config.head_dim)
+        return apply_rope(k.reshape(shape), cos, sin), v.reshape(shape)
 
     def out_mlp(self, h, attn):
         """The attention output projection of attn [B, T, Hq, Dh] and the gated MLP, each with
         its residual: h [B, T, D] -> h."""
         h = h + self.o_proj(attn.reshape(*h.shape[:2], -1))
-        x = self.post_norm(h)
-        return h + self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = apply_linears(self, self.post_norm(h), self.gate_proj, self.up_proj)
+        return h + self.down_proj(jax.nn.silu(gate) * up)
 
     def __call__(self, h, cos, sin, valid):
         """The whole layer over right-padded sequences without a KV cache (training): h [B, T, D],

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from eejax.kernels.cpu_matmul import matmul, matmul_t, take_rows
+from eejax.kernels.cpu_matmul import matmul, matmul_t, matmuls, take_rows
 from eejax.models.common import rms_norm
 from eejax.quantized import QuantizedMatrix
 
@@ -42,6 +42,17 @@ def quantized_param(module: nn.Module, name: str) -> QuantizedMatrix | None:
         if isinstance(w, QuantizedMatrix):
             return w
     return None
+
+
+def apply_linears(parent: nn.Module, x, *linears: Linear) -> tuple:
+    """(linear(x) for linear in linears), Linears that share `parent`'s scope and their input: one
+    product call (`cpu_matmul.matmuls`) when all hold quantized weights without LoRA factors (a
+    layer's q, k and v; its gate and up), each Linear on its own otherwise."""
+    ws = [quantized_param(parent, linear.weight) for linear in linears]
+    lora = any(parent.has_variable("params", linear.weight + "_a") for linear in linears)
+    if lora or any(w is None for w in ws):
+        return tuple(linear(x) for linear in linears)
+    return tuple(y.astype(x.dtype) for y in matmuls(x, ws))
 
 
 def normal(scale: float, axes: tuple[str, ...]):
