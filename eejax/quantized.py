@@ -149,23 +149,25 @@ def with_activations(params, activations: str):
     )
 
 
-def integer_activation_product(x, w: QuantizedMatrix):
+def integer_activation_product(x, w: QuantizedMatrix, rows=None):
     """x [..., K] against w's rows as the kernel's integer activations (w.activations, "int8" or
     "int16") compute it (float32 [..., R]): x rounded per block of 32 (scale max |x| / LEVELS)
-    times the dequantised weights, a Q4_1 minimum times x's exact block sums."""
+    times the dequantised weights, a Q4_1 minimum times x's exact block sums. `rows`: w's rows
+    dequantised already (float32 [R, K]), else `dequantize_rows(w)`."""
     levels = LEVELS[w.activations]
     x = x.astype(jnp.float32)
     blocks = x.reshape(*x.shape[:-1], -1, BLOCK)
     amax = jnp.abs(blocks).max(-1, keepdims=True)
     scale = amax / levels
     inverse = jnp.where(amax > 0, levels / jnp.where(amax > 0, amax, 1.0), 0.0)
-    rounded = (jnp.round(blocks * inverse) * scale).reshape(x.shape)
+    rounded = jnp.round(blocks * inverse) * scale
+    rows = dequantize_rows(w) if rows is None else rows
+    y = jnp.einsum("...k,rk->...r", rounded.reshape(x.shape), rows, preferred_element_type=jnp.float32)
     if w.format != "q4_1":
-        return jnp.einsum("...k,rk->...r", rounded, dequantize_rows(w), preferred_element_type=jnp.float32)
-    no_min = dataclasses.replace(w, mins=jnp.zeros_like(w.mins))
-    y = jnp.einsum("...k,rk->...r", rounded, dequantize_rows(no_min), preferred_element_type=jnp.float32)
-    sums = blocks.sum(-1)  # [..., K/32]
-    return y + jnp.einsum("...b,rb->...r", sums, jnp.asarray(w.mins).astype(jnp.float32))
+        return y
+    # The rows hold the minimum m of each block: x's exact block sums take it, not the rounded ones.
+    correction = blocks.sum(-1) - rounded.sum(-1)  # [..., K/32]
+    return y + jnp.einsum("...b,rb->...r", correction, jnp.asarray(w.mins).astype(jnp.float32))
 
 
 # --- making blocks --------------------------------------------------------------------------------

@@ -119,6 +119,15 @@ def test_products_equal_the_dequantised_weights_up_to_summation_order(format):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("format", Q.FORMATS)
+def test_the_library_dequantises_as_jnp_does(format):
+    """A prefill's products run XLA's GEMM over the library's dequantised rows: they are
+    `dequantize_rows`'s, bit for bit."""
+    w = random_matrix(format, 70, 96, np.random.default_rng(7))
+    got = np.asarray(jax.jit(cpu_matmul._dequantize)(w))
+    np.testing.assert_array_equal(got, np.asarray(Q.dequantize_rows(w)))
+
+
 @pytest.mark.parametrize("activations", Q.ACTIVATIONS)
 def test_a_row_gives_the_same_bits_alone_and_in_a_group(activations):
     """What makes a verify pass (several rows) and a decode step (one) agree: each row's sums run
