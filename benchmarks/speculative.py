@@ -15,6 +15,7 @@ a full-depth step), a draft and a verify pass, and the predicted break-even acce
 (see `eejax.decode.spec_policy`). Writes benchmarks/out/speculative.{json,md}.
 
     python benchmarks/speculative.py [--batches 1 8] [--prompts 4] [--model path/to/model]
+        [--quantization gguf|int8] [--activations float32|int8|int16]
 
 SmolLM2 was not trained for early exit: its layer-E drafts rarely agree with its last layer,
 so this measures the machinery and the honest curve, not a LayerSkip-trained model.
@@ -35,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eejax  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     ROOT,
+    add_quantization_args,
     hf_generate_tokens_per_s,
     load_hf_smollm2,
     paired_runs,
@@ -172,22 +174,27 @@ def main() -> int:
         default=8192,
         help="tokens of the reduced exit head the drafts use (0: none; SmolLM2 only)",
     )
+    add_quantization_args(parser)
     args = parser.parse_args()
 
-    model = eejax.load(args.model)
+    model = eejax.load(args.model, quantization=args.quantization, activations=args.activations)
     if args.vocab_size:
         model = with_exit_vocab(model, args.vocab_size)
     L = model.config.num_layers
     hf = load_hf_smollm2() if args.model == "smollm2-135m" else None
     results = {
         "model": args.model,
+        "quantization": args.quantization,
+        "activations": args.activations,
         "num_layers": L,
         "new_tokens": args.new_tokens,
         "prompt_tokens": args.prompt_tokens,
         "batches": {},
     }
     lines = [
-        f"# Self-speculation on {args.model} ({L} layers), {args.new_tokens} new tokens, "
+        f"# Self-speculation on {args.model} ({L} layers"
+        + (f", {args.quantization} weights, {args.activations} activations" if args.quantization else "")
+        + f"), {args.new_tokens} new tokens, "
         f"{args.prompt_tokens}-token CNN/DM prompts\n"
     ]
     for batch in args.batches or [1, 8]:
