@@ -119,6 +119,18 @@ def test_products_equal_the_dequantised_weights_up_to_summation_order(format):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("activations", Q.ACTIVATIONS)
+def test_matrices_in_one_call_give_their_own_products(activations):
+    """A layer's q, k and v (its gate and up) go in one kernel call: each result is, bit for
+    bit, its matrix's product alone, whatever the rows' split between the threads."""
+    rng = np.random.default_rng(8)
+    ws = [random_matrix("q4_1", rows, 96, rng, activations) for rows in (1024, 256, 256)]  # 2 parts
+    x = jnp.asarray(rng.standard_normal((3, 96)).astype(np.float32))
+    together = jax.jit(cpu_matmul.rows_products)(x, ws)
+    for w, y in zip(ws, together):
+        assert np.array_equal(np.asarray(jax.jit(cpu_matmul.rows_product)(x, w)), np.asarray(y))
+
+
 @pytest.mark.parametrize("format", Q.FORMATS)
 def test_the_library_dequantises_as_jnp_does(format):
     """A prefill's products run XLA's GEMM over the library's dequantised rows: they are
