@@ -19,11 +19,12 @@ computed the same way whatever the number of rows, so a verify pass and a decode
 for bit. Gradients (training) go through jnp (`jax.custom_vjp`).
 
 Quantized weights (`quantized.QuantizedMatrix`: GGUF's Q4_0 / Q4_1 / Q8_0 blocks, int8 per
-channel) are multiplied by `rows_product`: the kernel dequantises each block in registers, exactly
-as a dequantising conversion does, so a few rows read the blocks' bytes (0.56-1.06 per weight)
-instead of a float copy; above `MAX_QUANTIZED_ROWS` rows, or off the CPU, the weights are
-dequantised by jnp and multiplied by XLA (on a GPU XLA fuses the dequantisation into the dot's
-operand).
+channel) are multiplied by `rows_product` (`rows_products`: several matrices that share x in one
+call): the kernel reads the blocks' bytes (0.56-1.06 per weight) instead of a float copy, taking x
+as float32 (each block dequantised in registers exactly as a dequantising conversion does) or
+rounded to int16 / int8 per block (`quantized.ACTIVATIONS`); above `MAX_QUANTIZED_ROWS` rows the
+library dequantises the rows and XLA multiplies them, and off the CPU jnp dequantises them (on a
+GPU XLA fuses the dequantisation into the dot's operand).
 
 The library also copies rows of a bf16 table (`take_rows`, the token embedding of a bf16 model),
 which XLA:CPU gathers by converting the whole table to float32 first.
