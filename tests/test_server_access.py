@@ -83,6 +83,30 @@ def test_request_ids_and_the_access_log(url, caplog):
     assert any("id=no-key" in rec.getMessage() and "status=401" in rec.getMessage() for rec in caplog.records)
 
 
+def test_a_client_gone_during_its_body_is_499_not_500(url, caplog):
+    """Clients that send half a body and close: each is status 499 in the access log, nothing is
+    logged as an error (no ASGI traceback), and the server serves on."""
+    import socket
+
+    caplog.set_level(logging.INFO)
+    host, port = url.removeprefix("http://").split(":")
+    for i in range(5):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {KEY}\r\nX-Request-Id: half-{i}\r\n".encode()
+                + b'Content-Length: 1000\r\n\r\n{"prompt": "The river'
+            )
+    deadline = time.time() + 30
+    while time.time() < deadline and sum("id=half-" in r.getMessage() for r in caplog.records) < 5:
+        time.sleep(0.05)
+    lines = [r.getMessage() for r in caplog.records if "id=half-" in r.getMessage()]
+    assert len(lines) == 5 and all("status=499" in line for line in lines), lines
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-2000:]
+    r = client(url, KEY).completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+
+
 def test_access_log_as_json_and_metrics_behind_the_key(tiny_model, caplog):
     caplog.set_level(logging.INFO, logger="eejax.access")
     engine = Engine(tiny_model, max_slots=4, max_new_tokens=32, cache_budget="4MiB", page_size=8)

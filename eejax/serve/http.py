@@ -56,7 +56,8 @@ def create_app(
     ends at `request_timeout` seconds after it arrived (None: never), or at its own `timeout`
     if that is sooner."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.requests import ClientDisconnect
 
     app = FastAPI(title="eejax", version="0.1")
     app.add_middleware(
@@ -377,6 +378,12 @@ def create_app(
     @app.exception_handler(RequestError)
     async def request_error(_, exc: RequestError):
         return error(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_, exc: ClientDisconnect):
+        """The client hung up while its body was read: 499 in the access log, as a hang-up after
+        the body is (nobody is there to read it), not a 500 with a traceback."""
+        return Response(status_code=499)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
