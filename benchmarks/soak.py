@@ -1,6 +1,7 @@
 """A soak: `eejax serve` (its own process, loopback only) under a mixed load for --minutes.
 
-The load, Poisson arrivals at --rate requests/s, each drawn from `MIX`: greedy and sampled
+The load, Poisson arrivals at --rate requests/s, each drawn from `MIX` (the first ones take each
+kind once, so that a short run covers the whole mix whatever its speed): greedy and sampled
 requests, streamed and not, early exit and self-speculation, n = 2, repetition and frequency
 penalties, echo with the prompt's log-probs, prompts that share a long prefix (the prefix
 cache), clients that hang up after their first token, hostile bodies (bad JSON, a lone
@@ -182,6 +183,7 @@ async def soak(args, pid: int, port: int) -> dict:
 
     rng = random.Random(args.seed)
     kinds, weights = zip(*MIX.items())
+    first = list(kinds)  # each kind once, then draws
     headers = {"Authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=headers, timeout=300) as http:
         load = Load(http, articles(), rng, args.spec, args.prompt_scale)
@@ -221,7 +223,8 @@ async def soak(args, pid: int, port: int) -> dict:
                 )
                 print(f"{samples[-1]['t'] / 60:5.1f} min  " + json.dumps(samples[-1]), flush=True)
                 next_sample += args.sample_s
-            task = asyncio.create_task(load.run(rng.choices(kinds, weights)[0]))
+            kind = first.pop(0) if first else rng.choices(kinds, weights)[0]
+            task = asyncio.create_task(load.run(kind))
             tasks.add(task)
             task.add_done_callback(finished)
             await asyncio.sleep(rng.expovariate(args.rate))
