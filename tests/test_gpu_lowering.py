@@ -8,6 +8,7 @@ does not import without one); the kernel itself is compiled for sm_80 / sm_90 by
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ import pytest
 import eejax
 from eejax.config import T5Config
 from eejax.decode import early_exit
-from eejax.decode.control_flow import control_flow
+from eejax.decode.control_flow import cache_copies, control_flow
 from eejax.models import exits, t5
 from eejax.options import ExitConfig, SpecConfig
 from tests.helpers import fixed_policy_costs, random_prompts
@@ -187,3 +188,30 @@ def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
         flow = control_flow(program.as_text())
         bonus_draft = name in ("draft_slots", "spec_round_slots") and options.bonus
         assert flow.dynamic_loops == 0 and flow.conditionals == int(bonus_draft), (name, flow)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "split"])
+def test_no_program_copies_the_kv_cache(layout):
+    """Every program that full depth, exit steps, self-speculation (plain and adaptive) and their
+    prefills compile updates the paged cache in place: no copy in its HLO moves a layer's worth
+    of the cache (the GPU issue's suspect for slow rounds, checked on the CPU)."""
+    model = dataclasses.replace(tiny(num_layers=4), layer_buffers=layout)
+    c = model.config
+    for kw in (dict(), dict(exit="softmax:0.5"), dict(spec="2:2"), dict(spec="1:2:adaptive")):
+        eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, page_size=8, **kw)
+    assert model.programs.num_programs >= 4
+    cache = re.compile(rf"f32\[{c.num_layers},{c.num_kv_heads},(\d+),8,{c.head_dim}\]")  # [L, Hkv, P, S, Dh]
+    for name, _, program in model.programs.entries():
+        text = program.as_text()
+        pages = {int(p) for p in cache.findall(text)}
+        assert len(pages) == 1, (name, pages)  # the cache is there, one size
+        assert cache_copies(text, c.num_kv_heads * pages.pop() * 8 * c.head_dim) == 0, name
+
+
+def test_cache_copies_sees_an_update_that_is_not_in_place():
+    """The check above can fail: an update of an input that is also returned as it was is a copy."""
+    cache = jax.numpy.zeros((4, 2, 9, 8, 8))
+    layer = 2 * 9 * 8 * 8
+    kept = jax.jit(lambda c: (c.at[:, :, 0].set(1.0), c + 0 * c.sum())).lower(cache).compile()
+    donated = jax.jit(lambda c: c.at[:, :, 0].set(1.0), donate_argnums=0).lower(cache).compile()
+    assert cache_copies(kept.as_text(), layer) == 1 and cache_copies(donated.as_text(), layer) == 0

@@ -1,4 +1,5 @@
-"""Host round trips of compiled programs: the while loops and conditionals in their HLO.
+"""Host round trips of compiled programs: the while loops and conditionals in their HLO (and, the
+other cost a program can hide, copies of the whole KV cache: `cache_copies`).
 
 On a GPU, XLA runs a `while` by reading its predicate back to the host after every iteration,
 and a `conditional` by reading its branch index back, each a device-to-host copy and a stream
@@ -39,3 +40,19 @@ def control_flow(hlo_text: str) -> ControlFlow:
     known = sum("known_trip_count" in line for line in loops)
     conditionals = sum(bool(_CONDITIONAL.search(line)) for line in lines)
     return ControlFlow(len(loops) - known, known, conditionals)
+
+
+_COPY = re.compile(r"= [a-z0-9]+\[([0-9,]*)\]\S* copy(?:-start)?\(")  # `%copy.7 = f32[4,2,64,16,16]{...} copy(%p)`
+
+
+def cache_copies(hlo_text: str, layer_elements: int) -> int:
+    """How many copies in a compiled program's HLO text move at least `layer_elements` values
+    (one layer's keys or values over all pages): a cache update XLA could not do in place copies
+    the cache (1 GiB by default) on every step. The compiled decode programs must have none."""
+    count = 0
+    for dims in _COPY.findall(hlo_text):
+        elements = 1
+        for n in filter(None, dims.split(",")):
+            elements *= int(n)
+        count += elements >= layer_elements
+    return count
