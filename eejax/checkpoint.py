@@ -166,10 +166,10 @@ def release_freed_memory() -> None:
     this, SmolLM2's 97 MB of GGUF blocks and its tokenizer left RSS +195 MB after loading, with it
     +141 MB (orbax's reading threads' arenas keep the rest)."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
         return
-    libc.malloc_trim(0)
+    trim(0)
 
 
 def load_checkpoint(directory: str | Path):

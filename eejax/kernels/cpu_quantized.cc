@@ -138,10 +138,9 @@ inline void dequantize_block(const Weights& w, int64_t r, int64_t b, __m256 out[
   }
 }
 
-// y[m, r] for G (<= kGroup) rows of x (K apart; y rows R apart) and weight rows [r0, r1). Two
-// accumulators per row of x and weight row, whatever G: a row's sums run in the same order alone
-// (a decode step) as in a group (a verify pass), so the two agree bit for bit.
-// Weight rows [r, r + NR) against G rows of x.
+// y[m, r] for G (<= kGroup) rows of x (K apart; y rows R apart) and weight rows [r, r + NR). Two
+// accumulators per row of x and weight row, whatever G and NR: a row's sums run in the same order
+// alone (a decode step) as in a group (a verify pass), so the two agree bit for bit.
 template <Format F, int G, int NR>
 inline void float_tile(const float* x, float* y, const Weights& w, int64_t r) {
   constexpr int A = 2;
