@@ -76,6 +76,58 @@ def with_prompts(state, copied: bool):
     )
 
 
+def round_program(config, table, batch: int, spec: SpecConfig):
+    """One round of `spec` (its d drafts, the verify pass with the bonus, the acceptance) as one
+    jitted program of (params, cache, state), the cache donated."""
+    options = StepOptions(64, spec=spec).round(spec.num_speculations, bonus=True)
+
+    def run(params, cache, state):
+        drafts, state, cache = speculative.draft(params, cache, state, table, config=config, options=options.drafting())
+        counters = speculative.SpecCounters.zeros(batch)
+        verifying = options.verifying()
+        return speculative.verify(params, cache, state, drafts, counters, table, config=config, options=verifying)
+
+    return jax.jit(run, donate_argnums=(1,))
+
+
+def steps_program(config, table, num_steps: int = 1):
+    """`num_steps` full-depth decode steps as one jitted program (the engine's dispatch)."""
+    options = StepOptions(64).decoding(num_steps)
+    return jax.jit(
+        lambda params, cache, state: steps.decode_steps(params, cache, state, table, config=config, options=options),
+        donate_argnums=(1,),
+    )
+
+
+def setting_programs(model, specs, state, table, batch: int) -> dict:
+    """{name: (program, its input state)}: one full-depth step and a round of each spec (a
+    lookup's twice: every row copying, no row matching)."""
+    programs = {"full-depth step": (steps_program(model.config, table), state)}
+    for s in specs:
+        program = round_program(model.config, table, batch, s)
+        if s.lookup:
+            programs[f"{s.spec} (copied)"] = (program, with_prompts(state, True))
+            programs[f"{s.spec} (no match)"] = (program, with_prompts(state, False))
+        else:
+            programs[s.spec] = (program, state)
+    return programs
+
+
+def median_seconds(programs: dict, params, cache, repeats: int) -> dict[str, float]:
+    """{name: median wall seconds of one blocking run}, the programs alternating over `repeats`
+    rounds after two warm-up rounds; each run gets its own copy of `cache` (donated), made
+    outside the timing."""
+    seconds = {name: [] for name in programs}
+    for rep in range(repeats + 2):
+        for name, (program, state_in) in programs.items():
+            own = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
+            start = time.perf_counter()
+            jax.block_until_ready(program(params, own, state_in))
+            if rep >= 2:  # the first runs compile and warm up
+                seconds[name].append(time.perf_counter() - start)
+    return {name: float(np.median(s)) for name, s in seconds.items()}
+
+
 def main() -> int:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-eagle", help="an eejax model with a draft head")
@@ -93,49 +145,14 @@ def main() -> int:
     model = load_model(args, args.model)
     prompts, _ = summary_prompts(model.tokenizer, args.batch, args.prompt_tokens)
     state, cache, table = prefilled(model, prompts, 64)
-    config = model.config
-
-    def round_program(spec):
-        options = StepOptions(64, spec=spec).round(spec.num_speculations, bonus=True)
-
-        def run(params, cache, state):
-            drafts, state, cache = speculative.draft(
-                params, cache, state, table, config=config, options=options.drafting()
-            )
-            counters = speculative.SpecCounters.zeros(args.batch)
-            return speculative.verify(
-                params, cache, state, drafts, counters, table, config=config, options=options.verifying()
-            )
-
-        return jax.jit(run, donate_argnums=(1,))
-
-    step = jax.jit(
-        lambda params, cache, state: steps.decode_steps(
-            params, cache, state, table, config=config, options=StepOptions(64).decoding(1)
-        ),
-        donate_argnums=(1,),
-    )
-    programs = {"full-depth step": (step, state)}
-    for s in specs:
-        if s.lookup:  # a round whose rows all copy their drafts, and one whose rows have no match
-            programs[f"{s.spec} (copied)"] = (round_program(s), with_prompts(state, copied=True))
-            programs[f"{s.spec} (no match)"] = (round_program(s), with_prompts(state, copied=False))
-        else:
-            programs[s.spec] = (round_program(s), state)
-    seconds = {name: [] for name in programs}
-    for rep in range(args.repeats + 2):
-        for name, (program, state_in) in programs.items():
-            own = jax.block_until_ready(jax.tree.map(jnp.copy, cache))  # donated to the program
-            start = time.perf_counter()
-            jax.block_until_ready(program(model.run_params, own, state_in))
-            if rep >= 2:  # the first runs compile and warm up
-                seconds[name].append(time.perf_counter() - start)
-    step_s = float(np.median(seconds["full-depth step"]))
+    programs = setting_programs(model, specs, state, table, args.batch)
+    seconds = median_seconds(programs, model.run_params, cache, args.repeats)
+    step_s = seconds["full-depth step"]
     rows = []
     print("| setting | verified rows | ms | steps |\n|---|---|---|---|")
     by_name = {name: next((s for s in specs if name.split(" ")[0] == s.spec), None) for name in programs}
     for name, spec in by_name.items():
-        ms = 1e3 * float(np.median(seconds[name]))
+        ms = 1e3 * seconds[name]
         verified = args.batch * (1 if spec is None else spec.positions_ahead + 1)
         rows.append(dict(setting=name, verified_rows=verified, ms=ms, steps=ms / 1e3 / step_s))
         print(f"| {name} | {verified} | {ms:.1f} | {ms / 1e3 / step_s:.2f} |", flush=True)

@@ -98,20 +98,18 @@ def test_merge_of_rows_without_keys_is_zero():
     assert not np.asarray(merge_splits(acc, m, jnp.zeros_like(m), jnp.float32)).any()
 
 
-def test_auto_on_a_gpu_without_jax_triton_takes_the_reference(monkeypatch):
-    """A CUDA jaxlib alone (no `gpu` extra, as on the H200 used for issue 39): auto does not fail
-    at trace time."""
+def test_auto_on_a_gpu_takes_xla(monkeypatch):
+    """On a GPU, auto is XLA's attention (the reference): the Triton kernel measured slower on
+    an H100 at every batch, and a CUDA jaxlib without jax-triton needs nothing more."""
     from eejax.kernels import attention
 
     monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setitem(sys.modules, "jax_triton", None)  # importing it raises ImportError
-    attention._have_jax_triton.cache_clear()
+    monkeypatch.setitem(sys.modules, "jax_triton", None)  # importing it would raise ImportError
     assert resolve_impl("auto") == "reference"
-    attention._have_jax_triton.cache_clear()
 
 
 def test_dispatch():
-    assert resolve_impl("auto") == "cpu" and resolve_impl("auto", 80) == "cpu"  # no GPU here: the CPU kernel
+    assert resolve_impl("auto") == "cpu"  # no GPU here: the CPU kernel
     assert resolve_impl("triton") == "triton"
     with pytest.raises(ValueError, match="unknown attention impl"):
         resolve_impl("flash")

@@ -74,8 +74,8 @@ def generate(
     self-speculation instead: drafts from the first E layers verified by the rest; greedy output
     equals full depth token for token, sampled output has the full model's distribution (in
     `exit_layers`, accepted drafts show E, tokens of the full model L). `attention` is "auto"
-    (Triton on CUDA, the jnp reference elsewhere), "reference" or "triton" (interpreted without
-    a GPU: slow). Sampling is seeded per row and position: row i draws with
+    (eejax's CPU kernel on a CPU, XLA's reference elsewhere), "reference", "cpu" or "triton"
+    (interpreted without a GPU: slow). Sampling is seeded per row and position: row i draws with
     `fold_in(seed_key(seed), i)` folded with each token's index, whatever batch it runs in.
     `presence_penalty` / `frequency_penalty` (OpenAI's, in [-2, 2], 0 = off) and
     `repetition_penalty` (vLLM's and HF's, > 0, 1 = off) penalise tokens already seen before
