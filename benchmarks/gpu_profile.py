@@ -11,10 +11,10 @@ For each --layer-buffers layout, in the order of --parts (each skipped once --se
   round and milliseconds per round, and whether the tokens equal full depth's;
 - programs: one full-depth step, one 4-step dispatch and one round of each spec, each a single
   jitted program timed alone, blocking after it (`round_costs`): the device's work plus one launch;
-- traces: a `jax.profiler` trace of a short engine run of full depth and of each spec (the
-  .xplane.pb files go to --trace-dir), summarised per engine step (a dispatch of full depth's
-  steps or a round): device kernels and copies and their busy time, against the wall time, and the
-  host events that took longest.
+- traces: one `jax.profiler` trace of short engine runs of full depth and of each spec (the
+  .xplane.pb goes to --trace-dir), summarised per engine step (a dispatch of full depth's steps
+  or a round): device kernels and copies and their busy time, and the host events that took
+  longest.
 `--random-like DIR` (a checkpoint's eejax.json and tokenizer/, no weights) runs random weights
 with the shipped draft head: the timings hold, the acceptance does not. It runs on a CPU too, to
 try it out; its numbers mean something on a GPU.
@@ -105,25 +105,29 @@ def programs_part(model, prompts, args) -> dict[str, float]:
     return ms
 
 
-def traces_part(model, prompts, args, tag: str) -> dict[str, dict]:
-    out = {}
-    for spec in [None, *args.specs]:
-        kw = dict(max_new_tokens=args.trace_tokens, ignore_eos=True, spec=spec)
-        eejax.generate(model, prompts, **kw)  # compiled before the trace
-        with tempfile.TemporaryDirectory() as tmp:
-            with jax.profiler.trace(tmp):
-                stats = eejax.generate(model, prompts, **kw).stats
-            (path,) = Path(tmp).glob("**/*.xplane.pb")
-            name = f"{tag}-{spec or 'full'}".replace(":", "_")
-            if args.trace_dir is not None:
-                args.trace_dir.mkdir(parents=True, exist_ok=True)
-                shutil.copy(path, args.trace_dir / f"{name}.xplane.pb")
-            summary = trace_summary(path, stats.engine_steps)
-        summary["decode_ms"] = 1e3 * (stats.run_s - stats.prefill_s)
-        summary["engine_steps"] = stats.engine_steps
-        out[name] = summary
-        print(f"  trace {name}: {json.dumps(summary)}", flush=True)
-    return out
+def traces_part(model, prompts, args, tag: str) -> dict:
+    """One trace over a short engine run of full depth and of each spec, one after another (a
+    second trace in one process failed on an H100: CUDA_ERROR_LAUNCH_FAILED in the next program,
+    with XLA's command buffers), summarised as a whole; the runs are told apart by their programs
+    (`hlo_module`) when the .xplane.pb is read later."""
+    settings = [None, *args.specs]
+    kw = dict(max_new_tokens=args.trace_tokens, ignore_eos=True)
+    for spec in settings:
+        eejax.generate(model, prompts, spec=spec, **kw)  # compiled before the trace
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            runs = {spec or "full": eejax.generate(model, prompts, spec=spec, **kw).stats for spec in settings}
+        (path,) = Path(tmp).glob("**/*.xplane.pb")
+        if args.trace_dir is not None:
+            args.trace_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, args.trace_dir / f"{tag}.xplane.pb")
+        steps = sum(s.engine_steps for s in runs.values())
+        summary = trace_summary(path, steps)
+    summary["runs"] = {
+        k: dict(decode_ms=1e3 * (s.run_s - s.prefill_s), engine_steps=s.engine_steps) for k, s in runs.items()
+    }
+    print(f"  trace {tag}: {json.dumps(summary)}", flush=True)
+    return summary
 
 
 def trace_summary(path, per: int, top: int = 12) -> dict:

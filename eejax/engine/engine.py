@@ -53,6 +53,7 @@ from eejax.engine.scheduler import BucketScheduler, Request, safe_pages
 from eejax.engine.sequence import Sequence
 from eejax.engine.speculation import Speculation
 from eejax.engine.stops import first_stop
+from eejax.engine.transfers import PackedRead, Uploads
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models.registry import model_module
 from eejax.options import ExitConfig, StepOptions
@@ -218,7 +219,9 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         # replicas apply before stepping with it (`serve.replicas`); None in one process.
         self._changes: list | None = [] if jax.process_count() > 1 and not batch_job else None
         self._by_id: dict[int, Sequence] = {}
-        self._pending = None  # (state, slot -> sequence) of the last dispatched step, not read yet
+        # (its outputs on their way to the host, slot -> sequence) of the last dispatched step, not read yet
+        self._pending = None
+        self._uploads = Uploads()  # the block table and group masks on device, sent when changed
         # Decode steps of the program in flight (read after the next dispatch), and of the next.
         self._steps_in_flight = self._next_steps = 1
         # The programs the last step dispatched and when it ended: an adaptive speculation
@@ -290,9 +293,10 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
                 for options, members in groups.items():
                     group = np.zeros((self.slots,), bool)
                     group[[seq.slot for seq in members]] = True
-                    self._guarded(members, self._dispatch, table, jnp.asarray(group), options)
+                    group = self._uploads.get(("group", group.tobytes()), group)
+                    self._guarded(members, self._dispatch, table, group, options)
             # Read next step even without a dispatch: a row's last tokens may be on device unread.
-            self._pending = (self.state, dict(self.running), self.spec_counters) if self.running else None
+            self._pending = (self._outputs(), dict(self.running)) if self.running else None
             self._steps_in_flight = self._next_steps if dispatch else 0  # 0: nothing in flight
             if pending is not None:
                 self._read(*pending)
@@ -356,7 +360,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
     def _table(self):
         longest = max(self._span(s) for s in self.running.values())
         width = min(self.table_width, bucket(pages_needed(longest, self.page_size)))
-        return jnp.asarray(self.block_table[:, :width])
+        return self._uploads.get(("table", width), self.block_table[:, :width])
 
     def _program_state(self, options: StepOptions, counts: bool = True):
         """The slots' state for a program of `options`: with the token counts when it applies
@@ -382,15 +386,22 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         args = (self.model.run_params, self.cache, self._program_state(options), table, group)
         return self.model.program(decode_slots, args, options, now)
 
-    def _read(self, state, running: dict[int, Sequence], counters) -> None:
+    def _outputs(self):
+        """What `_read` takes of the state just dispatched: its tokens, counts and flags packed
+        for one transfer, started now (`PackedRead`), and the log-probs if a row wants them."""
+        state = self.state
+        wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, state.confident_layers)
+        scored = any(seq.logprobs is not None for seq in self.running.values())
+        return PackedRead((*wanted, self.spec_counters)), state.logprobs if scored else None
+
+    def _read(self, outputs, running: dict[int, Sequence]) -> None:
         """Delivers the tokens a finished step produced; releases rows that ended (EOS, limit,
         stop token or string, cancelled). If the step failed on the device, its requests fail."""
-        wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, state.confident_layers, counters)
-        scored = any(seq.logprobs is not None for seq in running.values())
+        packed, logprobs = outputs
         out = {}
 
         def fetch():
-            out["host"] = to_host(wanted + (state.logprobs if scored else None,))
+            out["host"] = (*packed.read(), None if logprobs is None else to_host(logprobs))
 
         self._guarded(list(running.values()), fetch)
         if "host" not in out:

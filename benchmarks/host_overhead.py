@@ -1,0 +1,225 @@
+"""The engine's host cost, measured where device time is negligible: a tiny Llama (2 layers of
+width 64, a 512-token vocabulary, a random draft head) generating on the CPU, batch 1.
+
+On a GPU the host's work per dispatch is what a round pays on top of its kernels: an H100 ran
+SmolLM2's draft:4 round in 2.8 ms as one program and in 7.0 ms inside the engine (2026-11-27,
+`benchmarks/gpu_profile.py`). For each mode this prints:
+- host µs per generated token and per engine step (a dispatch: several full-depth steps or one
+  round), the best of --repeats runs;
+- programs dispatched per generated token; arrays read back (device to host) and sent (host to
+  device) per dispatch;
+- data-dependent loops and conditionals in the programs it ran, compiled with the GPU's structure
+  (`early_exit.static_loops`; each a host round trip per iteration or run on a GPU);
+- copies of a whole layer's cache in those programs (`control_flow.cache_copies`).
+
+    python benchmarks/host_overhead.py [--modes full exit:softmax:0.9 1:1 draft:4 ...] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import eejax  # noqa: E402
+from benchmarks.common import write_result  # noqa: E402
+from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
+from eejax.config import LlamaConfig  # noqa: E402
+from eejax.decode import early_exit  # noqa: E402
+from eejax.decode.control_flow import cache_copies, control_flow  # noqa: E402
+from eejax.engine import engine as engine_module  # noqa: E402
+from eejax.loading.model import Model  # noqa: E402
+from eejax.models import draft_head  # noqa: E402
+from eejax.models.llama import init_params  # noqa: E402
+
+MODES = ("full", "exit:softmax:0.9", "1:1", "draft:4", "draft:4:lookup", "draft:4:tree", "draft:4:adaptive")
+PAGE = 16
+
+
+def tiny_model() -> Model:
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        eos_token_ids=(1,),
+    )
+    params = init_params(config, jax.random.PRNGKey(0))
+    params["draft"] = draft_head.init_draft(config, jax.random.PRNGKey(1), params=params)
+    return Model(config, params)
+
+
+def options_of(mode: str) -> dict:
+    if mode == "full":
+        return {}
+    if mode.startswith("exit:"):
+        return {"exit": mode[len("exit:") :]}
+    return {"spec": mode}
+
+
+class Counts:
+    """Programs run (by function), and arrays read back and sent, while installed."""
+
+    def __init__(self):
+        self.programs = collections.Counter()
+        self.compiled = {}  # function name -> compiled programs it ran
+        self.reads = self.sends = 0
+
+    @contextlib.contextmanager
+    def installed(self, model: Model):
+        programs = model.programs
+        get, get_soon, to_host, device_put = programs.get, programs.get_soon, engine_module.to_host, jax.device_put
+        asarray = jax.numpy.asarray
+        packed_read = getattr(engine_module, "PackedRead", None) and engine_module.PackedRead.read
+
+        def counted(fn, program):
+            self.compiled.setdefault(fn.__name__, set()).add(program)
+
+            def run(*args):
+                self.programs[fn.__name__] += 1
+                return program(*args)
+
+            return run
+
+        def get_counted(fn, args, *rest, **kw):
+            return counted(fn, get(fn, args, *rest, **kw))
+
+        def get_soon_counted(fn, args, *rest, **kw):
+            program, used = get_soon(fn, args, *rest, **kw)
+            return counted(fn, program), used
+
+        def to_host_counted(tree):
+            self.reads += sum(isinstance(x, jax.Array) for x in jax.tree.leaves(tree))
+            return to_host(tree)
+
+        def packed_read_counted(packed):
+            self.reads += 1
+            return packed_read(packed)
+
+        def sent(x):
+            return isinstance(x, np.ndarray)
+
+        def device_put_counted(x, *a, **kw):
+            self.sends += sum(map(sent, jax.tree.leaves(x)))
+            return device_put(x, *a, **kw)
+
+        def asarray_counted(x, *a, **kw):
+            self.sends += sent(x)
+            return asarray(x, *a, **kw)
+
+        with (
+            mock.patch.object(programs, "get", get_counted),
+            mock.patch.object(programs, "get_soon", get_soon_counted),
+            mock.patch.object(engine_module, "to_host", to_host_counted),
+            mock.patch.object(engine_module.PackedRead, "read", packed_read_counted)
+            if packed_read
+            else contextlib.nullcontext(),
+            mock.patch.object(jax, "device_put", device_put_counted),
+            mock.patch.object(jax.numpy, "asarray", asarray_counted),
+        ):
+            yield self
+
+
+def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    model = tiny_model()
+    kw = dict(max_new_tokens=new_tokens, ignore_eos=True, page_size=PAGE, cache_budget="4MiB", **options_of(mode))
+
+    def run(n: int):
+        """(stats, CPU seconds of this thread: the host's work; XLA:CPU runs programs on its own threads)."""
+        start = time.thread_time()
+        stats = eejax.generate(model, [prompt], **{**kw, "max_new_tokens": n}).stats
+        return stats, time.thread_time() - start
+
+    run(1), run(new_tokens)  # compile
+    runs = [run(new_tokens) for _ in range(repeats)]
+    prefill_host_s = min(run(1)[1] for _ in range(repeats))
+    best = min((s for s, _ in runs), key=lambda s: s.run_s - s.prefill_s)
+    decode_s, tokens = best.run_s - best.prefill_s, best.generated_tokens - 1  # the first: the prefill's
+    host_s = min(h for _, h in runs) - prefill_host_s
+    with Counts().installed(model) as counts:
+        stats = eejax.generate(model, [prompt], **kw).stats
+    dispatches = sum(n for name, n in counts.programs.items() if not name.startswith("prefill"))
+    # The same programs compiled with the GPU's structure, for their control flow and cache copies.
+    gpu = dataclasses.replace(model, programs=type(model.programs)())
+    with mock.patch.object(early_exit, "static_loops", lambda: True), Counts().installed(gpu) as gpu_counts:
+        eejax.generate(gpu, [prompt], **kw)
+    loops = conditionals = copies = 0
+    for name, compiled in gpu_counts.compiled.items():
+        if name.startswith("prefill"):
+            continue
+        for program in compiled:
+            text = program.as_text()
+            flow = control_flow(text)
+            loops, conditionals = loops + flow.dynamic_loops, conditionals + flow.conditionals
+            copies += cache_copies(text, layer_elements(gpu, stats))
+    return dict(
+        mode=mode,
+        us_per_token=1e6 * decode_s / tokens,
+        host_us_per_token=1e6 * host_s / tokens,
+        host_us_per_step=1e6 * host_s / max(best.engine_steps - 1, 1),
+        us_per_step=1e6 * decode_s / max(best.engine_steps - 1, 1),
+        tokens_per_round=best.tokens_per_round,
+        programs_per_token=dispatches / (stats.generated_tokens - 1),
+        reads_per_dispatch=counts.reads / max(dispatches, 1),
+        sends_per_dispatch=counts.sends / max(dispatches, 1),
+        gpu_dynamic_loops=loops,
+        gpu_conditionals=conditionals,
+        cache_copies=copies,
+    )
+
+
+def layer_elements(model: Model, stats) -> int:
+    """One layer's keys over every page of the cache a generate call of `stats` made."""
+    c = model.config
+    return c.num_kv_heads * stats.kv_cache_pages * stats.page_size * c.head_dim
+
+
+def main() -> int:
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", nargs="+", action="extend", default=None, help=f"default: {' '.join(MODES)}")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per mode (the fastest kept)")
+    parser.add_argument("--name", default="host_overhead", help="output name under benchmarks/out/")
+    args = parser.parse_args()
+    if args.new_tokens < 2 or args.repeats < 1 or args.prompt_tokens < 1:
+        parser.error("--new-tokens must be >= 2, --repeats and --prompt-tokens >= 1")
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 512, args.prompt_tokens)]
+    rows = []
+    header = (
+        "| mode | µs/token | µs/step | host µs/token | host µs/step | tokens/round | programs/token "
+        "| reads/dispatch | sends/dispatch "
+        "| GPU loops | GPU conds | cache copies |"
+    )
+    print(header + "\n|" + "---|" * header.count(" | ") + "---|", flush=True)
+    for mode in args.modes or MODES:
+        r = measure(mode, prompt, args.new_tokens, args.repeats)
+        rows.append(r)
+        tau = "-" if r["tokens_per_round"] is None else f"{r['tokens_per_round']:.2f}"
+        print(
+            f"| {mode} | {r['us_per_token']:.0f} | {r['us_per_step']:.0f} | {r['host_us_per_token']:.0f} "
+            f"| {r['host_us_per_step']:.0f} | {tau} | {r['programs_per_token']:.2f} "
+            f"| {r['reads_per_dispatch']:.1f} | {r['sends_per_dispatch']:.1f} | {r['gpu_dynamic_loops']} "
+            f"| {r['gpu_conditionals']} | {r['cache_copies']} |",
+            flush=True,
+        )
+    write_result(args.name, {"args": vars(args), "device": jax.devices()[0].device_kind, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
