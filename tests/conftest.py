@@ -97,6 +97,7 @@ UNIT_FIRST = (
     "test_step_options.py",
     "test_model_interface.py",
     "test_attention.py",
+    "test_transfers.py",
 )
 
 

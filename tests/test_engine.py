@@ -1,6 +1,9 @@
 """The serving engine: continuous batching gives exactly `generate`'s tokens, and frees everything."""
 
+import pytest
+
 import eejax
+from eejax.engine import engine as engine_module
 from eejax.engine.engine import Engine
 from tests.helpers import random_prompts
 
@@ -140,16 +143,24 @@ def test_rows_that_run_out_of_pages_are_preempted_and_recomputed(tiny_model):
     assert engine.metrics()["kv_pages_used"] == 0
 
 
-def test_self_speculation_rows_beside_plain_rows_are_lossless(tiny_model):
+def test_self_speculation_rows_beside_plain_rows_are_lossless(tiny_model, monkeypatch):
     """Rows speculating with different (E, d), fixed or adaptive, and plain rows in the same
     slots: every row's greedy tokens equal full depth, limits that are not multiples of d + 1
-    included; each speculation option has its policy, and the rows' counters come back."""
+    included; each speculation option has its policy, and the rows' counters come back. Each
+    step's outputs come back in one transfer (`PackedRead`), read once, whatever its programs."""
     prompts = random_prompts(6, [7, 13, 3], seed=12)
     specs = ["1:2", "2:3", None, "1:2:adaptive", "2:1", "2:2:adaptive"]
     limits = [11, 7, 9, 5, 13, 3]
     engine = Engine(tiny_model, max_slots=4, max_new_tokens=16, cache_budget="4MiB", page_size=8)
     seqs = [engine.submit(p, max_new_tokens=n, spec=s) for p, n, s in zip(prompts, limits, specs)]
-    engine.run()
+    reads, read = [], engine_module.PackedRead.read
+    monkeypatch.setattr(engine_module.PackedRead, "read", lambda packed: reads.append(packed) or read(packed))
+    monkeypatch.setattr(engine_module, "to_host", lambda tree: pytest.fail("a step read arrays one by one"))
+    steps = 0
+    while engine.busy:
+        engine.step()
+        steps += 1
+    assert len(reads) == len(set(map(id, reads))) and 0 < len(reads) <= steps
     alone = eejax.generate(tiny_model, prompts, max_new_tokens=max(limits)).tokens  # each row's first n: its own
     for n, s, seq, want in zip(limits, specs, seqs, alone):
         assert seq.tokens == want[:n], (s, n)
