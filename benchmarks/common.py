@@ -23,18 +23,21 @@ def cnndm_prompts(tokenizer, n: int, prompt_tokens: int) -> list[list[int]]:
     return [tokenizer(articles[i % len(articles)])["input_ids"][:prompt_tokens] for i in range(n)]
 
 
-def load_hf_smollm2():
+def load_hf_smollm2(dtype: str = "float32", device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM
 
     from eejax.loading.hub import fetch_original
 
     gguf = fetch_original("smollm2-135m")
-    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    return hf.to(device).eval()
 
 
-def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
-    """Wall seconds of HF `generate` (greedy, left-padded batch, exactly `new_tokens` each)."""
+def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, cache: str | None = None) -> float:
+    """Wall seconds of HF `generate` (greedy, left-padded batch, exactly `new_tokens` each), on
+    the model's device; `cache="static"`: HF's static cache, which its generate compiles
+    (torch.compile) on first use at each shape."""
     import torch
 
     width = max(map(len, prompts))
@@ -43,11 +46,18 @@ def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int, pad_id: i
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(hf.device), mask.to(hf.device)
     kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+    if cache is not None:
+        kw["cache_implementation"] = cache
+    sync = torch.cuda.synchronize if hf.device.type == "cuda" else (lambda: None)
     with torch.no_grad():
-        hf.generate(ids[:, -8:], attention_mask=mask[:, -8:], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        # a warm-up at the same shapes (a static cache compiles for them)
+        hf.generate(ids, attention_mask=mask, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        sync()
         start = time.perf_counter()
         out = hf.generate(ids, attention_mask=mask, **kw)
+        sync()
         elapsed = time.perf_counter() - start
     assert out.shape[1] - width == new_tokens
     return elapsed
@@ -58,10 +68,13 @@ def hf_generate_tokens_per_s(hf, prompts: list[list[int]], new_tokens: int, pad_
     return len(prompts) * new_tokens / hf_generate_seconds(hf, prompts, new_tokens, pad_id)
 
 
-def hf_decode_tokens_per_s(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+def hf_decode_tokens_per_s(
+    hf, prompts: list[list[int]], new_tokens: int, pad_id: int, cache: str | None = None
+) -> float:
     """HF's decode steps alone: tokens 2..new_tokens of each row over the time `generate` takes
     beyond a 1-token `generate` (the prefill and its token)."""
-    extra = hf_generate_seconds(hf, prompts, new_tokens, pad_id) - hf_generate_seconds(hf, prompts, 1, pad_id)
+    full = hf_generate_seconds(hf, prompts, new_tokens, pad_id, cache)
+    extra = full - hf_generate_seconds(hf, prompts, 1, pad_id, cache)
     return len(prompts) * (new_tokens - 1) / extra
 
 

@@ -10,10 +10,12 @@ each side's share of it.
 
     python benchmarks/full_depth.py [--batches 1 8 32] [--new-tokens 64] [--prompt-tokens 256] \
         [--layer-buffers auto|stacked|split] [--dtype float32|bfloat16] \
-        [--quantization gguf|int8] [--activations float32|int8]
+        [--quantization gguf|int8] [--activations float32|int8] \
+        [--hf-device cuda] [--hf-dtype bfloat16] [--hf-static]
 
-With --quantization the bound counts the bytes a step reads of the quantized weights (blocks,
-scales and minimums).
+HF runs on --hf-device in --hf-dtype; --hf-static also times its decode steps with its static
+cache (compiled by torch.compile at each batch's shapes). With --quantization the bound counts
+the bytes a step reads of the quantized weights (blocks, scales and minimums).
 """
 
 from __future__ import annotations
@@ -46,11 +48,16 @@ from eejax.models.llama import param_bytes_per_token  # noqa: E402
 
 def main(argv=None) -> int:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=[1, 8, 32])
+    parser.add_argument("--batches", type=int, nargs="+", action="extend", default=None, help="default: 1 8 32")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2, help="eejax timed runs per batch (best is kept)")
     parser.add_argument("--skip-hf", action="store_true", help="measure eejax only")
+    parser.add_argument("--hf-device", default="cpu", help="where HF runs (cuda on a GPU machine)")
+    parser.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32", help="HF's weights")
+    parser.add_argument(
+        "--hf-static", action="store_true", help="also HF's decode steps with its static cache (torch.compile)"
+    )
     parser.add_argument(
         "--layer-buffers",
         choices=("auto", "stacked", "split"),
@@ -71,9 +78,10 @@ def main(argv=None) -> int:
     )
     add_quantization_args(parser)
     args = parser.parse_args(argv)
+    args.batches = args.batches or [1, 8, 32]
 
     model = load_model(args, dtype=jnp.dtype(args.dtype))
-    hf = None if args.skip_hf else load_hf_smollm2()
+    hf = None if args.skip_hf else load_hf_smollm2(args.hf_dtype, args.hf_device)
     bw = read_bandwidth_gbs()
     weight_bytes = param_bytes_per_token(model.params, model.config)
     bound = bw * 1e9 / weight_bytes
@@ -95,6 +103,9 @@ def main(argv=None) -> int:
         pad = model.config.pad_token_id or 0
         peer = float("nan") if hf is None else hf_generate_tokens_per_s(hf, prompts, args.new_tokens, pad)
         peer_decode = float("nan") if hf is None else hf_decode_tokens_per_s(hf, prompts, args.new_tokens, pad)
+        static = float("nan")
+        if hf is not None and args.hf_static:
+            static = hf_decode_tokens_per_s(hf, prompts, args.new_tokens, pad, cache="static")
         step_bytes = weight_bytes + b * kv_bytes
         batch_bound = b * bw * 1e9 / step_bytes
         row = {
@@ -105,6 +116,8 @@ def main(argv=None) -> int:
             "eejax_decode_tokens_per_s": ours_decode,
             "hf_decode_tokens_per_s": peer_decode,
             "decode_ratio": ours_decode / peer_decode if peer_decode else None,
+            "hf_static_decode_tokens_per_s": static,
+            "static_decode_ratio": ours_decode / static if args.hf_static else None,
             "layers_per_token": runs[0]["mean_layers_per_token"],
             "compiled_programs": model.programs.num_programs,
             "bytes_per_step": step_bytes,
@@ -128,7 +141,9 @@ def main(argv=None) -> int:
             f"batch {b:3d}: eejax {ours:7.1f} tok/s | HF {peer:7.1f} tok/s | ratio {fmt_ratio(ours, peer)} | "
             f"layers/token {row['layers_per_token']:.0f}\n"
             f"   decode steps alone: eejax {ours_decode:7.1f} tok/s | HF {peer_decode:7.1f} tok/s | ratio "
-            f"{fmt_ratio(ours_decode, peer_decode)} | {step_bytes / 1e6:.0f} MB per step, bound {batch_bound:.1f} "
+            f"{fmt_ratio(ours_decode, peer_decode)}"
+            + (f" | HF static cache {static:7.1f} tok/s: {fmt_ratio(ours_decode, static)}" if args.hf_static else "")
+            + f" | {step_bytes / 1e6:.0f} MB per step, bound {batch_bound:.1f} "
             f"tok/s: eejax {ours_decode / batch_bound:.0%}, HF {peer_decode / batch_bound:.0%}",
             flush=True,
         )

@@ -6,7 +6,7 @@ program alone, and profiler traces of the engine, for full depth and draft-head 
         [--parts engine programs traces] [--trace-dir DIR] [--seconds 300] [--random-like DIR]
 
 For each --layer-buffers layout, in the order of --parts (each skipped once --seconds are spent):
-- engine: `eejax.generate` decode tokens/s of full depth and of each spec, paired with full depth
+- engine: `eejax.generate` decode tokens/s of full depth and of each spec and exit, paired with full depth
   (`paired_runs`; 256-token summary prompts, --new-tokens, EOS ignored), the rounds, tokens per
   round and milliseconds per round, and whether the tokens equal full depth's;
 - programs: one full-depth step, one 4-step dispatch and one round of each spec, each a single
@@ -66,13 +66,16 @@ def load(args, layer_buffers: str):
 
 
 def engine_part(model, prompts, args) -> list[dict]:
-    def run(spec, new_tokens=args.new_tokens):
-        return eejax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True, spec=spec)
+    settings = [*args.specs, *(f"exit:{e}" for e in args.exits)]
 
-    paired = paired_runs(run, args.specs, args.repeats)
+    def run(setting, new_tokens=args.new_tokens):
+        kw = {"exit": setting[len("exit:") :]} if setting and setting.startswith("exit:") else {"spec": setting}
+        return eejax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True, **kw)
+
+    paired = paired_runs(run, settings, args.repeats)
     full = paired.peer.stats
     rows = [dict(setting="full depth", tok_s=paired.peer_speed, ms_per_step=_ms_per_step(full))]
-    for spec, speed, ratio, result in zip(args.specs, paired.speeds, paired.speedups, paired.results):
+    for spec, speed, ratio, result in zip(settings, paired.speeds, paired.speedups, paired.results):
         s = result.stats
         rounds = s.rounds or 1
         rows.append(
@@ -82,6 +85,7 @@ def engine_part(model, prompts, args) -> list[dict]:
                 speedup=ratio,
                 tokens_per_round=s.tokens_per_round,
                 ms_per_round=1e3 * (s.run_s - s.prefill_s) / rounds,
+                layers_per_token=s.mean_layers_per_token,
                 engine_steps=s.engine_steps,
                 identical=result.tokens == paired.peer.tokens,
             )
@@ -171,6 +175,9 @@ def main() -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--batch", type=int, default=1, help="rows (CNN/DM evaluation rows 0..)")
     parser.add_argument("--specs", nargs="+", action="extend", default=None, help="fixed speculation settings")
+    parser.add_argument(
+        "--exits", nargs="+", action="extend", default=[], help="early-exit settings for the engine part (softmax:0.9)"
+    )
     parser.add_argument("--layer-buffers", nargs="+", action="extend", choices=("stacked", "split"), default=None)
     parser.add_argument("--parts", nargs="+", action="extend", choices=PARTS, default=None)
     parser.add_argument("--prompt-tokens", type=int, default=256)

@@ -1,20 +1,26 @@
 """Paged attention: the Triton kernel vs the jnp reference on a GPU, and the reference's share of
 a SmolLM2 decode step on CPU.
 
-    python benchmarks/kernels.py             # GPU: decode attention by batch and context length,
+    python benchmarks/kernels.py             # GPU: decode attention by batch, SmolLM2's shapes
+                                             # (3 KV heads x 3, head_dim 64) at 512 keys per row,
                                              # achieved memory bandwidth as a share of the peak
+    python benchmarks/kernels.py --sweep     # GPU: also 2k and 8k keys, and a Llama-8B layer's
+                                             # shapes (8 KV heads x 4, head_dim 128)
     python benchmarks/kernels.py --cpu-share # CPU: reference decode attention as a share of a
                                              # SmolLM2 decode step, gathering the row's whole
                                              # allocation vs the bucketed pages it needs
 
-The GPU part exits at once on a machine without a GPU. Bytes counted per decode-attention call:
-the K and V of every valid key (B x context x Hkv x Dh x 2 tensors) plus queries and outputs.
+The GPU part exits at once on a machine without a GPU; its data is drawn on the device (the first
+version drew GBs of float64 normals on the host and did not finish in 64 s on an H100). Bytes
+counted per decode-attention call: the K and V of every valid key (B x context x Hkv x Dh x 2
+tensors) plus queries and outputs.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import sys
 import time
@@ -51,16 +57,21 @@ def best_seconds(fn, *args, repeats: int = 20) -> float:
     return best
 
 
+SMOLLM2 = dict(num_kv_heads=3, group=3, head_dim=64)
+LLAMA_8B = dict(num_kv_heads=8, group=4, head_dim=128)
+
+
 def decode_case(batch, context, *, num_kv_heads=8, group=4, head_dim=128, page=16, dtype=jnp.bfloat16, seed=0):
-    """A one-layer cache holding `context` keys per row and one query token per row."""
-    rng = np.random.default_rng(seed)
+    """A one-layer cache holding `context` keys per row and one query token per row, drawn on the
+    default device."""
+    kk, kv, kq, kt = jax.random.split(jax.random.PRNGKey(seed), 4)
     pages_per_row = -(-context // page)
     num_pages = 1 + batch * pages_per_row
     shape = (1, num_kv_heads, num_pages, page, head_dim)
-    k = jnp.asarray(rng.normal(size=shape), dtype)
-    v = jnp.asarray(rng.normal(size=shape), dtype)
-    table = jnp.asarray(1 + rng.permutation(num_pages - 1).reshape(batch, pages_per_row), jnp.int32)
-    q = jnp.asarray(rng.normal(size=(batch, 1, num_kv_heads * group, head_dim)), dtype)
+    k = jax.random.normal(kk, shape, dtype)
+    v = jax.random.normal(kv, shape, dtype)
+    table = (1 + jax.random.permutation(kt, num_pages - 1).reshape(batch, pages_per_row)).astype(jnp.int32)
+    q = jax.random.normal(kq, (batch, 1, num_kv_heads * group, head_dim), dtype)
     lengths = jnp.full((batch,), context, jnp.int32)
     return q, k, v, table, (lengths - 1)[:, None], lengths
 
@@ -83,37 +94,38 @@ def gpu_benchmark(args) -> int:
     kernel = jax.jit(functools.partial(triton_paged_attention, interpret=False))
     reference = jax.jit(reference_paged_attention)
     rows = []
-    for b in args.batches:
-        for ctx in args.contexts:
-            q, k, v, table, pos, lengths = decode_case(b, ctx)
-            nbytes = 2 * b * ctx * k.shape[1] * k.shape[-1] * k.dtype.itemsize + 2 * q.size * q.dtype.itemsize
-            t_kernel = best_seconds(kernel, q, k, v, 0, table, pos, lengths)
-            t_ref = best_seconds(reference, q, k, v, 0, table, pos, lengths)
-            gbs = nbytes / t_kernel / 1e9
-            err = float(
-                jnp.abs(
-                    kernel(q, k, v, 0, table, pos, lengths).astype(jnp.float32)
-                    - reference(q, k, v, 0, table, pos, lengths).astype(jnp.float32)
-                ).max()
+    shapes = {"smollm2": SMOLLM2, **({"llama-8b": LLAMA_8B} if args.sweep else {})}
+    for (name, shape), b, ctx in itertools.product(shapes.items(), args.batches, args.contexts):
+        q, k, v, table, pos, lengths = decode_case(b, ctx, **shape)
+        nbytes = 2 * b * ctx * k.shape[1] * k.shape[-1] * k.dtype.itemsize + 2 * q.size * q.dtype.itemsize
+        t_kernel = best_seconds(kernel, q, k, v, 0, table, pos, lengths)
+        t_ref = best_seconds(reference, q, k, v, 0, table, pos, lengths)
+        gbs = nbytes / t_kernel / 1e9
+        err = float(
+            jnp.abs(
+                kernel(q, k, v, 0, table, pos, lengths).astype(jnp.float32)
+                - reference(q, k, v, 0, table, pos, lengths).astype(jnp.float32)
+            ).max()
+        )
+        rows.append(
+            dict(
+                shape=name,
+                batch=b,
+                context=ctx,
+                kernel_us=t_kernel * 1e6,
+                reference_us=t_ref * 1e6,
+                speedup=t_ref / t_kernel,
+                kernel_gbs=gbs,
+                peak_fraction=gbs / peak if peak else None,
+                max_abs_diff=err,
             )
-            rows.append(
-                dict(
-                    batch=b,
-                    context=ctx,
-                    kernel_us=t_kernel * 1e6,
-                    reference_us=t_ref * 1e6,
-                    speedup=t_ref / t_kernel,
-                    kernel_gbs=gbs,
-                    peak_fraction=gbs / peak if peak else None,
-                    max_abs_diff=err,
-                )
-            )
-            share = f"{gbs / peak:.0%} of peak" if peak else "peak unknown"
-            print(
-                f"batch {b:3d} context {ctx:5d}: kernel {t_kernel * 1e6:8.1f} us ({gbs:7.1f} GB/s, {share}) | "
-                f"reference {t_ref * 1e6:8.1f} us | {t_ref / t_kernel:5.2f}x | max diff {err:.1e}",
-                flush=True,
-            )
+        )
+        share = f"{gbs / peak:.0%} of peak" if peak else "peak unknown"
+        print(
+            f"{name} batch {b:3d} context {ctx:5d}: kernel {t_kernel * 1e6:8.1f} us ({gbs:7.1f} GB/s, {share}) | "
+            f"reference {t_ref * 1e6:8.1f} us | {t_ref / t_kernel:5.2f}x | max diff {err:.1e}",
+            flush=True,
+        )
     print(f"wrote {write_result('kernels_gpu', {'device': device.device_kind, 'peak_gbs': peak, 'rows': rows})}")
     return 0
 
@@ -192,8 +204,9 @@ def main(argv=None) -> int:
         help="batch sizes (default: 1 8 32 64 on GPU, 1 8 32 on CPU)",
     )
     parser.add_argument(
-        "--contexts", type=int, nargs="+", action="extend", default=[512, 2048, 8192], help="GPU: keys per row"
+        "--contexts", type=int, nargs="+", action="extend", default=None, help="GPU: keys per row (default 512)"
     )
+    parser.add_argument("--sweep", action="store_true", help="GPU: 512, 2k and 8k keys, and Llama-8B's shapes too")
     parser.add_argument("--peak-gbs", type=float, help="GPU: the device's peak memory bandwidth in GB/s")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="CPU: prompt length")
     parser.add_argument(
@@ -205,6 +218,7 @@ def main(argv=None) -> int:
         args.batches = args.batches or [1, 8, 32]
         return cpu_share(args)
     args.batches = args.batches or [1, 8, 32, 64]
+    args.contexts = args.contexts or ([512, 2048, 8192] if args.sweep else [512])
     return gpu_benchmark(args)
 
 

@@ -19,6 +19,7 @@ import eejax
 from eejax.config import T5Config
 from eejax.decode import early_exit
 from eejax.decode.control_flow import cache_copies, control_flow
+from eejax.decode.programs import ProgramCache
 from eejax.models import exits, t5
 from eejax.options import ExitConfig, SpecConfig
 from tests.helpers import fixed_policy_costs, random_prompts
@@ -188,6 +189,33 @@ def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
         flow = control_flow(program.as_text())
         bonus_draft = name in ("draft_slots", "spec_round_slots") and options.bonus
         assert flow.dynamic_loops == 0 and flow.conditionals == int(bonus_draft), (name, flow)
+
+
+def test_gpu_structure_speculation_has_no_host_round_trips(monkeypatch):
+    """With the GPU's structure (`early_exit.static_loops`), no speculation program has a loop of
+    unknown trip count or a conditional (each a host round trip per run on a GPU): E:d with and
+    without the bonus pass, adaptive, and the draft head's chain, tree, confidence stop and prompt
+    lookup run fixed scans with per-row masks. Greedy tokens stay full depth's."""
+    from tests.test_draft_head import with_draft
+
+    monkeypatch.setattr(early_exit, "static_loops", lambda: True)
+    model = dataclasses.replace(gpu_layout(with_draft(tiny(num_layers=4))), programs=ProgramCache())
+    prompts = [*PROMPTS, [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]  # a row the lookup copies from
+    kw = dict(max_new_tokens=9, ignore_eos=True)
+    want = eejax.generate(model, prompts, **kw).tokens
+    for spec in (
+        SpecConfig(2, 2, bonus=False),
+        SpecConfig(2, 2, bonus=True),
+        "1:2:adaptive",
+        "draft:3",
+        "draft:3:tree",
+        "draft:3:stop=0.4",
+        "draft:3:lookup",
+    ):
+        assert eejax.generate(model, prompts, spec=spec, **kw).tokens == want, spec
+    for name, options, program in model.programs.entries():
+        flow = control_flow(program.as_text())
+        assert flow.dynamic_loops == 0 and flow.conditionals == 0, (name, options.spec, flow)
 
 
 @pytest.mark.parametrize("layout", ["stacked", "split"])

@@ -181,12 +181,14 @@ def early_exit_layers(
 
 
 def static_loops() -> bool:
-    """Whether the early-exit step trades a little compute for host round trips: on a GPU a loop
+    """Whether the decode programs trade a little compute for host round trips: on a GPU a loop
     with a traced trip count reads its predicate back to the host every iteration and a
     conditional its branch (10-20 us each, `eejax.decode.control_flow`); on CPU they cost
     nothing. Then KV fill runs a loop of known length from the first check layer (projecting,
     and dropping, the K/V of the layers between it and the exit), and the reduced-head check runs
-    at full depth too instead of behind a conditional."""
+    at full depth too instead of behind a conditional; speculation drafts with fixed scans (a
+    prompt lookup's head passes run for every row, a confidence stop's after the stop, masked;
+    the head runs at the bonus pass, unused) and verifies every drafted position."""
     return jax.default_backend() != "cpu"
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.decode import lookup
+from eejax.decode import early_exit, lookup
 from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.sampling import DRAFT, draft_proposal, token_keys
 from eejax.decode.state import DecodeState
@@ -126,6 +126,12 @@ def _draft_with_lookup(params, cache: KVCache, state: DecodeState, block_table, 
     d, k = options.spec.num_speculations, options.spec.lookup
     copied, count = lookup.propose(state.prompt, state.tokens, state.num_generated, k)
     copying = (count > 0) & ~state.done
+    if early_exit.static_loops():  # a GPU: the head's d passes for every row, no host round trip
+        tokens, probs, cache = _head_chain(params, cache, state, block_table, config, options)
+        width = max(d, k)
+        tokens = jnp.pad(tokens, ((0, 0), (0, width - d)))
+        probs = jnp.pad(probs, ((0, 0), (0, width - d)) + ((0, 0),) * (probs.ndim - 2))
+        return _with_copies(params, state, tokens, probs, copied, copying, count, jnp.int32(d), d, k), state, cache
     needed = jnp.any(~copying & ~state.done)
 
     # The first head under a cond, the draft layer's passes in a while loop that runs none when no
@@ -147,13 +153,17 @@ def _draft_with_lookup(params, cache: KVCache, state: DecodeState, block_table, 
 
     start = (jnp.int32(1), cache, state.draft_hidden, first, tokens, probs)
     _, cache, _, _, tokens, probs = jax.lax.while_loop(lambda c: needed & (c[0] < d), body, start)
-    copied = jnp.pad(copied, ((0, 0), (0, width - k)))
+    passes = jnp.where(needed, d, 0).astype(jnp.int32)
+    return _with_copies(params, state, tokens, probs, copied, copying, count, passes, d, k), state, cache
+
+
+def _with_copies(params, state: DecodeState, tokens, probs, copied, copying, count, passes, d: int, k: int) -> Drafts:
+    """The head's drafts (tokens [B, max(d, k)]) with the copying rows' copied ones in their place."""
+    copied = jnp.pad(copied, ((0, 0), (0, tokens.shape[1] - k)))
     tokens = jnp.where(copying[:, None], copied, tokens)
     if probs.shape[-1]:  # rows that sample: q of a copied draft
         probs = jnp.where(copying[:, None, None], jax.nn.one_hot(copied, probs.shape[-1], dtype=probs.dtype), probs)
-    passes = jnp.where(needed, d, 0).astype(jnp.int32)
-    drafts = _drafts(params, state, tokens, probs, valid=jnp.where(copying, count, d), head_passes=passes)
-    return drafts, state, cache
+    return _drafts(params, state, tokens, probs, valid=jnp.where(copying, count, d), head_passes=passes)
 
 
 def _draft_until_unconfident(params, cache, state: DecodeState, block_table, config, options: StepOptions):
@@ -181,6 +191,10 @@ def _draft_until_unconfident(params, cache, state: DecodeState, block_table, con
         return i + 1, cache, out, proposal, tokens, probs, valid + drafting, drafting & (conf >= eta)
 
     start = (jnp.int32(1), cache, state.draft_hidden, first, tokens, probs, jnp.ones((b,), jnp.int32), drafting)
+    if early_exit.static_loops():  # a GPU: all d passes, the rows past their stop masked out
+        final = jax.lax.fori_loop(1, d, lambda i, carry: body(carry), start)
+        passes, cache, _, _, tokens, probs, valid, _ = final
+        return _drafts(params, state, tokens, probs, valid=valid, head_passes=jnp.int32(d)), state, cache
     passes, cache, _, _, tokens, probs, valid, _ = jax.lax.while_loop(more, body, start)
     return _drafts(params, state, tokens, probs, valid=valid, head_passes=passes), state, cache
 

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.decode import feature_draft, tree
+from eejax.decode import early_exit, feature_draft, tree
 from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.penalties import apply_to_positions, count_tokens
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
@@ -112,7 +112,10 @@ def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, op
     def step(carry, i):
         cache, token = carry
         h, cache = draft_pass(cache, token, i)
-        if bonus:  # the bonus pass (i = d) runs the layers only
+        if bonus and early_exit.static_loops():  # a GPU: the head runs at the bonus pass too, unused
+            proposal, q = propose(h, i)
+            proposal, q = jnp.where(i < d, proposal, token), jnp.where(i < d, q, 0.0).astype(jnp.float32)
+        elif bonus:  # the bonus pass (i = d) runs the layers only
             proposal, q = jax.lax.cond(
                 i < d, lambda: propose(h, i), lambda: (token, jnp.zeros((token.shape[0], q_width), jnp.float32))
             )
@@ -188,11 +191,12 @@ def verify(
     and the new tokens recorded (with `options.logprobs`, their log-probabilities under the full
     model). Each row accepts at most its `drafts.valid` drafts (a confidence stop, a prompt
     lookup). After a confidence stop only the first k + 1 positions are scored, k the most drafts
-    a row made: one branch per k (`lax.switch`), so the positions no row drafted cost nothing. A
-    prompt lookup scores them all: behind its drafting loop the branch cost a round more than
+    a row made: one branch per k (`lax.switch`), so the positions no row drafted cost nothing
+    (on a CPU: with `early_exit.static_loops`, a GPU's structure, all are scored). A prompt lookup
+    scores them all: behind its drafting loop the branch cost a round more than
     the positions it saved (~5 ms at batch 1 on a 2-core CPU, where a position costs ~1.2 ms).
     Returns (state, cache, counters)."""
-    if drafts.valid is None or options.spec.lookup:
+    if drafts.valid is None or options.spec.lookup or early_exit.static_loops():  # a GPU: no switch
         return _verify(params, cache, state, drafts, counters, block_table, config=config, options=options)
 
     def scoring(k):

@@ -1,0 +1,79 @@
+"""One markdown table of a GPU check's results (`scripts/gpu_check.sh`): full depth against HF
+(`full_depth.py`'s JSON) and each early-exit and speculation setting against full depth in the
+same run (`gpu_profile.py`'s engine part).
+
+    python benchmarks/gpu_table.py DIR [DIR ...]   # the directories holding their JSON files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
+
+
+def full_depth_lines(record: dict) -> list[str]:
+    dtype = record["dtype"]
+    out = []
+    for r in record["rows"]:
+        static = r.get("hf_static_decode_tokens_per_s")
+        static_text = "-" if static is None or static != static else f"{static:.0f}"  # NaN: not measured
+        ratio = r.get("static_decode_ratio")
+        out.append(
+            f"| full depth | {dtype} | {r['batch']} | {r['eejax_decode_tokens_per_s']:.0f} "
+            f"| HF eager {r['hf_decode_tokens_per_s']:.0f}: {r['decode_ratio']:.2f}x; HF static {static_text}"
+            f"{'' if ratio is None else f': {ratio:.2f}x'} | - |"
+        )
+    return out
+
+
+def engine_lines(record: dict) -> list[str]:
+    out = []
+    dtype, batch = record["args"]["dtype"], record["args"]["batch"]
+    model = record["args"]["model"]
+    for runs in record["runs"].values():
+        for r in runs.get("engine", []):
+            if r["setting"] == "full depth":
+                out.append(f"| {model} full depth | {dtype} | {batch} | {r['tok_s']:.0f} | (the peer below) | - |")
+                continue
+            tau = r.get("tokens_per_round")
+            extra = f", τ {tau:.2f}" if tau else f", {r['layers_per_token']:.1f} layers/token"
+            out.append(
+                f"| {model} {r['setting']} | {dtype} | {batch} | {r['tok_s']:.0f} "
+                f"| {r['speedup']:.2f}x full depth{extra} | {'yes' if r['identical'] else 'no'} |"
+            )
+    return out
+
+
+def main() -> int:
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dirs", nargs="+", type=Path, help="directories of the check's JSON results")
+    args = parser.parse_args()
+    lines = [
+        "| setting | dtype | batch | decode tok/s | against | tokens equal full depth's |",
+        "|---|---|---|---|---|---|",
+    ]
+    found = 0
+    for path in sorted(p for d in args.dirs for p in d.glob("*.json")):
+        record = json.loads(path.read_text())
+        if path.name.startswith("full_depth"):
+            lines += full_depth_lines(record)
+        elif "runs" in record:
+            lines += engine_lines(record)
+        else:
+            continue
+        found += 1
+    if not found:
+        parser.error(f"no full_depth*.json or gpu_profile results in {', '.join(map(str, args.dirs))}")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
