@@ -192,8 +192,7 @@ def _draft_until_unconfident(params, cache, state: DecodeState, block_table, con
 
     start = (jnp.int32(1), cache, state.draft_hidden, first, tokens, probs, jnp.ones((b,), jnp.int32), drafting)
     if early_exit.static_loops():  # a GPU: all d passes, the rows past their stop masked out
-        final = jax.lax.fori_loop(1, d, lambda i, carry: body(carry), start)
-        passes, cache, _, _, tokens, probs, valid, _ = final
+        _, cache, _, _, tokens, probs, valid, _ = jax.lax.fori_loop(1, d, lambda i, carry: body(carry), start)
         return _drafts(params, state, tokens, probs, valid=valid, head_passes=jnp.int32(d)), state, cache
     passes, cache, _, _, tokens, probs, valid, _ = jax.lax.while_loop(more, body, start)
     return _drafts(params, state, tokens, probs, valid=valid, head_passes=passes), state, cache

@@ -191,9 +191,9 @@ def verify(
     and the new tokens recorded (with `options.logprobs`, their log-probabilities under the full
     model). Each row accepts at most its `drafts.valid` drafts (a confidence stop, a prompt
     lookup). After a confidence stop only the first k + 1 positions are scored, k the most drafts
-    a row made: one branch per k (`lax.switch`), so the positions no row drafted cost nothing
-    (on a CPU: with `early_exit.static_loops`, a GPU's structure, all are scored). A prompt lookup
-    scores them all: behind its drafting loop the branch cost a round more than
+    a row made: one branch per k (`lax.switch`), so the positions no row drafted cost nothing; a
+    GPU's structure (`early_exit.static_loops`) scores them all, with no conditional. A prompt
+    lookup scores them all: behind its drafting loop the branch cost a round more than
     the positions it saved (~5 ms at batch 1 on a 2-core CPU, where a position costs ~1.2 ms).
     Returns (state, cache, counters)."""
     if drafts.valid is None or options.spec.lookup or early_exit.static_loops():  # a GPU: no switch
