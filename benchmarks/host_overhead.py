@@ -37,7 +37,7 @@ from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.config import LlamaConfig  # noqa: E402
 from eejax.decode import early_exit  # noqa: E402
 from eejax.decode.control_flow import cache_copies, control_flow  # noqa: E402
-from eejax.engine import engine as engine_module  # noqa: E402
+from eejax.engine import delivery  # noqa: E402
 from eejax.loading.model import Model  # noqa: E402
 from eejax.models import draft_head  # noqa: E402
 from eejax.models.llama import init_params  # noqa: E402
@@ -82,9 +82,9 @@ class Counts:
     @contextlib.contextmanager
     def installed(self, model: Model):
         programs = model.programs
-        get, get_soon, to_host, device_put = programs.get, programs.get_soon, engine_module.to_host, jax.device_put
+        get, get_soon, to_host, device_put = programs.get, programs.get_soon, delivery.to_host, jax.device_put
         asarray = jax.numpy.asarray
-        packed_read = getattr(engine_module, "PackedRead", None) and engine_module.PackedRead.read
+        packed_read = delivery.PackedRead.read
 
         def counted(fn, program):
             self.compiled.setdefault(fn.__name__, set()).add(program)
@@ -124,10 +124,8 @@ class Counts:
         with (
             mock.patch.object(programs, "get", get_counted),
             mock.patch.object(programs, "get_soon", get_soon_counted),
-            mock.patch.object(engine_module, "to_host", to_host_counted),
-            mock.patch.object(engine_module.PackedRead, "read", packed_read_counted)
-            if packed_read
-            else contextlib.nullcontext(),
+            mock.patch.object(delivery, "to_host", to_host_counted),
+            mock.patch.object(delivery.PackedRead, "read", packed_read_counted),
             mock.patch.object(jax, "device_put", device_put_counted),
             mock.patch.object(jax.numpy, "asarray", asarray_counted),
         ):
