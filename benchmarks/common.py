@@ -147,6 +147,16 @@ def paired_runs(
     )
 
 
+def decoding_options(setting: str | None) -> dict:
+    """`generate`'s keyword for a benchmark's setting: "full" or None (full depth), "exit:MEASURE"
+    (early exit, e.g. exit:softmax:0.9) or a speculation spec ("draft:4", "15:2")."""
+    if setting in (None, "full"):
+        return {}
+    if setting.startswith("exit:"):
+        return {"exit": setting[len("exit:") :]}
+    return {"spec": setting}
+
+
 def write_result(name: str, payload: dict) -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"{name}.json"

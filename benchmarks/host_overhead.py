@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import eejax  # noqa: E402
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import decoding_options, write_result  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.config import LlamaConfig  # noqa: E402
 from eejax.decode import early_exit  # noqa: E402
@@ -61,14 +61,6 @@ def tiny_model() -> Model:
     params = init_params(config, jax.random.PRNGKey(0))
     params["draft"] = draft_head.init_draft(config, jax.random.PRNGKey(1), params=params)
     return Model(config, params)
-
-
-def options_of(mode: str) -> dict:
-    if mode == "full":
-        return {}
-    if mode.startswith("exit:"):
-        return {"exit": mode[len("exit:") :]}
-    return {"spec": mode}
 
 
 class Counts:
@@ -134,7 +126,7 @@ class Counts:
 
 def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int) -> dict:
     model = tiny_model()
-    kw = dict(max_new_tokens=new_tokens, ignore_eos=True, page_size=PAGE, cache_budget="4MiB", **options_of(mode))
+    kw = dict(max_new_tokens=new_tokens, ignore_eos=True, page_size=PAGE, cache_budget="4MiB", **decoding_options(mode))
 
     def run(n: int):
         """(stats, CPU seconds of this thread: the host's work; XLA:CPU runs programs on its own threads)."""
