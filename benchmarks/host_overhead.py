@@ -7,7 +7,8 @@ SmolLM2's draft:4 round in 2.8 ms as one program and in 7.0 ms inside the engine
 - host µs per generated token and per engine step (a dispatch: several full-depth steps or one
   round), the best of --repeats runs;
 - programs dispatched per generated token; arrays read back (device to host) and sent (host to
-  device) per dispatch;
+  device) per dispatch, the prefill's uploads counted in (spread over the decode's dispatches);
+  host times are the difference of two runs (--new-tokens and 1 token), so short runs are noisy;
 - data-dependent loops and conditionals in the programs it ran, compiled with the GPU's structure
   (`early_exit.static_loops`; each a host round trip per iteration or run on a GPU);
 - copies of a whole layer's cache in those programs (`control_flow.cache_copies`).
