@@ -1,4 +1,5 @@
-"""The quantized kernel's products of one SmolLM2-135M decode step, timed alone on one thread: 30
+"""The quantized kernel's products of one SmolLM2-135M decode step, timed alone on one thread and on
+two (each half of every matrix's rows, no barriers: the most two cores can do): 30
 layers of Q4_1 matrices and the Q8_0 head (97 MB, each matrix its own memory), one row of x, for
 float32, int16 and int8 activations. No XLA and no thread pool: what one core's loops cost per
 block of 32 weights, against which a decode step's products (two threads, `decode_profile.py`)

@@ -240,6 +240,23 @@ def test_the_engine_serves_a_quantized_model_with_prefix_caching(blocks_model):
     assert [s.tokens for s in seqs] == greedy(blocks_model, prompts, new=6).tokens
 
 
+def test_a_draft_head_is_quantized_with_its_model_and_stays_lossless(config, float_params, blocks_model, tmp_path):
+    """A quantized model's draft head is int8 per output channel (its norms stay float), whether the
+    model's blocks come from a GGUF file or from int8 quantization at load; drafting on it gives
+    the quantized model's full-depth tokens."""
+    from eejax.models import draft_head
+
+    draft = draft_head.init_draft(config, jax.random.PRNGKey(3), params=float_params)
+    eejax.save(eejax.Model(config, {**blocks_model.params, "draft": draft}), tmp_path / "blocks")
+    eejax.save(eejax.Model(config, {**float_params, "draft": draft}), tmp_path / "float")
+    assert Q.formats(eejax.load(tmp_path / "blocks").params["draft"]) == set()  # as saved
+    for directory, kind in ((tmp_path / "blocks", "gguf"), (tmp_path / "float", "int8")):
+        model = eejax.load(directory, quantization=kind)
+        d = model.params["draft"]
+        assert d["fc"].format == d["layer"]["w_down"].format == "int8" and not Q.is_quantized(d["layer"]["attn_norm"])
+        assert greedy(model, PROMPTS, spec="draft:2").tokens == greedy(model, PROMPTS).tokens, kind
+
+
 def test_int8_from_a_float_checkpoint_saves_and_loads(tiny_checkpoints, tmp_path):
     directory = tiny_checkpoints["gqa-untied"][2]
     model = eejax.load(directory, quantization="int8")

@@ -31,8 +31,9 @@ from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.kernels.cpu_matmul import matmul, matmul_t
 from eejax.models import exits
 from eejax.models.common import rms_norm
-from eejax.models.llama import LAYER_KEYS, DecoderLayer, TokenBatch, _dense_positions, cache_attention
+from eejax.models.llama import LAYER_KEYS, LINEAR_KEYS, DecoderLayer, TokenBatch, _dense_positions, cache_attention
 from eejax.models.modules import Dtype, Linear, share_scope, unboxed_init
+from eejax.quantized import is_quantized
 
 DRAFT_KEYS = ("fc", "layer")
 
@@ -118,7 +119,17 @@ def logical_axes(config: LlamaConfig) -> dict:
 
 def num_weights(draft) -> int:
     """Weights one draft token reads besides the head: the fc and the decoder layer."""
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft, is_leaf=is_quantized))
+
+
+def quantize_weights(draft, quantize) -> dict:
+    """The draft head with its fc and its layer's Linears replaced by `quantize(w, transposed=True)`
+    (`kernels.quantized`); norms, and matrices already quantized, stay as they are."""
+
+    def q(w):
+        return w if is_quantized(w) else quantize(w, True)
+
+    return {"fc": q(draft["fc"]), "layer": {k: q(v) if k in LINEAR_KEYS else v for k, v in draft["layer"].items()}}
 
 
 def features(params, h, config: LlamaConfig):
