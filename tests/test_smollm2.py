@@ -132,10 +132,26 @@ def test_eagle_model_drafts_losslessly_and_is_accepted(smollm2):
     assert res.stats["acceptance_rate"] > 0.33 and res.stats["tokens_per_round"] > 1.65, res.stats
 
 
+def test_the_demo_compares_full_depth_and_the_draft_head(capsys):
+    """scripts/demo.py (what scripts/demo.sh runs) on one short article: both runs, the same tokens."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
+    spec = importlib.util.spec_from_file_location("eejax_demo", path)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    argv = ["--articles", "1", "--prompt-tokens", "64", "--new-tokens", "8", "--spec", "draft:2", "--json"]
+    assert demo.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["identical_tokens"] and out["draft_head"]["spec"] and len(out["texts"]) == 1
+
+
 def test_bfloat16_is_close_to_float32_and_speculates_losslessly(smollm2):
     """bf16 weights and KV cache: logits within the stated tolerance of float32 along float32's
     own greedy continuation, the same greedy token at most positions, and self-speculation
-    token-identical to bf16 full depth up to rounding at a near-tie (README, "bf16")."""
+    token-identical to bf16 full depth up to rounding at a near-tie (docs/benchmarks.md, "bf16")."""
     bf16 = eejax.load("smollm2-135m", dtype=jnp.bfloat16)
     prompts = [smollm2.tokenizer(row["article"])["input_ids"][:160] for row in cnndm_rows(4)]
     full = eejax.generate(smollm2, prompts, max_new_tokens=24, ignore_eos=True)

@@ -1,7 +1,7 @@
 """benchmarks/soak.py for 45 s against `eejax serve` on a tiny model: every request of the mix
 (greedy, sampled, early exit, speculation, n = 2, penalties, echo, shared prefixes, hang-ups,
 hostile bodies, deadlines) is answered as it should be, the greedy canaries never change, and
-no page is held once idle. (The hour on SmolLM2, with its leak checks, is in the README.)"""
+no page is held once idle. (The hour on SmolLM2, with its leak checks, is in docs/serving.md.)"""
 
 import json
 import subprocess

