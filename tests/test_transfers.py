@@ -1,6 +1,8 @@
 """What the engine moves between host and device per step (`engine/transfers.py`), and the program
 cache's key, which the engine computes per dispatch (`ProgramCache._key`)."""
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,14 +53,16 @@ def _double(weights, y, *, config, options):
 
 
 def test_program_cache_keys_the_weights_by_their_arrays():
-    """The weights' part of the key is reused while args[0] holds the very same arrays, and
-    recomputed when any is another array, even in the same dict (its shapes may differ)."""
+    """The weights' part of the key is reused while args[0] is the very same tree (never
+    flattened again: params are not changed in place) or holds the very same arrays, and
+    recomputed when any is another array (its shape may differ)."""
     cache = ProgramCache()
     options, weights = StepOptions(4), {"w": jnp.ones((3,))}
     key = cache._key(_double, (weights, jnp.ones((3,))), None, options)
+    with mock.patch.object(jax.tree, "leaves", side_effect=AssertionError("flattened the same weights")):
+        assert cache._key(_double, (weights, jnp.zeros((3,))), None, options) == key
     assert cache._key(_double, (dict(weights), jnp.zeros((3,))), None, options) == key
-    weights["w"] = jnp.ones((5,))  # replaced in place
-    assert cache._key(_double, (weights, jnp.ones((3,))), None, options) != key
+    assert cache._key(_double, ({"w": jnp.ones((5,))}, jnp.ones((3,))), None, options) != key
     assert cache._key(_double, ({"w": jnp.ones((3,))}, jnp.ones((3,))), None, options) == key
     assert cache._key(_double, ({"w": jnp.ones((3,))}, jnp.ones((4,))), None, options) != key
     program = cache.get(_double, ({"w": jnp.ones((3,))}, jnp.ones((3,))), None, options)

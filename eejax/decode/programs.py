@@ -59,7 +59,7 @@ class ProgramCache:
         self._compiled: dict[Any, Any] = {}
         self._sources: dict[Any, tuple] = {}  # key -> (fn, abstract args, static, donate_argnums)
         self._pending: dict[Any, threading.Thread] = {}  # key -> its background compilation (`get_soon`)
-        self._weights = None  # (args[0]'s leaves, its key): the weights, the same on every call
+        self._weights = None  # (args[0], its leaves, its key): the weights, the same on every call
         self._lock = threading.Lock()
         self._closing = threading.Event()  # set: background compilations not yet started give up
         self._last_request = 0.0  # time.monotonic() of the last get, get_soon or in_use's end
@@ -108,12 +108,19 @@ class ProgramCache:
     def _key(self, fn, args, config, options) -> tuple:
         """What a program is compiled for: fn, config, options and its args' shapes, dtypes and
         placements. args[0] (the weights, the same arrays on every call) is keyed once per set of
-        arrays: its key is reused while its leaves are the very same objects."""
-        leaves = jax.tree.leaves(args[0])
+        arrays: its key is reused while it is the very same tree (`Model.run_params`: params are
+        never changed in place, `Model.with_params` makes new ones), or one whose leaves are the
+        very same objects. Flattening the weights on every dispatch cost 0.1 ms (SmolLM2, 272
+        leaves) to 0.36 ms (its GGUF blocks, 693) of host time."""
         kept = self._weights
-        if kept is None or len(kept[0]) != len(leaves) or any(a is not b for a, b in zip(kept[0], leaves)):
-            kept = self._weights = (leaves, _arrays_key(args[0]))
-        return (fn.__module__, fn.__qualname__, config, options, kept[1], _arrays_key(args[1:]))
+        if kept is None or kept[0] is not args[0]:
+            leaves = jax.tree.leaves(args[0])
+            if kept is None or len(kept[1]) != len(leaves) or any(a is not b for a, b in zip(kept[1], leaves)):
+                kept = (args[0], leaves, _arrays_key(args[0]))
+            else:
+                kept = (args[0], *kept[1:])
+            self._weights = kept
+        return (fn.__module__, fn.__qualname__, config, options, kept[2], _arrays_key(args[1:]))
 
     @contextlib.contextmanager
     def in_use(self):

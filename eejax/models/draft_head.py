@@ -124,7 +124,7 @@ def num_weights(draft) -> int:
 
 def quantize_weights(draft, quantize) -> dict:
     """The draft head with its fc and its layer's Linears replaced by `quantize(w, transposed=True)`
-    (`kernels.quantized`); norms, and matrices already quantized, stay as they are."""
+    (`eejax.quantized`); norms, and matrices already quantized, stay as they are."""
 
     def q(w):
         return w if is_quantized(w) else quantize(w, True)
