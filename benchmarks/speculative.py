@@ -15,7 +15,7 @@ a full-depth step), a draft and a verify pass, and the predicted break-even acce
 (see `eejax.decode.spec_policy`). Writes benchmarks/out/speculative.{json,md}.
 
     python benchmarks/speculative.py [--batches 1 8] [--prompts 4] [--model path/to/model]
-        [--quantization gguf|int8] [--activations float32|int8|int16]
+        [--quantization gguf|int8] [--activations float32|int16|int8]
 
 SmolLM2 was not trained for early exit: its layer-E drafts rarely agree with its last layer,
 so this measures the machinery and the honest curve, not a LayerSkip-trained model.

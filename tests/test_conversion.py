@@ -125,3 +125,33 @@ def test_bad_sources_and_destinations(tmp_path, hf_model):
     convert(tmp_path / "hf", first, overwrite=True, progress=False)
     assert (first / "eejax.json").is_file()
     assert sorted(os.listdir(tmp_path)) == ["empty", "hf", "out", "weights.txt"]
+
+
+def test_loading_maps_big_allocations_until_the_last_load_ends(monkeypatch):
+    """Big host copies are mappings while any load runs (freed, they leave the process at once);
+    the outermost load's end, error or not, sets glibc's thresholds back and trims the heap."""
+    from eejax import checkpoint
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append(("mallopt", param, value))
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+
+    monkeypatch.setattr(checkpoint, "_glibc", Libc)
+    start = ("mallopt", checkpoint.M_MMAP_THRESHOLD, checkpoint.MMAP_THRESHOLD_START)
+    with pytest.raises(RuntimeError):
+        with checkpoint.mapped_while_loading():
+            with checkpoint.mapped_while_loading():
+                pass
+            assert calls == [start, start]
+            raise RuntimeError("a load failed")
+    assert calls[2:] == [
+        ("mallopt", checkpoint.M_MMAP_THRESHOLD, checkpoint.MMAP_THRESHOLD_MAX),
+        ("mallopt", checkpoint.M_TRIM_THRESHOLD, 2 * checkpoint.MMAP_THRESHOLD_MAX),
+        ("trim", 0),
+    ]
+    assert checkpoint._depth == 0

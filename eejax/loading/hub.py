@@ -20,7 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from eejax.checkpoint import CONFIG_FILE, load_checkpoint, release_freed_memory
+from eejax.checkpoint import CONFIG_FILE, mapped_while_loading, load_checkpoint
 from eejax.errors import EejaxError
 from eejax.loading.deltas import apply_delta
 from eejax.loading.model import QUANTIZATIONS, Model, cast_floats, check_params, quantize, save
@@ -203,19 +203,19 @@ def load(
     if blocks and KNOWN_MODELS.get(name) and not _from_gguf(name):
         raise EejaxError(f"{name} is not a GGUF model: it has no blocks to keep (try quantization='int8')")
     directory = resolve(path_or_name, blocks)
-    config, params, tokenizer = load_checkpoint(directory)
-    check_params(config, params, str(directory))
-    params = quantize(params, config, quantization)
-    if dtype is not None:
-        params = cast_floats(params, dtype)
-    if activations != "float32":
-        if not formats(params):
-            raise EejaxError(
-                f"activations {activations!r} apply to quantized weights: add quantization='gguf' or 'int8'"
-            )
-        params = with_activations(params, activations)
-    model = Model(config, params, tokenizer, layer_buffers=layer_buffers)
-    release_freed_memory()
+    with mapped_while_loading():
+        config, params, tokenizer = load_checkpoint(directory)
+        check_params(config, params, str(directory))
+        params = quantize(params, config, quantization)
+        if dtype is not None:
+            params = cast_floats(params, dtype)
+        if activations != "float32":
+            if not formats(params):
+                raise EejaxError(
+                    f"activations {activations!r} apply to quantized weights: add quantization='gguf' or 'int8'"
+                )
+            params = with_activations(params, activations)
+        model = Model(config, params, tokenizer, layer_buffers=layer_buffers)
     return model
 
 
