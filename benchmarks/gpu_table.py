@@ -19,16 +19,21 @@ from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 
 
 def full_depth_lines(record: dict) -> list[str]:
-    dtype = record["dtype"]
+    dtype, layout = record["dtype"], record.get("layer_buffers", "stacked")
+    setting = "full depth" if layout == "stacked" else f"full depth, {layout} layers"
     out = []
     for r in record["rows"]:
-        static = r.get("hf_static_decode_tokens_per_s")
-        static_text = "-" if static is None or static != static else f"{static:.0f}"  # NaN: not measured
-        ratio = r.get("static_decode_ratio")
+        against = []
+        if r["hf_decode_tokens_per_s"] == r["hf_decode_tokens_per_s"]:  # NaN: HF not run
+            against.append(f"HF eager {r['hf_decode_tokens_per_s']:.0f}: {r['decode_ratio']:.2f}x")
+            static, ratio = r.get("hf_static_decode_tokens_per_s"), r.get("static_decode_ratio")
+            static_text = "-" if static is None or static != static else f"{static:.0f}"
+            against.append(f"HF static {static_text}{'' if ratio is None else f': {ratio:.2f}x'}")
+        if r.get("decode_versus_stacked") is not None:
+            against.append(f"{r['decode_versus_stacked']:.2f}x stacked (paired)")
         out.append(
-            f"| full depth | {dtype} | {r['batch']} | {r['eejax_decode_tokens_per_s']:.0f} "
-            f"| HF eager {r['hf_decode_tokens_per_s']:.0f}: {r['decode_ratio']:.2f}x; HF static {static_text}"
-            f"{'' if ratio is None else f': {ratio:.2f}x'} | - |"
+            f"| {setting} | {dtype} | {r['batch']} | {r['eejax_decode_tokens_per_s']:.0f} "
+            f"| {'; '.join(against) or '-'} | - |"
         )
     return out
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check in one command (issue 55), for a machine with an NVIDIA GPU that has the checkout,
 # the SmolLM2 GGUF in $EEJAX_CACHE/downloads and, in $WHEELS (default .whl/), wheels of what its
-# image lacks (an H100 image of 2026-11: jax-triton and gguf). Each step has a time limit (13 min
+# image lacks (an H100 image of 2026-11: jax-triton and gguf). Each step has a time limit (14.5 min
 # in all at most; ~8 expected on an H100 from the steps' times there, not yet run as one):
 #   1. the tests that need a GPU: the Triton kernel against the reference on the device, and
 #      every speculation mode token-checked against full depth (tests/test_triton_attention.py,
 #      test_speculative.py, test_draft_head.py);
 #   2. full depth against HF at batch 1/8/32/64 in bf16 (HF eager; its static cache, compiled, at
-#      batch 1), `benchmarks/full_depth.py`;
+#      batch 1), `benchmarks/full_depth.py`, and its layers unrolled against stacked at batch 1 and 8;
 #   3. early exit and E:d (smollm2-135m-layerskip) and the draft head (smollm2-135m-eagle) at
 #      batch 1 and 8, each paired with full depth in the same run, `benchmarks/gpu_profile.py`;
 #   4. one table of it all (`benchmarks/gpu_table.py`), printed and written to OUT_DIR/gpu_check.md.
@@ -66,6 +66,13 @@ if [ $LIMIT = 0 ]; then
     "${HF[@]}" --batches 8 32 64
   cp $BENCH_OUT/full_depth_stacked_bfloat16.json "$OUT_DIR/json/full_depth_b8_64.json" 2>/dev/null
 fi
+# The layers unrolled (per-layer buffers): a step with no loop over layers, which XLA can capture
+# as one command buffer where the stacked layout's scan launches one per layer (~47 us each on
+# the H100, in lockstep with the device).
+step "full depth with its layers unrolled, paired with stacked"
+run full_depth_split.log 90 python3 benchmarks/full_depth.py --dtype bfloat16 --layer-buffers split --versus-stacked \
+  --skip-hf "${FULL[@]}" --batches "${BATCHES[@]}" --repeats 3
+cp $BENCH_OUT/full_depth_split_bfloat16.json "$OUT_DIR/json/full_depth_split.json" 2>/dev/null
 
 for b in "${BATCHES[@]}"; do
   step "early exit and E:d at batch $b"
