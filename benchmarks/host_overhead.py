@@ -9,6 +9,9 @@ SmolLM2's draft:4 round in 2.8 ms as one program and in 7.0 ms inside the engine
 - programs dispatched per generated token; arrays read back (device to host) and sent (host to
   device) per dispatch, the prefill's uploads counted in (spread over the decode's dispatches);
   host times are the difference of two runs (--new-tokens and 1 token), so short runs are noisy;
+- of the host's µs per step, those inside program calls (on a CPU XLA runs small programs in the
+  calling thread; on a GPU a call only enqueues) and the rest: the engine's own work, which is
+  what a GPU pays between programs;
 - data-dependent loops and conditionals in the programs it ran, compiled with the GPU's structure
   (`early_exit.static_loops`; each a host round trip per iteration or run on a GPU);
 - copies of a whole layer's cache in those programs (`control_flow.cache_copies`).
@@ -125,22 +128,58 @@ class Counts:
             yield self
 
 
+class ProgramTime:
+    """This thread's CPU seconds inside program calls while installed: on a CPU, XLA running the
+    program (small programs run in the calling thread) and JAX's dispatch; on a GPU only the
+    latter. The rest of the host's time is the engine's own work, which a GPU pays as well."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def installed(self, model: Model):
+        programs = model.programs
+        get, get_soon = programs.get, programs.get_soon
+
+        def timed(program):
+            def run(*args):
+                start = time.thread_time()
+                try:
+                    return program(*args)
+                finally:
+                    self.seconds += time.thread_time() - start
+
+            return run
+
+        def get_timed(fn, args, *rest, **kw):
+            return timed(get(fn, args, *rest, **kw))
+
+        def get_soon_timed(fn, args, *rest, **kw):
+            program, used = get_soon(fn, args, *rest, **kw)
+            return timed(program), used
+
+        with mock.patch.object(programs, "get", get_timed), mock.patch.object(programs, "get_soon", get_soon_timed):
+            yield self
+
+
 def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int) -> dict:
     model = tiny_model()
     kw = dict(max_new_tokens=new_tokens, ignore_eos=True, page_size=PAGE, cache_budget="4MiB", **decoding_options(mode))
 
     def run(n: int):
-        """(stats, CPU seconds of this thread: the host's work; XLA:CPU runs programs on its own threads)."""
-        start = time.thread_time()
-        stats = eejax.generate(model, [prompt], **{**kw, "max_new_tokens": n}).stats
-        return stats, time.thread_time() - start
+        """(stats, CPU seconds of this thread: the host's work, and of those inside program calls)."""
+        with ProgramTime().installed(model) as programs:
+            start = time.thread_time()
+            stats = eejax.generate(model, [prompt], **{**kw, "max_new_tokens": n}).stats
+            return stats, time.thread_time() - start, programs.seconds
 
     run(1), run(new_tokens)  # compile
     runs = [run(new_tokens) for _ in range(repeats)]
-    prefill_host_s = min(run(1)[1] for _ in range(repeats))
-    best = min((s for s, _ in runs), key=lambda s: s.run_s - s.prefill_s)
+    prefill_runs = [run(1) for _ in range(repeats)]
+    best = min((r[0] for r in runs), key=lambda s: s.run_s - s.prefill_s)
     decode_s, tokens = best.run_s - best.prefill_s, best.generated_tokens - 1  # the first: the prefill's
-    host_s = min(h for _, h in runs) - prefill_host_s
+    host_s = min(r[1] for r in runs) - min(r[1] for r in prefill_runs)
+    in_programs_s = min(r[2] for r in runs) - min(r[2] for r in prefill_runs)
     with Counts().installed(model) as counts:
         stats = eejax.generate(model, [prompt], **kw).stats
     dispatches = sum(n for name, n in counts.programs.items() if not name.startswith("prefill"))
@@ -162,6 +201,8 @@ def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int) -> dict
         us_per_token=1e6 * decode_s / tokens,
         host_us_per_token=1e6 * host_s / tokens,
         host_us_per_step=1e6 * host_s / max(best.engine_steps - 1, 1),
+        programs_us_per_step=1e6 * in_programs_s / max(best.engine_steps - 1, 1),
+        engine_us_per_step=1e6 * (host_s - in_programs_s) / max(best.engine_steps - 1, 1),
         us_per_step=1e6 * decode_s / max(best.engine_steps - 1, 1),
         tokens_per_round=best.tokens_per_round,
         programs_per_token=dispatches / (stats.generated_tokens - 1),
@@ -192,7 +233,8 @@ def main() -> int:
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 512, args.prompt_tokens)]
     rows = []
     header = (
-        "| mode | µs/token | µs/step | host µs/token | host µs/step | tokens/round | programs/token "
+        "| mode | µs/token | µs/step | host µs/token | host µs/step | in programs µs/step | engine µs/step "
+        "| tokens/round | programs/token "
         "| reads/dispatch | sends/dispatch "
         "| GPU loops | GPU conds | cache copies |"
     )
@@ -203,7 +245,8 @@ def main() -> int:
         tau = "-" if r["tokens_per_round"] is None else f"{r['tokens_per_round']:.2f}"
         print(
             f"| {mode} | {r['us_per_token']:.0f} | {r['us_per_step']:.0f} | {r['host_us_per_token']:.0f} "
-            f"| {r['host_us_per_step']:.0f} | {tau} | {r['programs_per_token']:.2f} "
+            f"| {r['host_us_per_step']:.0f} | {r['programs_us_per_step']:.0f} | {r['engine_us_per_step']:.0f} "
+            f"| {tau} | {r['programs_per_token']:.2f} "
             f"| {r['reads_per_dispatch']:.1f} | {r['sends_per_dispatch']:.1f} | {r['gpu_dynamic_loops']} "
             f"| {r['gpu_conditionals']} | {r['cache_copies']} |",
             flush=True,

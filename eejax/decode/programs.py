@@ -116,11 +116,11 @@ class ProgramCache:
         if kept is None or kept[0] is not args[0]:
             leaves = jax.tree.leaves(args[0])
             if kept is None or len(kept[1]) != len(leaves) or any(a is not b for a, b in zip(kept[1], leaves)):
-                kept = (args[0], leaves, _arrays_key(args[0]))
+                kept = (args[0], leaves, _arrays_key(args[0], self.mesh is not None))
             else:
                 kept = (args[0], *kept[1:])
             self._weights = kept
-        return (fn.__module__, fn.__qualname__, config, options, kept[2], _arrays_key(args[1:]))
+        return (fn.__module__, fn.__qualname__, config, options, kept[2], _arrays_key(args[1:], self.mesh is not None))
 
     @contextlib.contextmanager
     def in_use(self):
@@ -235,8 +235,11 @@ def release_all() -> int:
     return count
 
 
-def _arrays_key(tree) -> tuple:
+def _arrays_key(tree, placed: bool = True) -> tuple:
+    """Shapes, dtypes and (`placed`: a cache on a mesh) shardings of a tree's arrays."""
     leaves, treedef = jax.tree.flatten(tree)
+    if not placed:  # one device: nothing to tell apart (a dispatch keys ~30 arrays)
+        return treedef, tuple((x.shape, x.dtype) for x in leaves)
     return treedef, tuple((x.shape, x.dtype, _sharding(x)) for x in leaves)  # x.dtype, not str(x.dtype): 9x faster
 
 

@@ -187,6 +187,7 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         self.sampling.check_vocab(config.vocab_size)
         # The options of the engine's programs; a group of rows replaces the per-request ones.
         self.options = StepOptions(max_new_tokens, () if ignore_eos else model.eos_token_ids, attention=attention)
+        self._options_made: dict[tuple, StepOptions] = {}  # `_options`' by what a row asks for
         self._seeds = np.random.default_rng(seed)  # a request without a seed draws one from here
         # Early-exit and speculation options are static in the programs (each compiles its own):
         # at most `max_decoding_options` distinct ones, so that no client keeps the server compiling.
@@ -346,15 +347,22 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         a program with sampled ones: their argmax runs alone; nor do rows that filter (top-k /
         top-p: a sort) with rows that only scale.) A speculation round's d and bonus pass come from
         its group's policy at dispatch (`Speculation`)."""
-        options = dataclasses.replace(
-            self.options,
-            sampler=seq.sampling.sampler,
-            logprobs=seq.logprobs is not None,
-            penalties=seq.sampling.penalized,
-        )
+        sampling = seq.sampling
         if seq.spec is not None:
-            return dataclasses.replace(options, spec=seq.spec, spec_off=seq.spec_off)
-        return dataclasses.replace(options, exit=seq.exit, num_steps=self._next_steps)
+            key = (sampling.sampler, seq.logprobs is not None, sampling.penalized, True, seq.spec, seq.spec_off)
+        else:
+            key = (sampling.sampler, seq.logprobs is not None, sampling.penalized, False, seq.exit, self._next_steps)
+        options = self._options_made.get(key)  # made once: each row asks at every dispatch
+        if options is None:
+            if len(self._options_made) >= 256:  # a server's requests may ask for ever new exits
+                self._options_made.clear()
+            options = dataclasses.replace(self.options, sampler=key[0], logprobs=key[1], penalties=key[2])
+            if seq.spec is not None:
+                options = dataclasses.replace(options, spec=seq.spec, spec_off=seq.spec_off)
+            else:
+                options = dataclasses.replace(options, exit=seq.exit, num_steps=self._next_steps)
+            self._options_made[key] = options
+        return options
 
     def _table(self):
         longest = max(self._span(s) for s in self.running.values())

@@ -20,7 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from eejax.checkpoint import CONFIG_FILE, mapped_while_loading, load_checkpoint
+from eejax.checkpoint import CONFIG_FILE, load_checkpoint, mapped_while_loading
 from eejax.errors import EejaxError
 from eejax.loading.deltas import apply_delta
 from eejax.loading.model import QUANTIZATIONS, Model, cast_floats, check_params, quantize, save

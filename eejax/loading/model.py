@@ -38,6 +38,7 @@ class Model:
     # The device mesh the params are placed on (`shard`), or None: one device.
     mesh: Any = None
     _run: tuple | None = dataclasses.field(default=None, init=False, repr=False)
+    _auto: tuple | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.layer_buffers not in LAYER_BUFFERS:
@@ -51,10 +52,14 @@ class Model:
         place; a traced layer's `lax.switch` would cost it a host round trip per layer)."""
         if self.layer_buffers != "auto":
             return self.layer_buffers
-        if self.mesh is not None or not model_module(self.config).SPLITS_LAYERS:
-            return "stacked"
-        devices = jax.tree.leaves(self.params)[0].devices()
-        return "split" if len(devices) == 1 and next(iter(devices)).platform == "cpu" else "stacked"
+        if self._auto is None or self._auto[0] is not self.params or self._auto[1] is not self.mesh:
+            if self.mesh is not None or not model_module(self.config).SPLITS_LAYERS:
+                layout = "stacked"
+            else:
+                devices = jax.tree.leaves(self.params)[0].devices()
+                layout = "split" if len(devices) == 1 and next(iter(devices)).platform == "cpu" else "stacked"
+            self._auto = (self.params, self.mesh, layout)  # resolved once per params: every dispatch asks
+        return self._auto[2]
 
     @property
     def compiles_split_later(self) -> bool:
