@@ -67,6 +67,23 @@ def tiny_model() -> Model:
     return Model(config, params)
 
 
+@contextlib.contextmanager
+def programs_wrapped(model: Model, wrap):
+    """While open, every program the model's cache hands out is `wrap(fn, program)`."""
+    programs = model.programs
+    get, get_soon = programs.get, programs.get_soon
+
+    def get_wrapped(fn, args, *rest, **kw):
+        return wrap(fn, get(fn, args, *rest, **kw))
+
+    def get_soon_wrapped(fn, args, *rest, **kw):
+        program, used = get_soon(fn, args, *rest, **kw)
+        return wrap(fn, program), used
+
+    with mock.patch.object(programs, "get", get_wrapped), mock.patch.object(programs, "get_soon", get_soon_wrapped):
+        yield
+
+
 class Counts:
     """Programs run (by function), and arrays read back and sent, while installed."""
 
@@ -77,9 +94,7 @@ class Counts:
 
     @contextlib.contextmanager
     def installed(self, model: Model):
-        programs = model.programs
-        get, get_soon, to_host, device_put = programs.get, programs.get_soon, delivery.to_host, jax.device_put
-        asarray = jax.numpy.asarray
+        to_host, device_put, asarray = delivery.to_host, jax.device_put, jax.numpy.asarray
         packed_read = delivery.PackedRead.read
 
         def counted(fn, program):
@@ -90,13 +105,6 @@ class Counts:
                 return program(*args)
 
             return run
-
-        def get_counted(fn, args, *rest, **kw):
-            return counted(fn, get(fn, args, *rest, **kw))
-
-        def get_soon_counted(fn, args, *rest, **kw):
-            program, used = get_soon(fn, args, *rest, **kw)
-            return counted(fn, program), used
 
         def to_host_counted(tree):
             self.reads += sum(isinstance(x, jax.Array) for x in jax.tree.leaves(tree))
@@ -118,8 +126,7 @@ class Counts:
             return asarray(x, *a, **kw)
 
         with (
-            mock.patch.object(programs, "get", get_counted),
-            mock.patch.object(programs, "get_soon", get_soon_counted),
+            programs_wrapped(model, counted),
             mock.patch.object(delivery, "to_host", to_host_counted),
             mock.patch.object(delivery.PackedRead, "read", packed_read_counted),
             mock.patch.object(jax, "device_put", device_put_counted),
@@ -138,10 +145,7 @@ class ProgramTime:
 
     @contextlib.contextmanager
     def installed(self, model: Model):
-        programs = model.programs
-        get, get_soon = programs.get, programs.get_soon
-
-        def timed(program):
+        def timed(fn, program):
             def run(*args):
                 start = time.thread_time()
                 try:
@@ -151,14 +155,7 @@ class ProgramTime:
 
             return run
 
-        def get_timed(fn, args, *rest, **kw):
-            return timed(get(fn, args, *rest, **kw))
-
-        def get_soon_timed(fn, args, *rest, **kw):
-            program, used = get_soon(fn, args, *rest, **kw)
-            return timed(program), used
-
-        with mock.patch.object(programs, "get", get_timed), mock.patch.object(programs, "get_soon", get_soon_timed):
+        with programs_wrapped(model, timed):
             yield self
 
 
