@@ -252,7 +252,7 @@ def main() -> int:
             # The same requests at a high rate compile the shapes this workload needs (chunks and
             # shared prefixes give prefill shapes `warmup` does not cover) and warm the HTTP path.
             asyncio.run(drive(server.port, prompts, args.max_tokens, 100.0, seed=1))
-            server.engine.allocator.evict_idle()  # the measured run starts with an empty prefix cache
+            server.engine.pages.allocator.evict_idle()  # the measured run starts with an empty prefix cache
             for key in server.engine.counters:
                 server.engine.counters[key] = 0 if isinstance(server.engine.counters[key], int) else 0.0
             compile_before = model.programs.compile_seconds

@@ -212,7 +212,7 @@ def test_preemption_with_chunked_prefill_and_shared_prefixes(tiny_model):
     want = eejax.generate(tiny_model, prompts, max_new_tokens=30).tokens
     for seq, w in zip(seqs, want):
         assert seq.tokens == w, seq.id
-    assert engine.metrics()["kv_pages_used"] == 0 and engine.allocator.num_cached >= 3
+    assert engine.metrics()["kv_pages_used"] == 0 and engine.pages.allocator.num_cached >= 3
 
 
 def test_penalised_rows_beside_plain_ones_through_preemption_chunks_and_speculation(tiny_model):

@@ -187,7 +187,7 @@ def test_every_accepted_request_can_start_on_an_empty_cache(tiny_model, pages, p
         assert f"prompt of {prompt} tokens + {new} new tokens exceeds" in str(e)
         assert prompt + new > engine.max_len
         return
-    free = engine.allocator.num_free
+    free = engine.pages.allocator.num_free
     assert engine.scheduler.admit(2, free)  # admitted now ...
     recomputed = engine._requests[seq.id]
     recomputed.prompt_len, recomputed.max_new_tokens = prompt + new - 1, 1  # ... and after a late preemption
@@ -201,7 +201,7 @@ def test_a_request_as_long_as_admission_allows_runs_to_the_end(tiny_model):
     c = tiny_model.config
     budget = 11 * page_bytes(c.num_layers, 8, c.num_kv_heads, c.head_dim, tiny_model.dtype)
     engine = Engine(tiny_model, max_slots=2, max_new_tokens=40, cache_budget=budget, page_size=8, pages="grow")
-    assert engine.allocator.num_free == 10 and engine.max_len == 9 * 8  # 90% of 10 pages
+    assert engine.pages.allocator.num_free == 10 and engine.max_len == 9 * 8  # 90% of 10 pages
     with pytest.raises(EejaxError, match=r"exceeds the 72 tokens .*\(10 pages of 8 tokens"):
         engine.submit([3] * 40, max_new_tokens=33)
     prompt = random_prompts(1, [40], seed=4)[0]

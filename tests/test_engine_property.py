@@ -139,8 +139,8 @@ def test_engine_equals_generate_on_random_mixes(requests, pages, softmax_row, ch
             kw.update(temperature=TEMPERATURE, seed=option)
         submitted.append((engine.submit(prompt, max_new_tokens=limit, **kw), tuple(prompt), limit, mode, option))
     engine.run()
-    assert engine.allocator.num_allocated == 0 and not engine.running and not engine.waiting
-    assert engine.allocator.num_free == 8  # cached prefixes are idle, not held
+    assert engine.pages.allocator.num_allocated == 0 and not engine.running and not engine.waiting
+    assert engine.pages.allocator.num_free == 8  # cached prefixes are idle, not held
     for seq, prompt, limit, mode, option in submitted:
         assert seq.finish_reason in ("stop", "length")
         assert 1 <= len(seq.tokens) <= limit and (len(seq.tokens) == limit or seq.tokens[-1] == EOS)
@@ -163,7 +163,7 @@ def test_back_to_back_speculation_rounds_match_generate(pages, d):
     engine.run()
     for p, seq in zip(prompts, seqs):
         assert seq.tokens == _generate(tuple(p), 60, None, None)
-    assert engine.allocator.num_allocated == 0
+    assert engine.pages.allocator.num_allocated == 0
 
 
 def test_threshold_schedule_uses_the_requests_own_limit():

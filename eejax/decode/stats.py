@@ -125,7 +125,7 @@ def generate_stats(model, engine, seqs, exit_config, spec_config, run_s: float, 
         prefill_s=prefill_s,
         compile_s=compile_s,
         compiled_programs=model.programs.num_programs,
-        kv_cache_pages=engine.allocator.num_pages,
+        kv_cache_pages=engine.pages.num_pages,
         page_size=engine.page_size,
         engine_steps=engine.counters["steps"],
     )

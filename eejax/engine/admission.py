@@ -1,7 +1,8 @@
 """Admission and prefill, a part of `Engine`: which waiting requests get a decode slot and
 pages, how their prompts reach the cache (whole, or `prefill_chunk` tokens per step, after the
 pages of a prefix the cache already holds), pages for rows that grow, and preemption when none
-is left. A mixin: it works on the engine's slots, pages, block table and device state."""
+is left. A mixin: it works on the engine's slots and device state, and on pages through its
+`SlotPages` (`engine/pages.py`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eejax.cache import pages_needed, prefix_keys
+from eejax.cache import pages_needed
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.penalties import TokenCounts
 from eejax.decode.programs import MAPS_PER_PROGRAM, map_headroom
@@ -22,7 +23,6 @@ from eejax.decode.sampling import FILTERED, RowSampling, SamplingParams
 from eejax.decode.steps import prefill_slots
 from eejax.engine.scheduler import Request, preemption_victim
 from eejax.engine.sequence import Sequence
-from eejax.errors import OutOfPagesError
 from eejax.options import StepOptions
 
 log = logging.getLogger("eejax.serve")
@@ -47,23 +47,15 @@ class Admission:
     def _admit(self) -> None:
         free = [s for s in range(self.slots) if s not in self.running and s not in self.prefilling]
         start = time.perf_counter()
-        chosen = self.scheduler.admit(len(free), self.allocator.num_free)
+        chosen = self.scheduler.admit(len(free), self.pages.num_free)
         self.counters["scheduler_s"] += time.perf_counter() - start
         seqs = [self.waiting.pop(r.id) for r in chosen]
         for seq, slot in zip(seqs, free):
             seq.offset = len(seq.tokens)
-            tokens = self._cache_prompt_len(seq.prompt) + (seq.offset + 1 if self.grow else seq.max_new_tokens)
-            shared = self._shared_prefix(seq)
-            try:  # (admission counted every page as fresh: a shared one only lowers the need)
-                fresh = self.allocator.allocate(pages_needed(tokens, self.page_size) - len(shared))
-            except BaseException:
-                self.allocator.free(shared)
-                raise
-            seq.slot, seq.pages, seq.cached = slot, shared + fresh, len(shared) * self.page_size
+            positions = self._cache_prompt_len(seq.prompt) + (seq.offset + 1 if self.grow else seq.max_new_tokens)
+            self.pages.take(seq, slot, positions)  # (admission counted every page as fresh)
             seq.spec_read = (0, 0)  # the prefill zeroes the slot's speculation counters
             seq.prefilled = seq.cached
-            self.block_table[slot] = 0
-            self.block_table[slot, : len(seq.pages)] = seq.pages
             self.prefilling[slot] = seq
 
     def _prefill_some(self) -> None:
@@ -109,23 +101,6 @@ class Admission:
         longest = min(self.max_prompt_tokens or self.max_len, self.max_len)
         return self._prefill_width(bucket(longest, MIN_PROMPT_BUCKET))
 
-    def _shared_prefix(self, seq: Sequence) -> list[int]:
-        """The cached pages of the longest prefix of `seq`'s prompt that it shares, one more
-        hold each; at least the last token is left to prefill (it gives the first new token).
-        None (an empty list) for a row whose prompt must be scored: each position needs its logits."""
-        if not self.prefix_caching or seq.scoring_prompt:
-            return []
-        shareable = (len(seq.prompt) + seq.offset - 1) // self.page_size
-        return self.allocator.match(prefix_keys(seq.prompt, self.page_size)[:shareable])
-
-    def _publish(self, seq: Sequence) -> None:
-        """Keys the row's full prompt pages, now written (prefills run in order on the device):
-        later prompts that start alike share them. Only prompt pages, computed at full depth by
-        the prefill, so they are valid for any early-exit or speculation setting."""
-        if self.prefix_caching:
-            for page, key in zip(seq.pages, prefix_keys(seq.prompt, self.page_size)):
-                self.allocator.publish(page, key)
-
     def _prefill(self, work: list[tuple[Sequence, int]], options: StepOptions) -> None:
         """One prefill program over rows (seq, end): positions seq.prefilled..end-1 of each. A row
         that ends its prompt there is written into its decode slot; the others only fill the
@@ -154,9 +129,9 @@ class Admission:
             if end == len(prompt) and self.prompts is not None:  # for a prompt lookup (`_program_state`)
                 self.prompts[0][seq.slot, :end], self.prompts[1][seq.slot] = prompt, end
                 self._device_prompts = None
-            table[j] = self.block_table[seq.slot, : table.shape[1]]
+            table[j] = self.pages.row(seq.slot, table.shape[1])
             # The prefill writes positions prefilled.. only, into pages no one shares.
-            assert all(self.allocator.writable(p) for p in seq.pages[seq.prefilled // self.page_size :]), seq.id
+            assert self.pages.writable(seq, seq.prefilled), seq.id
         targets = None
         if options.prompt_logprobs:  # each position scores the prompt's next token (-1: none)
             targets = np.full((b, t), -1, np.int32)
@@ -187,7 +162,7 @@ class Admission:
             if end == len(seq.prompt) + seq.offset:  # the prompt is complete: the row decodes
                 del self.prefilling[seq.slot]
                 self.running[seq.slot] = seq
-                self._publish(seq)
+                self.pages.publish(seq)
                 self.counters["prompt_tokens"] += end
                 self.counters["prefix_cache_hit_tokens"] += seq.cached
                 self.prometheus.prompt_tokens.inc(end)
@@ -300,7 +275,7 @@ class Admission:
         for options in prefill_options:
             # A prefill after cached tokens (a shared prefix, unless the prompt is scored; an
             # earlier chunk) writes into the wider `_resume_width` table.
-            resumes = (self.prefix_caching and not options.prompt_logprobs) or self.prefill_chunk is not None
+            resumes = (self.pages.prefix_caching and not options.prompt_logprobs) or self.prefill_chunk is not None
             for b in batches:
                 for t in prompts:
                     first = self._prefill_width(t)
@@ -337,14 +312,8 @@ class Admission:
             if seq.slot is None:
                 continue  # preempted in this loop
             need = pages_needed(self._span(seq), self.page_size)
-            while seq.slot is not None and len(seq.pages) < need:
-                try:
-                    (page,) = self.allocator.allocate(1)
-                except OutOfPagesError:
-                    self._preempt(preemption_victim([self._requests[s.id] for s in self.running.values()]))
-                    continue
-                self.block_table[seq.slot, len(seq.pages)] = page
-                seq.pages.append(page)
+            while seq.slot is not None and not self.pages.grow(seq, need):
+                self._preempt(preemption_victim([self._requests[s.id] for s in self.running.values()]))
 
     def _preempt(self, request: Request) -> None:
         """Frees a running row's slot and pages; it waits again and is recomputed (its prompt and

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eejax.cache import PageAllocator, page_bytes, pages_for_budget, pages_needed
+from eejax.cache import page_bytes, pages_for_budget, pages_needed
 from eejax.decode import speculative
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.lookup import PromptTokens
@@ -49,6 +49,7 @@ from eejax.engine.admission import Admission
 from eejax.engine.delivery import Delivery
 from eejax.engine.lifecycle import Lifecycle
 from eejax.engine.metrics import ServeMetrics
+from eejax.engine.pages import SlotPages
 from eejax.engine.requests import Requests
 from eejax.engine.scheduler import BucketScheduler, Request, safe_pages
 from eejax.engine.sequence import Sequence
@@ -71,8 +72,9 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         seq.tokens, seq.finish_reason
 
     Request checks (`Requests`), admission and prefill (`Admission`), speculation rounds
-    (`Speculation`) and the loop and faults (`Lifecycle`) live in their own modules; this one
-    holds the state, the step and what it reads back.
+    (`Speculation`), delivery (`Delivery`) and the loop and faults (`Lifecycle`) live in their own
+    modules, as mixins over this state; the pages and block table are a part that owns them
+    (`SlotPages`, `self.pages`). This one holds the rest of the state and the step.
     """
 
     def __init__(
@@ -146,9 +148,6 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         # grow: the pages of its prompt, then one more as it needs it, preempting the
         # lowest-priority row (recomputed later) when none is free.
         self.grow = pages == "grow"
-        # Full pages of prompt tokens are kept under a key of their prefix and shared by later
-        # prompts that start alike (`PageAllocator.match`): a prefill then starts after them.
-        self.prefix_caching = prefix_caching
         # Chunked prefill: at most this many prompt tokens are prefilled per step (oldest
         # admission first), between the decode steps of the running rows; None: whole prompts.
         self.prefill_chunk = prefill_chunk
@@ -166,7 +165,10 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
             raise EejaxError(f"KV cache budget {cache_budget} holds no sequence")
         self.table_width = bucket(pages_needed(self.max_len, page_size))
         self.cache = model.new_cache(num_pages, page_size)
-        self.allocator = PageAllocator(num_pages)
+        # The slots' pages and block table. With prefix caching, full pages of prompt tokens are
+        # kept under a key of their prefix and shared by later prompts that start alike: a
+        # prefill then starts after them.
+        self.pages = SlotPages(num_pages, max_slots, page_size, self.table_width, prefix_caching)
         self.scheduler = BucketScheduler(
             self.max_len + 1,
             page_size,
@@ -208,7 +210,6 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
         self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
-        self.block_table = np.zeros((max_slots, self.table_width), np.int32)
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.prefilling: dict[int, Sequence] = {}  # slot -> admitted sequence whose prompt is not all cached yet
         self.waiting: dict[int, Sequence] = {}  # id -> sequence
@@ -367,7 +368,7 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
     def _table(self):
         longest = max(self._span(s) for s in self.running.values())
         width = min(self.table_width, bucket(pages_needed(longest, self.page_size)))
-        return self._uploads.get(("table", width), self.block_table[:, :width])
+        return self._uploads.get(("table", width), self.pages.table(width))
 
     def _program_state(self, options: StepOptions, counts: bool = True):
         """The slots' state for a program of `options`: with the token counts when it applies
@@ -400,10 +401,7 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
             "running": len(self.running),
             "prefilling": len(self.prefilling),
             "slots": self.slots,
-            "kv_pages_used": self.allocator.num_allocated,
-            "kv_pages_total": self.allocator.num_free + self.allocator.num_allocated,
-            "kv_pages_cached": self.allocator.num_cached,
-            "prefix_cache_evictions": self.allocator.evictions,
+            **self.pages.metrics(),
             "compiled_programs": self.model.programs.num_programs,
             "buckets": len(self.scheduler.buckets),
             **self.counters,

@@ -42,7 +42,7 @@ class Lifecycle:
     def _reset_device_state(self, error: BaseException) -> None:
         """A fresh cache and slot state after they were lost: every running request fails."""
         log.error("the device state was lost; failing %d running requests", len(self.running))
-        self.cache = self.model.new_cache(self.allocator.num_pages, self.page_size)
+        self.cache = self.model.new_cache(self.pages.num_pages, self.page_size)
         self.state = self._empty_state()
         self.counts = TokenCounts.zeros(self.slots, self.config.vocab_size)
         self._device_prompts = None

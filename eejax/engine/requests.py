@@ -106,7 +106,7 @@ class Requests:
                 f"the model's context of {self.max_len} tokens"
                 if self.max_len < self.cache_len
                 else f"the {self.max_len} tokens a request may hold in this server's KV cache "
-                f"({self.allocator.num_pages - 1} pages of {self.page_size} tokens, of which admission grants at "
+                f"({self.pages.num_pages - 1} pages of {self.page_size} tokens, of which admission grants at "
                 f"most 90%)"
             )
             prompt = "decoder start token" if self.encoder_decoder else f"prompt of {len(ids)} tokens"

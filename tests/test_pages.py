@@ -1,0 +1,99 @@
+"""The engine's pages part alone (`engine/pages.py` SlotPages): rows take, grow and release pages,
+the block table follows, and prompt pages are shared through the prefix cache."""
+
+import numpy as np
+import pytest
+
+from eejax.engine.pages import SlotPages
+from eejax.engine.sequence import Sequence
+from eejax.errors import OutOfPagesError
+
+PAGE = 4
+
+
+def row(i: int, prompt: list[int], **kw) -> Sequence:
+    return Sequence(i, prompt, max_new_tokens=8, **kw)
+
+
+def test_a_row_takes_fresh_pages_and_its_table_row_lists_them():
+    pages = SlotPages(num_pages=8, slots=2, page_size=PAGE, table_width=4, prefix_caching=True)
+    seq = row(0, list(range(10)))
+    pages.take(seq, slot=1, positions=10)
+    assert seq.slot == 1 and len(seq.pages) == 3 and seq.cached == 0
+    assert pages.table(4)[1].tolist() == [*seq.pages, 0] and pages.table(4)[0].tolist() == [0] * 4
+    assert pages.row(1, 2).tolist() == seq.pages[:2]
+    assert pages.writable(seq, 0) and pages.num_free == 7 - 3
+    assert pages.metrics()["kv_pages_used"] == 3
+
+
+def test_a_published_prompt_is_shared_by_the_next_that_starts_alike():
+    pages = SlotPages(num_pages=16, slots=3, page_size=PAGE, table_width=4, prefix_caching=True)
+    first = row(0, list(range(9)))
+    pages.take(first, 0, 12)
+    pages.publish(first)  # pages 0 and 1 are full prompt pages
+    second = row(1, [*range(8), 99])
+    pages.take(second, 1, 12)
+    assert second.pages[:2] == first.pages[:2] and second.cached == 2 * PAGE
+    assert second.pages[2] not in first.pages and pages.table(4)[1, :3].tolist() == second.pages
+    assert not pages.writable(second, 0) and pages.writable(second, 2 * PAGE)
+    # At least the prompt's last token is prefilled: a prompt of exactly two pages shares one.
+    exact = row(2, list(range(8)))
+    pages.take(exact, 2, 9)
+    assert exact.cached == PAGE
+    # A prompt that must be scored shares nothing: each position needs its logits.
+    pages.release(exact, clear_row=True)
+    scored = row(3, list(range(9)), prompt_logprobs=0)
+    pages.take(scored, 2, 12)
+    assert scored.cached == 0 and not set(scored.pages) & set(first.pages)
+
+
+def test_without_prefix_caching_nothing_is_shared():
+    pages = SlotPages(num_pages=16, slots=2, page_size=PAGE, table_width=4, prefix_caching=False)
+    first, second = row(0, list(range(9))), row(1, list(range(9)))
+    pages.take(first, 0, 12)
+    pages.publish(first)
+    pages.take(second, 1, 12)
+    assert second.cached == 0 and not set(second.pages) & set(first.pages)
+
+
+def test_a_row_grows_until_no_page_is_left_and_keeps_what_it_got():
+    pages = SlotPages(num_pages=5, slots=1, page_size=PAGE, table_width=8, prefix_caching=True)
+    seq = row(0, [1, 2, 3])
+    pages.take(seq, 0, 4)
+    assert pages.grow(seq, 3) and len(seq.pages) == 3
+    assert not pages.grow(seq, 6) and len(seq.pages) == 4 and pages.num_free == 0
+    assert pages.table(8)[0].tolist() == [*seq.pages, 0, 0, 0, 0]
+
+
+def test_release_frees_a_rows_pages_and_clears_its_row_only_if_asked():
+    pages = SlotPages(num_pages=16, slots=2, page_size=PAGE, table_width=4, prefix_caching=True)
+    first, second = row(0, list(range(9))), row(1, list(range(9)))
+    pages.take(first, 0, 12)
+    pages.publish(first)
+    pages.take(second, 1, 12)
+    shared = first.pages[:2]
+    pages.release(first, clear_row=False)  # its slot went to another row meanwhile
+    assert first.pages == [] and pages.table(4)[0, :3].any()
+    assert pages.metrics()["kv_pages_used"] == 3  # the shared pages stay with `second`
+    pages.release(second, clear_row=True)
+    assert pages.table(4)[1].tolist() == [0] * 4
+    assert pages.metrics() == {
+        "kv_pages_used": 0,
+        "kv_pages_total": 15,
+        "kv_pages_cached": 2,
+        "prefix_cache_evictions": 0,
+    }
+    again = row(2, list(range(9)))
+    pages.take(again, 0, 12)
+    assert again.pages[:2] == shared  # idle prompt pages are shared again
+
+
+def test_a_take_that_runs_out_holds_nothing():
+    pages = SlotPages(num_pages=4, slots=2, page_size=PAGE, table_width=4, prefix_caching=True)
+    first = row(0, list(range(9)))
+    pages.take(first, 0, 9)
+    pages.publish(first)
+    before = pages.allocator.num_allocated
+    with pytest.raises(OutOfPagesError):
+        pages.take(row(1, list(range(9))), 1, 16)  # shares 2 pages, needs 2 fresh: 0 left
+    assert pages.allocator.num_allocated == before and np.all(pages.table(4)[1] == 0)
