@@ -1,8 +1,8 @@
 """Admission and prefill, a part of `Engine`: which waiting requests get a decode slot and
 pages, how their prompts reach the cache (whole, or `prefill_chunk` tokens per step, after the
 pages of a prefix the cache already holds), pages for rows that grow, and preemption when none
-is left. A mixin: it works on the engine's slots and device state, and on pages through its
-`SlotPages` (`engine/pages.py`)."""
+is left. A mixin over the engine's device state; slots and pages change only through its
+`SlotTable` (`engine/slots.py`)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class Admission:
         return min(prompt + len(seq.tokens) + unread + ahead, prompt + seq.max_new_tokens - 1)
 
     def _admit(self) -> None:
-        free = [s for s in range(self.slots) if s not in self.running and s not in self.prefilling]
+        free = self.slot_table.free()
         start = time.perf_counter()
         chosen = self.scheduler.admit(len(free), self.pages.num_free)
         self.counters["scheduler_s"] += time.perf_counter() - start
@@ -53,10 +53,9 @@ class Admission:
         for seq, slot in zip(seqs, free):
             seq.offset = len(seq.tokens)
             positions = self._cache_prompt_len(seq.prompt) + (seq.offset + 1 if self.grow else seq.max_new_tokens)
-            self.pages.take(seq, slot, positions)  # (admission counted every page as fresh)
+            self.slot_table.admit(seq, slot, positions)  # (admission counted every page as fresh)
             seq.spec_read = (0, 0)  # the prefill zeroes the slot's speculation counters
             seq.prefilled = seq.cached
-            self.prefilling[slot] = seq
 
     def _prefill_some(self) -> None:
         """Prefills the admitted rows' prompts: whole, or with `prefill_chunk`, that many tokens
@@ -160,9 +159,7 @@ class Admission:
             self.prometheus.prefill_chunk.observe(end - seq.prefilled)
             seq.prefilled = end
             if end == len(seq.prompt) + seq.offset:  # the prompt is complete: the row decodes
-                del self.prefilling[seq.slot]
-                self.running[seq.slot] = seq
-                self.pages.publish(seq)
+                self.slot_table.start_decoding(seq)
                 self.counters["prompt_tokens"] += end
                 self.counters["prefix_cache_hit_tokens"] += seq.cached
                 self.prometheus.prompt_tokens.inc(end)

@@ -84,18 +84,11 @@ class Delivery:
         return first_stop(text, seq.stop) is not None
 
     def _release(self, seq: Sequence) -> None:
-        owned = False
-        if seq.slot is not None and self.prefilling.get(seq.slot) is seq:
-            del self.prefilling[seq.slot]
-            owned = True
-        if seq.slot is not None and self.running.get(seq.slot) is seq:
-            del self.running[seq.slot]
-            owned = True
+        slot = seq.slot
+        if self.slot_table.release(seq):
             # The slot is done on device after the step that ended it; a cancelled row is
             # stopped here.
-            self.state = dataclasses.replace(self.state, done=self.state.done.at[seq.slot].set(True))
-        self.pages.release(seq, clear_row=owned)
-        seq.slot = None
+            self.state = dataclasses.replace(self.state, done=self.state.done.at[slot].set(True))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

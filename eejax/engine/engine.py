@@ -49,10 +49,10 @@ from eejax.engine.admission import Admission
 from eejax.engine.delivery import Delivery
 from eejax.engine.lifecycle import Lifecycle
 from eejax.engine.metrics import ServeMetrics
-from eejax.engine.pages import SlotPages
 from eejax.engine.requests import Requests
 from eejax.engine.scheduler import BucketScheduler, Request, safe_pages
 from eejax.engine.sequence import Sequence
+from eejax.engine.slots import SlotPages, SlotTable
 from eejax.engine.speculation import Speculation
 from eejax.engine.transfers import Uploads
 from eejax.errors import EejaxError, UnsupportedModelError
@@ -73,8 +73,8 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
 
     Request checks (`Requests`), admission and prefill (`Admission`), speculation rounds
     (`Speculation`), delivery (`Delivery`) and the loop and faults (`Lifecycle`) live in their own
-    modules, as mixins over this state; the pages and block table are a part that owns them
-    (`SlotPages`, `self.pages`). This one holds the rest of the state and the step.
+    modules, as mixins over this state; the slots, pages and block table are a part that owns
+    them (`SlotTable`, `self.slot_table`). This one holds the rest of the state and the step.
     """
 
     def __init__(
@@ -168,7 +168,9 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         # The slots' pages and block table. With prefix caching, full pages of prompt tokens are
         # kept under a key of their prefix and shared by later prompts that start alike: a
         # prefill then starts after them.
-        self.pages = SlotPages(num_pages, max_slots, page_size, self.table_width, prefix_caching)
+        pages = SlotPages(num_pages, max_slots, page_size, self.table_width, prefix_caching)
+        # Which row holds each slot: prefilling its prompt, or running (decoding).
+        self.slot_table = SlotTable(max_slots, pages)
         self.scheduler = BucketScheduler(
             self.max_len + 1,
             page_size,
@@ -210,8 +212,6 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         self.spec_counters = speculative.SpecCounters.zeros(max_slots)
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
         self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
-        self.running: dict[int, Sequence] = {}  # slot -> sequence
-        self.prefilling: dict[int, Sequence] = {}  # slot -> admitted sequence whose prompt is not all cached yet
         self.waiting: dict[int, Sequence] = {}  # id -> sequence
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -257,6 +257,21 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
             context = model_module(self.config).empty_context(self.config, self.slots, width, self.model.dtype)
         draft = self.model.config.hidden_size if self.model.params.get("draft") else 0
         return empty_state(self.slots, self.max_new_tokens, context, draft_width=draft)
+
+    @property
+    def pages(self) -> SlotPages:
+        """The slots' pages and block table (`SlotTable.pages`)."""
+        return self.slot_table.pages
+
+    @property
+    def running(self):
+        """slot -> the row decoding in it (read-only: `SlotTable`)."""
+        return self.slot_table.running
+
+    @property
+    def prefilling(self):
+        """slot -> the admitted row whose prompt is not all in the cache yet (read-only)."""
+        return self.slot_table.prefilling
 
     def _in_slots(self) -> list[Sequence]:
         """The rows that hold a slot: decoding, or prefilling their prompt."""

@@ -1,9 +1,13 @@
-"""The slots' KV pages, a part of `Engine` that owns its state: the page allocator (free pages,
-the prefix cache's keyed pages, pages several rows share) and the block table the programs read,
-a row per slot. The engine's other parts reach them only through these methods; a row's
-`Sequence` records the pages it holds (`pages`, `cached`), which only this part writes."""
+"""The engine's decode slots and their KV pages, a part of `Engine` that owns its state: which
+row holds each slot (`SlotTable`: prefilling its prompt, or running), and the page allocator
+(free pages, the prefix cache's keyed pages, pages several rows share) with the block table the
+programs read, a row per slot (`SlotPages`). The engine's other parts read them and change them
+only through these methods; a row's `Sequence` records its slot and pages (`slot`, `pages`,
+`cached`), which only this part writes."""
 
 from __future__ import annotations
+
+from types import MappingProxyType
 
 import numpy as np
 
@@ -101,3 +105,46 @@ class SlotPages:
             "kv_pages_cached": allocator.num_cached,
             "prefix_cache_evictions": allocator.evictions,
         }
+
+
+class SlotTable:
+    """`size` decode slots, each free or held by one row: `prefilling` (admitted, its prompt not
+    all in the cache yet) or `running` (decoding), both read-only views slot -> row. The rows'
+    pages and block table are `pages`."""
+
+    def __init__(self, size: int, pages: SlotPages):
+        self.size, self.pages = size, pages
+        self._prefilling: dict[int, Sequence] = {}
+        self._running: dict[int, Sequence] = {}
+        self.prefilling = MappingProxyType(self._prefilling)
+        self.running = MappingProxyType(self._running)
+
+    def free(self) -> list[int]:
+        """The slots no row holds, in order."""
+        return [s for s in range(self.size) if s not in self._running and s not in self._prefilling]
+
+    def admit(self, seq: Sequence, slot: int, positions: int) -> None:
+        """`seq` takes free slot `slot` and pages for `positions` cache positions (`SlotPages.take`:
+        a cached prefix shared), and prefills from the next prefill on."""
+        if slot in self._running or slot in self._prefilling:
+            raise ValueError(f"slot {slot} is held")
+        self.pages.take(seq, slot, positions)
+        self._prefilling[slot] = seq
+
+    def start_decoding(self, seq: Sequence) -> None:
+        """The row's prompt is all in the cache: it decodes from the next step, and its full
+        prompt pages join the prefix cache."""
+        del self._prefilling[seq.slot]
+        self._running[seq.slot] = seq
+        self.pages.publish(seq)
+
+    def release(self, seq: Sequence) -> bool:
+        """Frees the row's slot, if it still holds it, and its pages; whether it was running (its
+        slot's device state must then stop it)."""
+        held = self._running if self._running.get(seq.slot) is seq else self._prefilling
+        owned = seq.slot is not None and held.get(seq.slot) is seq
+        if owned:
+            del held[seq.slot]
+        self.pages.release(seq, clear_row=owned)
+        seq.slot = None
+        return owned and held is self._running

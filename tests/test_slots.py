@@ -1,11 +1,12 @@
-"""The engine's pages part alone (`engine/pages.py` SlotPages): rows take, grow and release pages,
-the block table follows, and prompt pages are shared through the prefix cache."""
+"""The engine's slots part alone (`engine/slots.py`): rows take, grow and release pages, the block
+table follows, prompt pages are shared through the prefix cache (SlotPages); rows hold slots while
+they prefill and decode (SlotTable)."""
 
 import numpy as np
 import pytest
 
-from eejax.engine.pages import SlotPages
 from eejax.engine.sequence import Sequence
+from eejax.engine.slots import SlotPages, SlotTable
 from eejax.errors import OutOfPagesError
 
 PAGE = 4
@@ -97,3 +98,35 @@ def test_a_take_that_runs_out_holds_nothing():
     with pytest.raises(OutOfPagesError):
         pages.take(row(1, list(range(9))), 1, 16)  # shares 2 pages, needs 2 fresh: 0 left
     assert pages.allocator.num_allocated == before and np.all(pages.table(4)[1] == 0)
+
+
+def test_a_row_holds_its_slot_from_admission_to_release():
+    table = SlotTable(3, SlotPages(num_pages=16, slots=3, page_size=PAGE, table_width=4, prefix_caching=True))
+    first = row(0, list(range(9)))
+    table.admit(first, 1, 12)
+    assert dict(table.prefilling) == {1: first} and not table.running and table.free() == [0, 2]
+    with pytest.raises(ValueError, match="slot 1 is held"):
+        table.admit(row(1, [5]), 1, 4)
+    table.start_decoding(first)
+    assert dict(table.running) == {1: first} and not table.prefilling
+    with pytest.raises(TypeError):
+        table.running[0] = first  # the views are read-only: only the part's methods change them
+    second = row(2, list(range(9)))
+    table.admit(second, 0, 12)
+    assert second.cached == 2 * PAGE  # start_decoding published the first row's prompt pages
+    assert table.release(first) and first.slot is None and first.pages == [] and table.free() == [1, 2]
+    assert not table.release(second)  # it was prefilling: nothing to stop on the device
+    assert not table.release(second) and table.free() == [0, 1, 2]  # released twice: nothing held
+
+
+def test_a_row_released_after_its_slot_moved_on_leaves_the_new_holders_table_row():
+    table = SlotTable(1, SlotPages(num_pages=16, slots=1, page_size=PAGE, table_width=4, prefix_caching=False))
+    old = row(0, [1, 2, 3])
+    table.admit(old, 0, 4)
+    stale = old.slot, list(old.pages)
+    table.release(old)
+    new = row(1, [4, 5, 6])
+    table.admit(new, 0, 4)
+    old.slot, old.pages = stale[0], []  # a stale record of the slot (a cancelled row read late)
+    assert not table.release(old)
+    assert table.pages.table(4)[0, 0] == new.pages[0] and dict(table.prefilling) == {0: new}
