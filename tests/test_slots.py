@@ -48,12 +48,19 @@ def test_a_published_prompt_is_shared_by_the_next_that_starts_alike():
     assert scored.cached == 0 and not set(scored.pages) & set(first.pages)
 
 
-def test_without_prefix_caching_nothing_is_shared():
-    pages = SlotPages(num_pages=16, slots=2, page_size=PAGE, table_width=4, prefix_caching=False)
+def two_rows_alike(prefix_caching: bool):
+    """Pages where a row took 12 positions for a 9-token prompt and published it, and a second
+    row with the same prompt took as many after it."""
+    pages = SlotPages(num_pages=16, slots=2, page_size=PAGE, table_width=4, prefix_caching=prefix_caching)
     first, second = row(0, list(range(9))), row(1, list(range(9)))
     pages.take(first, 0, 12)
     pages.publish(first)
     pages.take(second, 1, 12)
+    return pages, first, second
+
+
+def test_without_prefix_caching_nothing_is_shared():
+    pages, first, second = two_rows_alike(prefix_caching=False)
     assert second.cached == 0 and not set(second.pages) & set(first.pages)
 
 
@@ -67,11 +74,7 @@ def test_a_row_grows_until_no_page_is_left_and_keeps_what_it_got():
 
 
 def test_release_frees_a_rows_pages_and_clears_its_row_only_if_asked():
-    pages = SlotPages(num_pages=16, slots=2, page_size=PAGE, table_width=4, prefix_caching=True)
-    first, second = row(0, list(range(9))), row(1, list(range(9)))
-    pages.take(first, 0, 12)
-    pages.publish(first)
-    pages.take(second, 1, 12)
+    pages, first, second = two_rows_alike(prefix_caching=True)
     shared = first.pages[:2]
     pages.release(first, clear_row=False)  # its slot went to another row meanwhile
     assert first.pages == [] and pages.table(4)[0, :3].any()
