@@ -146,7 +146,7 @@ def test_loading_maps_big_allocations_until_the_last_load_ends(monkeypatch):
     with pytest.raises(RuntimeError):
         with checkpoint.mapped_while_loading():
             with checkpoint.mapped_while_loading():
-                pass
+                pass  # a nested load that ends first: the mapping stays
             assert calls == [start, start]
             raise RuntimeError("a load failed")
     assert calls[2:] == [

@@ -141,10 +141,12 @@ class SlotTable:
     def release(self, seq: Sequence) -> bool:
         """Frees the row's slot, if it still holds it, and its pages; whether it was running (its
         slot's device state must then stop it)."""
-        held = self._running if self._running.get(seq.slot) is seq else self._prefilling
-        owned = seq.slot is not None and held.get(seq.slot) is seq
-        if owned:
-            del held[seq.slot]
-        self.pages.release(seq, clear_row=owned)
+        running = seq.slot is not None and self._running.get(seq.slot) is seq
+        prefilling = seq.slot is not None and self._prefilling.get(seq.slot) is seq
+        if running:
+            del self._running[seq.slot]
+        elif prefilling:
+            del self._prefilling[seq.slot]
+        self.pages.release(seq, clear_row=running or prefilling)
         seq.slot = None
-        return owned and held is self._running
+        return running
