@@ -185,6 +185,7 @@ def test_a_stream_whose_client_hangs_up_is_cancelled_at_once(server, monkeypatch
                 if chunks == 2:
                     break
         left = time.time()
+
     # The loop frees the slot and pages, then counts the request finished: wait for all three.
     def ended() -> bool:
         return not engine.running and not engine.metrics()["kv_pages_used"] and cancelled() == before + 1
