@@ -125,9 +125,8 @@ class Admission:
             if end < len(prompt):
                 next_token[j] = prompt[end]
             slots[j] = seq.slot if end == len(prompt) else self.slots
-            if end == len(prompt) and self.prompts is not None:  # for a prompt lookup (`_program_state`)
-                self.prompts[0][seq.slot, :end], self.prompts[1][seq.slot] = prompt, end
-                self._device_prompts = None
+            if end == len(prompt):  # for a prompt lookup
+                self.device.set_prompt(seq.slot, prompt)
             table[j] = self.pages.row(seq.slot, table.shape[1])
             # The prefill writes positions prefilled.. only, into pages no one shares.
             assert self.pages.writable(seq, seq.prefilled), seq.id
@@ -147,14 +146,14 @@ class Admission:
             tokens, lengths, table, slots, keys, start, limit, sampling, offset, options, next_token, counts, targets
         )
         started = time.perf_counter()
-        state, self.cache, *scores = program(*args)
-        self._keep(state)
+        state, cache, *scores = program(*args)
+        self.device.keep(state, cache)
         if scores:
             self._record_prompt_scores(work, jax.device_get(scores[0]))
         if self.batch_job:
-            jax.block_until_ready(self.state)
+            jax.block_until_ready(self.device.state)
             self.counters["prefill_s"] += time.perf_counter() - started
-        self.spec_counters = jax.tree.map(lambda x: x.at[slots].set(0, mode="drop"), self.spec_counters)
+        self.device.clear_spec_counters(slots)
         for seq, end in work:
             self.prometheus.prefill_chunk.observe(end - seq.prefilled)
             seq.prefilled = end
@@ -212,8 +211,8 @@ class Admission:
         # then compiles as a loop, not 30 unrolled layers (SmolLM2: ~2.5 s less compile).
         args = (
             self.model.params,
-            self.cache,
-            self._program_state(options),
+            self.device.cache,
+            self.device.state_for(options),
             *map(jnp.asarray, (tokens, lengths, table, slots, keys, start, limit)),
             jax.tree.map(jnp.asarray, sampling),
             jnp.asarray(offset),

@@ -20,10 +20,10 @@ class Delivery:
     def _outputs(self):
         """What `_read` takes of the state just dispatched: its tokens, counts and flags packed
         for one transfer, started now (`PackedRead`), and the log-probs if a row wants them."""
-        state = self.state
+        state = self.device.state
         wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, state.confident_layers)
         scored = any(seq.logprobs is not None for seq in self.running.values())
-        return PackedRead((*wanted, self.spec_counters)), state.logprobs if scored else None
+        return PackedRead((*wanted, self.device.spec_counters)), state.logprobs if scored else None
 
     def _read(self, outputs, running: dict[int, Sequence]) -> None:
         """Delivers the tokens a finished step produced; releases rows that ended (EOS, limit,
@@ -88,7 +88,7 @@ class Delivery:
         if self.slot_table.release(seq):
             # The slot is done on device after the step that ended it; a cancelled row is
             # stopped here.
-            self.state = dataclasses.replace(self.state, done=self.state.done.at[slot].set(True))
+            self.device.stop(slot)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -34,19 +34,15 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from eejax.cache import page_bytes, pages_for_budget, pages_needed
-from eejax.decode import speculative
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
-from eejax.decode.lookup import PromptTokens
-from eejax.decode.penalties import TokenCounts
 from eejax.decode.sampling import SamplingParams
-from eejax.decode.state import empty_state
 from eejax.decode.steps import decode_slots
 from eejax.engine.admission import Admission
 from eejax.engine.delivery import Delivery
+from eejax.engine.device_slots import DeviceSlots
 from eejax.engine.lifecycle import Lifecycle
 from eejax.engine.metrics import ServeMetrics
 from eejax.engine.requests import Requests
@@ -54,7 +50,6 @@ from eejax.engine.scheduler import BucketScheduler, Request, safe_pages
 from eejax.engine.sequence import Sequence
 from eejax.engine.slots import SlotPages, SlotTable
 from eejax.engine.speculation import Speculation
-from eejax.engine.transfers import Uploads
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models.registry import model_module
 from eejax.options import ExitConfig, StepOptions
@@ -73,8 +68,9 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
 
     Request checks (`Requests`), admission and prefill (`Admission`), speculation rounds
     (`Speculation`), delivery (`Delivery`) and the loop and faults (`Lifecycle`) live in their own
-    modules, as mixins over this state; the slots, pages and block table are a part that owns
-    them (`SlotTable`, `self.slot_table`). This one holds the rest of the state and the step.
+    modules, as mixins over this state. Two parts own theirs and are reached through their
+    methods: the slots, pages and block table (`SlotTable`, `self.slot_table`) and the arrays
+    on the device (`DeviceSlots`, `self.device`). This one holds the rest and the step.
     """
 
     def __init__(
@@ -164,7 +160,6 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         if self.max_len < 2:
             raise EejaxError(f"KV cache budget {cache_budget} holds no sequence")
         self.table_width = bucket(pages_needed(self.max_len, page_size))
-        self.cache = model.new_cache(num_pages, page_size)
         # The slots' pages and block table. With prefix caching, full pages of prompt tokens are
         # kept under a key of their prefix and shared by later prompts that start alike: a
         # prefill then starts after them.
@@ -197,19 +192,10 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         # at most `max_decoding_options` distinct ones, so that no client keeps the server compiling.
         self.max_decoding_options = max_decoding_options
         self.decoding_options: set = {(self.exit_config, None)}
-        self.state = self._empty_state()
-        # The slots' token counts, for rows with penalties: apart from `state` (which every program
-        # returns anew) and taken only by the programs of such rows (`_program_state`).
-        self.counts = TokenCounts.zeros(max_slots, config.vocab_size)
-        # The slots' prompts, for rows with a prompt lookup (`SpecConfig.lookup`, a draft head's):
-        # written on the host as a row's prompt is complete (`_prefill`), sent to the device
-        # when a program of such rows next runs (`_program_state`).
-        # (tokens [slots, max_len], lengths [slots]): what `PromptTokens` holds.
-        self.prompts = None
-        if model.params.get("draft"):
-            self.prompts = np.zeros((max_slots, self.max_len), np.int32), np.zeros((max_slots,), np.int32)
-        self._device_prompts: PromptTokens | None = None
-        self.spec_counters = speculative.SpecCounters.zeros(max_slots)
+        # The cache, the slots' decode state, token counts, speculation counters and prompts on
+        # the device, and the uploads of block tables and group masks: a part that owns them.
+        context_width = bucket(max_prompt_tokens, MIN_PROMPT_BUCKET) if self.encoder_decoder else None
+        self.device = DeviceSlots(model, max_slots, max_new_tokens, num_pages, page_size, self.max_len, context_width)
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
         self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
         self.waiting: dict[int, Sequence] = {}  # id -> sequence
@@ -222,7 +208,6 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         self._by_id: dict[int, Sequence] = {}
         # (its outputs on their way to the host, slot -> sequence) of the last dispatched step, not read yet
         self._pending = None
-        self._uploads = Uploads()  # the block table and group masks on device, sent when changed
         # Decode steps of the program in flight (read after the next dispatch), and of the next.
         self._steps_in_flight = self._next_steps = 1
         # The programs the last step dispatched and when it ended: an adaptive speculation
@@ -249,14 +234,15 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
             "prefill_s": 0.0,
         }
 
-    def _empty_state(self):
-        """The device state of empty slots (with room for an encoder-decoder's context)."""
-        context = None
-        if self.encoder_decoder:
-            width = bucket(self.max_prompt_tokens, MIN_PROMPT_BUCKET)
-            context = model_module(self.config).empty_context(self.config, self.slots, width, self.model.dtype)
-        draft = self.model.config.hidden_size if self.model.params.get("draft") else 0
-        return empty_state(self.slots, self.max_new_tokens, context, draft_width=draft)
+    @property
+    def cache(self):
+        """The paged KV cache (read-only: `DeviceSlots`)."""
+        return self.device.cache
+
+    @property
+    def state(self):
+        """The slots' decode state on the device (read-only: `DeviceSlots`)."""
+        return self.device.state
 
     @property
     def pages(self) -> SlotPages:
@@ -309,7 +295,7 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
                 for options, members in groups.items():
                     group = np.zeros((self.slots,), bool)
                     group[[seq.slot for seq in members]] = True
-                    group = self._uploads.get(("group", group.tobytes()), group)
+                    group = self.device.upload(("group", group.tobytes()), group)
                     self._guarded(members, self._dispatch, table, group, options)
             # Read next step even without a dispatch: a row's last tokens may be on device unread.
             self._pending = (self._outputs(), dict(self.running)) if self.running else None
@@ -352,8 +338,7 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         self._dispatched.append(None)
         if options.spec is None:
             program, args = self._decode_program(table, group, options)
-            state, self.cache = program(*args)
-            self._keep(state)
+            self.device.keep(*program(*args))
         else:
             self._dispatch_round(table, group, options)
         self.counters["steps"] += 1
@@ -383,30 +368,10 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
     def _table(self):
         longest = max(self._span(s) for s in self.running.values())
         width = min(self.table_width, bucket(pages_needed(longest, self.page_size)))
-        return self._uploads.get(("table", width), self.pages.table(width))
-
-    def _program_state(self, options: StepOptions, counts: bool = True):
-        """The slots' state for a program of `options`: with the token counts when it applies
-        penalties (and `counts`; the program returns them in its state: `_keep`), with the
-        slots' prompts when its speculation looks them up."""
-        state = self.state
-        if counts and options.penalties:
-            state = dataclasses.replace(state, counts=self.counts)
-        if options.spec is not None and options.spec.lookup:
-            if self._device_prompts is None:
-                self._device_prompts = PromptTokens(*map(jnp.asarray, self.prompts))
-            state = dataclasses.replace(state, prompt=self._device_prompts)
-        return state
-
-    def _keep(self, state) -> None:
-        """Takes a program's new state, and its token counts when it returns them (its prompts
-        are the engine's own)."""
-        if state.counts is not None:
-            self.counts, state = state.counts, dataclasses.replace(state, counts=None)
-        self.state = dataclasses.replace(state, prompt=None)
+        return self.device.upload(("table", width), self.pages.table(width))
 
     def _decode_program(self, table, group, options: StepOptions, now: bool = False):
-        args = (self.model.run_params, self.cache, self._program_state(options), table, group)
+        args = (self.model.run_params, self.device.cache, self.device.state_for(options), table, group)
         return self.model.program(decode_slots, args, options, now)
 
     # -- reports -------------------------------------------------------------------------------

@@ -9,10 +9,6 @@ import logging
 import threading
 import time
 
-import jax
-
-from eejax.decode import speculative
-from eejax.decode.penalties import TokenCounts
 from eejax.engine import replicas
 from eejax.engine.sequence import Sequence
 
@@ -28,25 +24,14 @@ class Lifecycle:
             work(*args)
         except Exception as e:  # noqa: BLE001 - whatever a program raises fails its requests only
             log.exception("a step failed; failing requests %s", [seq.id for seq in seqs])
-            if not self._device_state_ok():
+            if not self.device.intact():
                 self._reset_device_state(e)
             self._fail(seqs, e)
-
-    def _device_state_ok(self) -> bool:
-        try:
-            jax.block_until_ready((self.cache, self.state, self.counts, self.spec_counters))
-            return True
-        except Exception:  # noqa: BLE001 - donated to a program that failed, or computed by one
-            return False
 
     def _reset_device_state(self, error: BaseException) -> None:
         """A fresh cache and slot state after they were lost: every running request fails."""
         log.error("the device state was lost; failing %d running requests", len(self.running))
-        self.cache = self.model.new_cache(self.pages.num_pages, self.page_size)
-        self.state = self._empty_state()
-        self.counts = TokenCounts.zeros(self.slots, self.config.vocab_size)
-        self._device_prompts = None
-        self.spec_counters = speculative.SpecCounters.zeros(self.slots)
+        self.device.reset()
         self._pending = None
         self._fail(self._in_slots(), error)
 
@@ -66,7 +51,7 @@ class Lifecycle:
         waiting ones if none ran, so that a fault in admission cannot repeat forever) fail."""
         with self._lock:
             victims = self._in_slots() or list(self.waiting.values())
-            if not self._device_state_ok():
+            if not self.device.intact():
                 self._reset_device_state(error)
             self._pending = None
             self._fail(victims, error)

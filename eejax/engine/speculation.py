@@ -69,10 +69,8 @@ class Speculation:
             steps = self._plain_steps(options, self._next_steps)
             plain, args = self._plain_program(table, group, options, steps)
             self._dispatched[-1] = (policy, 0, steps, plain not in PROGRAMS_RUN)
-            (state, self.cache, self.spec_counters), seconds = self._run(
-                plain, args, self._must_wait(policy.c_full is not None)
-            )
-            self._keep(state)
+            outputs, seconds = self._run(plain, args, self._must_wait(policy.c_full is not None))
+            self.device.keep(*outputs)
             if seconds is not None:
                 policy.observe_plain(seconds / steps)
             return
@@ -80,10 +78,11 @@ class Speculation:
         round_options = options.round(d, bonus)
         if policy.split:  # adaptive: time the draft passes apart from the verification
             draft, args = self._draft_program(table, group, round_options)
-            (drafts, self.cache), draft_s = self._run(draft, args, True)
+            (drafts, cache), draft_s = self._run(draft, args, True)
+            self.device.keep(cache=cache)
             verify, args = self._verify_program(table, group, drafts, round_options)
-            (state, self.cache, self.spec_counters), verify_s = self._run(verify, args, True)
-            self._keep(state)
+            outputs, verify_s = self._run(verify, args, True)
+            self.device.keep(*outputs)
             if draft_s is not None and verify_s is not None:
                 policy.observe_times(d, draft_s, verify_s, passes=d + bonus)
             return
@@ -92,8 +91,8 @@ class Speculation:
         if policy.spec.adaptive:
             self._dispatched[-1] = (policy, d, d + bonus, program not in PROGRAMS_RUN)
             timed = self._must_wait(d in policy.whole_rounds)
-        (state, self.cache, self.spec_counters), seconds = self._run(program, args, timed)
-        self._keep(state)
+        outputs, seconds = self._run(program, args, timed)
+        self.device.keep(*outputs)
         if seconds is not None:
             policy.observe_round(d, seconds, passes=d + bonus)
 
@@ -123,8 +122,7 @@ class Speculation:
         """`steps` plain full-depth steps of the slots in `group`, whose speculation is off, counted
         as the plain steps a round's place takes are (`speculative.plain_step`)."""
         plain, args = self._plain_program(table, group, options, steps)
-        (state, self.cache, self.spec_counters), _ = self._run(plain, args, False)
-        self._keep(state)
+        self.device.keep(*self._run(plain, args, False)[0])
 
     def _run(self, program, args, timed: bool):
         """(program(*args), its wall seconds or None). Timed, it starts once what runs before it
@@ -144,7 +142,8 @@ class Speculation:
     # not in the background while the stacked one runs (`Model.program`).
     def _plain_program(self, table, group, options: StepOptions, steps: int, now: bool = False):
         plain = options.plain(steps, catch_up=not options.spec_off)
-        args = (self.model.run_params, self.cache, self._program_state(plain), self.spec_counters, table, group)
+        device = self.device
+        args = (self.model.run_params, device.cache, device.state_for(plain), device.spec_counters, table, group)
         return self.model.program(plain_step_slots, args, plain, now)
 
     @staticmethod
@@ -155,16 +154,31 @@ class Speculation:
         return min(decode_steps, options.spec.max_speculations + 1)
 
     def _round_program(self, table, group, round_options: StepOptions, now: bool = False):
-        args = (self.model.run_params, self.cache, self._program_state(round_options), self.spec_counters, table, group)
+        device = self.device
+        args = (
+            self.model.run_params,
+            device.cache,
+            device.state_for(round_options),
+            device.spec_counters,
+            table,
+            group,
+        )
         return self.model.program(spec_round_slots, args, round_options, now)
 
     def _draft_program(self, table, group, round_options: StepOptions, now: bool = False):
-        args = (self.model.run_params, self.cache, self._program_state(round_options, counts=False), table, group)
+        args = (
+            self.model.run_params,
+            self.device.cache,
+            self.device.state_for(round_options, counts=False),
+            table,
+            group,
+        )
         return self.model.program(draft_slots, args, round_options.drafting(), now)
 
     def _verify_program(self, table, group, drafts, round_options: StepOptions, now: bool = False):
-        state = self._program_state(round_options)
-        args = (self.model.run_params, self.cache, state, drafts, self.spec_counters, table, group)
+        device = self.device
+        state = device.state_for(round_options)
+        args = (self.model.run_params, device.cache, state, drafts, device.spec_counters, table, group)
         return self.model.program(verify_slots, args, round_options.verifying(), now)
 
     def _compile_spec(self, table, group, options: StepOptions) -> None:
