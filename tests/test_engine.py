@@ -3,7 +3,7 @@
 import pytest
 
 import eejax
-from eejax.engine import delivery
+from eejax.engine import engine as engine_module
 from eejax.engine.engine import Engine
 from tests.helpers import random_prompts
 
@@ -153,9 +153,9 @@ def test_self_speculation_rows_beside_plain_rows_are_lossless(tiny_model, monkey
     limits = [11, 7, 9, 5, 13, 3]
     engine = Engine(tiny_model, max_slots=4, max_new_tokens=16, cache_budget="4MiB", page_size=8)
     seqs = [engine.submit(p, max_new_tokens=n, spec=s) for p, n, s in zip(prompts, limits, specs)]
-    reads, read = [], delivery.PackedRead.read
-    monkeypatch.setattr(delivery.PackedRead, "read", lambda packed: reads.append(packed) or read(packed))
-    monkeypatch.setattr(delivery, "to_host", lambda tree: pytest.fail("a step read arrays one by one"))
+    reads, read = [], engine_module.PackedRead.read
+    monkeypatch.setattr(engine_module.PackedRead, "read", lambda packed: reads.append(packed) or read(packed))
+    monkeypatch.setattr(engine_module, "to_host", lambda tree: pytest.fail("a step read arrays one by one"))
     steps = 0
     while engine.busy:
         engine.step()

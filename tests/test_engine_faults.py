@@ -189,7 +189,7 @@ def test_every_accepted_request_can_start_on_an_empty_cache(tiny_model, pages, p
         return
     free = engine.pages.allocator.num_free
     assert engine.scheduler.admit(2, free)  # admitted now ...
-    recomputed = engine._requests[seq.id]
+    recomputed = engine.waiting.request(seq)
     recomputed.prompt_len, recomputed.max_new_tokens = prompt + new - 1, 1  # ... and after a late preemption
     engine.scheduler.submit(recomputed)
     assert engine.scheduler.admit(2, free)

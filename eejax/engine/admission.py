@@ -21,7 +21,6 @@ from eejax.decode.penalties import TokenCounts
 from eejax.decode.programs import MAPS_PER_PROGRAM, map_headroom
 from eejax.decode.sampling import FILTERED, RowSampling, SamplingParams
 from eejax.decode.steps import prefill_slots
-from eejax.engine.scheduler import Request, preemption_victim
 from eejax.engine.sequence import Sequence
 from eejax.options import StepOptions
 
@@ -47,9 +46,8 @@ class Admission:
     def _admit(self) -> None:
         free = self.slot_table.free()
         start = time.perf_counter()
-        chosen = self.scheduler.admit(len(free), self.pages.num_free)
+        seqs = self.waiting.take(len(free), self.pages.num_free)
         self.counters["scheduler_s"] += time.perf_counter() - start
-        seqs = [self.waiting.pop(r.id) for r in chosen]
         for seq, slot in zip(seqs, free):
             seq.offset = len(seq.tokens)
             positions = self._cache_prompt_len(seq.prompt) + (seq.offset + 1 if self.grow else seq.max_new_tokens)
@@ -75,7 +73,7 @@ class Admission:
         options = [self._prefill_options(seq) for seq, _ in work]
         for group in dict.fromkeys(options):
             members = [item for item, o in zip(work, options) if o == group]
-            self._guarded([seq for seq, _ in members], self._prefill, members, group)
+            self.faults.guarded([seq for seq, _ in members], self._prefill, members, group)
 
     def _prefill_options(self, seq: Sequence) -> StepOptions:
         """The options of a row's prefill: one program for every sampler, log-prob and penalty
@@ -309,14 +307,13 @@ class Admission:
                 continue  # preempted in this loop
             need = pages_needed(self._span(seq), self.page_size)
             while seq.slot is not None and not self.pages.grow(seq, need):
-                self._preempt(preemption_victim([self._requests[s.id] for s in self.running.values()]))
+                self._preempt(self.waiting.victim(self.running.values()))
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         """Frees a running row's slot and pages; it waits again and is recomputed (its prompt and
         the tokens it has) when admitted."""
-        seq = next(s for s in self.running.values() if s.id == request.id)
-        self._release(seq)
-        self._queue(seq)
+        self.delivery.release(seq)
+        self.waiting.queue(seq)
         seq.preemptions += 1
         self.counters["preemptions"] += 1
         self.prometheus.preemptions.inc()

@@ -1,50 +1,47 @@
-"""Reading a step's results, a part of `Engine`: what a dispatched step's state will give back
-(`_outputs`: packed into one transfer, `engine/transfers.py`), and, one dispatch later, its tokens
-delivered to their requests (`_read`, `_deliver`): stop tokens and strings checked, rows that ended
-released (their slot and pages), requests finished. A mixin over the engine's slots and state."""
+"""Delivery to requests, a part of the `Engine`: a read step's tokens (and log-probs) appended to
+their `Sequence`s and streamed, stop tokens and strings checked, and the rows that ended released
+(their slot and pages, `SlotTable`; a cancelled row stopped on device, `DeviceSlots`) and
+finished (finish reason, Prometheus, the waiting queue's Request dropped, waiters woken). It
+owns no state of its own; what it changes it changes through those parts' methods, and it adds
+to the engine's counters (`generated_tokens`) and Prometheus registry."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 
+from eejax.engine.device_slots import DeviceSlots
+from eejax.engine.metrics import ServeMetrics
 from eejax.engine.sequence import Sequence
+from eejax.engine.slots import SlotTable
 from eejax.engine.stops import first_stop
-from eejax.engine.transfers import PackedRead
-from eejax.sharding import to_host
+from eejax.engine.waiting import WaitingQueue
 
 
 class Delivery:
-    def _outputs(self):
-        """What `_read` takes of the state just dispatched: its tokens, counts and flags packed
-        for one transfer, started now (`PackedRead`), and the log-probs if a row wants them."""
-        state = self.device.state
-        wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, state.confident_layers)
-        scored = any(seq.logprobs is not None for seq in self.running.values())
-        return PackedRead((*wanted, self.device.spec_counters)), state.logprobs if scored else None
+    """`tokenizer`: to find stop strings (None: the requests have none); `eos_ids`: the tokens
+    that end a row with finish reason "stop" (none with `ignore_eos`)."""
 
-    def _read(self, outputs, running: dict[int, Sequence]) -> None:
-        """Delivers the tokens a finished step produced; releases rows that ended (EOS, limit,
-        stop token or string, cancelled). If the step failed on the device, its requests fail."""
-        packed, logprobs = outputs
-        out = {}
+    def __init__(
+        self,
+        tokenizer,
+        eos_ids: tuple[int, ...],
+        slot_table: SlotTable,
+        device: DeviceSlots,
+        waiting: WaitingQueue,
+        prometheus: ServeMetrics,
+        counters: dict,
+    ):
+        self.tokenizer, self.eos_ids = tokenizer, eos_ids
+        self._slot_table, self._device, self._waiting = slot_table, device, waiting
+        self._prometheus, self._counters = prometheus, counters
 
-        def fetch():
-            out["host"] = (*packed.read(), None if logprobs is None else to_host(logprobs))
-
-        self._guarded(list(running.values()), fetch)
-        if "host" not in out:
-            return
-        self._observe_acceptance(running, out["host"][5])
-        now = time.perf_counter()
-        for slot, seq in running.items():
-            if not seq.finished and self.running.get(slot) is seq:  # else ended, or preempted (recomputed later)
-                self._guarded([seq], self._deliver, seq, slot, *out["host"], now)
-
-    def _deliver(self, seq: Sequence, slot: int, num, done, tokens, layers, confident, counters, record, now) -> None:
-        """Appends a row's new tokens (and log-probs) to its Sequence; releases it if it ended."""
+    def deliver(self, seq: Sequence, slot: int, num, done, tokens, layers, confident, counters, record, now) -> None:
+        """Appends a row's new tokens (and log-probs) to its Sequence and ends it if it ended. The
+        host copies of a step's outputs: num [S] tokens made, done [S], tokens / layers /
+        confident [S, N], the speculation counters [S], the log-prob record (or None); `now`:
+        when they were read."""
         n = min(seq.offset + int(num[slot]), seq.max_new_tokens)
         stopped = False
         for i in range(len(seq.tokens), n):
@@ -63,37 +60,40 @@ class Delivery:
                 )  # tokens that top-k / top-p filtered out cannot be drawn
             seq.token_times.append(now)
             seq._events.put(seq.tokens[-1])
-            self.counters["generated_tokens"] += 1
-            if self._stops_at(seq):
+            self._counters["generated_tokens"] += 1
+            if self.stops_at(seq):
                 stopped = True
                 break
         seq._notify()
         if seq.ending or done[slot] or stopped:
-            ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.options.eos_ids
+            ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.eos_ids
             seq.spec_counters = {f.name: int(getattr(counters, f.name)[slot]) for f in dataclasses.fields(counters)}
-            self._release(seq)
-            self._finish(seq, seq.ending or ("stop" if ended_at_eos or stopped else "length"))
+            self.release(seq)
+            self.finish(seq, seq.ending or ("stop" if ended_at_eos or stopped else "length"))
 
-    def _stops_at(self, seq: Sequence) -> bool:
+    def stops_at(self, seq: Sequence) -> bool:
         """Whether the request's newest token ends it: a stop token, or a stop string now in its text."""
         if seq.tokens[-1] in seq.stop_token_ids:
             return True
         if not seq.stop:
             return False
-        text = self.model.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
         return first_stop(text, seq.stop) is not None
 
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
+        """Frees a row's slot and pages, if it holds them (ended, cancelled, preempted)."""
         slot = seq.slot
-        if self.slot_table.release(seq):
+        if self._slot_table.release(seq):
             # The slot is done on device after the step that ended it; a cancelled row is
             # stopped here.
-            self.device.stop(slot)
+            self._device.stop(slot)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a request with finish reason `reason` (its slot already released) and wakes whoever
+        waits on it or streams it."""
         seq.finish_reason = reason
-        self.prometheus.finished(seq)
-        self._requests.pop(seq.id, None)
+        self._prometheus.finished(seq)
+        self._waiting.forget(seq)
         seq._events.put(None)
         seq._done.set()
         seq._notify()

@@ -43,21 +43,25 @@ from eejax.decode.steps import decode_slots
 from eejax.engine.admission import Admission
 from eejax.engine.delivery import Delivery
 from eejax.engine.device_slots import DeviceSlots
+from eejax.engine.faults import Faults
 from eejax.engine.lifecycle import Lifecycle
 from eejax.engine.metrics import ServeMetrics
 from eejax.engine.requests import Requests
-from eejax.engine.scheduler import BucketScheduler, Request, safe_pages
+from eejax.engine.scheduler import BucketScheduler, safe_pages
 from eejax.engine.sequence import Sequence
 from eejax.engine.slots import SlotPages, SlotTable
 from eejax.engine.speculation import Speculation
+from eejax.engine.transfers import PackedRead
+from eejax.engine.waiting import WaitingQueue
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models.registry import model_module
 from eejax.options import ExitConfig, StepOptions
+from eejax.sharding import to_host
 
 __all__ = ["Engine", "Sequence"]
 
 
-class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
+class Engine(Requests, Admission, Speculation, Lifecycle):
     """Continuous batching over `max_slots` decode slots and one paged cache of `cache_budget`;
     `pages="grow"` hands pages out as rows grow and preempts when they run out.
 
@@ -66,11 +70,12 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         engine.run()                     # or engine.start() for a background loop
         seq.tokens, seq.finish_reason
 
-    Request checks (`Requests`), admission and prefill (`Admission`), speculation rounds
-    (`Speculation`), delivery (`Delivery`) and the loop and faults (`Lifecycle`) live in their own
-    modules, as mixins over this state. Two parts own theirs and are reached through their
-    methods: the slots, pages and block table (`SlotTable`, `self.slot_table`) and the arrays
-    on the device (`DeviceSlots`, `self.device`). This one holds the rest and the step.
+    Parts that own their state, reached only through their methods: the requests waiting for a
+    slot (`WaitingQueue`, `self.waiting`), the slots, pages and block table (`SlotTable`,
+    `self.slot_table`), the arrays on the device (`DeviceSlots`, `self.device`), delivery to
+    requests (`Delivery`, `self.delivery`) and faults (`Faults`, `self.faults`). Request checks (`Requests`), admission and prefill
+    (`Admission`), speculation rounds (`Speculation`) and the loop and faults (`Lifecycle`) are
+    mixins over this object, which holds the rest: the step, its dispatch and the one-behind read.
     """
 
     def __init__(
@@ -166,7 +171,8 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         pages = SlotPages(num_pages, max_slots, page_size, self.table_width, prefix_caching)
         # Which row holds each slot: prefilling its prompt, or running (decoding).
         self.slot_table = SlotTable(max_slots, pages)
-        self.scheduler = BucketScheduler(
+        # The requests waiting for a slot, and the scheduler that admits them: a part that owns them.
+        scheduler = BucketScheduler(
             self.max_len + 1,
             page_size,
             policy=policy,
@@ -175,6 +181,7 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
             max_rows=max_slots,
             margin=margin,
         )
+        self.waiting = WaitingQueue(scheduler, self.grow, self._cache_prompt_len)
         self.sampling = SamplingParams(  # a request's default
             float(temperature),
             int(top_k),
@@ -198,8 +205,6 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         self.device = DeviceSlots(model, max_slots, max_new_tokens, num_pages, page_size, self.max_len, context_width)
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
         self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
-        self.waiting: dict[int, Sequence] = {}  # id -> sequence
-        self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._lock = threading.RLock()
         # Across processes (jax.distributed): process 0's changes since the last step, which its
@@ -221,7 +226,7 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self.prometheus = ServeMetrics(config.num_layers)
-        self.counters = {
+        self.counters = {  # every part adds to its own entries
             "steps": 0,
             "prefills": 0,
             "preemptions": 0,
@@ -233,6 +238,22 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
             "step_s": 0.0,
             "prefill_s": 0.0,
         }
+        # Tokens to their requests; rows that ended released and finished: a part.
+        self.delivery = Delivery(
+            model.tokenizer,
+            self.options.eos_ids,
+            self.slot_table,
+            self.device,
+            self.waiting,
+            self.prometheus,
+            self.counters,
+        )
+        # A program that raises fails its requests only; lost device arrays are rebuilt: a part.
+        self.faults = Faults(self.waiting, self.slot_table, self.device, self.delivery, self._drop_in_flight)
+
+    def _drop_in_flight(self) -> None:
+        """Forgets the program in flight, whose outputs will never be read (`Faults`)."""
+        self._pending = None
 
     @property
     def cache(self):
@@ -243,6 +264,11 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
     def state(self):
         """The slots' decode state on the device (read-only: `DeviceSlots`)."""
         return self.device.state
+
+    @property
+    def scheduler(self) -> BucketScheduler:
+        """The scheduler that picks the waiting requests admitted (`WaitingQueue.scheduler`)."""
+        return self.waiting.scheduler
 
     @property
     def pages(self) -> SlotPages:
@@ -259,10 +285,6 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
         """slot -> the admitted row whose prompt is not all in the cache yet (read-only)."""
         return self.slot_table.prefilling
 
-    def _in_slots(self) -> list[Sequence]:
-        """The rows that hold a slot: decoding, or prefilling their prompt."""
-        return list(self.running.values()) + list(self.prefilling.values())
-
     @property
     def busy(self) -> bool:
         return bool(self.running or self.prefilling or self.waiting or self._pending)
@@ -270,7 +292,7 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> None:
         """One iteration: admit into free slots, dispatch a decode step, read the previous one.
-        A program that fails fails only the requests it ran for (see `_guarded`)."""
+        A program that fails fails only the requests it ran for (`Faults.guarded`)."""
         start, compiled = time.perf_counter(), self.model.programs.compile_seconds
         last_end, self._last_step_end = self._last_step_end, None  # a step that raises times nothing after it
         with self._lock, self.model.programs.in_use():  # background compilations wait meanwhile
@@ -296,7 +318,7 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
                     group = np.zeros((self.slots,), bool)
                     group[[seq.slot for seq in members]] = True
                     group = self.device.upload(("group", group.tobytes()), group)
-                    self._guarded(members, self._dispatch, table, group, options)
+                    self.faults.guarded(members, self._dispatch, table, group, options)
             # Read next step even without a dispatch: a row's last tokens may be on device unread.
             self._pending = (self._outputs(), dict(self.running)) if self.running else None
             self._steps_in_flight = self._next_steps if dispatch else 0  # 0: nothing in flight
@@ -307,6 +329,33 @@ class Engine(Requests, Admission, Speculation, Delivery, Lifecycle):
                 self._time_program(end - last_end)
             self._last_dispatched, self._last_step_end = self._dispatched, end
         self.counters["step_s"] += end - start
+
+    def _outputs(self):
+        """What `_read` takes of the state just dispatched: its tokens, counts and flags packed
+        for one transfer, started now (`PackedRead`), and the log-probs if a row wants them."""
+        state = self.device.state
+        wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, state.confident_layers)
+        scored = any(seq.logprobs is not None for seq in self.running.values())
+        return PackedRead((*wanted, self.device.spec_counters)), state.logprobs if scored else None
+
+    def _read(self, outputs, running: dict[int, Sequence]) -> None:
+        """Delivers the tokens a finished step produced (`Delivery`); rows that ended (EOS, limit,
+        stop token or string, cancelled) are released. If the step failed on the device, its
+        requests fail."""
+        packed, logprobs = outputs
+        out = {}
+
+        def fetch():
+            out["host"] = (*packed.read(), None if logprobs is None else to_host(logprobs))
+
+        self.faults.guarded(list(running.values()), fetch)
+        if "host" not in out:
+            return
+        self._observe_acceptance(running, out["host"][5])
+        now = time.perf_counter()
+        for slot, seq in running.items():
+            if not seq.finished and self.running.get(slot) is seq:  # else ended, or preempted (recomputed later)
+                self.faults.guarded([seq], self.delivery.deliver, seq, slot, *out["host"], now)
 
     def _to_make(self, seq: Sequence) -> int:
         """Tokens a running row still has to make beyond those it surely has: read back, the

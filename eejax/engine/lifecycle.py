@@ -1,7 +1,6 @@
 """The engine's life, a part of `Engine`: running steps (in this thread or a background one, or in
-step with process 0 across processes), stopping, aborting and cancelling, and faults: a program
-that raises fails only the requests it ran for, lost device state is rebuilt, and a loop that
-dies says so. A mixin over the engine's state."""
+step with process 0 across processes), stopping, aborting, cancelling and deadlines; a step that
+raises is recovered from (`Faults`), and a loop that dies says so. A mixin over the engine."""
 
 from __future__ import annotations
 
@@ -16,45 +15,10 @@ log = logging.getLogger("eejax.serve")
 
 
 class Lifecycle:
-    def _guarded(self, seqs: list[Sequence], work, *args) -> None:
-        """Runs `work(*args)`, a program over the rows of `seqs`. If it raises, those requests
-        end with finish reason "error" (pages freed) and the others go on; if the device state
-        (cache, slot state) did not survive, every running request fails and it is rebuilt."""
-        try:
-            work(*args)
-        except Exception as e:  # noqa: BLE001 - whatever a program raises fails its requests only
-            log.exception("a step failed; failing requests %s", [seq.id for seq in seqs])
-            if not self.device.intact():
-                self._reset_device_state(e)
-            self._fail(seqs, e)
-
-    def _reset_device_state(self, error: BaseException) -> None:
-        """A fresh cache and slot state after they were lost: every running request fails."""
-        log.error("the device state was lost; failing %d running requests", len(self.running))
-        self.device.reset()
-        self._pending = None
-        self._fail(self._in_slots(), error)
-
-    def _fail(self, seqs: list[Sequence], error: BaseException) -> None:
-        """Ends `seqs` (running or waiting) with finish reason "error"; the lock is held."""
-        for seq in seqs:
-            if seq.finished:
-                continue
-            if self.waiting.pop(seq.id, None) is not None:
-                self.scheduler.remove(self._requests[seq.id])
-            self._release(seq)
-            seq.error = f"{type(error).__name__}: {error}"
-            self._finish(seq, "error")
-
     def _recover(self, error: BaseException) -> None:
-        """After a step raised outside any one program: its requests (the running ones; the
-        waiting ones if none ran, so that a fault in admission cannot repeat forever) fail."""
+        """After a step raised outside any one program (`Faults.recover`)."""
         with self._lock:
-            victims = self._in_slots() or list(self.waiting.values())
-            if not self.device.intact():
-                self._reset_device_state(error)
-            self._pending = None
-            self._fail(victims, error)
+            self.faults.recover(error)
 
     @property
     def alive(self) -> bool:
@@ -67,15 +31,14 @@ class Lifecycle:
         `lock_timeout`, the requests still end for their callers (the engine is going away)."""
         locked = self._lock.acquire(timeout=lock_timeout)
         try:
-            seqs = list(self.waiting.values()) + self._in_slots()
+            seqs = list(self.waiting.values()) + self.slot_table.rows()
             for seq in seqs:
                 if seq.finished:
                     continue
                 if locked:
-                    if self.waiting.pop(seq.id, None) is not None:
-                        self.scheduler.remove(self._requests[seq.id])
-                    self._release(seq)
-                self._finish(seq, reason)
+                    self.waiting.remove(seq)
+                    self.delivery.release(seq)
+                self.delivery.finish(seq, reason)
             return len(seqs)
         finally:
             if locked:
@@ -111,7 +74,7 @@ class Lifecycle:
         Waits at most `timeout` seconds for the loop (None: until it ends); False if it did not end."""
         if cancel:
             with self._lock:
-                seqs = list(self.waiting.values()) + self._in_slots()
+                seqs = list(self.waiting.values()) + self.slot_table.rows()
             for seq in seqs:
                 self.cancel(seq)
         self._stopping.set()
@@ -135,13 +98,11 @@ class Lifecycle:
         """`cancel` with the lock held: the request ends with finish reason `reason`."""
         if seq.finished:
             return
-        if seq.id in self.waiting:
-            self.scheduler.remove(self._requests[seq.id])
-            del self.waiting[seq.id]
-            self._finish(seq, reason)
+        if self.waiting.remove(seq):
+            self.delivery.finish(seq, reason)
         elif seq.slot is not None and self.prefilling.get(seq.slot) is seq:  # no tokens in flight
-            self._release(seq)
-            self._finish(seq, reason)
+            self.delivery.release(seq)
+            self.delivery.finish(seq, reason)
         else:
             seq.ending = reason  # released after the step in flight, with the tokens it made
 

@@ -70,7 +70,7 @@ def apply(engine, changes: list[tuple]) -> None:
             engine._count_decoding_options(value["exit"], value["spec"])
             seq = Sequence(**value)
             engine._by_id[seq.id] = seq
-            engine._queue(seq)
+            engine.waiting.queue(seq)
         else:
             seq = engine._by_id.get(value)
             if seq is not None:

@@ -13,7 +13,6 @@ from eejax.decode.prompts import prompt_token_ids
 from eejax.decode.sampling import SamplingParams, seed_key
 from eejax.decode.state import TOP_LOGPROBS
 from eejax.engine import replicas
-from eejax.engine.scheduler import Request
 from eejax.engine.sequence import Sequence
 from eejax.errors import EejaxError
 from eejax.models import exits
@@ -152,7 +151,7 @@ class Requests:
             if not queue:
                 return seq
             seq.deadline = None if timeout is None else seq.submitted_at + timeout
-            self._queue(seq)
+            self.waiting.queue(seq)
             if self._changes is not None:
                 self._changes.append(replicas.submitted(seq))
                 self._by_id[seq.id] = seq
@@ -174,19 +173,6 @@ class Requests:
                 f"speculation options and has them all; use one of: {', '.join(served)}"
             )
         self.decoding_options.add(options)
-
-    def _queue(self, seq: Sequence) -> None:
-        """Hands `seq` (new, or preempted: its prompt then grows by the tokens it has) to the
-        scheduler, which counts the pages admission must find: all of them, or with `grow`,
-        those of the prompt and one token."""
-        prompt_len = self._cache_prompt_len(seq.prompt) + len(seq.tokens)
-        remaining = seq.max_new_tokens - len(seq.tokens)
-        request = Request(
-            seq.id, prompt_len, 1 if self.grow else remaining, arrival=seq.submitted_at, priority=seq.priority
-        )
-        self._requests[seq.id] = request
-        self.waiting[seq.id] = seq
-        self.scheduler.submit(request)
 
     def _cache_prompt_len(self, prompt: list[int]) -> int:
         """Positions a row's prompt takes in the cache: the prompt's, an encoder-decoder's start token."""

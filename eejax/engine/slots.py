@@ -119,6 +119,10 @@ class SlotTable:
         self.prefilling = MappingProxyType(self._prefilling)
         self.running = MappingProxyType(self._running)
 
+    def rows(self) -> list[Sequence]:
+        """The rows that hold a slot: decoding, then prefilling their prompt."""
+        return [*self._running.values(), *self._prefilling.values()]
+
     def free(self) -> list[int]:
         """The slots no row holds, in order."""
         return [s for s in range(self.size) if s not in self._running and s not in self._prefilling]

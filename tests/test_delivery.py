@@ -1,0 +1,131 @@
+"""The engine's delivery and faults parts (`engine/delivery.py`, `engine/faults.py`) over real
+queue, slot and device parts, without an engine: a read step's tokens reach their request and
+its stream; a stop token, a stop string, EOS, the limit and a cancellation end it with their
+finish reason, its slot and pages freed, the slot stopped on device and the waiting queue's
+Request dropped. A failing program fails its rows only; one that lost the device arrays fails
+every row in a slot, which are rebuilt; a step that failed elsewhere fails its rows, or the
+waiting ones if no row held a slot."""
+
+import jax
+import numpy as np
+import pytest
+
+from eejax.decode.speculative import SpecCounters
+from eejax.engine.delivery import Delivery
+from eejax.engine.device_slots import DeviceSlots
+from eejax.engine.faults import Faults
+from eejax.engine.metrics import ServeMetrics
+from eejax.engine.scheduler import BucketScheduler
+from eejax.engine.sequence import Sequence
+from eejax.engine.slots import SlotPages, SlotTable
+from eejax.engine.waiting import WaitingQueue
+
+SLOTS, N, EOS = 2, 6, 2
+
+
+@pytest.fixture(scope="module")
+def device(tiny_model):
+    return DeviceSlots(tiny_model, SLOTS, max_new_tokens=N, num_pages=8, page_size=4, max_len=32)
+
+
+def parts(tiny_model, device):
+    table = SlotTable(SLOTS, SlotPages(8, SLOTS, 4, 8, prefix_caching=False))
+    waiting = WaitingQueue(BucketScheduler(33, 4, max_rows=SLOTS), grow=False, prompt_positions=len)
+    counters = {"generated_tokens": 0}
+    delivery = Delivery(tiny_model.tokenizer, (EOS,), table, device, waiting, ServeMetrics(4), counters)
+    return delivery, table, waiting, counters
+
+
+def running_row(table, waiting, slot: int, **kw) -> Sequence:
+    seq = Sequence(slot, [5, 6, 7], max_new_tokens=N, **kw)
+    waiting.queue(seq)
+    assert waiting.take(1, 8) == [seq]
+    table.admit(seq, slot, 3 + N)
+    table.start_decoding(seq)
+    return seq
+
+
+def outputs(slot: int, tokens: list[int], done: bool = False):
+    """A step's host outputs with `tokens` made for `slot`."""
+    num, flags = np.zeros((SLOTS,), np.int32), np.zeros((SLOTS,), bool)
+    made = np.zeros((SLOTS, N), np.int32)
+    num[slot], flags[slot], made[slot, : len(tokens)] = len(tokens), done, tokens
+    counters = jax.tree.map(np.asarray, SpecCounters.zeros(SLOTS))
+    return num, flags, made, made * 0 + 4, made * 0 + 4, counters, None, 0.0
+
+
+def test_tokens_reach_the_request_and_its_stream_and_the_limit_ends_it(tiny_model, device):
+    delivery, table, waiting, counters = parts(tiny_model, device)
+    seq = running_row(table, waiting, 1)
+    delivery.deliver(seq, 1, *outputs(1, [9, 10]))
+    assert seq.tokens == [9, 10] and seq.exit_layers == [4, 4] and not seq.finished
+    assert counters["generated_tokens"] == 2
+    delivery.deliver(seq, 1, *outputs(1, [9, 10, 11, 12, 13, 14], done=True))
+    assert seq.tokens == [9, 10, 11, 12, 13, 14] and seq.finish_reason == "length"
+    assert list(seq.stream()) == seq.tokens
+    assert not table.running and table.pages.metrics()["kv_pages_used"] == 0
+    assert bool(device.state.done[1])
+    with pytest.raises(KeyError):
+        waiting.request(seq)
+
+
+@pytest.mark.parametrize(
+    "kw, made, reason, kept",
+    [
+        ({"stop_token_ids": (11,)}, [9, 11, 12], "stop", 2),  # tokens after a stop token are dropped
+        ({}, [9, EOS], "stop", 2),
+        ({}, [9, 10], "cancelled", 2),
+    ],
+)
+def test_a_row_ends_with_its_finish_reason(tiny_model, device, kw, made, reason, kept):
+    delivery, table, waiting, _ = parts(tiny_model, device)
+    seq = running_row(table, waiting, 0, **kw)
+    if reason == "cancelled":
+        seq.ending = "cancelled"  # cancelled while its step was in flight
+    delivery.deliver(seq, 0, *outputs(0, made, done=made[-1] == EOS))
+    assert seq.tokens == made[:kept] and seq.finish_reason == reason and seq.slot is None
+
+
+def test_a_stop_string_ends_the_row_at_the_token_that_completes_it(tiny_model, device):
+    delivery, table, waiting, _ = parts(tiny_model, device)
+    text = tiny_model.tokenizer.decode([40, 41, 42], skip_special_tokens=True)
+    seq = running_row(table, waiting, 0, stop=(text[-2:],))
+    delivery.deliver(seq, 0, *outputs(0, [40, 41, 42, 43]))
+    assert seq.tokens == [40, 41, 42] and seq.finish_reason == "stop" and delivery.stops_at(seq)
+
+
+def test_a_failing_program_fails_its_rows_only_and_one_that_lost_the_device_arrays_every_row(tiny_model, device):
+    delivery, table, waiting, _ = parts(tiny_model, device)
+    lost = []
+    faults = Faults(waiting, table, device, delivery, lambda: lost.append(True))
+    a, b = running_row(table, waiting, 0), running_row(table, waiting, 1)
+    queued = Sequence(7, [5], max_new_tokens=N)
+    waiting.queue(queued)
+
+    def fails():
+        raise RuntimeError("bad program")
+
+    faults.guarded([a], fails)
+    assert a.finish_reason == "error" and a.error == "RuntimeError: bad program" and a.slot is None
+    assert not b.finished and not lost and table.rows() == [b]
+
+    def loses_the_cache():
+        jax.tree.map(lambda x: x.delete(), device.cache)
+        raise RuntimeError("lost")
+
+    faults.guarded([], loses_the_cache)
+    assert b.finish_reason == "error" and lost and device.intact() and table.rows() == []
+    assert not queued.finished and waiting.values() == [queued]
+
+
+def test_a_step_that_failed_outside_a_program_fails_the_rows_in_slots_or_else_the_waiting(tiny_model, device):
+    delivery, table, waiting, _ = parts(tiny_model, device)
+    lost = []
+    faults = Faults(waiting, table, device, delivery, lambda: lost.append(True))
+    row = running_row(table, waiting, 0)
+    queued = Sequence(7, [5], max_new_tokens=N)
+    waiting.queue(queued)
+    faults.recover(RuntimeError("admission"))
+    assert row.finish_reason == "error" and not queued.finished and lost == [True]
+    faults.recover(RuntimeError("admission"))
+    assert queued.finish_reason == "error" and len(waiting) == 0
