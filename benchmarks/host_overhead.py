@@ -41,7 +41,7 @@ from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.config import LlamaConfig  # noqa: E402
 from eejax.decode import early_exit  # noqa: E402
 from eejax.decode.control_flow import cache_copies, control_flow  # noqa: E402
-from eejax.engine import engine as engine_module  # noqa: E402
+from eejax.engine import dispatch as dispatch_module  # noqa: E402
 from eejax.loading.model import Model  # noqa: E402
 from eejax.models import draft_head  # noqa: E402
 from eejax.models.llama import init_params  # noqa: E402
@@ -94,8 +94,8 @@ class Counts:
 
     @contextlib.contextmanager
     def installed(self, model: Model):
-        to_host, device_put, asarray = engine_module.to_host, jax.device_put, jax.numpy.asarray
-        packed_read = engine_module.PackedRead.read
+        to_host, device_put, asarray = dispatch_module.to_host, jax.device_put, jax.numpy.asarray
+        packed_read = dispatch_module.PackedRead.read
 
         def counted(fn, program):
             self.compiled.setdefault(fn.__name__, set()).add(program)
@@ -127,8 +127,8 @@ class Counts:
 
         with (
             programs_wrapped(model, counted),
-            mock.patch.object(engine_module, "to_host", to_host_counted),
-            mock.patch.object(engine_module.PackedRead, "read", packed_read_counted),
+            mock.patch.object(dispatch_module, "to_host", to_host_counted),
+            mock.patch.object(dispatch_module.PackedRead, "read", packed_read_counted),
             mock.patch.object(jax, "device_put", device_put_counted),
             mock.patch.object(jax.numpy, "asarray", asarray_counted),
         ):

@@ -319,13 +319,15 @@ def test_adaptive_generation_is_lossless_and_turns_speculation_off(model, monkey
     while not first.spec_off and engine.busy:  # costs from the steps' wall times (one program each)
         engine.step()
     assert first.spec_off and not first.finished
-    (first_policy,) = engine.policies.values()
+    (first_policy,) = engine.speculation.policies.values()
     later = engine.submit(PROMPTS[1], max_new_tokens=longer, spec="draft:2:adaptive")
     engine.run()
     full = eejax.generate(model, PROMPTS[:2], max_new_tokens=longer, ignore_eos=True)
     assert [first.tokens, later.tokens] == full.tokens and later.spec_off
-    (later_policy,) = engine.policies.values()  # the later row's own, also turned off (a server keeps no past ones)
-    assert later_policy is not first_policy and later_policy.turned_off and not engine.past_policies
+    (later_policy,) = (
+        engine.speculation.policies.values()
+    )  # the later row's own, also turned off (a server keeps no past ones)
+    assert later_policy is not first_policy and later_policy.turned_off and not engine.speculation.past_policies
 
 
 SAMPLED_PROMPT = [3, 7, 1, 12, 5]

@@ -3,7 +3,7 @@
 import pytest
 
 import eejax
-from eejax.engine import engine as engine_module
+from eejax.engine import dispatch as dispatch_module
 from eejax.engine.engine import Engine
 from tests.helpers import random_prompts
 
@@ -153,9 +153,9 @@ def test_self_speculation_rows_beside_plain_rows_are_lossless(tiny_model, monkey
     limits = [11, 7, 9, 5, 13, 3]
     engine = Engine(tiny_model, max_slots=4, max_new_tokens=16, cache_budget="4MiB", page_size=8)
     seqs = [engine.submit(p, max_new_tokens=n, spec=s) for p, n, s in zip(prompts, limits, specs)]
-    reads, read = [], engine_module.PackedRead.read
-    monkeypatch.setattr(engine_module.PackedRead, "read", lambda packed: reads.append(packed) or read(packed))
-    monkeypatch.setattr(engine_module, "to_host", lambda tree: pytest.fail("a step read arrays one by one"))
+    reads, read = [], dispatch_module.PackedRead.read
+    monkeypatch.setattr(dispatch_module.PackedRead, "read", lambda packed: reads.append(packed) or read(packed))
+    monkeypatch.setattr(dispatch_module, "to_host", lambda tree: pytest.fail("a step read arrays one by one"))
     steps = 0
     while engine.busy:
         engine.step()
@@ -169,7 +169,13 @@ def test_self_speculation_rows_beside_plain_rows_are_lossless(tiny_model, monkey
             assert c["rounds"] + c["plain_steps"] > 0 and 0 <= seq.accepted <= seq.drafted
             assert (c["plain_steps"] > 0) <= s.endswith("adaptive")
     assert engine.metrics()["kv_pages_used"] == 0
-    assert sorted(spec.spec for spec, _ in engine.policies) == ["1:2", "1:2:adaptive", "2:1", "2:2:adaptive", "2:3"]
+    assert sorted(spec.spec for spec, _ in engine.speculation.policies) == [
+        "1:2",
+        "1:2:adaptive",
+        "2:1",
+        "2:2:adaptive",
+        "2:3",
+    ]
 
 
 def test_chunked_prefill_interleaves_a_long_prompt_with_decoding(tiny_model):
@@ -265,10 +271,10 @@ def test_a_scored_prompt_and_a_plain_one_prefill_in_the_same_step(tiny_model):
 def test_warmup_warns_when_memory_maps_may_run_out(tiny_model, monkeypatch, caplog):
     """Each XLA:CPU program holds memory maps (~256 for SmolLM2): a warm-up larger than the
     process's headroom under vm.max_map_count says so, naming the sysctl, before it compiles."""
-    from eejax.engine import admission
+    from eejax.engine import warmup
 
     engine = Engine(tiny_model, max_slots=1, max_new_tokens=4, cache_budget="4MiB", page_size=8)
-    monkeypatch.setattr(admission, "map_headroom", lambda: 100)
+    monkeypatch.setattr(warmup, "map_headroom", lambda: 100)
     with caplog.at_level("WARNING", logger="eejax.serve"):
         engine.warmup(max_prompt_len=16, progress=False)
     assert "vm.max_map_count" in caplog.text and "sysctl" in caplog.text

@@ -25,14 +25,14 @@ def test_a_failing_program_fails_only_its_requests(tiny_model):
     """The decode program of the rows that record log-probs raises: those requests end with an
     error, the others decode exactly, every page comes back, and the next request is served."""
     engine = Engine(tiny_model, max_slots=4, max_new_tokens=12, cache_budget="4MiB", page_size=8)
-    real = engine._decode_program
+    real = engine.dispatch.decode_program
 
     def failing(table, group, options):
         if options.logprobs:
             raise RuntimeError("injected fault")
         return real(table, group, options)
 
-    engine._decode_program = failing
+    engine.dispatch.decode_program = failing
     prompts = random_prompts(3, [5, 9, 3], seed=11)
     seqs = [
         engine.submit(prompts[0], max_new_tokens=10),
@@ -54,7 +54,7 @@ def test_lost_device_state_fails_the_running_requests_and_is_rebuilt(tiny_model)
     """A program that failed after its donated cache was consumed: every running request fails
     (their K/V is gone), a fresh cache and slot state are built, and later requests are exact."""
     engine = Engine(tiny_model, max_slots=2, max_new_tokens=12, cache_budget="4MiB", page_size=8)
-    real, calls = engine._dispatch, []
+    real, calls = engine.dispatch.dispatch, []
 
     def consuming(*args):
         calls.append(1)
@@ -63,7 +63,7 @@ def test_lost_device_state_fails_the_running_requests_and_is_rebuilt(tiny_model)
             raise RuntimeError("device fault")
         return real(*args)
 
-    engine._dispatch = consuming
+    engine.dispatch.dispatch = consuming
     prompts = random_prompts(3, [6, 4, 8], seed=12)
     first = [engine.submit(p, max_new_tokens=10) for p in prompts[:2]]
     engine.run()

@@ -182,13 +182,13 @@ def test_a_programs_first_run_is_not_timed():
     import jax
     import jax.numpy as jnp
 
-    from eejax.engine.speculation import Speculation
+    from eejax.engine.speculation import run_timed
 
     program = jax.jit(lambda x: x + 1).lower(jnp.ones(3)).compile()
-    engine, args = Speculation(), (jnp.ones(3),)
-    out, seconds = engine._run(program, args, True)
+    args = (jnp.ones(3),)
+    out, seconds = run_timed(program, args, True)
     assert seconds is None and float(out[0]) == 2.0
-    assert engine._run(program, args, True)[1] > 0 and engine._run(program, args, False)[1] is None
+    assert run_timed(program, args, True)[1] > 0 and run_timed(program, args, False)[1] is None
 
 
 def test_marginal_rounds_time_a_plain_step_again():

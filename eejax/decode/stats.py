@@ -130,7 +130,7 @@ def generate_stats(model, engine, seqs, exit_config, spec_config, run_s: float, 
         engine_steps=engine.counters["steps"],
     )
     if spec_config is not None:
-        t, policies = spec_totals, list(engine.policies.values()) + engine.past_policies
+        t, policies = spec_totals, list(engine.speculation.policies.values()) + engine.speculation.past_policies
         chosen = sum((p.chosen for p in policies), collections.Counter())
         bonuses = sum((p.bonuses for p in policies), collections.Counter())
         rounds = sum(n for d, n in chosen.items() if d)  # rounds only; plain steps are counted apart

@@ -16,7 +16,7 @@ its own options decodes it (its λ(t) schedule, its seed), whatever else shares 
 programs are compiled for the engine's `max_new_tokens` (their record width).
 
 Pages: a row's pages always cover every position the program being dispatched can write, the
-program still in flight counted (`Engine._span`); writes past a row's block table go to the null page.
+program still in flight counted (`Dispatch.span`); writes past a row's block table go to the null page.
 A request is accepted only if admission could start it in an empty cache (`max_len`).
 
 Faults: a program that raises fails only the requests it ran for (finish reason "error"); lost
@@ -27,7 +27,6 @@ static, and at most `max_decoding_options` of them are served, so the programs s
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import time
@@ -39,10 +38,11 @@ import numpy as np
 from eejax.cache import page_bytes, pages_for_budget, pages_needed
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.sampling import SamplingParams
-from eejax.decode.steps import decode_slots
+from eejax.engine import replicas
 from eejax.engine.admission import Admission
 from eejax.engine.delivery import Delivery
 from eejax.engine.device_slots import DeviceSlots
+from eejax.engine.dispatch import Dispatch
 from eejax.engine.faults import Faults
 from eejax.engine.lifecycle import Lifecycle
 from eejax.engine.metrics import ServeMetrics
@@ -51,17 +51,16 @@ from eejax.engine.scheduler import BucketScheduler, safe_pages
 from eejax.engine.sequence import Sequence
 from eejax.engine.slots import SlotPages, SlotTable
 from eejax.engine.speculation import Speculation
-from eejax.engine.transfers import PackedRead
 from eejax.engine.waiting import WaitingQueue
+from eejax.engine.warmup import warmup
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models.registry import model_module
 from eejax.options import ExitConfig, StepOptions
-from eejax.sharding import to_host
 
 __all__ = ["Engine", "Sequence"]
 
 
-class Engine(Requests, Admission, Speculation, Lifecycle):
+class Engine(Requests, Lifecycle):
     """Continuous batching over `max_slots` decode slots and one paged cache of `cache_budget`;
     `pages="grow"` hands pages out as rows grow and preempts when they run out.
 
@@ -72,10 +71,12 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
 
     Parts that own their state, reached only through their methods: the requests waiting for a
     slot (`WaitingQueue`, `self.waiting`), the slots, pages and block table (`SlotTable`,
-    `self.slot_table`), the arrays on the device (`DeviceSlots`, `self.device`), delivery to
-    requests (`Delivery`, `self.delivery`) and faults (`Faults`, `self.faults`). Request checks (`Requests`), admission and prefill
-    (`Admission`), speculation rounds (`Speculation`) and the loop and faults (`Lifecycle`) are
-    mixins over this object, which holds the rest: the step, its dispatch and the one-behind read.
+    `self.slot_table`), the arrays on the device (`DeviceSlots`, `self.device`), the programs'
+    dispatch and one-behind read (`Dispatch`, `self.dispatch`) with the speculation policies
+    (`Speculation`, `self.speculation`), delivery to requests (`Delivery`, `self.delivery`) and
+    faults (`Faults`, `self.faults`), and admission with prefill (`Admission`,
+    `self.admission`). Request checks (`Requests`) and the loop (`Lifecycle`) are mixins over
+    this object, which composes the parts and takes the step.
     """
 
     def __init__(
@@ -152,7 +153,7 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         # Chunked prefill: at most this many prompt tokens are prefilled per step (oldest
         # admission first), between the decode steps of the running rows; None: whole prompts.
         self.prefill_chunk = prefill_chunk
-        # Decode steps per program (`_steps_per_dispatch` falls back to 1); 1: always one.
+        # Decode steps per program (`Dispatch.plan` falls back to 1); 1: always one.
         self.steps_per_dispatch = int(steps_per_dispatch)
         per_page = page_bytes(model.cache_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
         num_pages = pages_for_budget(cache_budget, per_page)
@@ -193,7 +194,6 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         self.sampling.check_vocab(config.vocab_size)
         # The options of the engine's programs; a group of rows replaces the per-request ones.
         self.options = StepOptions(max_new_tokens, () if ignore_eos else model.eos_token_ids, attention=attention)
-        self._options_made: dict[tuple, StepOptions] = {}  # `_options`' by what a row asks for
         self._seeds = np.random.default_rng(seed)  # a request without a seed draws one from here
         # Early-exit and speculation options are static in the programs (each compiles its own):
         # at most `max_decoding_options` distinct ones, so that no client keeps the server compiling.
@@ -203,24 +203,11 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
         # the device, and the uploads of block tables and group masks: a part that owns them.
         context_width = bucket(max_prompt_tokens, MIN_PROMPT_BUCKET) if self.encoder_decoder else None
         self.device = DeviceSlots(model, max_slots, max_new_tokens, num_pages, page_size, self.max_len, context_width)
-        self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows (`Speculation`)
-        self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
         self._ids = itertools.count()
         self._lock = threading.RLock()
         # Across processes (jax.distributed): process 0's changes since the last step, which its
-        # replicas apply before stepping with it (`serve.replicas`); None in one process.
-        self._changes: list | None = [] if jax.process_count() > 1 and not batch_job else None
-        self._by_id: dict[int, Sequence] = {}
-        # (its outputs on their way to the host, slot -> sequence) of the last dispatched step, not read yet
-        self._pending = None
-        # Decode steps of the program in flight (read after the next dispatch), and of the next.
-        self._steps_in_flight = self._next_steps = 1
-        # The programs the last step dispatched and when it ended: an adaptive speculation
-        # policy's costs (`Speculation._time_program`).
-        self._dispatched: list = []
-        self._programs_now = 0  # programs the step being taken dispatches
-        self._last_dispatched: list = []
-        self._last_step_end: float | None = None
+        # replicas apply before stepping with it (`engine/replicas.py`); inactive in one process.
+        self.replication = replicas.ChangeLog(jax.process_count() > 1 and not batch_job)
         self.error: BaseException | None = None  # what stopped the background loop, if it died
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -248,12 +235,48 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
             self.prometheus,
             self.counters,
         )
-        # A program that raises fails its requests only; lost device arrays are rebuilt: a part.
-        self.faults = Faults(self.waiting, self.slot_table, self.device, self.delivery, self._drop_in_flight)
-
-    def _drop_in_flight(self) -> None:
-        """Forgets the program in flight, whose outputs will never be read (`Faults`)."""
-        self._pending = None
+        # A program that raises fails its requests only; lost device arrays are rebuilt (and the
+        # program in flight is forgotten): a part.
+        self.faults = Faults(
+            self.waiting, self.slot_table, self.device, self.delivery, lambda: self.dispatch.drop_in_flight()
+        )
+        # The speculating rows' policies and rounds, and the dispatch of every program with the
+        # one-behind read of its outputs: parts.
+        self.speculation = Speculation(model, self.device, batch_job, self.steps_per_dispatch)
+        self.dispatch = Dispatch(
+            model,
+            self.options,
+            self.slot_table,
+            self.device,
+            self.speculation,
+            self.delivery,
+            self.faults,
+            self.counters,
+            steps_per_dispatch=self.steps_per_dispatch,
+            batch_job=batch_job,
+            table_width=self.table_width,
+            prompt_positions=self._cache_prompt_len,
+        )
+        # Free slots to waiting rows, their prefills, pages for growing rows, preemption: a part.
+        self.admission = Admission(
+            model,
+            self.options,
+            self.waiting,
+            self.slot_table,
+            self.device,
+            self.dispatch,
+            self.delivery,
+            self.faults,
+            self.prometheus,
+            self.counters,
+            max_len=self.max_len,
+            max_prompt_tokens=self.max_prompt_tokens,
+            prefill_chunk=prefill_chunk,
+            grow=self.grow,
+            batch_job=batch_job,
+            table_width=self.table_width,
+            prompt_positions=self._cache_prompt_len,
+        )
 
     @property
     def cache(self):
@@ -287,141 +310,34 @@ class Engine(Requests, Admission, Speculation, Lifecycle):
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.prefilling or self.waiting or self._pending)
+        return bool(self.running or self.prefilling or self.waiting or self.dispatch.in_flight)
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> None:
-        """One iteration: admit into free slots, dispatch a decode step, read the previous one.
-        A program that fails fails only the requests it ran for (`Faults.guarded`)."""
+        """One iteration: admit into free slots, prefill, dispatch the running rows' programs and
+        read the previous ones (`Dispatch`). A program that fails fails only the requests it ran
+        for (`Faults.guarded`)."""
         start, compiled = time.perf_counter(), self.model.programs.compile_seconds
-        last_end, self._last_step_end = self._last_step_end, None  # a step that raises times nothing after it
         with self._lock, self.model.programs.in_use():  # background compilations wait meanwhile
-            self._admit()
+            last_end = self.dispatch.step_started()  # a step that raises times nothing after it
+            self.admission.admit()
             prefills = bool(self.prefilling)
-            self._prefill_some()
-            self._dispatched = []  # per program: what an adaptive policy learns from its cost, or None
-            self._next_steps = self._steps_per_dispatch()
+            self.admission.prefill_some()
+            self.dispatch.plan(waiting=bool(self.waiting))
             if self.grow:
-                self._grow()
-            pending = self._pending
-            # Nothing to dispatch when the program in flight ends every running row at its limit.
-            dispatch = any(self._to_make(seq) > 0 for seq in self.running.values())
-            if dispatch:
-                table = self._table()
-                # One program per (early exit, sampler, speculation, log-probs) option among the
-                # running rows (usually one); the other rows wait through it.
-                groups: dict = {}
-                for seq in self.running.values():
-                    groups.setdefault(self._options(seq), []).append(seq)
-                self._programs_now = len(groups)
-                for options, members in groups.items():
-                    group = np.zeros((self.slots,), bool)
-                    group[[seq.slot for seq in members]] = True
-                    group = self.device.upload(("group", group.tobytes()), group)
-                    self.faults.guarded(members, self._dispatch, table, group, options)
-            # Read next step even without a dispatch: a row's last tokens may be on device unread.
-            self._pending = (self._outputs(), dict(self.running)) if self.running else None
-            self._steps_in_flight = self._next_steps if dispatch else 0  # 0: nothing in flight
-            if pending is not None:
-                self._read(*pending)
+                self.admission.grow_pages()
+            self.dispatch.dispatch_and_read()
             end = time.perf_counter()
-            if not prefills and self.model.programs.compile_seconds == compiled and last_end is not None:
-                self._time_program(end - last_end)
-            self._last_dispatched, self._last_step_end = self._dispatched, end
+            timed = not prefills and self.model.programs.compile_seconds == compiled and last_end is not None
+            self.dispatch.step_ended(end, end - last_end if timed else None)
         self.counters["step_s"] += end - start
 
-    def _outputs(self):
-        """What `_read` takes of the state just dispatched: its tokens, counts and flags packed
-        for one transfer, started now (`PackedRead`), and the log-probs if a row wants them."""
-        state = self.device.state
-        wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, state.confident_layers)
-        scored = any(seq.logprobs is not None for seq in self.running.values())
-        return PackedRead((*wanted, self.device.spec_counters)), state.logprobs if scored else None
-
-    def _read(self, outputs, running: dict[int, Sequence]) -> None:
-        """Delivers the tokens a finished step produced (`Delivery`); rows that ended (EOS, limit,
-        stop token or string, cancelled) are released. If the step failed on the device, its
-        requests fail."""
-        packed, logprobs = outputs
-        out = {}
-
-        def fetch():
-            out["host"] = (*packed.read(), None if logprobs is None else to_host(logprobs))
-
-        self.faults.guarded(list(running.values()), fetch)
-        if "host" not in out:
-            return
-        self._observe_acceptance(running, out["host"][5])
-        now = time.perf_counter()
-        for slot, seq in running.items():
-            if not seq.finished and self.running.get(slot) is seq:  # else ended, or preempted (recomputed later)
-                self.faults.guarded([seq], self.delivery.deliver, seq, slot, *out["host"], now)
-
-    def _to_make(self, seq: Sequence) -> int:
-        """Tokens a running row still has to make beyond those it surely has: read back, the
-        prefill's first token, and those of the program in flight (its decode steps, at least
-        one per speculation round)."""
-        made = len(seq.tokens) + (len(seq.tokens) == seq.offset)
-        if self._steps_in_flight and self._pending is not None and self._pending[1].get(seq.slot) is seq:
-            made += 1 if seq.speculating else self._steps_in_flight
-        return seq.max_new_tokens - made
-
-    def _steps_per_dispatch(self) -> int:
-        """Decode steps in the next program: `steps_per_dispatch` (one dispatch and one read per
-        several tokens) unless a prompt is being prefilled (chunks come every step), or requests
-        wait and a row reaches its limit within the program (its slot and pages go to them at
-        once), or (serving) no row has that many tokens to go: its last tokens would wait for
-        the program's idle steps. (A row ending at EOS inside a program keeps its slot to the
-        program's end.) A speculation round is one per dispatch."""
-        if self.prefilling or not self.running:
-            return 1
-        to_go = [seq.max_new_tokens - len(seq.tokens) for seq in self.running.values()]
-        enough = self.steps_per_dispatch + self._steps_in_flight
-        if self.waiting:
-            return self.steps_per_dispatch if min(to_go) > enough else 1
-        return self.steps_per_dispatch if self.batch_job or max(to_go) > enough else 1
-
-    def _dispatch(self, table, group, options: StepOptions) -> None:
-        """Dispatches one program of the slots in `group`: `options.num_steps` decode steps, or a
-        speculation round."""
-        self._dispatched.append(None)
-        if options.spec is None:
-            program, args = self._decode_program(table, group, options)
-            self.device.keep(*program(*args))
-        else:
-            self._dispatch_round(table, group, options)
-        self.counters["steps"] += 1
-
-    def _options(self, seq: Sequence) -> StepOptions:
-        """The options of a row's decode program; rows alike share one. (Greedy rows never share
-        a program with sampled ones: their argmax runs alone; nor do rows that filter (top-k /
-        top-p: a sort) with rows that only scale.) A speculation round's d and bonus pass come from
-        its group's policy at dispatch (`Speculation`)."""
-        sampling = seq.sampling
-        if seq.spec is not None:
-            key = (sampling.sampler, seq.logprobs is not None, sampling.penalized, True, seq.spec, seq.spec_off)
-        else:
-            key = (sampling.sampler, seq.logprobs is not None, sampling.penalized, False, seq.exit, self._next_steps)
-        options = self._options_made.get(key)  # made once: each row asks at every dispatch
-        if options is None:
-            if len(self._options_made) >= 256:  # a server's requests may ask for ever new exits
-                self._options_made.clear()
-            options = dataclasses.replace(self.options, sampler=key[0], logprobs=key[1], penalties=key[2])
-            if seq.spec is not None:
-                options = dataclasses.replace(options, spec=seq.spec, spec_off=seq.spec_off)
-            else:
-                options = dataclasses.replace(options, exit=seq.exit, num_steps=self._next_steps)
-            self._options_made[key] = options
-        return options
-
-    def _table(self):
-        longest = max(self._span(s) for s in self.running.values())
-        width = min(self.table_width, bucket(pages_needed(longest, self.page_size)))
-        return self.device.upload(("table", width), self.pages.table(width))
-
-    def _decode_program(self, table, group, options: StepOptions, now: bool = False):
-        args = (self.model.run_params, self.device.cache, self.device.state_for(options), table, group)
-        return self.model.program(decode_slots, args, options, now)
+    def warmup(self, max_prompt_len: int | None = None, progress: bool = True, requests=()) -> int:
+        """Compiles, before the first requests, every program requests of the engine's own options
+        and of each of `requests` (dicts of `submit`'s options) can reach, for prompts of up to
+        `max_prompt_len` tokens (default: the context); runs none. Returns how many programs
+        were new (`engine/warmup.py` says which)."""
+        return warmup(self, max_prompt_len, progress, requests)
 
     # -- reports -------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:

@@ -90,8 +90,8 @@ class Lifecycle:
     def cancel(self, seq: Sequence) -> None:
         """Ends a request now (a client that went away): its slot and pages are freed."""
         with self._lock:
-            if self._changes is not None and not seq.finished:
-                self._changes.append(replicas.cancelled(seq))
+            if not seq.finished:
+                self.replication.cancelled(seq)
             self._cancel_locked(seq)
 
     def _cancel_locked(self, seq: Sequence, reason: str = "cancelled") -> None:
@@ -117,8 +117,7 @@ class Lifecycle:
                 if seq.deadline is None or now < seq.deadline or seq.finished or seq.ending:
                     continue
                 seq.timed_out = True
-                if self._changes is not None:
-                    self._changes.append(replicas.cancelled(seq))
+                self.replication.cancelled(seq)
                 self._cancel_locked(seq, "length")
 
     def _step_or_recover(self) -> None:
@@ -129,17 +128,16 @@ class Lifecycle:
             self._recover(e)
 
     def _forget_finished(self) -> None:
-        """Drops finished requests from the id index the replicas keep (`serve.replicas`)."""
+        """Drops finished requests from the id index the replicas keep (`replicas.ChangeLog`)."""
         with self._lock:
-            for seq_id in [i for i, seq in self._by_id.items() if seq.finished]:
-                del self._by_id[seq_id]
+            self.replication.forget_finished()
 
     def _replicated_iteration(self) -> bool:
         """Process 0 of several: sends its changes to the replicas and steps with them (the lock
         held throughout, so no request slips in between); False once it has told them to stop."""
         self._expire_deadlines()
         with self._lock:
-            changes, self._changes = self._changes, []
+            changes = self.replication.take()
             busy = self.busy
             stopping = self._stopping.is_set() and not busy
             replicas.broadcast(replicas.STOP if stopping else (changes, busy))
@@ -156,7 +154,7 @@ class Lifecycle:
     def _loop(self) -> None:
         try:
             while True:
-                if self._changes is not None:
+                if self.replication.active:
                     if not self._replicated_iteration():
                         return
                     continue

@@ -46,6 +46,43 @@ def cancelled(seq) -> tuple:
     return ("cancel", seq.id)
 
 
+class ChangeLog:
+    """Process 0's changes to its engine since the last step, which the replicas apply before
+    stepping with it, and the requests they name by id (submitted on process 0, applied on a
+    replica; dropped once finished). It records nothing in one process (`active` False)."""
+
+    def __init__(self, active: bool):
+        self.active = active
+        self._changes: list[tuple] = []
+        self._by_id: dict = {}  # id -> Sequence
+
+    def submitted(self, seq) -> None:
+        if self.active:
+            self._changes.append(submitted(seq))
+            self._by_id[seq.id] = seq
+
+    def cancelled(self, seq) -> None:
+        if self.active:
+            self._changes.append(cancelled(seq))
+
+    def take(self) -> list[tuple]:
+        """The changes since the last `take`."""
+        changes, self._changes = self._changes, []
+        return changes
+
+    def applied(self, seq) -> None:
+        """A replica holds `seq`, submitted on process 0."""
+        self._by_id[seq.id] = seq
+
+    def find(self, seq_id):
+        """The request of id `seq_id` (None: finished and forgotten, or never seen)."""
+        return self._by_id.get(seq_id)
+
+    def forget_finished(self) -> None:
+        for seq_id in [i for i, seq in self._by_id.items() if seq.finished]:
+            del self._by_id[seq_id]
+
+
 def broadcast(message=None):
     """Process 0's `message` (any picklable value), returned on every process. The payload is
     padded to a power of two, so the broadcast compiles once per size class."""
@@ -69,10 +106,10 @@ def apply(engine, changes: list[tuple]) -> None:
         if kind == "submit":
             engine._count_decoding_options(value["exit"], value["spec"])
             seq = Sequence(**value)
-            engine._by_id[seq.id] = seq
+            engine.replication.applied(seq)
             engine.waiting.queue(seq)
         else:
-            seq = engine._by_id.get(value)
+            seq = engine.replication.find(value)
             if seq is not None:
                 engine._cancel_locked(seq)
 

@@ -12,7 +12,6 @@ import numpy as np
 from eejax.decode.prompts import prompt_token_ids
 from eejax.decode.sampling import SamplingParams, seed_key
 from eejax.decode.state import TOP_LOGPROBS
-from eejax.engine import replicas
 from eejax.engine.sequence import Sequence
 from eejax.errors import EejaxError
 from eejax.models import exits
@@ -152,9 +151,7 @@ class Requests:
                 return seq
             seq.deadline = None if timeout is None else seq.submitted_at + timeout
             self.waiting.queue(seq)
-            if self._changes is not None:
-                self._changes.append(replicas.submitted(seq))
-                self._by_id[seq.id] = seq
+            self.replication.submitted(seq)
         self._wake.set()
         return seq
 

@@ -7,7 +7,8 @@ the rounds that time the draft and the verify programs apart and the plain full-
 taken while no round pays (`SpeculationPolicy`). Where the policy
 turns a draft head's speculation off, its rows run as plain rows for good (`Sequence.spec_off`:
 their own group, plain steps without the draft's catch-up, still counted as plain steps), and
-rows that come later get a new policy. A mixin over the engine's slots and device state."""
+rows that come later get a new policy. It owns the policies and what it times of the programs
+it dispatched; the programs take their arrays from `DeviceSlots` and give them back there."""
 
 from __future__ import annotations
 
@@ -23,14 +24,57 @@ from eejax.decode import cost
 from eejax.decode.sampling import GREEDY
 from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.decode.speculative import draft_slots, plain_step_slots, spec_round_slots, verify_slots
+from eejax.engine.device_slots import DeviceSlots
 from eejax.engine.sequence import Sequence
 from eejax.models import exits
 from eejax.options import StepOptions
 
-PROGRAMS_RUN = weakref.WeakSet()  # the compiled programs this process has run (`Speculation._run`)
+PROGRAMS_RUN = weakref.WeakSet()  # the compiled programs this process has run (`run_timed`)
+
+
+def run_timed(program, args, timed: bool):
+    """(program(*args), its wall seconds or None). Timed, it starts once what runs before it
+    ended and the host waits for its end; untimed (also a program's first run in this
+    process, which pays one-time costs: 3x a round's time was seen), it is dispatched
+    asynchronously."""
+    first = program not in PROGRAMS_RUN
+    PROGRAMS_RUN.add(program)
+    if not timed or first:
+        return program(*args), None
+    jax.block_until_ready(args)
+    start = time.perf_counter()
+    out = jax.block_until_ready(program(*args))
+    return out, time.perf_counter() - start
 
 
 class Speculation:
+    """The speculating rows' policies and rounds. `batch_job`: the policies that turned their rows'
+    speculation off are kept for the job's stats (`past_policies`); a server drops them.
+    `steps_per_dispatch`: a decode program's steps (the plain programs warm-up compiles)."""
+
+    def __init__(self, model, device: DeviceSlots, batch_job: bool, steps_per_dispatch: int):
+        self.model, self.config, self._device = model, model.config, device
+        self.batch_job, self.steps_per_dispatch = batch_job, steps_per_dispatch
+        self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows
+        self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
+        # Per speculation program of this step and of the last: (policy, d, passes, first run)
+        # for an adaptive policy to learn its cost from, or None; and the programs (of any kind)
+        # this step and the last dispatched.
+        self._dispatched: list = []
+        self._last_dispatched: list = []
+        self._programs_now = self._programs_last = 0
+
+    def begin_step(self, programs: int) -> None:
+        """A step is about to dispatch `programs` programs (decode programs and rounds)."""
+        self._dispatched, self._programs_now = [], programs
+
+    def end_step(self, seconds: float | None) -> None:
+        """The step ended; `seconds`: its wall time, end to end, if it prefilled and compiled
+        nothing (what the last step's program cost in the loop: `_time_program`)."""
+        if seconds is not None:
+            self._time_program(seconds)
+        self._last_dispatched, self._programs_last = self._dispatched, self._programs_now
+
     def _policy(self, options: StepOptions) -> SpeculationPolicy:
         """The policy of the rows speculating with `options.spec` and `options.sampler` (a new
         one where the last turned its rows' speculation off: these rows came later; a batch job
@@ -49,28 +93,29 @@ class Speculation:
             self.policies[key] = SpeculationPolicy(spec, unit_costs=unit_costs, sampled=options.sampler != GREEDY)
         return self.policies[key]
 
-    def _dispatch_round(self, table, group, options: StepOptions) -> None:
-        """One speculation round of the slots in `group` (adaptive: or a plain step)."""
+    def dispatch(self, table, group, options: StepOptions, members: list[Sequence], decode_steps: int) -> None:
+        """One speculation round of `members`, the rows of the slots in `group` (adaptive: or a
+        plain step); `decode_steps`: what a decode program runs now (plain steps in a round's place)."""
+        self._dispatched.append(None)
         if options.spec_off:
-            self._dispatch_plain(table, group, options, self._next_steps)
+            self._dispatch_plain(table, group, options, decode_steps)
             return
         policy = self._policy(options)
         d = policy.next_speculations()
         if policy.turned_off:  # no round would pay even at a higher acceptance: off for good
-            for seq in self.running.values():
-                if self._options(seq) == options:
-                    seq.spec_off = True
-            # the rows' pages cover a round's positions this time (`_span`)
+            for seq in members:
+                seq.spec_off = True
+            # the rows' pages cover a round's positions this time (`Dispatch.span`)
             self._dispatch_plain(
-                table, group, dataclasses.replace(options, spec_off=True), self._plain_steps(options, self._next_steps)
+                table, group, dataclasses.replace(options, spec_off=True), self._plain_steps(options, decode_steps)
             )
             return
         if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
-            steps = self._plain_steps(options, self._next_steps)
+            steps = self._plain_steps(options, decode_steps)
             plain, args = self._plain_program(table, group, options, steps)
             self._dispatched[-1] = (policy, 0, steps, plain not in PROGRAMS_RUN)
-            outputs, seconds = self._run(plain, args, self._must_wait(policy.c_full is not None))
-            self.device.keep(*outputs)
+            outputs, seconds = run_timed(plain, args, self._must_wait(policy.c_full is not None))
+            self._device.keep(*outputs)
             if seconds is not None:
                 policy.observe_plain(seconds / steps)
             return
@@ -78,11 +123,11 @@ class Speculation:
         round_options = options.round(d, bonus)
         if policy.split:  # adaptive: time the draft passes apart from the verification
             draft, args = self._draft_program(table, group, round_options)
-            (drafts, cache), draft_s = self._run(draft, args, True)
-            self.device.keep(cache=cache)
+            (drafts, cache), draft_s = run_timed(draft, args, True)
+            self._device.keep(cache=cache)
             verify, args = self._verify_program(table, group, drafts, round_options)
-            outputs, verify_s = self._run(verify, args, True)
-            self.device.keep(*outputs)
+            outputs, verify_s = run_timed(verify, args, True)
+            self._device.keep(*outputs)
             if draft_s is not None and verify_s is not None:
                 policy.observe_times(d, draft_s, verify_s, passes=d + bonus)
             return
@@ -91,8 +136,8 @@ class Speculation:
         if policy.spec.adaptive:
             self._dispatched[-1] = (policy, d, d + bonus, program not in PROGRAMS_RUN)
             timed = self._must_wait(d in policy.whole_rounds)
-        outputs, seconds = self._run(program, args, timed)
-        self.device.keep(*outputs)
+        outputs, seconds = run_timed(program, args, timed)
+        self._device.keep(*outputs)
         if seconds is not None:
             policy.observe_round(d, seconds, passes=d + bonus)
 
@@ -108,7 +153,7 @@ class Speculation:
         for it to read its tokens (with the host's own work that it could not hide). An adaptive
         policy learns its plain steps and whole rounds from these (a first run pays one-time
         costs: not counted)."""
-        if len(self._last_dispatched) != 1 or self._last_dispatched[0] is None:
+        if self._programs_last != 1 or len(self._last_dispatched) != 1 or self._last_dispatched[0] is None:
             return
         policy, d, passes, first = self._last_dispatched[0]
         if first:
@@ -122,27 +167,13 @@ class Speculation:
         """`steps` plain full-depth steps of the slots in `group`, whose speculation is off, counted
         as the plain steps a round's place takes are (`speculative.plain_step`)."""
         plain, args = self._plain_program(table, group, options, steps)
-        self.device.keep(*self._run(plain, args, False)[0])
-
-    def _run(self, program, args, timed: bool):
-        """(program(*args), its wall seconds or None). Timed, it starts once what runs before it
-        ended and the host waits for its end; untimed (also a program's first run in this
-        process, which pays one-time costs: 3x a round's time was seen), it is dispatched
-        asynchronously."""
-        first = program not in PROGRAMS_RUN
-        PROGRAMS_RUN.add(program)
-        if not timed or first:
-            return program(*args), None
-        jax.block_until_ready(args)
-        start = time.perf_counter()
-        out = jax.block_until_ready(program(*args))
-        return out, time.perf_counter() - start
+        self._device.keep(*run_timed(plain, args, False)[0])
 
     # Each returns (program, args); `now`: compile the split layout's program before it runs (warm-up),
     # not in the background while the stacked one runs (`Model.program`).
     def _plain_program(self, table, group, options: StepOptions, steps: int, now: bool = False):
         plain = options.plain(steps, catch_up=not options.spec_off)
-        device = self.device
+        device = self._device
         args = (self.model.run_params, device.cache, device.state_for(plain), device.spec_counters, table, group)
         return self.model.program(plain_step_slots, args, plain, now)
 
@@ -154,7 +185,7 @@ class Speculation:
         return min(decode_steps, options.spec.max_speculations + 1)
 
     def _round_program(self, table, group, round_options: StepOptions, now: bool = False):
-        device = self.device
+        device = self._device
         args = (
             self.model.run_params,
             device.cache,
@@ -168,20 +199,20 @@ class Speculation:
     def _draft_program(self, table, group, round_options: StepOptions, now: bool = False):
         args = (
             self.model.run_params,
-            self.device.cache,
-            self.device.state_for(round_options, counts=False),
+            self._device.cache,
+            self._device.state_for(round_options, counts=False),
             table,
             group,
         )
         return self.model.program(draft_slots, args, round_options.drafting(), now)
 
     def _verify_program(self, table, group, drafts, round_options: StepOptions, now: bool = False):
-        device = self.device
+        device = self._device
         state = device.state_for(round_options)
         args = (self.model.run_params, device.cache, state, drafts, device.spec_counters, table, group)
         return self.model.program(verify_slots, args, round_options.verifying(), now)
 
-    def _compile_spec(self, table, group, options: StepOptions) -> None:
+    def compile(self, table, group, options: StepOptions) -> None:
         """Compiles (runs nothing) the programs rows speculating with `options` may run at page-table
         width `table`: every round's (each d an adaptive policy may pick, with and without the
         bonus pass), and an adaptive group's plain steps (with a draft head, also those without
@@ -193,7 +224,7 @@ class Speculation:
             return
         for steps in {self._plain_steps(options, 1), self._plain_steps(options, self.steps_per_dispatch)}:
             self._plain_program(table, group, options, steps, now=True)
-        if spec.draft_head:  # once the policy turns the rows' speculation off (`_dispatch_round`)
+        if spec.draft_head:  # once the policy turns the rows' speculation off (`dispatch`)
             off = dataclasses.replace(options, spec_off=True)
             for steps in {1, self.steps_per_dispatch, self._plain_steps(options, self.steps_per_dispatch)}:
                 self._plain_program(table, group, off, steps, now=True)
@@ -210,12 +241,14 @@ class Speculation:
             drafts = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes[0])
             self._verify_program(table, group, drafts, round_options, now=True)
 
-    def _observe_acceptance(self, running: dict[int, Sequence], counters) -> None:
+    def observe_acceptance(self, read: dict[int, Sequence], running, counters) -> None:
         """Gives each policy the drafts its rows accepted and the rounds that rejected one since
-        the last read (counters: the host copy of a step's `SpecCounters`)."""
+        the last read: `read`, slot -> row of the step read; `running`, the rows decoding now
+        (a row that left its slot since is skipped); counters: the host copy of the step's
+        `SpecCounters`."""
         seen: dict = {}
-        for slot, seq in running.items():
-            if not seq.speculating or self.running.get(slot) is not seq:
+        for slot, seq in read.items():
+            if not seq.speculating or running.get(slot) is not seq:
                 continue
             accepted, rejections = int(counters.accepted[slot]), int(counters.rejections[slot])
             key = (seq.spec, seq.sampling.sampler)
@@ -227,7 +260,7 @@ class Speculation:
                 self.policies[key].observe(key[0].num_speculations, accepted, rejections)
 
     @staticmethod
-    def _span_drafts(seq: Sequence) -> int:
+    def span_drafts(seq: Sequence) -> int:
         """The most drafts a round of `seq` writes ahead of its last token."""
         if not seq.speculating:
             return 0

@@ -1,0 +1,227 @@
+"""Dispatch of programs and the one-behind read, a part of the `Engine`: each step, one program
+per group of running rows with the same options (`StepOptions`: early exit, sampler, log-probs,
+penalties, speculation) over the slots' block table; then the outputs of the program dispatched
+one step earlier are read and delivered (`Delivery`) while the new one runs, so host work
+overlaps device work. A decode program runs several steps (`steps_per_dispatch`) unless
+admission would wait on them; a speculation group runs a round (`Speculation`).
+
+It owns what is in flight: the outputs on their way to the host and the rows they are for, the
+decode steps of the program in flight and of the next, the options made for rows, and the
+step's timing (which an adaptive speculation policy learns its costs from)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from eejax.cache import pages_needed
+from eejax.decode.buckets import bucket
+from eejax.decode.steps import decode_slots
+from eejax.engine.delivery import Delivery
+from eejax.engine.device_slots import DeviceSlots
+from eejax.engine.faults import Faults
+from eejax.engine.sequence import Sequence
+from eejax.engine.slots import SlotTable
+from eejax.engine.speculation import Speculation
+from eejax.engine.transfers import PackedRead
+from eejax.options import StepOptions
+from eejax.sharding import to_host
+
+
+class Dispatch:
+    """`options`: the engine's programs' options, which a group's replace; `steps_per_dispatch`:
+    decode steps per program (1: always one); `batch_job`: every request is known (programs keep
+    their steps to the end); `table_width`: the widest block table; `prompt_positions(prompt)`:
+    the cache positions a prompt takes; `counters`: the engine's, this part adds `steps`."""
+
+    def __init__(
+        self,
+        model,
+        options: StepOptions,
+        slot_table: SlotTable,
+        device: DeviceSlots,
+        speculation: Speculation,
+        delivery: Delivery,
+        faults: Faults,
+        counters: dict,
+        *,
+        steps_per_dispatch: int,
+        batch_job: bool,
+        table_width: int,
+        prompt_positions: Callable[[list[int]], int],
+    ):
+        self.model, self.options = model, options
+        self._slot_table, self._device, self._speculation = slot_table, device, speculation
+        self._delivery, self._faults, self._counters = delivery, faults, counters
+        self.steps_per_dispatch, self.batch_job = steps_per_dispatch, batch_job
+        self.table_width, self.prompt_positions = table_width, prompt_positions
+        self._running = slot_table.running  # read-only view
+        # (its outputs on their way to the host, slot -> row) of the last dispatched program, not read yet
+        self._pending = None
+        # Decode steps of the program in flight (read after the next dispatch; 0: none), and of the next.
+        self.steps_in_flight = self.next_steps = 1
+        self._options_made: dict[tuple, StepOptions] = {}  # `options`' by what a row asks for
+        self._last_step_end: float | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a program's outputs are still to be read."""
+        return self._pending is not None
+
+    def drop_in_flight(self) -> None:
+        """Forgets the program in flight, whose outputs will never be read (`Faults`)."""
+        self._pending = None
+
+    # -- planning the next program -------------------------------------------------------------
+    def step_started(self) -> float | None:
+        """When the last step that completed ended (None: the last raised, or none ran)."""
+        last_end, self._last_step_end = self._last_step_end, None
+        return last_end
+
+    def plan(self, waiting: bool) -> None:
+        """Decode steps in the next program: `steps_per_dispatch` (one dispatch and one read per
+        several tokens) unless a prompt is being prefilled (chunks come every step), or requests
+        wait (`waiting`) and a row reaches its limit within the program (its slot and pages go
+        to them at once), or (serving) no row has that many tokens to go: its last tokens would
+        wait for the program's idle steps. (A row ending at EOS inside a program keeps its slot
+        to the program's end.) A speculation round is one per dispatch."""
+        self.next_steps = 1
+        if self._slot_table.prefilling or not self._running:
+            return
+        to_go = [seq.max_new_tokens - len(seq.tokens) for seq in self._running.values()]
+        enough = self.steps_per_dispatch + self.steps_in_flight
+        if waiting:
+            self.next_steps = self.steps_per_dispatch if min(to_go) > enough else 1
+        elif self.batch_job or max(to_go) > enough:
+            self.next_steps = self.steps_per_dispatch
+
+    def span(self, seq: Sequence) -> int:
+        """Cache positions a running row may have written once the program about to be
+        dispatched has run. The host reads a program's tokens after dispatching the next one, so
+        beyond the prompt and the tokens read back the device may hold those of the program in
+        flight (its decode steps; a speculation round d + 1) and, until the first read after
+        admission, the prefill's token; the new program then writes its steps' tokens but the
+        last, and up to d positions past it (a round's drafts). Never more than prompt + max
+        tokens - 1: nothing past a row's limit is written."""
+        d = self._speculation.span_drafts(seq)
+        in_flight, steps = (1, 1) if seq.speculating else (self.steps_in_flight, self.next_steps)
+        unread = in_flight * (d + 1) + (len(seq.tokens) == seq.offset)
+        ahead = (steps - 1) * (d + 1) + d
+        prompt = self.prompt_positions(seq.prompt)
+        return min(prompt + len(seq.tokens) + unread + ahead, prompt + seq.max_new_tokens - 1)
+
+    def to_make(self, seq: Sequence) -> int:
+        """Tokens a running row still has to make beyond those it surely has: read back, the
+        prefill's first token, and those of the program in flight (its decode steps, at least
+        one per speculation round)."""
+        made = len(seq.tokens) + (len(seq.tokens) == seq.offset)
+        if self.steps_in_flight and self._pending is not None and self._pending[1].get(seq.slot) is seq:
+            made += 1 if seq.speculating else self.steps_in_flight
+        return seq.max_new_tokens - made
+
+    def options_of(self, seq: Sequence) -> StepOptions:
+        """The options of a row's decode program; rows alike share one. (Greedy rows never share
+        a program with sampled ones: their argmax runs alone; nor do rows that filter (top-k /
+        top-p: a sort) with rows that only scale.) A speculation round's d and bonus pass come from
+        its group's policy at dispatch (`Speculation`)."""
+        sampling = seq.sampling
+        if seq.spec is not None:
+            key = (sampling.sampler, seq.logprobs is not None, sampling.penalized, True, seq.spec, seq.spec_off)
+        else:
+            key = (sampling.sampler, seq.logprobs is not None, sampling.penalized, False, seq.exit, self.next_steps)
+        options = self._options_made.get(key)  # made once: each row asks at every dispatch
+        if options is None:
+            if len(self._options_made) >= 256:  # a server's requests may ask for ever new exits
+                self._options_made.clear()
+            options = dataclasses.replace(self.options, sampler=key[0], logprobs=key[1], penalties=key[2])
+            if seq.spec is not None:
+                options = dataclasses.replace(options, spec=seq.spec, spec_off=seq.spec_off)
+            else:
+                options = dataclasses.replace(options, exit=seq.exit, num_steps=self.next_steps)
+            self._options_made[key] = options
+        return options
+
+    # -- dispatching and reading ---------------------------------------------------------------
+    def dispatch_and_read(self) -> None:
+        """Dispatches one program per option group of the running rows (nothing when the program
+        in flight ends every row at its limit), then reads the program dispatched before."""
+        pending = self._pending
+        dispatch = any(self.to_make(seq) > 0 for seq in self._running.values())
+        groups: dict = {}
+        if dispatch:
+            # One program per (early exit, sampler, speculation, log-probs) option among the
+            # running rows (usually one); the other rows wait through it.
+            for seq in self._running.values():
+                groups.setdefault(self.options_of(seq), []).append(seq)
+        self._speculation.begin_step(len(groups))
+        if dispatch:
+            table = self.table()
+            slots = self._slot_table.size
+            for options, members in groups.items():
+                group = np.zeros((slots,), bool)
+                group[[seq.slot for seq in members]] = True
+                group = self._device.upload(("group", group.tobytes()), group)
+                self._faults.guarded(members, self.dispatch, table, group, options, members)
+        # Read next step even without a dispatch: a row's last tokens may be on device unread.
+        self._pending = (self._outputs(), dict(self._running)) if self._running else None
+        self.steps_in_flight = self.next_steps if dispatch else 0  # 0: nothing in flight
+        if pending is not None:
+            self._read(*pending)
+
+    def step_ended(self, end: float, seconds: float | None) -> None:
+        """The step ended at `end`; `seconds`: its wall time if it prefilled and compiled nothing
+        (an adaptive policy's cost of the last step's program: `Speculation.end_step`)."""
+        self._speculation.end_step(seconds)
+        self._last_step_end = end
+
+    def dispatch(self, table, group, options: StepOptions, members: list[Sequence]) -> None:
+        """Dispatches one program of `members`, the rows of the slots in `group`:
+        `options.num_steps` decode steps, or a speculation round."""
+        if options.spec is None:
+            program, args = self.decode_program(table, group, options)
+            self._device.keep(*program(*args))
+        else:
+            self._speculation.dispatch(table, group, options, members, self.next_steps)
+        self._counters["steps"] += 1
+
+    def table(self):
+        """The block table of the running rows, as wide as the longest needs (bucketed)."""
+        longest = max(self.span(s) for s in self._running.values())
+        width = min(self.table_width, bucket(pages_needed(longest, self._slot_table.pages.page_size)))
+        return self._device.upload(("table", width), self._slot_table.pages.table(width))
+
+    def decode_program(self, table, group, options: StepOptions, now: bool = False):
+        """The decode program of `options` and its arguments (`now`: compile the split layout's
+        before it runs, as warm-up does; `Model.program`)."""
+        args = (self.model.run_params, self._device.cache, self._device.state_for(options), table, group)
+        return self.model.program(decode_slots, args, options, now)
+
+    def _outputs(self):
+        """What `_read` takes of the state just dispatched: its tokens, counts and flags packed
+        for one transfer, started now (`PackedRead`), and the log-probs if a row wants them."""
+        state = self._device.state
+        wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, state.confident_layers)
+        scored = any(seq.logprobs is not None for seq in self._running.values())
+        return PackedRead((*wanted, self._device.spec_counters)), state.logprobs if scored else None
+
+    def _read(self, outputs, running: dict[int, Sequence]) -> None:
+        """Delivers the tokens a finished program produced (`Delivery`); rows that ended (EOS,
+        limit, stop token or string, cancelled) are released. If the program failed on the
+        device, its requests fail."""
+        packed, logprobs = outputs
+        out = {}
+
+        def fetch():
+            out["host"] = (*packed.read(), None if logprobs is None else to_host(logprobs))
+
+        self._faults.guarded(list(running.values()), fetch)
+        if "host" not in out:
+            return
+        self._speculation.observe_acceptance(running, self._running, out["host"][5])
+        now = time.perf_counter()
+        for slot, seq in running.items():
+            if not seq.finished and self._running.get(slot) is seq:  # else ended, or preempted (recomputed later)
+                self._faults.guarded([seq], self._delivery.deliver, seq, slot, *out["host"], now)
