@@ -94,6 +94,22 @@ def test_a_stop_string_ends_the_row_at_the_token_that_completes_it(tiny_model, d
     assert seq.tokens == [40, 41, 42] and seq.finish_reason == "stop" and delivery.stops_at(seq)
 
 
+def test_a_request_ended_early_ends_now_unless_a_step_in_flight_has_its_tokens(tiny_model, device):
+    delivery, table, waiting, _ = parts(tiny_model, device)
+    decoding = running_row(table, waiting, 0)
+    prefilling = Sequence(1, [5, 6], max_new_tokens=N)
+    waiting.queue(prefilling)
+    waiting.take(1, 8)
+    table.admit(prefilling, 1, 2 + N)
+    queued = Sequence(2, [5], max_new_tokens=N)
+    waiting.queue(queued)
+    for seq in (decoding, prefilling, queued):
+        delivery.end(seq, "length" if seq is queued else "cancelled")
+    assert queued.finish_reason == "length" and len(waiting) == 0
+    assert prefilling.finish_reason == "cancelled" and prefilling.slot is None and not table.prefilling
+    assert not decoding.finished and decoding.ending == "cancelled" and table.rows() == [decoding]
+
+
 def test_a_failing_program_fails_its_rows_only_and_one_that_lost_the_device_arrays_every_row(tiny_model, device):
     delivery, table, waiting, _ = parts(tiny_model, device)
     lost = []

@@ -80,6 +80,20 @@ class Delivery:
         text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
         return first_stop(text, seq.stop) is not None
 
+    def end(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """Ends a request early (cancelled; past its deadline: "length"): a waiting one leaves the
+        queue and a prefilling one its slot now; a decoding one ends after the step in flight,
+        with the tokens it made (`Sequence.ending`)."""
+        if seq.finished:
+            return
+        if self._waiting.remove(seq):
+            self.finish(seq, reason)
+        elif seq.slot is not None and self._slot_table.prefilling.get(seq.slot) is seq:  # no tokens in flight
+            self.release(seq)
+            self.finish(seq, reason)
+        else:
+            seq.ending = reason  # released after the step in flight, with the tokens it made
+
     def release(self, seq: Sequence) -> None:
         """Frees a row's slot and pages, if it holds them (ended, cancelled, preempted)."""
         slot = seq.slot

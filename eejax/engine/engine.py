@@ -60,7 +60,7 @@ from eejax.options import ExitConfig, StepOptions
 __all__ = ["Engine", "Sequence"]
 
 
-class Engine(Requests, Lifecycle):
+class Engine(Requests):
     """Continuous batching over `max_slots` decode slots and one paged cache of `cache_budget`;
     `pages="grow"` hands pages out as rows grow and preempts when they run out.
 
@@ -74,9 +74,9 @@ class Engine(Requests, Lifecycle):
     `self.slot_table`), the arrays on the device (`DeviceSlots`, `self.device`), the programs'
     dispatch and one-behind read (`Dispatch`, `self.dispatch`) with the speculation policies
     (`Speculation`, `self.speculation`), delivery to requests (`Delivery`, `self.delivery`) and
-    faults (`Faults`, `self.faults`), and admission with prefill (`Admission`,
-    `self.admission`). Request checks (`Requests`) and the loop (`Lifecycle`) are mixins over
-    this object, which composes the parts and takes the step.
+    faults (`Faults`, `self.faults`), admission with prefill (`Admission`, `self.admission`)
+    and the background loop (`Lifecycle`, `self.lifecycle`). Request checks (`Requests`) are a
+    mixin over this object, which composes the parts and takes the step.
     """
 
     def __init__(
@@ -208,10 +208,6 @@ class Engine(Requests, Lifecycle):
         # Across processes (jax.distributed): process 0's changes since the last step, which its
         # replicas apply before stepping with it (`engine/replicas.py`); inactive in one process.
         self.replication = replicas.ChangeLog(jax.process_count() > 1 and not batch_job)
-        self.error: BaseException | None = None  # what stopped the background loop, if it died
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._wake = threading.Event()
         self.prometheus = ServeMetrics(config.num_layers)
         self.counters = {  # every part adds to its own entries
             "steps": 0,
@@ -277,6 +273,8 @@ class Engine(Requests, Lifecycle):
             table_width=self.table_width,
             prompt_positions=self._cache_prompt_len,
         )
+        # The background loop (what the HTTP server runs), cancellation, abort, deadlines: a part.
+        self.lifecycle = Lifecycle(self)
 
     @property
     def cache(self):
@@ -331,6 +329,57 @@ class Engine(Requests, Lifecycle):
             timed = not prefills and self.model.programs.compile_seconds == compiled and last_end is not None
             self.dispatch.step_ended(end, end - last_end if timed else None)
         self.counters["step_s"] += end - start
+
+    def run(self) -> None:
+        """Steps, in this thread, until every submitted request has finished."""
+        while self.busy:
+            self.step()
+
+    def generate_offline(self, prompts, *, max_new_tokens: int = 64, progress: bool = True) -> list[Sequence]:
+        """Runs a batch job to the end (in this thread) with a progress bar over finished requests;
+        returns the Sequences in the prompts' order."""
+        from tqdm.auto import tqdm
+
+        seqs = [self.submit(p, max_new_tokens=max_new_tokens) for p in prompts]
+        with tqdm(total=len(seqs), desc="requests", disable=not progress) as bar:
+            while self.busy:
+                self.step()
+                bar.update(sum(s.finished for s in seqs) - bar.n)
+        return seqs
+
+    def _recover(self, error: BaseException) -> None:
+        """After a step raised outside any one program (`Faults.recover`)."""
+        with self._lock:
+            self.faults.recover(error)
+
+    # -- the background loop (`Lifecycle`) -----------------------------------------------------
+    def start(self) -> None:
+        """Runs the loop in a background thread (what the HTTP server uses) until `stop()`."""
+        self.lifecycle.start()
+
+    def stop(self, cancel: bool = False, timeout: float | None = None) -> bool:
+        """Stops the background loop after finishing (or, with `cancel`, cancelling) all requests.
+        Waits at most `timeout` seconds for the loop (None: until it ends); False if it did not end."""
+        return self.lifecycle.stop(cancel, timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the background loop is running (started, not stopped, not died)."""
+        return self.lifecycle.alive
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the background loop, if it died."""
+        return self.lifecycle.error
+
+    def cancel(self, seq: Sequence) -> None:
+        """Ends a request now (a client that went away): its slot and pages are freed."""
+        self.lifecycle.cancel(seq)
+
+    def abort(self, reason: str = "abort", lock_timeout: float = 1.0) -> int:
+        """Ends every request now with finish reason `reason` (a server shutting down at its
+        deadline); returns how many (`Lifecycle.abort`)."""
+        return self.lifecycle.abort(reason, lock_timeout)
 
     def warmup(self, max_prompt_len: int | None = None, progress: bool = True, requests=()) -> int:
         """Compiles, before the first requests, every program requests of the engine's own options

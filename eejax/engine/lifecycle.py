@@ -1,6 +1,8 @@
-"""The engine's life, a part of `Engine`: running steps (in this thread or a background one, or in
-step with process 0 across processes), stopping, aborting, cancelling and deadlines; a step that
-raises is recovered from (`Faults`), and a loop that dies says so. A mixin over the engine."""
+"""The engine's life, a part of `Engine`: its background loop (in step with process 0 across
+processes), stopping it, and ending requests from outside the loop (cancel, abort, deadlines).
+It owns the loop's thread, its stop and wake events and what killed the loop (`error`); it
+steps the engine (`Engine.step`; a step that raises is recovered from, `Engine._recover`) and
+ends requests through its parts (`Delivery`, `WaitingQueue`)."""
 
 from __future__ import annotations
 
@@ -15,54 +17,26 @@ log = logging.getLogger("eejax.serve")
 
 
 class Lifecycle:
-    def _recover(self, error: BaseException) -> None:
-        """After a step raised outside any one program (`Faults.recover`)."""
-        with self._lock:
-            self.faults.recover(error)
+    """The background loop of `engine`, which it steps (its `step`, `busy` and lock)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.error: BaseException | None = None  # what stopped the background loop, if it died
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
 
     @property
     def alive(self) -> bool:
         """Whether the background loop is running (started, not stopped, not died)."""
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def abort(self, reason: str = "abort", lock_timeout: float = 1.0) -> int:
-        """Ends every request now with finish reason `reason` (a server shutting down at its
-        deadline); returns how many. If the loop is stuck inside a program for longer than
-        `lock_timeout`, the requests still end for their callers (the engine is going away)."""
-        locked = self._lock.acquire(timeout=lock_timeout)
-        try:
-            seqs = list(self.waiting.values()) + self.slot_table.rows()
-            for seq in seqs:
-                if seq.finished:
-                    continue
-                if locked:
-                    self.waiting.remove(seq)
-                    self.delivery.release(seq)
-                self.delivery.finish(seq, reason)
-            return len(seqs)
-        finally:
-            if locked:
-                self._lock.release()
-
-    def run(self) -> None:
-        """Steps until every submitted request has finished."""
-        while self.busy:
-            self.step()
-
-    def generate_offline(self, prompts, *, max_new_tokens: int = 64, progress: bool = True) -> list[Sequence]:
-        """Runs a batch job to the end (in this thread) with a progress bar over finished requests;
-        returns the Sequences in the prompts' order."""
-        from tqdm.auto import tqdm
-
-        seqs = [self.submit(p, max_new_tokens=max_new_tokens) for p in prompts]
-        with tqdm(total=len(seqs), desc="requests", disable=not progress) as bar:
-            while self.busy:
-                self.step()
-                bar.update(sum(s.finished for s in seqs) - bar.n)
-        return seqs
+    def wake(self) -> None:
+        """Wakes an idle loop: a request came."""
+        self._wake.set()
 
     def start(self) -> None:
-        """Runs the loop in a background thread (what the HTTP server uses) until `stop()`."""
+        """Runs the loop in a background thread until `stop()`."""
         if self._thread is not None:
             return
         self._stopping.clear()
@@ -72,9 +46,10 @@ class Lifecycle:
     def stop(self, cancel: bool = False, timeout: float | None = None) -> bool:
         """Stops the background loop after finishing (or, with `cancel`, cancelling) all requests.
         Waits at most `timeout` seconds for the loop (None: until it ends); False if it did not end."""
+        engine = self._engine
         if cancel:
-            with self._lock:
-                seqs = list(self.waiting.values()) + self.slot_table.rows()
+            with engine._lock:
+                seqs = engine.waiting.values() + engine.slot_table.rows()
             for seq in seqs:
                 self.cancel(seq)
         self._stopping.set()
@@ -89,78 +64,86 @@ class Lifecycle:
 
     def cancel(self, seq: Sequence) -> None:
         """Ends a request now (a client that went away): its slot and pages are freed."""
-        with self._lock:
+        engine = self._engine
+        with engine._lock:
             if not seq.finished:
-                self.replication.cancelled(seq)
-            self._cancel_locked(seq)
+                engine.replication.cancelled(seq)
+            engine.delivery.end(seq)
 
-    def _cancel_locked(self, seq: Sequence, reason: str = "cancelled") -> None:
-        """`cancel` with the lock held: the request ends with finish reason `reason`."""
-        if seq.finished:
-            return
-        if self.waiting.remove(seq):
-            self.delivery.finish(seq, reason)
-        elif seq.slot is not None and self.prefilling.get(seq.slot) is seq:  # no tokens in flight
-            self.delivery.release(seq)
-            self.delivery.finish(seq, reason)
-        else:
-            seq.ending = reason  # released after the step in flight, with the tokens it made
+    def abort(self, reason: str = "abort", lock_timeout: float = 1.0) -> int:
+        """Ends every request now with finish reason `reason` (a server shutting down at its
+        deadline); returns how many. If the loop is stuck inside a program for longer than
+        `lock_timeout`, the requests still end for their callers (the engine is going away)."""
+        engine = self._engine
+        locked = engine._lock.acquire(timeout=lock_timeout)
+        try:
+            seqs = engine.waiting.values() + engine.slot_table.rows()
+            for seq in seqs:
+                if seq.finished:
+                    continue
+                if locked:
+                    engine.waiting.remove(seq)
+                    engine.delivery.release(seq)
+                engine.delivery.finish(seq, reason)
+            return len(seqs)
+        finally:
+            if locked:
+                engine._lock.release()
 
-    def _expire_deadlines(self) -> None:
+    def expire_deadlines(self) -> None:
         """Ends the requests past their deadline (waiting ones too) with finish reason "length"
         and `timed_out`, like a cancellation (so replicas hear of it with this step's changes).
         Only the loop that serves calls it: replicas follow its decisions, never their clocks."""
+        engine = self._engine
         now = time.perf_counter()
-        with self._lock:
-            seqs = [*self.waiting.values(), *self.prefilling.values(), *self.running.values()]
-            for seq in seqs:
+        with engine._lock:
+            for seq in [*engine.waiting.values(), *engine.slot_table.rows()]:
                 if seq.deadline is None or now < seq.deadline or seq.finished or seq.ending:
                     continue
                 seq.timed_out = True
-                self.replication.cancelled(seq)
-                self._cancel_locked(seq, "length")
+                engine.replication.cancelled(seq)
+                engine.delivery.end(seq, "length")
 
-    def _step_or_recover(self) -> None:
+    def step_or_recover(self) -> None:
+        """One engine step; if it raises, the loop lives on for the other requests."""
         try:
-            self.step()
+            self._engine.step()
         except Exception as e:  # noqa: BLE001 - the loop lives on for the other requests
             log.exception("an engine step failed")
-            self._recover(e)
-
-    def _forget_finished(self) -> None:
-        """Drops finished requests from the id index the replicas keep (`replicas.ChangeLog`)."""
-        with self._lock:
-            self.replication.forget_finished()
+            self._engine._recover(e)
 
     def _replicated_iteration(self) -> bool:
         """Process 0 of several: sends its changes to the replicas and steps with them (the lock
         held throughout, so no request slips in between); False once it has told them to stop."""
-        self._expire_deadlines()
-        with self._lock:
-            changes = self.replication.take()
-            busy = self.busy
+        engine = self._engine
+        self.expire_deadlines()
+        with engine._lock:
+            changes = engine.replication.take()
+            busy = engine.busy
             stopping = self._stopping.is_set() and not busy
             replicas.broadcast(replicas.STOP if stopping else (changes, busy))
             if stopping:
                 return False
             if busy:
-                self._step_or_recover()
-        self._forget_finished()
+                self.step_or_recover()
+        with engine._lock:
+            engine.replication.forget_finished()
         if not busy:
             self._wake.wait(replicas.HEARTBEAT_S)
             self._wake.clear()
         return True
 
     def _loop(self) -> None:
+        engine = self._engine
         try:
             while True:
-                if self.replication.active:
+                if engine.replication.active:
                     if not self._replicated_iteration():
                         return
                     continue
-                if self.busy:
-                    self._expire_deadlines()
-                    self._step_or_recover()
+                if engine.busy:
+                    self.expire_deadlines()
+                    self.step_or_recover()
                     continue
                 if self._stopping.is_set():
                     return

@@ -111,7 +111,7 @@ def apply(engine, changes: list[tuple]) -> None:
         else:
             seq = engine.replication.find(value)
             if seq is not None:
-                engine._cancel_locked(seq)
+                engine.delivery.end(seq)
 
 
 def follow(engine) -> None:
@@ -124,5 +124,6 @@ def follow(engine) -> None:
         with engine._lock:
             apply(engine, changes)
         if step:
-            engine._step_or_recover()
-        engine._forget_finished()
+            engine.lifecycle.step_or_recover()
+        with engine._lock:
+            engine.replication.forget_finished()

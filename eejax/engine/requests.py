@@ -152,7 +152,7 @@ class Requests:
             seq.deadline = None if timeout is None else seq.submitted_at + timeout
             self.waiting.queue(seq)
             self.replication.submitted(seq)
-        self._wake.set()
+        self.lifecycle.wake()
         return seq
 
     def _count_decoding_options(self, exit_config, spec_config) -> None:

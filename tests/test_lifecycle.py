@@ -1,0 +1,99 @@
+"""The engine's loop part alone (`engine/lifecycle.py`) over a stand-in engine whose steps are
+counted: the loop steps while there is work and idles without, a step that raises is recovered
+from and the loop lives on, a loop that dies says so and ends what waits, deadlines end
+waiting requests with "length", and stop ends the thread. And what process 0 tells its replicas
+(`replicas.ChangeLog`)."""
+
+import threading
+import time
+
+from eejax.engine import replicas
+from eejax.engine.delivery import Delivery
+from eejax.engine.lifecycle import Lifecycle
+from eejax.engine.metrics import ServeMetrics
+from eejax.engine.scheduler import BucketScheduler
+from eejax.engine.sequence import Sequence
+from eejax.engine.slots import SlotPages, SlotTable
+from eejax.engine.waiting import WaitingQueue
+
+
+class StandIn:
+    """An engine that is busy for its first `busy_steps` steps; step i raises if `fail(i)`;
+    `recover` takes what a step raised (default: kept in `recovered`)."""
+
+    def __init__(self, busy_steps: int, fail=None, recover=None):
+        self.waiting = WaitingQueue(BucketScheduler(33, 4, max_rows=1), grow=False, prompt_positions=len)
+        self.slot_table = SlotTable(1, SlotPages(4, 1, 4, 2, prefix_caching=False))
+        self.delivery = Delivery(None, (), self.slot_table, None, self.waiting, ServeMetrics(2), {})
+        self.replication, self._lock = replicas.ChangeLog(False), threading.RLock()
+        self.steps, self.busy_steps, self.fail, self.recovered = 0, busy_steps, fail, []
+        self._recover = recover or self.recovered.append
+
+    @property
+    def busy(self) -> bool:
+        return self.steps < self.busy_steps
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.fail is not None and self.fail(self.steps):
+            raise RuntimeError(f"step {self.steps}")
+
+
+def loop_over(busy_steps: int, **kw):
+    engine = StandIn(busy_steps, **kw)
+    return engine, Lifecycle(engine)
+
+
+def wait_for(condition, timeout: float = 5.0) -> bool:
+    deadline = time.time() + timeout
+    while not condition() and time.time() < deadline:
+        time.sleep(0.005)
+    return condition()
+
+
+def test_the_loop_steps_while_busy_lives_through_a_failing_step_and_stops():
+    engine, life = loop_over(busy_steps=5, fail=lambda i: i == 2)
+    life.start()
+    assert wait_for(lambda: engine.steps == 5) and life.alive
+    assert [str(e) for e in engine.recovered] == ["step 2"]
+    time.sleep(0.1)
+    assert engine.steps == 5  # idle: no step without work
+    assert life.stop(timeout=5) and not life.alive
+
+
+def test_a_loop_that_dies_says_so_and_ends_what_waits():
+    def unrecoverable(error):
+        raise SystemError("unrecoverable")
+
+    engine, life = loop_over(busy_steps=3, fail=lambda i: True, recover=unrecoverable)
+    queued = Sequence(0, [1, 2], max_new_tokens=2)
+    engine.waiting.queue(queued)
+    life.start()
+    assert wait_for(lambda: life.error is not None) and isinstance(life.error, SystemError)
+    assert wait_for(lambda: not life.alive) and queued.finish_reason == "error"
+
+
+def test_deadlines_end_waiting_requests_and_cancel_ends_one_now():
+    engine, life = loop_over(busy_steps=0)
+    late, early, other = (Sequence(i, [1, 2], max_new_tokens=2) for i in range(3))
+    for seq in (late, early, other):
+        engine.waiting.queue(seq)
+    late.deadline, early.deadline = time.perf_counter() - 1, time.perf_counter() + 60
+    life.expire_deadlines()
+    assert late.finish_reason == "length" and late.timed_out and not early.finished
+    life.cancel(other)
+    assert other.finish_reason == "cancelled" and engine.waiting.values() == [early]
+    assert life.abort("shutdown") == 1 and early.finish_reason == "shutdown"
+
+
+def test_process_zeros_changes_are_taken_once_and_finished_requests_forgotten():
+    log, alone = replicas.ChangeLog(True), replicas.ChangeLog(False)
+    seq = Sequence(4, [1, 2], max_new_tokens=2)
+    for changes in (log, alone):
+        changes.submitted(seq)
+        changes.cancelled(seq)
+    assert [kind for kind, _ in log.take()] == ["submit", "cancel"] and log.take() == [] and alone.take() == []
+    assert log.find(4) is seq
+    seq._done.set()  # finished
+    log.forget_finished()
+    assert log.find(4) is None
