@@ -44,6 +44,7 @@ def test_a_program_takes_counts_and_prompts_only_where_its_options_use_them(slot
     assert slots.state_for(lookup).prompt is prompt  # sent once until a prompt changes
     slots.set_prompt(0, [9])
     assert np.asarray(slots.state_for(lookup).prompt.lengths).tolist() == [1, 3, 0]
+    assert np.asarray(prompt.lengths).tolist() == [0, 3, 0]  # what a program in flight took is unchanged
 
 
 def test_a_programs_outputs_replace_only_what_it_returned(slots):

@@ -92,8 +92,8 @@ class DeviceSlots:
         if counts and options.penalties:
             state = dataclasses.replace(state, counts=self._counts)
         if options.spec is not None and options.spec.lookup:
-            if self._device_prompts is None:
-                self._device_prompts = PromptTokens(*map(jnp.asarray, self._prompts))
+            if self._device_prompts is None:  # copies: `set_prompt` changes the host arrays in place
+                self._device_prompts = PromptTokens(*(jnp.asarray(x.copy()) for x in self._prompts))
             state = dataclasses.replace(state, prompt=self._device_prompts)
         return state
 

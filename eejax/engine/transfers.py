@@ -58,7 +58,12 @@ class PackedRead:
 
 class Uploads:
     """Device copies of host arrays, sent again only when an array's contents changed; at most
-    `size` kept, least recently used dropped. An array handed out must not be donated."""
+    `size` kept, least recently used dropped. An array handed out must not be donated.
+
+    What is sent is a private copy of the caller's array: on a CPU `jax.device_put` may alias a
+    numpy array's memory (it did for about half the arrays tried, by alignment), and the caller
+    changes its arrays in place (the block table), which would change the device array under a
+    program in flight."""
 
     def __init__(self, size: int = 16):
         self._kept: collections.OrderedDict = collections.OrderedDict()  # key -> (host copy, device array)
@@ -70,8 +75,9 @@ class Uploads:
         if same and kept[0].tobytes() == array.tobytes():  # ~4x faster than np.array_equal here
             self._kept.move_to_end(key)
             return kept[1]
-        device = jax.device_put(array)
-        self._kept[key] = (array.copy(), device)
+        host = array.copy()  # never changed: safe for the device array to alias
+        device = jax.device_put(host)
+        self._kept[key] = (host, device)
         self._kept.move_to_end(key)
         while len(self._kept) > self._size:
             self._kept.popitem(last=False)
