@@ -1,0 +1,86 @@
+"""The engine's dispatch part alone (`engine/dispatch.py`), on real slots and stand-ins for the
+rest (no program runs): how many decode steps the next program runs, the cache positions a row
+may have written once it ran (what its pages must cover), and the options rows share."""
+
+import types
+
+import numpy as np
+
+from eejax.engine.dispatch import Dispatch
+from eejax.engine.sequence import Sequence
+from eejax.engine.slots import SlotPages, SlotTable
+from eejax.engine.speculation import Speculation
+from eejax.options import SpecConfig, StepOptions
+
+STEPS, N = 4, 32
+
+
+def dispatch(batch_job: bool = False) -> tuple[Dispatch, SlotTable]:
+    table = SlotTable(3, SlotPages(64, 3, 4, 16, prefix_caching=False))
+    speculation = types.SimpleNamespace(span_drafts=Speculation.span_drafts)
+    part = Dispatch(
+        None,
+        StepOptions(N),
+        table,
+        None,
+        speculation,
+        None,
+        None,
+        {},
+        steps_per_dispatch=STEPS,
+        batch_job=batch_job,
+        table_width=16,
+        prompt_positions=len,
+    )
+    return part, table
+
+
+def decoding(table: SlotTable, slot: int, made: int, **kw) -> Sequence:
+    seq = Sequence(slot, [1] * 5, max_new_tokens=N, key=np.zeros((2,), np.uint32), **kw)
+    table.admit(seq, slot, 5 + N)
+    table.start_decoding(seq)
+    seq.tokens = [7] * made
+    return seq
+
+
+def test_a_program_runs_several_steps_unless_a_row_would_idle_or_a_request_waits_on_it():
+    part, table = dispatch()
+    part.plan(waiting=False)
+    assert part.next_steps == 1  # nothing running
+    row = decoding(table, 0, made=2)
+    part.plan(waiting=False)
+    assert part.next_steps == STEPS
+    part.plan(waiting=True)
+    assert part.next_steps == STEPS  # far from its limit: no slot frees within the program
+    row.tokens = [7] * (N - 3)
+    part.plan(waiting=True)
+    assert part.next_steps == 1  # the waiting request gets its slot at once
+    part.plan(waiting=False)
+    assert part.next_steps == 1  # serving: its last tokens would wait for idle steps
+    batch, batch_table = dispatch(batch_job=True)
+    decoding(batch_table, 0, made=N - 3)
+    batch.plan(waiting=False)
+    assert batch.next_steps == STEPS  # a batch job keeps its steps to the end
+
+
+def test_a_rows_span_covers_the_program_in_flight_and_the_next_and_never_passes_its_limit():
+    part, table = dispatch()
+    plain = decoding(table, 0, made=3)
+    part.steps_in_flight, part.next_steps = 4, 4
+    # prompt 5 + 3 read + 4 in flight + 3 the next writes before its last token
+    assert part.span(plain) == 5 + 3 + 4 + 3
+    speculating = decoding(table, 1, made=3, spec=SpecConfig.parse("2:3"))
+    # a round in flight (d + 1 = 4) and the next round's d drafts past its last token
+    assert part.span(speculating) == 5 + 3 + 4 + 3
+    plain.tokens = [7] * (N - 2)
+    assert part.span(plain) == 5 + N - 1  # nothing past the row's limit is written
+
+
+def test_rows_alike_share_one_options_and_a_row_that_wants_more_gets_its_own():
+    part, table = dispatch()
+    a, b = decoding(table, 0, made=1), decoding(table, 1, made=1)
+    scored = decoding(table, 2, made=1, logprobs=2)
+    part.next_steps = STEPS
+    assert part.options_of(a) is part.options_of(b) and part.options_of(a).num_steps == STEPS
+    assert part.options_of(scored) != part.options_of(a) and part.options_of(scored).logprobs
+    assert part.to_make(a) == N - 1  # nothing in flight: all but the one read
