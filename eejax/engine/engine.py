@@ -27,13 +27,12 @@ static, and at most `max_decoding_options` of them are served, so the programs s
 
 from __future__ import annotations
 
-import itertools
+import functools
 import threading
 import time
 from typing import Any
 
 import jax
-import numpy as np
 
 from eejax.cache import page_bytes, pages_for_budget, pages_needed
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
@@ -46,7 +45,7 @@ from eejax.engine.dispatch import Dispatch
 from eejax.engine.faults import Faults
 from eejax.engine.lifecycle import Lifecycle
 from eejax.engine.metrics import ServeMetrics
-from eejax.engine.requests import Requests
+from eejax.engine.requests import Requests, checked_exit
 from eejax.engine.scheduler import BucketScheduler, safe_pages
 from eejax.engine.sequence import Sequence
 from eejax.engine.slots import SlotPages, SlotTable
@@ -60,7 +59,7 @@ from eejax.options import ExitConfig, StepOptions
 __all__ = ["Engine", "Sequence"]
 
 
-class Engine(Requests):
+class Engine:
     """Continuous batching over `max_slots` decode slots and one paged cache of `cache_budget`;
     `pages="grow"` hands pages out as rows grow and preempts when they run out.
 
@@ -75,8 +74,8 @@ class Engine(Requests):
     dispatch and one-behind read (`Dispatch`, `self.dispatch`) with the speculation policies
     (`Speculation`, `self.speculation`), delivery to requests (`Delivery`, `self.delivery`) and
     faults (`Faults`, `self.faults`), admission with prefill (`Admission`, `self.admission`)
-    and the background loop (`Lifecycle`, `self.lifecycle`). Request checks (`Requests`) are a
-    mixin over this object, which composes the parts and takes the step.
+    the background loop (`Lifecycle`, `self.lifecycle`) and the front door, `submit`'s checks
+    (`Requests`, `self.requests`). This object composes the parts and takes the step.
     """
 
     def __init__(
@@ -142,7 +141,7 @@ class Engine(Requests):
                 f"prefill_chunk must be >= 1 prompt tokens per step (or None: whole prompts), got {prefill_chunk}"
             )
         self.model, self.config = model, config
-        self.exit_config = self.checked_exit(exit)
+        self.exit_config = checked_exit(model, exit)
         if pages not in ("reserve", "grow"):
             raise EejaxError(f"pages must be 'reserve' or 'grow', got {pages!r}")
         self.slots, self.max_new_tokens, self.page_size = max_slots, max_new_tokens, page_size
@@ -182,7 +181,9 @@ class Engine(Requests):
             max_rows=max_slots,
             margin=margin,
         )
-        self.waiting = WaitingQueue(scheduler, self.grow, self._cache_prompt_len)
+        # Cache positions a row's prompt takes: the prompt's; an encoder-decoder's start token.
+        self.prompt_positions = (lambda prompt: 1) if self.encoder_decoder else len
+        self.waiting = WaitingQueue(scheduler, self.grow, self.prompt_positions)
         self.sampling = SamplingParams(  # a request's default
             float(temperature),
             int(top_k),
@@ -194,16 +195,10 @@ class Engine(Requests):
         self.sampling.check_vocab(config.vocab_size)
         # The options of the engine's programs; a group of rows replaces the per-request ones.
         self.options = StepOptions(max_new_tokens, () if ignore_eos else model.eos_token_ids, attention=attention)
-        self._seeds = np.random.default_rng(seed)  # a request without a seed draws one from here
-        # Early-exit and speculation options are static in the programs (each compiles its own):
-        # at most `max_decoding_options` distinct ones, so that no client keeps the server compiling.
-        self.max_decoding_options = max_decoding_options
-        self.decoding_options: set = {(self.exit_config, None)}
         # The cache, the slots' decode state, token counts, speculation counters and prompts on
         # the device, and the uploads of block tables and group masks: a part that owns them.
         context_width = bucket(max_prompt_tokens, MIN_PROMPT_BUCKET) if self.encoder_decoder else None
         self.device = DeviceSlots(model, max_slots, max_new_tokens, num_pages, page_size, self.max_len, context_width)
-        self._ids = itertools.count()
         self._lock = threading.RLock()
         # Across processes (jax.distributed): process 0's changes since the last step, which its
         # replicas apply before stepping with it (`engine/replicas.py`); inactive in one process.
@@ -251,7 +246,7 @@ class Engine(Requests):
             steps_per_dispatch=self.steps_per_dispatch,
             batch_job=batch_job,
             table_width=self.table_width,
-            prompt_positions=self._cache_prompt_len,
+            prompt_positions=self.prompt_positions,
         )
         # Free slots to waiting rows, their prefills, pages for growing rows, preemption: a part.
         self.admission = Admission(
@@ -271,10 +266,37 @@ class Engine(Requests):
             grow=self.grow,
             batch_job=batch_job,
             table_width=self.table_width,
-            prompt_positions=self._cache_prompt_len,
+            prompt_positions=self.prompt_positions,
         )
         # The background loop (what the HTTP server runs), cancellation, abort, deadlines: a part.
         self.lifecycle = Lifecycle(self)
+        # The front door: what `submit` checks, the seeds, ids and decoding options served: a part.
+        self.requests = Requests(
+            model,
+            self.waiting,
+            self.replication,
+            self.lifecycle.wake,
+            self._lock,
+            sampling=self.sampling,
+            exit_config=self.exit_config,
+            max_new_tokens=max_new_tokens,
+            max_len=self.max_len,
+            cache_len=self.cache_len,
+            max_prompt_tokens=self.max_prompt_tokens,
+            num_pages=num_pages,
+            page_size=page_size,
+            max_decoding_options=max_decoding_options,
+            seed=seed,
+            prompt_positions=self.prompt_positions,
+        )
+
+    @functools.wraps(Requests.submit)
+    def submit(self, prompt, **options) -> Sequence:
+        return self.requests.submit(prompt, **options)
+
+    def fresh_seed(self) -> int:
+        """A seed for a request that names none (drawn from the engine's own seed)."""
+        return self.requests.fresh_seed()
 
     @property
     def cache(self):

@@ -104,7 +104,7 @@ def apply(engine, changes: list[tuple]) -> None:
 
     for kind, value in changes:
         if kind == "submit":
-            engine._count_decoding_options(value["exit"], value["spec"])
+            engine.requests.count_decoding_options(value["exit"], value["spec"])
             seq = Sequence(**value)
             engine.replication.applied(seq)
             engine.waiting.queue(seq)

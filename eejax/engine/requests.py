@@ -1,10 +1,14 @@
-"""Requests, a part of `Engine`: what `submit` checks before a request may queue (options,
-limits, token ids, stops, seeds), how many early-exit / speculation options the engine serves,
-and what the scheduler is told about a queued request. A mixin over the engine's state."""
+"""Requests, a part of the `Engine`: its front door. What `submit` checks before a request may
+queue (options, limits, token ids, stops, seeds) and how many early-exit / speculation options
+the engine serves. It owns the request ids, the seeds drawn for requests that name none and the
+decoding options served; a request queues through the `WaitingQueue`, and the replicas
+(`replicas.ChangeLog`) and the loop (`Lifecycle.wake`) hear of it."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -12,19 +16,66 @@ import numpy as np
 from eejax.decode.prompts import prompt_token_ids
 from eejax.decode.sampling import SamplingParams, seed_key
 from eejax.decode.state import TOP_LOGPROBS
+from eejax.engine.replicas import ChangeLog
 from eejax.engine.sequence import Sequence
+from eejax.engine.waiting import WaitingQueue
 from eejax.errors import EejaxError
 from eejax.models import exits
 from eejax.options import ExitConfig, SpecConfig
 
 
+def checked_exit(model, exit) -> ExitConfig | None:  # noqa: A002
+    """An early-exit option (ExitConfig or its CLI spelling) checked against `model`."""
+    config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
+    if config is not None:
+        config, _ = exits.resolve_options(model.params, model.config, exit=config)
+    return config
+
+
 class Requests:
+    """`sampling` and `exit_config`: a request's defaults; `max_new_tokens`, `max_len`,
+    `max_prompt_tokens` (an encoder-decoder's; None: decoder-only): its limits (`cache_len`,
+    `num_pages` and `page_size` say which bound `max_len` is); at most `max_decoding_options`
+    early-exit / speculation options are served; `seed` draws the seeds of requests that name
+    none; `lock`: the engine's; `wake()`: tells the loop a request came."""
+
+    def __init__(
+        self,
+        model,
+        waiting: WaitingQueue,
+        replication: ChangeLog,
+        wake: Callable[[], None],
+        lock,
+        *,
+        sampling: SamplingParams,
+        exit_config: ExitConfig | None,
+        max_new_tokens: int,
+        max_len: int,
+        cache_len: int,
+        max_prompt_tokens: int | None,
+        num_pages: int,
+        page_size: int,
+        max_decoding_options: int,
+        seed: int,
+        prompt_positions: Callable[[list[int]], int],
+    ):
+        self.model, self.config = model, model.config
+        self._waiting, self._replication, self._wake, self._lock = waiting, replication, wake, lock
+        self.sampling, self.exit_config = sampling, exit_config
+        self.max_new_tokens, self.max_len, self.cache_len = max_new_tokens, max_len, cache_len
+        self.max_prompt_tokens, self.encoder_decoder = max_prompt_tokens, max_prompt_tokens is not None
+        self.num_pages, self.page_size = num_pages, page_size
+        self.prompt_positions = prompt_positions
+        self._seeds = np.random.default_rng(seed)  # a request without a seed draws one from here
+        self._ids = itertools.count()
+        # Early-exit and speculation options are static in the programs (each compiles its own):
+        # at most `max_decoding_options` distinct ones, so that no client keeps the server compiling.
+        self.max_decoding_options = max_decoding_options
+        self.decoding_options: set = {(exit_config, None)}
+
     def checked_exit(self, exit) -> ExitConfig | None:  # noqa: A002
         """An early-exit option (ExitConfig or its CLI spelling) checked against the model."""
-        config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
-        if config is not None:
-            config, _ = exits.resolve_options(self.model.params, self.config, exit=config)
-        return config
+        return checked_exit(self.model, exit)
 
     def fresh_seed(self) -> int:
         """A seed for a request that names none (drawn from the engine's own seed)."""
@@ -99,12 +150,12 @@ class Requests:
                 f"prompt of {len(ids)} tokens exceeds this engine's max_prompt_tokens "
                 f"({self.max_prompt_tokens}: the encoder output each slot holds)"
             )
-        if self._cache_prompt_len(ids) + max_new_tokens > self.max_len:
+        if self.prompt_positions(ids) + max_new_tokens > self.max_len:
             bound = (
                 f"the model's context of {self.max_len} tokens"
                 if self.max_len < self.cache_len
                 else f"the {self.max_len} tokens a request may hold in this server's KV cache "
-                f"({self.pages.num_pages - 1} pages of {self.page_size} tokens, of which admission grants at "
+                f"({self.num_pages - 1} pages of {self.page_size} tokens, of which admission grants at "
                 f"most 90%)"
             )
             prompt = "decoder start token" if self.encoder_decoder else f"prompt of {len(ids)} tokens"
@@ -132,7 +183,7 @@ class Requests:
             raise EejaxError(f"seed must be a 64-bit integer, got {seed}")
         key = np.asarray(jax.random.fold_in(seed_key(seed), choice))
         with self._lock:
-            self._count_decoding_options(exit_config, spec_config)
+            self.count_decoding_options(exit_config, spec_config)
             seq = Sequence(
                 next(self._ids),
                 ids,
@@ -150,12 +201,12 @@ class Requests:
             if not queue:
                 return seq
             seq.deadline = None if timeout is None else seq.submitted_at + timeout
-            self.waiting.queue(seq)
-            self.replication.submitted(seq)
-        self.lifecycle.wake()
+            self._waiting.queue(seq)
+            self._replication.submitted(seq)
+        self._wake()
         return seq
 
-    def _count_decoding_options(self, exit_config, spec_config) -> None:
+    def count_decoding_options(self, exit_config, spec_config) -> None:
         """Adds a request's early-exit / speculation option to those served, or refuses a new one
         past `max_decoding_options` (each compiles its own programs)."""
         options = (exit_config, spec_config)
@@ -170,7 +221,3 @@ class Requests:
                 f"speculation options and has them all; use one of: {', '.join(served)}"
             )
         self.decoding_options.add(options)
-
-    def _cache_prompt_len(self, prompt: list[int]) -> int:
-        """Positions a row's prompt takes in the cache: the prompt's, an encoder-decoder's start token."""
-        return 1 if self.encoder_decoder else len(prompt)

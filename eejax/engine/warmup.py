@@ -42,7 +42,7 @@ def warmup(engine, max_prompt_len: int | None = None, progress: bool = True, req
     max_prompt_len = min(max_prompt_len or longest_prompt, longest_prompt)
     batches = sorted({bucket(n) for n in range(1, engine.slots + 1)})
     prompts = sorted({bucket(n, MIN_PROMPT_BUCKET) for n in range(1, max_prompt_len + 1)})
-    longest = min(engine._cache_prompt_len(range(max_prompt_len)) + engine.max_new_tokens - 1, engine.max_len)
+    longest = min(engine.prompt_positions(range(max_prompt_len)) + engine.max_new_tokens - 1, engine.max_len)
     widths = sorted({min(engine.table_width, bucket(pages_needed(n, engine.page_size))) for n in range(1, longest + 1)})
     group = jnp.zeros((engine.slots,), bool)
     before = engine.model.programs.num_programs
