@@ -48,7 +48,6 @@ def admission(model, num_pages: int, grow: bool = False, prefill_chunk=None, spa
         prefill_chunk=prefill_chunk,
         grow=grow,
         batch_job=False,
-        table_width=8,
         prompt_positions=len,
     )
     return part, waiting, table, counters

@@ -29,7 +29,6 @@ def dispatch(batch_job: bool = False) -> tuple[Dispatch, SlotTable]:
         {},
         steps_per_dispatch=STEPS,
         batch_job=batch_job,
-        table_width=16,
         prompt_positions=len,
     )
     return part, table

@@ -25,6 +25,7 @@ def test_a_row_takes_fresh_pages_and_its_table_row_lists_them():
     assert pages.row(1, 2).tolist() == seq.pages[:2]
     assert pages.writable(seq, 0) and pages.num_free == 7 - 3
     assert pages.metrics()["kv_pages_used"] == 3
+    assert pages.width(5) == 2 and pages.width(100) == 4  # bucketed pages, at most the table's
 
 
 def test_a_published_prompt_is_shared_by_the_next_that_starts_alike():

@@ -58,7 +58,6 @@ class Admission:
         prefill_chunk: int | None,
         grow: bool,
         batch_job: bool,
-        table_width: int,
         prompt_positions: Callable[[list[int]], int],
     ):
         self.model, self.config, self.options = model, model.config, options
@@ -67,7 +66,7 @@ class Admission:
         self.slots, self.pages = slot_table.size, slot_table.pages
         self.page_size = self.pages.page_size
         self.max_len, self.max_prompt_tokens, self.prefill_chunk = max_len, max_prompt_tokens, prefill_chunk
-        self.grow, self.batch_job, self.table_width = grow, batch_job, table_width
+        self.grow, self.batch_job = grow, batch_job
         self.prompt_positions = prompt_positions
         self.encoder_decoder = max_prompt_tokens is not None
 
@@ -208,7 +207,7 @@ class Admission:
 
     def prefill_width(self, prompt_bucket: int) -> int:
         """The block-table width of a prefill of prompts of up to `prompt_bucket` tokens."""
-        return min(self.table_width, bucket(pages_needed(prompt_bucket, self.page_size)))
+        return self.pages.width(prompt_bucket)
 
     def prefill_program(
         self,

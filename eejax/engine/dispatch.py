@@ -17,8 +17,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from eejax.cache import pages_needed
-from eejax.decode.buckets import bucket
 from eejax.decode.steps import decode_slots
 from eejax.engine.delivery import Delivery
 from eejax.engine.device_slots import DeviceSlots
@@ -34,7 +32,7 @@ from eejax.sharding import to_host
 class Dispatch:
     """`options`: the engine's programs' options, which a group's replace; `steps_per_dispatch`:
     decode steps per program (1: always one); `batch_job`: every request is known (programs keep
-    their steps to the end); `table_width`: the widest block table; `prompt_positions(prompt)`:
+    their steps to the end); `prompt_positions(prompt)`:
     the cache positions a prompt takes; `counters`: the engine's, this part adds `steps`."""
 
     def __init__(
@@ -50,14 +48,13 @@ class Dispatch:
         *,
         steps_per_dispatch: int,
         batch_job: bool,
-        table_width: int,
         prompt_positions: Callable[[list[int]], int],
     ):
         self.model, self.options = model, options
         self._slot_table, self._device, self._speculation = slot_table, device, speculation
         self._delivery, self._faults, self._counters = delivery, faults, counters
         self.steps_per_dispatch, self.batch_job = steps_per_dispatch, batch_job
-        self.table_width, self.prompt_positions = table_width, prompt_positions
+        self.prompt_positions = prompt_positions
         self._running = slot_table.running  # read-only view
         # (its outputs on their way to the host, slot -> row) of the last dispatched program, not read yet
         self._pending = None
@@ -190,7 +187,7 @@ class Dispatch:
     def table(self):
         """The block table of the running rows, as wide as the longest needs (bucketed)."""
         longest = max(self.span(s) for s in self._running.values())
-        width = min(self.table_width, bucket(pages_needed(longest, self._slot_table.pages.page_size)))
+        width = self._slot_table.pages.width(longest)
         return self._device.upload(("table", width), self._slot_table.pages.table(width))
 
     def decode_program(self, table, group, options: StepOptions, now: bool = False):

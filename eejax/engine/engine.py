@@ -245,7 +245,6 @@ class Engine:
             self.counters,
             steps_per_dispatch=self.steps_per_dispatch,
             batch_job=batch_job,
-            table_width=self.table_width,
             prompt_positions=self.prompt_positions,
         )
         # Free slots to waiting rows, their prefills, pages for growing rows, preemption: a part.
@@ -265,7 +264,6 @@ class Engine:
             prefill_chunk=prefill_chunk,
             grow=self.grow,
             batch_job=batch_job,
-            table_width=self.table_width,
             prompt_positions=self.prompt_positions,
         )
         # The background loop (what the HTTP server runs), cancellation, abort, deadlines: a part.

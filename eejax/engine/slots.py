@@ -12,6 +12,7 @@ from types import MappingProxyType
 import numpy as np
 
 from eejax.cache import PageAllocator, pages_needed, prefix_keys
+from eejax.decode.buckets import bucket
 from eejax.engine.sequence import Sequence
 from eejax.errors import OutOfPagesError
 
@@ -26,6 +27,11 @@ class SlotPages:
         self.allocator = PageAllocator(num_pages)  # read its counts; change pages through this part
         self.page_size, self.prefix_caching = page_size, prefix_caching
         self._table = np.zeros((slots, table_width), np.int32)
+
+    def width(self, positions: int) -> int:
+        """The block-table width a program over rows of up to `positions` cache positions takes:
+        their pages, bucketed (few programs), at most the table's."""
+        return min(self._table.shape[1], bucket(pages_needed(positions, self.page_size)))
 
     @property
     def num_pages(self) -> int:

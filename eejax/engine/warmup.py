@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eejax.cache import pages_needed
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.programs import MAPS_PER_PROGRAM, map_headroom
 from eejax.decode.sampling import RowSampling
@@ -43,7 +42,7 @@ def warmup(engine, max_prompt_len: int | None = None, progress: bool = True, req
     batches = sorted({bucket(n) for n in range(1, engine.slots + 1)})
     prompts = sorted({bucket(n, MIN_PROMPT_BUCKET) for n in range(1, max_prompt_len + 1)})
     longest = min(engine.prompt_positions(range(max_prompt_len)) + engine.max_new_tokens - 1, engine.max_len)
-    widths = sorted({min(engine.table_width, bucket(pages_needed(n, engine.page_size))) for n in range(1, longest + 1)})
+    widths = sorted({engine.pages.width(n) for n in range(1, longest + 1)})
     group = jnp.zeros((engine.slots,), bool)
     before = engine.model.programs.num_programs
 
