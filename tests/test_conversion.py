@@ -107,6 +107,22 @@ def test_unsupported_architecture_names_what_is_supported(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_gguf_file_eejax_cannot_read_is_refused_by_name(tmp_path):
+    from conversion.gguf_source import gguf_config
+
+    (tmp_path / "bad.gguf").write_bytes(b"not a GGUF file, only its suffix" * 4)
+    with pytest.raises(EejaxError, match="cannot read .*bad.gguf: GGUF magic invalid"):
+        convert(tmp_path / "bad.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    llama = {"general.architecture": "llama", "llama.block_count": 2, "tokenizer.ggml.eos_token_id": 2}
+    config, generation = gguf_config(llama, {"token_embd.weight"})
+    assert config["num_hidden_layers"] == 2 and config["tie_word_embeddings"] and generation == {"eos_token_id": 2}
+    with pytest.raises(UnsupportedModelError, match="'gemma2' GGUF file; eejax reads Llama"):
+        gguf_config({**llama, "general.architecture": "gemma2"}, set())
+    with pytest.raises(UnsupportedModelError, match="scales its rotary embedding \\(yarn\\)"):
+        gguf_config({**llama, "llama.rope.scaling.type": "yarn"}, set())  # transformers would drop it
+
+
 def test_bad_sources_and_destinations(tmp_path, hf_model):
     with pytest.raises(EejaxError, match="no such file"):
         convert(tmp_path / "missing", tmp_path / "out")

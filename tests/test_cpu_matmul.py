@@ -80,6 +80,14 @@ def test_a_failed_build_raises_and_leaves_nothing(tmp_path, monkeypatch):
         cpu_matmul.build(tmp_path)
 
 
+def test_a_build_starts_in_the_background_only_where_it_is_needed(monkeypatch):
+    if cpu_matmul.available():  # built: nothing to start
+        assert cpu_matmul.library_path().exists() and cpu_matmul.build_soon() is None
+    monkeypatch.setenv("EEJAX_CPU_MATMUL", "off")  # not used: nothing to build
+    monkeypatch.setenv("EEJAX_CACHE", "/nonexistent/eejax-cache")
+    assert cpu_matmul.build_soon() is None
+
+
 def test_rows_of_a_bf16_table_as_jnp_indexing_reads_them():
     table = jnp.asarray(np.random.default_rng(2).standard_normal((100, 24)), jnp.bfloat16)
     ids = jnp.asarray([[3, 99, 0], [150, -5, 7], [-150, 42, 42]], jnp.int32)  # outside, from the end, repeated

@@ -44,6 +44,33 @@ def test_config_is_smollm2(smollm2):
     assert c.tie_embeddings and c.rope_theta == 100000.0
 
 
+def test_the_gguf_file_is_read_without_torch_as_transformers_reads_it(hf_smollm2):
+    """conversion.gguf_source (gguf-py; what `eejax.load("smollm2-135m")` converts with) against
+    transformers' GGUF loader: the same config, every tensor bit for bit, the same tokenizer."""
+    from transformers import AutoTokenizer
+
+    from conversion.sources import open_checkpoint
+    from eejax.config import LlamaConfig
+
+    gguf = fetch_original("smollm2-135m")
+    ours = open_checkpoint(gguf)
+    theirs = hf_smollm2.state_dict()
+    assert set(ours.names) == set(theirs) - {"lm_head.weight"}  # tied: transformers' lm_head is the embedding
+    for name in ours.names:
+        np.testing.assert_array_equal(ours.read(name), theirs[name].numpy(), err_msg=name)
+    assert LlamaConfig.from_hf(ours.config, ours.generation_config) == LlamaConfig.from_hf(
+        hf_smollm2.config.to_dict(), hf_smollm2.generation_config.to_dict()
+    )
+    reference = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    texts = [row["article"][:400] for row in cnndm_rows(2)] + [" two  spaces\ttab\n", "Ünïcödé 東京 🙂 <|im_end|>"]
+    assert [ours.tokenizer(t).input_ids for t in texts] == [reference(t).input_ids for t in texts]
+    chat = [{"role": "user", "content": "Hi"}]
+    assert ours.tokenizer.apply_chat_template(chat, tokenize=False) == reference.apply_chat_template(
+        chat, tokenize=False
+    )
+    assert ours.tokenizer.special_tokens_map == reference.special_tokens_map
+
+
 def test_greedy_equals_hf_generate(smollm2, hf_smollm2):
     # Four CNN/DM articles cut to different lengths: one padded batch in eejax, one by one in HF.
     prompts = [row["article"][: 250 + 300 * i] for i, row in enumerate(cnndm_rows(4))]

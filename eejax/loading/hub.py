@@ -22,6 +22,7 @@ from pathlib import Path
 
 from eejax.checkpoint import CONFIG_FILE, load_checkpoint, mapped_while_loading
 from eejax.errors import EejaxError
+from eejax.kernels import cpu_matmul
 from eejax.loading.deltas import apply_delta
 from eejax.loading.model import QUANTIZATIONS, Model, cast_floats, check_params, quantize, save
 from eejax.quantized import ACTIVATIONS, formats, with_activations
@@ -202,6 +203,7 @@ def load(
     blocks = quantization == "gguf" and not Path(name).expanduser().exists()
     if blocks and KNOWN_MODELS.get(name) and not _from_gguf(name):
         raise EejaxError(f"{name} is not a GGUF model: it has no blocks to keep (try quantization='int8')")
+    cpu_matmul.build_soon()  # a first load compiles the CPU kernel while it fetches, converts and reads
     directory = resolve(path_or_name, blocks)
     with mapped_while_loading():
         config, params, tokenizer = load_checkpoint(directory)
