@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from conversion.gguf_source import unpermuted_rows
+from conversion.gguf_source import open_gguf_file, unpermuted_rows
 from eejax.config import LlamaConfig
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.quantized import QuantizedMatrix, from_ggml_blocks
@@ -40,10 +40,7 @@ def llama_params_from_gguf(path: str | Path, config: LlamaConfig, progress: bool
     """Llama params from the GGUF at `path`: its Q4_0 / Q4_1 / Q8_0 matrices as their blocks
     (a Linear's transposed: rows are outputs), its F32 / F16 tensors as float32. Another quantized
     type (a K-quant) is refused by name."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
+    _, tensors = open_gguf_file(path)
 
     def read(name: str, transposed: bool = True, heads: int | None = None):
         if name not in tensors:

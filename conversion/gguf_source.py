@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from conversion.gguf_file import read_gguf
 from eejax.errors import EejaxError, UnsupportedModelError
 
 # HF tensor name (in a layer: "model.layers.{i}." + name) -> llama.cpp's (in a block: "blk.{i}." + name)
@@ -41,11 +42,6 @@ def unpermuted_rows(rows: int, heads: int) -> np.ndarray:
     `heads` heads: new row j is old row order[j] (transformers' `reverse_permute_weights`)."""
     half = rows // heads // 2
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
-
-
-def read_metadata(reader) -> dict:
-    """A GGUFReader's key-value metadata as Python values (strings, numbers, lists)."""
-    return {key: field.contents() for key, field in reader.fields.items()}
 
 
 def gguf_config(metadata: dict, tensor_names) -> tuple[dict, dict]:
@@ -92,11 +88,11 @@ def gguf_tokenizer(metadata: dict):
     return TokenizersBackend(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
-def gguf_tensor_reader(reader, config: dict):
-    """(HF tensor names, read(name) -> float32 array in HF layout [out, in]) over a GGUF file."""
+def gguf_tensor_reader(tensors: dict, config: dict):
+    """(HF tensor names, read(name) -> float32 array in HF layout [out, in]) over a GGUF file's
+    tensors (`gguf_file.read_gguf`)."""
     from gguf import dequantize
 
-    tensors = {t.name: t for t in reader.tensors}
     names = dict(GLOBAL_NAMES)
     if "output.weight" in tensors:
         names["lm_head.weight"] = "output.weight"
@@ -118,17 +114,21 @@ def gguf_tensor_reader(reader, config: dict):
     return [name for name, gg in names.items() if gg in tensors], read
 
 
-def open_gguf(src: Path):
-    """(HF config, generation config, tensor names, reader, tokenizer) of a Llama GGUF file."""
+def open_gguf_file(src: Path) -> tuple[dict, dict]:
+    """`gguf_file.read_gguf(src)`, its errors named as EejaxErrors."""
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401  (its type tables and dequantisation)
     except ImportError:
         raise EejaxError("reading a .gguf file needs the gguf package: pip install 'eejax[gguf]'") from None
     try:
-        reader = GGUFReader(str(src))
+        return read_gguf(src)
     except (ValueError, OSError) as e:
         raise EejaxError(f"cannot read {src}: {e}") from None
-    metadata = read_metadata(reader)
-    config, generation_config = gguf_config(metadata, {t.name for t in reader.tensors})
-    names, read = gguf_tensor_reader(reader, config)
+
+
+def open_gguf(src: Path):
+    """(HF config, generation config, tensor names, reader, tokenizer) of a Llama GGUF file."""
+    metadata, tensors = open_gguf_file(src)
+    config, generation_config = gguf_config(metadata, set(tensors))
+    names, read = gguf_tensor_reader(tensors, config)
     return config, generation_config, names, read, gguf_tokenizer(metadata)

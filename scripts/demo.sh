@@ -5,4 +5,5 @@
 # identical tokens.
 # Arguments go to scripts/demo.py (--articles N, --new-tokens N, --spec S, --json, --help).
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh" gguf
+export TRANSFORMERS_NO_ADVISORY_WARNINGS=1  # its "PyTorch was not found": eejax needs none here
 python scripts/demo.py "$@"

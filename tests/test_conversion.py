@@ -107,6 +107,48 @@ def test_unsupported_architecture_names_what_is_supported(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_gguf_files_are_read_as_gguf_py_reads_them(tmp_path):
+    """conversion.gguf_file against gguf-py's GGUFReader: every kind of metadata value, plain and
+    block tensors, GGUF v3; a file cut short is refused, not read past its end."""
+    gguf = pytest.importorskip("gguf")
+    from conversion.gguf_file import read_gguf
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_string("general.name", "tiny ünïcode")
+    writer.add_uint32("llama.block_count", 2)
+    writer.add_float32("llama.rope.freq_base", 10000.5)
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.add_int64("x.signed", -3)
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "a", "Ġb", "東"])
+    writer.add_array("tokenizer.ggml.token_type", [3, 1, 1, 1])
+    writer.add_array("x.flags", [True, False])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("norm", rng.standard_normal(8).astype(np.float32))
+    writer.add_tensor("half", rng.standard_normal((3, 4)).astype(np.float16))
+    for kind in ("Q8_0", "Q4_1", "Q4_0"):
+        qtype = gguf.GGMLQuantizationType[kind]
+        raw = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), qtype)
+        writer.add_tensor(kind, raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    metadata, tensors = read_gguf(path)
+    reference = gguf.GGUFReader(str(path))
+    assert metadata == {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    assert metadata["x.signed"] == -3 and metadata["x.flags"] == [True, False]
+    assert list(tensors) == [t.name for t in reference.tensors]
+    for t in reference.tensors:
+        ours = tensors[t.name]
+        assert (ours.tensor_type, list(ours.shape), ours.data.dtype) == (t.tensor_type, list(t.shape), t.data.dtype)
+        np.testing.assert_array_equal(ours.data, t.data)
+    path.write_bytes(path.read_bytes()[:-100])  # the last tensor cut short
+    with pytest.raises(EejaxError, match="cannot read .*ends inside tensor Q4_0"):
+        convert(path, tmp_path / "out", progress=False)
+
+
 def test_a_gguf_file_eejax_cannot_read_is_refused_by_name(tmp_path):
     from conversion.gguf_source import gguf_config
 
