@@ -5,7 +5,7 @@ article by article, and says how fast each ran (compilation excluded), the speed
 the tokens are identical (they must be: drafting is verified token for token). scripts/demo.sh
 runs it in the project's .venv.
 
-    python scripts/demo.py [--articles 4] [--new-tokens 64] [--spec draft:4:lookup] [--json]
+    python scripts/demo.py [--articles 4] [--new-tokens 48] [--spec draft:4:lookup] [--json]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--articles", type=int, default=4, help="articles to summarise (1-20; default 4)")
     parser.add_argument("--prompt-tokens", type=int, default=256, help="each article's tokens (default 256)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per article (default 64)")
+    parser.add_argument("--new-tokens", type=int, default=48, help="tokens generated per article (default 48)")
     parser.add_argument("--spec", default="draft:4:lookup", help="the draft head's setting (default draft:4:lookup)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
