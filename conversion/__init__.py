@@ -1,4 +1,4 @@
-"""HF PyTorch checkpoints (and GGUF through transformers) -> eejax checkpoints."""
+"""HF PyTorch checkpoints (torch reads them) and Llama GGUF files (`gguf_file`, no torch) -> eejax checkpoints."""
 
 from conversion.convert import DTYPES, convert
 
