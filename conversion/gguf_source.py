@@ -126,9 +126,9 @@ def open_gguf_file(src: Path) -> tuple[dict, dict]:
         raise EejaxError(f"cannot read {src}: {e}") from None
 
 
-def open_gguf(src: Path):
-    """(HF config, generation config, tensor names, reader, tokenizer) of a Llama GGUF file."""
-    metadata, tensors = open_gguf_file(src)
+def open_gguf(metadata: dict, tensors: dict):
+    """(HF config, generation config, tensor names, read(name), tokenizer) of a Llama GGUF file's
+    metadata and tensors (`open_gguf_file`)."""
     config, generation_config = gguf_config(metadata, set(tensors))
     names, read = gguf_tensor_reader(tensors, config)
     return config, generation_config, names, read, gguf_tokenizer(metadata)

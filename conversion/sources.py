@@ -1,5 +1,6 @@
 """Reading HF checkpoints: an HF model directory (safetensors or pytorch_model.bin, sharded or
-not; torch reads them) or a Llama `.gguf` file (`gguf_source`: gguf-py dequantises it, no torch).
+not; torch reads them) or a `.gguf` file (Llama: `gguf_source`, gguf-py dequantises it, no torch;
+another architecture: transformers' GGUF loader).
 Tensors are read lazily, one at a time."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from eejax.config import check_architecture
-from eejax.errors import EejaxError
+from eejax.errors import EejaxError, UnsupportedModelError
 
 WEIGHT_FILES = (
     "model.safetensors.index.json",
@@ -111,11 +112,37 @@ def _open_hf_dir(src: Path) -> HFCheckpoint:
 
 
 def _open_gguf(src: Path) -> HFCheckpoint:
-    from conversion.gguf_source import open_gguf
+    """A Llama GGUF file through `gguf_source` (no torch); another architecture (a T5 GGUF file)
+    through transformers' GGUF loader, which needs torch."""
+    from conversion.gguf_source import open_gguf, open_gguf_file
 
-    config, generation_config, names, read, tokenizer = open_gguf(src)
-    check_architecture(config.get("model_type"), str(src))
-    return HFCheckpoint(config, generation_config, names, read, tokenizer, str(src))
+    metadata, tensors = open_gguf_file(src)
+    if metadata.get("general.architecture") == "llama":
+        config, generation_config, names, read, tokenizer = open_gguf(metadata, tensors)
+        return HFCheckpoint(config, generation_config, names, read, tokenizer, str(src))
+    return _open_gguf_with_transformers(src)
+
+
+def _open_gguf_with_transformers(src: Path) -> HFCheckpoint:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    except ValueError as e:  # transformers names the GGUF architectures it cannot read
+        raise UnsupportedModelError(f"cannot load {src.name}: {str(e).splitlines()[0]}") from e
+    check_architecture(model.config.model_type, str(src))
+    state = model.state_dict()
+    generation_config = model.generation_config.to_dict() if model.generation_config else None
+    return HFCheckpoint(
+        model.config.to_dict(),
+        generation_config,
+        list(state),
+        lambda n: _to_numpy(state[n]),
+        _tokenizer(src.parent, gguf_file=src.name),
+        str(src),
+    )
 
 
 def _tokenizer(directory: Path, **kwargs):
