@@ -8,7 +8,8 @@ each with float32 and with int8 activations (`eejax.load`). For each:
     greedy token equals float32's, where float32's top two logits are at least 1e-3 apart
     (below that a near-tie may go either way);
   - memory: the RSS a fresh process (JAX's runtime started, orbax and the tokenizer's code
-    imported) adds by loading the model, against the weights' bytes;
+    imported) adds by loading the model, and of it the anonymous memory (without the library code
+    that loading pages in), against the weights' bytes;
   - speed, in the same run as float32: decode tokens/s at batch 1 and 8 (256-token CNN/DM
     prompts, --new-tokens greedy tokens, prefill excluded) and prefill tokens/s of one 256-token
     prompt, with their ratios to float32 and the batch-1 share of the bandwidth bound (bytes read).
@@ -94,8 +95,10 @@ def quality(model, chunks, reference: list[np.ndarray] | None) -> tuple[dict, li
 
 
 def rss_added(setting: str) -> dict:
-    """RSS a fresh process adds by loading `setting` (weights and tokenizer), the weights' bytes,
-    and the RSS that loading the tokenizer alone adds (in a second fresh process)."""
+    """RSS a fresh process adds by loading `setting` (weights and tokenizer), of it the anonymous
+    memory (RSS less the pages of library code that loading runs for the first time: file-backed,
+    shared, dropped under pressure), the weights' bytes, and the RSS that loading the tokenizer
+    alone adds (in a second fresh process)."""
     code = "\n".join(
         [
             "import json, sys",
@@ -105,9 +108,12 @@ def rss_added(setting: str) -> dict:
             "jnp.zeros(1).block_until_ready()  # the runtime's own memory is not the model's,",
             "import orbax.checkpoint, transformers.models.auto.tokenization_auto  # nor the loaders' code",
             "def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096",
-            "before = rss(); m = load(sys.argv[2]); jax.block_until_ready(m.params); after = rss()",
+            "def anon(): return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if 'RssAnon' in l)",
+            "before, anon_before = rss(), anon()",
+            "m = load(sys.argv[2]); jax.block_until_ready(m.params); after, anon_after = rss(), anon()",
             "weights = sum(x.nbytes for x in jax.tree.leaves(m.params))",
-            "print(json.dumps({'rss_added': after - before, 'weight_bytes': weights}))",
+            "out = {'rss_added': after - before, 'anon_added': anon_after - anon_before, 'weight_bytes': weights}",
+            "print(json.dumps(out))",
         ]
     )
     tokenizer_code = "\n".join(
@@ -174,8 +180,9 @@ def main(argv=None) -> int:
         base = rows["float32"]
         line = [
             f"{setting:10s} {row['bytes_per_token'] / 1e6:5.0f} MB/token, RSS +{row['rss_added'] / 1e6:.0f} MB "
-            f"({row['rss_added'] / row['weight_bytes']:.2f}x the weights; the tokenizer alone "
-            f"+{row['tokenizer_rss_added'] / 1e6:.0f} MB)"
+            f"({row['rss_added'] / row['weight_bytes']:.2f}x the weights; anonymous "
+            f"+{row['anon_added'] / 1e6:.0f} MB, {row['anon_added'] / row['weight_bytes']:.2f}x; "
+            f"the tokenizer alone +{row['tokenizer_rss_added'] / 1e6:.0f} MB)"
         ]
         if "perplexity" in row:
             line.append(f"ppl {row['perplexity']:.3f} ({row['perplexity'] / base['perplexity'] - 1:+.2%})")
