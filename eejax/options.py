@@ -5,6 +5,7 @@ and `StepOptions`, all that a compiled generation program depends on besides sha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from eejax.draft_trees import MAX_TREE_NODES, check_tree, default_tree
@@ -412,18 +413,9 @@ class StepOptions:
 
     def round(self, num_speculations: int, bonus: bool = False) -> StepOptions:
         """A speculation round of d = `num_speculations` drafts: only the draft layers, d, the
-        draft head and `bonus` of `spec` matter to its programs (not adaptive, max, or bonus policy)."""
-        spec = SpecConfig(
-            self.spec.exit_layer,
-            num_speculations,
-            head=self.spec.head,
-            draft_head=self.spec.draft_head,
-            tree=self.spec.tree,
-            confidence_stop=self.spec.confidence_stop,
-            lookup=self.spec.lookup,
-        )
-        bonus = bonus and not spec.draft_head  # a draft head's round always scores d + 1 positions
-        return dataclasses.replace(self, exit=None, spec=spec, bonus=bonus, num_steps=1)
+        draft head and `bonus` of `spec` matter to its programs (not adaptive, max, or bonus policy).
+        Made once per (options, d, bonus): the engine asks for it every dispatch."""
+        return _round(self, num_speculations, bonus)
 
     def plain(self, num_steps: int = 1, catch_up: bool = True) -> StepOptions:
         """What `num_steps` full-depth decode steps in place of a round read (`decoding`); with a
@@ -441,3 +433,18 @@ class StepOptions:
     def verifying(self) -> StepOptions:
         """What a round's verify program reads (the number of scored positions is a shape)."""
         return dataclasses.replace(self, bonus=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _round(options: StepOptions, num_speculations: int, bonus: bool) -> StepOptions:
+    spec = SpecConfig(
+        options.spec.exit_layer,
+        num_speculations,
+        head=options.spec.head,
+        draft_head=options.spec.draft_head,
+        tree=options.spec.tree,
+        confidence_stop=options.spec.confidence_stop,
+        lookup=options.spec.lookup,
+    )
+    bonus = bonus and not spec.draft_head  # a draft head's round always scores d + 1 positions
+    return dataclasses.replace(options, exit=None, spec=spec, bonus=bonus, num_steps=1)

@@ -6,10 +6,11 @@ import argparse
 
 from eejax.cli.args import quantization
 
-DESCRIPTION = """Convert an HF PyTorch checkpoint into an eejax checkpoint.
+DESCRIPTION = """Convert an HF PyTorch checkpoint or a GGUF file into an eejax checkpoint.
 
 SRC is an HF model directory (config.json plus model.safetensors, pytorch_model.bin, or their
-sharded *.index.json) or a Llama .gguf file (dequantised by gguf-py). DST receives
+sharded *.index.json; read with torch: pip install 'eejax[convert]') or a Llama .gguf file
+(dequantised by gguf-py, no torch: 'eejax[gguf]'). DST receives
 eejax.json, params/ (orbax) and tokenizer/. The conversion is atomic: on any error nothing is
 left at DST. Supported architectures: llama (Llama 2/3.x, SmolLM2, TinyLlama, LayerSkip Llamas, ...) and t5
 (T5ForConditionalGeneration: T5 v1.0, v1.1, Flan-T5, CALM-style T5s)."""
