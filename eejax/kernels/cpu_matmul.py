@@ -324,7 +324,7 @@ def build_soon() -> threading.Thread | None:
         try:
             build()
         except (OSError, subprocess.CalledProcessError):
-            pass
+            return  # not said here: the first use (`available`) builds again and logs why it cannot
 
     thread = threading.Thread(target=quietly, name="eejax-kernel-build", daemon=True)
     thread.start()
