@@ -375,7 +375,8 @@ class StepOptions:
     penalties:      apply the rows' repetition / frequency / presence penalties, over the
                     token counts the program then takes and returns in `DecodeState.counts`.
     prompt_logprobs: a prefill also scores the prompt's own tokens (`prompt_scores`).
-    num_steps:      decode steps per program (`steps.decode_steps`).
+    num_steps:      decode steps per program (`steps.decode_steps`); in a round's programs, the
+                    rounds per program (`speculative.spec_round_slots`).
 
     Each program reads some of these; the views below keep those and reset the rest, so that
     options a program ignores never compile it twice.
@@ -411,11 +412,12 @@ class StepOptions:
         """What `num_steps` decode steps read (no speculation)."""
         return dataclasses.replace(self, spec=None, spec_off=False, bonus=False, num_steps=num_steps)
 
-    def round(self, num_speculations: int, bonus: bool = False) -> StepOptions:
-        """A speculation round of d = `num_speculations` drafts: only the draft layers, d, the
-        draft head and `bonus` of `spec` matter to its programs (not adaptive, max, or bonus policy).
-        Made once per (options, d, bonus): the engine asks for it every dispatch."""
-        return _round(self, num_speculations, bonus)
+    def round(self, num_speculations: int, bonus: bool = False, rounds: int = 1) -> StepOptions:
+        """`rounds` speculation rounds (`num_steps`) of d = `num_speculations` drafts: only the
+        draft layers, d, the draft head and `bonus` of `spec` matter to their programs (not
+        adaptive, max, or bonus policy). Made once per (options, d, bonus, rounds): the engine
+        asks for it every dispatch."""
+        return _round(self, num_speculations, bonus, rounds)
 
     def plain(self, num_steps: int = 1, catch_up: bool = True) -> StepOptions:
         """What `num_steps` full-depth decode steps in place of a round read (`decoding`); with a
@@ -436,7 +438,7 @@ class StepOptions:
 
 
 @functools.lru_cache(maxsize=256)
-def _round(options: StepOptions, num_speculations: int, bonus: bool) -> StepOptions:
+def _round(options: StepOptions, num_speculations: int, bonus: bool, rounds: int) -> StepOptions:
     spec = SpecConfig(
         options.spec.exit_layer,
         num_speculations,
@@ -447,4 +449,4 @@ def _round(options: StepOptions, num_speculations: int, bonus: bool) -> StepOpti
         lookup=options.spec.lookup,
     )
     bonus = bonus and not spec.draft_head  # a draft head's round always scores d + 1 positions
-    return dataclasses.replace(options, exit=None, spec=spec, bonus=bonus, num_steps=1)
+    return dataclasses.replace(options, exit=None, spec=spec, bonus=bonus, num_steps=rounds)

@@ -56,6 +56,13 @@ def test_a_program_runs_several_steps_unless_a_row_would_idle_or_a_request_waits
     assert part.next_steps == 1  # the waiting request gets its slot at once
     part.plan(waiting=False)
     assert part.next_steps == 1  # serving: its last tokens would wait for idle steps
+    spec = decoding(table, 1, made=2, spec=SpecConfig.parse("2:3"))  # up to d + 1 = 4 tokens a round
+    row.tokens = [7] * 2
+    part.plan(waiting=True)
+    assert part.next_steps == STEPS  # 30 tokens to go: more than 1 + 4 rounds in flight and next make
+    spec.tokens = [7] * (N - 4 * STEPS)
+    part.plan(waiting=True)
+    assert part.next_steps == 1  # 16 to go: its limit may come within the rounds
     batch, batch_table = dispatch(batch_job=True)
     decoding(batch_table, 0, made=N - 3)
     batch.plan(waiting=False)
@@ -69,8 +76,9 @@ def test_a_rows_span_covers_the_program_in_flight_and_the_next_and_never_passes_
     # prompt 5 + 3 read + 4 in flight + 3 the next writes before its last token
     assert part.span(plain) == 5 + 3 + 4 + 3
     speculating = decoding(table, 1, made=3, spec=SpecConfig.parse("2:3"))
-    # a round in flight (d + 1 = 4) and the next round's d drafts past its last token
-    assert part.span(speculating) == 5 + 3 + 4 + 3
+    part.steps_in_flight, part.next_steps = 2, 2
+    # two rounds in flight (d + 1 = 4 each), the next program's first round and its second's d drafts
+    assert part.span(speculating) == 5 + 3 + 2 * 4 + 4 + 3
     plain.tokens = [7] * (N - 2)
     assert part.span(plain) == 5 + N - 1  # nothing past the row's limit is written
 

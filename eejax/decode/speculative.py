@@ -27,9 +27,9 @@ are written to the null page, so a row never writes past the pages of prompt + l
 Random draws are per row and position (`sampling.token_keys`): a row's sampled tokens do not
 depend on the rest of the batch.
 
-The engine runs these over a group of its decode slots while the others wait (`*_slots`): a
-whole round in one program (`spec_round_slots`), or, when the policy times them, draft and
-verify apart, or a plain step in place of a round.
+The engine runs these over a group of its decode slots while the others wait (`*_slots`):
+whole rounds in one program (`spec_round_slots`, several per dispatch as decode steps are), or,
+when the policy times them, draft and verify apart, or plain steps in place of a round.
 """
 
 from __future__ import annotations
@@ -353,8 +353,21 @@ def verify_slots(params, cache, state, drafts, counters, block_table, group, *, 
 
 
 def spec_round_slots(params, cache, state, counters, block_table, group, *, config, options: StepOptions):
-    """One self-speculation round (d drafts from layers [0, E), one verify pass of the rest) of
-    the slots in `group` that are not done, in one program; the others wait. Returns (state,
-    cache, counters)."""
-    drafts, cache = draft_slots(params, cache, state, block_table, group, config=config, options=options)
-    return verify_slots(params, cache, state, drafts, counters, block_table, group, config=config, options=options)
+    """`options.num_steps` self-speculation rounds (d drafts from layers [0, E), one verify pass
+    of the rest) of the slots in `group` that are not done, in one program: a loop of known trip
+    count, as `steps.decode_steps` runs decode steps, so the host dispatches and reads once per
+    several rounds and a GPU reads nothing back between them. A row that ends inside (EOS, its
+    limit) idles through the rest; the others wait. Returns (state, cache, counters)."""
+    masked, waiting = only_group(state, group)
+
+    def one_round(carry):
+        state, cache, counters = carry
+        drafts, _, cache = draft(params, cache, state, block_table, config=config, options=options.drafting())
+        return verify(params, cache, state, drafts, counters, block_table, config=config, options=options.verifying())
+
+    carry = (masked, cache, counters)
+    if options.num_steps == 1:
+        new, cache, counters = one_round(carry)
+    else:
+        new, cache, counters = jax.lax.fori_loop(0, options.num_steps, lambda _, c: one_round(c), carry)
+    return ungrouped(new, waiting), cache, counters

@@ -3,7 +3,7 @@ per group of running rows with the same options (`StepOptions`: early exit, samp
 penalties, speculation) over the slots' block table; then the outputs of the program dispatched
 one step earlier are read and delivered (`Delivery`) while the new one runs, so host work
 overlaps device work. A decode program runs several steps (`steps_per_dispatch`) unless
-admission would wait on them; a speculation group runs a round (`Speculation`).
+admission would wait on them; a speculation group runs as many rounds (`Speculation`).
 
 It owns what is in flight: the outputs on their way to the host and the rows they are for, the
 decode steps of the program in flight and of the next, the options made for rows, and the
@@ -56,8 +56,10 @@ class Dispatch:
         self.steps_per_dispatch, self.batch_job = steps_per_dispatch, batch_job
         self.prompt_positions = prompt_positions
         self._running = slot_table.running  # read-only view
-        # (its outputs on their way to the host, slot -> row) of the last dispatched program, not read yet
+        # (its outputs on their way to the host, slot -> row, slot -> the fewest tokens the row's
+        # program makes: its steps or rounds) of the last dispatched program, not read yet
         self._pending = None
+        self._made: dict[int, int] = {}  # slot -> the fewest tokens, of the programs being dispatched
         # Decode steps of the program in flight (read after the next dispatch; 0: none), and of the next.
         self.steps_in_flight = self.next_steps = 1
         self._options_made: dict[tuple, StepOptions] = {}  # `options`' by what a row asks for
@@ -79,16 +81,19 @@ class Dispatch:
         return last_end
 
     def plan(self, waiting: bool) -> None:
-        """Decode steps in the next program: `steps_per_dispatch` (one dispatch and one read per
-        several tokens) unless a prompt is being prefilled (chunks come every step), or requests
-        wait (`waiting`) and a row reaches its limit within the program (its slot and pages go
-        to them at once), or (serving) no row has that many tokens to go: its last tokens would
-        wait for the program's idle steps. (A row ending at EOS inside a program keeps its slot
-        to the program's end.) A speculation round is one per dispatch."""
+        """Decode steps (a speculation group: rounds) in the next program: `steps_per_dispatch`
+        (one dispatch and one read per several tokens) unless a prompt is being prefilled (chunks
+        come every step), or requests wait (`waiting`) and a row may reach its limit within the
+        program (its slot and pages go to them at once), or (serving) no row has that many steps
+        to go: its last tokens would wait for the program's idle steps. (A row ending at EOS
+        inside a program keeps its slot to the program's end.) A round makes up to d + 1 tokens."""
         self.next_steps = 1
         if self._slot_table.prefilling or not self._running:
             return
-        to_go = [seq.max_new_tokens - len(seq.tokens) for seq in self._running.values()]
+        to_go = [
+            (seq.max_new_tokens - len(seq.tokens)) // (self._speculation.span_drafts(seq) + 1)
+            for seq in self._running.values()
+        ]
         enough = self.steps_per_dispatch + self.steps_in_flight
         if waiting:
             self.next_steps = self.steps_per_dispatch if min(to_go) > enough else 1
@@ -99,14 +104,13 @@ class Dispatch:
         """Cache positions a running row may have written once the program about to be
         dispatched has run. The host reads a program's tokens after dispatching the next one, so
         beyond the prompt and the tokens read back the device may hold those of the program in
-        flight (its decode steps; a speculation round d + 1) and, until the first read after
-        admission, the prefill's token; the new program then writes its steps' tokens but the
-        last, and up to d positions past it (a round's drafts). Never more than prompt + max
+        flight (its decode steps; a speculation round's d + 1 each) and, until the first read
+        after admission, the prefill's token; the new program then writes its steps' tokens but
+        the last, and up to d positions past it (a round's drafts). Never more than prompt + max
         tokens - 1: nothing past a row's limit is written."""
         d = self._speculation.span_drafts(seq)
-        in_flight, steps = (1, 1) if seq.speculating else (self.steps_in_flight, self.next_steps)
-        unread = in_flight * (d + 1) + (len(seq.tokens) == seq.offset)
-        ahead = (steps - 1) * (d + 1) + d
+        unread = self.steps_in_flight * (d + 1) + (len(seq.tokens) == seq.offset)
+        ahead = (self.next_steps - 1) * (d + 1) + d
         prompt = self.prompt_positions(seq.prompt)
         return min(prompt + len(seq.tokens) + unread + ahead, prompt + seq.max_new_tokens - 1)
 
@@ -116,7 +120,7 @@ class Dispatch:
         one per speculation round)."""
         made = len(seq.tokens) + (len(seq.tokens) == seq.offset)
         if self.steps_in_flight and self._pending is not None and self._pending[1].get(seq.slot) is seq:
-            made += 1 if seq.speculating else self.steps_in_flight
+            made += self._pending[2].get(seq.slot, 0)
         return seq.max_new_tokens - made
 
     def options_of(self, seq: Sequence) -> StepOptions:
@@ -154,6 +158,7 @@ class Dispatch:
             for seq in self._running.values():
                 groups.setdefault(self.options_of(seq), []).append(seq)
         self._speculation.begin_step(len(groups))
+        self._made = {}
         if dispatch:
             table = self.table()
             slots = self._slot_table.size
@@ -163,10 +168,10 @@ class Dispatch:
                 group = self._device.upload(("group", group.tobytes()), group)
                 self._faults.guarded(members, self.dispatch, table, group, options, members)
         # Read next step even without a dispatch: a row's last tokens may be on device unread.
-        self._pending = (self._outputs(), dict(self._running)) if self._running else None
+        self._pending = (self._outputs(), dict(self._running), self._made) if self._running else None
         self.steps_in_flight = self.next_steps if dispatch else 0  # 0: nothing in flight
         if pending is not None:
-            self._read(*pending)
+            self._read(*pending[:2])
 
     def step_ended(self, end: float, seconds: float | None) -> None:
         """The step ended at `end`; `seconds`: its wall time if it prefilled and compiled nothing
@@ -176,12 +181,14 @@ class Dispatch:
 
     def dispatch(self, table, group, options: StepOptions, members: list[Sequence]) -> None:
         """Dispatches one program of `members`, the rows of the slots in `group`:
-        `options.num_steps` decode steps, or a speculation round."""
+        `options.num_steps` decode steps, or speculation rounds."""
         if options.spec is None:
             program, args = self.decode_program(table, group, options)
             self._device.keep(*program(*args))
+            made = options.num_steps
         else:
-            self._speculation.dispatch(table, group, options, members, self.next_steps)
+            made = self._speculation.dispatch(table, group, options, members, self.next_steps)
+        self._made.update((seq.slot, made) for seq in members)
         self._counters["steps"] += 1
 
     def table(self):

@@ -1,8 +1,8 @@
 """Self-speculation in the engine, a part of `Engine`: the rows of one speculation option and
 sampler kind form a group with its own `SpeculationPolicy`, which picks each round's d (adaptive)
-and whether the bonus pass runs, from the acceptance the engine reads back. A fixed d runs a
-round as one program; so does an adaptive group, costing each round by the wall time of the
-engine step that reads it (`_time_program`; the policy weighs the measured costs), apart from
+and whether the bonus pass runs, from the acceptance the engine reads back. A fixed d runs
+several rounds as one program, as many as a decode program runs steps (`Dispatch.plan`); an
+adaptive group runs one, costing each round by the wall time of the engine step that reads it (`_time_program`; the policy weighs the measured costs), apart from
 the rounds that time the draft and the verify programs apart and the plain full-depth steps
 taken while no round pays (`SpeculationPolicy`). Where the policy
 turns a draft head's speculation off, its rows run as plain rows for good (`Sequence.spec_off`:
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 import weakref
 
@@ -93,23 +94,24 @@ class Speculation:
             self.policies[key] = SpeculationPolicy(spec, unit_costs=unit_costs, sampled=options.sampler != GREEDY)
         return self.policies[key]
 
-    def dispatch(self, table, group, options: StepOptions, members: list[Sequence], decode_steps: int) -> None:
-        """One speculation round of `members`, the rows of the slots in `group` (adaptive: or a
-        plain step); `decode_steps`: what a decode program runs now (plain steps in a round's place)."""
+    def dispatch(self, table, group, options: StepOptions, members: list[Sequence], decode_steps: int) -> int:
+        """Speculation rounds of `members`, the rows of the slots in `group`: as many as a decode
+        program runs steps now (`decode_steps`) with a fixed d; one with an adaptive policy, whose
+        d and timing are per round (or plain steps in a round's place). Returns the rounds or
+        steps dispatched: the fewest tokens each row not done makes."""
         self._dispatched.append(None)
         if options.spec_off:
             self._dispatch_plain(table, group, options, decode_steps)
-            return
+            return decode_steps
         policy = self._policy(options)
         d = policy.next_speculations()
         if policy.turned_off:  # no round would pay even at a higher acceptance: off for good
             for seq in members:
                 seq.spec_off = True
             # the rows' pages cover a round's positions this time (`Dispatch.span`)
-            self._dispatch_plain(
-                table, group, dataclasses.replace(options, spec_off=True), self._plain_steps(options, decode_steps)
-            )
-            return
+            steps = self._plain_steps(options, decode_steps)
+            self._dispatch_plain(table, group, dataclasses.replace(options, spec_off=True), steps)
+            return steps
         if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
             steps = self._plain_steps(options, decode_steps)
             plain, args = self._plain_program(table, group, options, steps)
@@ -118,9 +120,10 @@ class Speculation:
             self._device.keep(*outputs)
             if seconds is not None:
                 policy.observe_plain(seconds / steps)
-            return
+            return steps
         bonus = policy.bonus(d)
-        round_options = options.round(d, bonus)
+        rounds = 1 if policy.spec.adaptive else decode_steps
+        round_options = options.round(d, bonus, rounds)
         if policy.split:  # adaptive: time the draft passes apart from the verification
             draft, args = self._draft_program(table, group, round_options)
             (drafts, cache), draft_s = run_timed(draft, args, True)
@@ -130,7 +133,7 @@ class Speculation:
             self._device.keep(*outputs)
             if draft_s is not None and verify_s is not None:
                 policy.observe_times(d, draft_s, verify_s, passes=d + bonus)
-            return
+            return 1
         program, args = self._round_program(table, group, round_options)
         timed = False
         if policy.spec.adaptive:
@@ -140,6 +143,7 @@ class Speculation:
         self._device.keep(*outputs)
         if seconds is not None:
             policy.observe_round(d, seconds, passes=d + bonus)
+        return rounds
 
     def _must_wait(self, known: bool) -> bool:
         """Whether to time a program of an adaptive policy by waiting for it: where other
@@ -214,13 +218,14 @@ class Speculation:
 
     def compile(self, table, group, options: StepOptions) -> None:
         """Compiles (runs nothing) the programs rows speculating with `options` may run at page-table
-        width `table`: every round's (each d an adaptive policy may pick, with and without the
-        bonus pass), and an adaptive group's plain steps (with a draft head, also those without
+        width `table`: every round's (with and without the bonus pass; a fixed d's one round and
+        `steps_per_dispatch` rounds a program, each d an adaptive policy may pick one), and an
+        adaptive group's plain steps (with a draft head, also those without
         its catch-up, once speculation is off)."""
         spec = options.spec
         if not spec.adaptive:
-            for bonus in (False, True):
-                self._round_program(table, group, options.round(spec.num_speculations, bonus), now=True)
+            for bonus, rounds in itertools.product((False, True), {1, self.steps_per_dispatch}):
+                self._round_program(table, group, options.round(spec.num_speculations, bonus, rounds), now=True)
             return
         for steps in {self._plain_steps(options, 1), self._plain_steps(options, self.steps_per_dispatch)}:
             self._plain_program(table, group, options, steps, now=True)
