@@ -85,6 +85,12 @@ def test_launch_plan():
     assert small.keys_per_split % 64 == 0 and small.num_splits * small.keys_per_split >= 32 * 16
     big = plan_launch((64, 1, 9, 64), (30, 3, 100, 16, 64), (64, 32), jnp.bfloat16)
     assert big.num_splits == 1 and big.constexprs["PRECISION"] is None
+    # 9,600 keys over 3 kv heads: splits sized from the SMs (a CPU plans for an H100's 132)
+    long = [
+        plan_launch((1, 1, 9, 64), (30, 3, 700, 16, 64), (1, 600), jnp.float32, programs_to_fill=sms)
+        for sms in (None, 132, 108, 12)
+    ]
+    assert [p.num_splits for p in long] == [38, 38, 30, 4] and long[2].grid == (1, 3, 30)
     multi = plan_launch((2, 16, 8, 128), (2, 1, 10, 8, 128), (2, 4), jnp.float32)
     assert multi.constexprs["BLOCK_M"] == 64 and multi.grid[1] == 2  # 16 tokens x 8 heads = 2 blocks of 64
     assert min(multi.constexprs["BLOCK_M"], multi.constexprs["BLOCK_N"], 128) >= 16  # tl.dot on GPUs

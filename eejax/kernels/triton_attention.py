@@ -46,7 +46,15 @@ MIN_DOT = 16  # tl.dot needs every dimension >= 16 on GPUs
 KEY_ELEMENTS = 4096
 NUM_WARPS = 8
 NUM_STAGES = 2
-SPLIT_TARGET_PROGRAMS = 132  # about one program per SM of an H100
+SPLIT_TARGET_PROGRAMS = 132  # programs to fill a device that does not say its SM count: an H100's 132
+
+
+def target_programs() -> int:
+    """Programs that fill the device, one per SM: its SM count on a GPU (`Device.core_count`:
+    132 on an H100, 108 on an A100), else `SPLIT_TARGET_PROGRAMS` (the interpreter, an AOT compile)."""
+    device = jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(count) if count else SPLIT_TARGET_PROGRAMS
 
 
 def _paged_attention_kernel(
@@ -196,10 +204,13 @@ def plan_launch(
     num_splits: int | None = None,
     scale: float | None = None,
     bias: RelativePositionBias | None = None,
+    programs_to_fill: int | None = None,
 ) -> LaunchPlan:
     """The launch of `_paged_attention_kernel` for q [B, T, Hq, Dh] over a cache
     [L, Hkv, P, S, Dh] with a block table [B, M]; `interpret` for Triton's CPU interpreter;
-    `scale` of the scores (default Dh^-0.5)."""
+    `scale` of the scores (default Dh^-0.5). Without `num_splits`, the keys are split only as
+    far as B x kv heads x query blocks programs fall short of `programs_to_fill` (default: one
+    per SM of the device, `target_programs`)."""
     b, t, hq, dh = q_shape
     _, hkv, _, page, _ = cache_shape
     max_keys = table_shape[1] * page
@@ -211,7 +222,8 @@ def plan_launch(
     m_blocks = math.ceil(t * group / block_m)
     programs = b * hkv * m_blocks
     if num_splits is None:  # split the keys only when the batch alone cannot fill the device
-        num_splits = max(1, min(SPLIT_TARGET_PROGRAMS // programs, math.ceil(max_keys / 256)))
+        fill = target_programs() if programs_to_fill is None else programs_to_fill
+        num_splits = max(1, min(fill // programs, math.ceil(max_keys / 256)))
     keys_per_split = block_n * math.ceil(max_keys / (num_splits * block_n))
     num_splits = max(1, math.ceil(max_keys / keys_per_split))
     acc_shape = (b, num_splits, t, hq, dh)
