@@ -4,8 +4,9 @@ width 64, a 512-token vocabulary, a random draft head) generating on the CPU, ba
 On a GPU the host's work per dispatch is what a round pays on top of its kernels: an H100 ran
 SmolLM2's draft:4 round in 2.8 ms as one program and in 7.0 ms inside the engine (2026-11-27,
 `benchmarks/gpu_profile.py`). For each mode this prints:
-- host µs per generated token and per engine step (a dispatch: several full-depth steps or one
-  round), the best of --repeats runs;
+- host µs per generated token and per engine step (a dispatch: several full-depth steps or
+  rounds), the best of --repeats runs, each program ended before the engine goes on (a GPU's
+  programs never slow the host; here they would share its cores: `--overlap` to let them);
 - programs dispatched per generated token; arrays read back (device to host) and sent (host to
   device) per dispatch, the prefill's uploads counted in (spread over the decode's dispatches);
   host times are the difference of two runs (--new-tokens and 1 token), so short runs are noisy;
@@ -16,7 +17,7 @@ SmolLM2's draft:4 round in 2.8 ms as one program and in 7.0 ms inside the engine
   (`early_exit.static_loops`; each a host round trip per iteration or run on a GPU);
 - copies of a whole layer's cache in those programs (`control_flow.cache_copies`).
 
-    python benchmarks/host_overhead.py [--modes full exit:softmax:0.9 1:1 draft:4 ...] [--new-tokens 64]
+    python benchmarks/host_overhead.py [--modes full exit:softmax:0.9 1:1 draft:4 ...] [--new-tokens 64] [--overlap]
 """
 
 from __future__ import annotations
@@ -138,10 +139,14 @@ class Counts:
 class ProgramTime:
     """This thread's CPU seconds inside program calls while installed: on a CPU, XLA running the
     program (small programs run in the calling thread) and JAX's dispatch; on a GPU only the
-    latter. The rest of the host's time is the engine's own work, which a GPU pays as well."""
+    latter. The rest of the host's time is the engine's own work, which a GPU pays as well.
+    `serial`: each call returns once its program ran (the wait, asleep, costs this thread
+    nothing), so that no program runs on the other core while the engine works: on this 2-vCPU
+    machine a program's XLA threads running beside the engine slowed its Python 2-3x (the
+    vCPUs share a core), which a GPU, running programs on its own chips, never does."""
 
-    def __init__(self):
-        self.seconds = 0.0
+    def __init__(self, serial: bool = False):
+        self.seconds, self.serial = 0.0, serial
 
     @contextlib.contextmanager
     def installed(self, model: Model):
@@ -149,7 +154,8 @@ class ProgramTime:
             def run(*args):
                 start = time.thread_time()
                 try:
-                    return program(*args)
+                    out = program(*args)
+                    return jax.block_until_ready(out) if self.serial else out
                 finally:
                     self.seconds += time.thread_time() - start
 
@@ -159,13 +165,13 @@ class ProgramTime:
             yield self
 
 
-def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int, overlap: bool = False) -> dict:
     model = tiny_model()
     kw = dict(max_new_tokens=new_tokens, ignore_eos=True, page_size=PAGE, cache_budget="4MiB", **decoding_options(mode))
 
     def run(n: int):
         """(stats, CPU seconds of this thread: the host's work, and of those inside program calls)."""
-        with ProgramTime().installed(model) as programs:
+        with ProgramTime(serial=not overlap).installed(model) as programs:
             start = time.thread_time()
             stats = eejax.generate(model, [prompt], **{**kw, "max_new_tokens": n}).stats
             return stats, time.thread_time() - start, programs.seconds
@@ -224,6 +230,12 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per mode (the fastest kept)")
     parser.add_argument("--name", default="host_overhead", help="output name under benchmarks/out/")
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="let programs run while the engine works, as it does (default: each program ends before "
+        "the engine goes on, so that on a CPU its XLA threads do not slow the engine's: see ProgramTime)",
+    )
     args = parser.parse_args()
     if args.new_tokens < 2 or args.repeats < 1 or args.prompt_tokens < 1:
         parser.error("--new-tokens must be >= 2, --repeats and --prompt-tokens >= 1")
@@ -237,7 +249,7 @@ def main() -> int:
     )
     print(header + "\n|" + "---|" * header.count(" | ") + "---|", flush=True)
     for mode in args.modes or MODES:
-        r = measure(mode, prompt, args.new_tokens, args.repeats)
+        r = measure(mode, prompt, args.new_tokens, args.repeats, args.overlap)
         rows.append(r)
         tau = "-" if r["tokens_per_round"] is None else f"{r['tokens_per_round']:.2f}"
         print(

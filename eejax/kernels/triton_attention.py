@@ -9,8 +9,9 @@ and the partial results are merged afterwards). Keys are gathered page by page t
 block table (a key block may span several pages); masking is causal on absolute positions and
 stops at the row's `kv_len`; online softmax in float32. Optionally T5's relative-position bias:
 the bucket of (key - query) position is computed per score and looked up in a
-[num_buckets, heads] table. Each program writes an unnormalised partial (acc, running max m,
-sum l); `merge_splits` combines them (rows without keys give zeros).
+[num_buckets, heads] table. With several splits each program writes an unnormalised partial
+(acc, running max m, sum l) and `merge_splits` combines them (rows without keys give zeros); with
+one (a batch that fills the device) the kernel writes the output itself, in its dtype.
 
 `plan_launch` computes grid, block sizes and strides once for both paths, so the CPU tests
 exercise the same launch arithmetic the GPU runs. triton and jax_triton are imported lazily:
@@ -102,6 +103,7 @@ def _paged_attention_kernel(
     HALF_BUCKETS: constexpr,
     MAX_EXACT: constexpr,
     NUM_HEADS: constexpr,
+    NORMALIZED: constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1) // M_BLOCKS
@@ -168,10 +170,14 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out_off = row * stride_ob + split * stride_os + tok * stride_ot + head * stride_oh
-    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
-    ml_off = row * stride_mb + split * stride_ms + tok * stride_mt + head
-    tl.store(m_ptr + ml_off, m_i, mask=row_ok)
-    tl.store(l_ptr + ml_off, l_i, mask=row_ok)
+    if NORMALIZED:  # the only split: the output itself, in its dtype (rows that saw no key: 0)
+        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
+        ml_off = row * stride_mb + split * stride_ms + tok * stride_mt + head
+        tl.store(m_ptr + ml_off, m_i, mask=row_ok)
+        tl.store(l_ptr + ml_off, l_i, mask=row_ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +189,14 @@ class LaunchPlan:
     keys_per_split: int
     scalars: tuple  # the kernel's scalar arguments in order: strides, num_tokens, keys_per_split, scale, bias_log_scale
     constexprs: dict
-    out_shapes: tuple[tuple[int, ...], ...]  # acc [B, S, T, Hq, Dh]; m, l [B, S, T, Hq]
+    # acc [B, S, T, Hq, Dh] float32; m, l [B, S, T, Hq] float32. One split (`normalized`): the
+    # output [B, 1, T, Hq, Dh] in the inputs' dtype; m and l unused, [1].
+    out_shapes: tuple[tuple[int, ...], ...]
+    out_dtype: str = "float32"
+
+    @property
+    def normalized(self) -> bool:
+        return bool(self.constexprs["NORMALIZED"])
 
 
 def _strides(shape) -> tuple[int, ...]:
@@ -268,7 +281,19 @@ def plan_launch(
         HALF_BUCKETS=bias.half if bias else 1,
         MAX_EXACT=bias.max_exact if bias else 1,
         NUM_HEADS=hq,
+        # One split: the kernel divides by the softmax sum and writes the output; no merge after it.
+        NORMALIZED=num_splits == 1,
     )
+    if num_splits == 1:
+        return LaunchPlan(
+            (b, hkv * m_blocks, 1),
+            1,
+            keys_per_split,
+            scalars,
+            constexprs,
+            (acc_shape, (1,), (1,)),
+            jnp.dtype(dtype).name,
+        )
     return LaunchPlan(
         (b, hkv * m_blocks, num_splits),
         num_splits,
@@ -324,11 +349,14 @@ def _interpret_on_host(plan: LaunchPlan, q, k, v, layer, table, q_pos, kv_len, b
             return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
         return torch.from_numpy(x)
 
-    outs = [torch.zeros(s, dtype=torch.float32) for s in plan.out_shapes]
+    first = torch.bfloat16 if plan.out_dtype == "bfloat16" else getattr(torch, plan.out_dtype)
+    outs = [torch.zeros(s, dtype=first if i == 0 else torch.float32) for i, s in enumerate(plan.out_shapes)]
     args = [tensor(x) for x in (q, k, v, np.asarray(layer, np.int32).reshape(1), table, q_pos, kv_len, bias)]
     scalars = [float(x) if isinstance(x, np.floating) else x for x in plan.scalars]  # the interpreter's types
     _kernel(interpret=True)[plan.grid](*args, *scalars, *outs, **plan.constexprs)
-    return tuple(o.numpy() for o in outs)
+    return tuple(
+        o.view(torch.uint16).numpy().view(jnp.bfloat16) if o.dtype == torch.bfloat16 else o.numpy() for o in outs
+    )
 
 
 def triton_paged_attention(
@@ -370,7 +398,9 @@ def triton_paged_attention(
         kv_len.astype(jnp.int32),
         bias_table,
     )
-    out_shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in plan.out_shapes)
+    out_shapes = tuple(
+        jax.ShapeDtypeStruct(s, plan.out_dtype if i == 0 else jnp.float32) for i, s in enumerate(plan.out_shapes)
+    )
     if interpret:
         acc, m, l = jax.pure_callback(functools.partial(_interpret_on_host, plan), out_shapes, *args)
     else:
@@ -386,4 +416,6 @@ def triton_paged_attention(
             num_stages=NUM_STAGES,
             **plan.constexprs,
         )
+    if plan.normalized:
+        return acc[:, 0]
     return merge_splits(acc, m, l, q.dtype)
