@@ -141,8 +141,6 @@ def test_tree_drafts_are_lossless_and_a_perfect_head_fills_the_chain(model):
         res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=spec)
         assert res.tokens == full.tokens, spec
         assert res.stats["spec"] == spec and res.stats["rounds"] > 0
-        if rows == 1:  # several rounds a program (`steps_per_dispatch` = 4; one would make 11-12 programs)
-            assert 2 * res.stats["engine_steps"] < res.stats["rounds"], spec
     perfect = perfect_head(tiny())
     full = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True)
     res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec="draft:4:tree")
