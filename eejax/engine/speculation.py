@@ -7,8 +7,9 @@ adaptive group runs one, costing each round by the wall time of the engine step 
 draft and the verify programs apart and the plain full-depth steps taken while no round pays
 (`SpeculationPolicy`). Where the policy turns a draft head's speculation off, its rows run as
 plain rows for good (`Sequence.spec_off`: their own group, plain steps without the draft's
-catch-up, still counted as plain steps), and rows that come later get a new policy. It owns the policies and what it times of the programs
-it dispatched; the programs take their arrays from `DeviceSlots` and give them back there."""
+catch-up, still counted as plain steps), and rows that come later get a new policy. It owns the
+policies and what it times of the programs it dispatched; the programs take their arrays from
+`DeviceSlots` and give them back there."""
 
 from __future__ import annotations
 
