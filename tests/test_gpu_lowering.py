@@ -161,21 +161,26 @@ def test_static_loops_keep_the_tokens_and_cut_the_gpu_round_trips(monkeypatch, e
         monkeypatch.setattr(early_exit, "static_loops", lambda static=static: static)
         model = eejax.Model(base.config, base.params, layer_buffers="stacked")  # its own program cache, a GPU's layout
         results[static] = eejax.generate(model, PROMPTS, max_new_tokens=6, ignore_eos=True, exit=exit_config)
-        flows[static] = [control_flow(p.as_text()) for name, p in model.programs.compiled() if name == "decode_slots"]
+        flows[static] = [
+            (control_flow(p.as_text()), options.num_steps)
+            for name, options, p in model.programs.entries()
+            if name == "decode_slots"
+        ]
     assert results[True].tokens == results[False].tokens
     assert results[True].exit_layers == results[False].exit_layers
     assert min(map(min, results[True].exit_layers)) < 8  # some steps exit early: KV fill runs
     print(exit_config.measure, flows)
-    for loops, static in zip(flows[False], flows[True]):
-        # traced: the segment loop, its layer loop, KV fill
-        assert (loops.dynamic_loops, static.dynamic_loops) == (3, gpu_loops)
+    for (loops, steps), (static, _) in zip(flows[False], flows[True]):
+        # traced: the segment loop, its layer loop, KV fill (and the steps', which ends once every row is done)
+        assert (loops.dynamic_loops, static.dynamic_loops) == (3 + (steps > 1), gpu_loops)
         assert static.conditionals == loops.conditionals - (exit_config.head == "reduced")  # the check's
 
 
 def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
-    """No loop of unknown trip count anywhere; one conditional, in a draft with the bonus pass
-    (the head skipped on the pass that only fills the draft layers' cache: a known round trip),
-    alone or in a whole round."""
+    """No loop of unknown trip count but that of a program's steps or rounds (on a CPU it ends
+    once every row is done; on a GPU its trip count is known: next test); one conditional, in a
+    draft with the bonus pass (the head skipped on the pass that only fills the draft layers'
+    cache: a known round trip), alone or in a whole round."""
     model = gpu_layout(tiny(num_layers=4))
     for kw in (
         dict(),
@@ -188,7 +193,9 @@ def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
     for name, options, program in model.programs.entries():
         flow = control_flow(program.as_text())
         bonus_draft = name in ("draft_slots", "spec_round_slots") and options.bonus
-        assert flow.dynamic_loops == 0 and flow.conditionals == int(bonus_draft), (name, flow)
+        assert flow.dynamic_loops == (options.num_steps > 1), (name, options.num_steps, flow)
+        assert flow.conditionals == int(bonus_draft), (name, flow)
+    assert any(options.num_steps > 1 for _, options, _ in model.programs.entries())
 
 
 def test_gpu_structure_speculation_has_no_host_round_trips(monkeypatch):

@@ -45,7 +45,7 @@ from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.penalties import apply_to_positions, count_tokens
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
 from eejax.decode.state import DecodeState, is_eos, only_group, record_logprobs, ungrouped
-from eejax.decode.steps import decode_and_hidden, decode_steps, exit_logits, reduced_logits
+from eejax.decode.steps import decode_and_hidden, decode_steps, exit_logits, reduced_logits, repeat
 from eejax.models import exits
 from eejax.models.registry import model_module
 from eejax.options import StepOptions
@@ -354,10 +354,9 @@ def verify_slots(params, cache, state, drafts, counters, block_table, group, *, 
 
 def spec_round_slots(params, cache, state, counters, block_table, group, *, config, options: StepOptions):
     """`options.num_steps` self-speculation rounds (d drafts from layers [0, E), one verify pass
-    of the rest) of the slots in `group` that are not done, in one program: a loop of known trip
-    count, as `steps.decode_steps` runs decode steps, so the host dispatches and reads once per
-    several rounds and a GPU reads nothing back between them. A row that ends inside (EOS, its
-    limit) idles through the rest; the others wait. Returns (state, cache, counters)."""
+    of the rest) of the slots in `group` that are not done, in one program (`steps.repeat`, as
+    decode steps run): the host dispatches and reads once per several rounds. The other slots
+    wait. Returns (state, cache, counters)."""
     masked, waiting = only_group(state, group)
 
     def one_round(carry):
@@ -365,9 +364,5 @@ def spec_round_slots(params, cache, state, counters, block_table, group, *, conf
         drafts, _, cache = draft(params, cache, state, block_table, config=config, options=options.drafting())
         return verify(params, cache, state, drafts, counters, block_table, config=config, options=options.verifying())
 
-    carry = (masked, cache, counters)
-    if options.num_steps == 1:
-        new, cache, counters = one_round(carry)
-    else:
-        new, cache, counters = jax.lax.fori_loop(0, options.num_steps, lambda _, c: one_round(c), carry)
+    new, cache, counters = repeat(one_round, options.num_steps, (masked, cache, counters), lambda c: c[0].done)
     return ungrouped(new, waiting), cache, counters

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from eejax.cache import KVCache
-from eejax.decode import feature_draft
+from eejax.decode import early_exit, feature_draft
 from eejax.decode.confidence import exit_threshold
 from eejax.decode.early_exit import ExitFns, early_exit_layers
 from eejax.decode.penalties import apply_penalties, count_tokens
@@ -323,18 +323,33 @@ def decode_and_hidden(params, cache: KVCache, state: DecodeState, block_table, *
     )
 
 
-def decode_steps(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
-    """`options.num_steps` decode steps (`decode`) in one program: a loop of known trip
-    count, so the host dispatches and syncs once per `num_steps` tokens, and a GPU reads nothing
-    back between them. Rows that end inside idle through the rest. Returns (state, cache)."""
+def repeat(body, times: int, carry, done):
+    """`body` applied `times` times to `carry` in one program (`done(carry)` [B] bool: the rows
+    that are done), so the host dispatches and reads once per several steps or rounds. On a GPU
+    (`early_exit.static_loops`) a loop of known trip count, which reads nothing back between
+    them: rows that end inside idle through the rest. On a CPU the loop also ends once every row
+    is done, so the steps after the last row ended cost nothing."""
+    if times == 1:
+        return body(carry)
+    if early_exit.static_loops():
+        return jax.lax.fori_loop(0, times, lambda _, c: body(c), carry)
 
-    def body(_, carry):
+    def more(counted):
+        i, c = counted
+        return (i < times) & ~jnp.all(done(c))
+
+    return jax.lax.while_loop(more, lambda counted: (counted[0] + 1, body(counted[1])), (jnp.int32(0), carry))[1]
+
+
+def decode_steps(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
+    """`options.num_steps` decode steps (`decode`) in one program (`repeat`): the host dispatches
+    and syncs once per `num_steps` tokens. Returns (state, cache)."""
+
+    def step(carry):
         state, cache = carry
         return decode(params, cache, state, block_table, config=config, options=options)
 
-    if options.num_steps == 1:
-        return body(0, (state, cache))
-    return jax.lax.fori_loop(0, options.num_steps, body, (state, cache))
+    return repeat(step, options.num_steps, (state, cache), lambda carry: carry[0].done)
 
 
 def prefill_slots(
