@@ -221,8 +221,8 @@ class Speculation:
         """Compiles (runs nothing) the programs rows speculating with `options` may run at page-table
         width `table`: every round's (with and without the bonus pass; a fixed d's one round and
         `steps_per_dispatch` rounds a program, each d an adaptive policy may pick one), and an
-        adaptive group's plain steps (with a draft head, also those without
-        its catch-up, once speculation is off)."""
+        adaptive group's plain steps (with a draft head, also those without its catch-up, once
+        speculation is off)."""
         spec = options.spec
         if not spec.adaptive:
             for bonus, rounds in itertools.product((False, True), {1, self.steps_per_dispatch}):

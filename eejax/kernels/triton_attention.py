@@ -192,7 +192,7 @@ class LaunchPlan:
     # acc [B, S, T, Hq, Dh] float32; m, l [B, S, T, Hq] float32. One split (`normalized`): the
     # output [B, 1, T, Hq, Dh] in the inputs' dtype; m and l unused, [1].
     out_shapes: tuple[tuple[int, ...], ...]
-    out_dtype: str = "float32"
+    out_dtype: str  # acc's: float32, or the inputs' with one split
 
     @property
     def normalized(self) -> bool:
@@ -284,23 +284,15 @@ def plan_launch(
         # One split: the kernel divides by the softmax sum and writes the output; no merge after it.
         NORMALIZED=num_splits == 1,
     )
-    if num_splits == 1:
-        return LaunchPlan(
-            (b, hkv * m_blocks, 1),
-            1,
-            keys_per_split,
-            scalars,
-            constexprs,
-            (acc_shape, (1,), (1,)),
-            jnp.dtype(dtype).name,
-        )
+    one = num_splits == 1
     return LaunchPlan(
         (b, hkv * m_blocks, num_splits),
         num_splits,
         keys_per_split,
         scalars,
         constexprs,
-        (acc_shape, ml_shape, ml_shape),
+        (acc_shape, (1,), (1,)) if one else (acc_shape, ml_shape, ml_shape),
+        jnp.dtype(dtype).name if one else "float32",
     )
 
 
@@ -349,8 +341,8 @@ def _interpret_on_host(plan: LaunchPlan, q, k, v, layer, table, q_pos, kv_len, b
             return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
         return torch.from_numpy(x)
 
-    first = torch.bfloat16 if plan.out_dtype == "bfloat16" else getattr(torch, plan.out_dtype)
-    outs = [torch.zeros(s, dtype=first if i == 0 else torch.float32) for i, s in enumerate(plan.out_shapes)]
+    dtypes = (getattr(torch, plan.out_dtype), torch.float32, torch.float32)
+    outs = [torch.zeros(s, dtype=t) for s, t in zip(plan.out_shapes, dtypes)]
     args = [tensor(x) for x in (q, k, v, np.asarray(layer, np.int32).reshape(1), table, q_pos, kv_len, bias)]
     scalars = [float(x) if isinstance(x, np.floating) else x for x in plan.scalars]  # the interpreter's types
     _kernel(interpret=True)[plan.grid](*args, *scalars, *outs, **plan.constexprs)
@@ -399,7 +391,7 @@ def triton_paged_attention(
         bias_table,
     )
     out_shapes = tuple(
-        jax.ShapeDtypeStruct(s, plan.out_dtype if i == 0 else jnp.float32) for i, s in enumerate(plan.out_shapes)
+        jax.ShapeDtypeStruct(s, t) for s, t in zip(plan.out_shapes, (plan.out_dtype, jnp.float32, jnp.float32))
     )
     if interpret:
         acc, m, l = jax.pure_callback(functools.partial(_interpret_on_host, plan), out_shapes, *args)
