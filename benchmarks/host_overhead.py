@@ -43,6 +43,7 @@ from eejax.config import LlamaConfig  # noqa: E402
 from eejax.decode import early_exit  # noqa: E402
 from eejax.decode.control_flow import cache_copies, control_flow  # noqa: E402
 from eejax.engine import dispatch as dispatch_module  # noqa: E402
+from eejax.engine import transfers  # noqa: E402
 from eejax.loading.model import Model  # noqa: E402
 from eejax.models import draft_head  # noqa: E402
 from eejax.models.llama import init_params  # noqa: E402
@@ -96,7 +97,7 @@ class Counts:
     @contextlib.contextmanager
     def installed(self, model: Model):
         to_host, device_put, asarray = dispatch_module.to_host, jax.device_put, jax.numpy.asarray
-        packed_read = dispatch_module.PackedRead.read
+        packed_read, send = dispatch_module.PackedRead.read, transfers.send
 
         def counted(fn, program):
             self.compiled.setdefault(fn.__name__, set()).add(program)
@@ -122,6 +123,10 @@ class Counts:
             self.sends += sum(map(sent, jax.tree.leaves(x)))
             return device_put(x, *a, **kw)
 
+        def send_counted(x):
+            self.sends += 1
+            return send(x)
+
         def asarray_counted(x, *a, **kw):
             self.sends += sent(x)
             return asarray(x, *a, **kw)
@@ -131,6 +136,7 @@ class Counts:
             mock.patch.object(dispatch_module, "to_host", to_host_counted),
             mock.patch.object(dispatch_module.PackedRead, "read", packed_read_counted),
             mock.patch.object(jax, "device_put", device_put_counted),
+            mock.patch.object(transfers, "send", send_counted),
             mock.patch.object(jax.numpy, "asarray", asarray_counted),
         ):
             yield self

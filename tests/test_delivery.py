@@ -91,7 +91,9 @@ def test_a_stop_string_ends_the_row_at_the_token_that_completes_it(tiny_model, d
     text = tiny_model.tokenizer.decode([40, 41, 42], skip_special_tokens=True)
     seq = running_row(table, waiting, 0, stop=(text[-2:],))
     delivery.deliver(seq, 0, *outputs(0, [40, 41, 42, 43]))
-    assert seq.tokens == [40, 41, 42] and seq.finish_reason == "stop" and delivery.stops_at(seq)
+    assert seq.tokens == [40, 41, 42] and seq.finish_reason == "stop"
+    seq.tokens = [40]
+    assert delivery.stop_index(seq, [41, 42, 43]) == 1 and delivery.stop_index(seq, [41]) is None
 
 
 def test_a_request_ended_early_ends_now_unless_a_step_in_flight_has_its_tokens(tiny_model, device):

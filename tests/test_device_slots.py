@@ -13,6 +13,7 @@ import pytest
 
 from eejax.decode.speculative import SpecCounters
 from eejax.engine.device_slots import DeviceSlots
+from eejax.engine.transfers import PackedRead, pack, read_tree
 from eejax.options import SpecConfig, StepOptions
 
 SLOTS = 3
@@ -45,6 +46,23 @@ def test_a_program_takes_counts_and_prompts_only_where_its_options_use_them(slot
     slots.set_prompt(0, [9])
     assert np.asarray(slots.state_for(lookup).prompt.lengths).tolist() == [1, 3, 0]
     assert np.asarray(prompt.lengths).tolist() == [0, 3, 0]  # what a program in flight took is unchanged
+
+
+def test_a_packed_read_is_kept_only_while_the_state_is_as_its_program_left_it(slots):
+    state, counters = slots.state, slots.spec_counters
+    packed = pack(read_tree(state, counters))  # what a program packs (`transfers.reading`)
+    slots.keep(state, None, counters, packed)
+    assert slots.packed is packed
+    got, want = PackedRead.started(packed, slots.read_layout).read(), PackedRead(read_tree(state, counters)).read()
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all()
+    slots.keep(cache=slots.cache)  # a draft pass leaves the state as it was
+    assert slots.packed is packed
+    for change in (lambda: slots.stop(0), lambda: slots.clear_spec_counters(np.array([1])), lambda: slots.keep(state)):
+        slots.keep(state, None, counters, packed)
+        change()  # a slot stopped, counters cleared, a prefill's state: the packed read is stale
+        assert slots.packed is None
 
 
 def test_a_programs_outputs_replace_only_what_it_returned(slots):

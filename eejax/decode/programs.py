@@ -239,7 +239,10 @@ def _arrays_key(tree, placed: bool = True) -> tuple:
     """Shapes, dtypes and (`placed`: a cache on a mesh) shardings of a tree's arrays."""
     leaves, treedef = jax.tree.flatten(tree)
     if not placed:  # one device: nothing to tell apart (a dispatch keys ~30 arrays)
-        return treedef, tuple((x.shape, x.dtype) for x in leaves)
+        try:  # an array's aval (shape, dtype, weak type) is an attribute: 4x faster than shape and dtype
+            return treedef, tuple(x.aval for x in leaves)
+        except AttributeError:  # host arrays
+            return treedef, tuple((x.shape, x.dtype) for x in leaves)
     return treedef, tuple((x.shape, x.dtype, _sharding(x)) for x in leaves)  # x.dtype, not str(x.dtype): 9x faster
 
 

@@ -42,14 +42,18 @@ class Delivery:
         host copies of a step's outputs: num [S] tokens made, done [S], tokens / layers /
         confident [S, N], the speculation counters [S], the log-prob record (or None); `now`:
         when they were read."""
+        start = len(seq.tokens) - seq.offset
         n = min(seq.offset + int(num[slot]), seq.max_new_tokens)
-        stopped = False
-        for i in range(len(seq.tokens), n):
-            j = i - seq.offset
-            seq.tokens.append(int(tokens[slot, j]))
-            seq.exit_layers.append(int(layers[slot, j]))
-            seq.confident_layers.append(int(confident[slot, j]))
-            if seq.logprobs is not None:
+        new = tokens[slot, start : n - seq.offset].tolist()
+        stop = self.stop_index(seq, new)
+        if stop is not None:
+            new = new[: stop + 1]
+        end = start + len(new)
+        seq.tokens.extend(new)
+        seq.exit_layers.extend(layers[slot, start:end].tolist())
+        seq.confident_layers.extend(confident[slot, start:end].tolist())
+        if seq.logprobs is not None:
+            for j in range(start, end):
                 seq.token_logprobs.append(float(record.chosen[slot, j]))
                 seq.top_logprobs.append(
                     [
@@ -58,27 +62,30 @@ class Delivery:
                         if np.isfinite(x)
                     ]
                 )  # tokens that top-k / top-p filtered out cannot be drawn
-            seq.token_times.append(now)
-            seq._events.put(seq.tokens[-1])
-            self._counters["generated_tokens"] += 1
-            if self.stops_at(seq):
-                stopped = True
-                break
+        seq.token_times.extend([now] * len(new))
+        for token in new:
+            seq._events.put(token)
+        self._counters["generated_tokens"] += len(new)
         seq._notify()
-        if seq.ending or done[slot] or stopped:
+        if seq.ending or done[slot] or stop is not None:
             ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.eos_ids
             seq.spec_counters = {f.name: int(getattr(counters, f.name)[slot]) for f in dataclasses.fields(counters)}
             self.release(seq)
-            self.finish(seq, seq.ending or ("stop" if ended_at_eos or stopped else "length"))
+            self.finish(seq, seq.ending or ("stop" if ended_at_eos or stop is not None else "length"))
 
-    def stops_at(self, seq: Sequence) -> bool:
-        """Whether the request's newest token ends it: a stop token, or a stop string now in its text."""
-        if seq.tokens[-1] in seq.stop_token_ids:
-            return True
-        if not seq.stop:
-            return False
-        text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        return first_stop(text, seq.stop) is not None
+    def stop_index(self, seq: Sequence, new: list[int]) -> int | None:
+        """The index in `new`, a row's next tokens, of the first that ends the request: a stop
+        token, or one that completes a stop string in its text (None: none does)."""
+        if not seq.stop_token_ids and not seq.stop:
+            return None
+        for k, token in enumerate(new):
+            if token in seq.stop_token_ids:
+                return k
+            if seq.stop:
+                text = self.tokenizer.decode(seq.tokens + new[: k + 1], skip_special_tokens=True)
+                if first_stop(text, seq.stop) is not None:
+                    return k
+        return None
 
     def end(self, seq: Sequence, reason: str = "cancelled") -> None:
         """Ends a request early (cancelled; past its deadline: "length"): a waiting one leaves the

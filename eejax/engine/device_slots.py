@@ -5,7 +5,9 @@ and the block tables and group masks uploaded for programs.
 
 A program takes its arrays from here (`cache`, `state_for(options)`, `spec_counters`) and gives
 its outputs back (`keep`): every program donates the cache, so after it runs only what it
-returned is valid. Nothing else writes them."""
+returned is valid. Nothing else writes them. Without a mesh a decode program also returns what
+the host reads of it, packed (`transfers.reading`); `packed` is that vector while the state and
+counters are as that program left them, None once anything else changed them."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from eejax.decode.lookup import PromptTokens
 from eejax.decode.penalties import TokenCounts
 from eejax.decode.speculative import SpecCounters
 from eejax.decode.state import empty_state
-from eejax.engine.transfers import Uploads
+from eejax.engine.transfers import ReadLayout, Uploads, read_tree, reading
 from eejax.models.registry import model_module
 from eejax.options import StepOptions
 
@@ -64,6 +66,8 @@ class DeviceSlots:
         self._counts = TokenCounts.zeros(self.slots, config.vocab_size)
         self._spec_counters = SpecCounters.zeros(self.slots)
         self._device_prompts: PromptTokens | None = None
+        self._packed = None
+        self._read_layout: ReadLayout | None = None
 
     @property
     def cache(self):
@@ -85,6 +89,28 @@ class DeviceSlots:
         """The slots' speculation counters [slots] (drafted, accepted, rounds, ...)."""
         return self._spec_counters
 
+    @property
+    def packed(self):
+        """The last program's packed read (`transfers.reading`) while the state and speculation
+        counters are still as it left them; else None."""
+        return self._packed
+
+    @property
+    def read_layout(self) -> ReadLayout:
+        """How `packed` lays out `read_tree(state, spec_counters)` (their shapes never change)."""
+        if self._read_layout is None:
+            self._read_layout = ReadLayout(read_tree(self._state, self._spec_counters))
+        return self._read_layout
+
+    def program(self, fn, args: tuple, options: StepOptions, now: bool = False):
+        """(compiled `fn`, the args it takes) for a decode program over these slots (`Model.program`).
+        Without a mesh, the program packs its read as well (`transfers.reading`: the slots'
+        speculation counters go in as one more argument, `keep` takes the packed vector). On a
+        mesh a separate program packs it: this one keeps the collectives it has."""
+        if self._model.mesh is not None:
+            return self._model.program(fn, args, options, now)
+        return self._model.program(reading(fn), (*args, self._spec_counters), options, now)
+
     def state_for(self, options: StepOptions, counts: bool = True):
         """The state a program of `options` takes: with the token counts when it applies
         penalties (and `counts`), with the slots' prompts when its speculation looks them up."""
@@ -97,9 +123,12 @@ class DeviceSlots:
             state = dataclasses.replace(state, prompt=self._device_prompts)
         return state
 
-    def keep(self, state=None, cache=None, spec_counters: SpecCounters | None = None) -> None:
+    def keep(self, state=None, cache=None, spec_counters: SpecCounters | None = None, packed=None) -> None:
         """Takes what a program returned: its new state (and the token counts in it, when it
-        returns them), cache and speculation counters; None: that one is unchanged."""
+        returns them), cache, speculation counters and packed read (`program`); None: that one
+        is unchanged (a new state or counters without a packed read: `packed` becomes None)."""
+        if state is not None or spec_counters is not None:
+            self._packed = packed
         if cache is not None:
             self._cache = cache
         if spec_counters is not None:
@@ -107,16 +136,18 @@ class DeviceSlots:
         if state is not None:
             if state.counts is not None:
                 self._counts, state = state.counts, dataclasses.replace(state, counts=None)
-            self._state = dataclasses.replace(state, prompt=None)
+            self._state = state if state.prompt is None else dataclasses.replace(state, prompt=None)
 
     def stop(self, slot: int) -> None:
         """Marks a slot's row done on device: programs leave it as it is (a cancelled row)."""
         self._state = dataclasses.replace(self._state, done=self._state.done.at[slot].set(True))
+        self._packed = None
 
     def clear_spec_counters(self, slots) -> None:
         """Zeroes the speculation counters of `slots` [b] (rows just prefilled; an index of
         `self.slots` or more is dropped)."""
         self._spec_counters = jax.tree.map(lambda x: x.at[slots].set(0, mode="drop"), self._spec_counters)
+        self._packed = None
 
     def set_prompt(self, slot: int, tokens) -> None:
         """Keeps a row's whole prompt for a prompt lookup (nothing if none is ever looked up)."""

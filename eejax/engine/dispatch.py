@@ -15,6 +15,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from eejax.decode.steps import decode_slots
@@ -24,7 +25,7 @@ from eejax.engine.faults import Faults
 from eejax.engine.sequence import Sequence
 from eejax.engine.slots import SlotTable
 from eejax.engine.speculation import Speculation
-from eejax.engine.transfers import PackedRead
+from eejax.engine.transfers import PackedRead, read_tree
 from eejax.options import StepOptions
 from eejax.sharding import to_host
 
@@ -201,15 +202,20 @@ class Dispatch:
         """The decode program of `options` and its arguments (`now`: compile the split layout's
         before it runs, as warm-up does; `Model.program`)."""
         args = (self.model.run_params, self._device.cache, self._device.state_for(options), table, group)
-        return self.model.program(decode_slots, args, options, now)
+        return self._device.program(decode_slots, args, options, now)
 
     def _outputs(self):
         """What `_read` takes of the state just dispatched: its tokens, counts and flags packed
-        for one transfer, started now (`PackedRead`), and the log-probs if a row wants them."""
-        state = self._device.state
-        wanted = (state.num_generated, state.done, state.tokens, state.exit_layers, state.confident_layers)
+        for one transfer, started now (`PackedRead`: as the last program packed them, else packed
+        now), and the log-probs if a row wants them."""
+        device, state = self._device, self._device.state
+        packed = device.packed
+        if packed is not None and (jax.process_count() == 1 or packed.is_fully_addressable):
+            read = PackedRead.started(packed, device.read_layout)
+        else:
+            read = PackedRead(read_tree(state, device.spec_counters))
         scored = any(seq.logprobs is not None for seq in self._running.values())
-        return PackedRead((*wanted, self._device.spec_counters)), state.logprobs if scored else None
+        return read, state.logprobs if scored else None
 
     def _read(self, outputs, running: dict[int, Sequence]) -> None:
         """Delivers the tokens a finished program produced (`Delivery`); rows that ended (EOS,

@@ -58,7 +58,7 @@ class Sequence:
     cached: int = 0  # prompt tokens whose K/V this admission shares from the prefix cache (not prefilled)
     prefilled: int = 0  # positions of this admission's prompt in the cache so far (chunked prefill)
     preemptions: int = 0
-    _events: queue.Queue = dataclasses.field(default_factory=queue.Queue, repr=False)
+    _events: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue, repr=False)
     _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
     _listeners: list = dataclasses.field(default_factory=list, repr=False)
 

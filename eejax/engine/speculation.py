@@ -180,7 +180,7 @@ class Speculation:
         plain = options.plain(steps, catch_up=not options.spec_off)
         device = self._device
         args = (self.model.run_params, device.cache, device.state_for(plain), device.spec_counters, table, group)
-        return self.model.program(plain_step_slots, args, plain, now)
+        return self._device.program(plain_step_slots, args, plain, now)
 
     @staticmethod
     def _plain_steps(options: StepOptions, decode_steps: int) -> int:
@@ -199,7 +199,7 @@ class Speculation:
             table,
             group,
         )
-        return self.model.program(spec_round_slots, args, round_options, now)
+        return self._device.program(spec_round_slots, args, round_options, now)
 
     def _draft_program(self, table, group, round_options: StepOptions, now: bool = False):
         args = (
@@ -215,7 +215,7 @@ class Speculation:
         device = self._device
         state = device.state_for(round_options)
         args = (self.model.run_params, device.cache, state, drafts, device.spec_counters, table, group)
-        return self.model.program(verify_slots, args, round_options.verifying(), now)
+        return self._device.program(verify_slots, args, round_options.verifying(), now)
 
     def compile(self, table, group, options: StepOptions) -> None:
         """Compiles (runs nothing) the programs rows speculating with `options` may run at page-table
