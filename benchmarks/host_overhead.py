@@ -5,11 +5,12 @@ On a GPU the host's work per dispatch is what a round pays on top of its kernels
 SmolLM2's draft:4 round in 2.8 ms as one program and in 7.0 ms inside the engine (2026-11-27,
 `benchmarks/gpu_profile.py`). For each mode this prints:
 - host µs per generated token and per engine step (a dispatch: several full-depth steps or
-  rounds), the best of --repeats runs, each program ended before the engine goes on (a GPU's
-  programs never slow the host; here they would share its cores: `--overlap` to let them);
+  rounds): this thread's CPU time in each `Engine.step` that prefilled nothing, the median over
+  the steps of --repeats runs (robust to this VM's bursts of slowness), times the decode steps
+  per token; each program ended before the engine goes on (a GPU's programs never slow the host;
+  here they would share its cores: `--overlap` to let them);
 - programs dispatched per generated token; arrays read back (device to host) and sent (host to
   device) per dispatch, the prefill's uploads counted in (spread over the decode's dispatches);
-  host times are the difference of two runs (--new-tokens and 1 token), so short runs are noisy;
 - of the host's µs per step, those inside program calls (on a CPU XLA runs small programs in the
   calling thread; on a GPU a call only enqueues) and the rest: the engine's own work, which is
   what a GPU pays between programs;
@@ -44,6 +45,7 @@ from eejax.decode import early_exit  # noqa: E402
 from eejax.decode.control_flow import cache_copies, control_flow  # noqa: E402
 from eejax.engine import dispatch as dispatch_module  # noqa: E402
 from eejax.engine import transfers  # noqa: E402
+from eejax.engine.engine import Engine  # noqa: E402
 from eejax.loading.model import Model  # noqa: E402
 from eejax.models import draft_head  # noqa: E402
 from eejax.models.llama import init_params  # noqa: E402
@@ -142,6 +144,28 @@ class Counts:
             yield self
 
 
+class StepTimes:
+    """This thread's CPU seconds in each `Engine.step` that prefilled nothing, and in the program
+    calls inside it (`ProgramTime`), while installed: [(host s, in programs s)]."""
+
+    def __init__(self, programs: ProgramTime):
+        self.steps: list[tuple[float, float]] = []
+        self._programs = programs
+
+    @contextlib.contextmanager
+    def installed(self):
+        step = Engine.step
+
+        def timed(engine):
+            prefills, programs, start = engine.counters["prefills"], self._programs.seconds, time.thread_time()
+            step(engine)
+            if engine.counters["prefills"] == prefills:
+                self.steps.append((time.thread_time() - start, self._programs.seconds - programs))
+
+        with mock.patch.object(Engine, "step", timed):
+            yield self
+
+
 class ProgramTime:
     """This thread's CPU seconds inside program calls while installed: on a CPU, XLA running the
     program (small programs run in the calling thread) and JAX's dispatch; on a GPU only the
@@ -176,19 +200,21 @@ def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int, overlap
     kw = dict(max_new_tokens=new_tokens, ignore_eos=True, page_size=PAGE, cache_budget="4MiB", **decoding_options(mode))
 
     def run(n: int):
-        """(stats, CPU seconds of this thread: the host's work, and of those inside program calls)."""
-        with ProgramTime(serial=not overlap).installed(model) as programs:
-            start = time.thread_time()
+        """(stats, this thread's CPU seconds in each decode step and in its program calls)."""
+        programs = ProgramTime(serial=not overlap)
+        times = StepTimes(programs)
+        with programs.installed(model), times.installed():
             stats = eejax.generate(model, [prompt], **{**kw, "max_new_tokens": n}).stats
-            return stats, time.thread_time() - start, programs.seconds
+        return stats, times.steps
 
     run(1), run(new_tokens)  # compile
     runs = [run(new_tokens) for _ in range(repeats)]
-    prefill_runs = [run(1) for _ in range(repeats)]
     best = min((r[0] for r in runs), key=lambda s: s.run_s - s.prefill_s)
     decode_s, tokens = best.run_s - best.prefill_s, best.generated_tokens - 1  # the first: the prefill's
-    host_s = min(r[1] for r in runs) - min(r[1] for r in prefill_runs)
-    in_programs_s = min(r[2] for r in runs) - min(r[2] for r in prefill_runs)
+    steps = [step for _, times in runs for step in times]
+    host_step, in_programs_step = float(np.median([h for h, _ in steps])), float(np.median([p for _, p in steps]))
+    engine_step = float(np.median([h - p for h, p in steps]))
+    steps_per_token = len(steps) / (repeats * tokens)
     with Counts().installed(model) as counts:
         stats = eejax.generate(model, [prompt], **kw).stats
     dispatches = sum(n for name, n in counts.programs.items() if not name.startswith("prefill"))
@@ -208,10 +234,11 @@ def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int, overlap
     return dict(
         mode=mode,
         us_per_token=1e6 * decode_s / tokens,
-        host_us_per_token=1e6 * host_s / tokens,
-        host_us_per_step=1e6 * host_s / max(best.engine_steps - 1, 1),
-        programs_us_per_step=1e6 * in_programs_s / max(best.engine_steps - 1, 1),
-        engine_us_per_step=1e6 * (host_s - in_programs_s) / max(best.engine_steps - 1, 1),
+        host_us_per_token=1e6 * host_step * steps_per_token,
+        host_us_per_step=1e6 * host_step,
+        programs_us_per_step=1e6 * in_programs_step,
+        engine_us_per_step=1e6 * engine_step,
+        engine_us_per_token=1e6 * engine_step * steps_per_token,
         us_per_step=1e6 * decode_s / max(best.engine_steps - 1, 1),
         tokens_per_round=best.tokens_per_round,
         programs_per_token=dispatches / (stats.generated_tokens - 1),
@@ -249,6 +276,7 @@ def main() -> int:
     rows = []
     header = (
         "| mode | µs/token | µs/step | host µs/token | host µs/step | in programs µs/step | engine µs/step "
+        "| engine µs/token "
         "| tokens/round | programs/token "
         "| reads/dispatch | sends/dispatch "
         "| GPU loops | GPU conds | cache copies |"
@@ -261,6 +289,7 @@ def main() -> int:
         print(
             f"| {mode} | {r['us_per_token']:.0f} | {r['us_per_step']:.0f} | {r['host_us_per_token']:.0f} "
             f"| {r['host_us_per_step']:.0f} | {r['programs_us_per_step']:.0f} | {r['engine_us_per_step']:.0f} "
+            f"| {r['engine_us_per_token']:.0f} "
             f"| {tau} | {r['programs_per_token']:.2f} "
             f"| {r['reads_per_dispatch']:.1f} | {r['sends_per_dispatch']:.1f} | {r['gpu_dynamic_loops']} "
             f"| {r['gpu_conditionals']} | {r['cache_copies']} |",
