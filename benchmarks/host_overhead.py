@@ -73,16 +73,24 @@ def tiny_model() -> Model:
 
 @contextlib.contextmanager
 def programs_wrapped(model: Model, wrap):
-    """While open, every program the model's cache hands out is `wrap(fn, program)`."""
+    """While open, every program the model's cache hands out is `wrap(fn, program)`, one wrapper
+    per program: an adaptive policy times a program only once it ran before (`run_timed`), which
+    a new wrapper at every dispatch would never have."""
     programs = model.programs
     get, get_soon = programs.get, programs.get_soon
+    wrappers: dict = {}
+
+    def wrapped(fn, program):
+        if program not in wrappers:
+            wrappers[program] = wrap(fn, program)
+        return wrappers[program]
 
     def get_wrapped(fn, args, *rest, **kw):
-        return wrap(fn, get(fn, args, *rest, **kw))
+        return wrapped(fn, get(fn, args, *rest, **kw))
 
     def get_soon_wrapped(fn, args, *rest, **kw):
         program, used = get_soon(fn, args, *rest, **kw)
-        return wrap(fn, program), used
+        return wrapped(fn, program), used
 
     with mock.patch.object(programs, "get", get_wrapped), mock.patch.object(programs, "get_soon", get_soon_wrapped):
         yield

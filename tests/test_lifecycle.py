@@ -70,7 +70,8 @@ def test_a_loop_that_dies_says_so_and_ends_what_waits():
     engine.waiting.queue(queued)
     life.start()
     assert wait_for(lambda: life.error is not None) and isinstance(life.error, SystemError)
-    assert wait_for(lambda: not life.alive) and queued.finish_reason == "error"
+    # The loop says it died first (so that the server refuses new requests), then ends what waits.
+    assert wait_for(lambda: not life.alive) and wait_for(lambda: queued.finish_reason == "error")
 
 
 def test_deadlines_end_waiting_requests_and_cancel_ends_one_now():
