@@ -14,6 +14,7 @@ when their contents changed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 
@@ -95,9 +96,10 @@ class PackedRead:
         if jax.process_count() == 1 or all(x.is_fully_addressable for x in leaves):
             try:
                 self._packed, self._leaves = _pack(leaves), None
-                self._packed.copy_to_host_async()
             except Exception:  # noqa: BLE001 (a failed step's arrays: `read` raises its error, where the engine guards it)
                 self._packed, self._leaves = None, leaves
+        if self._packed is not None:
+            _start_copy(self._packed)
 
     @classmethod
     def started(cls, packed: jax.Array, layout: ReadLayout) -> PackedRead:
@@ -106,16 +108,20 @@ class PackedRead:
             raise ValueError(f"a packed read of {layout.size} values, got shape {packed.shape}")
         read = cls.__new__(cls)
         read._layout, read._packed, read._leaves = layout, packed, None
-        try:
-            packed.copy_to_host_async()
-        except Exception:  # noqa: BLE001 (a failed program's output: `read` raises its error, guarded)
-            pass
+        _start_copy(packed)
         return read
 
     def read(self):
         if self._packed is None:
             return jax.tree.unflatten(self._layout.treedef, to_host(self._leaves))
         return self._layout.unpack(np.asarray(self._packed))
+
+
+def _start_copy(packed: jax.Array) -> None:
+    """Starts `packed`'s copy to the host. A failed program's output cannot be copied: `read`
+    raises its error then, where the engine guards it."""
+    with contextlib.suppress(Exception):
+        packed.copy_to_host_async()
 
 
 _copy = jax.jit(lambda x: x)
