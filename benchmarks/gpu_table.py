@@ -1,6 +1,7 @@
 """One markdown table of a GPU check's results (`scripts/gpu_check.sh`): full depth against HF
-(`full_depth.py`'s JSON) and each early-exit and speculation setting against full depth in the
-same run (`gpu_profile.py`'s engine part).
+(`full_depth.py`'s JSON), the Triton kernel against XLA's attention (`kernels.py`'s), and each
+early-exit and speculation setting against full depth in the same run (`gpu_profile.py`'s
+engine part).
 
     python benchmarks/gpu_table.py DIR [DIR ...]   # the directories holding their JSON files
 """
@@ -56,6 +57,15 @@ def engine_lines(record: dict) -> list[str]:
     return out
 
 
+def kernel_lines(record: dict) -> list[str]:
+    return [
+        f"| attention, Triton kernel ({r['shape']}, {r['context']} keys) | bf16 | {r['batch']} "
+        f"| {r['kernel_us']:.1f} µs a call | {r['speedup']:.2f}x XLA's ({r['reference_us']:.1f} µs), "
+        f"{r['kernel_gbs']:.0f} GB/s | max diff {r['max_abs_diff']:.1e} |"
+        for r in record["rows"]
+    ]
+
+
 def main() -> int:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", type=Path, help="directories of the check's JSON results")
@@ -69,6 +79,8 @@ def main() -> int:
         record = json.loads(path.read_text())
         if path.name.startswith("full_depth"):
             lines += full_depth_lines(record)
+        elif path.name.startswith("kernels_gpu"):
+            lines += kernel_lines(record)
         elif "runs" in record:
             lines += engine_lines(record)
         else:

@@ -57,6 +57,22 @@ def best_seconds(fn, *args, repeats: int = 20) -> float:
     return best
 
 
+def in_one_program(attention, calls: int):
+    """A program that runs `attention(q, ...)` `calls` times in a loop, each call's query nudged by
+    the last output (so that XLA can neither hoist nor merge them): timing it and dividing by
+    `calls` gives the device time of one call. Timed alone, a call took ~140 us on an H200
+    (2026-11-28) whatever its size: the host's launch and synchronisation, not the attention."""
+
+    def looped(q, *rest):
+        def body(_, out):
+            return attention(q + (out * 1e-30).astype(q.dtype), *rest)
+
+        return jax.lax.fori_loop(0, calls, body, jnp.zeros_like(q))
+
+    return jax.jit(looped)
+
+
+CALLS = 100  # attention calls per timed program
 SMOLLM2 = dict(num_kv_heads=3, group=3, head_dim=64)
 LLAMA_8B = dict(num_kv_heads=8, group=4, head_dim=128)
 
@@ -93,13 +109,15 @@ def gpu_benchmark(args) -> int:
     print(f"{device.device_kind}: peak {peak or '?'} GB/s (set --peak-gbs if unknown)")
     kernel = jax.jit(functools.partial(triton_paged_attention, interpret=False))
     reference = jax.jit(reference_paged_attention)
+    kernel_loop = in_one_program(functools.partial(triton_paged_attention, interpret=False), CALLS)
+    reference_loop = in_one_program(reference_paged_attention, CALLS)
     rows = []
     shapes = {"smollm2": SMOLLM2, **({"llama-8b": LLAMA_8B} if args.sweep else {})}
     for (name, shape), b, ctx in itertools.product(shapes.items(), args.batches, args.contexts):
         q, k, v, table, pos, lengths = decode_case(b, ctx, **shape)
         nbytes = 2 * b * ctx * k.shape[1] * k.shape[-1] * k.dtype.itemsize + 2 * q.size * q.dtype.itemsize
-        t_kernel = best_seconds(kernel, q, k, v, 0, table, pos, lengths)
-        t_ref = best_seconds(reference, q, k, v, 0, table, pos, lengths)
+        t_kernel = best_seconds(kernel_loop, q, k, v, 0, table, pos, lengths, repeats=args.repeats) / CALLS
+        t_ref = best_seconds(reference_loop, q, k, v, 0, table, pos, lengths, repeats=args.repeats) / CALLS
         gbs = nbytes / t_kernel / 1e9
         err = float(
             jnp.abs(

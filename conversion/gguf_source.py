@@ -71,7 +71,10 @@ def gguf_config(metadata: dict, tensor_names) -> tuple[dict, dict]:
 def gguf_tokenizer(metadata: dict):
     """The tokenizer a GGUF file describes, built as transformers builds it from the file
     (`get_gguf_tokenizer` and `convert_gguf_tokenizer`), from metadata already read."""
-    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    try:
+        from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError:  # transformers before the gguf package held them (5.17 has them in ggml)
+        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     grouped = {
@@ -85,7 +88,8 @@ def gguf_tokenizer(metadata: dict):
         token_id = metadata.get(f"tokenizer.ggml.{key}")
         tokenizer_config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
     backend, extra = convert_gguf_tokenizer(metadata["general.architecture"], tokenizer)
-    return TokenizersBackend(tokenizer_object=backend, **tokenizer_config, **extra)
+    # The file's own special tokens win over the converter's (transformers 5.17's swaps BOS and EOS)
+    return TokenizersBackend(tokenizer_object=backend, **{**extra, **tokenizer_config})
 
 
 def gguf_tensor_reader(tensors: dict, config: dict):

@@ -68,6 +68,9 @@ def assert_cuda_modules(texts: dict[str, list[str]], lowered_count: int):
         for text in modules:
             assert "func.func public @main" in text, name
             assert "callback" not in text, name  # no host callback (the interpreted kernel would be one)
+            dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+            # float32 computes in float32 (a GPU's default is TF32: `programs.float32_matmuls`)
+            assert all("precision = [HIGHEST, HIGHEST]" in line for line in dots), name
 
 
 @fresh_process_only

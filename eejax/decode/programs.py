@@ -34,6 +34,17 @@ from eejax.options import StepOptions
 MAPS_PER_PROGRAM = {"stacked": 256, "split": 1024}
 
 log = logging.getLogger(__name__)
+
+
+def float32_matmuls():
+    """The context eejax traces its programs in: a matmul or convolution over float32 operands
+    computes in float32. JAX's default on a GPU (Ampere and later) rounds them to TF32, 10 bits of
+    mantissa, and then float32 is no exact reference: on an H200 a lossless speculation test's
+    tokens parted from full depth's, and a LayerSkip delta's probe missed its recorded logits by
+    0.012. bfloat16 operands are not affected; a CPU computes float32 either way."""
+    return jax.default_matmul_precision("float32")
+
+
 IDLE_S = 0.5  # `get_soon` compiles in the background after this long without a program request
 _LIVE: weakref.WeakSet[ProgramCache] = weakref.WeakSet()  # every ProgramCache not yet collected
 
@@ -50,9 +61,9 @@ def map_headroom() -> int | None:
 
 
 class ProgramCache:
-    """`mesh` and `rules`: programs are traced with that mesh and those logical axis rules in
-    context (`jax.set_mesh`, `flax.linen.logical_axis_rules`), so the models' logical sharding
-    constraints apply (rows over `data`); none without a mesh."""
+    """Programs are traced with float32 matmuls (`float32_matmuls`). `mesh` and `rules`: with that
+    mesh and those logical axis rules in context too (`jax.set_mesh`, `flax.linen.logical_axis_rules`),
+    so the models' logical sharding constraints apply (rows over `data`); none without a mesh."""
 
     def __init__(self, mesh=None, rules=()):
         self.mesh, self.rules = mesh, tuple(rules)
@@ -156,7 +167,7 @@ class ProgramCache:
 
     def _compile(self, fn, args, config, options, donate_argnums):
         jitted = jax.jit(functools.partial(fn, config=config, options=options), donate_argnums=donate_argnums)
-        with self._placement():
+        with self._tracing():
             return jitted.lower(*args).compile()
 
     def _compile_when_idle(self, key, fn, abstract, config, options, donate_argnums):
@@ -181,12 +192,14 @@ class ProgramCache:
             self._compiled[key] = program
             self._sources[key] = (fn, abstract, dict(config=config, options=options), donate_argnums)
 
-    def _placement(self):
+    def _tracing(self):
+        """float32 matmuls, and the mesh and its axis rules where there is one."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(float32_matmuls())
         if self.mesh is None:
-            return contextlib.nullcontext()
+            return stack
         import flax.linen as nn
 
-        stack = contextlib.ExitStack()
         stack.enter_context(jax.set_mesh(self.mesh))
         stack.enter_context(nn.logical_axis_rules(self.rules))
         return stack
@@ -210,7 +223,7 @@ class ProgramCache:
             sources = list(self._sources.values())
         for fn, args, static, donate in sources:
             jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
-            with self._placement():
+            with self._tracing():
                 lowered.append((fn.__qualname__, jitted.trace(*args).lower(lowering_platforms=(platform,))))
         return lowered
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eejax.decode.programs import float32_matmuls
 from eejax.errors import EejaxError
 from eejax.models import draft_head, llama
 from eejax.models.exits import set_exit_vocab
@@ -125,7 +126,8 @@ def probe_logits(model, text: str = PROBE_TEXT) -> tuple[list[int], np.ndarray]:
     model a LayerSkip delta records."""
     ids = model.tokenizer(text)["input_ids"]
     tokens, lengths = jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32)
-    return ids, np.asarray(_full_depth_probe(model.params, tokens, lengths, config=model.config))
+    with float32_matmuls():
+        return ids, np.asarray(_full_depth_probe(model.params, tokens, lengths, config=model.config))
 
 
 def draft_probe_logits(model, text: str = DRAFT_PROBE_TEXT) -> tuple[list[int], np.ndarray]:
@@ -133,7 +135,8 @@ def draft_probe_logits(model, text: str = DRAFT_PROBE_TEXT) -> tuple[list[int], 
     one), computed densely: the fingerprint of base model and draft head a draft delta records."""
     ids = model.tokenizer(text)["input_ids"]
     tokens, lengths = jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32)
-    return ids, np.asarray(_draft_probe(model.params, tokens, lengths, config=model.config))
+    with float32_matmuls():
+        return ids, np.asarray(_draft_probe(model.params, tokens, lengths, config=model.config))
 
 
 # The probes run once per delta applied, as one program each (op by op they took ~3x longer: 5.5 s
