@@ -271,8 +271,10 @@ def test_a_chunked_prefill_writes_the_same_draft_kv(model):
         atol=2e-5,
         rtol=1e-5,
     )
+    # chunks of 10 and the whole prompt multiply matrices of other shapes, summed in other orders
+    # (on an AVX-512 CPU a draft hidden state of ~1 differed by 3e-5)
     np.testing.assert_allclose(
-        np.asarray(state.draft_hidden), np.asarray(whole_state.draft_hidden), atol=2e-5, rtol=1e-5
+        np.asarray(state.draft_hidden), np.asarray(whole_state.draft_hidden), atol=1e-4, rtol=1e-5
     )
 
 

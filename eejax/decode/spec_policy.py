@@ -47,10 +47,11 @@ step understates for small d).
 **What is timed.** Every cost above is measured, never guessed: first a round at the
 configured d as two programs, a draft and a verify, timed apart (the host waits for each:
 c_draft; one round only: at a batch of 8 a round can cost two plain steps), then plain steps
-(c_full); then rounds run as one program each, as a fixed d's do (no host round trip between
-draft and verify), and a round's cost less its draft passes at c_draft is its verify's (c_full:
-a plain program's cost per step). The cost of a plain program or a whole round is what it
-costs in the engine's loop, with nothing waited for: the wall time of the engine step that
+(c_full); then rounds run whole, several at one d in a program as a fixed d's do (no host
+round trip between draft and verify; the policy picks d per program), and a round's cost less
+its draft passes at c_draft is its verify's (c_full: a plain program's cost per step). The cost
+of a plain step or a whole round is its program's cost in the engine's loop over its steps or
+rounds, with nothing waited for: the wall time of the engine step that
 reads its tokens, end to end, when it was the only program of its step and that step
 prefilled nothing (`Speculation._time_program`). That counts the host's own work per
 dispatch where it cannot hide behind the device (on a 2-core CPU the host's Python and XLA's

@@ -1,15 +1,15 @@
 """Self-speculation in the engine, a part of `Engine`: the rows of one speculation option and
-sampler kind form a group with its own `SpeculationPolicy`, which picks each round's d (adaptive)
-and whether the bonus pass runs, from the acceptance the engine reads back. A fixed d runs
-several rounds as one program, as many as a decode program runs steps (`Dispatch.plan`); an
-adaptive group runs one, costing each round by the wall time of the engine step that reads it
-(`_time_program`; the policy weighs the measured costs), apart from the rounds that time the
-draft and the verify programs apart and the plain full-depth steps taken while no round pays
-(`SpeculationPolicy`). Where the policy turns a draft head's speculation off, its rows run as
-plain rows for good (`Sequence.spec_off`: their own group, plain steps without the draft's
-catch-up, still counted as plain steps), and rows that come later get a new policy. It owns the
-policies and what it times of the programs it dispatched; the programs take their arrays from
-`DeviceSlots` and give them back there."""
+sampler kind form a group with its own `SpeculationPolicy`, which picks the rounds' d (adaptive)
+and whether the bonus pass runs, from the acceptance the engine reads back. A round program runs
+several rounds, as many as a decode program runs steps (`Dispatch.plan`), at one d; an adaptive
+group picks that d per program and costs a round as the wall time of the engine step that reads
+the program over its rounds (`_time_program`; the policy weighs the measured costs), apart from
+the single rounds that time the draft and the verify programs apart and the plain full-depth
+steps taken while no round pays (`SpeculationPolicy`). Where the policy turns a draft head's
+speculation off, its rows run as plain rows for good (`Sequence.spec_off`: their own group, plain
+steps without the draft's catch-up, still counted as plain steps), and rows that come later get
+a new policy. It owns the policies and what it times of the programs it dispatched; the
+programs take their arrays from `DeviceSlots` and give them back there."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ class Speculation:
         self.batch_job, self.steps_per_dispatch = batch_job, steps_per_dispatch
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows
         self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
-        # Per speculation program of this step and of the last: (policy, d, passes, first run)
-        # for an adaptive policy to learn its cost from, or None; and the programs (of any kind)
+        # Per speculation program of this step and of the last: (policy, d, passes, first run,
+        # rounds or steps in it) for an adaptive policy to learn its cost from, or None; and the programs (of any kind)
         # this step and the last dispatched.
         self._dispatched: list = []
         self._last_dispatched: list = []
@@ -97,9 +97,10 @@ class Speculation:
 
     def dispatch(self, table, group, options: StepOptions, members: list[Sequence], decode_steps: int) -> int:
         """Speculation rounds of `members`, the rows of the slots in `group`: as many as a decode
-        program runs steps now (`decode_steps`) with a fixed d; one with an adaptive policy, whose
-        d and timing are per round (or plain steps in a round's place). Returns the rounds or
-        steps dispatched: the fewest tokens each row not done makes."""
+        program runs steps now (`decode_steps`), at the d the policy picks for this program (or
+        plain steps in the rounds' place; one round where an adaptive policy times the draft
+        passes apart). Returns the rounds or steps dispatched: the fewest tokens each row not
+        done makes."""
         self._dispatched.append(None)
         if options.spec_off:
             self._dispatch_plain(table, group, options, decode_steps)
@@ -116,16 +117,16 @@ class Speculation:
         if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
             steps = self._plain_steps(options, decode_steps)
             plain, args = self._plain_program(table, group, options, steps)
-            self._dispatched[-1] = (policy, 0, steps, plain not in PROGRAMS_RUN)
+            self._dispatched[-1] = (policy, 0, steps, plain not in PROGRAMS_RUN, steps)
             outputs, seconds = run_timed(plain, args, self._must_wait(policy.c_full is not None))
             self._device.keep(*outputs)
             if seconds is not None:
                 policy.observe_plain(seconds / steps)
             return steps
         bonus = policy.bonus(d)
-        rounds = 1 if policy.spec.adaptive else decode_steps
+        rounds = 1 if policy.split else decode_steps
         round_options = options.round(d, bonus, rounds)
-        if policy.split:  # adaptive: time the draft passes apart from the verification
+        if policy.split:  # adaptive: time the draft passes apart from the verification (one round)
             draft, args = self._draft_program(table, group, round_options)
             (drafts, cache), draft_s = run_timed(draft, args, True)
             self._device.keep(cache=cache)
@@ -138,12 +139,12 @@ class Speculation:
         program, args = self._round_program(table, group, round_options)
         timed = False
         if policy.spec.adaptive:
-            self._dispatched[-1] = (policy, d, d + bonus, program not in PROGRAMS_RUN)
+            self._dispatched[-1] = (policy, d, d + bonus, program not in PROGRAMS_RUN, rounds)
             timed = self._must_wait(d in policy.whole_rounds)
         outputs, seconds = run_timed(program, args, timed)
         self._device.keep(*outputs)
         if seconds is not None:
-            policy.observe_round(d, seconds, passes=d + bonus)
+            policy.observe_round(d, seconds / rounds, passes=d + bonus)
         return rounds
 
     def _must_wait(self, known: bool) -> bool:
@@ -160,13 +161,13 @@ class Speculation:
         costs: not counted)."""
         if self._programs_last != 1 or len(self._last_dispatched) != 1 or self._last_dispatched[0] is None:
             return
-        policy, d, passes, first = self._last_dispatched[0]
+        policy, d, passes, first, count = self._last_dispatched[0]
         if first:
             return
         if d == 0:
-            policy.observe_plain(seconds / passes)
+            policy.observe_plain(seconds / count)
         else:
-            policy.observe_round(d, seconds, passes=passes)
+            policy.observe_round(d, seconds / count, passes=passes)
 
     def _dispatch_plain(self, table, group, options: StepOptions, steps: int) -> None:
         """`steps` plain full-depth steps of the slots in `group`, whose speculation is off, counted
@@ -219,8 +220,8 @@ class Speculation:
 
     def compile(self, table, group, options: StepOptions) -> None:
         """Compiles (runs nothing) the programs rows speculating with `options` may run at page-table
-        width `table`: every round's (with and without the bonus pass; a fixed d's one round and
-        `steps_per_dispatch` rounds a program, each d an adaptive policy may pick one), and an
+        width `table`: every round's (with and without the bonus pass; one round and
+        `steps_per_dispatch` rounds a program, at each d an adaptive policy may pick), and an
         adaptive group's plain steps (with a draft head, also those without its catch-up, once
         speculation is off)."""
         spec = options.spec
@@ -235,9 +236,10 @@ class Speculation:
             for steps in {1, self.steps_per_dispatch, self._plain_steps(options, self.steps_per_dispatch)}:
                 self._plain_program(table, group, off, steps, now=True)
         bonuses = self._policy(options).bonus_choices()
-        for d in range(1, spec.max_speculations + 1):
-            for bonus in bonuses:
-                self._round_program(table, group, options.round(d, bonus), now=True)
+        for d, bonus, rounds in itertools.product(
+            range(1, spec.max_speculations + 1), bonuses, {1, self.steps_per_dispatch}
+        ):
+            self._round_program(table, group, options.round(d, bonus, rounds), now=True)
         for bonus in bonuses:  # the split rounds that time a draft pass run at the configured d
             round_options = options.round(spec.num_speculations, bonus)
             draft, args = self._draft_program(table, group, round_options, now=True)
