@@ -51,18 +51,19 @@ c_draft; one round only: at a batch of 8 a round can cost two plain steps), then
 round trip between draft and verify; the policy picks d per program), and a round's cost less
 its draft passes at c_draft is its verify's (c_full: a plain program's cost per step). The cost
 of a plain step or a whole round is its program's cost in the engine's loop over its steps or
-rounds, with nothing waited for: the wall time of the engine step that
-reads its tokens, end to end, when it was the only program of its step and that step
-prefilled nothing (`Speculation._time_program`). That counts the host's own work per
+rounds, with nothing waited for: the wall time of the engine step that reads its tokens, end
+to end, when it was the only program of its step and that step prefilled nothing
+(`Speculation._time_program`). That counts the host's own work per
 dispatch where it cannot hide behind the device (on a 2-core CPU the host's Python and XLA's
 threads share the cores), costs a round and a plain step alike, and keeps the overlap of one
 dispatch with the next that a timed program (the host waiting for it) loses; it also compiles
 nothing: a step that compiled or prefilled is not counted. A program's first run is not counted
-(one-time costs: 3x a round's time was seen). Every `REFRESH_EVERY` rounds a plain step and a
-split round measure c_full and c_draft again, so both follow the batch's size and the
-machine's load as the verify times do; while rounds are predicted to pay less than
-`RECHECK_BELOW`, a plain step runs every `RECHECK_EVERY` rounds, so that a marginal round is
-weighed against a plain step timed at about the same moment (the machine's speed drifts).
+(one-time costs: 3x a round's time was seen). Every `REFRESH_EVERY` programs of rounds a plain
+step and a split round measure c_full and c_draft again, so both follow the batch's size and
+the machine's load as the verify times do; while rounds are predicted to pay less than
+`RECHECK_BELOW`, plain steps run every `RECHECK_EVERY` programs of rounds, so that a marginal
+round is weighed against a plain step timed at about the same moment (the machine's speed
+drifts). (The policy picks d per program: `next_speculations` is asked once a program.)
 
 The bonus pass (the (d + 1)-th pass over x_d, see `speculative`) buys one token only when all
 d drafts are accepted (probability α^d) and costs E layers every round. The policy turns it on
@@ -86,7 +87,7 @@ FORGET = 0.95  # weight of the past per read of the counters in the acceptance e
 PROBE_EVERY = 8  # plain programs before a probe round while speculation does not pay ...
 MAX_PROBE_EVERY = 64  # ... doubled after each probe that did not make it pay, up to this
 PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected) before any round: α = 0.5
-REFRESH_EVERY = 32  # rounds between re-measurements of a draft pass (a split round) and a plain step
+REFRESH_EVERY = 32  # programs of rounds between re-measurements of a draft pass (a split round) and a plain step
 TURN_OFF_MARGIN = 0.05  # (draft heads) off when no round pays even at this much more acceptance: the
 # shipped head's α on held-out CNN/DM rows 0..19 (`draft:2`) is 0.53 / 0.56 / 0.60 / 0.65 over rows
 # 0-7 / 4-11 / 8-15 / 12-19 (0.44-0.98 per row), so a batch's text rarely moves it much more
@@ -94,7 +95,7 @@ TURN_OFF_EVIDENCE = 24  # (draft heads) ... once this many drafts were judged (a
 # rejection): the acceptance of a few rounds at batch 1 is too noisy to stop a row's speculation for good
 # (its standard error at 24: ~0.1; per-row α of the shipped head spans 0.44-0.98)
 RECHECK_BELOW = 1.2  # rounds predicted to pay less than this ...
-RECHECK_EVERY = 8  # ... give way to a plain step every this many, which times it again: a round's
+RECHECK_EVERY = 8  # ... give way to plain steps every this many programs, which time them again: a round's
 # cost is timed every round, a plain step's only when one runs, and on a 2-core CPU the machine's speed
 # drifts 10-40% within a run, so a plain step timed long ago made marginal rounds look paying (batch 8:
 # plain steps timed at 62 ms in a slow minute, d = 2 rounds then run at 100 ms against 47 ms steps)

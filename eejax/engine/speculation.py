@@ -60,8 +60,8 @@ class Speculation:
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows
         self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
         # Per speculation program of this step and of the last: (policy, d, passes, first run,
-        # rounds or steps in it) for an adaptive policy to learn its cost from, or None; and the programs (of any kind)
-        # this step and the last dispatched.
+        # rounds or steps in it) for an adaptive policy to learn its cost from, or None; and the
+        # programs (of any kind) this step and the last dispatched.
         self._dispatched: list = []
         self._last_dispatched: list = []
         self._programs_now = self._programs_last = 0
