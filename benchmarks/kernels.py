@@ -107,9 +107,9 @@ def gpu_benchmark(args) -> int:
     device = jax.devices()[0]
     peak = args.peak_gbs or PEAK_GBS.get(device.device_kind)
     print(f"{device.device_kind}: peak {peak or '?'} GB/s (set --peak-gbs if unknown)")
-    kernel = jax.jit(functools.partial(triton_paged_attention, interpret=False))
-    reference = jax.jit(reference_paged_attention)
-    kernel_loop = in_one_program(functools.partial(triton_paged_attention, interpret=False), CALLS)
+    on_device = functools.partial(triton_paged_attention, interpret=False)
+    kernel, reference = jax.jit(on_device), jax.jit(reference_paged_attention)
+    kernel_loop = in_one_program(on_device, CALLS)
     reference_loop = in_one_program(reference_paged_attention, CALLS)
     rows = []
     shapes = {"smollm2": SMOLLM2, **({"llama-8b": LLAMA_8B} if args.sweep else {})}

@@ -18,6 +18,7 @@ import functools
 import itertools
 import time
 import weakref
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,18 @@ from eejax.models import exits
 from eejax.options import StepOptions
 
 PROGRAMS_RUN = weakref.WeakSet()  # the compiled programs this process has run (`run_timed`)
+
+
+class Dispatched(NamedTuple):
+    """An adaptive policy's program, for it to learn its cost from (`Speculation._time_program`):
+    d (0: plain steps), draft passes per round, whether it ran for the first time, and its rounds
+    or steps."""
+
+    policy: SpeculationPolicy
+    d: int
+    passes: int
+    first: bool
+    count: int
 
 
 def run_timed(program, args, timed: bool):
@@ -59,9 +72,8 @@ class Speculation:
         self.batch_job, self.steps_per_dispatch = batch_job, steps_per_dispatch
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows
         self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
-        # Per speculation program of this step and of the last: (policy, d, passes, first run,
-        # rounds or steps in it) for an adaptive policy to learn its cost from, or None; and the
-        # programs (of any kind) this step and the last dispatched.
+        # Per speculation program of this step and of the last: a `Dispatched` (adaptive) or None;
+        # and the programs (of any kind) this step and the last dispatched.
         self._dispatched: list = []
         self._last_dispatched: list = []
         self._programs_now = self._programs_last = 0
@@ -117,7 +129,7 @@ class Speculation:
         if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
             steps = self._plain_steps(options, decode_steps)
             plain, args = self._plain_program(table, group, options, steps)
-            self._dispatched[-1] = (policy, 0, steps, plain not in PROGRAMS_RUN, steps)
+            self._dispatched[-1] = Dispatched(policy, 0, steps, plain not in PROGRAMS_RUN, steps)
             outputs, seconds = run_timed(plain, args, self._must_wait(policy.c_full is not None))
             self._device.keep(*outputs)
             if seconds is not None:
@@ -139,7 +151,7 @@ class Speculation:
         program, args = self._round_program(table, group, round_options)
         timed = False
         if policy.spec.adaptive:
-            self._dispatched[-1] = (policy, d, d + bonus, program not in PROGRAMS_RUN, rounds)
+            self._dispatched[-1] = Dispatched(policy, d, d + bonus, program not in PROGRAMS_RUN, rounds)
             timed = self._must_wait(d in policy.whole_rounds)
         outputs, seconds = run_timed(program, args, timed)
         self._device.keep(*outputs)
@@ -161,13 +173,13 @@ class Speculation:
         costs: not counted)."""
         if self._programs_last != 1 or len(self._last_dispatched) != 1 or self._last_dispatched[0] is None:
             return
-        policy, d, passes, first, count = self._last_dispatched[0]
-        if first:
+        last = self._last_dispatched[0]
+        if last.first:
             return
-        if d == 0:
-            policy.observe_plain(seconds / count)
+        if last.d == 0:
+            last.policy.observe_plain(seconds / last.count)
         else:
-            policy.observe_round(d, seconds / count, passes=passes)
+            last.policy.observe_round(last.d, seconds / last.count, passes=last.passes)
 
     def _dispatch_plain(self, table, group, options: StepOptions, steps: int) -> None:
         """`steps` plain full-depth steps of the slots in `group`, whose speculation is off, counted
