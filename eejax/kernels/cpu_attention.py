@@ -22,7 +22,6 @@ def applies(q, k_cache, tree, bias_table) -> bool:
         tree is None
         and bias_table is None
         and t <= MAX_QUERIES
-        and t * hq // k_cache.shape[1] <= 64
         and dh % 8 == 0
         and q.dtype == jnp.float32
         and k_cache.dtype == jnp.float32
