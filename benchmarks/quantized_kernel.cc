@@ -36,7 +36,8 @@ void product(const Matrix& a, const float* x, float* y, int64_t r0, int64_t r1) 
   if constexpr (std::is_same_v<XQ, float>) {
     for (int64_t r = r0; r < r1; r += kRowsPerTile) float_rows<F, 1>(x, y, w, r, std::min(r1, r + kRowsPerTile));
   } else {
-    const auto qx = quantize_x<F, XQ>(x, 1, a.NB);
+    QuantizedX<XQ> qx;
+    quantize_x<F, XQ>(x, 1, a.NB, qx);
     for (int64_t r = r0; r < r1; r += kRowsPerTile)
       integer_rows<F, XQ, 1>(qx, 0, y, w, r, std::min(r1, r + kRowsPerTile));
   }

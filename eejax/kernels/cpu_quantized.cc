@@ -198,25 +198,48 @@ struct QuantizedX {
   std::vector<float> dx, offset;
 };
 
+// Rounds x's rows into `out` (its buffers are reused from call to call: no allocation once grown).
 template <Format F, typename XQ>
-QuantizedX<XQ> quantize_x(const float* x, int64_t M, int64_t NB) {
+void quantize_x(const float* x, int64_t M, int64_t NB, QuantizedX<XQ>& out) {
   constexpr float kLevels = std::numeric_limits<XQ>::max();
-  QuantizedX<XQ> out{std::vector<XQ>(M * NB * 32), std::vector<float>(M * NB), std::vector<float>(M * NB)};
+  out.xq.resize(M * NB * 32), out.dx.resize(M * NB), out.offset.resize(M * NB);
   for (int64_t i = 0; i < M * NB; ++i) {
     const float* v = x + i * 32;
+    XQ* q = out.xq.data() + i * 32;
     float amax = 0.f, sum = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j])), sum += v[j];
-    const float dx = amax / kLevels, inv = amax > 0.f ? kLevels / amax : 0.f;
     int isum = 0;
-    for (int j = 0; j < 32; ++j) {
-      const int q = int(std::nearbyint(v[j] * inv));
-      out.xq[i * 32 + j] = XQ(q);
-      isum += q;
+#if EEJAX_AVX2
+    __m256 block[4], most = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int j = 0; j < 4; ++j) block[j] = _mm256_loadu_ps(v + 8 * j), most = _mm256_max_ps(most, _mm256_and_ps(block[j], magnitude));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, most);
+    for (float lane : lanes) amax = std::max(amax, lane);
+    for (int j = 0; j < 32; ++j) sum += v[j];  // in order: int8 activations' results move with its last bit
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? kLevels / amax : 0.f);
+    __m256i rounded[4], total = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {  // nearest, ties to even (the default rounding mode, as nearbyint)
+      rounded[j] = _mm256_cvtps_epi32(_mm256_mul_ps(block[j], inv));
+      total = _mm256_add_epi32(total, rounded[j]);
     }
+    alignas(32) int32_t ints[32];
+    for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(ints + 8 * j), rounded[j]);
+    for (int j = 0; j < 32; ++j) q[j] = XQ(ints[j]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ints), total);
+    for (int j = 0; j < 8; ++j) isum += ints[j];
+#else
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j])), sum += v[j];
+    const float inv = amax > 0.f ? kLevels / amax : 0.f;
+    for (int j = 0; j < 32; ++j) {
+      const int r = int(std::nearbyint(v[j] * inv));
+      q[j] = XQ(r);
+      isum += r;
+    }
+#endif
+    const float dx = amax / kLevels;
     out.dx[i] = dx;
     out.offset[i] = F == Format::kQ4_1 ? sum : F == Format::kQ4_0 ? -8.f * dx * float(isum) : 0.f;
   }
-  return out;
 }
 
 #if EEJAX_AVX2
@@ -398,8 +421,11 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
   const float* xs = x.typed_data();
   constexpr bool kInteger = !std::is_same_v<XQ, float>;
   if (kInteger && NB > kMaxBlocks) return ffi::Error::InvalidArgument("eejax_quantized: rows longer than 16384");
-  QuantizedX<std::conditional_t<kInteger, XQ, int8_t>> qx;
-  if constexpr (kInteger) qx = quantize_x<F, XQ>(xs, M, NB);
+  // This caller's buffers, reused from call to call. A reference, which the parts capture: in a
+  // helper's thread the name would be the helper's own.
+  static thread_local QuantizedX<std::conditional_t<kInteger, XQ, int8_t>> caller_qx;
+  auto& qx = caller_qx;
+  if constexpr (kInteger) quantize_x<F, XQ>(xs, M, NB, qx);
   // A part is at least kMinBlocksPerPart blocks of work: waking a helper costs more than a small product.
   const int64_t work = R * NB * ((M + kGroup - 1) / kGroup);
   const int64_t parts = eejax::num_parts(pool, std::min((R + kRowsPerTile - 1) / kRowsPerTile, (work + kMinBlocksPerPart - 1) / kMinBlocksPerPart));
