@@ -14,7 +14,8 @@
 //     is added per block from x's float sums. About 3x fewer instructions per block than float,
 //     at the price of rounding x to 8 bits.
 //   int16 ("Q16"): the same with x rounded to 16 bits (dx = max |x| / 32767; madd on weights
-//     widened to int16): a few more instructions than int8, x's rounding 256x finer.
+//     widened to int16): x's rounding 256x finer than int8's. 4-bit blocks go two to a vector
+//     (x laid out to match), so each pair costs one conversion and one scaling.
 // Rows of x go in groups of at most 4 (accumulators in registers); weight rows in tiles of 16,
 // so a tile is read from memory once and from L1 by the later groups; the rows are split between
 // the pool's threads (cpu_parts.h). With AVX2, FMA and F16C (this project's machines) the blocks
@@ -192,20 +193,41 @@ void float_rows(const float* x, float* y, const Weights& w, int64_t r0, int64_t 
 // x's rows as integer blocks (XQ = int8_t or int16_t): xq [M, K], dx [M, NB] (x ~ dx * xq, dx = max
 // |x| / the type's largest value), and per block the term that the weights' offset multiplies:
 // q4_1 the float sum of x (times m), q4_0 -8 * dx * sum(xq) (times d).
+//
+// int16 x against 4-bit weights is laid out in pairs of blocks, as the products read it (two
+// blocks per vector; see integer_rows): for blocks b = 2k, 2k + 1 the 64 values of pair k are
+// x_b[0:8] x_b+1[0:8], x_b[8:16] x_b+1[8:16], x_b[16:24] x_b+1[16:24], x_b[24:32] x_b+1[24:32],
+// an odd last block paired with zeros. Otherwise a row is its blocks in order.
+template <Format F, typename XQ>
+constexpr bool kPaired = kNibbles<F> && std::is_same_v<XQ, int16_t>;
+
 template <typename XQ>
 struct QuantizedX {
   std::vector<XQ> xq;
   std::vector<float> dx, offset;
+  int64_t stride = 0;  // xq values per row of x
+  bool paired = false;
+
+  // Where value j of block b of row m is.
+  int64_t at(int64_t m, int64_t b, int j) const {
+    return paired ? m * stride + b / 2 * 64 + j / 8 * 16 + b % 2 * 8 + j % 8 : m * stride + b * 32 + j;
+  }
 };
 
 // Rounds x's rows into `out` (its buffers are reused from call to call: no allocation once grown).
 template <Format F, typename XQ>
 void quantize_x(const float* x, int64_t M, int64_t NB, QuantizedX<XQ>& out) {
   constexpr float kLevels = std::numeric_limits<XQ>::max();
-  out.xq.resize(M * NB * 32), out.dx.resize(M * NB), out.offset.resize(M * NB);
+  out.paired = kPaired<F, XQ>;
+  out.stride = out.paired ? (NB + 1) / 2 * 64 : NB * 32;
+  out.xq.resize(M * out.stride), out.dx.resize(M * NB), out.offset.resize(M * NB);
+  if (out.paired && NB % 2)  // the zeros an odd last block is paired with
+    for (int64_t m = 0; m < M; ++m)
+      for (int j = 0; j < 32; ++j) out.xq[out.at(m, NB, j)] = 0;
   for (int64_t i = 0; i < M * NB; ++i) {
     const float* v = x + i * 32;
-    XQ* q = out.xq.data() + i * 32;
+    const int64_t m = i / NB, b = i % NB;
+    auto q = [&](int j) -> XQ& { return out.xq[out.at(m, b, j)]; };
     float amax = 0.f, sum = 0.f;
     int isum = 0;
 #if EEJAX_AVX2
@@ -224,7 +246,7 @@ void quantize_x(const float* x, int64_t M, int64_t NB, QuantizedX<XQ>& out) {
     }
     alignas(32) int32_t ints[32];
     for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(ints + 8 * j), rounded[j]);
-    for (int j = 0; j < 32; ++j) q[j] = XQ(ints[j]);
+    for (int j = 0; j < 32; ++j) q(j) = XQ(ints[j]);
     _mm256_store_si256(reinterpret_cast<__m256i*>(ints), total);
     for (int j = 0; j < 8; ++j) isum += ints[j];
 #else
@@ -232,7 +254,7 @@ void quantize_x(const float* x, int64_t M, int64_t NB, QuantizedX<XQ>& out) {
     const float inv = amax > 0.f ? kLevels / amax : 0.f;
     for (int j = 0; j < 32; ++j) {
       const int r = int(std::nearbyint(v[j] * inv));
-      q[j] = XQ(r);
+      q(j) = XQ(r);
       isum += r;
     }
 #endif
@@ -270,19 +292,12 @@ struct BlockDot<F, int8_t> {  // llama.cpp's: maddubs multiplies unsigned by sig
 };
 
 template <Format F>
-struct BlockDot<F, int16_t> {  // values 0-15 and 16-31 widened to int16, multiplied pairwise by madd
+struct BlockDot<F, int16_t> {  // 8-bit weights widened to int16, multiplied pairwise by madd (4-bit: PairDot)
+  static_assert(!kNibbles<F>);
   __m256i w0, w1;
-  explicit BlockDot(const uint8_t* block) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-    if constexpr (kNibbles<F>) {
-      const __m128i nibble = _mm_set1_epi8(15);
-      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(lo, nibble));
-      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(lo, 4), nibble));
-    } else {
-      w0 = _mm256_cvtepi8_epi16(lo);
-      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)));
-    }
-  }
+  explicit BlockDot(const uint8_t* block)
+      : w0(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block)))),
+        w1(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16)))) {}
   __m256i dot(const int16_t* xq) const {
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
@@ -307,10 +322,30 @@ inline float offset_sum(const Weights& w, int64_t r, const float* offset) {
 
 constexpr int64_t kMaxBlocks = 512;  // blocks per row the integer paths' per-row scales hold (K <= 16384)
 
+// Pair k of a 4-bit row (blocks 2k, 2k + 1; `whole`: else block 2k alone) as int16, in x's paired
+// layout: values 0-7, 8-15, 16-23, 24-31 of both blocks (in-lane unpacks, no lane crossing).
+struct PairDot {
+  __m256i w[4];
+  PairDot(const uint8_t* pair, bool whole) {
+    const __m256i bytes = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair))
+                                : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+    const __m256i nibble = _mm256_set1_epi8(15), zero = _mm256_setzero_si256();
+    const __m256i lo = _mm256_and_si256(bytes, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+    w[0] = _mm256_unpacklo_epi8(lo, zero), w[1] = _mm256_unpackhi_epi8(lo, zero);
+    w[2] = _mm256_unpacklo_epi8(hi, zero), w[3] = _mm256_unpackhi_epi8(hi, zero);
+  }
+  // Lanes 0-3: block 2k's products summed in fours; lanes 4-7: block 2k + 1's.
+  __m256i dot(const int16_t* x) const {
+    __m256i s = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    for (int i = 1; i < 4; ++i)
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(w[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * i))));
+    return s;
+  }
+};
+
 template <Format F, typename XQ, int G>
 void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
-  const int64_t K = w.NB * 32;
-  alignas(32) float scale[G][kMaxBlocks];  // d * dx per block of this row, for each row of x
+  alignas(32) float scale[G][kMaxBlocks + 2];  // d * dx per block of this row, for each row of x (0 past the last)
   for (int64_t r = r0; r < r1; ++r) {
     for (int m = 0; m < G; ++m) {
       const float* dx = qx.dx.data() + (m0 + m) * w.NB;
@@ -324,19 +359,35 @@ void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights&
                                                       _mm256_loadu_ps(dx + b)));
         for (; b < w.NB; ++b) scale[m][b] = half_to_float(d[b]) * dx[b];
       }
+      scale[m][w.NB] = scale[m][w.NB + 1] = 0.f;
     }
     __m256 acc[G][2];
     for (int m = 0; m < G; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    const XQ* xq0 = qx.xq.data() + m0 * K;
+    const XQ* xq0 = qx.xq.data() + m0 * qx.stride;
     const uint8_t* row = w.qs + r * w.NB * kBlockBytes<F>;
-    auto block = [&](int64_t b, int a) {  // `a`: which accumulator (two chains hide the FMA's latency)
-      const BlockDot<F, XQ> wq(row + b * kBlockBytes<F>);
-      for (int m = 0; m < G; ++m)
-        acc[m][a] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale[m] + b), _mm256_cvtepi32_ps(wq.dot(xq0 + m * K + b * 32)), acc[m][a]);
-    };
-    int64_t b = 0;
-    for (; b + 2 <= w.NB; b += 2) block(b, 0), block(b + 1, 1);
-    if (b < w.NB) block(b, 0);
+    if constexpr (kPaired<F, XQ>) {  // two blocks per vector: half the conversions and scalings
+      const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+      auto pair = [&](int64_t k, int a) {  // `a`: which accumulator (two chains hide the FMA's latency)
+        const PairDot wq(row + k * 2 * kBlockBytes<F>, 2 * k + 1 < w.NB);
+        for (int m = 0; m < G; ++m) {
+          const __m256 two = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale[m] + 2 * k))));
+          acc[m][a] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(two, halves), _mm256_cvtepi32_ps(wq.dot(xq0 + m * qx.stride + k * 64)), acc[m][a]);
+        }
+      };
+      const int64_t pairs = (w.NB + 1) / 2;
+      int64_t k = 0;
+      for (; k + 2 <= pairs; k += 2) pair(k, 0), pair(k + 1, 1);
+      if (k < pairs) pair(k, 0);
+    } else {
+      auto block = [&](int64_t b, int a) {
+        const BlockDot<F, XQ> wq(row + b * kBlockBytes<F>);
+        for (int m = 0; m < G; ++m)
+          acc[m][a] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale[m] + b), _mm256_cvtepi32_ps(wq.dot(xq0 + m * qx.stride + b * 32)), acc[m][a]);
+      };
+      int64_t b = 0;
+      for (; b + 2 <= w.NB; b += 2) block(b, 0), block(b + 1, 1);
+      if (b < w.NB) block(b, 0);
+    }
     for (int m = 0; m < G; ++m) {
       const int64_t row = m0 + m;
       const float s = sum8(_mm256_add_ps(acc[m][0], acc[m][1])) + offset_sum<F>(w, r, qx.offset.data() + row * w.NB);
@@ -347,7 +398,6 @@ void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights&
 #else
 template <Format F, typename XQ, int G>
 void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
-  const int64_t K = w.NB * 32;
   for (int64_t r = r0; r < r1; ++r)
     for (int m = 0; m < G; ++m) {
       const int64_t row = m0 + m;
@@ -356,7 +406,7 @@ void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights&
         const uint8_t* block = w.qs + (r * w.NB + b) * kBlockBytes<F>;
         int isum = 0;
         for (int j = 0; j < 32; ++j)
-          isum += (F == Format::kQ4_0 ? value<F>(block, j) + 8 : value<F>(block, j)) * qx.xq[row * K + b * 32 + j];
+          isum += (F == Format::kQ4_0 ? value<F>(block, j) + 8 : value<F>(block, j)) * qx.xq[qx.at(row, b, j)];
         const float d = F == Format::kInt8 ? 1.f : half_to_float(w.d[r * w.NB + b]);
         s += d * qx.dx[row * w.NB + b] * float(isum);
         if constexpr (kNibbles<F>)
