@@ -143,10 +143,11 @@ def test_the_library_dequantises_as_jnp_does(format):
 @pytest.mark.parametrize("activations", Q.ACTIVATIONS)
 def test_a_row_gives_the_same_bits_alone_and_in_a_group(activations):
     """What makes a verify pass (several rows) and a decode step (one) agree: each row's sums run
-    in the same order whatever rows come with it."""
+    in the same order whatever rows come with it. 17 blocks a row: whole vectors of block scales
+    and an odd block past the last pair."""
     rng = np.random.default_rng(6)
-    w = random_matrix("q4_1", 40, 96, rng, activations)
-    x = jnp.asarray(rng.standard_normal((7, 96)).astype(np.float32))
+    w = random_matrix("q4_1", 40, 544, rng, activations)
+    x = jnp.asarray(rng.standard_normal((7, 544)).astype(np.float32))
     product = jax.jit(cpu_matmul.rows_product)
     together = np.asarray(product(x, w))
     for i in range(7):
@@ -159,10 +160,10 @@ def test_integer_activations_match_their_jnp_equal(format, activations, near):
     """The kernel's integer activations and `integer_activation_product` (XLA's path above the
     kernel's rows) agree up to summation order; both stay `near` the float32 product."""
     rng = np.random.default_rng(3)
-    w = random_matrix(format, 80, 96, rng, activations=activations)
+    w = random_matrix(format, 80, 544, rng, activations=activations)
     exact = np.asarray(Q.dequantize_rows(w), np.float64)
     for rows in (1, 4, 7, cpu_matmul.MAX_QUANTIZED_ROWS + 1):
-        x = rng.standard_normal((rows, 96)).astype(np.float32)
+        x = rng.standard_normal((rows, 544)).astype(np.float32)
         got = np.asarray(jax.jit(cpu_matmul.rows_product)(jnp.asarray(x), w))
         emulated = np.asarray(Q.integer_activation_product(jnp.asarray(x), w))
         scale = np.abs(emulated).max()

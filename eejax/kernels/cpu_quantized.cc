@@ -345,7 +345,7 @@ struct PairDot {
 
 template <Format F, typename XQ, int G>
 void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
-  alignas(32) float scale[G][kMaxBlocks + 2];  // d * dx per block of this row, for each row of x (0 past the last)
+  alignas(32) float scale[G][kMaxBlocks + 8];  // d * dx per block of this row, for each row of x (0 past the last; rows 32-byte aligned)
   for (int64_t r = r0; r < r1; ++r) {
     for (int m = 0; m < G; ++m) {
       const float* dx = qx.dx.data() + (m0 + m) * w.NB;
