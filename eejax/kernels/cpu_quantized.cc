@@ -190,7 +190,7 @@ void float_rows(const float* x, float* y, const Weights& w, int64_t r0, int64_t 
 
 // ---- integer activations: x quantized per block ----------------------------------------------------
 
-// x's rows as integer blocks (XQ = int8_t or int16_t): xq [M, K], dx [M, NB] (x ~ dx * xq, dx = max
+// x's rows as integer blocks (XQ = int8_t or int16_t): xq [M, stride], dx [M, NB] (x ~ dx * xq, dx = max
 // |x| / the type's largest value), and per block the term that the weights' offset multiplies:
 // q4_1 the float sum of x (times m), q4_0 -8 * dx * sum(xq) (times d).
 //
@@ -208,7 +208,7 @@ struct QuantizedX {
   int64_t stride = 0;  // xq values per row of x
   bool paired = false;
 
-  // Where value j of block b of row m is.
+  // Where value j of block b of row m is (values 8i..8i+7 of a block are together in either layout).
   int64_t at(int64_t m, int64_t b, int j) const {
     return paired ? m * stride + b / 2 * 64 + j / 8 * 16 + b % 2 * 8 + j % 8 : m * stride + b * 32 + j;
   }
@@ -227,7 +227,9 @@ void quantize_x(const float* x, int64_t M, int64_t NB, QuantizedX<XQ>& out) {
   for (int64_t i = 0; i < M * NB; ++i) {
     const float* v = x + i * 32;
     const int64_t m = i / NB, b = i % NB;
-    auto q = [&](int j) -> XQ& { return out.xq[out.at(m, b, j)]; };
+    XQ* eighths[4];  // where values 8i..8i+7 go
+    for (int e = 0; e < 4; ++e) eighths[e] = out.xq.data() + out.at(m, b, 8 * e);
+    auto q = [&](int j) -> XQ& { return eighths[j / 8][j % 8]; };
     float amax = 0.f, sum = 0.f;
     int isum = 0;
 #if EEJAX_AVX2
