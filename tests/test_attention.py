@@ -65,6 +65,22 @@ def test_paged_attention_matches_dense(page_size, hq, hkv, q_len, impl):
     assert np.all(got[0] == 0), "a row of length 0 must give zeros"
 
 
+def test_the_cpu_kernel_takes_many_queries_per_kv_head():
+    """16 query heads on one KV head, 16 tokens a row: 256 queries share a head (the kernel once
+    took at most 64, and "auto" gave the rest to the reference)."""
+    from eejax.kernels import cpu_attention
+
+    rng = np.random.default_rng(12)
+    lengths = [20, 33]
+    q, kc, vc, table, q_pos, rows_k, rows_v = build_case(rng, lengths, 16, 8, 16, 1, 16)
+    assert cpu_attention.applies(q, kc, None, None)
+    got = np.asarray(paged_attention(q, kc, vc, np.int32(1), table, q_pos, np.array(lengths, np.int32), impl="cpu"))
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(
+            got[i], dense_attention(q[i], rows_k[i], rows_v[i], q_pos[i], n), atol=1e-5, rtol=1e-5
+        )
+
+
 def test_causal_mask_hides_later_tokens():
     """Changing keys after a query's position must not change its output."""
     rng = np.random.default_rng(0)
