@@ -160,7 +160,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int64_t units = n.B * n.T * n.Hq;  // queries, in the order of q's rows
   const int64_t parts = eejax::num_parts(pool, units);
   eejax::run_parts(pool, parts, [&](int64_t i) {
-    std::vector<float> scores;
+    static thread_local std::vector<float> scores;  // the running thread's, kept from call to call
     for (int64_t u = units * i / parts; u < units * (i + 1) / parts; ++u) {
       const int64_t b = u / (n.T * n.Hq), t = u / n.Hq % n.T, h = u % n.Hq;
       attend_query(n, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), l, block_table.typed_data(),

@@ -347,7 +347,7 @@ struct PairDot {
 
 template <Format F, typename XQ, int G>
 void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
-  alignas(32) float scale[G][kMaxBlocks + 8];  // d * dx per block of this row, for each row of x (0 past the last; rows 32-byte aligned)
+  alignas(32) float scale[G][kMaxBlocks + 8];  // d * dx per block of this row, for each row of x (rows padded to stay 32-byte aligned)
   for (int64_t r = r0; r < r1; ++r) {
     for (int m = 0; m < G; ++m) {
       const float* dx = qx.dx.data() + (m0 + m) * w.NB;
@@ -361,7 +361,7 @@ void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights&
                                                       _mm256_loadu_ps(dx + b)));
         for (; b < w.NB; ++b) scale[m][b] = half_to_float(d[b]) * dx[b];
       }
-      scale[m][w.NB] = scale[m][w.NB + 1] = 0.f;
+      scale[m][w.NB] = 0.f;  // an odd last block's pair reads it
     }
     __m256 acc[G][2];
     for (int m = 0; m < G; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
