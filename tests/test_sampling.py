@@ -2,6 +2,8 @@
 that stay inside each row's filtered set, per-row keys independent of the batch, option checks,
 penalties (off: the logits unchanged; a round's positions: as if emitted one by one)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +57,17 @@ def test_filtered_logits_keep_each_rows_top_k_and_top_p_set():
         np.testing.assert_allclose(got[row, kept], logits[row, kept] / p.temperature, rtol=1e-6)
     scaled = np.asarray(filtered_logits(jnp.asarray(logits), RowSampling.of(ROWS), TEMPERATURE))
     assert np.isfinite(scaled).all()  # the temperature sampler filters nothing
+
+
+def test_the_filtered_sampler_without_a_filtering_row_gives_the_scaled_logits():
+    """Every prefill takes the filtered sampler; on a CPU it skips its sort when no row's top-k or
+    top-p is on: the same values as the temperature sampler, and a row that filters still does."""
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(3, 40)).astype(np.float32))
+    plain = RowSampling.of([SamplingParams(0.0, 0, 1.0), SamplingParams(0.8, 0, 1.0), SamplingParams(1.5, 0, 1.0)])
+    filtered = jax.jit(filtered_logits, static_argnums=2)
+    np.testing.assert_array_equal(filtered(logits, plain, FILTERED), filtered_logits(logits, plain, TEMPERATURE))
+    one = dataclasses.replace(plain, top_k=np.asarray([0, 3, 0], np.int32))
+    assert np.isfinite(np.asarray(filtered(logits, one, FILTERED))[1]).sum() == 3
 
 
 def test_draws_stay_in_the_filtered_set_and_greedy_rows_take_the_argmax():
