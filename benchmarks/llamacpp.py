@@ -10,7 +10,7 @@ and eejax's ratios to llama.cpp; eejax's settings are the GGUF blocks with float
 activations at full depth and, with the draft head (smollm2-135m-eagle on the same blocks),
 --specs. Also the share of llama.cpp's greedy tokens that eejax's float32 reference reproduces.
 
-    python benchmarks/llamacpp.py [--prompts 8] [--new-tokens 64] [--threads 2] [--specs draft:4:lookup]
+    python benchmarks/llamacpp.py [--prompts 8] [--new-tokens 64] [--threads 2] [--specs draft:2:lookup]
 """
 
 from __future__ import annotations
@@ -107,11 +107,15 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp's threads")
     parser.add_argument(
-        "--specs", nargs="*", action="extend", default=None, help="draft-head settings (default draft:4:lookup)"
+        "--specs",
+        nargs="*",
+        action="extend",
+        default=None,
+        help="draft-head settings (default draft:2:lookup, the best measured on the blocks: docs/quantization.md)",
     )
     parser.add_argument("--name", default="llamacpp")
     args = parser.parse_args(argv)
-    specs = ["draft:4:lookup"] if args.specs is None else args.specs
+    specs = ["draft:2:lookup"] if args.specs is None else args.specs
     if args.prompts > 20:
         parser.error("at most 20 prompts: rows 0..19 are the draft head's held-out rows")
 
