@@ -20,6 +20,7 @@ from eejax.config import T5Config
 from eejax.decode import early_exit
 from eejax.decode.control_flow import cache_copies, control_flow
 from eejax.decode.programs import ProgramCache
+from eejax.decode.sampling import FILTERED
 from eejax.models import exits, t5
 from eejax.options import ExitConfig, SpecConfig
 from tests.helpers import fixed_policy_costs, random_prompts
@@ -183,7 +184,8 @@ def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
     """No loop of unknown trip count but that of a program's steps or rounds (on a CPU it ends
     once every row is done; on a GPU its trip count is known: next test); one conditional, in a
     draft with the bonus pass (the head skipped on the pass that only fills the draft layers'
-    cache: a known round trip), alone or in a whole round."""
+    cache: a known round trip), alone or in a whole round; and, on a CPU only, one where the
+    filtered sampler skips its sort when no row filters (a prefill's draw and its log-probs)."""
     model = gpu_layout(tiny(num_layers=4))
     for kw in (
         dict(),
@@ -196,8 +198,9 @@ def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
     for name, options, program in model.programs.entries():
         flow = control_flow(program.as_text())
         bonus_draft = name in ("draft_slots", "spec_round_slots") and options.bonus
+        sorts = (options.sampler == FILTERED) * (1 + options.logprobs)  # `sampling.filtered_logits`
         assert flow.dynamic_loops == (options.num_steps > 1), (name, options.num_steps, flow)
-        assert flow.conditionals == int(bonus_draft), (name, flow)
+        assert flow.conditionals == int(bonus_draft) + sorts, (name, flow)
     assert any(options.num_steps > 1 for _, options, _ in model.programs.entries())
 
 
