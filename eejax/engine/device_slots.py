@@ -160,7 +160,7 @@ class DeviceSlots:
     def clear_spec_counters(self, slots) -> None:
         """Zeroes the speculation counters of `slots` [b] (rows just prefilled; an index of
         `self.slots` or more is dropped)."""
-        self._spec_counters = _zero_rows(self._spec_counters, jnp.asarray(slots, jnp.int32))
+        self._spec_counters = _zero_rows(self._spec_counters, slots)
         self._packed = None
 
     def set_prompt(self, slot: int, tokens) -> None:
