@@ -199,7 +199,7 @@ def with_exit_vocab(model, size: int = 8192, articles: range = range(20, 68), ne
 
 
 def add_quantization_args(parser) -> None:
-    """--quantization and --activations, as `eejax.load` takes them."""
+    """--quantization, --activations and --prompt-activations, as `eejax.load` takes them."""
     from eejax.quantized import ACTIVATIONS
 
     parser.add_argument(
@@ -209,10 +209,17 @@ def add_quantization_args(parser) -> None:
         help="eejax's weights quantized: the GGUF's own blocks, or int8 per channel (default: float)",
     )
     parser.add_argument("--activations", choices=ACTIVATIONS, default="float32", help="how quantized products take x")
+    parser.add_argument(
+        "--prompt-activations",
+        choices=ACTIVATIONS,
+        default=None,
+        help="how a prefill's take x (default: --activations)",
+    )
 
 
 def load_model(args, name: str = "smollm2-135m", **kwargs):
-    """`eejax.load(name)` with the benchmark's --layer-buffers, --quantization and --activations."""
+    """`eejax.load(name)` with the benchmark's --layer-buffers, --quantization, --activations and
+    --prompt-activations."""
     import eejax
 
     return eejax.load(
@@ -220,5 +227,6 @@ def load_model(args, name: str = "smollm2-135m", **kwargs):
         layer_buffers=args.layer_buffers,
         quantization=args.quantization,
         activations=args.activations,
+        prompt_activations=args.prompt_activations,
         **kwargs,
     )

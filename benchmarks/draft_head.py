@@ -12,7 +12,7 @@ efficiency = measured / ideal, and layers of the model run per token. Writes
 benchmarks/out/<name>.{json,md}.
 
     python benchmarks/draft_head.py [--model smollm2-135m-eagle] [--batches 1 8] [--specs draft:4 ...] \
-        [--quantization gguf|int8] [--activations float32|int16|int8]
+        [--quantization gguf|int8] [--activations float32|int16|int8] [--prompt-activations int16]
 """
 
 from __future__ import annotations

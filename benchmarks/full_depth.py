@@ -10,7 +10,7 @@ each side's share of it.
 
     python benchmarks/full_depth.py [--batches 1 8 32] [--new-tokens 64] [--prompt-tokens 256] \
         [--layer-buffers auto|stacked|split] [--dtype float32|bfloat16] \
-        [--quantization gguf|int8] [--activations float32|int16|int8] \
+        [--quantization gguf|int8] [--activations float32|int16|int8] [--prompt-activations int16] \
         [--hf-device cuda] [--hf-dtype bfloat16] [--hf-static]
 
 HF runs on --hf-device in --hf-dtype; --hf-static also times its decode steps with its static

@@ -7,8 +7,9 @@ process with --threads threads (in eejax's process its thread pool slowed eejax)
 eejax's runs and once after (the faster run is kept). Reported for each side: prefill tokens/s,
 decode tokens/s (the steps after the first token) and end-to-end tokens/s (prefill included),
 and eejax's ratios to llama.cpp; eejax's settings are the GGUF blocks with float32, int8 and int16
-activations at full depth and, with the draft head (smollm2-135m-eagle on the same blocks),
---specs. Also the share of llama.cpp's greedy tokens that eejax's float32 reference reproduces.
+activations, and float32 ones with int16 prompts (a prefill's products in integers), at full depth
+and, with the draft head (smollm2-135m-eagle on the same blocks), --specs. Also the share of
+llama.cpp's greedy tokens that eejax's float32 reference reproduces.
 
     python benchmarks/llamacpp.py [--prompts 8] [--new-tokens 64] [--threads 2] [--specs draft:2:lookup]
 """
@@ -132,13 +133,14 @@ def main(argv=None) -> int:
     float32 = run_eejax(reference, prompts, args.new_tokens)
     del reference
     ours = {"float32 (dequantised)": float32}
-    for activations in ACTIVATIONS:
-        model = eejax.load("smollm2-135m", quantization="gguf", activations=activations)
-        ours[f"gguf, {activations} activations"] = run_eejax(model, prompts, args.new_tokens)
+    for activations, prompt_activations in [(a, None) for a in ACTIVATIONS] + [("float32", "int16")]:
+        kw = dict(quantization="gguf", activations=activations, prompt_activations=prompt_activations)
+        setting = f"gguf, {activations} activations" + (f", {prompt_activations} prompts" if prompt_activations else "")
+        ours[setting] = run_eejax(eejax.load("smollm2-135m", **kw), prompts, args.new_tokens)
         if specs:
-            drafted = eejax.load("smollm2-135m-eagle", quantization="gguf", activations=activations)
+            drafted = eejax.load("smollm2-135m-eagle", **kw)
             for spec in specs:
-                ours[f"gguf, {activations} activations, {spec}"] = run_eejax(drafted, prompts, args.new_tokens, spec)
+                ours[f"{setting}, {spec}"] = run_eejax(drafted, prompts, args.new_tokens, spec)
             del drafted
     peers.append(llamacpp_in_child(gguf, prompts, args.new_tokens, args.threads))
     peer = max(peers, key=lambda p: p["decode_tokens_per_s"])

@@ -2,7 +2,8 @@
 
 Settings: float32 (the GGUF dequantised: the exact reference of its blocks), the GGUF's own blocks
 (Q4_1 layers, Q8_0 embedding and head) and int8 per output channel made from the float32 model,
-each with float32 and with int8 activations (`eejax.load`). For each:
+each with float32, int16 and int8 activations (`eejax.load`), spelled weights:activations, and
+weights:activations:prompt-activations for a prefill's own (gguf:float32:int16). For each:
   - quality: WikiText-2 perplexity (data/wikitext2_valid_test.txt.gz, --ppl-chunks chunks of 512
     tokens, each product as decoding computes it) and, on the same positions, the share whose
     greedy token equals float32's, where float32's top two logits are at least 1e-3 apart
@@ -43,11 +44,12 @@ NEAR_TIE = 1e-3
 
 
 def load(setting: str):
-    quantization, _, activations = setting.partition(":")
+    quantization, activations, prompts = (setting.split(":") + ["", ""])[:3]
     return eejax.load(
         "smollm2-135m",
         quantization=None if quantization == "float32" else quantization,
         activations=activations or "float32",
+        prompt_activations=prompts or None,
     )
 
 

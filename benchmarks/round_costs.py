@@ -9,7 +9,7 @@ nodes. A prompt lookup's round (`draft:d:lookup`) is timed twice: with every row
 no row matching.
 
     python benchmarks/round_costs.py [--batch 1] [--specs draft:2 draft:4 draft:2:tree draft:4:tree] \
-        [--quantization gguf|int8] [--activations float32|int16|int8]
+        [--quantization gguf|int8] [--activations float32|int16|int8] [--prompt-activations int16]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ a full-depth step), a draft and a verify pass, and the predicted break-even acce
 (see `eejax.decode.spec_policy`). Writes benchmarks/out/speculative.{json,md}.
 
     python benchmarks/speculative.py [--batches 1 8] [--prompts 4] [--model path/to/model]
-        [--quantization gguf|int8] [--activations float32|int16|int8]
+        [--quantization gguf|int8] [--activations float32|int16|int8] [--prompt-activations int16]
 
 SmolLM2 was not trained for early exit: its layer-E drafts rarely agree with its last layer,
 so this measures the machinery and the honest curve, not a LayerSkip-trained model.
@@ -177,7 +177,12 @@ def main() -> int:
     add_quantization_args(parser)
     args = parser.parse_args()
 
-    model = eejax.load(args.model, quantization=args.quantization, activations=args.activations)
+    model = eejax.load(
+        args.model,
+        quantization=args.quantization,
+        activations=args.activations,
+        prompt_activations=args.prompt_activations,
+    )
     if args.vocab_size:
         model = with_exit_vocab(model, args.vocab_size)
     L = model.config.num_layers

@@ -24,7 +24,10 @@ summation order); "int8" is llama.cpp's method: x is quantized to int8 per block
 own scale, max |x| / 127), each block's products are summed in integers and scaled once, and a
 Q4_1 minimum multiplies the float sum of x's block; "int16" is the same with x rounded to 16 bits
 (max |x| / 32767), 256x finer (`integer_activation_product` is their jnp equal). On a CPU integer
-products take 2-3x fewer instructions per block than float ones.
+products take 2-3x fewer instructions per block than float ones. `prompt_activations` (static,
+None: the same) is how a prefill's products take x (`for_prompts`): a prompt's many rows are a
+GEMM, where int16 runs ~2x float32's multiply-adds per cycle on a CPU with AVX-512 VNNI, while
+decode steps and verify passes keep `activations` (float32: speculation exact).
 
 Which matrix it stands for. A Linear's weight is [D_in, features] in eejax's x @ W layout; kept
 quantized it is its transpose's blocks (`transposed=True`: rows are the outputs, blocks run along
@@ -59,6 +62,7 @@ class QuantizedMatrix:
     format: str = dataclasses.field(default="q8_0", metadata=dict(static=True))
     transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
     activations: str = dataclasses.field(default="float32", metadata=dict(static=True))
+    prompt_activations: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def rows(self) -> int:
@@ -138,15 +142,35 @@ ACTIVATIONS = ("float32", "int8", "int16")
 LEVELS = {"int8": 127.0, "int16": 32767.0}  # the largest quantized |x| of a block
 
 
-def with_activations(params, activations: str):
-    """params with every quantized matrix's products taking x as `activations` (ACTIVATIONS)."""
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+def with_activations(params, activations: str, prompt_activations: str | None = None):
+    """params with every quantized matrix's products taking x as `activations` (ACTIVATIONS), and a
+    prefill's as `prompt_activations` (None: as `activations`)."""
+    for name, value in (("activations", activations), ("prompt_activations", prompt_activations)):
+        if value is not None and value not in ACTIVATIONS:
+            raise ValueError(f"{name} must be one of {', '.join(ACTIVATIONS)}, got {value!r}")
+    if prompt_activations == activations:
+        prompt_activations = None
     return jax.tree.map(
-        lambda x: dataclasses.replace(x, activations=activations) if is_quantized(x) else x,
+        lambda x: (
+            dataclasses.replace(x, activations=activations, prompt_activations=prompt_activations)
+            if is_quantized(x)
+            else x
+        ),
         params,
         is_leaf=is_quantized,
     )
+
+
+def for_prompts(params):
+    """params as a prefill multiplies by them: each quantized matrix taking x as its
+    `prompt_activations` where it has them (params unchanged otherwise)."""
+
+    def prompt(x):
+        if x.prompt_activations is None:
+            return x
+        return dataclasses.replace(x, activations=x.prompt_activations, prompt_activations=None)
+
+    return jax.tree.map(lambda x: prompt(x) if is_quantized(x) else x, params, is_leaf=is_quantized)
 
 
 def integer_activation_product(x, w: QuantizedMatrix, rows=None):

@@ -122,13 +122,15 @@ def test_products_equal_the_dequantised_weights_up_to_summation_order(format):
 @pytest.mark.parametrize("activations", Q.ACTIVATIONS)
 def test_matrices_in_one_call_give_their_own_products(activations):
     """A layer's q, k and v (its gate and up) go in one kernel call: each result is, bit for
-    bit, its matrix's product alone, whatever the rows' split between the threads."""
+    bit, its matrix's product alone, whatever the rows' split between the threads. 70 rows of x:
+    a prefill's GEMM, whose panels of 32 weight rows span the matrices (200: a part-filled one)."""
     rng = np.random.default_rng(8)
-    ws = [random_matrix("q4_1", rows, 96, rng, activations) for rows in (1024, 256, 256)]  # 2 parts
-    x = jnp.asarray(rng.standard_normal((3, 96)).astype(np.float32))
-    together = jax.jit(cpu_matmul.rows_products)(x, ws)
-    for w, y in zip(ws, together):
-        assert np.array_equal(np.asarray(jax.jit(cpu_matmul.rows_product)(x, w)), np.asarray(y))
+    ws = [random_matrix("q4_1", rows, 96, rng, activations) for rows in (1024, 256, 200)]  # 2 parts
+    for rows in (3, cpu_matmul.MAX_QUANTIZED_ROWS + 6):
+        x = jnp.asarray(rng.standard_normal((rows, 96)).astype(np.float32))
+        together = jax.jit(cpu_matmul.rows_products)(x, ws)
+        for w, y in zip(ws, together):
+            assert np.array_equal(np.asarray(jax.jit(cpu_matmul.rows_product)(x, w)), np.asarray(y))
 
 
 @pytest.mark.parametrize("format", Q.FORMATS)
@@ -157,8 +159,10 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_group(activations):
 @pytest.mark.parametrize("activations, near", [("int8", 3e-2), ("int16", 3e-4)])
 @pytest.mark.parametrize("format", Q.FORMATS)
 def test_integer_activations_match_their_jnp_equal(format, activations, near):
-    """The kernel's integer activations and `integer_activation_product` (XLA's path above the
-    kernel's rows) agree up to summation order; both stay `near` the float32 product."""
+    """The kernel's integer activations and `integer_activation_product` (their jnp equal, XLA's
+    path off the CPU) agree up to summation order, for a decode step's few rows and a prefill's
+    GEMM (65 rows: 16 groups of 4 and one more; 80 weight rows: two panels and a half-filled one);
+    both stay `near` the float32 product."""
     rng = np.random.default_rng(3)
     w = random_matrix(format, 80, 544, rng, activations=activations)
     exact = np.asarray(Q.dequantize_rows(w), np.float64)
@@ -213,6 +217,28 @@ def test_lossless_modes_equal_the_quantized_full_depth(blocks_model, layout):
     for spec in (SpecConfig(2, 3, bonus=True), SpecConfig(1, 2, bonus=False)):
         assert greedy(model, PROMPTS, spec=spec).tokens == full, spec
     assert greedy(model, PROMPTS, exit="softmax:inf").tokens == full
+
+
+def test_prompt_activations_take_the_prefill_and_leave_decoding_exact(config, blocks_model):
+    """int16 prompt activations with float32 ones: the prefill's products are the int16 model's
+    (its prompt log-probs, bit for bit), decode steps are not (float32), and speculation stays
+    token-identical to the same model's full depth."""
+    from eejax.engine.engine import Engine
+
+    def scored(params):
+        engine = Engine(eejax.Model(config, params), max_slots=1, max_new_tokens=6, cache_budget="4MiB", page_size=8)
+        seq = engine.submit(PROMPTS[2], max_new_tokens=6, prompt_logprobs=1, logprobs=0)
+        engine.run()
+        return seq.prompt_token_logprobs, seq.token_logprobs
+
+    mixed = Q.with_activations(blocks_model.params, "float32", "int16")
+    prompt, steps = scored(mixed)
+    int16_prompt, int16_steps = scored(Q.with_activations(blocks_model.params, "int16"))
+    float_prompt, _ = scored(blocks_model.params)
+    assert prompt == int16_prompt and prompt != float_prompt
+    assert steps[1:] != int16_steps[1:]  # the steps after the prefill's token multiply float32 x
+    model = eejax.Model(config, mixed)
+    assert greedy(model, PROMPTS, spec=SpecConfig(2, 3)).tokens == greedy(model, PROMPTS).tokens
 
 
 @pytest.mark.parametrize("exit", ["static:2", "softmax:0.1"])
@@ -290,6 +316,10 @@ def test_bad_quantization_requests_are_refused_by_name(tiny_checkpoints, blocks_
         eejax.load(directory, quantization="int8", activations="fp8")
     with pytest.raises(EejaxError, match="apply to quantized weights"):
         eejax.load(directory, activations="int8")
+    with pytest.raises(EejaxError, match="unknown prompt activations 'int4'"):
+        eejax.load(directory, quantization="int8", prompt_activations="int4")
+    with pytest.raises(EejaxError, match="prompt activations 'int16' apply to quantized weights"):
+        eejax.load(directory, prompt_activations="int16")
     with pytest.raises(EejaxError, match="keeps a GGUF file's own blocks"):
         eejax.load(directory, quantization="gguf")
     with pytest.raises(EejaxError, match="not a .gguf file"):
@@ -315,6 +345,8 @@ def test_the_cli_quantizes_and_refuses_bad_values(capsys, tiny_checkpoints, tmp_
     assert code == 2 and "expected gguf, int8 or none, got 'int4'" in err
     code, _, err = run_cli(capsys, *common, "--activations", "int8")
     assert code == 2 and "apply to quantized weights" in err
+    code, out, _ = run_cli(capsys, *common, "--quantization", "int8", "--prompt-activations", "int16")
+    assert code == 0 and len(json.loads(out)["outputs"][0]["tokens"]) == 4
     code, out, _ = run_cli(
         capsys, "convert", tiny_checkpoints["gqa-untied"][1], tmp_path / "q", "--quantize", "int8", "--quiet"
     )

@@ -17,6 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eejax import quantized
 from eejax.cache import KVCache
 from eejax.decode import early_exit, feature_draft
 from eejax.decode.confidence import exit_threshold
@@ -66,7 +67,9 @@ def prefill(
     Returns (DecodeState, cache). A T5 encodes the prompts and decodes its first token.
     With `options.prompt_logprobs` (Llama only) it returns (DecodeState, cache, PromptScores
     [B, T] of the chunk's positions, scoring targets [B, T]: each position's next prompt token).
+    Quantized matrices take x as their prompt activations here (`quantized.for_prompts`).
     """
+    params = quantized.for_prompts(params)
     max_new_tokens, sampler = options.max_new_tokens, options.sampler
     b = tokens.shape[0]
     keys = row_keys(keys, jnp.arange(b)) if keys.ndim == 1 else keys

@@ -22,9 +22,11 @@ Quantized weights (`quantized.QuantizedMatrix`: GGUF's Q4_0 / Q4_1 / Q8_0 blocks
 channel) are multiplied by `rows_product` (`rows_products`: several matrices that share x in one
 call): the kernel reads the blocks' bytes (0.56-1.06 per weight) instead of a float copy, taking x
 as float32 (each block dequantised in registers exactly as a dequantising conversion does) or
-rounded to int16 / int8 per block (`quantized.ACTIVATIONS`); above `MAX_QUANTIZED_ROWS` rows the
-library dequantises the rows and XLA multiplies them, and off the CPU jnp dequantises them (on a
-GPU XLA fuses the dequantisation into the dot's operand).
+rounded to int16 / int8 per block (`quantized.ACTIVATIONS`). Above `MAX_QUANTIZED_ROWS` rows (a
+prefill) integer activations take the kernel's GEMM where the CPU has AVX-512 VNNI
+(`panel_products`: int16 multiply-adds, ~2x a float32 GEMM's per cycle); otherwise the library
+dequantises the rows and XLA multiplies them. Off the CPU jnp dequantises them (on a GPU XLA fuses
+the dequantisation into the dot's operand).
 
 The library also copies rows of a bf16 table (`take_rows`, the token embedding of a bf16 model),
 which XLA:CPU gathers by converting the whole table to float32 first.
@@ -68,7 +70,7 @@ TARGETS = {  # XLA's name for a handler -> its symbol in the library
     },
     **{f"eejax_dequantize_{f}": f"EejaxDequantize{f.capitalize()}" for f in quantized.FORMATS},
 }
-MAX_QUANTIZED_ROWS = 64  # more rows (a prefill) dequantise the weights once and run XLA's GEMM
+MAX_QUANTIZED_ROWS = 64  # more rows (a prefill): the GEMM (integer x, AVX-512 VNNI) or XLA's of dequantised rows
 MAX_FUSED = 8  # matrices one quantized call takes (cpu_quantized.cc's kMaxMatrices)
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16)
 log = logging.getLogger(__name__)
@@ -132,7 +134,8 @@ def rows_products(x, ws) -> list:
         rows *= n
     first = ws[0]
     fused = all(w.format == first.format and w.activations == first.activations and w.cols == first.cols for w in ws)
-    kernel = 0 < rows <= MAX_QUANTIZED_ROWS and first.cols % 32 == 0 and all(w.qs.ndim == 3 for w in ws)
+    many = rows > MAX_QUANTIZED_ROWS and first.activations != "float32" and panel_products()
+    kernel = (0 < rows <= MAX_QUANTIZED_ROWS or many) and first.cols % 32 == 0 and all(w.qs.ndim == 3 for w in ws)
     if fused and kernel and len(ws) <= MAX_FUSED and library_applies():
         outs = [jax.ShapeDtypeStruct((rows, w.rows), jnp.float32) for w in ws]
         buffers = []
@@ -170,6 +173,13 @@ def matmuls(x, ws) -> list:
 
 def _applies_to_table(table, tokens) -> bool:
     return table.dtype == jnp.bfloat16 and table.ndim == 2 and tokens.size > 0 and library_applies()
+
+
+@functools.cache
+def panel_products() -> bool:
+    """Whether the kernel multiplies a prefill's rows with integer activations itself: its GEMM is
+    built where this CPU has AVX-512 VNNI (`-march=native` compiles for its flags)."""
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= set(_cpu_flags().split())
 
 
 def library_applies() -> bool:

@@ -16,6 +16,11 @@
 //   int16 ("Q16"): the same with x rounded to 16 bits (dx = max |x| / 32767; madd on weights
 //     widened to int16): x's rounding 256x finer than int8's. 4-bit blocks go two to a vector
 //     (x laid out to match), so each pair costs one conversion and one scaling.
+// A prefill's many rows of x (more than kMaxVectorRows) with integer activations take a GEMM
+// instead, where AVX-512 VNNI is (`panel_rows`): 32 weight rows decoded once into int16 pairs laid
+// across a vector's lanes, and each 32-value block's products summed by vpdpwssd in int32 lanes, one
+// lane per weight row, for 4 rows of x at a time; about twice the multiply-adds per cycle of a
+// float32 GEMM (XLA's, which the float32 activations' prefill keeps).
 // Rows of x go in groups of at most 4 (accumulators in registers); weight rows in tiles of 16,
 // so a tile is read from memory once and from L1 by the later groups; the rows are split between
 // the pool's threads (cpu_parts.h). With AVX2, FMA and F16C (this project's machines) the blocks
@@ -36,6 +41,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define EEJAX_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define EEJAX_VNNI512 1
+#endif
 #endif
 
 namespace ffi = xla::ffi;
@@ -214,22 +222,30 @@ struct QuantizedX {
   }
 };
 
-// Rounds x's rows into `out` (its buffers are reused from call to call: no allocation once grown).
-template <Format F, typename XQ>
-void quantize_x(const float* x, int64_t M, int64_t NB, QuantizedX<XQ>& out) {
-  constexpr float kLevels = std::numeric_limits<XQ>::max();
-  out.paired = kPaired<F, XQ>;
+// Sizes `out` for M rows of NB blocks (its buffers are reused from call to call: no allocation once
+// grown); `paired`: the 4-bit int16 layout above, else blocks in order.
+template <typename Store>
+void size_x(int64_t M, int64_t NB, QuantizedX<Store>& out, bool paired) {
+  out.paired = paired;
   out.stride = out.paired ? (NB + 1) / 2 * 64 : NB * 32;
   out.xq.resize(M * out.stride), out.dx.resize(M * NB), out.offset.resize(M * NB);
   if (out.paired && NB % 2)  // the zeros an odd last block is paired with
     for (int64_t m = 0; m < M; ++m)
       for (int j = 0; j < 32; ++j) out.xq[out.at(m, NB, j)] = 0;
-  for (int64_t i = 0; i < M * NB; ++i) {
+}
+
+// Rounds blocks [i0, i1) of x (block i: row i / NB, block i % NB) into `out`, sized by `size_x`.
+// XQ gives the levels (int8_t: 127, int16_t: 32767); Store holds them (int16_t for a GEMM's int8
+// x: the same values, the same sums).
+template <Format F, typename XQ, typename Store = XQ>
+void quantize_blocks(const float* x, int64_t NB, QuantizedX<Store>& out, int64_t i0, int64_t i1) {
+  constexpr float kLevels = std::numeric_limits<XQ>::max();
+  for (int64_t i = i0; i < i1; ++i) {
     const float* v = x + i * 32;
     const int64_t m = i / NB, b = i % NB;
-    XQ* eighths[4];  // where values 8i..8i+7 go
+    Store* eighths[4];  // where values 8i..8i+7 go
     for (int e = 0; e < 4; ++e) eighths[e] = out.xq.data() + out.at(m, b, 8 * e);
-    auto q = [&](int j) -> XQ& { return eighths[j / 8][j % 8]; };
+    auto q = [&](int j) -> Store& { return eighths[j / 8][j % 8]; };
     float amax = 0.f, sum = 0.f;
     int isum = 0;
 #if EEJAX_AVX2
@@ -248,7 +264,7 @@ void quantize_x(const float* x, int64_t M, int64_t NB, QuantizedX<XQ>& out) {
     }
     alignas(32) int32_t ints[32];
     for (int j = 0; j < 4; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(ints + 8 * j), rounded[j]);
-    for (int j = 0; j < 32; ++j) q(j) = XQ(ints[j]);
+    for (int j = 0; j < 32; ++j) q(j) = Store(ints[j]);
     _mm256_store_si256(reinterpret_cast<__m256i*>(ints), total);
     for (int j = 0; j < 8; ++j) isum += ints[j];
 #else
@@ -256,7 +272,7 @@ void quantize_x(const float* x, int64_t M, int64_t NB, QuantizedX<XQ>& out) {
     const float inv = amax > 0.f ? kLevels / amax : 0.f;
     for (int j = 0; j < 32; ++j) {
       const int r = int(std::nearbyint(v[j] * inv));
-      q(j) = XQ(r);
+      q(j) = Store(r);
       isum += r;
     }
 #endif
@@ -264,6 +280,13 @@ void quantize_x(const float* x, int64_t M, int64_t NB, QuantizedX<XQ>& out) {
     out.dx[i] = dx;
     out.offset[i] = F == Format::kQ4_1 ? sum : F == Format::kQ4_0 ? -8.f * dx * float(isum) : 0.f;
   }
+}
+
+// All of x's M rows, in the products' layout for XQ.
+template <Format F, typename XQ>
+void quantize_x(const float* x, int64_t M, int64_t NB, QuantizedX<XQ>& out) {
+  size_x(M, NB, out, kPaired<F, XQ>);
+  quantize_blocks<F, XQ>(x, NB, out, 0, M * NB);
 }
 
 #if EEJAX_AVX2
@@ -419,6 +442,130 @@ void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights&
 }
 #endif
 
+// ---- a prefill's products: a GEMM over panels of 32 weight rows (AVX-512 VNNI) ------------------
+
+constexpr int64_t kMaxVectorRows = 64;  // more rows of x than this (a prefill) take the GEMM where there is one
+
+#if EEJAX_VNNI512
+constexpr int64_t kPanelRows = 32;  // weight rows per panel: two vectors of int32 lanes
+constexpr int kPanelGroup = 4;      // rows of x per pass over a panel (16 accumulators)
+
+// 32 weight rows decoded for integer products: pairs [NB][16][32] (int32 lane i of pair p of block b
+// holds row i's values 2p and 2p + 1 as int16: what vpdpwssd multiplies by a broadcast pair of x),
+// with each block's scale [NB][32] (int8 per channel: 1) and q4_1's minimum [NB][32]. Rows past R
+// are zeros. q4_0's values carry their -8 (signed), so only q4_1 has an offset term.
+struct Panel {
+  std::vector<int32_t> pairs;
+  std::vector<float> scale, min;
+};
+
+// Block b of row r as 32 int16 values in order (the weight values before their scale).
+template <Format F>
+inline __m512i block_values(const Weights& w, int64_t r, int64_t b) {
+  const uint8_t* block = w.qs + (r * w.NB + b) * kBlockBytes<F>;
+  if constexpr (kNibbles<F>) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block)), nibble = _mm_set1_epi8(15);
+    const __m256i values = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
+    const __m512i wide = _mm512_cvtepu8_epi16(values);
+    return F == Format::kQ4_0 ? _mm512_sub_epi16(wide, _mm512_set1_epi16(8)) : wide;
+  } else {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+  }
+}
+
+// r[i] (16 vectors of 16 int32) transposed in place: lane i of r[j] becomes lane j of r[i].
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4)  // r[i + c], 128-bit lane L: column 4L + c of rows i..i + 3
+    for (int k = 0; k < 2; ++k)
+      r[i + 2 * k] = _mm512_unpacklo_epi64(t[i + k], t[i + k + 2]), r[i + 2 * k + 1] = _mm512_unpackhi_epi64(t[i + k], t[i + k + 2]);
+  // Lane L of r[4g + c] goes to lane g of column 4L + c: a 4x4 transpose of 128-bit lanes.
+  for (int i = 0; i < 4; ++i)
+    for (int k = 0; k < 2; ++k) {
+      const int a = i + 8 * k, b = a + 4;  // rows a (0-3, 8-11) and a + 4
+      t[a] = _mm512_shuffle_i32x4(r[a], r[b], 0x88), t[b] = _mm512_shuffle_i32x4(r[a], r[b], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    const int a = i, b = i + 8;
+    r[a] = _mm512_shuffle_i32x4(t[a], t[b], 0x88), r[b] = _mm512_shuffle_i32x4(t[a], t[b], 0xdd);
+  }
+}
+
+template <Format F>
+void pack_panel(const Weights& w, int64_t r0, Panel& p) {
+  const int64_t NB = w.NB;
+  p.pairs.resize(NB * 16 * kPanelRows), p.scale.resize(NB * kPanelRows), p.min.resize(NB * kPanelRows);
+  for (int64_t half = 0; half < kPanelRows; half += 16)
+    for (int64_t b = 0; b < NB; ++b) {
+      __m512i rows[16];  // rows half.. half + 15: their 16 pairs, then each pair's 16 rows
+      for (int64_t i = 0; i < 16; ++i)
+        rows[i] = r0 + half + i < w.R ? block_values<F>(w, r0 + half + i, b) : _mm512_setzero_si512();
+      transpose16(rows);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(p.pairs.data() + (b * 16 + j) * kPanelRows + half, rows[j]);
+    }
+  for (int64_t i = 0; i < kPanelRows; ++i) {
+    const int64_t r = r0 + i;
+    const bool real = r < w.R;
+    for (int64_t b = 0; b < NB; ++b) {
+      p.scale[b * kPanelRows + i] = !real ? 0.f : F == Format::kInt8 ? 1.f : half_to_float(w.d[r * NB + b]);
+      p.min[b * kPanelRows + i] = real && F == Format::kQ4_1 ? half_to_float(w.mins[r * NB + b]) : 0.f;
+    }
+  }
+}
+
+// y[m, r0 + i] for G rows of x from m0 and the panel's rows i < valid: per block, the integer sums in
+// int32 lanes (one per weight row), then scaled by d * dx and added, with q4_1's m * sum(x), in block
+// order. xq is blocks in order (not paired), int16 whatever x's levels.
+template <Format F, int G>
+void panel_rows(const QuantizedX<int16_t>& qx, int64_t m0, const Panel& p, const Weights& w, float* y, int64_t r0, int64_t valid) {
+  const int64_t NB = w.NB;
+  __m512 acc[G][2];
+  for (int m = 0; m < G; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < NB; ++b) {
+    __m512i sums[G][2];
+    for (int m = 0; m < G; ++m) sums[m][0] = sums[m][1] = _mm512_setzero_si512();
+    const int32_t* pairs = p.pairs.data() + b * 16 * kPanelRows;
+#pragma GCC unroll 4
+    for (int j = 0; j < 16; ++j) {
+      const __m512i w0 = _mm512_loadu_si512(pairs + j * kPanelRows), w1 = _mm512_loadu_si512(pairs + j * kPanelRows + 16);
+      for (int m = 0; m < G; ++m) {
+        int32_t two;
+        std::memcpy(&two, qx.xq.data() + (m0 + m) * qx.stride + b * 32 + 2 * j, sizeof two);
+        const __m512i x = _mm512_set1_epi32(two);
+        sums[m][0] = _mm512_dpwssd_epi32(sums[m][0], x, w0);
+        sums[m][1] = _mm512_dpwssd_epi32(sums[m][1], x, w1);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512 scale = _mm512_loadu_ps(p.scale.data() + b * kPanelRows + 16 * h);
+      const __m512 min = _mm512_loadu_ps(p.min.data() + b * kPanelRows + 16 * h);
+      for (int m = 0; m < G; ++m) {
+        const int64_t at = (m0 + m) * NB + b;
+        if constexpr (F == Format::kQ4_1) acc[m][h] = _mm512_fmadd_ps(min, _mm512_set1_ps(qx.offset[at]), acc[m][h]);
+        acc[m][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m][h]), _mm512_mul_ps(scale, _mm512_set1_ps(qx.dx[at])), acc[m][h]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t from = 16 * h, n = std::clamp<int64_t>(valid - from, 0, 16);
+    if (!n) continue;
+    const __mmask16 mask = __mmask16((1u << n) - 1);
+    __m512 row_scale = _mm512_set1_ps(1.f);
+    if constexpr (F == Format::kInt8) row_scale = _mm512_maskz_loadu_ps(mask, w.row_scale + r0 + from);
+    for (int m = 0; m < G; ++m)
+      _mm512_mask_storeu_ps(y + (m0 + m) * w.R + r0 + from, mask, _mm512_mul_ps(acc[m][h], row_scale));
+  }
+}
+
+template <Format F, int G = kPanelGroup>
+void panel_group(int g, const QuantizedX<int16_t>& qx, int64_t m0, const Panel& p, const Weights& w, float* y, int64_t r0, int64_t valid) {
+  if constexpr (G > 1)
+    if (g < G) return panel_group<F, G - 1>(g, qx, m0, p, w, y, r0, valid);
+  panel_rows<F, G>(qx, m0, p, w, y, r0, valid);
+}
+#endif
+
 // Groups of rows: G = 1..kGroup picked at run time.
 template <Format F, int G = kGroup>
 void float_group(int g, const float* x, float* y, const Weights& w, int64_t r0, int64_t r1) {
@@ -435,6 +582,38 @@ void integer_group(int g, const QuantizedX<XQ>& qx, int64_t m0, float* y, const 
 }
 
 constexpr int64_t kMaxMatrices = 8;
+
+#if EEJAX_VNNI512
+// A prefill's product (M > kMaxVectorRows): x quantized once (int16 storage, x's own levels), the
+// matrices' panels split between the threads; each thread decodes a panel once and passes every
+// group of x's rows over it.
+template <Format F, typename XQ>
+ffi::Error PanelMatmul(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_t N, const Weights* ws, float* const* outs,
+                       const int64_t* starts) {
+  static thread_local QuantizedX<int16_t> caller_qx;
+  auto& qx = caller_qx;
+  const int64_t NB = ws[0].NB, blocks = M * NB;
+  size_x(M, NB, qx, /*paired=*/false);
+  const int64_t rounding = eejax::num_parts(pool, (blocks + kMinBlocksPerPart - 1) / kMinBlocksPerPart);
+  eejax::run_parts(pool, rounding, [&](int64_t i) { quantize_blocks<F, XQ, int16_t>(xs, NB, qx, blocks * i / rounding, blocks * (i + 1) / rounding); });
+  int64_t first_panel[kMaxMatrices + 1] = {0};  // matrix j's panels are [first_panel[j], first_panel[j + 1])
+  for (int64_t j = 0; j < N; ++j) first_panel[j + 1] = first_panel[j] + (starts[j + 1] - starts[j] + kPanelRows - 1) / kPanelRows;
+  const int64_t panels = first_panel[N];
+  const int64_t parts = eejax::num_parts(pool, panels);
+  eejax::run_parts(pool, parts, [&](int64_t i) {
+    static thread_local Panel panel;  // this thread's, reused
+    for (int64_t t = panels * i / parts; t < panels * (i + 1) / parts; ++t) {
+      const int64_t j = std::upper_bound(first_panel, first_panel + N + 1, t) - first_panel - 1;
+      const Weights& w = ws[j];
+      const int64_t r0 = (t - first_panel[j]) * kPanelRows;
+      pack_panel<F>(w, r0, panel);
+      for (int64_t m = 0; m < M; m += kPanelGroup)
+        panel_group<F>(int(std::min<int64_t>(kPanelGroup, M - m)), qx, m, panel, w, outs[j], r0, std::min(kPanelRows, w.R - r0));
+    }
+  });
+  return ffi::Error::Success();
+}
+#endif
 
 // x [M, K] f32 against N matrices that share it (a layer's q, k and v; its gate and up), each
 // given as three buffers: qs [R, NB, block bytes]; scales [R, NB] f16 (int8: [R, 1] f32); mins
@@ -473,6 +652,10 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
   const float* xs = x.typed_data();
   constexpr bool kInteger = !std::is_same_v<XQ, float>;
   if (kInteger && NB > kMaxBlocks) return ffi::Error::InvalidArgument("eejax_quantized: rows longer than 16384");
+#if EEJAX_VNNI512
+  if constexpr (kInteger)
+    if (M > kMaxVectorRows) return PanelMatmul<F, XQ>(pool, xs, M, N, ws, outs, starts);
+#endif
   // This caller's buffers, reused from call to call. A reference, which the parts capture: in a
   // helper's thread the name would be the helper's own.
   static thread_local QuantizedX<std::conditional_t<kInteger, XQ, int8_t>> caller_qx;
