@@ -35,11 +35,12 @@ import numpy as np  # noqa: E402
 
 import eejax  # noqa: E402
 from benchmarks.common import ROOT, cnndm_prompts, read_bandwidth_gbs, write_result  # noqa: E402
+from eejax import quantized  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.models import llama  # noqa: E402
 from eejax.models.llama import param_bytes_per_token  # noqa: E402
 
-SETTINGS = ("float32", "gguf", "gguf:int16", "gguf:int8", "int8", "int8:int16", "int8:int8")
+SETTINGS = ("float32", "gguf", "gguf:int16", "gguf:int8", "gguf:float32:int16", "int8", "int8:int16", "int8:int8")
 NEAR_TIE = 1e-3
 
 
@@ -66,12 +67,14 @@ def wikitext_chunks(tokenizer, n: int, length: int = 512) -> list[list[int]]:
 
 
 def chunk_logits(model, chunk: list[int]) -> np.ndarray:
-    """Next-token logits [T, V] of one chunk (the training forward: no cache)."""
+    """Next-token logits [T, V] of one chunk (the training forward: no cache), its products as a
+    prefill computes them (the prompt activations)."""
     tokens = jnp.asarray([chunk], jnp.int32)
+    params = quantized.for_prompts(model.params)
     states, _ = jax.jit(llama.forward_states, static_argnums=3)(
-        model.params, tokens, jnp.asarray([len(chunk)], jnp.int32), model.config
+        params, tokens, jnp.asarray([len(chunk)], jnp.int32), model.config
     )
-    return np.asarray(jax.jit(llama.lm_head, static_argnums=2)(model.params, states[-1, 0], model.config))
+    return np.asarray(jax.jit(llama.lm_head, static_argnums=2)(params, states[-1, 0], model.config))
 
 
 def quality(model, chunks, reference: list[np.ndarray] | None) -> tuple[dict, list[np.ndarray]]:
