@@ -161,7 +161,7 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_group(activations):
 def test_integer_activations_match_their_jnp_equal(format, activations, near):
     """The kernel's integer activations and `integer_activation_product` (their jnp equal, XLA's
     path off the CPU) agree up to summation order, for a decode step's few rows and a prefill's
-    GEMM (65 rows: 16 groups of 4 and one more; 80 weight rows: two panels and a half-filled one);
+    GEMM (65 rows: 10 groups of 6 and one of 5; 80 weight rows: two panels and a half-filled one);
     both stay `near` the float32 product."""
     rng = np.random.default_rng(3)
     w = random_matrix(format, 80, 544, rng, activations=activations)
