@@ -152,3 +152,24 @@ def test_penalties_off_change_nothing_and_positions_count_the_drafts_before_them
     assert np.isclose(got[4], row[4] / 1.7 if row[4] > 0 else row[4] * 1.7)
     rep6 = row[6] / 1.7 if row[6] > 0 else row[6] * 1.7
     assert np.isclose(got[6], rep6 + 0.3 * 3 - 0.5)
+
+
+def test_argmax_gives_jnps_index_for_ties_nans_and_infinities():
+    """`decode.argmax` (two plain reductions on a CPU) is `jnp.argmax` over the last axis: the
+    first maximum, a NaN as the largest, whatever the leading axes."""
+    from eejax.decode.argmax import argmax
+
+    rows = np.array(
+        [
+            [1.0, 3.0, 3.0, 2.0],
+            [np.nan, 5.0, np.nan, 1.0],
+            [-np.inf] * 4,
+            [0.0, np.inf, np.inf, 1.0],
+            [2.0, 1.0, np.nan, 7.0],
+        ],
+        np.float32,
+    )
+    rng = np.random.default_rng(0)
+    for x in (rows, rng.standard_normal((2, 3, 257)).astype(np.float32), rng.integers(0, 3, (4, 9)).astype(np.float32)):
+        got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+        assert got.dtype == np.int32 and np.array_equal(got, np.asarray(jnp.argmax(x, axis=-1)))

@@ -6,6 +6,7 @@ import math
 
 import jax.numpy as jnp
 
+from eejax.decode.argmax import argmax
 from eejax.options import ExitConfig
 
 
@@ -17,7 +18,7 @@ def softmax_margin(logits):
     """
     x = logits.astype(jnp.float32)
     top1 = jnp.max(x, axis=-1, keepdims=True)
-    first = jnp.argmax(x, axis=-1)[:, None]
+    first = argmax(x)[:, None]
     rest = jnp.where(jnp.arange(x.shape[-1]) == first, -jnp.inf, x)  # ties: top2 = top1, margin 0
     top2 = jnp.max(rest, axis=-1, keepdims=True)
     normaliser = jnp.sum(jnp.exp(x - top1), axis=-1, keepdims=True)

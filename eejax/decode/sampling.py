@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.decode import early_exit
+from eejax.decode.argmax import argmax
 from eejax.errors import EejaxError
 
 # Samplers, the static part of sampling (the values ride per row in a `RowSampling`): every row
@@ -165,7 +166,7 @@ def sample(logits, keys, rows: RowSampling, sampler: str):
     """logits [B, V], keys [B, 2] (one per row, see `token_keys`) -> token ids [B] int32.
     `sampler` (static): GREEDY when every row is greedy (the argmax alone, nothing drawn),
     TEMPERATURE when no row filters, else FILTERED; greedy rows take the argmax in any case."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     if sampler == GREEDY:
         return greedy
     drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, rows, sampler)).astype(jnp.int32)
@@ -193,7 +194,7 @@ def draft_proposal(logits, vocab_ids, keys, rows: RowSampling, sampler: str, voc
     from its head's logits: [B, V], or [B, K] of the reduced head's tokens `vocab_ids` [K] (None:
     the full head). Greedy over the reduced set takes its argmax (ids increase, so ties agree)."""
     if vocab_ids is not None and sampler == GREEDY:
-        return vocab_ids[jnp.argmax(logits, axis=-1)].astype(jnp.int32), logits[:, :0]
+        return vocab_ids[argmax(logits)].astype(jnp.int32), logits[:, :0]
     if vocab_ids is not None:
         logits = expand_logits(logits, vocab_ids, vocab_size)
     proposal = sample(logits, keys, rows, sampler)

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from eejax.cache import KVCache
 from eejax.decode import early_exit, feature_draft, tree
+from eejax.decode.argmax import argmax
 from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.penalties import apply_to_positions, count_tokens
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
@@ -140,7 +141,7 @@ def greedy_accept(logits, drafts):
     pass), drafts [B, d] (x_1..x_d) -> (n [B] accepted drafts, tokens [B, P]): the row emits
     tokens[:, :min(n+1, P)] (the accepted drafts equal the full model's argmax, so all emitted
     tokens are the argmax)."""
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    target = argmax(logits)
     match = target[:, : drafts.shape[1]] == drafts
     n = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
     return n, target

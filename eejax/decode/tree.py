@@ -34,6 +34,7 @@ import numpy as np
 
 from eejax.cache import KVCache, slot_indices
 from eejax.cache.paged import scatter_set
+from eejax.decode.argmax import argmax
 from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.feature_draft import uses_reduced_head
 from eejax.decode.state import DecodeState
@@ -178,7 +179,7 @@ def score(params, cache: KVCache, state: DecodeState, drafts: Drafts, block_tabl
     m = model_module(config)
     h, cache = m.run_layers(params, drafts.hidden, cache, batch, config, 0, config.num_layers)
     logits = m.lm_head(params, h, config)  # [B, N+1, V]
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    target = argmax(logits)
     room = state.limit - state.num_generated
     accepted = [~state.done]  # the root; a node: its parent accepted and its token the argmax there
     for i in range(1, count):
