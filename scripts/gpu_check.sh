@@ -17,7 +17,9 @@
 #   7. full depth against HF eager at batch 8/32/64;
 #   8. the tests that need a GPU: every speculation mode token-checked against full depth
 #      (tests/test_speculative.py, test_draft_head.py; the kernel's own tests run Triton's
-#      interpreter, so step 2 is the kernel's check on the device);
+#      interpreter, so step 2 is the kernel's check on the device), and quantized weights'
+#      decoding token-checked (tests/test_quantized.py's model tests: the blocks against their
+#      dequantised float model, lossless modes against the blocks' full depth, int16 prompts);
 #   9. one table of it all (`benchmarks/gpu_table.py`), printed and written to OUT_DIR/gpu_check.md.
 # A step that fails or runs out of time is said so in OUT_DIR/steps.log and the rest still run;
 # OUT_DIR also keeps each step's log and JSON. GPU_CHECK_SKIP leaves steps out by name
@@ -129,6 +131,9 @@ if wanted tests; then
   step "tests on the device"
   run tests.log 150 python3 -m pytest -q -p no:cacheprovider "${TESTS[@]}" tests/test_speculative.py tests/test_draft_head.py
   echo "tests: $(tail -1 "$OUT_DIR/tests.log")" | tee -a "$OUT_DIR/steps.log"
+  run tests_quantized.log 60 python3 -m pytest -q -p no:cacheprovider "${TESTS[@]}" tests/test_quantized.py \
+    -k "dequantised_float_model or lossless_modes or kv_fill_run or prompt_activations"
+  echo "quantized tests: $(tail -1 "$OUT_DIR/tests_quantized.log")" | tee -a "$OUT_DIR/steps.log"
 fi
 
 step "the table"
