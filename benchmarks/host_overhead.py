@@ -17,6 +17,10 @@ SmolLM2's draft:4 round in 2.8 ms as one program and in 7.0 ms inside the engine
 - data-dependent loops and conditionals in the programs it ran, compiled with the GPU's structure
   (`early_exit.static_loops`; each a host round trip per iteration or run on a GPU);
 - copies of a whole layer's cache in those programs (`control_flow.cache_copies`).
+Then the floor, measured in the same run: the full-depth decode program alone in a bare loop
+(call it on its last outputs, start its packed read, read the one before: what a dispatch costs
+with no engine at all), this thread's CPU µs per token. On a CPU that is mostly XLA running the
+tiny program; no engine can cost less.
 
     python benchmarks/host_overhead.py [--modes full exit:softmax:0.9 1:1 draft:4 ...] [--new-tokens 64] [--overlap]
 """
@@ -258,6 +262,46 @@ def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int, overlap
     )
 
 
+def floor(prompt: list[int], repeats: int, serial: bool = True, dispatches: int = 50) -> float:
+    """This thread's CPU µs per token of full depth's decode program (`steps_per_dispatch` steps)
+    alone in a bare loop: the program called on its own last state and cache, its packed read
+    started, the previous one read; `serial`: each program ended before the host goes on (as
+    `ProgramTime`). The median over `repeats` loops of `dispatches`, each from the program's
+    first inputs."""
+    model = tiny_model()
+    captured = {}
+
+    def capture(fn, program):
+        def run(*args):
+            if fn.__name__ == "decode_slots" and "args" not in captured:
+                captured["program"], captured["args"] = program, jax.tree.map(lambda x: x.copy(), args)
+            return program(*args)
+
+        return run
+
+    steps = 4  # Engine's default steps_per_dispatch
+    # long enough that the loops' rows never end (their positions stay within the model's)
+    kw = dict(max_new_tokens=steps * (dispatches + 2), ignore_eos=True, page_size=PAGE, cache_budget="4MiB")
+    with programs_wrapped(model, capture):
+        eejax.generate(model, [prompt], **kw)
+    program, times = captured["program"], []
+    for _ in range(repeats + 1):  # the first warms up
+        params, cache, state, table, group, counters = jax.tree.map(lambda x: x.copy(), captured["args"])
+        previous, loop = None, []
+        for _ in range(dispatches):
+            start = time.thread_time()
+            state, cache, counters, packed = program(params, cache, state, table, group, counters)
+            if serial:
+                jax.block_until_ready(packed)
+            packed.copy_to_host_async()
+            if previous is not None:
+                np.asarray(previous)
+            previous = packed
+            loop.append(time.thread_time() - start)
+        times.append(float(np.median(loop)))
+    return 1e6 * float(np.median(times[1:])) / steps
+
+
 def layer_elements(model: Model, stats) -> int:
     """One layer's keys over every page of the cache a generate call of `stats` made."""
     c = model.config
@@ -303,7 +347,14 @@ def main() -> int:
             f"| {r['gpu_conditionals']} | {r['cache_copies']} |",
             flush=True,
         )
-    write_result(args.name, {"args": vars(args), "device": jax.devices()[0].device_kind, "rows": rows})
+    bare = floor(prompt, args.repeats, serial=not args.overlap)
+    line = f"\nfloor: full depth's program alone in a bare loop (no engine): {bare:.0f} host µs a token"
+    full = next((r for r in rows if r["mode"] == "full"), None)
+    if full is not None:
+        line += f"; full depth in the engine: {full['host_us_per_token'] / bare:.2f}x that"
+    print(line, flush=True)
+    payload = {"args": vars(args), "device": jax.devices()[0].device_kind, "rows": rows, "floor_us_per_token": bare}
+    write_result(args.name, payload)
     return 0
 
 

@@ -67,11 +67,12 @@ def test_paged_attention_matches_dense(page_size, hq, hkv, q_len, impl):
 
 def test_the_cpu_kernel_takes_many_queries_per_kv_head():
     """16 query heads on one KV head, 16 tokens a row: 256 queries share a head (the kernel once
-    took at most 64, and "auto" gave the rest to the reference)."""
+    took at most 64, and "auto" gave the rest to the reference); enough keys that the queries
+    are split between threads."""
     from eejax.kernels import cpu_attention
 
     rng = np.random.default_rng(12)
-    lengths = [20, 33]
+    lengths = [40, 70]
     q, kc, vc, table, q_pos, rows_k, rows_v = build_case(rng, lengths, 16, 8, 16, 1, 16)
     assert cpu_attention.applies(q, kc, None, None)
     got = np.asarray(paged_attention(q, kc, vc, np.int32(1), table, q_pos, np.array(lengths, np.int32), impl="cpu"))
@@ -129,15 +130,17 @@ def test_cache_writes_set_the_same_bits_and_convert_nothing(dtype):
 
 
 def test_the_cpu_kernel_computes_each_query_alone():
-    """A query's output is the same bits whether it comes alone (a decode step) or with others
-    (a verify pass), and "auto" on a CPU is the kernel."""
+    """A query's output is the same bits whether it comes alone (a decode step, on the calling
+    thread) or with others (a verify pass, split between threads), and "auto" on a CPU is the
+    kernel."""
     import jax
 
     from eejax.kernels.attention import resolve_impl
 
     rng = np.random.default_rng(11)
-    q, kc, vc, table, q_pos, _, _ = build_case(rng, [9, 23, 4], 5, 4, 6, 2, 16)
-    kv_len = np.array([9, 23, 4], np.int32)
+    lengths = [90, 230, 40]
+    q, kc, vc, table, q_pos, _, _ = build_case(rng, lengths, 5, 4, 6, 2, 16)
+    kv_len = np.array(lengths, np.int32)
     together = np.asarray(paged_attention(q, kc, vc, np.int32(1), table, q_pos, kv_len, impl="cpu"))
     for t in range(5):
         alone = paged_attention(q[:, t : t + 1], kc, vc, np.int32(1), table, q_pos[:, t : t + 1], kv_len, impl="cpu")

@@ -37,10 +37,11 @@ def test_products_equal_xlas(rows, k, n, dtype):
 
 
 def test_a_row_alone_equals_that_row_in_a_batch():
-    """Bit for bit: a verify pass over d + 1 rows and a decode step of one row agree."""
+    """Bit for bit: a verify pass over d + 1 rows and a decode step of one row agree (a weight
+    big enough to be split between threads: each part's partial sum, added in a fixed order)."""
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((MAX_ROWS, 96), dtype=np.float32))
-    w = jnp.asarray(rng.standard_normal((96, 80), dtype=np.float32))
+    x = jnp.asarray(rng.standard_normal((MAX_ROWS, 192), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((192, 384), dtype=np.float32))
     for fn, weight in ((matmul, w), (matmul_t, w.T)):
         batch = np.asarray(jax.jit(fn)(x, weight))
         for i in (0, 5):

@@ -172,6 +172,11 @@ inline void softmax(float* s, int64_t keys) {
 }
 #endif
 
+// A part reads at least this many cached values (keys and values, 128 KiB of float32): handing a
+// smaller call's queries to helpers costs more than it saves. Each query is one part's whole, so
+// the parts never change a result.
+constexpr int64_t kMinValuesPerPart = 32768;
+
 // Queries (b, t, h0 .. h0 + heads - 1), heads of one KV head, against their keys: scores, softmax,
 // weighted values. Each query's sums are those it would have alone; the group reads each key
 // and value row once. `scores` holds at least heads x keys.
@@ -229,7 +234,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= n.L) return ffi::Error::InvalidArgument("eejax_paged_attention: layer out of range");
   const int64_t units = n.B * n.T * n.Hq, group = n.Hq / n.Hkv;  // queries, in the order of q's rows
-  const int64_t parts = eejax::num_parts(pool, units);
+  int64_t values = 0;  // cached keys and values read (a KV head's queries share them), at most
+  for (int64_t b = 0; b < n.B; ++b)
+    values += std::clamp<int64_t>(kv_len.typed_data()[b], 0, n.M * n.S) * n.T * n.Hkv * 2 * n.Dh;
+  const int64_t parts = eejax::num_parts(pool, std::clamp<int64_t>((values + kMinValuesPerPart - 1) / kMinValuesPerPart, 1, std::max<int64_t>(1, units)));
   eejax::run_parts(pool, parts, [&](int64_t i) {
     static thread_local std::vector<float> scores;  // the running thread's, kept from call to call
     // this part's queries, in runs of at most kMaxGroup heads of one KV head

@@ -26,6 +26,11 @@ namespace {
 
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kSplitColumnsAbove = 8192;  // nn: split N, not K, for wider outputs (an untied head)
+// A part reads at least this many weights (128 KiB of float32, ~5 us of streaming): handing a
+// smaller product's parts to helpers costs more than it saves. Counted in weights, not rows x
+// weights, so that the parts, and with them a split-K sum's order, do not depend on M: a verify
+// pass and a decode step agree bit for bit.
+constexpr int64_t kMinWeightsPerPart = 32768;
 
 // GCC's vector extension: 16 floats, compiled to the widest vectors -march=native has.
 typedef float v16 __attribute__((vector_size(64)));
@@ -170,7 +175,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> 
   job.w = reinterpret_cast<const W*>(w.typed_data());
   job.y = y->typed_data();
   job.M = M, job.K = K, job.N = N;
-  job.parts = eejax::num_parts(pool, job.split_k ? K : N);
+  const int64_t units = job.split_k ? K : N;
+  job.parts = eejax::num_parts(pool, std::min(units, (K * N + kMinWeightsPerPart - 1) / kMinWeightsPerPart));
   if (job.split_k && job.parts > 1) job.partial.resize((job.parts - 1) * M * N);
   eejax::run_parts(pool, job.parts, [&job](int64_t i) { job.run_part(i); });
   if (job.split_k) {
