@@ -11,11 +11,12 @@ each side's share of it.
     python benchmarks/full_depth.py [--batches 1 8 32] [--new-tokens 64] [--prompt-tokens 256] \
         [--layer-buffers auto|stacked|split] [--dtype float32|bfloat16] \
         [--quantization gguf|int8] [--activations float32|int16|int8] [--prompt-activations int16] \
-        [--hf-device cuda] [--hf-dtype bfloat16] [--hf-static]
+        [--versus-float] [--hf-device cuda] [--hf-dtype bfloat16] [--hf-static]
 
 HF runs on --hf-device in --hf-dtype; --hf-static also times its decode steps with its static
 cache (compiled by torch.compile at each batch's shapes). With --quantization the bound counts
-the bytes a step reads of the quantized weights (blocks, scales and minimums).
+the bytes a step reads of the quantized weights (blocks, scales and minimums), and
+--versus-float pairs their decode steps with the float model's (the GGUF converted) in --dtype.
 """
 
 from __future__ import annotations
@@ -77,10 +78,22 @@ def main(argv=None) -> int:
         help="eejax's weights, activations and KV cache (HF runs float32 either way)",
     )
     add_quantization_args(parser)
+    parser.add_argument(
+        "--versus-float",
+        action="store_true",
+        help="with --quantization: also time the decode steps of the float model (the GGUF converted, in "
+        "--dtype) paired with the quantized one: the two alternate and the median ratio of --repeats pairs "
+        "is printed",
+    )
     args = parser.parse_args(argv)
     args.batches = args.batches or [1, 8, 32]
+    if args.versus_float and not args.quantization:
+        parser.error("--versus-float compares quantized weights with float ones: give --quantization")
 
     model = load_model(args, dtype=jnp.dtype(args.dtype))
+    float_model = None
+    if args.versus_float:
+        float_model = eejax.load("smollm2-135m", layer_buffers=args.layer_buffers, dtype=jnp.dtype(args.dtype))
     hf = None if args.skip_hf else load_hf_smollm2(args.hf_dtype, args.hf_device)
     bw = read_bandwidth_gbs()
     weight_bytes = param_bytes_per_token(model.params, model.config)
@@ -136,6 +149,16 @@ def main(argv=None) -> int:
             )
             row["decode_versus_stacked"] = paired.speedups[0]
             print(f"   {model.layout} decode steps over stacked's, paired: {paired.speedups[0]:.2f}x")
+        if float_model is not None:
+            paired = paired_runs(
+                lambda weights, prompts=prompts, kw=kw: eejax.generate(
+                    float_model if weights is None else model, prompts, **kw
+                ),
+                [args.quantization],
+                args.repeats,
+            )
+            row["decode_versus_float"] = paired.speedups[0]
+            print(f"   {args.quantization} decode steps over {args.dtype}'s, paired: {paired.speedups[0]:.2f}x")
         rows.append(row)
         print(
             f"batch {b:3d}: eejax {ours:7.1f} tok/s | HF {peer:7.1f} tok/s | ratio {fmt_ratio(ours, peer)} | "

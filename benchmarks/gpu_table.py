@@ -22,6 +22,9 @@ from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 def full_depth_lines(record: dict) -> list[str]:
     dtype, layout = record["dtype"], record.get("layer_buffers", "stacked")
     setting = "full depth" if layout == "stacked" else f"full depth, {layout} layers"
+    if record.get("quantization"):
+        activations = record.get("activations") or "float32"
+        setting += f", {record['quantization']} weights" + (f" ({activations} x)" if activations != "float32" else "")
     out = []
     for r in record["rows"]:
         against = []
@@ -32,6 +35,8 @@ def full_depth_lines(record: dict) -> list[str]:
             against.append(f"HF static {static_text}{'' if ratio is None else f': {ratio:.2f}x'}")
         if r.get("decode_versus_stacked") is not None:
             against.append(f"{r['decode_versus_stacked']:.2f}x stacked (paired)")
+        if r.get("decode_versus_float") is not None:
+            against.append(f"{r['decode_versus_float']:.2f}x {dtype} weights (paired)")
         out.append(
             f"| {setting} | {dtype} | {r['batch']} | {r['eejax_decode_tokens_per_s']:.0f} "
             f"| {'; '.join(against) or '-'} | - |"

@@ -13,17 +13,19 @@
 #   4. full depth in bf16 with its layers unrolled, paired with stacked, at batch 1 and 8
 #      (`benchmarks/full_depth.py`);
 #   5. full depth against HF at batch 1 in bf16 (eager, and its static cache compiled);
-#   6. early exit and E:d (smollm2-135m-layerskip) at batch 1 and 8, paired with full depth;
-#   7. full depth against HF eager at batch 8/32/64;
-#   8. the tests that need a GPU: every speculation mode token-checked against full depth
+#   6. the GGUF's own blocks (issue 56: XLA's dequantise-and-dot) at batch 1 and 8, paired with
+#      the float model's decode steps in bf16 (`benchmarks/full_depth.py --versus-float`);
+#   7. early exit and E:d (smollm2-135m-layerskip) at batch 1 and 8, paired with full depth;
+#   8. full depth against HF eager at batch 8/32/64;
+#   9. the tests that need a GPU: every speculation mode token-checked against full depth
 #      (tests/test_speculative.py, test_draft_head.py; the kernel's own tests run Triton's
 #      interpreter, so step 2 is the kernel's check on the device), and quantized weights'
 #      decoding token-checked (tests/test_quantized.py's model tests: the blocks against their
 #      dequantised float model, lossless modes against the blocks' full depth, int16 prompts);
-#   9. one table of it all (`benchmarks/gpu_table.py`), printed and written to OUT_DIR/gpu_check.md.
+#   10. one table of it all (`benchmarks/gpu_table.py`), printed and written to OUT_DIR/gpu_check.md.
 # A step that fails or runs out of time is said so in OUT_DIR/steps.log and the rest still run;
 # OUT_DIR also keeps each step's log and JSON. GPU_CHECK_SKIP leaves steps out by name
-# (convert kernel eagle hf split layerskip batches tests), e.g. when a lease has run some already.
+# (convert kernel eagle hf split quantized layerskip batches tests), e.g. when a lease has run some already.
 #
 #   scripts/gpu_check.sh [OUT_DIR]          # default gpu_check/
 #   EEJAX_GPU_CHECK_DRY=1 scripts/gpu_check.sh /tmp/dry   # a CPU: every step at toy sizes (to try it)
@@ -109,6 +111,13 @@ if wanted hf; then
   run full_depth_b1.log 120 python3 benchmarks/full_depth.py --dtype bfloat16 --layer-buffers stacked "${FULL[@]}" \
     "${HF[@]}" "${STATIC[@]}" --batches 1
   cp $BENCH_OUT/full_depth_stacked_bfloat16.json "$OUT_DIR/json/full_depth_b1.json" 2>/dev/null
+fi
+
+if wanted quantized; then
+  step "the GGUF's own blocks, paired with bf16 weights"
+  run quantized.log 90 python3 benchmarks/full_depth.py --dtype bfloat16 --layer-buffers stacked --quantization gguf \
+    --versus-float --skip-hf "${FULL[@]}" --batches "${BATCHES[@]}" --repeats 3
+  cp $BENCH_OUT/full_depth_stacked_bfloat16_gguf.json "$OUT_DIR/json/full_depth_gguf.json" 2>/dev/null
 fi
 
 if wanted layerskip; then
