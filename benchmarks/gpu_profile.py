@@ -88,11 +88,24 @@ def engine_part(model, prompts, args) -> list[dict]:
                 layers_per_token=s.mean_layers_per_token,
                 engine_steps=s.engine_steps,
                 identical=result.tokens == paired.peer.tokens,
+                **agreement(result.tokens, paired.peer.tokens),
             )
         )
     for r in rows:
         print("  engine", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
     return rows
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
+    """How far each row's tokens follow the reference's (full depth's, same dtype): the rows equal
+    to it, and the share of a row's tokens before its first difference, over all rows."""
+
+    def followed(row, ref):
+        return next((i for i, (a, b) in enumerate(zip(row, ref)) if a != b), min(len(row), len(ref)))
+
+    rows_equal = sum(row == ref for row, ref in zip(tokens, reference))
+    before = sum(followed(row, ref) for row, ref in zip(tokens, reference))
+    return dict(rows_equal=rows_equal, rows=len(reference), shared=before / max(sum(map(len, reference)), 1))
 
 
 def _ms_per_step(stats) -> float:

@@ -57,9 +57,19 @@ def engine_lines(record: dict) -> list[str]:
             extra = f", τ {tau:.2f}" if tau else f", {r['layers_per_token']:.1f} layers/token"
             out.append(
                 f"| {model} {r['setting']} | {dtype} | {batch} | {r['tok_s']:.0f} "
-                f"| {r['speedup']:.2f}x full depth{extra} | {'yes' if r['identical'] else 'no'} |"
+                f"| {r['speedup']:.2f}x full depth{extra} | {_equal(r)} |"
             )
     return out
+
+
+def _equal(r: dict) -> str:
+    """Whether a setting's tokens equal full depth's: yes, or how many rows do and the share of
+    tokens before each row's first difference (`gpu_profile.agreement`; older records: no)."""
+    if r["identical"]:
+        return "yes"
+    if "rows_equal" not in r:
+        return "no"
+    return f"no: {r['rows_equal']} of {r['rows']} rows, {r['shared']:.0%} of tokens before a difference"
 
 
 def kernel_lines(record: dict) -> list[str]:
