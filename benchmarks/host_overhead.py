@@ -262,44 +262,49 @@ def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int, overlap
     )
 
 
-def floor(prompt: list[int], repeats: int, serial: bool = True, dispatches: int = 50) -> float:
-    """This thread's CPU µs per token of full depth's decode program (`steps_per_dispatch` steps)
-    alone in a bare loop: the program called on its own last state and cache, its packed read
-    started, the previous one read; `serial`: each program ended before the host goes on (as
-    `ProgramTime`). The median over `repeats` loops of `dispatches`, each from the program's
-    first inputs."""
+def floor(prompt: list[int], repeats: int, serial: bool = True, dispatches: int = 48) -> float:
+    """This thread's CPU µs per token of full depth's steady decode program (the one the engine
+    dispatched most: `steps_per_dispatch` steps over one block-table width) alone in a bare loop:
+    the program called on its own last state and cache, its packed read started, the previous one
+    read; `serial`: each program ended before the host goes on (as `ProgramTime`). A loop runs
+    the program as often as the engine did, from the inputs it first had (so its row never runs
+    out of pages), until `dispatches`; the median over `repeats` of those, tokens counted by the
+    row's own count."""
     model = tiny_model()
-    captured = {}
+    calls, captured = collections.Counter(), {}
 
     def capture(fn, program):
         def run(*args):
-            if fn.__name__ == "decode_slots" and "args" not in captured:
-                captured["program"], captured["args"] = program, jax.tree.map(lambda x: x.copy(), args)
+            if fn.__name__ == "decode_slots":
+                calls[program] += 1
+                captured.setdefault(program, jax.tree.map(lambda x: x.copy(), args))
             return program(*args)
 
         return run
 
-    steps = 4  # Engine's default steps_per_dispatch
-    # long enough that the loops' rows never end (their positions stay within the model's)
-    kw = dict(max_new_tokens=steps * (dispatches + 2), ignore_eos=True, page_size=PAGE, cache_budget="4MiB")
+    kw = dict(max_new_tokens=256, ignore_eos=True, page_size=PAGE, cache_budget="4MiB")
     with programs_wrapped(model, capture):
         eejax.generate(model, [prompt], **kw)
-    program, times = captured["program"], []
+    (program, runs), *_ = calls.most_common(1)
+    medians = []
     for _ in range(repeats + 1):  # the first warms up
-        params, cache, state, table, group, counters = jax.tree.map(lambda x: x.copy(), captured["args"])
-        previous, loop = None, []
-        for _ in range(dispatches):
-            start = time.thread_time()
-            state, cache, counters, packed = program(params, cache, state, table, group, counters)
-            if serial:
-                jax.block_until_ready(packed)
-            packed.copy_to_host_async()
-            if previous is not None:
-                np.asarray(previous)
-            previous = packed
-            loop.append(time.thread_time() - start)
-        times.append(float(np.median(loop)))
-    return 1e6 * float(np.median(times[1:])) / steps
+        times, tokens = [], 0
+        while len(times) < dispatches:
+            params, cache, state, table, group, counters = jax.tree.map(lambda x: x.copy(), captured[program])
+            made, previous = np.asarray(state.num_generated).copy(), None
+            for _ in range(runs):
+                start = time.thread_time()
+                state, cache, counters, packed = program(params, cache, state, table, group, counters)
+                if serial:
+                    jax.block_until_ready(packed)
+                packed.copy_to_host_async()
+                if previous is not None:
+                    np.asarray(previous)
+                previous = packed
+                times.append(time.thread_time() - start)
+            tokens += int(np.sum(np.asarray(state.num_generated) - made))
+        medians.append(float(np.median(times)) * len(times) / tokens)
+    return 1e6 * float(np.median(medians[1:]))
 
 
 def layer_elements(model: Model, stats) -> int:
