@@ -16,7 +16,8 @@ SmolLM2's draft:4 round in 2.8 ms as one program and in 7.0 ms inside the engine
   what a GPU pays between programs;
 - data-dependent loops and conditionals in the programs it ran, compiled with the GPU's structure
   (`early_exit.static_loops`; each a host round trip per iteration or run on a GPU);
-- copies of a whole layer's cache in those programs (`control_flow.cache_copies`).
+- copies of a whole layer's cache in those programs (`control_flow.cache_copies`), and of the
+  arguments they take (`control_flow.argument_copies`: each a kernel on a GPU).
 Then the floor, measured in the same run: the full-depth decode program alone in a bare loop
 (call it on its last outputs, start its packed read, read the one before: what a dispatch costs
 with no engine at all), this thread's CPU µs per token. On a CPU that is mostly XLA running the
@@ -46,7 +47,7 @@ from benchmarks.common import decoding_options, write_result  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.config import LlamaConfig  # noqa: E402
 from eejax.decode import early_exit  # noqa: E402
-from eejax.decode.control_flow import cache_copies, control_flow  # noqa: E402
+from eejax.decode.control_flow import argument_copies, cache_copies, control_flow  # noqa: E402
 from eejax.engine import dispatch as dispatch_module  # noqa: E402
 from eejax.engine import transfers  # noqa: E402
 from eejax.engine.engine import Engine  # noqa: E402
@@ -234,7 +235,7 @@ def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int, overlap
     gpu = dataclasses.replace(model, programs=type(model.programs)())
     with mock.patch.object(early_exit, "static_loops", lambda: True), Counts().installed(gpu) as gpu_counts:
         eejax.generate(gpu, [prompt], **kw)
-    loops = conditionals = copies = 0
+    loops = conditionals = copies = copied_in = 0
     for name, compiled in gpu_counts.compiled.items():
         if name.startswith("prefill"):
             continue
@@ -243,6 +244,7 @@ def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int, overlap
             flow = control_flow(text)
             loops, conditionals = loops + flow.dynamic_loops, conditionals + flow.conditionals
             copies += cache_copies(text, layer_elements(gpu, stats))
+            copied_in += argument_copies(text)
     return dict(
         mode=mode,
         us_per_token=1e6 * decode_s / tokens,
@@ -259,6 +261,7 @@ def measure(mode: str, prompt: list[int], new_tokens: int, repeats: int, overlap
         gpu_dynamic_loops=loops,
         gpu_conditionals=conditionals,
         cache_copies=copies,
+        argument_copies=copied_in,
     )
 
 
@@ -336,7 +339,7 @@ def main() -> int:
         "| engine µs/token "
         "| tokens/round | programs/token "
         "| reads/dispatch | sends/dispatch "
-        "| GPU loops | GPU conds | cache copies |"
+        "| GPU loops | GPU conds | cache copies | argument copies |"
     )
     print(header + "\n|" + "---|" * header.count(" | ") + "---|", flush=True)
     for mode in args.modes or MODES:
@@ -349,7 +352,7 @@ def main() -> int:
             f"| {r['engine_us_per_token']:.0f} "
             f"| {tau} | {r['programs_per_token']:.2f} "
             f"| {r['reads_per_dispatch']:.1f} | {r['sends_per_dispatch']:.1f} | {r['gpu_dynamic_loops']} "
-            f"| {r['gpu_conditionals']} | {r['cache_copies']} |",
+            f"| {r['gpu_conditionals']} | {r['cache_copies']} | {r['argument_copies']} |",
             flush=True,
         )
     bare = floor(prompt, args.repeats, serial=not args.overlap)

@@ -292,3 +292,20 @@ def test_release_all_frees_compiled_programs_and_their_memory_maps(tiny_model):
     assert tiny_model.programs.num_programs == 0
     assert held is None or map_headroom() > held
     assert eejax.generate(tiny_model, prompts, max_new_tokens=4, exit="softmax:0.5").tokens == before
+
+
+def test_token_log_probs_are_read_after_the_next_program_took_the_state(tiny_model):
+    """Decode programs donate the state, and a row's log-probs are read one dispatch later: they
+    come from a copy (`Dispatch._outputs`), one per token, beside a row without."""
+    engine = Engine(tiny_model, max_slots=2, max_new_tokens=12, cache_budget="4MiB", page_size=8, ignore_eos=True)
+    prompts = random_prompts(2, [5, 9], seed=3)
+    scored, plain = (
+        engine.submit(prompts[0], max_new_tokens=10, logprobs=1),
+        engine.submit(prompts[1], max_new_tokens=9),
+    )
+    engine.run()
+    assert scored.error is None and plain.error is None
+    assert len(scored.token_logprobs) == len(scored.top_logprobs) == 10
+    assert all(-50 < lp <= 0 for lp in scored.token_logprobs)
+    want = eejax.generate(tiny_model, prompts, max_new_tokens=10, ignore_eos=True).tokens
+    assert scored.tokens == want[0] and plain.tokens == want[1][:9]

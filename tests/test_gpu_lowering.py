@@ -18,7 +18,7 @@ import pytest
 import eejax
 from eejax.config import T5Config
 from eejax.decode import early_exit
-from eejax.decode.control_flow import cache_copies, control_flow
+from eejax.decode.control_flow import argument_copies, cache_copies, control_flow
 from eejax.decode.programs import ProgramCache
 from eejax.decode.sampling import FILTERED
 from eejax.models import exits, t5
@@ -235,7 +235,9 @@ def test_gpu_structure_speculation_has_no_host_round_trips(monkeypatch):
 def test_no_program_copies_the_kv_cache(layout):
     """Every program that full depth, exit steps, self-speculation (plain and adaptive) and their
     prefills compile updates the paged cache in place: no copy in its HLO moves a layer's worth
-    of the cache (the GPU issue's suspect for slow rounds, checked on the CPU)."""
+    of the cache (the GPU issue's suspect for slow rounds, checked on the CPU). The engine's
+    decode programs (steps, rounds, plain steps) do not copy their arguments in: the state and
+    counters they return are donated, as the cache is."""
     model = dataclasses.replace(tiny(num_layers=4), layer_buffers=layout)
     c = model.config
     for kw in (dict(), dict(exit="softmax:0.5"), dict(spec="2:2"), dict(spec="1:2:adaptive")):
@@ -247,6 +249,10 @@ def test_no_program_copies_the_kv_cache(layout):
         pages = {int(p) for p in cache.findall(text)}
         assert len(pages) == 1, (name, pages)  # the cache is there, one size
         assert cache_copies(text, c.num_kv_heads * pages.pop() * 8 * c.head_dim) == 0, name
+        if name in ("decode_slots", "spec_round_slots", "plain_step_slots"):
+            # a plain step keeps its rows' generated counts from before its loop (what it counts)
+            assert argument_copies(text) == (name == "plain_step_slots"), name
+    assert {"decode_slots", "spec_round_slots", "plain_step_slots"} <= {n for n, _, _ in model.programs.entries()}
 
 
 def test_cache_copies_sees_an_update_that_is_not_in_place():
@@ -256,3 +262,14 @@ def test_cache_copies_sees_an_update_that_is_not_in_place():
     kept = jax.jit(lambda c: (c.at[:, :, 0].set(1.0), c + 0 * c.sum())).lower(cache).compile()
     donated = jax.jit(lambda c: c.at[:, :, 0].set(1.0), donate_argnums=0).lower(cache).compile()
     assert cache_copies(kept.as_text(), layer) == 1 and cache_copies(donated.as_text(), layer) == 0
+
+
+def test_argument_copies_sees_an_argument_a_loop_updates_without_donation():
+    """A loop that updates an argument copies it in first unless it is donated."""
+
+    def steps(x):
+        return jax.lax.fori_loop(0, jax.numpy.asarray(3) + x[0].astype(int) * 0, lambda i, x: x.at[i].add(1), x)
+
+    x = jax.numpy.zeros((8,), int)
+    assert argument_copies(jax.jit(steps).lower(x).compile().as_text()) == 1
+    assert argument_copies(jax.jit(steps, donate_argnums=0).lower(x).compile().as_text()) == 0

@@ -1,5 +1,6 @@
 """Host round trips of compiled programs: the while loops and conditionals in their HLO (and, the
-other cost a program can hide, copies of the whole KV cache: `cache_copies`).
+other costs a program can hide: copies of the whole KV cache, `cache_copies`, and of arguments
+it was not given to update in place, `argument_copies`).
 
 On a GPU, XLA runs a `while` by reading its predicate back to the host after every iteration,
 and a `conditional` by reading its branch index back, each a device-to-host copy and a stream
@@ -56,3 +57,19 @@ def cache_copies(hlo_text: str, layer_elements: int) -> int:
             elements *= int(n)
         count += elements >= layer_elements
     return count
+
+
+_ENTRY_PARAMETER = re.compile(r"^\s*%([\w.\-]+) = \S+ parameter\(\d+\)")
+_ENTRY_COPY = re.compile(r"^\s*%[\w.\-]+ = \S+ copy\(%([\w.\-]+)\)")
+
+
+def argument_copies(hlo_text: str) -> int:
+    """How many of a compiled program's arguments it copies before its work (copies of an ENTRY
+    parameter): an argument that a loop updates and that is not donated is copied in first, on
+    every run (a decode program's state and counters, unless donated: ~27 small copies, a kernel
+    each on a GPU)."""
+    start = hlo_text.find("\nENTRY ")
+    end = hlo_text.find("\n}", start)
+    entry = hlo_text[start : end if end >= 0 else None].splitlines()
+    parameters = {m.group(1) for m in map(_ENTRY_PARAMETER.match, entry) if m}
+    return sum(bool(m and m.group(1) in parameters) for m in map(_ENTRY_COPY.match, entry))

@@ -4,10 +4,11 @@ penalised rows' token counts, the speculation counters, the slots' prompts for a
 and the block tables and group masks uploaded for programs.
 
 A program takes its arrays from here (`cache`, `state_for(options)`, `spec_counters`) and gives
-its outputs back (`keep`): every program donates the cache, so after it runs only what it
-returned is valid. Nothing else writes them. Without a mesh a decode program also returns what
-the host reads of it, packed (`transfers.reading`); `packed` is that vector while the state and
-counters are as that program left them, None once anything else changed them."""
+its outputs back (`keep`): every program donates the cache (a decode program the state and
+speculation counters too), so after it runs only what it returned is valid. Nothing else writes
+them. Without a mesh a decode program also returns what the host reads of it, packed
+(`transfers.reading`); `packed` is that vector while the state and counters are as that program
+left them, None once anything else changed them."""
 
 from __future__ import annotations
 
@@ -117,13 +118,24 @@ class DeviceSlots:
         return self._read_layout
 
     def program(self, fn, args: tuple, options: StepOptions, now: bool = False):
-        """(compiled `fn`, the args it takes) for a decode program over these slots (`Model.program`).
-        Without a mesh, the program packs its read as well (`transfers.reading`: the slots'
-        speculation counters go in as one more argument, `keep` takes the packed vector). On a
-        mesh a separate program packs it: this one keeps the collectives it has."""
+        """(compiled `fn`, the args it takes) for a decode program over these slots (`Model.program`),
+        `fn(params, cache, state, ...)` returning the new state. Without a mesh, the program packs
+        its read as well and takes the state's prompts apart (`transfers.reading`: the slots'
+        speculation counters, unless `fn` takes them itself, and the prompts go in as two more
+        arguments; `keep` takes the packed vector). It donates the state and counters as well as
+        the cache: what it returns replaces them, so XLA updates them in place instead of copying
+        each array in first (27 copies a dispatch, ~10% of the tiny model's decode program on a
+        CPU; a kernel each on a GPU). On a mesh a separate program packs the read: this one keeps
+        the collectives it has, and copies."""
         if self._model.mesh is not None:
             return self._model.program(fn, args, options, now)
-        return self._model.program(reading(fn), (*args, self._spec_counters), options, now)
+        prompt = args[2].prompt
+        if prompt is not None:
+            args = (*args[:2], dataclasses.replace(args[2], prompt=None), *args[3:])
+        taken = [i for i, x in enumerate(args) if x is self._spec_counters]  # a round's: it returns them
+        args = (*args, None if taken else self._spec_counters, prompt)
+        donated = (1, 2, *(taken or [len(args) - 2]))
+        return self._model.program(reading(fn), args, options, now, donate_argnums=donated)
 
     def state_for(self, options: StepOptions, counts: bool = True):
         """The state a program of `options` takes: with the token counts when it applies

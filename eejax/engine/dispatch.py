@@ -25,7 +25,7 @@ from eejax.engine.faults import Faults
 from eejax.engine.sequence import Sequence
 from eejax.engine.slots import SlotTable
 from eejax.engine.speculation import Speculation
-from eejax.engine.transfers import PackedRead, read_tree
+from eejax.engine.transfers import PackedRead, copied, read_tree
 from eejax.options import StepOptions
 from eejax.sharding import to_host
 
@@ -207,7 +207,8 @@ class Dispatch:
     def _outputs(self):
         """What `_read` takes of the state just dispatched: its tokens, counts and flags packed
         for one transfer, started now (`PackedRead`: as the last program packed them, else packed
-        now), and the log-probs if a row wants them."""
+        now), and a copy of the log-probs if a row wants them (the next program, dispatched
+        before they are read, donates the state)."""
         device, state = self._device, self._device.state
         packed = device.packed
         if packed is not None and (jax.process_count() == 1 or packed.is_fully_addressable):
@@ -215,7 +216,7 @@ class Dispatch:
         else:
             read = PackedRead(read_tree(state, device.spec_counters))
         scored = any(seq.logprobs is not None for seq in self._running.values())
-        return read, state.logprobs if scored else None
+        return read, copied(state.logprobs) if scored else None  # the next program donates the state
 
     def _read(self, outputs, running: dict[int, Sequence]) -> None:
         """Delivers the tokens a finished program produced (`Delivery`); rows that ended (EOS,

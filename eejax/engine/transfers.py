@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -41,16 +42,24 @@ _pack = jax.jit(pack)
 
 @functools.cache
 def reading(fn):
-    """A program `fn(*args) -> (state, cache[, spec counters])` that also packs what the host
-    reads of it (`read_tree`, `pack`): it takes the slots' speculation counters as one more
-    argument and returns (state, cache, spec counters, packed), the counters as it left them (or
-    as they came). One program, one transfer: no packing program runs after it. Named as `fn`
-    (the program cache keys it apart by this module)."""
+    """A program `fn(params, cache, state, *rest) -> (state, cache[, spec counters])` that also
+    packs what the host reads of it (`read_tree`, `pack`): it takes the slots' speculation counters
+    (None where `fn` takes and returns them itself, a round's) and the state's prompts
+    (`DecodeState.prompt`, for a prompt lookup; None) as two more arguments and returns (state
+    without its prompts, cache, spec counters, packed), the counters as it left them (or as they
+    came). One program, one transfer: no packing program runs after
+    it. The state and counters may then be donated as the cache is (`DeviceSlots.program`): the
+    prompts, which the next program reads again, come apart from them, and none is copied into an
+    output. Named as `fn` (the program cache keys it apart by this module)."""
 
-    def program(*args, config, options):
-        *args, spec_counters = args
-        out = fn(*args, config=config, options=options)
+    def program(params, cache, state, *args, config, options):
+        *args, spec_counters, prompt = args
+        if prompt is not None:
+            state = dataclasses.replace(state, prompt=prompt)
+        out = fn(params, cache, state, *args, config=config, options=options)
         state, cache = out[:2]
+        if state.prompt is not None:
+            state = dataclasses.replace(state, prompt=None)
         spec_counters = out[2] if len(out) > 2 else spec_counters
         return state, cache, spec_counters, pack(read_tree(state, spec_counters))
 
@@ -124,7 +133,13 @@ def _start_copy(packed: jax.Array) -> None:
         packed.copy_to_host_async()
 
 
-_copy = jax.jit(lambda x: x)
+_copy = jax.jit(lambda x: x)  # a new buffer for each array (nothing donated): one program
+
+
+def copied(tree):
+    """A device copy of a tree's arrays, which stays readable once the arrays themselves are
+    donated to a program (a state's log-probs, read one dispatch later: `Dispatch._outputs`)."""
+    return _copy(tree)
 
 
 def send(host: np.ndarray) -> jax.Array:

@@ -70,14 +70,15 @@ class Model:
         before their first step."""
         return self.layer_buffers == "auto" and self.layout == "split" and background_compile()
 
-    def program(self, fn, args: tuple, options, now: bool = False):
+    def program(self, fn, args: tuple, options, now: bool = False, donate_argnums=(1,)):
         """(compiled `fn`, the args it takes) for a decode program whose args[0] is `run_params`;
         while its split version compiles in the background (`compiles_split_later`, unless
-        `now`), the stacked one over `params`. The cache (args[1]) is donated."""
+        `now`), the stacked one over `params`. It donates `donate_argnums`: the cache (args[1]) by
+        default."""
         if self.compiles_split_later and not now:
             stacked = (self.params, *args[1:])
-            return self.programs.get_soon(fn, args, stacked, self.config, options, donate_argnums=(1,))
-        return self.programs.get(fn, args, self.config, options, donate_argnums=(1,)), args
+            return self.programs.get_soon(fn, args, stacked, self.config, options, donate_argnums=donate_argnums)
+        return self.programs.get(fn, args, self.config, options, donate_argnums=donate_argnums), args
 
     @property
     def run_params(self) -> dict:
