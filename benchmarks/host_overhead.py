@@ -293,11 +293,12 @@ def floor(prompt: list[int], repeats: int, serial: bool = True, dispatches: int 
     for _ in range(repeats + 1):  # the first warms up
         times, tokens = [], 0
         while len(times) < dispatches:
-            params, cache, state, table, group, counters = jax.tree.map(lambda x: x.copy(), captured[program])
-            made, previous = np.asarray(state.num_generated).copy(), None
+            # (params, cache, state, table, group, counters, prompts): `DeviceSlots.program`'s
+            args = list(jax.tree.map(lambda x: x.copy(), captured[program]))
+            made, previous = np.asarray(args[2].num_generated).copy(), None
             for _ in range(runs):
                 start = time.thread_time()
-                state, cache, counters, packed = program(params, cache, state, table, group, counters)
+                args[2], args[1], args[5], packed = program(*args)
                 if serial:
                     jax.block_until_ready(packed)
                 packed.copy_to_host_async()
@@ -305,7 +306,7 @@ def floor(prompt: list[int], repeats: int, serial: bool = True, dispatches: int 
                     np.asarray(previous)
                 previous = packed
                 times.append(time.thread_time() - start)
-            tokens += int(np.sum(np.asarray(state.num_generated) - made))
+            tokens += int(np.sum(np.asarray(args[2].num_generated) - made))
         medians.append(float(np.median(times)) * len(times) / tokens)
     return 1e6 * float(np.median(medians[1:]))
 
