@@ -47,10 +47,10 @@ def reading(fn):
     (None where `fn` takes and returns them itself, a round's) and the state's prompts
     (`DecodeState.prompt`, for a prompt lookup; None) as two more arguments and returns (state
     without its prompts, cache, spec counters, packed), the counters as it left them (or as they
-    came). One program, one transfer: no packing program runs after
-    it. The state and counters may then be donated as the cache is (`DeviceSlots.program`): the
-    prompts, which the next program reads again, come apart from them, and none is copied into an
-    output. Named as `fn` (the program cache keys it apart by this module)."""
+    came). One program, one transfer: no packing program runs after it. The state and counters
+    may then be donated as the cache is (`DeviceSlots.program`): the prompts, which the next
+    program reads again, come apart from them, and none is copied into an output. Named as `fn`
+    (the program cache keys it apart by this module)."""
 
     def program(params, cache, state, *args, config, options):
         *args, spec_counters, prompt = args
