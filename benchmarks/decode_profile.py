@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens per row in the traced run")
-    parser.add_argument("--layer-buffers", choices=("auto", "stacked", "split"), default="auto")
+    parser.add_argument("--layer-buffers", choices=("auto", "stacked", "split", "rows"), default="auto")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     add_quantization_args(parser)
     parser.add_argument("--top", type=int, default=0, help="also print the N costliest ops by name")

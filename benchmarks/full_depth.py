@@ -9,7 +9,7 @@ batch B the bound is B x (measured read bandwidth) / (weight bytes + B x K/V byt
 each side's share of it.
 
     python benchmarks/full_depth.py [--batches 1 8 32] [--new-tokens 64] [--prompt-tokens 256] \
-        [--layer-buffers auto|stacked|split] [--dtype float32|bfloat16] \
+        [--layer-buffers auto|stacked|split|rows] [--dtype float32|bfloat16] \
         [--quantization gguf|int8] [--activations float32|int16|int8] [--prompt-activations int16] \
         [--versus-float] [--hf-device cuda] [--hf-dtype bfloat16] [--hf-static]
 
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--layer-buffers",
-        choices=("auto", "stacked", "split"),
+        choices=("auto", "stacked", "split", "rows"),
         default="auto",
         help="how eejax's decode steps read the layer weights (see eejax.Model.layout)",
     )

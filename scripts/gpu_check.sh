@@ -11,7 +11,8 @@
 #   3. the draft head (smollm2-135m-eagle) at batch 1 in float32 and bfloat16 and at batch 8 in
 #      bfloat16, each paired with full depth in the same run (`benchmarks/gpu_profile.py`);
 #   4. full depth in bf16 with its layers unrolled, paired with stacked, at batch 1 and 8
-#      (`benchmarks/full_depth.py`);
+#      (`benchmarks/full_depth.py`); then with its matrices held as their rows ("rows": each
+#      product one fused kernel, compiled for an H100 on a CPU, `benchmarks/gpu_kernels.py`);
 #   5. full depth against HF at batch 1 in bf16 (eager, and its static cache compiled);
 #   6. the GGUF's own blocks (issue 56: XLA's dequantise-and-dot) at batch 1 and 8, paired with
 #      the float model's decode steps in bf16 (`benchmarks/full_depth.py --versus-float`);
@@ -25,7 +26,7 @@
 #   10. one table of it all (`benchmarks/gpu_table.py`), printed and written to OUT_DIR/gpu_check.md.
 # A step that fails or runs out of time is said so in OUT_DIR/steps.log and the rest still run;
 # OUT_DIR also keeps each step's log and JSON. GPU_CHECK_SKIP leaves steps out by name
-# (convert kernel eagle hf split quantized layerskip batches tests), e.g. when a lease has run some already.
+# (convert kernel eagle split rows hf quantized layerskip batches tests), e.g. when a lease has run some already.
 #
 #   scripts/gpu_check.sh [OUT_DIR]          # default gpu_check/
 #   EEJAX_GPU_CHECK_DRY=1 scripts/gpu_check.sh /tmp/dry   # a CPU: every step at toy sizes (to try it)
@@ -100,6 +101,14 @@ if wanted split; then
   run full_depth_split.log 90 python3 benchmarks/full_depth.py --dtype bfloat16 --layer-buffers split --versus-stacked \
     --skip-hf "${FULL[@]}" --batches "${BATCHES[@]}" --repeats 3
   cp $BENCH_OUT/full_depth_split_bfloat16.json "$OUT_DIR/json/full_depth_split.json" 2>/dev/null
+fi
+# The matrices as their rows: no product writes its multiply out before summing it (4 bytes a
+# weight, ~430 MB a bf16 step on XLA's H200 cost model) and ~150 fewer kernels a step.
+if wanted rows; then
+  step "full depth with its matrices as rows, paired with stacked"
+  run full_depth_rows.log 90 python3 benchmarks/full_depth.py --dtype bfloat16 --layer-buffers rows --versus-stacked \
+    --skip-hf "${FULL[@]}" --batches "${BATCHES[@]}" --repeats 3
+  cp $BENCH_OUT/full_depth_rows_bfloat16.json "$OUT_DIR/json/full_depth_rows.json" 2>/dev/null
 fi
 
 HF=(--hf-device cuda --hf-dtype bfloat16)

@@ -12,6 +12,7 @@ import pytest
 
 from eejax.config import LlamaConfig, T5Config
 from eejax.errors import UnsupportedModelError
+from eejax.kernels.cpu_matmul import RowsMatrix
 from eejax.models.registry import ARCHITECTURES, ModelModule, model_module
 from eejax.models.stack import is_split, on_layer, split_stack
 from eejax.train.forward import layer_states
@@ -96,19 +97,22 @@ def test_no_architecture_checks_outside_models():
 )
 def test_per_layer_weight_buffers_give_the_stacked_layouts_tokens(options):
     """A CPU reads each layer's weights from its own buffer (`Model.run_params`); a GPU from the
-    stack. Both layouts give the same tokens and exit layers (static and traced layer ranges)."""
+    stack, or the stack's matrices held as their rows ("rows"). The layouts give the same tokens
+    and exit layers (static and traced layer ranges)."""
     import eejax
 
     config = dataclasses.replace(LLAMA, num_layers=4)
     params = model_module(config).init_params(config, jax.random.PRNGKey(1), scale=0.3)
     prompts = [[3, 9, 27, 5, 8], [11, 4], [7, 7, 7, 2, 40, 41, 42]]
     out = {}
-    for layout in ("stacked", "split"):
+    for layout in ("stacked", "split", "rows"):
         model = eejax.Model(config, params, layer_buffers=layout)
         assert is_split(model.run_params["layers"]) == (layout == "split")
+        held = model.run_params["layers"]["wq"] if layout != "split" else None
+        assert isinstance(held, RowsMatrix) == (layout == "rows")
         r = eejax.generate(model, prompts, max_new_tokens=6, ignore_eos=True, **options)
         out[layout] = (r.tokens, r.exit_layers)
-    assert out["split"] == out["stacked"]
+    assert out["split"] == out["stacked"] == out["rows"]
     if "exit" in options:
         assert min(map(min, out["split"][1])) < config.num_layers  # some steps exited: traced layer ranges ran
 
@@ -189,7 +193,17 @@ def test_the_engine_reads_per_layer_buffers_too():
     engine.run()
     assert [s.tokens for s in seqs] == want  # (the config names no EOS: every row runs to 5 tokens)
     with pytest.raises(EejaxError, match="layer_buffers"):
-        eejax.Model(config, params, layer_buffers="rows")
+        eejax.Model(config, params, layer_buffers="unrolled")
+
+
+def test_the_rows_layout_is_refused_on_a_mesh():
+    import eejax
+    from eejax.errors import EejaxError
+
+    params = model_module(LLAMA).init_params(LLAMA, jax.random.PRNGKey(0))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tensor",))
+    with pytest.raises(EejaxError, match="'rows' is for one device"):
+        assert eejax.Model(LLAMA, params, layer_buffers="rows", mesh=mesh).layout
 
 
 AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "mlp", "norm", "layers", "relpos_buckets", "adapter"}

@@ -124,12 +124,14 @@ def add_model_placement(parser: argparse.ArgumentParser, default_layout: str = "
     )
     parser.add_argument(
         "--layer-buffers",
-        choices=("auto", "stacked", "split"),
+        choices=("auto", "stacked", "split", "rows"),
         default=default_layout,
         help="how decode steps read the layer weights: split (each layer's weights in their own "
         "buffer, views of the stack, the layers unrolled: on a CPU 1.01-1.27x faster decoding, for "
         "~3x the compile time of a decode program and ~4x its memory maps), stacked (a layer picked from "
-        f"the stack by index: what a GPU reads fastest), or auto (split on a CPU, compiled in the "
+        "the stack by index: what a GPU reads fastest), rows (stacked, with a transposed copy of the "
+        "layers' float matrices, which XLA:GPU multiplies in one fused pass each; not yet timed on a GPU), "
+        "or auto (split on a CPU, compiled in the "
         f"background while stacked steps run, unless EEJAX_BACKGROUND_COMPILE=off; stacked on a GPU or "
         f"a mesh); default {default_layout}{why}",
     )

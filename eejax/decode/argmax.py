@@ -13,10 +13,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from eejax.kernels.backend import backend
+
 
 def argmax(x):
     """x [..., V] float -> int32 [...]: `jnp.argmax(x, axis=-1)`, the same index in every case."""
-    if jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
+    if backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     top = jnp.max(x, axis=-1, keepdims=True)
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)

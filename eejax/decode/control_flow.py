@@ -73,3 +73,102 @@ def argument_copies(hlo_text: str) -> int:
     entry = hlo_text[start : end if end >= 0 else None].splitlines()
     parameters = {m.group(1) for m in map(_ENTRY_PARAMETER.match, entry) if m}
     return sum(bool(m and m.group(1) in parameters) for m in map(_ENTRY_COPY.match, entry))
+
+
+# Instructions that launch nothing on a GPU: views, tuples, constants (in the executable's data),
+# and control flow (what it runs is counted through its computations).
+_NO_KERNEL = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "after-all",
+    "opt-barrier",
+    "while",
+    "conditional",
+    "call",
+}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{\s*$")
+_CALLED = re.compile(r"(?:condition|body|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16}
+_IN_PLACE = ("scatter", "dynamic_update_slice", "dynamic-update-slice")  # write a slice of their output
+
+
+def _written_bytes(name: str, op: str, shape: str) -> int:
+    """Bytes an instruction of result type `shape` writes: all of it, but for an update in place
+    (the op, or a fusion named after it)."""
+    if any(word in name or word == op for word in _IN_PLACE):
+        return 0
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        elements = 1
+        for n in filter(None, dims.split(",")):
+            elements *= int(n)
+        total += elements * _BITS.get(dtype, 32 if dtype[-2:] == "32" else 64) // 8
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLaunches:
+    """The kernels one run of a program launches on a GPU, from XLA:GPU's optimised HLO."""
+
+    total: int  # per run: loops' bodies times their trip counts, the larger branch of a conditional
+    written_bytes: int  # per run, what those kernels write (updates in place, such as the cache's, left out)
+    loops: tuple[
+        tuple[int | None, int], ...
+    ]  # each while loop, inner ones first: (trip count or None, kernels an iteration)
+    dynamic_loops: int  # loops without a known trip count, counted as one iteration
+
+
+def kernel_launches(hlo_text: str) -> KernelLaunches:
+    """Counts the kernels a GPU program launches (`compiled.as_text()` of a program compiled for a
+    GPU, `ProgramCache.compile_for`): each fusion, custom call (a GEMM, a Triton kernel), copy,
+    or other unfused instruction outside fused computations is one launch. At batch 1 a small
+    model's decode step is bound by their number (~720 a token measured on an H100), and what
+    they write beyond their inputs (a product XLA left unfused, say) is memory traffic on top of
+    reading the weights."""
+    computations: dict[str, list[tuple[str, str, str, str]]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m:
+            current = computations.setdefault(m.group(1), [])
+            entry = m.group(1) if line.startswith("ENTRY ") else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (i := _INSTRUCTION.match(line)):
+            current.append((i.group(1), i.group(2), i.group(3), line))
+    loops: list[tuple[int | None, int]] = []
+
+    def run(name: str) -> tuple[int, int]:
+        """(kernels, bytes written) of one run of computation `name`."""
+        count = written = 0
+        for result, shape, op, line in computations.get(name, ()):
+            if op not in _NO_KERNEL:
+                count += 1
+                written += _written_bytes(result, op, shape)
+            elif op == "while":
+                condition, body = _CALLED.findall(line)[:2]
+                trips = _TRIP_COUNT.search(line)
+                n = int(trips.group(1)) if trips else 1
+                (c1, w1), (c2, w2) = run(condition), run(body)
+                loops.append((int(trips.group(1)) if trips else None, c1 + c2))
+                count, written = count + n * (c1 + c2) + c1, written + n * (w1 + w2) + w1
+            elif op in ("conditional", "call"):
+                branches = _BRANCHES.search(line)
+                names = [n.strip() for n in branches.group(1).replace("%", "").split(",")] if branches else []
+                runs = [run(n) for n in names or _CALLED.findall(line)]
+                if op == "call":
+                    count, written = count + sum(c for c, _ in runs), written + sum(w for _, w in runs)
+                elif runs:
+                    c, w = max(runs)
+                    count, written = count + c, written + w
+        return count, written
+
+    total, written = run(entry) if entry else (0, 0)
+    return KernelLaunches(total, written, tuple(loops), sum(trips is None for trips, _ in loops))

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from eejax.cache import KVCache, write_layer_kv
 from eejax.decode.confidence import softmax_margin, state_cosine
+from eejax.kernels.backend import backend
 from eejax.options import ExitConfig
 
 
@@ -189,7 +190,7 @@ def static_loops() -> bool:
     at full depth too instead of behind a conditional; speculation drafts with fixed scans (a
     prompt lookup's head passes run for every row, a confidence stop's after the stop, masked;
     the head runs at the bonus pass, unused) and verifies every drafted position."""
-    return jax.default_backend() != "cpu"
+    return backend() != "cpu"
 
 
 def kv_fill(

@@ -27,11 +27,12 @@ from typing import Any
 
 import jax
 
+from eejax.kernels.backend import tracing_for
 from eejax.options import StepOptions
 
 # Memory maps one compiled SmolLM2-135M program holds on XLA:CPU, by layer layout (measured:
 # the split layout's decode programs unroll the layers, ~4x the code).
-MAPS_PER_PROGRAM = {"stacked": 256, "split": 1024}
+MAPS_PER_PROGRAM = {"stacked": 256, "rows": 256, "split": 1024}
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,29 @@ class ProgramCache:
             with self._tracing():
                 lowered.append((fn.__qualname__, jitted.trace(*args).lower(lowering_platforms=(platform,))))
         return lowered
+
+    def compile_for(self, device, names=None) -> list[tuple[str, jax.stages.Compiled]]:
+        """Every program compiled so far (of the functions `names`, where given), traced and
+        compiled again for `device`, a compile-only device of another backend
+        (`eejax.kernels.gpu_targets.compile_only_device`: an H100 on a machine without a GPU):
+        [(function name, Compiled)]. Traced as that backend traces (`kernels.backend.tracing_for`:
+        XLA's products and attention, the GPU's static loops). One device only: a mesh's
+        programs are refused. The process's persistent compilation cache must be off (its
+        entries would be executables no process can load: `scripts/gpu_compiler.sh`)."""
+        if self.mesh is not None:
+            raise ValueError("compile_for compiles one device's programs; this cache's are a mesh's")
+        placed = jax.sharding.SingleDeviceSharding(device)
+        compiled = []
+        with self._lock:
+            sources = list(self._sources.values())
+        for fn, args, static, donate in sources:
+            if names is not None and fn.__qualname__ not in names:
+                continue
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), args)
+            jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
+            with self._tracing(), tracing_for(device.platform):
+                compiled.append((fn.__qualname__, jitted.trace(*abstract).lower().compile()))
+        return compiled
 
 
 @atexit.register

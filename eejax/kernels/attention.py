@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from eejax.kernels import cpu_attention
+from eejax.kernels.backend import backend
 from eejax.kernels.head_parallel import head_mesh, on_head_shards, row_axis
 from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 
@@ -57,7 +58,7 @@ def resolve_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from {IMPLS}")
     if impl == "auto":
-        return "cpu" if jax.default_backend() == "cpu" else "reference"
+        return "cpu" if backend() == "cpu" else "reference"
     return impl
 
 
@@ -170,7 +171,7 @@ def _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, 
     if impl == "triton" and tree is None:  # the kernel has no tree mask
         from eejax.kernels.triton_attention import triton_paged_attention
 
-        interpret = jax.default_backend() != "gpu"
+        interpret = backend() != "gpu"
         if interpret:
             log.warning("attention impl 'triton' without a GPU: running the kernel in Triton's interpreter (slow)")
         return triton_paged_attention(

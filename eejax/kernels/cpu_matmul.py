@@ -35,6 +35,7 @@ which XLA:CPU gathers by converting the whole table to float32 first.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -51,6 +52,7 @@ import jax.numpy as jnp
 
 from eejax import quantized
 from eejax.compile_cache import switched_on
+from eejax.kernels.backend import backend
 from eejax.quantized import QuantizedMatrix, dequantize_rows
 
 MAX_ROWS = 8  # the kernel's limit (kMaxRows); more rows are a GEMM, which XLA threads itself
@@ -81,12 +83,35 @@ def enabled(environ=os.environ) -> bool:
     return switched_on("EEJAX_CPU_MATMUL", environ)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RowsMatrix:
+    """A float Linear weight w [..., K, N] held as its rows, `rows` = w^T [..., N, K] (any stacked
+    axes first): the "rows" layer layout (`eejax.Model.layout`). For a few rows XLA:GPU turns a
+    product into a multiply and a sum over K; summed along the rows' last axis the multiply fuses
+    into the sum, summed down w's columns XLA writes the whole multiply out first (4 bytes a
+    weight, then read back: `benchmarks/gpu_kernels.py`)."""
+
+    rows: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the weight it stands for, [..., K, N]."""
+        return (*self.rows.shape[:-2], self.rows.shape[-1], self.rows.shape[-2])
+
+    @property
+    def dtype(self):
+        return self.rows.dtype
+
+
 def matmul(x, w):
     """x [..., K] @ w [K, N] -> float32 [..., N] (float32 products and sums). A quantized w is a
-    Linear's (its rows are the N outputs)."""
+    Linear's (its rows are the N outputs), as is a `RowsMatrix`."""
     if isinstance(w, QuantizedMatrix):
         assert w.transposed, "a quantized Linear weight keeps its outputs as rows"
         return rows_product(x, w)
+    if isinstance(w, RowsMatrix):
+        return matmul_t(x, w.rows)
     if _applies(x, w):
         return _kernel_nn(_rows(x), w).reshape(*x.shape[:-1], w.shape[1])
     return jnp.matmul(x, w, preferred_element_type=jnp.float32)
@@ -184,7 +209,7 @@ def panel_products() -> bool:
 
 def library_applies() -> bool:
     """The conditions every use shares: one CPU device, the switch on, the library built."""
-    return jax.default_backend() == "cpu" and jax.sharding.get_abstract_mesh().empty and enabled() and available()
+    return backend() == "cpu" and jax.sharding.get_abstract_mesh().empty and enabled() and available()
 
 
 @jax.custom_vjp

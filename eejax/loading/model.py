@@ -22,7 +22,7 @@ from eejax.models.registry import model_module
 from eejax.quantized import float_dtype, formats, is_quantized, quantize_int8
 from eejax.sharding import RULES, cache_sharding, check_fits, param_shardings
 
-LAYER_BUFFERS = ("auto", "stacked", "split")
+LAYER_BUFFERS = ("auto", "stacked", "split", "rows")
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,7 +49,13 @@ class Model:
         """The layer layout the programs use: `layer_buffers`, with "auto" resolved to "split" for
         params on one CPU device (where it decodes faster and costs no memory: the per-layer
         buffers are views of the stack) and "stacked" elsewhere (a GPU reads a dynamic slice in
-        place; a traced layer's `lax.switch` would cost it a host round trip per layer)."""
+        place; a traced layer's `lax.switch` would cost it a host round trip per layer). "rows"
+        is stacked with the layers' float Linear weights held as their rows, a transposed copy
+        beside `params` (`with_linear_rows`): XLA:GPU then multiplies a decode step's few rows in
+        one fused pass each, where from the weights as stored it writes every product out first
+        (docs/gpu.md, "Kernels a step"). Not yet timed on a GPU, so "auto" does not pick it."""
+        if self.layer_buffers == "rows" and self.mesh is not None:
+            raise EejaxError("layer_buffers 'rows' is for one device: a mesh shards the weights as they are stored")
         if self.layer_buffers != "auto":
             return self.layer_buffers
         if self._auto is None or self._auto[0] is not self.params or self._auto[1] is not self.mesh:
@@ -85,11 +91,16 @@ class Model:
         """The params the decode programs read: `params`, or in the "split" layout the same weights
         with each decoder layer's in its own buffers, read in place by the layer loop instead of
         copied out of the stack (`eejax.models.stack`): on a CPU, decode runs 1.01-1.27x faster and
-        the buffers share the stack's memory; unrolled layers cost compile time. Prefills read
-        `params` in either layout. Built once per `params` object."""
+        the buffers share the stack's memory; unrolled layers cost compile time. In the "rows"
+        layout, the float Linear weights of the layers as their rows (a copy). Prefills read
+        `params` in every layout. Built once per `params` object."""
         if self._run is None or self._run[0] is not self.params or self._run[1] != self.layer_buffers:
-            split = self.layout == "split"  # resolved once here: every decode dispatch reads run_params
-            run = model_module(self.config).with_layer_buffers(self.params) if split else self.params
+            layout, module = self.layout, model_module(self.config)  # resolved once: every dispatch reads run_params
+            run = self.params
+            if layout == "split":
+                run = module.with_layer_buffers(self.params)
+            elif layout == "rows":
+                run = module.with_linear_rows(self.params)
             self._run = (self.params, self.layer_buffers, run)
         return self._run[2]
 

@@ -24,6 +24,7 @@ from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import LlamaConfig
 from eejax.kernels import paged_attention
 from eejax.kernels.attention import TreeMask
+from eejax.kernels.cpu_matmul import RowsMatrix
 from eejax.models import modules
 from eejax.models.modules import (
     Dtype,
@@ -39,6 +40,7 @@ from eejax.models.modules import (
 )
 from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
 from eejax.models.stack import on_layer, run_layer_range, split_stack
+from eejax.quantized import is_quantized
 
 ENCODER_DECODER = False  # the prompt is decoded into the paged cache (see `eejax.models.registry`)
 DECODE_ONLY_SKIPS = ()  # layer weights a decode step never reads (none)
@@ -309,6 +311,17 @@ def with_layer_buffers(params) -> dict:
     """params with each layer's weights in their own buffers (`stack.split_stack`): how a CPU
     decode step reads them once."""
     return {**params, "layers": split_stack(params["layers"])}
+
+
+def with_linear_rows(params) -> dict:
+    """params with each float Linear weight of the layers held as its rows (`RowsMatrix`: a
+    transposed copy, [L, N, D_in]), the "rows" layout (`eejax.Model.layout`): XLA:GPU multiplies a
+    few rows by them in one fused pass. Quantized weights keep their blocks (rows already)."""
+    layers = {
+        k: RowsMatrix(jnp.swapaxes(v, -1, -2)) if k in LINEAR_KEYS and not is_quantized(v) else v
+        for k, v in params["layers"].items()
+    }
+    return {**params, "layers": layers}
 
 
 def decoder_layers(params) -> dict:

@@ -21,7 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from eejax.kernels.cpu_matmul import matmul, matmul_t, matmuls, take_rows
+from eejax.kernels.cpu_matmul import RowsMatrix, matmul, matmul_t, matmuls, take_rows
 from eejax.models.common import rms_norm
 from eejax.quantized import QuantizedMatrix
 
@@ -34,12 +34,13 @@ def share_scope(parent: nn.Module, *children: nn.Module) -> None:
         nn.share_scope(parent, child)
 
 
-def quantized_param(module: nn.Module, name: str) -> QuantizedMatrix | None:
-    """The weight `name` when the params hold it quantized (`kernels.quantized`), else None (the
-    module declares it with `param` as usual: Flax's shape check would refuse the blocks)."""
+def held_weight(module: nn.Module, name: str) -> QuantizedMatrix | RowsMatrix | None:
+    """The weight `name` when the params hold it as something other than its float array:
+    quantized (`eejax.quantized`) or as its rows (`RowsMatrix`); else None (the module declares
+    it with `param` as usual: Flax's shape check would refuse the others)."""
     if module.has_variable("params", name):
         w = module.get_variable("params", name)
-        if isinstance(w, QuantizedMatrix):
+        if isinstance(w, QuantizedMatrix | RowsMatrix):
             return w
     return None
 
@@ -48,7 +49,7 @@ def apply_linears(parent: nn.Module, x, *linears: Linear) -> tuple:
     """(linear(x) for linear in linears), Linears that share `parent`'s scope and their input: one
     product call (`cpu_matmul.matmuls`) when all hold quantized weights without LoRA factors (a
     layer's q, k and v; its gate and up), each Linear on its own otherwise."""
-    ws = [quantized_param(parent, linear.weight) for linear in linears]
+    ws = [held_weight(parent, linear.weight) for linear in linears]
     lora = any(parent.has_variable("params", linear.weight + "_a") for linear in linears)
     if lora or any(w is None for w in ws):
         return tuple(linear(x) for linear in linears)
@@ -76,7 +77,7 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        w = quantized_param(self, self.weight) or self.param(
+        w = held_weight(self, self.weight) or self.param(
             self.weight, normal(self.init_scale, self.axes), (x.shape[-1], self.features), self.param_dtype
         )
         y = matmul(x, w) if self.accumulate or x.dtype == jnp.float32 else x @ w
@@ -110,7 +111,7 @@ class Embedder(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     def setup(self):
-        self.embed = quantized_param(self, "embed") or self.param(
+        self.embed = held_weight(self, "embed") or self.param(
             "embed", normal(self.init_scale, ("vocab", "embed")), (self.vocab_size, self.dim), self.param_dtype
         )
 
@@ -136,7 +137,7 @@ class Unembed(nn.Module):
 
     @nn.compact
     def __call__(self, x, weight=None):
-        w = quantized_param(self, "lm_head") or self.param(
+        w = held_weight(self, "lm_head") or self.param(
             "lm_head", normal(self.init_scale, ("embed", "vocab")), (x.shape[-1], self.vocab_size), self.param_dtype
         )
         return matmul(x, w if weight is None else weight)

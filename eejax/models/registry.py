@@ -32,6 +32,8 @@ class ModelModule(Protocol):
     decoder_layers(params) -> {name: [L, ...]}: the stacked decoder-layer weights.
     with_layer_buffers(params) -> params whose decoder-layer weights each sit in their own
         buffer where the architecture supports it (`eejax.models.stack`; what a CPU reads fastest).
+    with_linear_rows(params) -> params whose decoder-layer Linear weights are held as their rows
+        (`kernels.cpu_matmul.RowsMatrix`) where the architecture supports it (what XLA:GPU fuses).
     forward_states(params, tokens, lengths, config, skip) -> (states [L, B, T, D], layers run):
         the forward without a cache that training uses.
     quantize_weights(params, quantize) -> params with the matrices a decode step multiplies by
@@ -56,6 +58,7 @@ class ModelModule(Protocol):
     def lm_head(self, params, h, config, weight=...): ...
     def decoder_layers(self, params) -> dict: ...
     def with_layer_buffers(self, params) -> dict: ...
+    def with_linear_rows(self, params) -> dict: ...
     def forward_states(self, params, tokens, lengths, config, skip=...): ...
 
 

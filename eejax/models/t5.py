@@ -366,6 +366,11 @@ def with_layer_buffers(params) -> dict:
     return params
 
 
+def with_linear_rows(params) -> dict:
+    """T5 keeps its weights as they are (HF T5's bf16 products round in x's dtype, `Linear`)."""
+    return params
+
+
 def decoder_layers(params) -> dict:
     """The stacked weights of the decoder layers, {name: [L, ...]}."""
     return params["decoder"]["layers"]
