@@ -15,8 +15,10 @@ import pytest
 import eejax
 from eejax import quantized as Q
 from eejax.config import LlamaConfig
+from eejax.decode.programs import ProgramCache
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.kernels import cpu_matmul
+from eejax.kernels.backend import tracing_for
 from eejax.models import llama
 from eejax.options import SpecConfig
 from tests.helpers import random_prompts
@@ -217,6 +219,19 @@ def test_lossless_modes_equal_the_quantized_full_depth(blocks_model, layout):
     for spec in (SpecConfig(2, 3, bonus=True), SpecConfig(1, 2, bonus=False)):
         assert greedy(model, PROMPTS, spec=spec).tokens == full, spec
     assert greedy(model, PROMPTS, exit="softmax:inf").tokens == full
+
+
+def test_a_gpus_programs_of_the_blocks_decode_as_the_cpus_and_stay_lossless(blocks_model):
+    """The programs a GPU runs for block weights (traced for it: XLA's products of the dequantised
+    blocks, its static loops), run here on XLA:CPU: the tokens of the CPU's programs (eejax's
+    kernel), and speculation and early exit that never exits equal their full depth."""
+    model = dataclasses.replace(blocks_model, layer_buffers="stacked", programs=ProgramCache())
+    with tracing_for("gpu"):
+        full = greedy(model, PROMPTS).tokens
+        assert greedy(model, PROMPTS, spec=SpecConfig(2, 3, bonus=True)).tokens == full
+        assert greedy(model, PROMPTS, exit="softmax:inf").tokens == full
+    assert full == greedy(blocks_model, PROMPTS).tokens
+    assert not any("eejax_" in p.as_text() for _, p in model.programs.compiled())  # no CPU kernel ran
 
 
 def test_prompt_activations_take_the_prefill_and_leave_decoding_exact(config, blocks_model):
