@@ -227,8 +227,11 @@ def reference_paged_attention(
     )  # [B, T, M*S]
     if tree is not None:
         mask &= tree.allows(key_pos)
+        has_key = mask.any(-1)
+    else:  # key 0 is visible exactly when any is: no reduction over the keys (a kernel per layer on a GPU)
+        has_key = (kv_len[:, None] > 0) & (q_positions >= 0)  # [B, T]
     mask = jnp.repeat(mask, group, axis=1)[None]  # [1, B, T*G, M*S], query rows t-major
-    has_key = mask.any(-1, keepdims=True)
+    has_key = jnp.repeat(has_key, group, axis=1)[None, :, :, None]  # [1, B, T*G, 1]
     # Rows with no valid key would give NaN; they get zeros instead.
     scores = jnp.where(mask, scores, jnp.where(has_key, -jnp.inf, 0.0))
     probs = jax.nn.softmax(scores, axis=-1)
