@@ -119,9 +119,8 @@ class KernelLaunches:
 
     total: int  # per run: loops' bodies times their trip counts, the larger branch of a conditional
     written_bytes: int  # per run, what those kernels write (updates in place, such as the cache's, left out)
-    loops: tuple[
-        tuple[int | None, int], ...
-    ]  # each while loop, inner ones first: (trip count or None, kernels an iteration)
+    # each while loop, inner ones first: (trip count or None, kernels an iteration)
+    loops: tuple[tuple[int | None, int], ...]
     dynamic_loops: int  # loops without a known trip count, counted as one iteration
 
 

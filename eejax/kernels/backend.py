@@ -16,7 +16,7 @@ _target = threading.local()
 
 
 def backend() -> str:
-    """ "cpu", "gpu", "tpu": what the programs traced in this thread are for."""
+    """What the programs traced in this thread are for: "cpu", "gpu" or "tpu"."""
     return getattr(_target, "platform", None) or jax.default_backend()
 
 

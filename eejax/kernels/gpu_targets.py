@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from eejax.errors import EejaxError
 
-# The descriptions XLA's own H100 spec gives (xla/tools/hlo_opt/gpu_specs), and an H200 (the same
-# SMs with 141 GB of HBM3e at 4.8 TB/s): the two GPUs eejax was measured on (docs/gpu.md).
+# An H100 SXM as XLA describes one (its GpuTargetConfig's device info, as quoted in jax-ml/jax
+# issue 28376), and an H200 (the same SMs with 141 GB of HBM3e at 4.8 TB/s): the two GPUs eejax
+# was measured on (docs/gpu.md). The bandwidth sways XLA's fusion cost model: compiled for the
+# H200, a bf16 step writes its products out in more places than for the H100.
 _SM90 = """
   threads_per_block_limit: 1024
   threads_per_warp: 32
