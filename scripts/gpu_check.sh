@@ -103,7 +103,7 @@ if wanted split; then
   cp $BENCH_OUT/full_depth_split_bfloat16.json "$OUT_DIR/json/full_depth_split.json" 2>/dev/null
 fi
 # The matrices as their rows: no product writes its multiply out before summing it (4 bytes a
-# weight, ~430 MB a bf16 step on XLA's H200 cost model) and ~150 fewer kernels a step.
+# weight, ~430 MB a bf16 step on XLA's H100 and H200 cost models) and ~150 fewer kernels a batch-1 step.
 if wanted rows; then
   step "full depth with its matrices as rows, paired with stacked"
   run full_depth_rows.log 90 python3 benchmarks/full_depth.py --dtype bfloat16 --layer-buffers rows --versus-stacked \
