@@ -156,7 +156,7 @@ def test_quantized_programs_compile_for_an_h100():
 
 
 @in_compiler_only
-def test_the_rows_layout_fuses_each_product_of_a_decode_step():
+def test_the_rows_layout_fuses_each_product_of_a_step_compiled_for_an_h100():
     """At batch 1 XLA:GPU makes a product a multiply and a sum over D_in. From a weight as stored
     ([D_in, N]) with the RMSNorm before it, it writes the multiply out first (4 bytes a weight)
     and sums it in a second kernel; from the weight's rows (`layer_buffers="rows"`) the multiply
