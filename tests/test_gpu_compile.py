@@ -19,6 +19,7 @@ import eejax
 from eejax.config import LlamaConfig
 from eejax.decode.control_flow import kernel_launches
 from eejax.errors import EejaxError
+from eejax.kernels.gpu_targets import compile_only_device
 from eejax.models import llama
 from tests.test_gpu_lowering import PROMPTS, gpu_layout
 from tests.test_speculative import tiny
@@ -83,12 +84,8 @@ def test_kernel_launches_reads_a_compiled_program():
 
 def test_compile_only_device_says_what_it_needs():
     with pytest.raises(EejaxError, match="gpu_compiler.sh"):
-        from eejax.kernels.gpu_targets import compile_only_device
-
         compile_only_device("h100")
     with pytest.raises(EejaxError, match="unknown GPU target 'a100'"):
-        from eejax.kernels.gpu_targets import compile_only_device
-
         compile_only_device("a100")
 
 
@@ -110,8 +107,6 @@ def test_compiles_for_a_gpu_without_one():
 
 def compiled_for_h100(model, names=None) -> dict[str, list[str]]:
     """function name -> the optimised HLO of its programs compiled for an H100."""
-    from eejax.kernels.gpu_targets import compile_only_device
-
     out: dict[str, list[str]] = {}
     for name, compiled in model.programs.compile_for(compile_only_device("h100"), names):
         out.setdefault(name, []).append(compiled.as_text())
