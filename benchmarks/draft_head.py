@@ -1,8 +1,9 @@
-"""Speculation with a trained draft head (EAGLE, `spec="draft:d"`) on SmolLM2-135M (fp32).
+"""Speculation with a trained draft head (EAGLE, `spec="draft:d"`, `spec="auto"`) on SmolLM2-135M (fp32).
 
-CNN/DM evaluation articles (rows 0..19 of data/cnndm_test_dev100.jsonl, never trained on): the
-first --prompt-tokens tokens ending in "\\n\\nSummary:", --new-tokens greedy tokens per row, EOS
-ignored, at each batch size. In one run, each configuration is timed between two runs of eejax's
+On each evaluation set of `benchmarks/eval_sets.py` (--sets; default cnndm: CNN/DM evaluation
+articles, rows 0..19 of data/cnndm_test_dev100.jsonl, never trained on, the first --prompt-tokens
+tokens ending in "\\n\\nSummary:"; mtbench, pydoc, code, chat), --new-tokens greedy tokens per
+row, EOS ignored, at each batch size. In one run, each configuration is timed between two runs of eejax's
 own full depth (same layer-buffer setting; `benchmarks.common.paired_runs`), and at batch 1 HF
 transformers' full-depth `generate` is timed too. Every configuration's tokens are checked
 against full depth. Reported: τ (tokens per round, the verified token included), acceptance,
@@ -11,7 +12,8 @@ ideal speed-up at the measured τ (weights read per token, `eejax.decode.cost`),
 efficiency = measured / ideal, and layers of the model run per token. Writes
 benchmarks/out/<name>.{json,md}.
 
-    python benchmarks/draft_head.py [--model smollm2-135m-eagle] [--batches 1 8] [--specs draft:4 ...] \
+    python benchmarks/draft_head.py [--model smollm2-135m-eagle] [--batches 1 8] [--specs draft:4 auto ...] \
+        [--sets cnndm mtbench pydoc code chat] \
         [--quantization gguf|int8] [--activations float32|int16|int8] [--prompt-activations int16]
 """
 
@@ -34,9 +36,9 @@ from benchmarks.common import (  # noqa: E402
     paired_runs,
     write_result,
 )
-from benchmarks.early_exit import summary_prompts  # noqa: E402
+from benchmarks.eval_sets import SETS, prompts  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
-from eejax.options import SpecConfig  # noqa: E402
+from eejax.options import resolve_spec  # noqa: E402
 
 EVAL_ROWS = 20
 
@@ -47,8 +49,8 @@ def warm_every_round(run, specs) -> None:
     run): so every d it may pick runs once first (a fixed d's round is the same program), and
     the timed runs measure decoding, as the first run of every setting does for the others."""
     for spec in specs:
-        config = SpecConfig.parse(spec)
-        if config.adaptive:
+        config = resolve_spec(spec, has_draft_head=True)
+        if config is not None and config.adaptive:
             for d in range(1, config.max_speculations + 1):
                 run(dataclasses.replace(config, num_speculations=d, adaptive=False))
 
@@ -66,6 +68,7 @@ def main() -> int:
         default=None,
         help="speculation settings (default draft:2 draft:3 draft:4 draft:4:adaptive)",
     )
+    parser.add_argument("--sets", nargs="+", action="extend", choices=SETS, default=None, help="default cnndm")
     parser.add_argument("--prompts", type=int, default=4, help="prompts at batch 1 (batch b runs b prompts at once)")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -88,24 +91,25 @@ def main() -> int:
     model = load_model(args, args.model)
     hf = None if args.no_hf else load_hf_smollm2()
     rows, lines = [], []
-    for b in batches:
-        prompts, _ = summary_prompts(model.tokenizer, max(b, args.prompts if b == 1 else b), args.prompt_tokens)
+    for name, b in [(name, b) for name in args.sets or ["cnndm"] for b in batches]:
+        asked = prompts(model.tokenizer, name, max(b, args.prompts if b == 1 else b), args.prompt_tokens)
 
-        def run(spec, prompts=prompts, b=b):
+        def run(spec, asked=asked, b=b):
             return eejax.generate(
-                model, prompts, max_new_tokens=args.new_tokens, ignore_eos=True, spec=spec, batch_size=b
+                model, asked, max_new_tokens=args.new_tokens, ignore_eos=True, spec=spec, batch_size=b
             )
 
         warm_every_round(run, specs)
         paired = paired_runs(run, specs, args.repeats)
         hf_speed = None
         if hf is not None and b == 1:
-            hf_speed = sum(hf_generate_tokens_per_s(hf, [p], args.new_tokens, 0) for p in prompts) / len(prompts)
+            hf_speed = sum(hf_generate_tokens_per_s(hf, [p], args.new_tokens, 0) for p in asked) / len(asked)
         full = paired.peer
         for spec, res, speedup, speed in zip(specs, paired.results, paired.speedups, paired.speeds):
             assert res.tokens == full.tokens, f"{spec} at batch {b} parted from full depth"
             s = res.stats
             row = {
+                "set": name,
                 "batch": b,
                 "spec": spec,
                 "tau": s["tokens_per_round"],
@@ -124,14 +128,14 @@ def main() -> int:
             rows.append(row)
             vs_hf = f"{row['speedup_vs_hf']:.2f}x" if hf_speed else "-"
             lines.append(
-                f"| {b} | {spec} | {row['tau']:.2f} | {row['acceptance']:.2f} | {speed:.1f} | "
+                f"| {name} | {b} | {spec} | {row['tau']:.2f} | {row['acceptance']:.2f} | {speed:.1f} | "
                 f"{paired.peer_speed:.1f} | {speedup:.2f}x | {vs_hf} | {row['ideal_speedup']:.2f}x | "
                 f"{row['efficiency']:.2f} | {row['layers_per_token']:.1f} |"
             )
             print(lines[-1], flush=True)
     header = (
-        "| batch | spec | τ | acceptance | tok/s | full depth tok/s | vs full depth | vs HF | ideal | "
-        "efficiency | layers/token |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "| set | batch | spec | τ | acceptance | tok/s | full depth tok/s | vs full depth | vs HF | ideal | "
+        "efficiency | layers/token |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     table = "\n".join([header, *lines])
     write_result(args.name, {"args": vars(args), "rows": rows})

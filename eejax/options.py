@@ -355,6 +355,30 @@ class SpecConfig:
         return cls(e, d, adaptive=adaptive, draft_head=head, tree=tree, confidence_stop=stop, lookup=lookup, **kw)
 
 
+OFF = ("none", "off", "")  # a speculation spelled so is none: full depth
+
+
+def auto_spec() -> SpecConfig:
+    """What `spec="auto"` runs on a model with a draft head: the head's chain with prompt lookup
+    (up to 4 copied drafts), d chosen per program by the adaptive policy from 1 to 4, plain
+    full-depth steps where no round pays, and speculation turned off for the group's rows where
+    none would (`decode.spec_policy`). Spelled `draft:2:adaptive:lookup=4` with max_speculations 4."""
+    return SpecConfig(0, 2, adaptive=True, max_speculations=4, draft_head=True, lookup=4)
+
+
+def resolve_spec(spec: SpecConfig | str | None, has_draft_head: bool) -> SpecConfig | None:
+    """A `spec` argument as the SpecConfig it runs, or None for full depth: "auto" is `auto_spec()`
+    on a model with a draft head and full depth on one without; "none", "off" and "" are full
+    depth; another string is `SpecConfig.parse`d."""
+    if not isinstance(spec, str):
+        return spec
+    if spec.strip().lower() == "auto":
+        return auto_spec() if has_draft_head else None
+    if spec.strip().lower() in OFF:
+        return None
+    return SpecConfig.parse(spec)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
     """Everything a compiled generation program depends on besides its input shapes and the

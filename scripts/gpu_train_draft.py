@@ -4,7 +4,8 @@ call runs 10 minutes at most, and a session has 15 minutes of device time).
 Two steps:
 
     # here, where the model's tokenizer is: the training and evaluation prompts as token ids
-    python scripts/gpu_train_draft.py prepare .gpu/jobs.json.gz
+    # (--questions: the questions SmolLM2 wrote itself in an `eejax train-draft --self-questions` run)
+    python scripts/gpu_train_draft.py prepare .gpu/jobs.json.gz [--questions runs/chat-draft/self_questions.json]
 
     # on the GPU machine: continuations, features, training and evaluation in SECONDS
     python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 540 [--out DIR]
@@ -15,7 +16,9 @@ Two steps:
     python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 540 \
         --continuations data/smollm2_continuations.npz --init eejax/assets/smollm2-135m-eagle.safetensors --steps 6000
 
-The text (provenance: data/SOURCES.md): CNN/DM rows 20..99 of data/cnndm_test_dev100.jsonl and the
+The text (provenance: data/SOURCES.md): chat questions (data/self_instruct_instructions.jsonl, and
+the questions of --questions) through the chat template, answered first (greedy, then sampled);
+CNN/DM rows 20..99 of data/cnndm_test_dev100.jsonl and the
 1,240 other CNN/DM articles of data/cnndm_more.jsonl.gz (rows 0..19 of the first are the evaluation
 rows, never trained on), and WikiText-2. `run` continues prompts made from them with the frozen
 model in a fixed order of priority (greedy continuations of 256-token summary prompts first, the
@@ -55,10 +58,13 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-NEW_TOKENS = 96  # per training continuation
+NEW_TOKENS = 96  # per training continuation ...
+ANSWER_TOKENS = 160  # ... and per answer to a chat question (it may end sooner)
 EVAL_TOKENS = 64  # per evaluation continuation, as in benchmarks/draft_head.py
 # (prompt set, temperature, seed): the order in which continuations are made until time is up
 JOBS = (
+    ("chat", 0.0, 0),
+    ("chat", 0.7, 1),
     ("summary256", 0.0, 0),
     ("summary256", 0.7, 1),
     ("summary128_384", 0.0, 0),
@@ -72,10 +78,11 @@ JOBS = (
 )
 
 
-def prepare(out: Path) -> None:
+def prepare(out: Path, questions: Path | None = None) -> None:
     import eejax
     from eejax.cli.draft import read_text_file
     from eejax.train import draft_corpus as dc
+    from eejax.train.chat_corpus import chat_prompt, read_instructions
 
     tok = eejax.load("smollm2-135m").tokenizer
     news = dc.articles(ROOT / "data/cnndm_test_dev100.jsonl") + dc.articles(
@@ -83,7 +90,10 @@ def prepare(out: Path) -> None:
     )
     documents = read_text_file(str(ROOT / "data/wikitext2_valid_test.txt.gz"))
     evaluation = dc.articles(ROOT / "data/cnndm_test_dev100.jsonl", skip_rows=0)[: dc.EVAL_ROWS]
+    chat = read_instructions(ROOT / "data/self_instruct_instructions.jsonl")
+    chat += [] if questions is None else json.loads(questions.read_text())["questions"]
     sets = {
+        "chat": [chat_prompt(tok, q) for q in chat],
         "summary256": dc.summary_prompts(tok, news, (256,)),
         "summary128_384": dc.summary_prompts(tok, news, (128, 384)),
         "windows": dc.window_summary_prompts(tok, news),
@@ -94,7 +104,7 @@ def prepare(out: Path) -> None:
         "jobs": JOBS,
         "texts": [tok(t)["input_ids"] for t in news + documents],
         "evaluation": dc.summary_prompts(tok, evaluation, (256,)),
-        "source": f"{len(news)} CNN/DM articles, {len(documents)} WikiText-2 documents",
+        "source": f"{len(chat)} chat questions, {len(news)} CNN/DM articles, {len(documents)} WikiText-2 documents",
     }
     with gzip.open(out, "wt") as f:
         json.dump(jobs, f)
@@ -200,7 +210,7 @@ def run(args) -> None:
         seqs = continue_prompts(
             model,
             jobs["sets"][name],
-            new_tokens=NEW_TOKENS,
+            new_tokens=ANSWER_TOKENS if name == "chat" else NEW_TOKENS,
             temperature=temperature,
             seed=seed,
             batch_size=args.generate_batch,
@@ -269,6 +279,7 @@ def run(args) -> None:
                 **settings,
                 "steps": args.steps,
                 "new_tokens": NEW_TOKENS,
+                "answer_tokens": ANSWER_TOKENS,
                 "noise": 0.1,
                 "feature_weight": 0.1,
             },
@@ -288,6 +299,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize the training and evaluation prompts (here)")
     p.add_argument("jobs", type=Path, help="where to write them (.json.gz)")
+    p.add_argument("--questions", type=Path, help="self_questions.json of an eejax train-draft run: more chat")
     p = sub.add_parser("run", help="continue, cache features, train and evaluate within --seconds (on a GPU)")
     p.add_argument("jobs", type=Path, help="the prepared prompts (.json.gz)")
     p.add_argument("run_dir", type=Path, help="where the feature cache and the head go")
@@ -308,7 +320,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3000, help="training steps (default 3000: ~3 min on an H100)")
     args = parser.parse_args(argv)
     if args.command == "prepare":
-        prepare(args.jobs)
+        prepare(args.jobs, args.questions)
     else:
         run(args)
     return 0

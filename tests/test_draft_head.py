@@ -23,7 +23,7 @@ from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import draft_head, llama
 from eejax.models.exits import set_exit_vocab
 from eejax.models.modules import embed
-from eejax.options import SpecConfig, StepOptions
+from eejax.options import SpecConfig, StepOptions, auto_spec, resolve_spec
 from tests.helpers import fixed_policy_costs, prefilled
 from tests.test_speculative import NEW, PROMPTS, chi_square_p, perfect_drafts, spec_round, tiny
 
@@ -332,6 +332,21 @@ def test_adaptive_generation_is_lossless_and_turns_speculation_off(model, monkey
         engine.speculation.policies.values()
     )  # the later row's own, also turned off (a server keeps no past ones)
     assert later_policy is not first_policy and later_policy.turned_off and not engine.speculation.past_policies
+
+
+def test_auto_speculates_with_a_draft_head_and_decodes_at_full_depth_without(model):
+    full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True)
+    res = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec="auto")
+    assert res.tokens == full.tokens and res.stats["rounds"] > 0
+    assert res.stats["spec"] == auto_spec().spec == "draft:2:adaptive:lookup=4"
+    assert auto_spec().max_speculations == 4
+    assert eejax.generate(tiny(), PROMPTS[:1], max_new_tokens=2, spec="auto").stats["spec"] is None
+    for off in ("none", "off", "", " Off "):
+        assert resolve_spec(off, has_draft_head=True) is None
+    assert resolve_spec("Auto", has_draft_head=True) == auto_spec()
+    assert resolve_spec("draft:2", has_draft_head=False) == SpecConfig.parse(
+        "draft:2"
+    )  # checked against the model later
 
 
 SAMPLED_PROMPT = [3, 7, 1, 12, 5]

@@ -56,15 +56,19 @@ def read_prompts_file(path: str, field: str | None) -> list[str]:
 
 
 def prompts_from_args(args: argparse.Namespace) -> list[str]:
-    """The prompts of --prompt or --prompts-file, cut to --limit."""
+    """The prompts of --prompt or --prompts-file (none when neither was given), cut to --limit."""
+    if args.prompt is None and args.prompts_file is None:
+        return []
     prompts = args.prompt if args.prompt is not None else read_prompts_file(args.prompts_file, args.prompt_field)
     return prompts[: args.limit] if args.limit else prompts
 
 
-def add_model_and_prompts(parser: argparse.ArgumentParser, what: str, model_help: str) -> None:
-    """--model, --prompt | --prompts-file, --prompt-field, --limit."""
+def add_model_and_prompts(
+    parser: argparse.ArgumentParser, what: str, model_help: str, *, required: bool = True
+) -> None:
+    """--model, --prompt | --prompts-file (one of them `required`), --prompt-field, --limit."""
     parser.add_argument("--model", required=True, help=model_help)
-    src = parser.add_mutually_exclusive_group(required=True)
+    src = parser.add_mutually_exclusive_group(required=required)
     src.add_argument(
         "--prompt",
         nargs="+",

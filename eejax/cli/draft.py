@@ -62,22 +62,40 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         sampled_copies=args.sampled_copies,
         sampled_prompts=args.sampled_prompts,
         vocab_size=args.vocab_size,
+        self_questions=args.self_questions,
+        answer_tokens=args.answer_tokens,
+        answer_samples=args.answer_samples,
     )
-    if args.learning_rate <= 0 or args.noise < 0 or args.feature_weight < 0 or args.sampled_copies < 0:
+    if args.learning_rate <= 0 or min(args.noise, args.feature_weight, args.sampled_copies) < 0:
         raise EejaxError("--learning-rate must be > 0, --noise, --feature-weight and --sampled-copies >= 0")
+    if args.self_questions < 0 or args.answer_samples < 0:
+        raise EejaxError("--self-questions and --answer-samples must be >= 0")
     if args.hours is not None and not 0 < args.hours < float("inf"):
         raise EejaxError(f"--hours must be a positive number, got {args.hours}")
+    from eejax.train.chat_corpus import read_instructions
+
+    given = args.prompt is not None or args.prompts_file is not None
     texts = prompts_from_args(argparse.Namespace(**{**vars(args), "limit": None}))[args.skip :][: args.limit]
-    if not texts:
+    if given and not texts:
         raise EejaxError(f"no texts left after --skip {args.skip}")
     other = [t for path in args.text_file or [] for t in read_text_file(path)]
+    questions = [q for path in args.instructions_file or [] for q in read_instructions(path)]
+    if not (texts or other or questions or args.self_questions):
+        raise EejaxError(
+            "nothing to train on: give texts (--prompts-file or --prompt), --text-file, --instructions-file "
+            "or --self-questions"
+        )
+    if args.init is not None and not Path(args.init).is_file():
+        raise EejaxError(f"--init: no such draft head file: {args.init}")
     run = {
         "model": str(args.model),
         "settings": settings.to_json(),
         "skip": args.skip,
         "limit": args.limit,
-        "texts": args.prompts_file or "--prompt",
+        "texts": args.prompts_file or ("--prompt" if args.prompt else None),
         "text_files": args.text_file or [],
+        "instructions_files": args.instructions_file or [],
+        "init": args.init,
     }
     out = Path(args.output).expanduser()
     run_file = out / "run.json"
@@ -112,9 +130,12 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         generate_batch_size=args.generate_batch_size,
         feature_batch_size=args.feature_batch_size,
+        questions=questions,
     )
     ids = draft_vocabulary(data, settings.vocab_size, model.config.vocab_size, always=model.eos_token_ids)
     trainee = add_exit_vocab(model, ids)
+    if args.init is not None:  # go on from a trained head (the reduced head's tokens are this data's)
+        trainee = trainee.with_params({**trainee.params, "draft": apply_draft(model, args.init).params["draft"]})
     started = time.perf_counter()
     draft, losses, agree = train_draft(
         trainee,
@@ -152,7 +173,15 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
             "base": str(args.model),
             "settings": settings.to_json(),
             "training_tokens": tokens,
-            "data": {"texts": run["texts"], "skip": args.skip, "limit": args.limit, "text_files": run["text_files"]},
+            "data": {
+                "texts": run["texts"],
+                "skip": args.skip,
+                "limit": args.limit,
+                "text_files": run["text_files"],
+                "instructions_files": run["instructions_files"],
+                "self_questions": settings.self_questions,
+                "init": run["init"],
+            },
             "top1_agreement_last_100": [float(x) for x in np.mean(agree[-100:], axis=0)],
         },
     )
@@ -178,11 +207,15 @@ def add_parsers(sub) -> None:
         "text caches its features and next-token distributions on disk, then only the draft head trains on them "
         "(soft cross-entropy to the model's distribution, a feature regression, input noise and a second pass on "
         "its own predictions). The text is the --prompts-file texts (after --skip), the model's greedy "
-        "continuations of summary prompts made from them, and any --text-file. Everything lives in --output: run "
+        "continuations of summary prompts made from them, any --text-file, and the model's own answers (greedy and "
+        "sampled) to chat questions: those of --instructions-file and --self-questions that it writes itself. "
+        "Everything lives in --output: run "
         "the same command again to continue (--hours bounds one invocation). At the end it writes "
         "OUTPUT/draft.safetensors (the head, small, with a probe checked at load) and OUTPUT/model.",
     )
-    add_model_and_prompts(p, "training texts (news articles, say)", "eejax checkpoint directory or known model name")
+    add_model_and_prompts(
+        p, "training texts (news articles, say)", "eejax checkpoint directory or known model name", required=False
+    )
     p.add_argument("--output", required=True, metavar="DIR", help="the run directory (created; reused to resume)")
     p.add_argument(
         "--skip",
@@ -197,6 +230,36 @@ def add_parsers(sub) -> None:
         metavar="F.txt[.gz]",
         help="more training text, documents separated by two blank lines (repeatable)",
     )
+    p.add_argument(
+        "--instructions-file",
+        action="append",
+        metavar="F.jsonl",
+        help="chat questions, one JSON object per line (instruction, and input or context if any), which the "
+        "model answers through its chat template (repeatable)",
+    )
+    p.add_argument(
+        "--self-questions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sample N user questions from the model's own chat template (the questions it was tuned on: "
+        "Magpie) and train on its answers to those that it finished (default 0 = none)",
+    )
+    p.add_argument(
+        "--answer-tokens",
+        type=positive_int,
+        default=160,
+        metavar="N",
+        help="tokens of each answer to a chat question; it may end sooner (default 160)",
+    )
+    p.add_argument(
+        "--answer-samples",
+        type=int,
+        default=1,
+        metavar="N",
+        help="sampled answers (temperature 0.7) per chat question besides the greedy one (default 1; 0 = none)",
+    )
+    p.add_argument("--init", metavar="DRAFT.safetensors", help="a draft head delta to go on training from")
     p.add_argument("--hours", type=float, metavar="H", help="stop this invocation after H hours (resumable)")
     p.add_argument("--steps", type=positive_int, default=3000, help="optimizer steps of the whole run (default 3000)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="windows per step (default 8)")

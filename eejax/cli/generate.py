@@ -20,6 +20,7 @@ from eejax.cli.args import (
     prompts_from_args,
 )
 from eejax.errors import EejaxError
+from eejax.options import OFF
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -45,7 +46,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "--exit-decay, --min-exit-layer, --exit-every, --exit-layers, --exit-head and --exit-emit need --exit"
         )
     spec = None
-    if args.spec is not None:
+    named = args.spec is not None and args.spec.strip().lower() in ("auto",) + OFF
+    if named and args.exit is not None and args.spec.strip().lower() == "auto":
+        raise EejaxError("choose --exit or --spec, not both")
+    if named and any(x is not None for x in (args.spec_max_d, args.spec_head, args.spec_bonus)):
+        raise EejaxError(f"--spec {args.spec} takes no --spec-max-d, --spec-head or --spec-bonus (auto sets its own)")
+    if named:
+        spec = args.spec
+    elif args.spec is not None:
         if args.exit is not None:
             raise EejaxError("choose --exit or --spec, not both")
         options = {} if args.spec_max_d is None else {"max_speculations": args.spec_max_d}
@@ -55,9 +63,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             bonus={"on": True, "off": False, "auto": None}[args.spec_bonus or "auto"],
             **options,
         )
-    if args.spec_max_d is not None and not (spec and spec.adaptive):
+    if args.spec_max_d is not None and not named and not (spec and spec.adaptive):
         raise EejaxError("--spec-max-d needs an adaptive --spec (E:d:adaptive or draft:d:adaptive)")
-    if spec is None and (args.spec_head or args.spec_bonus):
+    if spec is None and not named and (args.spec_head or args.spec_bonus):
         raise EejaxError("--spec-head and --spec-bonus need --spec")
     join_processes(args)
     # Collective libraries (gloo) print on stdout; the result must be alone there.
@@ -103,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"mean layers per token {stats['mean_layers_per_token']:.1f} of {stats['num_layers']} "
         + (
             f"(exit {stats['exit']}, KV fill {stats['kv_fill_layers_per_token']:.1f} layers per token)"
-            if spec is None
+            if stats["spec"] is None
             else f"(self-speculation {stats['spec']}: acceptance {stats['acceptance_rate']:.1%}, "
             f"{stats['tokens_per_round']:.2f} tokens per round, mean d {stats['mean_speculations']:.1f}"
             + (f", {stats['plain_step_rate']:.0%} of tokens by plain steps" if stats["plain_step_rate"] else "")
@@ -227,16 +235,19 @@ def add_parsers(sub) -> None:
     )
     gen.add_argument(
         "--spec",
-        metavar="E:d|draft:d",
-        help="speculative decoding: E:d drafts d tokens with the first E layers and the exit head (LayerSkip) and "
-        "verifies them with the other layers in one pass; draft:d drafts them with the checkpoint's trained draft "
-        "head (eejax train-draft; e.g. the model smollm2-135m-eagle) and verifies with every layer. Greedy output "
-        "equals full depth, sampling keeps the full model's distribution. A :adaptive suffix chooses d per round "
-        "from the measured acceptance and costs. draft:d:tree drafts a tree of depth d (the head's likeliest chain "
-        "plus its 2nd choices near the root; draft:tree=0,00,1 names the nodes) verified in one pass, greedy only. "
-        "draft:d:stop=η stops a round's drafting at the first draft whose top probability is below η (Kangaroo); "
-        "η 0 is off. draft:d:lookup copies a row's drafts from its prompt or output where its last 2-4 tokens "
-        "occurred before (prompt lookup: summaries, code edits), and drafts with the head elsewhere",
+        metavar="auto|E:d|draft:d",
+        help="speculative decoding: auto speculates with the checkpoint's draft head where it pays (draft:2:adaptive "
+        "with prompt lookup, d up to 4, plain steps where no round pays) and decodes at full depth on a model "
+        "without one; none or off: full depth. E:d drafts d tokens with the first E layers and the exit head "
+        "(LayerSkip) and verifies them with the other layers in one pass; draft:d drafts them with the "
+        "checkpoint's trained draft head (eejax train-draft; e.g. the model smollm2-135m-eagle) and verifies with"
+        " every layer. Greedy output equals full depth, sampling keeps the full model's distribution. A :adaptive"
+        " suffix chooses d per round from the measured acceptance and costs. draft:d:tree drafts a tree of depth "
+        "d (the head's likeliest chain plus its 2nd choices near the root; draft:tree=0,00,1 names the nodes) "
+        "verified in one pass, greedy only. draft:d:stop=η stops a round's drafting at the first draft whose top "
+        "probability is below η (Kangaroo); η 0 is off. draft:d:lookup copies a row's drafts from its prompt or "
+        "output where its last 2-4 tokens occurred before (prompt lookup: summaries, code edits), and drafts with"
+        " the head elsewhere",
     )
     gen.add_argument(
         "--spec-max-d",

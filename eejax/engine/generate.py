@@ -21,9 +21,9 @@ from eejax.decode.stats import GenerateStats, generate_stats
 from eejax.engine.engine import Engine
 from eejax.errors import EejaxError
 from eejax.kernels.attention import IMPLS
-from eejax.models import exits
+from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
-from eejax.options import ExitConfig, SpecConfig
+from eejax.options import ExitConfig, SpecConfig, resolve_spec
 
 
 @dataclasses.dataclass
@@ -86,7 +86,7 @@ def generate(
     if attention not in IMPLS:
         raise EejaxError(f"unknown attention {attention!r}; choose one of: " + ", ".join(IMPLS))
     exit_config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
-    spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec
+    spec_config = resolve_spec(spec, draft_head.has_draft(model.params))
     if exit_config is not None and spec_config is not None:
         raise EejaxError("choose early exit (exit=) or self-speculation (spec=), not both")
     exit_config, spec_config = exits.resolve_options(model.params, config, exit_config, spec_config)

@@ -20,8 +20,8 @@ from eejax.engine.replicas import ChangeLog
 from eejax.engine.sequence import Sequence
 from eejax.engine.waiting import WaitingQueue
 from eejax.errors import EejaxError
-from eejax.models import exits
-from eejax.options import ExitConfig, SpecConfig
+from eejax.models import draft_head, exits
+from eejax.options import ExitConfig, SpecConfig, resolve_spec
 
 
 def checked_exit(model, exit) -> ExitConfig | None:  # noqa: A002
@@ -118,7 +118,7 @@ class Requests:
         reason "length" and `timed_out` set, its pages freed (a background loop's check, each
         step). `queue=False` checks the request and returns its Sequence without queueing it
         (`warmup` learns a request's programs so)."""
-        spec_config = SpecConfig.parse(spec) if isinstance(spec, str) else spec
+        spec_config = resolve_spec(spec, draft_head.has_draft(self.model.params))
         if spec_config is not None:
             if exit not in (None, "none"):
                 raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")

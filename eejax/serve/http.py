@@ -28,7 +28,7 @@ import time
 from eejax.decode.prompts import prompt_token_ids
 from eejax.engine.stops import visible_text
 from eejax.errors import EejaxError
-from eejax.options import ExitConfig, SpecConfig
+from eejax.options import OFF, ExitConfig, SpecConfig
 from eejax.serve import logprobs as spelled
 from eejax.serve.access import AccessMiddleware, completion_fields, decoding_of
 from eejax.serve.schema import ChatRequest, CompletionRequest, RequestError, parse, unicode_error
@@ -134,7 +134,7 @@ def create_app(
             )
         for field, parse_option in (("exit", ExitConfig.parse), ("spec", SpecConfig.parse)):
             value = getattr(req, field)
-            if value not in (None, "", "none"):
+            if value not in (None, "", "none") and not (field == "spec" and value.strip().lower() in ("auto",) + OFF):
                 try:
                     parse_option(value)
                 except EejaxError as e:

@@ -56,7 +56,7 @@ class _Common(BaseModel):
     user: str | None = None
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # eejax's extras: scheduling priority,
     exit: str | None = None  # early exit ("softmax:0.9", "static:15", "none"),
-    spec: str | None = None  # speculation ("E:d", or with a draft head "draft:d", ":tree", ":stop=η", ":lookup"),
+    spec: str | None = None  # speculation ("auto", "none", "E:d", "draft:d", ":tree", ":stop=η", ":lookup"),
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds (capped by the server's)
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)  # 0: off
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)  # 0: off

@@ -2,6 +2,8 @@
 
 OUTPUT/run.json              the settings and data it was started with (a rerun must match)
 OUTPUT/continuations.json    the model's greedy continuations of summary prompts of the texts
+OUTPUT/self_questions.json   questions the model wrote itself (`chat_corpus.self_questions`)
+OUTPUT/answers*.json         its greedy and sampled answers to the chat questions
 OUTPUT/features/             the feature cache (`draft_features`)
 OUTPUT/checkpoints/          orbax checkpoints of the training (`draft_training`)
 OUTPUT/draft.safetensors     the shipped delta: the draft head, the reduced head's token ids,
@@ -40,12 +42,17 @@ class DraftRunSettings:
     sampled_copies: int = 2
     sampled_prompts: str = "summary"  # "summary": the 256-token summary prompts; "all": every continued prompt
     vocab_size: int = 8192
+    self_questions: int = 0  # user questions sampled from the model's chat template (Magpie), then answered
+    answer_tokens: int = 160  # tokens of each answer to a chat question (greedy; it may end sooner)
+    answer_samples: int = 1  # sampled answers (T=0.7) per chat question, besides the greedy one
 
     def check(self, vocab: int) -> None:
         if not 1 <= self.vocab_size <= vocab:
             raise EejaxError(f"the draft's reduced head must hold 1 to {vocab} tokens, got {self.vocab_size}")
         if self.continuation_tokens < 0 or not self.prompt_tokens or min(self.prompt_tokens) < 1:
             raise EejaxError("continuation tokens must be >= 0 and prompt lengths >= 1")
+        if self.self_questions < 0 or self.answer_tokens < 1 or self.answer_samples < 0:
+            raise EejaxError("self questions and answer samples must be >= 0, answer tokens >= 1")
         if self.sampled_prompts not in SAMPLED_PROMPTS:
             raise EejaxError(f"sampled prompts must be one of {SAMPLED_PROMPTS}, got {self.sampled_prompts!r}")
 
@@ -63,16 +70,19 @@ def training_data(
     *,
     generate_batch_size: int = 32,
     feature_batch_size: int = 4,
+    questions: list[str] = (),
 ) -> dict:
     """The feature cache of the model's continuations (`draft_corpus`: greedy ones of summary
     prompts of `texts` and of windows of `other_texts`, sampled ones of the 256-token summary
-    prompts or of all of those), then the `texts` and `other_texts` themselves. Built once in
-    `out`, then loaded. The batch sizes set the speed only (a GPU takes far larger ones)."""
+    prompts or of all of those), its answers to chat `questions` and to questions it wrote itself
+    (`chat_corpus`), then the `texts` and `other_texts` themselves. Built once in `out`, then
+    loaded. The batch sizes set the speed only (a GPU takes far larger ones)."""
     from eejax.train import draft_corpus as dc
     from eejax.train.draft_features import build_feature_cache, load_feature_cache
 
     tok, n = model.tokenizer, settings.continuation_tokens
     generated, parts, greedy_prompts = [], [], []
+    generated += chat_answers(model, list(questions), out, settings, parts, progress, generate_batch_size)
     continued = dict(new_tokens=n, progress=progress, batch_size=generate_batch_size)
     if n:
         summary = dc.summary_prompts(tok, texts, settings.prompt_tokens)
@@ -86,9 +96,9 @@ def training_data(
             generated += dc.continuations(model, windows, out / "continuations_texts.json", **continued)
             greedy_prompts += later + windows
             parts.append(f"{len(later)} later-window summary prompts, {len(windows)} document windows")
-        if settings.sampled_copies:
-            first = dc.summary_prompts(tok, texts, (256,)) if settings.sampled_prompts == "summary" else greedy_prompts
-            first = first * settings.sampled_copies
+        first = dc.summary_prompts(tok, texts, (256,)) if settings.sampled_prompts == "summary" else greedy_prompts
+        first = first * settings.sampled_copies
+        if first:
             generated += dc.sampled_continuations(
                 model, first, out / "continuations_sampled.json", new_tokens=n, batch_size=generate_batch_size
             )
@@ -105,6 +115,30 @@ def training_data(
         progress=progress,
     )
     return load_feature_cache(cache)
+
+
+def chat_answers(model, questions: list[str], out: Path, settings: DraftRunSettings, parts: list, progress, batch):
+    """The model's greedy answers (and `answer_samples` sampled ones each) to `questions` and to
+    `settings.self_questions` questions it writes itself, as chat-template token sequences; what
+    they were is appended to `parts`."""
+    from eejax.train import chat_corpus as cc
+    from eejax.train import draft_corpus as dc
+
+    if settings.self_questions:
+        own = cc.self_questions(model, settings.self_questions, out / "self_questions.json", batch_size=2 * batch)
+        parts.append(f"{len(own)} questions the model wrote (of {settings.self_questions} sampled)")
+        questions = questions + own
+    if not questions:
+        return []
+    prompts = [cc.chat_prompt(model.tokenizer, q) for q in questions]
+    n = settings.answer_tokens
+    answers = dc.continuations(model, prompts, out / "answers.json", new_tokens=n, batch_size=batch, progress=progress)
+    parts.append(f"greedy answers ({n} tokens) to {len(prompts)} chat questions")
+    if settings.answer_samples:
+        again = prompts * settings.answer_samples
+        answers += dc.sampled_continuations(model, again, out / "answers_sampled.json", new_tokens=n, batch_size=batch)
+        parts.append(f"{len(again)} sampled answers (T=0.7)")
+    return answers
 
 
 def draft_vocabulary(data: dict, size: int, vocab: int, always=()) -> np.ndarray:

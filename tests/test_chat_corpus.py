@@ -1,0 +1,97 @@
+"""Chat text for draft heads (`train/chat_corpus.py`): instruction files read with their inputs,
+questions rendered through the chat template, and `eejax train-draft` on chat data alone (questions
+from a file and questions the model writes itself, greedy and sampled answers, going on from a
+trained head)."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+import eejax
+from eejax.errors import EejaxError
+from eejax.models import draft_head
+from eejax.train import chat_corpus
+
+CHATML = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def test_instructions_are_read_with_their_inputs_and_bad_rows_named(tmp_path):
+    good = tmp_path / "good.jsonl"
+    rows = [
+        {"instruction": "Add the numbers.", "input": "2 and 3"},
+        {"question": "Why?"},
+        {"prompt": " Hi ", "context": ""},
+    ]
+    good.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    assert chat_corpus.read_instructions(good) == ["Add the numbers.\n\n2 and 3", "Why?", "Hi"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "ok"}\n{"answer": "no question"}\n')
+    with pytest.raises(EejaxError, match="line 2 has no instruction"):
+        chat_corpus.read_instructions(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(EejaxError, match="line 1 is not JSON"):
+        chat_corpus.read_instructions(bad)
+    with pytest.raises(EejaxError, match="not found"):
+        chat_corpus.read_instructions(tmp_path / "missing.jsonl")
+
+
+def test_chat_prompts_follow_the_template(tiny_tokenizer):
+    with pytest.raises(EejaxError, match="no chat template"):
+        chat_corpus.chat_prompt(tiny_tokenizer, "Hello")
+    tok = AutoTokenizer.from_pretrained(_with_template(tiny_tokenizer))
+    ids = chat_corpus.chat_prompt(tok, "Name a fruit.")
+    assert tok.decode(ids) == "<s>user\nName a fruit.</s>\n<s>assistant\n"
+    prefix = chat_corpus.user_turn_prefix(tok)
+    assert tok.decode(prefix) == "<s>user\n" and ids[: len(prefix)] == prefix
+
+
+def _with_template(tokenizer, where=None):
+    import tempfile
+
+    where = where or tempfile.mkdtemp()
+    tokenizer.chat_template = CHATML
+    try:
+        tokenizer.save_pretrained(where)
+    finally:
+        tokenizer.chat_template = None
+    return where
+
+
+def test_train_draft_on_chat_alone_goes_on_from_a_trained_head(tiny_checkpoints, tmp_path, capsys):
+    from eejax.cli import main
+    from eejax.loading.deltas import apply_draft
+    from eejax.train.draft_run import save_draft
+
+    path = tmp_path / "chat-model"
+    shutil.copytree(tiny_checkpoints["gqa-untied"][2], path)
+    base = eejax.load(path)
+    _with_template(base.tokenizer, path / "tokenizer")
+    start = base.with_params({**base.params, "draft": draft_head.init_draft(base.config, jax.random.PRNGKey(3))})
+    init = save_draft(tmp_path / "init.safetensors", start, np.arange(64), {})
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"instruction": "Say hello."}\n{"instruction": "Count to three.", "input": "1, 2"}\n')
+    out = tmp_path / "run"
+    argv = ["train-draft", "--model", str(path), "--instructions-file", str(questions), "--self-questions", "6"]
+    argv += ["--answer-tokens", "6", "--init", str(init), "--output", str(out), "--steps", "2", "--batch-size", "2"]
+    argv += ["--learning-rate", "1e-12", "--window", "64", "--vocab-size", "64", "--no-plot", "--quiet"]
+    assert main(argv) == 0, capsys.readouterr().err
+    answers = json.loads((out / "answers.json").read_text())
+    tok = eejax.load(path).tokenizer
+    assert tok.decode(answers["prompts"][1]) == "<s>user\nCount to three.\n\n1, 2</s>\n<s>assistant\n"
+    own = json.loads((out / "self_questions.json").read_text())["questions"]
+    assert len(answers["prompts"]) == 2 + len(own)
+    sampled = json.loads((out / "answers_sampled.json").read_text())["prompts"]
+    assert sampled == answers["prompts"]  # one sampled answer each besides the greedy one
+    trained = eejax.load(out / "model").params["draft"]
+    first = apply_draft(base, init).params["draft"]
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(first)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)  # the init's head: lr ~ 0
+    assert main(["train-draft", "--model", str(path), "--output", str(tmp_path / "none"), "--quiet"]) == 2
+    assert "nothing to train on" in capsys.readouterr().err
