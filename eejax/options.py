@@ -366,14 +366,15 @@ def auto_spec() -> SpecConfig:
     return SpecConfig(0, 2, adaptive=True, max_speculations=4, draft_head=True, lookup=4)
 
 
-def resolve_spec(spec: SpecConfig | str | None, has_draft_head: bool) -> SpecConfig | None:
+def resolve_spec(spec: SpecConfig | str | None, has_draft_head: bool, speculate: bool = True) -> SpecConfig | None:
     """A `spec` argument as the SpecConfig it runs, or None for full depth: "auto" is `auto_spec()`
-    on a model with a draft head and full depth on one without; "none", "off" and "" are full
-    depth; another string is `SpecConfig.parse`d."""
+    on a model with a draft head where `speculate` (`spec_policy.auto_speculates`: the device and
+    the rows decoding at once), else full depth; "none", "off" and "" are full depth; another
+    string is `SpecConfig.parse`d."""
     if not isinstance(spec, str):
         return spec
     if spec.strip().lower() == "auto":
-        return auto_spec() if has_draft_head else None
+        return auto_spec() if has_draft_head and speculate else None
     if spec.strip().lower() in OFF:
         return None
     return SpecConfig.parse(spec)

@@ -334,19 +334,24 @@ def test_adaptive_generation_is_lossless_and_turns_speculation_off(model, monkey
     assert later_policy is not first_policy and later_policy.turned_off and not engine.speculation.past_policies
 
 
-def test_auto_speculates_with_a_draft_head_and_decodes_at_full_depth_without(model):
+def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
+    """spec="auto": the draft head's adaptive chain with lookup where one row decodes at a time (a
+    CPU's rule, `spec_policy.auto_speculates`), full depth for a batch on a CPU and without a head."""
     full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True)
-    res = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec="auto")
+    res = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec="auto", batch_size=1)
     assert res.tokens == full.tokens and res.stats["rounds"] > 0
     assert res.stats["spec"] == auto_spec().spec == "draft:2:adaptive:lookup=4"
     assert auto_spec().max_speculations == 4
+    batch = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec="auto")
+    assert batch.tokens == full.tokens and batch.stats["spec"] is None
     assert eejax.generate(tiny(), PROMPTS[:1], max_new_tokens=2, spec="auto").stats["spec"] is None
+    engine = Engine(model, max_slots=1, max_new_tokens=NEW, ignore_eos=True)
+    assert engine.submit(PROMPTS[0], max_new_tokens=NEW, spec="auto").spec == auto_spec()
     for off in ("none", "off", "", " Off "):
         assert resolve_spec(off, has_draft_head=True) is None
     assert resolve_spec("Auto", has_draft_head=True) == auto_spec()
-    assert resolve_spec("draft:2", has_draft_head=False) == SpecConfig.parse(
-        "draft:2"
-    )  # checked against the model later
+    assert resolve_spec("auto", has_draft_head=True, speculate=False) is None
+    assert resolve_spec("draft:2", has_draft_head=False) == SpecConfig.parse("draft:2")  # checked later
 
 
 SAMPLED_PROMPT = [3, 7, 1, 12, 5]

@@ -43,6 +43,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     import eejax
     from eejax.loading.deltas import apply_draft
     from eejax.models import draft_head
+    from eejax.train.chat_corpus import read_instructions
     from eejax.train.draft_run import DraftRunSettings, draft_vocabulary, save_draft, training_data
     from eejax.train.draft_training import train_draft
     from eejax.train.exit_vocab import add_exit_vocab
@@ -72,8 +73,6 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         raise EejaxError("--self-questions and --answer-samples must be >= 0")
     if args.hours is not None and not 0 < args.hours < float("inf"):
         raise EejaxError(f"--hours must be a positive number, got {args.hours}")
-    from eejax.train.chat_corpus import read_instructions
-
     given = args.prompt is not None or args.prompts_file is not None
     texts = prompts_from_args(argparse.Namespace(**{**vars(args), "limit": None}))[args.skip :][: args.limit]
     if given and not texts:

@@ -81,6 +81,7 @@ import dataclasses
 
 import numpy as np
 
+from eejax.kernels.backend import backend
 from eejax.options import SpecConfig
 
 FORGET = 0.95  # weight of the past per read of the counters in the acceptance estimate (~20 reads)
@@ -101,6 +102,19 @@ RECHECK_EVERY = 8  # ... give way to plain steps every this many programs, which
 # plain steps timed at 62 ms in a slow minute, d = 2 rounds then run at 100 ms against 47 ms steps)
 PAYS_ABOVE = 1.05  # a round is chosen over plain steps when predicted this much faster: the margin of
 # its timings (2-core CPU timings move 10-40% within a minute).
+
+
+AUTO_CPU_ROWS = 1  # spec="auto" speculates on a CPU when at most this many rows decode at once
+
+
+def auto_speculates(rows: int) -> bool:
+    """Whether `spec="auto"` speculates when `rows` rows decode at once (an engine's slots). On a
+    GPU, always: a verify pass over a few positions costs about a step there (H200, 2026-11-28:
+    `draft:4:lookup` 1.75x full depth at batch 1, 1.41x at batch 8). On a CPU, for a single row
+    only: with more rows the verify pass is compute-bound and costs ~d + 1 steps, and auto lost
+    while its policy found that out (this 2-core CPU, 2026-11-29, 64 tokens at batch 8: 0.89x on
+    MT-bench and on CNN/DM; at batch 1 0.99-1.47x, `benchmarks/draft_head.py`)."""
+    return backend() != "cpu" or rows <= AUTO_CPU_ROWS
 
 
 def expected_tokens(alpha: float, d: int) -> float:

@@ -37,6 +37,7 @@ import jax
 from eejax.cache import page_bytes, pages_for_budget, pages_needed
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.sampling import SamplingParams
+from eejax.decode.spec_policy import auto_speculates
 from eejax.engine import replicas
 from eejax.engine.admission import Admission
 from eejax.engine.delivery import Delivery
@@ -286,6 +287,7 @@ class Engine:
             max_decoding_options=max_decoding_options,
             seed=seed,
             prompt_positions=self.prompt_positions,
+            speculate_auto=auto_speculates(max_slots),
         )
 
     @functools.wraps(Requests.submit)

@@ -17,6 +17,7 @@ from eejax.cache import page_bytes, pages_for_budget, pages_needed
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
 from eejax.decode.sampling import SamplingParams
+from eejax.decode.spec_policy import auto_speculates
 from eejax.decode.stats import GenerateStats, generate_stats
 from eejax.engine.engine import Engine
 from eejax.errors import EejaxError
@@ -86,11 +87,12 @@ def generate(
     if attention not in IMPLS:
         raise EejaxError(f"unknown attention {attention!r}; choose one of: " + ", ".join(IMPLS))
     exit_config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
-    spec_config = resolve_spec(spec, draft_head.has_draft(model.params))
+    rows, texts = prompt_token_ids(model.tokenizer, batch)
+    at_once = len(rows) if batch_size is None else min(max(batch_size, 1), len(rows))
+    spec_config = resolve_spec(spec, draft_head.has_draft(model.params), auto_speculates(at_once))
     if exit_config is not None and spec_config is not None:
         raise EejaxError("choose early exit (exit=) or self-speculation (spec=), not both")
     exit_config, spec_config = exits.resolve_options(model.params, config, exit_config, spec_config)
-    rows, texts = prompt_token_ids(model.tokenizer, batch)
     if truncate_prompt_tokens is not None:
         if truncate_prompt_tokens < 1:
             raise EejaxError(f"truncate_prompt_tokens must be >= 1, got {truncate_prompt_tokens}")

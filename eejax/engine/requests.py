@@ -37,7 +37,8 @@ class Requests:
     `max_prompt_tokens` (an encoder-decoder's; None: decoder-only): its limits (`cache_len`,
     `num_pages` and `page_size` say which bound `max_len` is); at most `max_decoding_options`
     early-exit / speculation options are served; `seed` draws the seeds of requests that name
-    none; `lock`: the engine's; `wake()`: tells the loop a request came."""
+    none; `speculate_auto`: whether `spec="auto"` speculates here (`spec_policy.auto_speculates`
+    of the engine's slots); `lock`: the engine's; `wake()`: tells the loop a request came."""
 
     def __init__(
         self,
@@ -58,6 +59,7 @@ class Requests:
         max_decoding_options: int,
         seed: int,
         prompt_positions: Callable[[list[int]], int],
+        speculate_auto: bool = True,
     ):
         self.model, self.config = model, model.config
         self._waiting, self._replication, self._wake, self._lock = waiting, replication, wake, lock
@@ -65,7 +67,7 @@ class Requests:
         self.max_new_tokens, self.max_len, self.cache_len = max_new_tokens, max_len, cache_len
         self.max_prompt_tokens, self.encoder_decoder = max_prompt_tokens, max_prompt_tokens is not None
         self.num_pages, self.page_size = num_pages, page_size
-        self.prompt_positions = prompt_positions
+        self.prompt_positions, self.speculate_auto = prompt_positions, speculate_auto
         self._seeds = np.random.default_rng(seed)  # a request without a seed draws one from here
         self._ids = itertools.count()
         # Early-exit and speculation options are static in the programs (each compiles its own):
@@ -118,7 +120,7 @@ class Requests:
         reason "length" and `timed_out` set, its pages freed (a background loop's check, each
         step). `queue=False` checks the request and returns its Sequence without queueing it
         (`warmup` learns a request's programs so)."""
-        spec_config = resolve_spec(spec, draft_head.has_draft(self.model.params))
+        spec_config = resolve_spec(spec, draft_head.has_draft(self.model.params), self.speculate_auto)
         if spec_config is not None:
             if exit not in (None, "none"):
                 raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
