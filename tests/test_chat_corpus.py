@@ -95,3 +95,28 @@ def test_train_draft_on_chat_alone_goes_on_from_a_trained_head(tiny_checkpoints,
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)  # the init's head: lr ~ 0
     assert main(["train-draft", "--model", str(path), "--output", str(tmp_path / "none"), "--quiet"]) == 2
     assert "nothing to train on" in capsys.readouterr().err
+
+
+def test_continuations_are_saved_each_batch_and_reused_per_prompt(tmp_path, monkeypatch):
+    """A rerun with more prompts continues only the new ones; a run cut short keeps its batches."""
+    from eejax.train import data, draft_corpus
+
+    asked = []
+
+    def fake(model, prompts, new_tokens, *, batch_size, progress):
+        asked.append([list(p) for p in prompts])
+        if prompts[0] == [9]:
+            raise KeyboardInterrupt  # the run is cut short in its second batch
+        return [list(p) + [7] * new_tokens for p in prompts]
+
+    monkeypatch.setattr(data, "continued_sequences", fake)
+    path = tmp_path / "c.json"
+    with pytest.raises(KeyboardInterrupt):
+        draft_corpus.continuations(None, [[1], [2], [9]], path, new_tokens=2, batch_size=2, progress=False)
+    assert asked == [[[1], [2]], [[9]]]
+    asked.clear()
+    out = draft_corpus.continuations(None, [[3], [1], [1], [2]], path, new_tokens=2, batch_size=2, progress=False)
+    assert out == [[3, 7, 7], [1, 7, 7], [1, 7, 7], [2, 7, 7]] and asked == [[[3]]]
+    asked.clear()
+    draft_corpus.continuations(None, [[1]], path, new_tokens=3, batch_size=2, progress=False)
+    assert asked == [[[1]]]  # another length: continued again

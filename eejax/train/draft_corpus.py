@@ -119,18 +119,28 @@ def continuations(
     batch_size: int = 32,
     progress: bool = True,
 ) -> list[list[int]]:
-    """Each prompt followed by the model's greedy continuation, saved as JSON in `path` (read back
-    on a rerun with the same prompts)."""
+    """Each prompt followed by the model's greedy continuation, saved as JSON in `path` after each
+    batch: a rerun (or a run cut short) continues only the prompts the file does not hold yet
+    with the same `new_tokens`."""
+    from tqdm.auto import tqdm
+
     from eejax.train.data import continued_sequences
 
     path = Path(path)
+    done: dict[tuple[int, ...], list[int]] = {}
     if path.exists():
         saved = json.loads(path.read_text())
-        if saved.get("prompts") == prompts and saved.get("new_tokens") == new_tokens:
-            return saved["sequences"]
-    sequences = continued_sequences(model, prompts, new_tokens, batch_size=batch_size, progress=progress)
-    _save(path, prompts, new_tokens, sequences)
-    return sequences
+        if saved.get("new_tokens") == new_tokens:
+            done = {tuple(p): s for p, s in zip(saved["prompts"], saved["sequences"])}
+    todo = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in done))
+    for start in tqdm(range(0, len(todo), batch_size), desc="generating continuations", disable=not progress):
+        chunk = todo[start : start + batch_size]
+        made = continued_sequences(model, [list(p) for p in chunk], new_tokens, batch_size=batch_size, progress=False)
+        done.update(zip(chunk, made))
+        _save(path, [list(p) for p in done], new_tokens, list(done.values()))
+    if not path.exists():
+        _save(path, [], new_tokens, [])
+    return [done[tuple(p)] for p in prompts]
 
 
 def _save(path: Path, prompts, new_tokens: int, sequences) -> None:
