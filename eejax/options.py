@@ -366,6 +366,11 @@ def auto_spec() -> SpecConfig:
     return SpecConfig(0, 2, adaptive=True, max_speculations=4, draft_head=True, lookup=4)
 
 
+def is_auto(spec) -> bool:
+    """Whether a `spec` argument is the word "auto" (any case)."""
+    return isinstance(spec, str) and spec.strip().lower() == "auto"
+
+
 def resolve_spec(spec: SpecConfig | str | None, has_draft_head: bool, speculate: bool = True) -> SpecConfig | None:
     """A `spec` argument as the SpecConfig it runs, or None for full depth: "auto" is `auto_spec()`
     on a model with a draft head where `speculate` (`spec_policy.auto_speculates`: the device and
@@ -373,7 +378,7 @@ def resolve_spec(spec: SpecConfig | str | None, has_draft_head: bool, speculate:
     string is `SpecConfig.parse`d."""
     if not isinstance(spec, str):
         return spec
-    if spec.strip().lower() == "auto":
+    if is_auto(spec):
         return auto_spec() if has_draft_head and speculate else None
     if spec.strip().lower() in OFF:
         return None

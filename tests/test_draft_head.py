@@ -351,6 +351,8 @@ def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
         assert resolve_spec(off, has_draft_head=True) is None
     assert resolve_spec("Auto", has_draft_head=True) == auto_spec()
     assert resolve_spec("auto", has_draft_head=True, speculate=False) is None
+    with pytest.raises(EejaxError, match="not both"):  # whether auto would speculate or not
+        eejax.generate(model, PROMPTS[:2], max_new_tokens=2, spec="auto", exit="softmax:0.9")
     assert resolve_spec("draft:2", has_draft_head=False) == SpecConfig.parse("draft:2")  # checked later
 
 

@@ -24,7 +24,7 @@ from eejax.errors import EejaxError
 from eejax.kernels.attention import IMPLS
 from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
-from eejax.options import ExitConfig, SpecConfig, resolve_spec
+from eejax.options import ExitConfig, SpecConfig, is_auto, resolve_spec
 
 
 @dataclasses.dataclass
@@ -74,7 +74,9 @@ def generate(
     the decode steps; None is plain full depth. `spec` (a `SpecConfig` or "E:d") decodes by
     self-speculation instead: drafts from the first E layers verified by the rest; greedy output
     equals full depth token for token, sampled output has the full model's distribution (in
-    `exit_layers`, accepted drafts show E, tokens of the full model L). `attention` is "auto"
+    `exit_layers`, accepted drafts show E, tokens of the full model L); "draft:d" drafts with the
+    model's draft head, "auto" with it where it pays (`options.resolve_spec`; full depth on a
+    CPU batch and without a head), "none" is full depth. `attention` is "auto"
     (eejax's CPU kernel on a CPU, XLA's reference elsewhere), "reference", "cpu" or "triton"
     (interpreted without a GPU: slow). Sampling is seeded per row and position: row i draws with
     `fold_in(seed_key(seed), i)` folded with each token's index, whatever batch it runs in.
@@ -90,7 +92,7 @@ def generate(
     rows, texts = prompt_token_ids(model.tokenizer, batch)
     at_once = len(rows) if batch_size is None else min(max(batch_size, 1), len(rows))
     spec_config = resolve_spec(spec, draft_head.has_draft(model.params), auto_speculates(at_once))
-    if exit_config is not None and spec_config is not None:
+    if exit_config is not None and (spec_config is not None or is_auto(spec)):
         raise EejaxError("choose early exit (exit=) or self-speculation (spec=), not both")
     exit_config, spec_config = exits.resolve_options(model.params, config, exit_config, spec_config)
     if truncate_prompt_tokens is not None:

@@ -21,7 +21,7 @@ from eejax.engine.sequence import Sequence
 from eejax.engine.waiting import WaitingQueue
 from eejax.errors import EejaxError
 from eejax.models import draft_head, exits
-from eejax.options import ExitConfig, SpecConfig, resolve_spec
+from eejax.options import ExitConfig, SpecConfig, is_auto, resolve_spec
 
 
 def checked_exit(model, exit) -> ExitConfig | None:  # noqa: A002
@@ -106,21 +106,22 @@ class Requests:
         timeout: float | None = None,
         queue: bool = True,
     ) -> Sequence:
-        """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the
-        engine's early-exit option for this request ("none" = full depth), `spec` ("E:d", or
-        "draft:d" with a draft head) decodes it by speculation, `temperature`, `top_k`, `top_p`
-        set its sampling, `presence_penalty`, `frequency_penalty` and `repetition_penalty` its
-        penalties (`decode/penalties.py`; None: the engine's; traced values: a new setting compiles
-        nothing, though rows with penalties run apart from those without). Sampled tokens depend
-        only on the prompt, the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`.
-        `logprobs` (0 to 20 alternatives) records each token's log-probability, `prompt_logprobs`
-        (0 to 20) each prompt token's under the model (`seq.prompt_token_logprobs`); `stop` (strings)
-        and `stop_token_ids` end the request like EOS does. `timeout` (seconds from now, waiting
-        in the queue included; None: none): past it the request ends with what it has, finish
-        reason "length" and `timed_out` set, its pages freed (a background loop's check, each
-        step). `queue=False` checks the request and returns its Sequence without queueing it
-        (`warmup` learns a request's programs so)."""
+        """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the engine's
+        early-exit option for this request ("none" = full depth), `spec` ("E:d", or "draft:d" with a draft
+        head; "auto" where `speculate_auto`, "none") decodes it by speculation, `temperature`, `top_k`,
+        `top_p` set its sampling, `presence_penalty`, `frequency_penalty` and `repetition_penalty` its
+        penalties (`decode/penalties.py`; None: the engine's; traced values: a new setting compiles nothing,
+        though rows with penalties run apart from those without). Sampled tokens depend only on the prompt,
+        the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`. `logprobs` (0 to
+        20 alternatives) records each token's log-probability, `prompt_logprobs` (0 to 20) each prompt
+        token's under the model (`seq.prompt_token_logprobs`); `stop` (strings) and `stop_token_ids` end the
+        request like EOS does. `timeout` (seconds from now, waiting in the queue included; None: none): past
+        it the request ends with what it has, finish reason "length" and `timed_out` set, its pages freed (a
+        background loop's check, each step). `queue=False` checks the request and returns its Sequence
+        without queueing it (`warmup` learns a request's programs so)."""
         spec_config = resolve_spec(spec, draft_head.has_draft(self.model.params), self.speculate_auto)
+        if is_auto(spec) and exit not in (None, "none"):
+            raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
         if spec_config is not None:
             if exit not in (None, "none"):
                 raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
