@@ -60,7 +60,15 @@ def mtbench_questions(n: int) -> list[str]:
 
 
 def prompts(tokenizer, name: str, n: int, prompt_tokens: int = 256) -> list[list[int]]:
-    """Token ids of the first n prompts of set `name` (see the module docstring)."""
+    """Token ids of the first n prompts of set `name` (see the module docstring); a ValueError
+    where the set has fewer."""
+    out = _prompts(tokenizer, name, n, prompt_tokens)
+    if len(out) < n:
+        raise ValueError(f"the evaluation set {name!r} has {len(out)} prompts, {n} were asked for")
+    return out
+
+
+def _prompts(tokenizer, name: str, n: int, prompt_tokens: int) -> list[list[int]]:
     if name == "cnndm":
         from benchmarks.early_exit import summary_prompts
 
