@@ -63,6 +63,7 @@ class QuantizedMatrix:
     transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))
     activations: str = dataclasses.field(default="float32", metadata=dict(static=True))
     prompt_activations: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    prompt: bool = dataclasses.field(default=False, metadata=dict(static=True))  # a prefill's (`for_prompts`)
 
     @property
     def rows(self) -> int:
@@ -163,12 +164,12 @@ def with_activations(params, activations: str, prompt_activations: str | None = 
 
 def for_prompts(params):
     """params as a prefill multiplies by them: each quantized matrix taking x as its
-    `prompt_activations` where it has them (params unchanged otherwise)."""
+    `prompt_activations` where it has them, and marked `prompt` (a CPU multiplies a prompt's rows
+    of integer x by its GEMM however few they are: `kernels.cpu_matmul.rows_products`)."""
 
     def prompt(x):
-        if x.prompt_activations is None:
-            return x
-        return dataclasses.replace(x, activations=x.prompt_activations, prompt_activations=None)
+        activations = x.activations if x.prompt_activations is None else x.prompt_activations
+        return dataclasses.replace(x, activations=activations, prompt_activations=None, prompt=True)
 
     return jax.tree.map(lambda x: prompt(x) if is_quantized(x) else x, params, is_leaf=is_quantized)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from eejax.kernels import cpu_matmul
-from eejax.kernels.cpu_matmul import MAX_ROWS, matmul, matmul_t, take_rows
+from eejax.kernels.cpu_matmul import MAX_CALLED_ROWS, MAX_ROWS, matmul, matmul_t, take_rows
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="no C++ compiler for the kernel")
 
@@ -37,15 +37,18 @@ def test_products_equal_xlas(rows, k, n, dtype):
 
 
 def test_a_row_alone_equals_that_row_in_a_batch():
-    """Bit for bit: a verify pass over d + 1 rows and a decode step of one row agree (a weight
-    big enough to be split between threads: each part's partial sum, added in a fixed order)."""
+    """Bit for bit: a verify pass over d + 1 rows, a batch's verify (more than one call's rows)
+    and a decode step of one row agree (a weight big enough to be split between threads: each
+    part's partial sum, added in a fixed order)."""
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((MAX_ROWS, 192), dtype=np.float32))
+    x = jnp.asarray(rng.standard_normal((MAX_CALLED_ROWS, 192), dtype=np.float32))
     w = jnp.asarray(rng.standard_normal((192, 384), dtype=np.float32))
     for fn, weight in ((matmul, w), (matmul_t, w.T)):
-        batch = np.asarray(jax.jit(fn)(x, weight))
-        for i in (0, 5):
-            np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x[i : i + 1], weight))[0], batch[i])
+        for rows in (MAX_ROWS, 21, MAX_CALLED_ROWS):
+            assert _uses_kernel(fn, x[:rows], weight)
+            batch = np.asarray(jax.jit(fn)(x[:rows], weight))
+            for i in (0, 5, rows - 1):
+                np.testing.assert_array_equal(np.asarray(jax.jit(fn)(x[i : i + 1], weight))[0], batch[i])
 
 
 def test_gradients_and_vmap_go_through_it():
@@ -62,7 +65,7 @@ def test_gradients_and_vmap_go_through_it():
 
 
 def test_xlas_product_where_the_kernel_does_not_apply(monkeypatch):
-    x = jnp.ones((MAX_ROWS + 1, 16), jnp.float32)
+    x = jnp.ones((MAX_CALLED_ROWS + 1, 16), jnp.float32)
     w = jnp.ones((16, 32), jnp.float32)
     assert not _uses_kernel(matmul, x, w)  # too many rows: a GEMM, XLA threads it
     assert not _uses_kernel(matmul, x[:1].astype(jnp.float16), w.astype(jnp.float16))

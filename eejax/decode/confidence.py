@@ -7,6 +7,7 @@ import math
 import jax.numpy as jnp
 
 from eejax.decode.argmax import argmax
+from eejax.models.common import row_sum
 from eejax.options import ExitConfig
 
 
@@ -21,15 +22,15 @@ def softmax_margin(logits):
     first = argmax(x)[:, None]
     rest = jnp.where(jnp.arange(x.shape[-1]) == first, -jnp.inf, x)  # ties: top2 = top1, margin 0
     top2 = jnp.max(rest, axis=-1, keepdims=True)
-    normaliser = jnp.sum(jnp.exp(x - top1), axis=-1, keepdims=True)
+    normaliser = row_sum(jnp.exp(x - top1))[:, None]
     return ((1.0 - jnp.exp(top2 - top1)) / normaliser)[:, 0]
 
 
 def state_cosine(h_prev, h):
     """Cosine similarity of each row's hidden state before and after a layer: [B, D] -> [B]."""
     a, b = h_prev.astype(jnp.float32), h.astype(jnp.float32)
-    dot = jnp.sum(a * b, axis=-1)
-    norms = jnp.sqrt(jnp.sum(a * a, axis=-1) * jnp.sum(b * b, axis=-1))
+    dot = row_sum(a * b)
+    norms = jnp.sqrt(row_sum(a * a) * row_sum(b * b))
     return dot / jnp.maximum(norms, 1e-12)
 
 

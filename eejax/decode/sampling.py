@@ -17,6 +17,7 @@ import numpy as np
 from eejax.decode import early_exit
 from eejax.decode.argmax import argmax
 from eejax.errors import EejaxError
+from eejax.models.common import log_softmax, softmax
 
 # Samplers, the static part of sampling (the values ride per row in a `RowSampling`): every row
 # greedy (the argmax alone); temperature only (no row filters: no sort); top-k / top-p filters.
@@ -130,7 +131,7 @@ def _filtered(logits, rows: RowSampling):
     kth = jnp.take_along_axis(descending, jnp.clip(k - 1, 0, vocab - 1), axis=-1)
     kth = jnp.where(k > 0, kth, -jnp.inf)
     descending = jnp.where(descending < kth, -jnp.inf, descending)
-    probs = jax.nn.softmax(descending, axis=-1)
+    probs = softmax(descending)
     # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
     keep = (jnp.cumsum(probs, axis=-1) - probs) < rows.top_p[:, None]
     cutoff = jnp.min(jnp.where(keep, descending, jnp.inf), axis=-1, keepdims=True)
@@ -177,10 +178,10 @@ def logprobs_of(logits, rows: RowSampling, sampler: str):
     """Log-probabilities [B, V] f32 of the distribution a token is drawn from: a greedy row's
     are the model's softmax (it draws nothing), a sampled row's after temperature, top-k and
     top-p (tokens filtered out get -inf): vLLM's "processed" logprobs."""
-    model = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    model = log_softmax(logits)
     if sampler == GREEDY:
         return model
-    return jnp.where(rows.greedy[:, None], model, jax.nn.log_softmax(filtered_logits(logits, rows, sampler), axis=-1))
+    return jnp.where(rows.greedy[:, None], model, log_softmax(filtered_logits(logits, rows, sampler)))
 
 
 def expand_logits(reduced, ids, vocab_size: int):
@@ -200,4 +201,4 @@ def draft_proposal(logits, vocab_ids, keys, rows: RowSampling, sampler: str, voc
     proposal = sample(logits, keys, rows, sampler)
     if sampler == GREEDY:
         return proposal, logits[:, :0]
-    return proposal, jax.nn.softmax(filtered_logits(logits, rows, sampler), axis=-1)
+    return proposal, softmax(filtered_logits(logits, rows, sampler))

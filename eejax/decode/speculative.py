@@ -48,6 +48,7 @@ from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposa
 from eejax.decode.state import DecodeState, is_eos, only_group, record_logprobs, ungrouped
 from eejax.decode.steps import decode_and_hidden, decode_steps, exit_logits, reduced_logits, repeat
 from eejax.models import exits
+from eejax.models.common import softmax
 from eejax.models.registry import model_module
 from eejax.options import StepOptions
 
@@ -237,9 +238,7 @@ def _verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters
     n = jnp.minimum(n, valid)
     if sampler != GREEDY:  # rejection sampling for the rows that sample; greedy rows keep the argmax
         per_position = jax.tree.map(lambda x: jnp.repeat(x, t), state.sampling)
-        p = jax.nn.softmax(filtered_logits(logits.reshape(b * t, -1), per_position, sampler), axis=-1).reshape(
-            logits.shape
-        )
+        p = softmax(filtered_logits(logits.reshape(b * t, -1), per_position, sampler)).reshape(logits.shape)
         n_sampled, new_sampled = speculative_sample(
             p,
             drafts.probs,

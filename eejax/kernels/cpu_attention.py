@@ -1,9 +1,11 @@
-"""Paged attention of a few queries per row on a CPU: eejax's kernel (`cpu_attention.cc`, built
-into the CPU kernel library with `cpu_matmul`) in place of the jnp reference's page gather and
-half a dozen ops over the copy. "auto" attention takes it on one CPU device for float32 caches,
-steps of at most `MAX_QUERIES` tokens per row (decode, verify passes), no tree of drafts and no
+"""Paged attention on a CPU: eejax's kernel (`cpu_attention.cc`, built into the CPU kernel
+library with `cpu_matmul`) in place of the jnp reference's page gather and half a dozen ops over
+the copy. "auto" attention takes it on one CPU device for float32 caches, no tree of drafts and no
 T5 position bias; everything else stays on the reference. Each query is computed alone, keys in
-order, so a verify pass and a decode step agree bit for bit."""
+order, so a verify pass and a decode step agree bit for bit, and so do a prompt prefilled whole,
+in chunks or after a prefix-cache hit, in any program (the reference's batched matmuls and
+softmax round otherwise in other shapes and fusions). A prefill's queries take it too: 256-token
+prompts prefilled at the same speed as the reference's (SmolLM2, this 2-core CPU)."""
 
 from __future__ import annotations
 
@@ -13,15 +15,12 @@ import numpy as np
 
 from eejax.kernels import cpu_matmul
 
-MAX_QUERIES = 16  # tokens per row; a prefill keeps the reference's batched matmuls
-
 
 def applies(q, k_cache, tree, bias_table) -> bool:
-    _, t, hq, dh = q.shape
+    dh = q.shape[-1]
     return (
         tree is None
         and bias_table is None
-        and t <= MAX_QUERIES
         and dh % 8 == 0
         and q.dtype == jnp.float32
         and k_cache.dtype == jnp.float32

@@ -8,7 +8,8 @@ each weight between the threads of XLA's own intra-op pool (docs/benchmarks.md, 
 
 When. `matmul` / `matmul_t` use it at trace time when all of these hold: the process's backend is
 the CPU, no mesh is in context (a custom call is not partitioned), x and w are float32 or
-bfloat16, x has at most `MAX_ROWS` rows, $EEJAX_CPU_MATMUL is not off, and the library builds.
+bfloat16, x has at most `MAX_CALLED_ROWS` rows (`MAX_ROWS` a call: a batch's verify pass runs
+several), $EEJAX_CPU_MATMUL is not off, and the library builds.
 Otherwise they are `jnp.matmul` / `einsum`, as before. x is widened to float32; bf16 weights are
 widened as they are read, so a bf16 step reads half the bytes (XLA:CPU's one-row bf16 product
 converts the whole weight to an fp32 copy first). The library is built at first use with the
@@ -49,15 +50,21 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eejax import quantized
 from eejax.compile_cache import switched_on
 from eejax.kernels.backend import backend
 from eejax.quantized import QuantizedMatrix, dequantize_rows
 
-MAX_ROWS = 8  # the kernel's limit (kMaxRows); more rows are a GEMM, which XLA threads itself
+MAX_ROWS = 8  # the kernel's limit (kMaxRows) for one call
+MAX_CALLED_ROWS = 64  # up to here a product runs the kernel on each MAX_ROWS rows in turn; more is a GEMM, XLA's
 SOURCE = Path(__file__).with_suffix(".cc")
-SOURCES = tuple(SOURCE.with_name(n) for n in ("cpu_matmul.cc", "cpu_quantized.cc", "cpu_attention.cc", "cpu_parts.h"))
+SOURCES = tuple(
+    SOURCE.with_name(n)
+    for n in ("cpu_matmul.cc", "cpu_quantized.cc", "cpu_attention.cc", "cpu_elementwise.cc", "cpu_parts.h")
+)
+SOURCE_FLAGS = {"cpu_elementwise.cc": ["-ffp-contract=off"]}  # its bits must not depend on the compiler's fusing
 TARGETS = {  # XLA's name for a handler -> its symbol in the library
     "eejax_matmul_nn": "EejaxMatmulNN",
     "eejax_matmul_nt": "EejaxMatmulNT",
@@ -65,6 +72,10 @@ TARGETS = {  # XLA's name for a handler -> its symbol in the library
     "eejax_matmul_nt_bf16": "EejaxMatmulNTBf16",
     "eejax_take_rows_bf16": "EejaxTakeRowsBf16",
     "eejax_paged_attention": "EejaxPagedAttention",  # cpu_attention.py
+    "eejax_rms_norm": "EejaxRmsNorm",  # cpu_elementwise.py
+    "eejax_rope": "EejaxRope",
+    "eejax_rope_tables": "EejaxRopeTables",
+    "eejax_silu_mul": "EejaxSiluMul",
     **{
         f"eejax_quantized_{f}_{a}": f"EejaxQuantized{f.capitalize()}{suffix}"
         for f in quantized.FORMATS
@@ -113,7 +124,7 @@ def matmul(x, w):
     if isinstance(w, RowsMatrix):
         return matmul_t(x, w.rows)
     if _applies(x, w):
-        return _kernel_nn(_rows(x), w).reshape(*x.shape[:-1], w.shape[1])
+        return _in_calls(_kernel_nn, _rows(x), w).reshape(*x.shape[:-1], w.shape[1])
     return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
 
@@ -124,7 +135,7 @@ def matmul_t(x, w):
         assert not w.transposed, "a quantized table keeps its N rows"
         return rows_product(x, w)
     if _applies(x, w):
-        return _kernel_nt(_rows(x), w).reshape(*x.shape[:-1], w.shape[0])
+        return _in_calls(_kernel_nt, _rows(x), w).reshape(*x.shape[:-1], w.shape[0])
     return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
 
 
@@ -159,15 +170,17 @@ def rows_products(x, ws) -> list:
         rows *= n
     first = ws[0]
     fused = all(w.format == first.format and w.activations == first.activations and w.cols == first.cols for w in ws)
-    many = rows > MAX_QUANTIZED_ROWS and first.activations != "float32" and panel_products()
-    kernel = (0 < rows <= MAX_QUANTIZED_ROWS or many) and first.cols % 32 == 0 and all(w.qs.ndim == 3 for w in ws)
+    # A prefill's rows of integer x go to the GEMM however few they are: a prompt's rows then get
+    # the same bits alone, in a batch or in chunks (the few-row loops sum a row in another order).
+    gemm = (rows > MAX_QUANTIZED_ROWS or first.prompt) and first.activations != "float32" and panel_products()
+    kernel = (0 < rows <= MAX_QUANTIZED_ROWS or gemm) and first.cols % 32 == 0 and all(w.qs.ndim == 3 for w in ws)
     if fused and kernel and len(ws) <= MAX_FUSED and library_applies():
         outs = [jax.ShapeDtypeStruct((rows, w.rows), jnp.float32) for w in ws]
         buffers = []
         for w in ws:
             buffers += [w.qs, w.scales, w.mins if w.mins is not None else jnp.zeros((0,), jnp.float16)]
         target = f"eejax_quantized_{first.format}_{first.activations}"
-        ys = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(_rows(x), *buffers)
+        ys = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(_rows(x), *buffers, gemm=np.bool_(gemm))
         return [y.reshape(*x.shape[:-1], w.rows) for y, w in zip(ys, ws)]
     if len(ws) > 1:
         return [y for w in ws for y in rows_products(x, [w])]
@@ -238,12 +251,20 @@ def _rows(x):
     return x.reshape(-1, x.shape[-1]).astype(jnp.float32)
 
 
+def _in_calls(kernel, x, w):
+    """kernel(x, w) for x [M, K] of up to `MAX_CALLED_ROWS` rows, MAX_ROWS rows a call: each row's
+    sums run in the kernel's one order, so a verify pass of a batch (8 rows x 5 positions) gives
+    each row the bits it gets alone."""
+    calls = [kernel(x[i : i + MAX_ROWS], w) for i in range(0, x.shape[0], MAX_ROWS)]
+    return calls[0] if len(calls) == 1 else jnp.concatenate(calls)
+
+
 def _applies(x, w) -> bool:
     rows = 1
     for n in x.shape[:-1]:
         rows *= n
     return (
-        0 < rows <= MAX_ROWS
+        0 < rows <= MAX_CALLED_ROWS
         and x.dtype in WEIGHT_DTYPES
         and w.dtype in WEIGHT_DTYPES
         and w.ndim == 2
@@ -328,7 +349,11 @@ def build(directory: Path | None = None) -> Path:
             sources = [s for s in SOURCES if s.suffix == ".cc"]
             objects = [Path(tmp) / f"{s.stem}.o" for s in sources]
             flags = [*_flags(), "-I", jax.ffi.include_dir(), "-c"]
-            _run_side_by_side([[compiler, *flags, str(s), "-o", str(o)] for s, o in zip(sources, objects)])
+            commands = [
+                [compiler, *flags, *SOURCE_FLAGS.get(s.name, []), str(s), "-o", str(o)]
+                for s, o in zip(sources, objects)
+            ]
+            _run_side_by_side(commands)
             subprocess.run([compiler, "-shared", *map(str, objects), "-o", str(out)], check=True, capture_output=True)
             os.replace(out, path)
     log.info("built eejax's CPU matmul kernel: %s", path)
@@ -380,7 +405,9 @@ def _build_key() -> str:
     import jaxlib
 
     digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES))
-    digest.update(" ".join([jaxlib.__version__, platform.machine(), *_flags(), _cpu_flags()]).encode())
+    digest.update(
+        " ".join([jaxlib.__version__, platform.machine(), *_flags(), _cpu_flags(), str(SOURCE_FLAGS)]).encode()
+    )
     return digest.hexdigest()[:16]
 
 

@@ -619,9 +619,12 @@ ffi::Error PanelMatmul(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_
 // given as three buffers: qs [R, NB, block bytes]; scales [R, NB] f16 (int8: [R, 1] f32); mins
 // [R, NB] f16 (q4_1; else any buffer) -> N results y [M, R]. One call: x is quantized once and
 // the matrices' rows are one range that the threads split. XQ: how x is taken (float: as it is;
-// int8_t, int16_t: quantized per block).
+// int8_t, int16_t: quantized per block). `gemm` (a prefill's product, integer x, where the GEMM is
+// built): the GEMM at any number of rows, so that a prompt's rows get the same bits whether the
+// prompt is prefilled alone, in a batch or in chunks (the few-row loops sum in another order).
 template <Format F, typename XQ>
-ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                           bool gemm) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("eejax_quantized: x must be 2-D");
   const int64_t M = xd[0], K = xd[1], N = int64_t(rets.size());
@@ -654,7 +657,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
   if (kInteger && NB > kMaxBlocks) return ffi::Error::InvalidArgument("eejax_quantized: rows longer than 16384");
 #if EEJAX_VNNI512
   if constexpr (kInteger)
-    if (M > kMaxVectorRows) return PanelMatmul<F, XQ>(pool, xs, M, N, ws, outs, starts);
+    if (M > kMaxVectorRows || gemm) return PanelMatmul<F, XQ>(pool, xs, M, N, ws, outs, starts);
 #endif
   // This caller's buffers, reused from call to call. A reference, which the parts capture: in a
   // helper's thread the name would be the helper's own.
@@ -740,7 +743,8 @@ EEJAX_DEQUANTIZE_HANDLER(EejaxDequantizeInt8, Format::kInt8);
                                                                              .Ctx<ffi::ThreadPool>() \
                                                                              .Arg<ffi::Buffer<ffi::F32>>() \
                                                                              .RemainingArgs()        \
-                                                                             .RemainingRets())
+                                                                             .RemainingRets()        \
+                                                                             .Attr<bool>("gemm"))
 
 #define EEJAX_QUANTIZED_HANDLERS(format_name, format)                          \
   EEJAX_QUANTIZED_HANDLER(EejaxQuantized##format_name##F32, format, float);   \

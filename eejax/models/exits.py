@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from eejax.errors import EejaxError
 from eejax.models import modules
+from eejax.models.common import row_sum
 from eejax.models.modules import share_scope, unboxed_init
 from eejax.quantized import is_quantized
 
@@ -286,7 +287,7 @@ def resolve_options(params, config, exit=None, spec=None):  # noqa: A002
 
 def _normalise(h):
     hf = h.astype(jnp.float32)
-    return hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + EPS)
+    return hf * jax.lax.rsqrt(row_sum(hf * hf)[..., None] / hf.shape[-1] + EPS)
 
 
 def adapt(exits, h, index):

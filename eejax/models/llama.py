@@ -22,7 +22,7 @@ import numpy as np
 
 from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import LlamaConfig
-from eejax.kernels import paged_attention
+from eejax.kernels import cpu_elementwise, paged_attention
 from eejax.kernels.attention import TreeMask
 from eejax.kernels.cpu_matmul import RowsMatrix
 from eejax.models import modules
@@ -159,7 +159,7 @@ class DecoderLayer(nn.Module):
         its residual: h [B, T, D] -> h."""
         h = h + self.o_proj(attn.reshape(*h.shape[:2], -1))
         gate, up = apply_linears(self, self.post_norm(h), self.gate_proj, self.up_proj)
-        return h + self.down_proj(jax.nn.silu(gate) * up)
+        return h + self.down_proj(cpu_elementwise.silu_mul(gate, up))
 
     def __call__(self, h, cos, sin, valid):
         """The whole layer over right-padded sequences without a KV cache (training): h [B, T, D],

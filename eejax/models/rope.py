@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.config import RopeScaling
+from eejax.kernels import cpu_elementwise
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -30,16 +31,14 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) ->
 
 
 def rope_tables(positions, inv_freq):
-    """cos, sin `[B, T, head_dim]` (float32) for integer positions `[B, T]`."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    """cos, sin `[B, T, head_dim]` (float32) for integer positions `[B, T]` (on a CPU by eejax's
+    kernel: `kernels.cpu_elementwise.rope_tables`)."""
+    return cpu_elementwise.rope_tables(positions, inv_freq)
 
 
 def apply_rope(x, cos, sin):
-    """Rotates `x [B, T, H, Dh]` by the tables `[B, T, Dh]`; computed in float32."""
+    """Rotates `x [B, T, H, Dh]` by the tables `[B, T, Dh]`; computed in float32 (on a CPU by
+    eejax's kernel: `kernels.cpu_elementwise.rope`)."""
     xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    out = cpu_elementwise.rope(xf, *(jnp.broadcast_to(t[:, :, None, :], xf.shape) for t in (cos, sin)))
     return out.astype(x.dtype)
