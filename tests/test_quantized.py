@@ -297,6 +297,8 @@ def test_a_draft_head_is_quantized_with_its_model_and_stays_lossless(config, flo
         d = model.params["draft"]
         assert d["fc"].format == d["layer"]["w_down"].format == "int8" and not Q.is_quantized(d["layer"]["attn_norm"])
         assert greedy(model, PROMPTS, spec="draft:2").tokens == greedy(model, PROMPTS).tokens, kind
+    auto = eejax.generate(model, PROMPTS[:1], max_new_tokens=4, ignore_eos=True, spec="auto")
+    assert auto.stats["spec"] is None  # on a CPU a verify pass over blocks costs ~d + 1 steps: full depth
 
 
 def test_int8_from_a_float_checkpoint_saves_and_loads(tiny_checkpoints, tmp_path):
@@ -345,6 +347,26 @@ def test_bad_quantization_requests_are_refused_by_name(tiny_checkpoints, blocks_
     assert eejax.load(directory, quantization="none").quantization is None
 
 
+def test_auto_keeps_a_known_gguf_models_blocks_on_a_cpu_and_the_rest_as_stored(monkeypatch, tiny_checkpoints):
+    """`eejax.load`'s default: a known GGUF model's own blocks with int16 activations on a CPU;
+    a directory, another dtype or a GPU as stored (float32)."""
+    from eejax.loading import hub
+
+    gguf_model = hub.KnownModel(description="test", requirement="x==1", member="x/tiny.Q4_1.gguf")
+    monkeypatch.setitem(hub.KNOWN_MODELS, "tiny-gguf", gguf_model)
+    monkeypatch.setitem(hub.KNOWN_MODELS, "tiny-gguf-eagle", hub.KnownModel("test", base="tiny-gguf", delta="d"))
+    monkeypatch.setitem(
+        hub.KNOWN_MODELS, "tiny-gguf-layerskip", hub.KnownModel("test", base="tiny-gguf", delta="layerskip")
+    )
+    assert hub.default_quantization("tiny-gguf") == hub.default_quantization("tiny-gguf-eagle") == ("gguf", "int16")
+    assert hub.default_quantization("tiny-gguf-layerskip") == (None, "float32")  # its LoRA changed the weights
+    assert hub.default_quantization("tiny-gguf", dtype=jnp.bfloat16) == (None, "float32")
+    assert hub.default_quantization(tiny_checkpoints["gqa-tied"][2]) == (None, "float32")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert hub.default_quantization("tiny-gguf") == (None, "float32")
+    assert eejax.load(tiny_checkpoints["gqa-tied"][2]).quantization is None
+
+
 def test_the_cli_quantizes_and_refuses_bad_values(capsys, tiny_checkpoints, tmp_path):
     from tests.test_cli import run_cli
 
@@ -357,7 +379,7 @@ def test_the_cli_quantizes_and_refuses_bad_values(capsys, tiny_checkpoints, tmp_
     code, out, _ = run_cli(capsys, *common, "--quantization", "off")
     assert code == 0
     code, _, err = run_cli(capsys, *common, "--quantization", "int4")
-    assert code == 2 and "expected gguf, int8 or none, got 'int4'" in err
+    assert code == 2 and "expected auto, gguf, int8 or none, got 'int4'" in err
     code, _, err = run_cli(capsys, *common, "--activations", "int8")
     assert code == 2 and "apply to quantized weights" in err
     code, out, _ = run_cli(capsys, *common, "--quantization", "int8", "--prompt-activations", "int16")

@@ -113,7 +113,8 @@ tc = T5Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
 t5 = eejax.Model(tc, model_module(tc).init_params(tc, jax.random.PRNGKey(2), scale=0.3))
 for kw in (dict(), dict(exit="softmax:0.05")):
     check("t5", t5, make_mesh(2, 1), **kw)
-smol = eejax.load("smollm2-135m")  # 9 heads, 3 KV heads: tensor 3 splits both
+# float32 (a mesh shards float weights); 9 heads, 3 KV heads: tensor 3 splits both
+smol = eejax.load("smollm2-135m", quantization=None)
 smol_prompts = [smol.tokenizer(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):")]
 want = eejax.generate(smol, smol_prompts, max_new_tokens=8, ignore_eos=True)
 got = eejax.generate(shard(smol, make_mesh(3, 1)), smol_prompts, max_new_tokens=8, ignore_eos=True)

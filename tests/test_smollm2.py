@@ -16,7 +16,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return eejax.load("smollm2-135m")
+    return eejax.load("smollm2-135m", quantization=None)  # float32: HF's weights
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_eagle_model_drafts_losslessly_and_is_accepted(smollm2):
     far more often than an untrained head's (~0.02), and more than the CPU recipe's head's."""
     import jax
 
-    eagle = eejax.load("smollm2-135m-eagle")
+    eagle = eejax.load("smollm2-135m-eagle", quantization=None)
     base = {k: v for k, v in eagle.params.items() if k not in ("draft", "exits")}
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(smollm2.params)))
     suffix = eagle.tokenizer("\n\nSummary:")["input_ids"]
@@ -157,6 +157,22 @@ def test_eagle_model_drafts_losslessly_and_is_accepted(smollm2):
     assert res.tokens == full.tokens
     # the H100-trained head: ~0.43 and ~1.8 here (the CPU recipe's head before it: ~0.27 and ~1.5)
     assert res.stats["acceptance_rate"] > 0.33 and res.stats["tokens_per_round"] > 1.65, res.stats
+
+
+def test_the_default_load_on_a_cpu_is_the_blocks_with_int16_activations_and_drafts_losslessly():
+    """`eejax.load("smollm2-135m-eagle")` with no options on a CPU: the GGUF's own blocks, int16
+    activations (int8 draft head), and draft:4:lookup and 20:2 give its full depth's tokens."""
+    from eejax.kernels import cpu_matmul
+
+    if not cpu_matmul.available():
+        pytest.skip("no C++ compiler for the kernel: the default is float32")
+    eagle = eejax.load("smollm2-135m-eagle")
+    assert eagle.quantization == "q4_1+q8_0" and eagle.params["layers"]["wq"].activations == "int16"
+    suffix = eagle.tokenizer("\n\nSummary:")["input_ids"]
+    prompts = [eagle.tokenizer(row["article"])["input_ids"][:120] + suffix for row in cnndm_rows(2)]
+    full = eejax.generate(eagle, prompts, max_new_tokens=24, ignore_eos=True).tokens
+    for spec in ("draft:4:lookup", "20:2"):
+        assert eejax.generate(eagle, prompts, max_new_tokens=24, ignore_eos=True, spec=spec).tokens == full, spec
 
 
 def test_the_chat_head_drafts_chat_better_than_the_news_head(smollm2):
@@ -170,7 +186,9 @@ def test_the_chat_head_drafts_chat_better_than_the_news_head(smollm2):
     full = eejax.generate(smollm2, prompts, max_new_tokens=48, ignore_eos=True)
     rates = {}
     for name in ("smollm2-135m-eagle", "smollm2-135m-eagle-chat"):
-        res = eejax.generate(eejax.load(name), prompts, max_new_tokens=48, ignore_eos=True, spec="draft:2")
+        res = eejax.generate(
+            eejax.load(name, quantization=None), prompts, max_new_tokens=48, ignore_eos=True, spec="draft:2"
+        )
         assert res.tokens == full.tokens, name
         rates[name] = res.stats["acceptance_rate"]
     # measured 2026-11-29: 0.15 and 0.32 (τ 1.30 and 1.61)

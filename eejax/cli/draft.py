@@ -112,7 +112,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         from eejax.train.plot import _pyplot
 
         _pyplot()  # a missing matplotlib is named before the long work
-    model = eejax.load(args.model)
+    model = eejax.load(args.model, quantization=None)  # features and answers of the float32 weights
     draft_head.check_model(model.config)
     settings.check(model.config.vocab_size)
     if model.tokenizer is None:

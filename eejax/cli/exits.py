@@ -17,7 +17,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     prompts = prompts_from_args(args)
     decay = None if args.exit_decay in ("off", "none") else number_or_off(args.exit_decay, "--exit-decay")
-    model = eejax.load(args.model)
+    model = eejax.load(args.model, quantization=None)  # calibrates float32 weights, as trained
     cal, layers = calibrate_exit_threshold(
         model,
         prompts,
@@ -75,7 +75,7 @@ def cmd_exit_vocab(args: argparse.Namespace) -> int:
     output = Path(args.output).expanduser()
     check_destination(output, overwrite=args.overwrite)
     texts = prompts_from_args(args)
-    model = eejax.load(args.model)
+    model = eejax.load(args.model, quantization=None)  # writes the float32 model with its reduced head
     if not 1 <= args.size <= model.config.vocab_size:
         raise EejaxError(f"--size {args.size} must lie in [1, {model.config.vocab_size}] (the model's vocabulary)")
     prompts, _ = prompt_token_ids(model.tokenizer, texts)

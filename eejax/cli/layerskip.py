@@ -86,7 +86,7 @@ def cmd_train_layerskip(args: argparse.Namespace) -> int:
     texts = texts[args.skip :][: args.limit]  # the held-out rows first, then the limit
     if not texts:
         raise EejaxError(f"no prompts left after --skip {args.skip}")
-    model = eejax.load(args.model)
+    model = eejax.load(args.model, quantization=None)  # trains and distills on float32 weights
     from eejax.train.loop import check_trainable
 
     check_trainable(model.config)

@@ -24,7 +24,7 @@ def cmd_train_exits(args: argparse.Namespace) -> int:
         except ImportError:
             raise EejaxError('--loss-plot needs matplotlib: pip install "eejax[bench]"') from None
     texts = prompts_from_args(args)
-    model = eejax.load(args.model)
+    model = eejax.load(args.model, quantization=None)  # trains on float32 weights
     if model.tokenizer is None:
         raise EejaxError(f"{args.model} has no tokenizer to read the prompts with")
     suffix = model.tokenizer(args.suffix, add_special_tokens=False)["input_ids"] if args.suffix else []

@@ -107,14 +107,17 @@ PAYS_ABOVE = 1.05  # a round is chosen over plain steps when predicted this much
 AUTO_CPU_ROWS = 1  # spec="auto" speculates on a CPU when at most this many rows decode at once
 
 
-def auto_speculates(rows: int) -> bool:
-    """Whether `spec="auto"` speculates when `rows` rows decode at once (an engine's slots). On a
-    GPU, always: a verify pass over a few positions costs about a step there (H200, 2026-11-28:
-    `draft:4:lookup` 1.75x full depth at batch 1, 1.41x at batch 8). On a CPU, for a single row
-    only: with more rows the verify pass is compute-bound and costs ~d + 1 steps, and auto lost
-    while its policy found that out (this 2-core CPU, 2026-11-29, 64 tokens at batch 8: 0.89x on
-    MT-bench and on CNN/DM; at batch 1 0.99-1.47x, `benchmarks/draft_head.py`)."""
-    return backend() != "cpu" or rows <= AUTO_CPU_ROWS
+def auto_speculates(rows: int, quantized: bool = False) -> bool:
+    """Whether `spec="auto"` speculates when `rows` rows decode at once (an engine's slots) of a
+    model with `quantized` weights or float ones. On a GPU, always: a verify pass over a few
+    positions costs about a step there (H200, 2026-11-28: `draft:4:lookup` 1.75x full depth at
+    batch 1, 1.41x at batch 8). On a CPU, for a single row of float weights only: with more rows,
+    or on quantized blocks at any batch, the verify pass is compute-bound and costs ~d + 1 steps,
+    and auto lost while its policy found that out (this 2-core CPU, 2026-11-29, 64 tokens: float32
+    weights at batch 8 0.89x on MT-bench and on CNN/DM, at batch 1 0.99-1.47x,
+    `benchmarks/draft_head.py`; the default GGUF blocks with int16 activations at batch 1 0.84-0.87x
+    on CNN/DM and chat, where `draft:4:lookup` gave 0.48-0.72x)."""
+    return backend() != "cpu" or (rows <= AUTO_CPU_ROWS and not quantized)
 
 
 def expected_tokens(alpha: float, d: int) -> float:

@@ -287,7 +287,7 @@ class Engine:
             max_decoding_options=max_decoding_options,
             seed=seed,
             prompt_positions=self.prompt_positions,
-            speculate_auto=auto_speculates(max_slots),
+            speculate_auto=auto_speculates(max_slots, model.quantization is not None),
         )
 
     @functools.wraps(Requests.submit)

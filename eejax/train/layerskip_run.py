@@ -278,7 +278,7 @@ def load_run(run_dir: str | Path):
         raise EejaxError(f"{run_dir} is not a LayerSkip run directory (no run.json)")
     run = json.loads((run_dir / "run.json").read_text())
     settings = RunSettings.from_json(run["settings"])
-    model = load(run["model"])
+    model = load(run["model"], quantization=None)
     trainable, _ = initial_trainable(model, settings)
     manager = _manager(run_dir / "checkpoints")
     try:
