@@ -55,7 +55,7 @@ def main() -> int:
     if not 1 <= args.rows <= EVAL_ROWS:
         parser.error(f"--rows must be 1 to {EVAL_ROWS}: only CNN/DM rows 0..{EVAL_ROWS - 1} are held out of training")
     heads = args.heads or [SHIPPED]
-    model = eejax.load(args.model)
+    model = eejax.load(args.model, quantization=None)
     rows, lines = [], []
     header = "| set | head | " + " | ".join(f"a{k + 1}" for k in range(args.positions)) + " | est. τ d=2 | est. τ d=4 |"
     lines += [header, "|" + "---|" * (args.positions + 4)]

@@ -111,9 +111,8 @@ def main(argv=None) -> int:
     batches = args.batches or [1, 8]
 
     # Untrained classifiers (for the check cost only) and the reduced exit head.
-    model = with_exit_vocab(
-        eejax.init_exits(eejax.load("smollm2-135m", layer_buffers=args.layer_buffers)), args.vocab_size
-    )
+    float_model = eejax.load("smollm2-135m", layer_buffers=args.layer_buffers, quantization=None)
+    model = with_exit_vocab(eejax.init_exits(float_model), args.vocab_size)
     L = model.config.num_layers
     prompts, highlights = summary_prompts(model.tokenizer, args.prompts, args.prompt_tokens)
     results = {

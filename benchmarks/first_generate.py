@@ -27,7 +27,7 @@ import json, sys, time
 sys.path.insert(0, {root!r})
 import eejax
 from benchmarks.common import cnndm_prompts
-model = eejax.load("smollm2-135m", layer_buffers={layout!r})
+model = eejax.load("smollm2-135m", layer_buffers={layout!r}, quantization=None)
 prompts = cnndm_prompts(model.tokenizer, {batch}, 256)
 start = time.perf_counter()
 eejax.generate(model, prompts, max_new_tokens={new_tokens}, ignore_eos=True)

@@ -73,7 +73,7 @@ def main() -> None:
     try:
         for name, option in CONFIGS:
             if name not in models:
-                models[name] = eejax.load(name)
+                models[name] = eejax.load(name, quantization=None)
             prompts = cnndm_prompts(models[name].tokenizer, args.batch, args.prompt_tokens)
             for static in (False, True):
                 early_exit.static_loops = lambda static=static: static

@@ -160,7 +160,7 @@ def cpu_share(args) -> int:
     from eejax.models import llama
     from eejax.options import StepOptions
 
-    model = eejax.load("smollm2-135m")
+    model = eejax.load("smollm2-135m", quantization=None)
     c = model.config
     rows = []
     for b in args.batches:

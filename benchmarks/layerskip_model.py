@@ -213,7 +213,7 @@ def main() -> int:
     args.speed_thresholds = args.speed_thresholds if args.speed_thresholds is not None else []
     args.batches = args.batches or [1, 8]
 
-    base = eejax.load(args.base)
+    base = eejax.load(args.base, quantization=None)
     if args.run:
         from eejax.train.layerskip_run import load_run
 

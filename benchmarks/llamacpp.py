@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     from eejax.quantized import ACTIVATIONS
 
     gguf = str(fetch_original("smollm2-135m"))
-    reference = eejax.load("smollm2-135m")
+    reference = eejax.load("smollm2-135m", quantization=None)
     prompts, _ = summary_prompts(reference.tokenizer, args.prompts, args.prompt_tokens)
     peers = [llamacpp_in_child(gguf, prompts, args.new_tokens, args.threads)]
     float32 = run_eejax(reference, prompts, args.new_tokens)
@@ -136,6 +136,8 @@ def main(argv=None) -> int:
     for activations, prompt_activations in [(a, None) for a in ACTIVATIONS] + [("float32", "int16")]:
         kw = dict(quantization="gguf", activations=activations, prompt_activations=prompt_activations)
         setting = f"gguf, {activations} activations" + (f", {prompt_activations} prompts" if prompt_activations else "")
+        if (activations, prompt_activations) == ("int16", None):
+            setting += " (eejax.load's default on a CPU)"
         ours[setting] = run_eejax(eejax.load("smollm2-135m", **kw), prompts, args.new_tokens)
         if specs:
             drafted = eejax.load("smollm2-135m-eagle", **kw)

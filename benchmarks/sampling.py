@@ -34,7 +34,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
 
-    model = eejax.load(args.model)
+    model = eejax.load(args.model, quantization=None)
     prompts = cnndm_prompts(model.tokenizer, args.batch, args.prompt_tokens)
     results = {}
     for name, options in SETTINGS.items():

@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=16)
     args = parser.parse_args()
-    base, drafting = eejax.load("smollm2-135m"), eejax.load("smollm2-135m-eagle")
+    base, drafting = (eejax.load(n, quantization=None) for n in ("smollm2-135m", "smollm2-135m-eagle"))
     prompts = cnndm_prompts(base.tokenizer, args.prompts, args.prompt_tokens)
     model_of = {mode: drafting if mode in DRAFTED else base for mode in MODES}
     want = {

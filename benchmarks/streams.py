@@ -53,7 +53,7 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     args = p.parse_args()
 
-    model = eejax.load(args.model)
+    model = eejax.load(args.model, quantization=None)
     prompts = workload(model.tokenizer, args.streams, args.prompt_tokens, seed=0)
     server = Server(
         model,

@@ -318,7 +318,7 @@ def main() -> int:
 
     results_path = OUT / "train_exits.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    base = eejax.load("smollm2-135m")
+    base = eejax.load("smollm2-135m", quantization=None)
     if "train" in args.stages:
         results["train"] = stage_train(args, base)
         write_result("train_exits", results)
