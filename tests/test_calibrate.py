@@ -146,7 +146,7 @@ def test_calibrate_command(tiny_checkpoints, capsys, monkeypatch):
 
     path = str(tiny_checkpoints["gqa-untied"][2])
     model = eejax.load(path)
-    monkeypatch.setattr(eejax, "load", lambda name: model)  # the two runs share compiled programs
+    monkeypatch.setattr(eejax, "load", lambda name, **kw: model)  # the two runs share compiled programs
     argv = [
         "calibrate",
         "--model",

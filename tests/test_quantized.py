@@ -360,6 +360,8 @@ def test_auto_keeps_a_known_gguf_models_blocks_on_a_cpu_and_the_rest_as_stored(m
     )
     assert hub.default_quantization("tiny-gguf") == hub.default_quantization("tiny-gguf-eagle") == ("gguf", "int16")
     assert hub.default_quantization("tiny-gguf-layerskip") == (None, "float32")  # its LoRA changed the weights
+    monkeypatch.setitem(hub.KNOWN_MODELS, "tiny-on-a-directory", hub.KnownModel("test", base="/x/y", delta="d"))
+    assert hub.default_quantization("tiny-on-a-directory") == (None, "float32")
     assert hub.default_quantization("tiny-gguf", dtype=jnp.bfloat16) == (None, "float32")
     assert hub.default_quantization(tiny_checkpoints["gqa-tied"][2]) == (None, "float32")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

@@ -167,7 +167,8 @@ def test_the_default_load_on_a_cpu_is_the_blocks_with_int16_activations_and_draf
     if not cpu_matmul.available():
         pytest.skip("no C++ compiler for the kernel: the default is float32")
     eagle = eejax.load("smollm2-135m-eagle")
-    assert eagle.quantization == "q4_1+q8_0" and eagle.params["layers"]["wq"].activations == "int16"
+    layer = eagle.params["layers"]["wq"]
+    assert eagle.quantization == "int8+q4_1+q8_0" and (layer.format, layer.activations) == ("q4_1", "int16")
     suffix = eagle.tokenizer("\n\nSummary:")["input_ids"]
     prompts = [eagle.tokenizer(row["article"])["input_ids"][:120] + suffix for row in cnndm_rows(2)]
     full = eejax.generate(eagle, prompts, max_new_tokens=24, ignore_eos=True).tokens

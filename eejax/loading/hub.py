@@ -268,7 +268,9 @@ def default_quantization(path_or_name, dtype=None) -> tuple[str | None, str]:
 def _from_gguf(name: str) -> bool:
     """Whether a known model is (built on) a GGUF file; a LayerSkip LoRA delta changes the weights,
     so its model has no blocks of its own."""
-    known = KNOWN_MODELS[name]
+    known = KNOWN_MODELS.get(name)
+    if known is None:  # a base given as a checkpoint directory
+        return False
     if known.base is not None:
         return known.delta is not None and "layerskip" not in known.delta and _from_gguf(known.base)
     return bool(known.member and known.member.endswith(".gguf"))
