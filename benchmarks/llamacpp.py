@@ -1,17 +1,20 @@
 """eejax on a GGUF's own blocks against llama.cpp on the same file (SmolLM2-135M-Instruct Q4_1), batch 1.
 
-The same token ids for both: CNN/DM summary prompts (rows 0..N-1 of data/cnndm_test_dev100.jsonl,
-the first --prompt-tokens tokens ending in "\\n\\nSummary:"), --new-tokens greedy tokens each, EOS
-ignored, one prompt at a time. llama.cpp (llama-cpp-python, the `llamacpp` extra) runs in its own
-process with --threads threads (in eejax's process its thread pool slowed eejax), once before
-eejax's runs and once after (the faster run is kept). Reported for each side: prefill tokens/s,
-decode tokens/s (the steps after the first token) and end-to-end tokens/s (prefill included),
-and eejax's ratios to llama.cpp; eejax's settings are the GGUF blocks with float32, int8 and int16
-activations, and float32 ones with int16 prompts (a prefill's products in integers), at full depth
-and, with the draft head (smollm2-135m-eagle on the same blocks), --specs. Also the share of
-llama.cpp's greedy tokens that eejax's float32 reference reproduces.
+The same token ids for both: the prompts of --set (`benchmarks/eval_sets.py`; default CNN/DM
+summary prompts: rows 0..N-1 of data/cnndm_test_dev100.jsonl, the first --prompt-tokens tokens
+ending in "\\n\\nSummary:"; chat and mtbench: questions through the chat template; pydoc: Python's
+docs), --new-tokens greedy tokens each, EOS ignored, one prompt at a time. llama.cpp
+(llama-cpp-python, the `llamacpp` extra) runs in its own process with --threads threads (in
+eejax's process its thread pool slowed eejax), once before eejax's runs and once after (the faster
+run is kept). Reported for each side: prefill tokens/s, decode tokens/s (the steps after the first
+token) and end-to-end tokens/s (prefill included), and eejax's ratios to llama.cpp; eejax's
+settings are the GGUF blocks with float32, int8 and int16 activations, and float32 ones with int16
+prompts (a prefill's products in integers), at full depth and, with the draft head
+(smollm2-135m-eagle on the same blocks), --specs. Also the share of llama.cpp's greedy tokens
+that eejax's float32 reference reproduces.
 
-    python benchmarks/llamacpp.py [--prompts 8] [--new-tokens 64] [--threads 2] [--specs draft:2:lookup]
+    python benchmarks/llamacpp.py [--set cnndm|mtbench|chat|pydoc|code] [--prompts 8] [--new-tokens 64] \
+        [--threads 2] [--specs draft:2:lookup]
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.eval_sets import SETS  # noqa: E402
+from benchmarks.eval_sets import prompts as eval_prompts  # noqa: E402
 
 
 def run_llamacpp(gguf: str, prompts: list[list[int]], new_tokens: int, threads: int) -> dict:
@@ -114,21 +120,30 @@ def main(argv=None) -> int:
         default=None,
         help="draft-head settings (default draft:2:lookup, the best measured on the blocks: docs/quantization.md)",
     )
+    parser.add_argument(
+        "--set",
+        choices=SETS,
+        default="cnndm",
+        help="the prompts (benchmarks/eval_sets.py): cnndm summaries (default), mtbench / chat questions through "
+        "the chat template, pydoc / code text",
+    )
     parser.add_argument("--name", default="llamacpp")
     args = parser.parse_args(argv)
     specs = ["draft:2:lookup"] if args.specs is None else args.specs
-    if args.prompts > 20:
+    if args.set == "cnndm" and args.prompts > 20:
         parser.error("at most 20 prompts: rows 0..19 are the draft head's held-out rows")
 
     import eejax
     from benchmarks.common import write_result
-    from benchmarks.early_exit import summary_prompts
     from eejax.loading.hub import fetch_original
     from eejax.quantized import ACTIVATIONS
 
     gguf = str(fetch_original("smollm2-135m"))
     reference = eejax.load("smollm2-135m", quantization=None)
-    prompts, _ = summary_prompts(reference.tokenizer, args.prompts, args.prompt_tokens)
+    try:
+        prompts = eval_prompts(reference.tokenizer, args.set, args.prompts, args.prompt_tokens)
+    except ValueError as e:
+        parser.error(str(e))
     peers = [llamacpp_in_child(gguf, prompts, args.new_tokens, args.threads)]
     float32 = run_eejax(reference, prompts, args.new_tokens)
     del reference
