@@ -43,7 +43,9 @@ def main(argv=None) -> int:
     say("  and converts it once into .cache/eejax, ~40 s) ...")
     # The stacked layout compiles fastest and nothing compiles in the background, so both runs
     # decode alone (their own compilation is excluded from their speeds).
-    model = eejax.load("smollm2-135m-eagle", layer_buffers="stacked")
+    # float32 weights: where the draft head pays on a CPU (on the default GGUF blocks a verify pass is
+    # compute-bound and full depth is faster: docs/quantization.md)
+    model = eejax.load("smollm2-135m-eagle", layer_buffers="stacked", quantization=None)
     prompts, _ = summary_prompts(model.tokenizer, args.articles, args.prompt_tokens)
     say(f"{args.articles} articles, one at a time, each at full depth and with the draft head (spec={args.spec}),")
     say("  the two in turns so that the machine's drift falls on both (the first of each compiles) ...")
