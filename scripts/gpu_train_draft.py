@@ -84,7 +84,7 @@ def prepare(out: Path, questions: Path | None = None) -> None:
     from eejax.train import draft_corpus as dc
     from eejax.train.chat_corpus import chat_prompt, read_instructions
 
-    tok = eejax.load("smollm2-135m").tokenizer
+    tok = eejax.load("smollm2-135m", quantization=None).tokenizer
     news = dc.articles(ROOT / "data/cnndm_test_dev100.jsonl") + dc.articles(
         ROOT / "data/cnndm_more.jsonl.gz", skip_rows=0
     )
@@ -119,7 +119,7 @@ def load_model(args):
     from eejax.loading.model import Model
 
     if args.random_like is None:
-        return eejax.load(args.model)
+        return eejax.load(args.model, quantization=None)  # trains on float32 weights
     from transformers import AutoTokenizer
 
     from eejax.models.llama import init_params
