@@ -44,6 +44,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define EEJAX_VNNI512 1
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define EEJAX_VNNI256 1  // vpdpwssd / vpdpbusd on 256-bit vectors
+#endif
 #endif
 
 namespace ffi = xla::ffi;
@@ -56,7 +59,8 @@ template <Format F>
 constexpr bool kNibbles = F == Format::kQ4_0 || F == Format::kQ4_1;
 template <Format F>
 constexpr int64_t kBlockBytes = kNibbles<F> ? 16 : 32;
-constexpr int kGroup = 4;            // rows of x per pass over a weight row
+constexpr int kGroup = 4;            // rows of float x per pass over a weight row
+constexpr int kIntegerGroup = 8;     // rows of integer x per pass (one block decoded for all of them)
 constexpr int64_t kRowsPerTile = 16;  // weight rows whose blocks stay in L1 while every group of x passes
 constexpr int64_t kMinBlocksPerPart = 4096;
 
@@ -213,6 +217,7 @@ template <typename XQ>
 struct QuantizedX {
   std::vector<XQ> xq;
   std::vector<float> dx, offset;
+  std::vector<float> dx_pairs;  // paired layout: [M, pairs, 8], pair k's dx spread as its sums lie (spread_pairs)
   int64_t stride = 0;  // xq values per row of x
   bool paired = false;
 
@@ -282,14 +287,48 @@ void quantize_blocks(const float* x, int64_t NB, QuantizedX<Store>& out, int64_t
   }
 }
 
+// Per-block values v [NB] spread over the paired layout's vectors: out [pairs, 8], pair k's lanes 0-3
+// v[2k] and lanes 4-7 v[2k + 1] (0 past NB), as a PairDot's sums lie.
+inline void spread_pairs(const float* v, int64_t NB, float* out) {
+  for (int64_t k = 0; k < (NB + 1) / 2; ++k) {
+    const float lo = v[2 * k], hi = 2 * k + 1 < NB ? v[2 * k + 1] : 0.f;
+    for (int l = 0; l < 4; ++l) out[8 * k + l] = lo, out[8 * k + 4 + l] = hi;
+  }
+}
+
 // All of x's M rows, in the products' layout for XQ.
 template <Format F, typename XQ>
 void quantize_x(const float* x, int64_t M, int64_t NB, QuantizedX<XQ>& out) {
   size_x(M, NB, out, kPaired<F, XQ>);
   quantize_blocks<F, XQ>(x, NB, out, 0, M * NB);
+  if (out.paired) {
+    const int64_t spread = (NB + 1) / 2 * 8;
+    out.dx_pairs.resize(M * spread);
+    for (int64_t m = 0; m < M; ++m) spread_pairs(out.dx.data() + m * NB, NB, out.dx_pairs.data() + m * spread);
+  }
 }
 
 #if EEJAX_AVX2
+// acc + a * b (int16 lanes) with each pair of products summed into an int32 lane: one vpdpwssd where
+// there is VNNI, else madd and add. The same integers either way (no sum here can overflow).
+inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+#if EEJAX_VNNI256
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+// u (unsigned bytes) * s (signed bytes) with each four products summed into an int32 lane: vpdpbusd,
+// else maddubs and madd (maddubs' int16 pair sums stay below 2 * 128 * 127 here: no saturation).
+inline __m256i dot_bytes(__m256i u, __m256i s) {
+#if EEJAX_VNNI256
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 // A block's weights ready for integer products against x's type, and the product: 32 weight-x
 // products summed to 8 int32 lanes. q4 weights are unsigned nibbles (q4_0's -8 is in the offset
 // term), q8 and int8 signed. Every sum fits int32 (int16: 32 * 128 * 32767 < 2^31).
@@ -308,11 +347,11 @@ struct BlockDot<F, int8_t> {  // llama.cpp's: maddubs multiplies unsigned by sig
     }
   }
   __m256i dot(const int8_t* xq) const {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)), ones = _mm256_set1_epi16(1);
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
     if constexpr (kNibbles<F>)  // signed weights below: their magnitude times x with their sign
-      return _mm256_madd_epi16(_mm256_maddubs_epi16(wq, x), ones);
+      return dot_bytes(wq, x);
     else
-      return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(x, wq)), ones);
+      return dot_bytes(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(x, wq));
   }
 };
 
@@ -326,7 +365,7 @@ struct BlockDot<F, int16_t> {  // 8-bit weights widened to int16, multiplied pai
   __m256i dot(const int16_t* xq) const {
     const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
     const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
-    return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+    return madd_add(_mm256_madd_epi16(w0, x0), w1, x1);
   }
 };
 
@@ -362,14 +401,49 @@ struct PairDot {
   // Lanes 0-3: block 2k's products summed in fours; lanes 4-7: block 2k + 1's.
   __m256i dot(const int16_t* x) const {
     __m256i s = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-    for (int i = 1; i < 4; ++i)
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(w[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * i))));
+    for (int i = 1; i < 4; ++i) s = madd_add(s, w[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * i)));
     return s;
   }
 };
 
+// 4-bit weights against int16 x, two blocks per vector (half the conversions and scalings): pair k's
+// scales are its weights' d spread (per weight row) times x's dx spread (per call), the same
+// products d * dx as the unpaired path's.
+template <Format F, int G>
+void paired_rows(const QuantizedX<int16_t>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
+  const int64_t NB = w.NB, pairs = (NB + 1) / 2;
+  alignas(32) float d[kMaxBlocks], spread[kMaxBlocks / 2 * 8 + 8];
+  const float* dx = qx.dx_pairs.data() + m0 * pairs * 8;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* dr = w.d + r * NB;
+    int64_t b = 0;
+    for (; b + 8 <= NB; b += 8) _mm256_store_ps(d + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dr + b))));
+    for (; b < NB; ++b) d[b] = half_to_float(dr[b]);
+    spread_pairs(d, NB, spread);
+    __m256 acc[G][2];
+    for (int m = 0; m < G; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    const int16_t* xq0 = qx.xq.data() + m0 * qx.stride;
+    const uint8_t* row = w.qs + r * NB * kBlockBytes<F>;
+    auto pair = [&](int64_t k, int a) {  // `a`: which accumulator (two chains hide the FMA's latency)
+      const PairDot wq(row + k * 2 * kBlockBytes<F>, 2 * k + 1 < NB);
+      const __m256 dk = _mm256_load_ps(spread + 8 * k);
+      for (int m = 0; m < G; ++m)
+        acc[m][a] = _mm256_fmadd_ps(_mm256_mul_ps(dk, _mm256_loadu_ps(dx + m * pairs * 8 + 8 * k)),
+                                    _mm256_cvtepi32_ps(wq.dot(xq0 + m * qx.stride + k * 64)), acc[m][a]);
+    };
+    int64_t k = 0;
+    for (; k + 2 <= pairs; k += 2) pair(k, 0), pair(k + 1, 1);
+    if (k < pairs) pair(k, 0);
+    for (int m = 0; m < G; ++m) {
+      const float s = sum8(_mm256_add_ps(acc[m][0], acc[m][1])) + offset_sum<F>(w, r, qx.offset.data() + (m0 + m) * NB);
+      y[m * w.R + r] = s;
+    }
+  }
+}
+
+// Every other pairing of weights and x: a block per vector, its scale d * dx per row of x.
 template <Format F, typename XQ, int G>
-void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
+void block_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
   alignas(32) float scale[G][kMaxBlocks + 8];  // d * dx per block of this row, for each row of x (rows padded to stay 32-byte aligned)
   for (int64_t r = r0; r < r1; ++r) {
     for (int m = 0; m < G; ++m) {
@@ -384,41 +458,33 @@ void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights&
                                                       _mm256_loadu_ps(dx + b)));
         for (; b < w.NB; ++b) scale[m][b] = half_to_float(d[b]) * dx[b];
       }
-      scale[m][w.NB] = 0.f;  // an odd last block's pair reads it
     }
     __m256 acc[G][2];
     for (int m = 0; m < G; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     const XQ* xq0 = qx.xq.data() + m0 * qx.stride;
     const uint8_t* row = w.qs + r * w.NB * kBlockBytes<F>;
-    if constexpr (kPaired<F, XQ>) {  // two blocks per vector: half the conversions and scalings
-      const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-      auto pair = [&](int64_t k, int a) {  // `a`: which accumulator (two chains hide the FMA's latency)
-        const PairDot wq(row + k * 2 * kBlockBytes<F>, 2 * k + 1 < w.NB);
-        for (int m = 0; m < G; ++m) {
-          const __m256 two = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale[m] + 2 * k))));
-          acc[m][a] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(two, halves), _mm256_cvtepi32_ps(wq.dot(xq0 + m * qx.stride + k * 64)), acc[m][a]);
-        }
-      };
-      const int64_t pairs = (w.NB + 1) / 2;
-      int64_t k = 0;
-      for (; k + 2 <= pairs; k += 2) pair(k, 0), pair(k + 1, 1);
-      if (k < pairs) pair(k, 0);
-    } else {
-      auto block = [&](int64_t b, int a) {
-        const BlockDot<F, XQ> wq(row + b * kBlockBytes<F>);
-        for (int m = 0; m < G; ++m)
-          acc[m][a] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale[m] + b), _mm256_cvtepi32_ps(wq.dot(xq0 + m * qx.stride + b * 32)), acc[m][a]);
-      };
-      int64_t b = 0;
-      for (; b + 2 <= w.NB; b += 2) block(b, 0), block(b + 1, 1);
-      if (b < w.NB) block(b, 0);
-    }
+    auto block = [&](int64_t b, int a) {
+      const BlockDot<F, XQ> wq(row + b * kBlockBytes<F>);
+      for (int m = 0; m < G; ++m)
+        acc[m][a] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale[m] + b), _mm256_cvtepi32_ps(wq.dot(xq0 + m * qx.stride + b * 32)), acc[m][a]);
+    };
+    int64_t b = 0;
+    for (; b + 2 <= w.NB; b += 2) block(b, 0), block(b + 1, 1);
+    if (b < w.NB) block(b, 0);
     for (int m = 0; m < G; ++m) {
       const int64_t row = m0 + m;
       const float s = sum8(_mm256_add_ps(acc[m][0], acc[m][1])) + offset_sum<F>(w, r, qx.offset.data() + row * w.NB);
       y[m * w.R + r] = finish(s, w, r, F == Format::kInt8);
     }
   }
+}
+
+template <Format F, typename XQ, int G>
+void integer_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
+  if constexpr (kPaired<F, XQ>)
+    paired_rows<F, G>(qx, m0, y, w, r0, r1);
+  else
+    block_rows<F, XQ, G>(qx, m0, y, w, r0, r1);
 }
 #else
 template <Format F, typename XQ, int G>
@@ -574,7 +640,7 @@ void float_group(int g, const float* x, float* y, const Weights& w, int64_t r0, 
   float_rows<F, G>(x, y, w, r0, r1);
 }
 
-template <Format F, typename XQ, int G = kGroup>
+template <Format F, typename XQ, int G = kIntegerGroup>
 void integer_group(int g, const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
   if constexpr (G > 1)
     if (g < G) return integer_group<F, XQ, G - 1>(g, qx, m0, y, w, r0, r1);
@@ -665,7 +731,8 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
   auto& qx = caller_qx;
   if constexpr (kInteger) quantize_x<F, XQ>(xs, M, NB, qx);
   // A part is at least kMinBlocksPerPart blocks of work: waking a helper costs more than a small product.
-  const int64_t work = R * NB * ((M + kGroup - 1) / kGroup);
+  const int group = kInteger ? kIntegerGroup : kGroup;
+  const int64_t work = R * NB * ((M + group - 1) / group);
   const int64_t parts = eejax::num_parts(pool, std::min((R + kRowsPerTile - 1) / kRowsPerTile, (work + kMinBlocksPerPart - 1) / kMinBlocksPerPart));
   eejax::run_parts(pool, parts, [&](int64_t i) {
     const int64_t lo = R * i / parts, hi = R * (i + 1) / parts;
@@ -673,8 +740,8 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
       const Weights& w = ws[j];
       const int64_t r0 = std::max(lo, starts[j]) - starts[j], r1 = std::min(hi, starts[j + 1]) - starts[j];
       for (int64_t t = r0; t < r1; t += kRowsPerTile)
-        for (int64_t m = 0; m < M; m += kGroup) {
-          const int g = int(std::min<int64_t>(kGroup, M - m));
+        for (int64_t m = 0; m < M; m += group) {
+          const int g = int(std::min<int64_t>(group, M - m));
           const int64_t t1 = std::min(r1, t + kRowsPerTile);
           if constexpr (kInteger)
             integer_group<F, XQ>(g, qx, m, outs[j] + m * w.R, w, t, t1);
