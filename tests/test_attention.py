@@ -82,6 +82,24 @@ def test_the_cpu_kernel_takes_many_queries_per_kv_head():
         )
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 1, 24), (12, 1, 128)])
+def test_the_cpu_kernels_prefill_tiles_give_each_query_its_bits_alone(hq, hkv, d):
+    """A prefill's queries go in tiles (consecutive positions x heads of a KV head), each seeing
+    its own number of keys: every query's output is the same bits as that query alone, whatever
+    tile it fell in (positions past a tile's edge, a key count ending inside a block of 4)."""
+    rng = np.random.default_rng(hq * 1000 + d)
+    lengths = [37, 70]
+    q, kc, vc, table, q_pos, rows_k, rows_v = build_case(rng, lengths, 23, 8, hq, hkv, d)
+    kv_len = np.array(lengths, np.int32)
+    together = np.asarray(paged_attention(q, kc, vc, np.int32(1), table, q_pos, kv_len, impl="cpu"))
+    for t in (0, 1, 4, 10, 11, 22):
+        alone = paged_attention(q[:, t : t + 1], kc, vc, np.int32(1), table, q_pos[:, t : t + 1], kv_len, impl="cpu")
+        assert np.array_equal(np.asarray(alone)[:, 0], together[:, t]), f"position {t}"
+    for i, n in enumerate(lengths):
+        want = dense_attention(q[i], rows_k[i], rows_v[i], q_pos[i], n)
+        np.testing.assert_allclose(together[i], want, atol=1e-5, rtol=1e-5)
+
+
 def test_causal_mask_hides_later_tokens():
     """Changing keys after a query's position must not change its output."""
     rng = np.random.default_rng(0)

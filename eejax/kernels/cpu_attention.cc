@@ -10,10 +10,11 @@
 // with KV head h / (Hq / Hkv) (GQA); a query with no key gets zeros. Each query's sums run in the
 // same order whatever else the call holds (its scores key by key, the softmax 8 keys a vector,
 // its weighted values per lane in key order), so its result does not depend on how many queries
-// share the call: a verify pass and a decode step agree bit for bit. The queries are split
-// between the pool's threads (cpu_parts.h); a thread takes its queries in runs of the heads of
-// one KV head, which read each key and value row once (from memory, then from L1) and sum their
-// weighted values in registers; rows are prefetched a page ahead.
+// share the call: a verify pass, a decode step and a prefill agree bit for bit. The queries go
+// in tiles of a row's consecutive positions times the heads of one KV head (up to 32 queries: a
+// prefill's tile reads each key and value row once for all of them, from memory, then from L1),
+// split between the pool's threads (cpu_parts.h). Scores go 4 queries x 4 keys a block, weighted
+// values 3 queries x 64 values in registers; rows are prefetched a page ahead.
 
 #include <algorithm>
 #include <cmath>
@@ -41,6 +42,22 @@ inline float horizontal_sum(__m256 v) {  // lanes summed in a fixed order
   const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+// out[i] = horizontal_sum(v[i]) for 8 vectors, the same adds in the same order, done 8 at a time:
+// each vector's halves added, then lanes 0 + 2 and 1 + 3, then those two.
+inline void horizontal_sums(const __m256 v[8], float out[8]) {
+  __m256 h[4];  // h[i]: v[2i]'s halves added (low 128 bits), v[2i + 1]'s (high)
+  for (int i = 0; i < 4; ++i)
+    h[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20), _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  __m256 q[2];  // per 128 bits: lanes 0 + 2 and 1 + 3 of h[2i] (lanes 0, 1) and h[2i + 1] (lanes 2, 3)
+  for (int i = 0; i < 2; ++i)
+    q[i] = _mm256_add_ps(_mm256_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lanes: v0 v2 v4 v6 | v1 v3 v5 v7
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, r);
+  for (int i = 0; i < 4; ++i) out[2 * i] = lanes[i], out[2 * i + 1] = lanes[4 + i];
 }
 inline float dot(const float* a, const float* b, int64_t n) {  // n % 8 == 0: 8 lanes, then their sum
   __m256 acc = _mm256_setzero_ps();
@@ -78,29 +95,72 @@ inline void dot4(const float* q, const float* const k[4], int64_t n, float out[4
   for (int j = 0; j < 4; ++j) out[j] = horizontal_sum(acc[j]);
 }
 
-// outs[g][0, n) = sum over keys p of w[g * stride + p] * v(p)[0, n) for each of `heads` heads
-// that share the values, summed in key order per lane, in registers (at most kAccumulators
-// vectors at a time): each head's sums are those of one head alone, key after key. The group
-// reads each value row once.
-constexpr int kAccumulators = 12;
-template <typename Row>
-void weighted_values(const float* w, int64_t stride, int heads, int64_t keys, Row v, int64_t n, float* const* outs) {
-  const int64_t per_head = std::max<int64_t>(1, std::min<int64_t>(n / 8, kAccumulators / heads));
-  for (int64_t d0 = 0; d0 < n; d0 += 8 * per_head) {
-    const int64_t vectors = std::min(8 * per_head, n - d0) / 8;
-    __m256 acc[kAccumulators];
-    for (int64_t j = 0; j < heads * vectors; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < keys; ++p) {
-      if (d0 == 0 && p + 8 < keys) prefetch_row(v(p + 8), n);
-      const float* vp = v(p) + d0;
-      for (int g = 0; g < heads; ++g) {
-        const __m256 wp = _mm256_set1_ps(w[g * stride + p]);
-        for (int64_t j = 0; j < vectors; ++j)
-          acc[g * vectors + j] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(vp + 8 * j), acc[g * vectors + j]);
-      }
+// Scores of Q queries against keys [p, p + 4) at once (Q query loads and four key loads feed 4Q
+// chains), each summed exactly as `dot` sums it: out[i][j] = q[i] . k[j].
+template <int Q>
+inline void dots(const float* const* q, const float* const k[4], int64_t n, float out[][4]) {
+  __m256 acc[Q][4];
+  for (int i = 0; i < Q; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < n; d += 8) {
+    __m256 kd[4];
+    for (int j = 0; j < 4; ++j) kd[j] = _mm256_loadu_ps(k[j] + d);
+    for (int i = 0; i < Q; ++i) {
+      const __m256 qd = _mm256_loadu_ps(q[i] + d);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_fmadd_ps(qd, kd[j], acc[i][j]);
     }
-    for (int g = 0; g < heads; ++g)
-      for (int64_t j = 0; j < vectors; ++j) _mm256_storeu_ps(outs[g] + d0 + 8 * j, acc[g * vectors + j]);
+  }
+  static_assert(Q % 2 == 0);
+  for (int i = 0; i < Q; i += 2) horizontal_sums(&acc[i][0], &out[i][0]);
+}
+
+// outs[g][d0, d0 + 8V) = sum over keys p < keys[g] of w[g * stride + p] * v(p)[d0, d0 + 8V) for
+// G queries (keys[] not decreasing), in registers: one value load feeds G FMAs.
+template <int G, int V, typename Row>
+inline void values_block(const float* w, int64_t stride, const int64_t* keys, Row v, int64_t d0, bool prefetch, int64_t n,
+                         float* const* outs) {
+  __m256 acc[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < V; ++j) acc[g][j] = _mm256_setzero_ps();
+  int first = 0;  // queries [0, first) have summed all their keys
+  for (int64_t p = 0; p < keys[G - 1]; ++p) {
+    if (prefetch && p + 8 < keys[G - 1]) prefetch_row(v(p + 8), n);
+    while (keys[first] <= p) ++first;
+    const float* vp = v(p) + d0;
+    __m256 wp[G];
+    for (int g = 0; g < G; ++g) wp[g] = _mm256_set1_ps(w[g * stride + p]);
+    for (int j = 0; j < V; ++j) {
+      const __m256 vd = _mm256_loadu_ps(vp + 8 * j);
+      for (int g = 0; g < G; ++g)
+        if (g >= first) acc[g][j] = _mm256_fmadd_ps(wp[g], vd, acc[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < V; ++j) _mm256_storeu_ps(outs[g] + d0 + 8 * j, acc[g][j]);
+}
+
+// outs[g][0, n) = sum over keys p < keys[g] of w[g * stride + p] * v(p)[0, n) for each of
+// `queries` queries that share the values (keys[] not decreasing), summed in key order per lane:
+// each query's sums are those of one query alone, key after key. Three queries at a time, 64
+// values of a row (8 vectors; a head size not a multiple of 64 goes a vector at a time).
+template <typename Row>
+void weighted_values(const float* w, int64_t stride, int queries, const int64_t* keys, Row v, int64_t n, float* const* outs) {
+  constexpr int kGroup = 3;
+  for (int g = 0; g < queries; g += kGroup) {
+    const int group = std::min(kGroup, queries - g);
+    const float* wg = w + g * stride;
+    auto pass = [&](auto block, int64_t step) {
+      for (int64_t d0 = 0; d0 < n; d0 += step) block(wg, stride, keys + g, v, d0, d0 == 0, n, outs + g);
+    };
+    if (n % 64 == 0) {
+      if (group == 3) pass(values_block<3, 8, Row>, 64);
+      else if (group == 2) pass(values_block<2, 8, Row>, 64);
+      else pass(values_block<1, 8, Row>, 64);
+    } else {
+      if (group == 3) pass(values_block<3, 1, Row>, 8);
+      else if (group == 2) pass(values_block<2, 1, Row>, 8);
+      else pass(values_block<1, 1, Row>, 8);
+    }
   }
 }
 
@@ -157,11 +217,15 @@ inline void softmax(float* s, int64_t keys) {
 inline void dot4(const float* q, const float* const k[4], int64_t n, float out[4]) {
   for (int j = 0; j < 4; ++j) out[j] = dot(q, k[j], n);
 }
+template <int Q>
+inline void dots(const float* const* q, const float* const k[4], int64_t n, float out[][4]) {
+  for (int i = 0; i < Q; ++i) dot4(q[i], k, n, out[i]);
+}
 template <typename Row>
-void weighted_values(const float* w, int64_t stride, int heads, int64_t keys, Row v, int64_t n, float* const* outs) {
-  for (int g = 0; g < heads; ++g) {
+void weighted_values(const float* w, int64_t stride, int queries, const int64_t* keys, Row v, int64_t n, float* const* outs) {
+  for (int g = 0; g < queries; ++g) {
     std::fill(outs[g], outs[g] + n, 0.f);
-    for (int64_t p = 0; p < keys; ++p) axpy(w[g * stride + p], v(p), outs[g], n);
+    for (int64_t p = 0; p < keys[g]; ++p) axpy(w[g * stride + p], v(p), outs[g], n);
   }
 }
 inline void softmax(float* s, int64_t keys) {
@@ -177,47 +241,76 @@ inline void softmax(float* s, int64_t keys) {
 // the parts never change a result.
 constexpr int64_t kMinValuesPerPart = 32768;
 
-// Queries (b, t, h0 .. h0 + heads - 1), heads of one KV head, against their keys: scores, softmax,
-// weighted values. Each query's sums are those it would have alone; the group reads each key
-// and value row once. `scores` holds at least heads x keys.
-constexpr int kMaxGroup = 8;
+// Queries (b, t, h) for t in [t0, t0 + positions) and h in [h0, h0 + heads), heads of one KV head,
+// against their keys: scores, softmax, weighted values. Each query's sums are those it would have
+// alone; the tile reads each key and value row once (queries at later positions see more keys).
+// `scores` holds at least positions x heads x keys.
+constexpr int kMaxGroup = 8;     // heads of a KV head per tile
+constexpr int kMaxQueries = 32;  // queries per tile (positions x heads)
 void attend_queries(const Shapes& n, const float* q, const float* k, const float* v, int64_t layer,
-                    const int32_t* table, const int32_t* positions, int64_t kv_len, int64_t b, int64_t t, int64_t h0,
-                    int heads, float scale, float* out, std::vector<float>& scores) {
+                    const int32_t* table, const int32_t* positions, int64_t kv_len, int64_t b, int64_t t0, int64_t tiles,
+                    int64_t h0, int heads, float scale, float* out, std::vector<float>& scores) {
   const int64_t Dh = n.Dh, kv = h0 / (n.Hq / n.Hkv);
   const int64_t head_base = (layer * n.Hkv + kv) * n.P;  // page index base of this layer and head
-  // as the reference's mask: keys < kv_len and <= the query's position, within the row's M pages
-  const int64_t keys = std::max<int64_t>(0, std::min<int64_t>({kv_len, int64_t(positions[b * n.T + t]) + 1, n.M * n.S}));
-  const float* queries[kMaxGroup];
-  float* outputs[kMaxGroup];
-  for (int g = 0; g < heads; ++g) {
-    queries[g] = q + ((b * n.T + t) * n.Hq + h0 + g) * Dh;
-    outputs[g] = out + ((b * n.T + t) * n.Hq + h0 + g) * Dh;
+  const int queries = int(tiles) * heads;
+  const float* qs[kMaxQueries];
+  float* outputs[kMaxQueries];
+  int64_t keys[kMaxQueries];
+  int order[kMaxQueries];  // the queries by their number of keys (stable)
+  for (int i = 0; i < queries; ++i) {
+    const int64_t t = t0 + i / heads, h = h0 + i % heads;
+    qs[i] = q + ((b * n.T + t) * n.Hq + h) * Dh;
+    outputs[i] = out + ((b * n.T + t) * n.Hq + h) * Dh;
+    // as the reference's mask: keys < kv_len and <= the query's position, within the row's M pages
+    keys[i] = std::max<int64_t>(0, std::min<int64_t>({kv_len, int64_t(positions[b * n.T + t]) + 1, n.M * n.S}));
+    order[i] = i;
   }
+  std::stable_sort(order, order + queries, [&](int a, int c) { return keys[a] < keys[c]; });
+  const float* sq[kMaxQueries];
+  float* souts[kMaxQueries];
+  int64_t skeys[kMaxQueries];
+  int live = 0;  // queries with at least one key, in `order`
+  for (int i = 0; i < queries; ++i) {
+    const int j = order[i];
+    if (keys[j] == 0) {
+      std::fill(outputs[j], outputs[j] + Dh, 0.f);
+      continue;
+    }
+    sq[live] = qs[j], souts[live] = outputs[j], skeys[live] = keys[j], ++live;
+  }
+  if (live == 0) return;
   auto row = [&](const float* cache, int64_t p) {  // a page id outside the cache reads the null page 0
     const int64_t page = table[b * n.M + p / n.S];
     return cache + ((head_base + (page >= 0 && page < n.P ? page : 0)) * n.S + p % n.S) * Dh;
   };
-  if (keys == 0) {
-    for (int g = 0; g < heads; ++g) std::fill(outputs[g], outputs[g] + Dh, 0.f);
-    return;
-  }
-  scores.resize(heads * keys);
+  const int64_t most = skeys[live - 1];
+  scores.resize(live * most);
   float* s = scores.data();
+  int whole = 0;  // queries [whole, live) have keys [p, p + 4)
   int64_t p = 0;
-  for (; p + 4 <= keys; p += 4) {
+  for (; p + 4 <= most; p += 4) {
     const float* kp[4] = {row(k, p), row(k, p + 1), row(k, p + 2), row(k, p + 3)};
-    if (p + 16 < keys) prefetch_row(row(k, p + 16), Dh);
-    for (int g = 0; g < heads; ++g) {
-      float d[4];
-      dot4(queries[g], kp, Dh, d);
-      for (int j = 0; j < 4; ++j) s[g * keys + p + j] = d[j] * scale;
+    if (p + 16 < most) prefetch_row(row(k, p + 16), Dh);
+    while (whole < live && skeys[whole] < p + 4) ++whole;
+    int g = whole;
+    for (; g + 4 <= live; g += 4) {
+      float d[4][4];
+      dots<4>(sq + g, kp, Dh, d);
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) s[(g + i) * most + p + j] = d[i][j] * scale;
     }
+    for (; g < live; ++g) {
+      float d[4];
+      dot4(sq[g], kp, Dh, d);
+      for (int j = 0; j < 4; ++j) s[g * most + p + j] = d[j] * scale;
+    }
+    for (int g = 0; g < whole; ++g)  // a query whose keys end inside these four: key by key, as alone
+      for (int64_t j = p; j < skeys[g]; ++j) s[g * most + j] = dot(sq[g], kp[j - p], Dh) * scale;
   }
-  for (; p < keys; ++p)
-    for (int g = 0; g < heads; ++g) s[g * keys + p] = dot(queries[g], row(k, p), Dh) * scale;
-  for (int g = 0; g < heads; ++g) softmax(s + g * keys, keys);
-  weighted_values(s, keys, heads, keys, [&](int64_t i) { return row(v, i); }, Dh, outputs);
+  for (int g = 0; g < live; ++g)
+    for (int64_t j = std::max(p, skeys[g] / 4 * 4); j < skeys[g]; ++j) s[g * most + j] = dot(sq[g], row(k, j), Dh) * scale;
+  for (int g = 0; g < live; ++g) softmax(s + g * most, skeys[g]);
+  weighted_values(s, most, live, skeys, [&](int64_t i) { return row(v, i); }, Dh, souts);
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
@@ -233,20 +326,25 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (n.Dh % kLanes) return ffi::Error::InvalidArgument("eejax_paged_attention: head size must be a multiple of 8");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= n.L) return ffi::Error::InvalidArgument("eejax_paged_attention: layer out of range");
-  const int64_t units = n.B * n.T * n.Hq, group = n.Hq / n.Hkv;  // queries, in the order of q's rows
+  // Work in tiles: a row's consecutive positions times heads of one KV head (at most kMaxGroup
+  // heads and kMaxQueries queries), in the order (row, positions, heads).
+  const int64_t group = n.Hq / n.Hkv, heads = std::min<int64_t>(group, kMaxGroup);
+  const int64_t chunks_per_kv = (group + heads - 1) / heads, chunks = n.Hkv * chunks_per_kv;  // runs of heads
+  const int64_t span = std::max<int64_t>(1, kMaxQueries / heads), spans = (n.T + span - 1) / span;
+  const int64_t units = n.B * spans * chunks;
   int64_t values = 0;  // cached keys and values read (a KV head's queries share them), at most
   for (int64_t b = 0; b < n.B; ++b)
     values += std::clamp<int64_t>(kv_len.typed_data()[b], 0, n.M * n.S) * n.T * n.Hkv * 2 * n.Dh;
-  const int64_t parts = eejax::num_parts(pool, std::clamp<int64_t>((values + kMinValuesPerPart - 1) / kMinValuesPerPart, 1, std::max<int64_t>(1, units)));
+  const int64_t parts = eejax::num_parts(pool, std::clamp<int64_t>((values + kMinValuesPerPart - 1) / kMinValuesPerPart, 1, units));
   eejax::run_parts(pool, parts, [&](int64_t i) {
     static thread_local std::vector<float> scores;  // the running thread's, kept from call to call
-    // this part's queries, in runs of at most kMaxGroup heads of one KV head
-    for (int64_t u = units * i / parts, end = units * (i + 1) / parts, heads; u < end; u += heads) {
-      const int64_t b = u / (n.T * n.Hq), t = u / n.Hq % n.T, h = u % n.Hq;
-      heads = std::min<int64_t>({end - u, group - h % group, kMaxGroup});
+    for (int64_t u = units * i / parts; u < units * (i + 1) / parts; ++u) {
+      const int64_t b = u / (spans * chunks), t0 = u / chunks % spans * span, c = u % chunks;
+      const int64_t h0 = c / chunks_per_kv * group + c % chunks_per_kv * heads;
+      const int64_t h1 = std::min(h0 + heads, (c / chunks_per_kv + 1) * group);
       attend_queries(n, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), l, block_table.typed_data(),
-                     q_positions.typed_data(), kv_len.typed_data()[b], b, t, h, int(heads), scale, out->typed_data(),
-                     scores);
+                     q_positions.typed_data(), kv_len.typed_data()[b], b, t0, std::min(span, n.T - t0), h0, int(h1 - h0),
+                     scale, out->typed_data(), scores);
     }
   });
   return ffi::Error::Success();

@@ -61,6 +61,7 @@ template <Format F>
 constexpr int64_t kBlockBytes = kNibbles<F> ? 16 : 32;
 constexpr int kGroup = 4;            // rows of float x per pass over a weight row
 constexpr int kIntegerGroup = 8;     // rows of integer x per pass (one block decoded for all of them)
+constexpr int64_t kMaxBlocks = 512;  // blocks per row the integer paths' per-row scales hold (K <= 16384)
 constexpr int64_t kRowsPerTile = 16;  // weight rows whose blocks stay in L1 while every group of x passes
 constexpr int64_t kMinBlocksPerPart = 4096;
 
@@ -290,7 +291,15 @@ void quantize_blocks(const float* x, int64_t NB, QuantizedX<Store>& out, int64_t
 // Per-block values v [NB] spread over the paired layout's vectors: out [pairs, 8], pair k's lanes 0-3
 // v[2k] and lanes 4-7 v[2k + 1] (0 past NB), as a PairDot's sums lie.
 inline void spread_pairs(const float* v, int64_t NB, float* out) {
-  for (int64_t k = 0; k < (NB + 1) / 2; ++k) {
+  int64_t k = 0;
+#if EEJAX_AVX2
+  for (; 2 * k + 8 <= NB; k += 4) {  // 8 blocks: 4 pairs
+    const __m256 eight = _mm256_loadu_ps(v + 2 * k);
+    for (int i = 0; i < 4; ++i)
+      _mm256_storeu_ps(out + 8 * (k + i), _mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1)));
+  }
+#endif
+  for (; k < (NB + 1) / 2; ++k) {
     const float lo = v[2 * k], hi = 2 * k + 1 < NB ? v[2 * k + 1] : 0.f;
     for (int l = 0; l < 4; ++l) out[8 * k + l] = lo, out[8 * k + 4 + l] = hi;
   }
@@ -383,8 +392,6 @@ inline float offset_sum(const Weights& w, int64_t r, const float* offset) {
   for (; b < w.NB; ++b) s += half_to_float(o[b]) * offset[b];
   return s;
 }
-
-constexpr int64_t kMaxBlocks = 512;  // blocks per row the integer paths' per-row scales hold (K <= 16384)
 
 // Pair k of a 4-bit row (blocks 2k, 2k + 1; `whole`: else block 2k alone) as int16, in x's paired
 // layout: values 0-7, 8-15, 16-23, 24-31 of both blocks (in-lane unpacks, no lane crossing).
