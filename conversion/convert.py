@@ -12,7 +12,7 @@ from conversion.llama import llama_params_from_hf, quantize_int8_params
 from conversion.sources import open_checkpoint
 from conversion.t5 import has_lm_head, t5_params_from_hf
 from eejax.checkpoint import check_destination, write_checkpoint
-from eejax.config import LlamaConfig, T5Config, check_architecture
+from eejax.config import LlamaConfig, T5Config, check_model_type
 from eejax.errors import EejaxError, UnsupportedModelError
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -44,7 +44,7 @@ def convert(
         raise EejaxError(f"quantization 'gguf' keeps a .gguf file's blocks; {src} is not a .gguf file (try int8)")
     dst = check_destination(dst, overwrite)  # before any work: a bad DST is found at once
     ckpt = open_checkpoint(src)
-    check_architecture(ckpt.config.get("model_type"), str(src))
+    check_model_type(ckpt.config.get("model_type"), str(src))
     t5 = ckpt.config["model_type"] == "t5"
     try:
         if t5:

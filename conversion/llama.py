@@ -23,15 +23,28 @@ HF_LAYER_NAMES = {
 }
 
 
+# What the Llama family adds (`LlamaConfig`): Qwen2's q/k/v biases, Qwen3's q and k norms.
+HF_BIAS_NAMES = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias"}
+HF_QK_NORM_NAMES = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
+
+
+def layer_names(config: LlamaConfig) -> dict[str, str]:
+    """eejax layer key -> HF name inside `model.layers.{i}.` for this config's layers."""
+    return {
+        **HF_LAYER_NAMES,
+        **(HF_BIAS_NAMES if config.qkv_bias else {}),
+        **(HF_QK_NORM_NAMES if config.qk_norm else {}),
+    }
+
+
 def llama_params_from_hf(ckpt, config: LlamaConfig, dtype, progress: bool = True) -> dict:
     """Reads every tensor once and stacks the per-layer ones on a leading [num_layers] axis."""
     read = tensor_reader(ckpt)
-    bar = tqdm(
-        total=len(HF_LAYER_NAMES) * config.num_layers + 3, desc="converting", unit="tensor", disable=not progress
-    )
+    names = layer_names(config)
+    bar = tqdm(total=len(names) * config.num_layers + 3, desc="converting", unit="tensor", disable=not progress)
     layers = {
         key: stack_layers(read, lambda i, n=hf_name: f"model.layers.{i}.{n}", config.num_layers, dtype, bar)
-        for key, hf_name in HF_LAYER_NAMES.items()
+        for key, hf_name in names.items()
     }
     params = {"embed": read("model.embed_tokens.weight").astype(dtype), "layers": layers}
     bar.update()

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from eejax.config import check_architecture
+from eejax.config import check_model_type
 from eejax.errors import EejaxError, UnsupportedModelError
 
 WEIGHT_FILES = (
@@ -69,7 +69,7 @@ def _open_hf_dir(src: Path) -> HFCheckpoint:
     if not (src / "config.json").is_file():
         raise EejaxError(f"{src} is not an HF model directory: no config.json")
     config = _read_json(src / "config.json")
-    check_architecture(config.get("model_type"), str(src))
+    check_model_type(config.get("model_type"), str(src))
     gen_path = src / "generation_config.json"
     generation_config = _read_json(gen_path) if gen_path.is_file() else None
     found = next((name for name in WEIGHT_FILES if (src / name).is_file()), None)
@@ -132,7 +132,7 @@ def _open_gguf_with_transformers(src: Path) -> HFCheckpoint:
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     except ValueError as e:  # transformers names the GGUF architectures it cannot read
         raise UnsupportedModelError(f"cannot load {src.name}: {str(e).splitlines()[0]}") from e
-    check_architecture(model.config.model_type, str(src))
+    check_model_type(model.config.model_type, str(src))
     state = model.state_dict()
     generation_config = model.generation_config.to_dict() if model.generation_config else None
     return HFCheckpoint(

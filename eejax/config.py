@@ -8,16 +8,28 @@ from typing import Any
 
 from eejax.errors import UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama", "t5")
+SUPPORTED_ARCHITECTURES = ("llama", "t5")  # eejax's model modules (`models.registry`)
+# HF `model_type`s that convert, and the eejax architecture each becomes: Qwen2/2.5 (q/k/v biases),
+# Qwen3 (RMSNorm on q and k) and Mistral (a sliding attention window) are Llamas with a setting.
+MODEL_TYPES = {"llama": "llama", "qwen2": "llama", "qwen3": "llama", "mistral": "llama", "t5": "t5"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def check_architecture(model_type, where: str = "") -> None:
-    """Raises UnsupportedModelError naming the supported architectures."""
-    if model_type not in SUPPORTED_ARCHITECTURES:
+def check_architecture(architecture, where: str = "") -> None:
+    """Raises UnsupportedModelError unless `architecture` is one of eejax's (a checkpoint's)."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
         place = f" in {where}" if where else ""
         raise UnsupportedModelError(
-            f"unsupported architecture {model_type!r}{place}; eejax supports: " + ", ".join(SUPPORTED_ARCHITECTURES)
+            f"unsupported architecture {architecture!r}{place}; eejax supports: " + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+
+
+def check_model_type(model_type, where: str = "") -> None:
+    """Raises UnsupportedModelError naming the HF model types that convert."""
+    if model_type not in MODEL_TYPES:
+        place = f" in {where}" if where else ""
+        raise UnsupportedModelError(
+            f"unsupported architecture {model_type!r}{place}; eejax converts: " + ", ".join(MODEL_TYPES)
         )
 
 
@@ -34,7 +46,10 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """A decoder-only Llama-family model (Llama 2/3.x, SmolLM2, TinyLlama, LayerSkip Llamas)."""
+    """A decoder-only Llama-family model: Llama 2/3.x, SmolLM2, TinyLlama, LayerSkip Llamas, and
+    the HF `model_type`s that differ from Llama by a setting (`model_type` keeps which):
+    Qwen2/2.5 (`qkv_bias`), Qwen3 (`qk_norm`, RMSNorm over each head of q and k before the
+    rotation) and Mistral (`sliding_window`: a query sees its last W positions, itself included)."""
 
     vocab_size: int
     hidden_size: int
@@ -51,9 +66,17 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    model_type: str = "llama"
     architecture: str = "llama"
 
     def __post_init__(self):
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UnsupportedModelError(
+                f"sliding_window must be a positive number of positions, got {self.sliding_window}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -67,13 +90,19 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None):
-        """Builds the config from an HF `config.json` dict (transformers 4.x or 5.x spelling)."""
-        check_architecture(hf.get("model_type"))
-        if hf.get("model_type") != "llama":
-            raise UnsupportedModelError(f"{hf.get('model_type')!r} is not a Llama config")
-        for flag in ("attention_bias", "mlp_bias"):
+        """Builds the config from an HF `config.json` dict (transformers 4.x or 5.x spelling) of a
+        Llama, Qwen2, Qwen3 or Mistral."""
+        model_type = hf.get("model_type")
+        check_model_type(model_type)
+        if MODEL_TYPES[model_type] != "llama":
+            raise UnsupportedModelError(f"{model_type!r} is not a Llama-family config")
+        # Qwen2's q/k/v always carry biases (its o does not); Qwen3's carry them with
+        # attention_bias, which there would bias o too; Llama's attention_bias biases o too.
+        unsupported = ["mlp_bias"] + ([] if model_type == "qwen2" else ["attention_bias"])
+        for flag in unsupported:
             if hf.get(flag):
-                raise UnsupportedModelError(f"unsupported Llama variant: {flag}=true")
+                raise UnsupportedModelError(f"unsupported {model_type} variant: {flag}=true")
+        window = _sliding_window(hf, model_type)
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"unsupported Llama activation {act!r}; eejax supports: silu")
@@ -115,6 +144,10 @@ class LlamaConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
             pad_token_id=hf.get("pad_token_id"),
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            sliding_window=window,
+            model_type=model_type,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,7 +198,7 @@ class T5Config:
     ) -> T5Config:
         """From an HF T5 `config.json` dict; `has_lm_head`: the checkpoint holds its own
         `lm_head.weight` (T5 v1.1 / Flan-T5 saved by transformers 4)."""
-        check_architecture(hf.get("model_type"))
+        check_model_type(hf.get("model_type"))
         if hf.get("model_type") != "t5":
             raise UnsupportedModelError(f"{hf.get('model_type')!r} is not a T5 config")
         proj = hf.get("feed_forward_proj", "relu")
@@ -211,6 +244,33 @@ class T5Config:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> T5Config:
         return cls(**{**d, "eos_token_ids": tuple(d.get("eos_token_ids", ()))})
+
+
+def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
+    """The attention window every layer uses (None: full attention), from a Llama-family
+    config.json. Mistral's `sliding_window` applies to every layer; Qwen2's and Qwen3's only with
+    `use_sliding_window`, and then to layers from `max_window_layers` on (`layer_types` spells
+    it per layer). A window on some layers only is refused by name."""
+    if model_type == "llama":
+        return None
+    window = hf.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        window = None
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:
+        first = int(hf.get("max_window_layers", 0) or 0) if model_type != "mistral" else 0
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)]
+    if len(set(types)) > 1:
+        raise UnsupportedModelError(
+            f"unsupported {model_type} variant: a sliding attention window on some layers only "
+            "(layer_types / max_window_layers); eejax supports a window on every layer or none"
+        )
+    if types and types[0] == "sliding_attention":
+        if window is None:
+            raise UnsupportedModelError(f"{model_type} config: sliding_attention layers without a sliding_window")
+        return int(window)
+    return None
 
 
 def _as_tuple(x) -> tuple[int, ...]:

@@ -7,17 +7,19 @@ import pytest
 from eejax.kernels import paged_attention
 
 
-def dense_attention(q, keys, values, q_pos, kv_len):
-    """q [T, Hq, D]; keys/values [N, Hkv, D] (row's tokens in order) -> [T, Hq, D] (numpy)."""
+def dense_attention(q, keys, values, q_pos, kv_len, window=None):
+    """q [T, Hq, D]; keys/values [N, Hkv, D] (row's tokens in order) -> [T, Hq, D] (numpy); with a
+    window, each query sees its last `window` positions."""
     t, hq, d = q.shape
     group = hq // keys.shape[1]
     out = np.zeros_like(q)
     for i in range(t):
         n = min(kv_len, q_pos[i] + 1)
+        lo = 0 if window is None else max(0, q_pos[i] - window + 1)
         for h in range(hq):
-            if n == 0:
+            if n <= lo:
                 continue
-            k, v = keys[:n, h // group], values[:n, h // group]
+            k, v = keys[lo:n, h // group], values[lo:n, h // group]
             s = k @ q[i, h] / np.sqrt(d)
             p = np.exp(s - s.max())
             out[i, h] = (p / p.sum()) @ v
@@ -98,6 +100,30 @@ def test_the_cpu_kernels_prefill_tiles_give_each_query_its_bits_alone(hq, hkv, d
     for i, n in enumerate(lengths):
         want = dense_attention(q[i], rows_k[i], rows_v[i], q_pos[i], n)
         np.testing.assert_allclose(together[i], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("window", [1, 5, 13])
+def test_a_sliding_window_hides_keys_before_it(impl, window):
+    """With a window W each query sees its last W positions (Mistral's sliding window): prefills
+    of 23 positions (tiles of the CPU kernel whose queries start at different keys) and one-token
+    steps equal a dense reference; the CPU kernel's query alone equals it in a tile, bit for bit."""
+    rng = np.random.default_rng(window)
+    lengths = [37, 9, 70]
+    q, kc, vc, table, q_pos, rows_k, rows_v = build_case(rng, lengths, 23, 8, 6, 2, 64)
+    kv_len = np.array(lengths, np.int32)
+    got = np.asarray(paged_attention(q, kc, vc, np.int32(1), table, q_pos, kv_len, impl=impl, window=window))
+    for i, n in enumerate(lengths):
+        want = dense_attention(q[i], rows_k[i], rows_v[i], q_pos[i], n, window)
+        np.testing.assert_allclose(got[i], want, atol=1e-5, rtol=1e-5, err_msg=f"row {i}")
+    for t in (0, 7, 22):
+        one = paged_attention(
+            q[:, t : t + 1], kc, vc, np.int32(1), table, q_pos[:, t : t + 1], kv_len, impl=impl, window=window
+        )
+        if impl == "cpu":
+            assert np.array_equal(np.asarray(one)[:, 0], got[:, t]), f"position {t}"
+        else:
+            np.testing.assert_allclose(np.asarray(one)[:, 0], got[:, t], atol=1e-6)
 
 
 def test_causal_mask_hides_later_tokens():

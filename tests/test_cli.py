@@ -175,7 +175,7 @@ def bad_inputs(tmp_path, ckpt):
     return {
         "missing path": (["generate", "--model", tmp_path / "nope", "--prompt", "hi"], "no such file"),
         "not a model": (["generate", "--model", tmp_path / "empty_dir", "--prompt", "hi"], "not an eejax model"),
-        "unsupported architecture": (["convert", tmp_path / "gpt2", tmp_path / "out"], "supports: llama"),
+        "unsupported architecture": (["convert", tmp_path / "gpt2", tmp_path / "out"], "converts: llama"),
         "prompt too long": (base + ["--prompt", "word " * 400], "context"),
         "empty prompt list": (base + ["--prompts-file", tmp_path / "empty.jsonl"], "no prompts"),
         "empty prompt": (base + ["--prompt", ""], "prompt 0 is empty"),

@@ -102,7 +102,7 @@ def test_unsupported_architecture_names_what_is_supported(tmp_path):
     src.mkdir()
     (src / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     (src / "model.safetensors").write_bytes(b"")
-    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*supports: llama"):
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*converts: llama, qwen2, qwen3, mistral, t5"):
         convert(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 

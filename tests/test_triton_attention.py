@@ -70,6 +70,18 @@ def test_kernel_matches_reference_bf16(page, group, q_len):
     assert_close(got, want, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("window", [1, 7])
+def test_kernel_matches_reference_with_a_window(window):
+    """Mistral's sliding window: a query sees only its last `window` positions."""
+    q, k, v, table, pos, lengths = attention_case(5, page=8, group=3, head_dim=64, q_len=4, dtype=jnp.float32)
+    want = reference_paged_attention(q, k, v, 1, table, pos, lengths, window=window)
+    got = triton_paged_attention(q, k, v, 1, table, pos, lengths, interpret=True, window=window)
+    assert_close(got, want, jnp.float32)
+    assert (
+        np.abs(np.asarray(want) - np.asarray(reference_paged_attention(q, k, v, 1, table, pos, lengths))).max() > 1e-3
+    )
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
 def test_split_k_partials_merge_exactly(num_splits):
     q, k, v, table, pos, lengths = attention_case(3, page=8, group=3, head_dim=64, q_len=1, dtype=jnp.float32)

@@ -12,8 +12,13 @@ SRC is an HF model directory (config.json plus model.safetensors, pytorch_model.
 sharded *.index.json; read with torch: pip install 'eejax[convert]') or a Llama .gguf file
 (dequantised by gguf-py, no torch: 'eejax[gguf]'). DST receives
 eejax.json, params/ (orbax) and tokenizer/. The conversion is atomic: on any error nothing is
-left at DST. Supported architectures: llama (Llama 2/3.x, SmolLM2, TinyLlama, LayerSkip Llamas, ...) and t5
-(T5ForConditionalGeneration: T5 v1.0, v1.1, Flan-T5, CALM-style T5s)."""
+left at DST. What converts (config.json's model_type):
+  llama    Llama 2/3.x, SmolLM2, TinyLlama, LayerSkip Llamas, ...
+  qwen2    Qwen2 and Qwen2.5 (q/k/v biases; a sliding window only on every layer or none)
+  qwen3    Qwen3 dense models (RMSNorm on q and k)
+  mistral  Mistral (its sliding attention window)
+  t5       T5ForConditionalGeneration: T5 v1.0, v1.1, Flan-T5, CALM-style T5s
+A .gguf file converts for the llama architecture only."""
 
 
 def add_parsers(sub) -> None:

@@ -2,7 +2,8 @@
 
 One entry point, `paged_attention`, serves decode (q_len = 1) and multi-token steps (prefill,
 chunked prefill, speculative verification): each query attends to the keys of its row at
-positions `< kv_len` and `<= its own position` (causal). GQA: query head h reads KV head
+positions `< kv_len` and `<= its own position` (causal), and with a `window` W only to the last W
+of them (`> its position - W`: Mistral's sliding window). GQA: query head h reads KV head
 h // group. A row with kv_len = 0 (padding) gets zeros.
 
 Implementations: "reference" (jnp, runs everywhere), "cpu" (eejax's CPU kernel for a few
@@ -76,6 +77,7 @@ def paged_attention(
     bias_table=None,
     bias: RelativePositionBias | None = None,
     tree: TreeMask | None = None,
+    window: int | None = None,
 ):
     """Attention of new queries against one layer of the paged cache.
 
@@ -88,6 +90,7 @@ def paged_attention(
     scale:        score scale (default Dh^-0.5; T5 uses 1.0)
     bias_table:   [num_buckets, Hq] T5 relative-position bias, bucketed as `bias` says
     tree:         a `TreeMask` over the queries (a tree of drafts; always the jnp reference)
+    window:       a query sees only keys at positions > its own - window (static; None: all)
     returns       [B, T, Hq, Dh]
     """
     if (bias_table is None) != (bias is None):
@@ -109,6 +112,7 @@ def paged_attention(
             bias_table=bias_table,
             bias=bias,
             tree=tree,
+            window=window,
         )
     return _attend(
         impl,
@@ -123,11 +127,12 @@ def paged_attention(
         bias_table=bias_table,
         bias=bias,
         tree=tree,
+        window=window,
     )
 
 
 def _head_parallel(
-    mesh, impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table, bias, tree
+    mesh, impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table, bias, tree, window
 ):
     """Attention on each device's own heads (`head_parallel`), rows over `data` where it divides
     them; a tree mask (the same for every head) goes with its rows."""
@@ -159,6 +164,7 @@ def _head_parallel(
             bias_table=bias_table,
             bias=bias,
             tree=tree,
+            window=window,
         )
 
     return on_head_shards(local, mesh, in_specs, heads)(
@@ -166,8 +172,10 @@ def _head_parallel(
     )
 
 
-def _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table, bias, tree):
-    extra = dict(scale=scale, bias_table=bias_table, bias=bias)
+def _attend(
+    impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale, bias_table, bias, tree, window
+):
+    extra = dict(scale=scale, bias_table=bias_table, bias=bias, window=window)
     if impl == "triton" and tree is None:  # the kernel has no tree mask
         from eejax.kernels.triton_attention import triton_paged_attention
 
@@ -179,7 +187,7 @@ def _attend(impl, q, k_cache, v_cache, layer, block_table, q_positions, kv_len, 
         )
     if impl == "cpu" and cpu_attention.applies(q, k_cache, tree, bias_table):
         args = (q, k_cache, v_cache, layer, block_table, q_positions, kv_len)
-        return cpu_attention.cpu_paged_attention(*args, scale=scale)
+        return cpu_attention.cpu_paged_attention(*args, scale=scale, window=window)
     return reference_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, tree=tree, **extra)
 
 
@@ -196,6 +204,7 @@ def reference_paged_attention(
     bias_table=None,
     bias: RelativePositionBias | None = None,
     tree: TreeMask | None = None,
+    window: int | None = None,
 ):
     """jnp reference: gathers only the row's `M` pages of this layer (one gather, no layer copy).
 
@@ -225,8 +234,11 @@ def reference_paged_attention(
     mask = (key_pos[None, None, :] < kv_len[:, None, None]) & (
         key_pos[None, None, :] <= q_positions[:, :, None]
     )  # [B, T, M*S]
+    if window is not None:
+        mask &= key_pos[None, None, :] > q_positions[:, :, None] - window
     if tree is not None:
         mask &= tree.allows(key_pos)
+    if tree is not None or window is not None:
         has_key = mask.any(-1)
     else:  # key 0 is visible exactly when any is: no reduction over the keys (a kernel per layer on a GPU)
         has_key = (kv_len[:, None] > 0) & (q_positions >= 0)  # [B, T]

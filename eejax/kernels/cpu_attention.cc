@@ -7,7 +7,8 @@
 //   q_positions [B, T] s32, kv_len [B] s32 -> out [B, T, Hq, Dh] f32
 //
 // Query (b, t, h) attends to the keys of row b at positions p < kv_len[b] and p <= q_positions[b, t]
-// with KV head h / (Hq / Hkv) (GQA); a query with no key gets zeros. Each query's sums run in the
+// (and, with a window W > 0, p > q_positions[b, t] - W) with KV head h / (Hq / Hkv) (GQA); a query
+// with no key gets zeros. Each query's sums run in the
 // same order whatever else the call holds (its scores key by key, the softmax 8 keys a vector,
 // its weighted values per lane in key order), so its result does not depend on how many queries
 // share the call: a verify pass, a decode step and a prefill agree bit for bit. The queries go
@@ -114,16 +115,18 @@ inline void dots(const float* const* q, const float* const k[4], int64_t n, floa
   for (int i = 0; i < Q; i += 2) horizontal_sums(&acc[i][0], &out[i][0]);
 }
 
-// outs[g][d0, d0 + 8V) = sum over keys p < keys[g] of w[g * stride + p] * v(p)[d0, d0 + 8V) for
-// G queries (keys[] not decreasing), in registers: one value load feeds G FMAs.
+// outs[g][d0, d0 + 8V) = sum over keys lo[g] <= p < keys[g] of w[g * stride + p] * v(p)[d0, d0 + 8V)
+// for G queries (keys[] not decreasing), in registers: one value load feeds G FMAs.
 template <int G, int V, typename Row>
-inline void values_block(const float* w, int64_t stride, const int64_t* keys, Row v, int64_t d0, bool prefetch, int64_t n,
-                         float* const* outs) {
+inline void values_block(const float* w, int64_t stride, const int64_t* lo, const int64_t* keys, Row v, int64_t d0, bool prefetch,
+                         int64_t n, float* const* outs) {
   __m256 acc[G][V];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < V; ++j) acc[g][j] = _mm256_setzero_ps();
   int first = 0;  // queries [0, first) have summed all their keys
-  for (int64_t p = 0; p < keys[G - 1]; ++p) {
+  int64_t start = lo[0];
+  for (int g = 1; g < G; ++g) start = std::min(start, lo[g]);
+  for (int64_t p = start; p < keys[G - 1]; ++p) {
     if (prefetch && p + 8 < keys[G - 1]) prefetch_row(v(p + 8), n);
     while (keys[first] <= p) ++first;
     const float* vp = v(p) + d0;
@@ -132,25 +135,26 @@ inline void values_block(const float* w, int64_t stride, const int64_t* keys, Ro
     for (int j = 0; j < V; ++j) {
       const __m256 vd = _mm256_loadu_ps(vp + 8 * j);
       for (int g = 0; g < G; ++g)
-        if (g >= first) acc[g][j] = _mm256_fmadd_ps(wp[g], vd, acc[g][j]);
+        if (g >= first && p >= lo[g]) acc[g][j] = _mm256_fmadd_ps(wp[g], vd, acc[g][j]);
     }
   }
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < V; ++j) _mm256_storeu_ps(outs[g] + d0 + 8 * j, acc[g][j]);
 }
 
-// outs[g][0, n) = sum over keys p < keys[g] of w[g * stride + p] * v(p)[0, n) for each of
+// outs[g][0, n) = sum over keys lo[g] <= p < keys[g] of w[g * stride + p] * v(p)[0, n) for each of
 // `queries` queries that share the values (keys[] not decreasing), summed in key order per lane:
 // each query's sums are those of one query alone, key after key. Three queries at a time, 64
 // values of a row (8 vectors; a head size not a multiple of 64 goes a vector at a time).
 template <typename Row>
-void weighted_values(const float* w, int64_t stride, int queries, const int64_t* keys, Row v, int64_t n, float* const* outs) {
+void weighted_values(const float* w, int64_t stride, int queries, const int64_t* lo, const int64_t* keys, Row v, int64_t n,
+                     float* const* outs) {
   constexpr int kGroup = 3;
   for (int g = 0; g < queries; g += kGroup) {
     const int group = std::min(kGroup, queries - g);
     const float* wg = w + g * stride;
     auto pass = [&](auto block, int64_t step) {
-      for (int64_t d0 = 0; d0 < n; d0 += step) block(wg, stride, keys + g, v, d0, d0 == 0, n, outs + g);
+      for (int64_t d0 = 0; d0 < n; d0 += step) block(wg, stride, lo + g, keys + g, v, d0, d0 == 0, n, outs + g);
     };
     if (n % 64 == 0) {
       if (group == 3) pass(values_block<3, 8, Row>, 64);
@@ -222,10 +226,11 @@ inline void dots(const float* const* q, const float* const k[4], int64_t n, floa
   for (int i = 0; i < Q; ++i) dot4(q[i], k, n, out[i]);
 }
 template <typename Row>
-void weighted_values(const float* w, int64_t stride, int queries, const int64_t* keys, Row v, int64_t n, float* const* outs) {
+void weighted_values(const float* w, int64_t stride, int queries, const int64_t* lo, const int64_t* keys, Row v, int64_t n,
+                     float* const* outs) {
   for (int g = 0; g < queries; ++g) {
     std::fill(outs[g], outs[g] + n, 0.f);
-    for (int64_t p = 0; p < keys[g]; ++p) axpy(w[g * stride + p], v(p), outs[g], n);
+    for (int64_t p = lo[g]; p < keys[g]; ++p) axpy(w[g * stride + p], v(p), outs[g], n);
   }
 }
 inline void softmax(float* s, int64_t keys) {
@@ -249,13 +254,13 @@ constexpr int kMaxGroup = 8;     // heads of a KV head per tile
 constexpr int kMaxQueries = 32;  // queries per tile (positions x heads)
 void attend_queries(const Shapes& n, const float* q, const float* k, const float* v, int64_t layer,
                     const int32_t* table, const int32_t* positions, int64_t kv_len, int64_t b, int64_t t0, int64_t tiles,
-                    int64_t h0, int heads, float scale, float* out, std::vector<float>& scores) {
+                    int64_t h0, int heads, float scale, int64_t window, float* out, std::vector<float>& scores) {
   const int64_t Dh = n.Dh, kv = h0 / (n.Hq / n.Hkv);
   const int64_t head_base = (layer * n.Hkv + kv) * n.P;  // page index base of this layer and head
   const int queries = int(tiles) * heads;
   const float* qs[kMaxQueries];
   float* outputs[kMaxQueries];
-  int64_t keys[kMaxQueries];
+  int64_t keys[kMaxQueries], first_key[kMaxQueries];
   int order[kMaxQueries];  // the queries by their number of keys (stable)
   for (int i = 0; i < queries; ++i) {
     const int64_t t = t0 + i / heads, h = h0 + i % heads;
@@ -263,20 +268,21 @@ void attend_queries(const Shapes& n, const float* q, const float* k, const float
     outputs[i] = out + ((b * n.T + t) * n.Hq + h) * Dh;
     // as the reference's mask: keys < kv_len and <= the query's position, within the row's M pages
     keys[i] = std::max<int64_t>(0, std::min<int64_t>({kv_len, int64_t(positions[b * n.T + t]) + 1, n.M * n.S}));
+    first_key[i] = window > 0 ? std::max<int64_t>(0, int64_t(positions[b * n.T + t]) - window + 1) : 0;
     order[i] = i;
   }
   std::stable_sort(order, order + queries, [&](int a, int c) { return keys[a] < keys[c]; });
   const float* sq[kMaxQueries];
   float* souts[kMaxQueries];
-  int64_t skeys[kMaxQueries];
+  int64_t skeys[kMaxQueries], slo[kMaxQueries];
   int live = 0;  // queries with at least one key, in `order`
   for (int i = 0; i < queries; ++i) {
     const int j = order[i];
-    if (keys[j] == 0) {
+    if (keys[j] <= first_key[j]) {
       std::fill(outputs[j], outputs[j] + Dh, 0.f);
       continue;
     }
-    sq[live] = qs[j], souts[live] = outputs[j], skeys[live] = keys[j], ++live;
+    sq[live] = qs[j], souts[live] = outputs[j], skeys[live] = keys[j], slo[live] = first_key[j], ++live;
   }
   if (live == 0) return;
   auto row = [&](const float* cache, int64_t p) {  // a page id outside the cache reads the null page 0
@@ -287,7 +293,7 @@ void attend_queries(const Shapes& n, const float* q, const float* k, const float
   scores.resize(live * most);
   float* s = scores.data();
   int whole = 0;  // queries [whole, live) have keys [p, p + 4)
-  int64_t p = 0;
+  int64_t p = *std::min_element(slo, slo + live) / 4 * 4;  // scores below a query's first key go unused
   for (; p + 4 <= most; p += 4) {
     const float* kp[4] = {row(k, p), row(k, p + 1), row(k, p + 2), row(k, p + 3)};
     if (p + 16 < most) prefetch_row(row(k, p + 16), Dh);
@@ -309,14 +315,14 @@ void attend_queries(const Shapes& n, const float* q, const float* k, const float
   }
   for (int g = 0; g < live; ++g)
     for (int64_t j = std::max(p, skeys[g] / 4 * 4); j < skeys[g]; ++j) s[g * most + j] = dot(sq[g], row(k, j), Dh) * scale;
-  for (int g = 0; g < live; ++g) softmax(s + g * most, skeys[g]);
-  weighted_values(s, most, live, skeys, [&](int64_t i) { return row(v, i); }, Dh, souts);
+  for (int g = 0; g < live; ++g) softmax(s + g * most + slo[g], skeys[g] - slo[g]);
+  weighted_values(s, most, live, slo, skeys, [&](int64_t i) { return row(v, i); }, Dh, souts);
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_table,
                           ffi::Buffer<ffi::S32> q_positions, ffi::Buffer<ffi::S32> kv_len, ffi::ResultBuffer<ffi::F32> out,
-                          float scale) {
+                          float scale, int64_t window) {
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_table.dimensions();
   if (qd.size() != 4 || cd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("eejax_paged_attention: q is 4-D, the caches 5-D, the block table 2-D");
@@ -344,7 +350,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       const int64_t h1 = std::min(h0 + heads, (c / chunks_per_kv + 1) * group);
       attend_queries(n, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), l, block_table.typed_data(),
                      q_positions.typed_data(), kv_len.typed_data()[b], b, t0, std::min(span, n.T - t0), h0, int(h1 - h0),
-                     scale, out->typed_data(), scores);
+                     scale, window, out->typed_data(), scores);
     }
   });
   return ffi::Error::Success();
@@ -363,4 +369,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EejaxPagedAttention, PagedAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));

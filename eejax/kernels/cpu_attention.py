@@ -29,9 +29,9 @@ def applies(q, k_cache, tree, bias_table) -> bool:
     )
 
 
-def cpu_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale=None):
-    """As `attention.reference_paged_attention` (no tree, no bias): [B, T, Hq, Dh] float32. Needs
-    the kernel library (`cpu_matmul.available()`)."""
+def cpu_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv_len, *, scale=None, window=None):
+    """As `attention.reference_paged_attention` (no tree, no bias; `window` as there):
+    [B, T, Hq, Dh] float32. Needs the kernel library (`cpu_matmul.available()`)."""
     if not cpu_matmul.available():
         raise RuntimeError("eejax's CPU kernel library is not available (see the log)")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -47,4 +47,5 @@ def cpu_paged_attention(q, k_cache, v_cache, layer, block_table, q_positions, kv
         as_int(q_positions),
         as_int(kv_len),
         scale=np.float32(scale),
+        window=np.int64(window or 0),
     )

@@ -104,6 +104,7 @@ def _paged_attention_kernel(
     MAX_EXACT: constexpr,
     NUM_HEADS: constexpr,
     NORMALIZED: constexpr,
+    WINDOW: constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1) // M_BLOCKS
@@ -156,6 +157,8 @@ def _paged_attention_kernel(
             bucket += tl.where(distance < MAX_EXACT, distance, tl.minimum(large, HALF_BUCKETS - 1))
             scores += tl.load(bias_ptr + bucket * NUM_HEADS + head[:, None], mask=row_ok[:, None], other=0.0)
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if WINDOW > 0:  # a sliding window: the query's last WINDOW positions
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - WINDOW)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
@@ -218,6 +221,7 @@ def plan_launch(
     scale: float | None = None,
     bias: RelativePositionBias | None = None,
     programs_to_fill: int | None = None,
+    window: int | None = None,
 ) -> LaunchPlan:
     """The launch of `_paged_attention_kernel` for q [B, T, Hq, Dh] over a cache
     [L, Hkv, P, S, Dh] with a block table [B, M]; `interpret` for Triton's CPU interpreter;
@@ -283,6 +287,7 @@ def plan_launch(
         NUM_HEADS=hq,
         # One split: the kernel divides by the softmax sum and writes the output; no merge after it.
         NORMALIZED=num_splits == 1,
+        WINDOW=window or 0,
     )
     one = num_splits == 1
     return LaunchPlan(
@@ -365,6 +370,7 @@ def triton_paged_attention(
     scale=None,
     bias_table=None,
     bias: RelativePositionBias | None = None,
+    window: int | None = None,
 ):
     """`paged_attention` (same arguments and result) through the Triton kernel; `interpret`
     runs it in Triton's interpreter on the host (CPU), otherwise through jax-triton (CUDA)."""
@@ -377,6 +383,7 @@ def triton_paged_attention(
         num_splits=num_splits,
         scale=scale,
         bias=bias,
+        window=window,
     )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     bias_table = jnp.zeros((1, q.shape[2]), jnp.float32) if bias_table is None else bias_table.astype(jnp.float32)

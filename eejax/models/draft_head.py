@@ -31,7 +31,7 @@ from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.kernels.cpu_matmul import matmul, matmul_t
 from eejax.models import exits
 from eejax.models.common import rms_norm
-from eejax.models.llama import LAYER_KEYS, LINEAR_KEYS, DecoderLayer, TokenBatch, _dense_positions, cache_attention
+from eejax.models.llama import LINEAR_KEYS, DecoderLayer, TokenBatch, _dense_positions, cache_attention, layer_keys
 from eejax.models.modules import Dtype, Linear, share_scope, unboxed_init
 from eejax.quantized import is_quantized
 
@@ -86,7 +86,7 @@ def init_draft(config: LlamaConfig, key, dtype=jnp.float32, params=None) -> dict
     draft = unboxed_init(DraftHead(config, param_dtype=dtype), key, zeros, zeros, cos, sin, jnp.ones((1, 1), bool))
     draft["fc"] = draft["fc"].at[d:].add(jnp.eye(d, dtype=dtype))
     if params is not None:
-        draft["layer"] = {k: jnp.asarray(params["layers"][k][-1], dtype) for k in LAYER_KEYS}
+        draft["layer"] = {k: jnp.asarray(params["layers"][k][-1], dtype) for k in layer_keys(config)}
     return draft
 
 
@@ -96,8 +96,9 @@ def check_draft(draft, config) -> None:
         return
     check_model(config)
     d = config.hidden_size
-    if set(draft) != set(DRAFT_KEYS) or set(draft["layer"]) != set(LAYER_KEYS):
-        raise EejaxError(f"params['draft'] must hold {list(DRAFT_KEYS)} with the layer's {list(LAYER_KEYS)}")
+    keys = layer_keys(config)
+    if set(draft) != set(DRAFT_KEYS) or set(draft["layer"]) != set(keys):
+        raise EejaxError(f"params['draft'] must hold {list(DRAFT_KEYS)} with the layer's {list(keys)}")
     if tuple(draft["fc"].shape) != (2 * d, d):
         raise EejaxError(f"params['draft']['fc'] has shape {tuple(draft['fc'].shape)}, the model needs {(2 * d, d)}")
     want = jax.eval_shape(lambda: init_draft(config, jax.random.PRNGKey(0)))["layer"]
@@ -185,6 +186,11 @@ def unrolled_forward(config: LlamaConfig, draft, feature, token_embeds, lengths,
     earlier drafts), never to keys computed from its guesses at other positions. Pass 0 is
     `dense_forward`. Pass k at p < k is no draft of any round: the caller leaves it out."""
     b, t, _ = feature.shape
+    if config.sliding_window is not None and t > config.sliding_window:
+        raise UnsupportedModelError(
+            f"unrolled draft training attends to every earlier position: sequences of {t} tokens are longer than "
+            f"the model's attention window ({config.sliding_window}); train on shorter sequences"
+        )
     _, valid, cos, sin = _dense_positions(config, jnp.zeros((b, t), jnp.int32), lengths)
     hkv, dh = config.num_kv_heads, config.head_dim
     g = config.num_heads // hkv

@@ -4,7 +4,8 @@ by plain functions (the model interface, `eejax.models.registry`).
 Params (x @ W convention, per-layer weights stacked on a leading L axis):
     embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied to embed)
     layers: attn_norm [L, D], wq [L, D, Hq*Dh], wk/wv [L, D, Hkv*Dh], wo [L, Hq*Dh, D],
-            mlp_norm [L, D], w_gate/w_up [L, D, F], w_down [L, F, D]
+            mlp_norm [L, D], w_gate/w_up [L, D, F], w_down [L, F, D];
+            Qwen2 (`qkv_bias`): bq [L, Hq*Dh], bk/bv [L, Hkv*Dh]; Qwen3 (`qk_norm`): q_norm/k_norm [L, Dh]
 
 A step processes T new tokens per row (T = prompt bucket for prefill, 1 for decode): every
 layer writes the new tokens' K/V into the cache, then attends through the cache.
@@ -45,11 +46,23 @@ from eejax.quantized import is_quantized
 ENCODER_DECODER = False  # the prompt is decoded into the paged cache (see `eejax.models.registry`)
 DECODE_ONLY_SKIPS = ()  # layer weights a decode step never reads (none)
 SPLITS_LAYERS = True  # per-layer buffers (`with_layer_buffers`) are what a CPU decodes fastest
-LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
-KV_KEYS = ("attn_norm", "wk", "wv")
-QKV_KEYS = ("attn_norm", "wq", "wk", "wv")
+BIAS_KEYS = ("bq", "bk", "bv")  # Qwen2's (`LlamaConfig.qkv_bias`)
+QK_NORM_KEYS = ("q_norm", "k_norm")  # Qwen3's (`LlamaConfig.qk_norm`)
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")  # every Llama's
+KV_KEYS = ("attn_norm", "wk", "wv", "bk", "bv", "k_norm")  # read where the stack holds them (`_held`)
+QKV_KEYS = ("attn_norm", "wq", "wk", "wv", *BIAS_KEYS, *QK_NORM_KEYS)
 OUT_KEYS = ("wo", "mlp_norm", "w_gate", "w_up", "w_down")
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the matrices a quantized model keeps as blocks
+
+
+def layer_keys(config: LlamaConfig) -> tuple[str, ...]:
+    """The weights each of this config's layers holds."""
+    return LAYER_KEYS + (BIAS_KEYS if config.qkv_bias else ()) + (QK_NORM_KEYS if config.qk_norm else ())
+
+
+def _held(layers: dict, keys) -> tuple[str, ...]:
+    """`keys` that the stack holds (a Qwen's extra weights are absent from other Llamas')."""
+    return tuple(k for k in keys if k in layers)
 
 
 @jax.tree_util.register_dataclass
@@ -60,7 +73,8 @@ class TokenBatch:
     positions [B, T] int32, pages/slots [B, T] int32 (cache destination; invalid -> null page),
     block_table [B, M] int32, kv_len [B] int32 (valid keys after the step), cos/sin [B, T, Dh];
     attention: the attention implementation (static; see `eejax.kernels.attention`);
-    tree: a `TreeMask` when the tokens are a tree of drafts (`decode.tree`), else None.
+    tree: a `TreeMask` when the tokens are a tree of drafts (`decode.tree`), else None;
+    window: the attention window (static; `LlamaConfig.sliding_window`, None: every earlier key).
     """
 
     positions: jax.Array
@@ -72,6 +86,7 @@ class TokenBatch:
     sin: jax.Array
     attention: str = dataclasses.field(default="auto", metadata=dict(static=True))
     tree: TreeMask | None = None
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def token_batch(
@@ -93,7 +108,7 @@ def token_batch(
     pages, slots = slot_indices(block_table, positions, valid, page_size)
     inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     cos, sin = rope_tables(positions if rope_positions is None else rope_positions, inv_freq)
-    return TokenBatch(positions, pages, slots, block_table, kv_len, cos, sin, attention, tree)
+    return TokenBatch(positions, pages, slots, block_table, kv_len, cos, sin, attention, tree, config.sliding_window)
 
 
 class DecoderLayer(nn.Module):
@@ -112,10 +127,11 @@ class DecoderLayer(nn.Module):
         linear = functools.partial(Linear, init_scale=self.init_scale, param_dtype=self.param_dtype)
         norm = functools.partial(RMSNorm, eps=c.rms_norm_eps, param_dtype=self.param_dtype)
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        bias = (lambda name: name) if c.qkv_bias else (lambda name: None)  # noqa: E731
         self.input_norm = norm("attn_norm")
-        self.q_proj = linear("wq", q_dim, ("embed", "heads"))
-        self.k_proj = linear("wk", kv_dim, ("embed", "kv_heads"))
-        self.v_proj = linear("wv", kv_dim, ("embed", "kv_heads"))
+        self.q_proj = linear("wq", q_dim, ("embed", "heads"), bias=bias("bq"))
+        self.k_proj = linear("wk", kv_dim, ("embed", "kv_heads"), bias=bias("bk"))
+        self.v_proj = linear("wv", kv_dim, ("embed", "kv_heads"), bias=bias("bv"))
         self.o_proj = linear("wo", c.hidden_size, ("heads", "embed"))
         self.post_norm = norm("mlp_norm")
         self.gate_proj = linear("w_gate", c.intermediate_size, ("embed", "mlp"))
@@ -133,13 +149,17 @@ class DecoderLayer(nn.Module):
             self.up_proj,
             self.down_proj,
         )
+        if c.qk_norm:  # over each head's Dh values, before the rotation
+            self.query_norm, self.key_norm = norm("q_norm"), norm("k_norm")
+            share_scope(self, self.query_norm, self.key_norm)
 
     def qkv(self, h, cos, sin):
         """Rotated q [B, T, Hq, Dh], k and v [B, T, Hkv, Dh] of hidden states h [B, T, D]."""
         b, t, _ = h.shape
         c = self.config
         q, k, v = apply_linears(self, self.input_norm(h), self.q_proj, self.k_proj, self.v_proj)
-        q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), cos, sin)
+        q = q.reshape(b, t, c.num_heads, c.head_dim)
+        q = apply_rope(self.query_norm(q) if c.qk_norm else q, cos, sin)
         return q, *self._rotated_kv(k, v, cos, sin)
 
     def kv(self, h, cos, sin):
@@ -152,7 +172,8 @@ class DecoderLayer(nn.Module):
     def _rotated_kv(self, k, v, cos, sin):
         """k, v [B, T, Hkv * Dh] -> rotated k and v [B, T, Hkv, Dh]."""
         shape = (*k.shape[:2], self.config.num_kv_heads, self.config.head_dim)
-        return apply_rope(k.reshape(shape), cos, sin), v.reshape(shape)
+        k = k.reshape(shape)
+        return apply_rope(self.key_norm(k) if self.config.qk_norm else k, cos, sin), v.reshape(shape)
 
     def out_mlp(self, h, attn):
         """The attention output projection of attn [B, T, Hq, Dh] and the gated MLP, each with
@@ -164,7 +185,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, h, cos, sin, valid):
         """The whole layer over right-padded sequences without a KV cache (training): h [B, T, D],
         cos/sin [B, T, Dh], valid [B, T] bool -> h [B, T, D]."""
-        return self.out_mlp(h, causal_attention(*self.qkv(h, cos, sin), valid))
+        return self.out_mlp(h, causal_attention(*self.qkv(h, cos, sin), valid, self.config.sliding_window))
 
 
 class Llama(nn.Module):
@@ -225,15 +246,17 @@ def _layer_apply(config: LlamaConfig, lp: dict, method: str | None, *args):
 
 def kv_of_layer(params, h, layer, batch: TokenBatch, config: LlamaConfig):
     """Layer `layer`'s (traced) K and V `[B, T, Hkv, Dh]` of hidden states h (KV fill); reads
-    only that layer's input norm, wk and wv."""
+    only that layer's input norm, wk and wv (and their biases, the k norm, where it has them)."""
+    layers = params["layers"]
     return on_layer(
-        params["layers"], KV_KEYS, layer, lambda lp: _layer_apply(config, lp, "kv", h, batch.cos, batch.sin)
+        layers, _held(layers, KV_KEYS), layer, lambda lp: _layer_apply(config, lp, "kv", h, batch.cos, batch.sin)
     )
 
 
-def causal_attention(q, k, v, valid):
+def causal_attention(q, k, v, valid, window: int | None = None):
     """Dense causal GQA attention: q [B, T, Hq, Dh], k/v [B, T, Hkv, Dh], keys masked by valid
-    [B, T] -> [B, T, Hq, Dh] (a query with no valid key gets zeros). Heads lead and each KV head's
+    [B, T] and, with a `window`, to the query's last `window` positions -> [B, T, Hq, Dh] (a
+    query with no valid key gets zeros). Heads lead and each KV head's
     G query heads are stacked along the query axis, so both products are plain batched matmuls
     (on CPU 2.5x faster forward than contracting the [B, T, Hkv, G, Dh] layout directly)."""
     b, t, hq, dh = q.shape
@@ -243,7 +266,11 @@ def causal_attention(q, k, v, valid):
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     scores = jnp.einsum("bkqd,bksd->bkqs", qh, kh, preferred_element_type=jnp.float32) * dh**-0.5
     query_pos = jnp.tile(jnp.arange(t), g)
-    mask = (query_pos[:, None] >= jnp.arange(t)[None, :])[None, None] & valid[:, None, None, :]  # [B, 1, G*T, T]
+    key_pos = jnp.arange(t)[None, :]
+    causal = query_pos[:, None] >= key_pos
+    if window is not None:
+        causal &= key_pos > query_pos[:, None] - window
+    mask = causal[None, None] & valid[:, None, None, :]  # [B, 1, G*T, T]
     has_key = mask.any(-1, keepdims=True)
     probs = jax.nn.softmax(jnp.where(mask, scores, jnp.where(has_key, -jnp.inf, 0.0)), axis=-1)
     out = jnp.einsum("bkqs,bksd->bkqd", probs.astype(v.dtype), vh, preferred_element_type=jnp.float32)
@@ -278,7 +305,8 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
     returns (h, cache). The halves before and after attention each read the layer's weights
     (`on_layer`); the cache write and the attention over the cache run between them."""
     layers = params["layers"]
-    q, k, v = on_layer(layers, QKV_KEYS, layer, lambda lp: _layer_apply(config, lp, "qkv", h, batch.cos, batch.sin))
+    qkv_keys = _held(layers, QKV_KEYS)
+    q, k, v = on_layer(layers, qkv_keys, layer, lambda lp: _layer_apply(config, lp, "qkv", h, batch.cos, batch.sin))
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
     attn = cache_attention(q, cache, layer, batch)
     return on_layer(layers, OUT_KEYS, layer, lambda lp: _layer_apply(config, lp, "out_mlp", h, attn)), cache
@@ -297,6 +325,7 @@ def cache_attention(q, cache: KVCache, layer, batch: TokenBatch):
         batch.kv_len,
         impl=batch.attention,
         tree=batch.tree,
+        window=batch.window,
     )
 
 

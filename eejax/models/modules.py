@@ -53,7 +53,9 @@ def apply_linears(parent: nn.Module, x, *linears: Linear) -> tuple:
     lora = any(parent.has_variable("params", linear.weight + "_a") for linear in linears)
     if lora or any(w is None for w in ws):
         return tuple(linear(x) for linear in linears)
-    return tuple(y.astype(x.dtype) for y in matmuls(x, ws))
+    ys = matmuls(x, ws)
+    biases = [None if linear.bias is None else parent.get_variable("params", linear.bias) for linear in linears]
+    return tuple((y if b is None else y + b.astype(y.dtype)).astype(x.dtype) for y, b in zip(ys, biases))
 
 
 def normal(scale: float, axes: tuple[str, ...]):
@@ -61,7 +63,8 @@ def normal(scale: float, axes: tuple[str, ...]):
 
 
 class Linear(nn.Module):
-    """y = x @ W for W [D_in, features] named `weight` (`kernels.cpu_matmul.matmul`: eejax's own
+    """y = x @ W (+ b) for W [D_in, features] named `weight` and, where `bias` names one, b
+    [features] (Qwen2's q/k/v) (`kernels.cpu_matmul.matmul`: eejax's own
     product for a few rows on a CPU, XLA's otherwise), plus LoRA's low-rank update
     x @ a @ b when the params carry `weight + "_a"` [D_in, r] and `weight + "_b"` [r, features]
     (training, before the update is merged). `accumulate`: accumulate in float32 and round once
@@ -74,6 +77,7 @@ class Linear(nn.Module):
     init_scale: float = 0.02
     param_dtype: Dtype = jnp.float32
     accumulate: bool = True
+    bias: str | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -84,6 +88,9 @@ class Linear(nn.Module):
         if self.has_variable("params", self.weight + "_a"):
             a, b = (self.get_variable("params", self.weight + s) for s in ("_a", "_b"))
             y = y + (x @ a) @ b
+        if self.bias is not None:
+            init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes[1:])
+            y = y + self.param(self.bias, init, (self.features,), self.param_dtype).astype(y.dtype)
         return y.astype(x.dtype)
 
 
