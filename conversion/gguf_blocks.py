@@ -1,11 +1,13 @@
-"""A GGUF file's own blocks -> eejax's Llama params with quantized matrices (`QuantizedMatrix`),
-never a float copy of a quantized tensor.
+"""A GGUF file's own blocks -> eejax's Llama-family params with quantized matrices
+(`QuantizedMatrix`), never a float copy of a quantized tensor; a Qwen2's biases and a Qwen3's
+q and k norms as float32.
 
 The weight names are llama.cpp's (`blk.{i}.attn_q.weight`, ...). A GGUF tensor of ne = [cols,
 rows] holds `rows` rows of `cols` values in blocks along the row: an output row of a Linear, a token
 of the embedding. llama.cpp's converter permutes the rows of attn_q and attn_k (its rotary pairs
-adjacent values); transformers' GGUF loader undoes it, and so does this, by moving whole rows (a
-row's blocks move with it, unchanged). Float tensors (norms) are read as float32.
+adjacent values) for a Llama, not a Qwen; transformers' GGUF loader undoes it, and so does this,
+by moving whole rows (a row's blocks move with it, unchanged). Float tensors (norms) are read as
+float32.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from conversion.gguf_source import open_gguf_file, unpermuted_rows
+from conversion.gguf_source import open_gguf_file, permutes_qk, unpermuted_rows
 from eejax.config import LlamaConfig
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.quantized import QuantizedMatrix, from_ggml_blocks
@@ -33,6 +35,8 @@ GGUF_LAYER_NAMES = {
     "w_up": "ffn_up.weight",
     "w_down": "ffn_down.weight",
 }
+GGUF_BIAS_NAMES = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}  # Qwen2's
+GGUF_QK_NORM_NAMES = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}  # Qwen3's
 BLOCK_FORMATS = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGML type name -> eejax's format
 
 
@@ -66,12 +70,15 @@ def llama_params_from_gguf(path: str | Path, config: LlamaConfig, progress: bool
             )
         return w
 
-    bar = tqdm(
-        total=len(GGUF_LAYER_NAMES) * config.num_layers + 3, desc="reading blocks", unit="tensor", disable=not progress
-    )
-    heads = {"wq": config.num_heads, "wk": config.num_kv_heads}
+    names = {
+        **GGUF_LAYER_NAMES,
+        **(GGUF_BIAS_NAMES if config.qkv_bias else {}),
+        **(GGUF_QK_NORM_NAMES if config.qk_norm else {}),
+    }
+    bar = tqdm(total=len(names) * config.num_layers + 3, desc="reading blocks", unit="tensor", disable=not progress)
+    heads = {"wq": config.num_heads, "wk": config.num_kv_heads} if permutes_qk(config.model_type) else {}
     layers = {}
-    for key, name in GGUF_LAYER_NAMES.items():
+    for key, name in names.items():
         per_layer = []
         for i in range(config.num_layers):
             per_layer.append(read(f"blk.{i}.{name}", heads=heads.get(key)))

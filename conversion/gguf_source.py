@@ -1,9 +1,10 @@
-"""A Llama `.gguf` file read as an HF checkpoint, without torch: its config (transformers' names for
-llama.cpp's keys), its tokenizer (transformers' GGUF tokenizer converter over the file's
-vocabulary) and its tensors dequantised to float32 by gguf-py, the dequantisation transformers'
-GGUF loader runs, with llama.cpp's rotary permutation of Q and K undone as it undoes it. So a
-float32 conversion equals transformers' reading of the file bit for bit (`tests/test_smollm2.py`)
-while needing only `gguf` (the `gguf` extra), not torch (the `convert` extra).
+"""A Llama, Qwen2 or Qwen3 `.gguf` file read as an HF checkpoint, without torch: its config
+(transformers' names for llama.cpp's keys), its tokenizer (transformers' GGUF tokenizer converter
+over the file's vocabulary) and its tensors dequantised to float32 by gguf-py, the dequantisation
+transformers' GGUF loader runs, with llama.cpp's rotary permutation of a Llama's Q and K undone as
+it undoes it (llama.cpp does not permute a Qwen's). So a float32 conversion equals transformers'
+reading of the file bit for bit (`tests/test_smollm2.py`, `tests/test_llama_family.py`) while
+needing only `gguf` (the `gguf` extra), not torch (the `convert` extra).
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # Qwen2's biases, Qwen3's q and k norms (present in such files only)
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
+# llama.cpp's architecture names that eejax reads -> HF model_type (the same words) and class
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # the tokenizer's special tokens -> the GGUF keys of their ids ("tokenizer.ggml." + key)
 SPECIAL_TOKENS = {
     "bos_token": "bos_token_id",
@@ -45,22 +54,25 @@ def unpermuted_rows(rows: int, heads: int) -> np.ndarray:
 
 
 def gguf_config(metadata: dict, tensor_names) -> tuple[dict, dict]:
-    """(HF config dict, generation config dict) of a Llama GGUF file's metadata, as transformers
-    builds them (`GGUF_CONFIG_MAPPING`; tied embeddings where the file has no output.weight).
-    Rotary scaling is refused by name: transformers' GGUF loader would drop it."""
+    """(HF config dict, generation config dict) of a Llama, Qwen2 or Qwen3 GGUF file's metadata, as
+    transformers builds them (`GGUF_CONFIG_MAPPING`; tied embeddings where the file has no
+    output.weight; Qwen3's head size from its key length). Rotary scaling is refused by name:
+    transformers' GGUF loader would drop it."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    architecture = metadata.get("general.architecture")
-    if architecture != "llama":
-        raise UnsupportedModelError(f"a {architecture!r} GGUF file; eejax reads Llama GGUF files")
-    scaling = metadata.get("llama.rope.scaling.type", "none")
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"a {arch!r} GGUF file; eejax reads {', '.join(GGUF_ARCHITECTURES)} GGUF files")
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none" or "rope_freqs.weight" in tensor_names:
         raise UnsupportedModelError(f"this GGUF file scales its rotary embedding ({scaling}); eejax cannot read that")
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    config = {"model_type": arch, "architectures": [GGUF_ARCHITECTURES[arch]]}
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
-    for key, name in GGUF_CONFIG_MAPPING["llama"].items():
-        if f"llama.{key}" in metadata:
-            config[name] = metadata[f"llama.{key}"]
+    for key, name in GGUF_CONFIG_MAPPING[arch].items():
+        if name is not None and f"{arch}.{key}" in metadata:
+            config[name] = metadata[f"{arch}.{key}"]
+    if arch == "qwen3" and f"{arch}.attention.key_length" in metadata:
+        config["head_dim"] = metadata[f"{arch}.attention.key_length"]
     ids = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
     ids = {name: metadata[f"tokenizer.ggml.{key}"] for name, key in ids.items() if f"tokenizer.ggml.{key}" in metadata}
     config.update(ids)
@@ -94,7 +106,7 @@ def gguf_tokenizer(metadata: dict):
 
 def gguf_tensor_reader(tensors: dict, config: dict):
     """(HF tensor names, read(name) -> float32 array in HF layout [out, in]) over a GGUF file's
-    tensors (`gguf_file.read_gguf`)."""
+    tensors (`gguf_file.read_gguf`); a Llama's Q and K rows unpermuted (`permutes_qk`)."""
     from gguf import dequantize
 
     names = dict(GLOBAL_NAMES)
@@ -103,6 +115,8 @@ def gguf_tensor_reader(tensors: dict, config: dict):
     for i in range(int(config["num_hidden_layers"])):
         names.update({f"model.layers.{i}.{hf}": f"blk.{i}.{gg}" for hf, gg in LAYER_NAMES.items()})
     heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config.get("num_key_value_heads")}
+    if not permutes_qk(config["model_type"]):
+        heads = {}
 
     def read(name: str) -> np.ndarray:
         t = tensors.get(names.get(name, ""))
@@ -118,6 +132,12 @@ def gguf_tensor_reader(tensors: dict, config: dict):
     return [name for name, gg in names.items() if gg in tensors], read
 
 
+def permutes_qk(model_type: str) -> bool:
+    """Whether llama.cpp's converter permuted the rows of Q and K (a Llama's: its rotary takes
+    adjacent pairs; a Qwen's rotates halves as HF does, unpermuted)."""
+    return model_type == "llama"
+
+
 def open_gguf_file(src: Path) -> tuple[dict, dict]:
     """`gguf_file.read_gguf(src)`, its errors named as EejaxErrors."""
     try:
@@ -131,8 +151,8 @@ def open_gguf_file(src: Path) -> tuple[dict, dict]:
 
 
 def open_gguf(metadata: dict, tensors: dict):
-    """(HF config, generation config, tensor names, read(name), tokenizer) of a Llama GGUF file's
-    metadata and tensors (`open_gguf_file`)."""
+    """(HF config, generation config, tensor names, read(name), tokenizer) of a Llama, Qwen2 or
+    Qwen3 GGUF file's metadata and tensors (`open_gguf_file`)."""
     config, generation_config = gguf_config(metadata, set(tensors))
     names, read = gguf_tensor_reader(tensors, config)
     return config, generation_config, names, read, gguf_tokenizer(metadata)

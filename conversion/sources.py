@@ -112,12 +112,12 @@ def _open_hf_dir(src: Path) -> HFCheckpoint:
 
 
 def _open_gguf(src: Path) -> HFCheckpoint:
-    """A Llama GGUF file through `gguf_source` (no torch); another architecture (a T5 GGUF file)
-    through transformers' GGUF loader, which needs torch."""
-    from conversion.gguf_source import open_gguf, open_gguf_file
+    """A Llama, Qwen2 or Qwen3 GGUF file through `gguf_source` (no torch); another architecture (a
+    T5 GGUF file) through transformers' GGUF loader, which needs torch."""
+    from conversion.gguf_source import GGUF_ARCHITECTURES, open_gguf, open_gguf_file
 
     metadata, tensors = open_gguf_file(src)
-    if metadata.get("general.architecture") == "llama":
+    if metadata.get("general.architecture") in GGUF_ARCHITECTURES:
         config, generation_config, names, read, tokenizer = open_gguf(metadata, tensors)
         return HFCheckpoint(config, generation_config, names, read, tokenizer, str(src))
     return _open_gguf_with_transformers(src)

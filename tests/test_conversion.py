@@ -159,7 +159,7 @@ def test_a_gguf_file_eejax_cannot_read_is_refused_by_name(tmp_path):
     llama = {"general.architecture": "llama", "llama.block_count": 2, "tokenizer.ggml.eos_token_id": 2}
     config, generation = gguf_config(llama, {"token_embd.weight"})
     assert config["num_hidden_layers"] == 2 and config["tie_word_embeddings"] and generation == {"eos_token_id": 2}
-    with pytest.raises(UnsupportedModelError, match="'gemma2' GGUF file; eejax reads Llama"):
+    with pytest.raises(UnsupportedModelError, match="'gemma2' GGUF file; eejax reads llama, qwen2, qwen3 GGUF"):
         gguf_config({**llama, "general.architecture": "gemma2"}, set())
     with pytest.raises(UnsupportedModelError, match="scales its rotary embedding \\(yarn\\)"):
         gguf_config({**llama, "llama.rope.scaling.type": "yarn"}, set())  # transformers would drop it

@@ -32,7 +32,7 @@ COMMON = dict(
 )
 
 
-def make_hf(model_type: str, seed: int = 0):
+def make_hf(model_type: str, seed: int = 0, head_dim: int = 16):
     """A tiny random HF model of `model_type` (fp32), its norms and biases random too, so that one
     dropped or misplaced shows."""
     import transformers
@@ -41,7 +41,7 @@ def make_hf(model_type: str, seed: int = 0):
         cfg = transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)
         cls = transformers.Qwen2ForCausalLM
     elif model_type == "qwen3":
-        cfg = transformers.Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=False)
+        cfg = transformers.Qwen3Config(**COMMON, head_dim=head_dim, tie_word_embeddings=False)
         cls = transformers.Qwen3ForCausalLM
     else:
         cfg = transformers.MistralConfig(**COMMON, sliding_window=WINDOW, tie_word_embeddings=False)
@@ -133,3 +133,104 @@ def test_a_window_on_some_layers_only_is_refused():
     assert LlamaConfig.from_hf({**hf, "use_sliding_window": False}).sliding_window is None
     with pytest.raises(UnsupportedModelError, match="gemma"):
         LlamaConfig.from_hf({**COMMON, "model_type": "gemma"})
+
+
+def write_gguf(hf, tokenizer, path, arch: str):
+    """hf (a tiny Qwen2 / Qwen3) written as llama.cpp writes such a file: its attention matrices in
+    Q8_0 blocks, its MLP's in Q4_1, the embedding Q8_0, norms and biases F32, Q and K unpermuted,
+    the tokenizer a GPT-2 BPE vocabulary with its merges."""
+    import json
+
+    import gguf
+
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in {
+        "block_count": c.num_hidden_layers,
+        "context_length": c.max_position_embeddings,
+        "embedding_length": c.hidden_size,
+        "feed_forward_length": c.intermediate_size,
+        "attention.head_count": c.num_attention_heads,
+        "attention.head_count_kv": c.num_key_value_heads,
+    }.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    if arch == "qwen3":
+        writer.add_uint32(f"{arch}.attention.key_length", c.head_dim)
+        writer.add_uint32(f"{arch}.attention.value_length", c.head_dim)
+    writer.add_float32(f"{arch}.rope.freq_base", float(c.rope_parameters["rope_theta"]))
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    tokens += [f"<extra_{i}>" for i in range(c.vocab_size - len(tokens))]  # the embedding's rows past the BPE's
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_string("tokenizer.ggml.pre", "qwen2")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.token_type", [3 if t.startswith("<") else 1 for t in tokens])
+    writer.add_array("tokenizer.ggml.merges", [m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+    for key, value in (("bos_token_id", 1), ("eos_token_id", 2), ("padding_token_id", 0)):
+        writer.add_uint32(f"tokenizer.ggml.{key}", value)
+    state = {k: v.detach().numpy().astype(np.float32) for k, v in hf.state_dict().items()}
+
+    def add(name, w, kind=None):
+        if kind is None:
+            writer.add_tensor(name, w)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"], "Q8_0")
+    add("output_norm.weight", state["model.norm.weight"])
+    if "lm_head.weight" in state and not c.tie_word_embeddings:
+        add("output.weight", state["lm_head.weight"], "Q8_0")
+    for i in range(c.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        for ours, theirs, kind in (
+            ("attn_norm.weight", "input_layernorm.weight", None),
+            ("attn_q.weight", "self_attn.q_proj.weight", "Q8_0"),
+            ("attn_k.weight", "self_attn.k_proj.weight", "Q8_0"),
+            ("attn_v.weight", "self_attn.v_proj.weight", "Q8_0"),
+            ("attn_output.weight", "self_attn.o_proj.weight", "Q8_0"),
+            ("attn_q.bias", "self_attn.q_proj.bias", None),
+            ("attn_k.bias", "self_attn.k_proj.bias", None),
+            ("attn_v.bias", "self_attn.v_proj.bias", None),
+            ("attn_q_norm.weight", "self_attn.q_norm.weight", None),
+            ("attn_k_norm.weight", "self_attn.k_norm.weight", None),
+            ("ffn_norm.weight", "post_attention_layernorm.weight", None),
+            ("ffn_gate.weight", "mlp.gate_proj.weight", "Q4_1"),
+            ("ffn_up.weight", "mlp.up_proj.weight", "Q4_1"),
+            ("ffn_down.weight", "mlp.down_proj.weight", "Q4_1"),
+        ):
+            if layer + theirs in state:
+                add(f"blk.{i}.{ours}", state[layer + theirs], kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_gguf_files_of_qwens_read_as_transformers_reads_them(family, tiny_tokenizer, tmp_path, model_type):
+    """A Qwen2 / Qwen3 .gguf file: converted dequantised (no torch), its logits are transformers'
+    reading of the file; kept as its blocks (`--quantize gguf`), its greedy tokens are too. (The
+    Qwen3 has Qwen3's usual head size, 128: transformers' GGUF reader takes that default, not the
+    file's key length, which eejax reads.)"""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    from conversion import convert
+
+    path = tmp_path / f"tiny-{model_type}.gguf"
+    hf = family[model_type][0] if model_type == "qwen2" else make_hf("qwen3", head_dim=128)
+    write_gguf(hf, tiny_tokenizer, path, model_type)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    floats = eejax.load(convert(path, tmp_path / "float", progress=False))
+    blocks = eejax.load(convert(path, tmp_path / "blocks", quantization="gguf", progress=False))
+    assert floats.config.model_type == model_type and floats.config.qkv_bias == (model_type == "qwen2")
+    prompts = random_prompts(2, [5, 13], seed=7)
+    prefill, _ = eejax_logits(floats, prompts, [[3] * 8] * 2, page_size=4)
+    for i, p in enumerate(prompts):
+        np.testing.assert_allclose(prefill[i, : len(p)], hf_logits(reference, p), atol=1e-4, rtol=0)
+    kw = dict(max_new_tokens=12, ignore_eos=True, page_size=4)
+    want = [hf_greedy(reference, p, 12) for p in prompts]
+    assert eejax.generate(floats, prompts, **kw).tokens == want
+    assert eejax.generate(blocks, prompts, **kw).tokens == want

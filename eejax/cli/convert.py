@@ -9,7 +9,7 @@ from eejax.cli.args import quantization
 DESCRIPTION = """Convert an HF PyTorch checkpoint or a GGUF file into an eejax checkpoint.
 
 SRC is an HF model directory (config.json plus model.safetensors, pytorch_model.bin, or their
-sharded *.index.json; read with torch: pip install 'eejax[convert]') or a Llama .gguf file
+sharded *.index.json; read with torch: pip install 'eejax[convert]') or a .gguf file
 (dequantised by gguf-py, no torch: 'eejax[gguf]'). DST receives
 eejax.json, params/ (orbax) and tokenizer/. The conversion is atomic: on any error nothing is
 left at DST. What converts (config.json's model_type):
@@ -18,7 +18,8 @@ left at DST. What converts (config.json's model_type):
   qwen3    Qwen3 dense models (RMSNorm on q and k)
   mistral  Mistral (its sliding attention window)
   t5       T5ForConditionalGeneration: T5 v1.0, v1.1, Flan-T5, CALM-style T5s
-A .gguf file converts for the llama architecture only."""
+A .gguf file of llama.cpp's llama, qwen2 or qwen3 architecture converts without torch (float, or
+its own blocks with --quantize gguf); another architecture's goes through transformers (torch)."""
 
 
 def add_parsers(sub) -> None:
