@@ -341,7 +341,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   int64_t values = 0;  // cached keys and values read (a KV head's queries share them), at most
   for (int64_t b = 0; b < n.B; ++b)
     values += std::clamp<int64_t>(kv_len.typed_data()[b], 0, n.M * n.S) * n.T * n.Hkv * 2 * n.Dh;
-  const int64_t parts = eejax::num_parts(pool, std::clamp<int64_t>((values + kMinValuesPerPart - 1) / kMinValuesPerPart, 1, units));
+  const int64_t parts = eejax::num_parts(pool, std::clamp<int64_t>((values + kMinValuesPerPart - 1) / kMinValuesPerPart, 1, std::max<int64_t>(1, units)));
   eejax::run_parts(pool, parts, [&](int64_t i) {
     static thread_local std::vector<float> scores;  // the running thread's, kept from call to call
     for (int64_t u = units * i / parts; u < units * (i + 1) / parts; ++u) {
