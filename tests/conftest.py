@@ -118,7 +118,7 @@ SLOW_FIRST = (
 
 # The quick tier (`scripts/test.sh --quick`, pytest -m quick): the unit files, then conversion and
 # HF parity on the tiny models.
-QUICK = (*UNIT_FIRST, "test_conversion.py", "test_llama_hf.py")
+QUICK = (*UNIT_FIRST, "test_conversion.py", "test_llama_hf.py", "test_llama_family.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -40,24 +40,27 @@ TINY_CONFIGS = {
 }
 
 
+# The tiny models' sizes and special tokens (HF config fields), whatever their family.
+TINY_SIZES = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
 def make_hf_llama(kind: str, seed: int = 0):
     """A tiny random HF LlamaForCausalLM (fp32) of one of TINY_CONFIGS."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        **TINY_CONFIGS[kind],
-    )
+    cfg = LlamaConfig(**TINY_SIZES, **TINY_CONFIGS[kind])
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # random norms, so a norm weight that is dropped or misplaced shows

@@ -12,24 +12,11 @@ import eejax
 from eejax.config import LlamaConfig
 from eejax.errors import UnsupportedModelError
 from eejax.models import draft_head, llama
-from tests.helpers import random_prompts
+from tests.helpers import TINY_SIZES, random_prompts
 from tests.test_llama_hf import eejax_logits, hf_greedy, hf_logits
 
 WINDOW = 6
-COMMON = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    initializer_range=0.1,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+COMMON = dict(**TINY_SIZES, num_attention_heads=4, num_key_value_heads=2)
 
 
 def make_hf(model_type: str, seed: int = 0, head_dim: int = 16):
