@@ -221,3 +221,16 @@ def test_gguf_files_of_qwens_read_as_transformers_reads_them(family, tiny_tokeni
     want = [hf_greedy(reference, p, 12) for p in prompts]
     assert eejax.generate(floats, prompts, **kw).tokens == want
     assert eejax.generate(blocks, prompts, **kw).tokens == want
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_exit_training_runs_on_the_family(family, model_type):
+    """`train-exits`' loop on a Qwen2 (biases) and a Mistral (its window in the training forward):
+    the distillation loss falls."""
+    from eejax.train.data import sequence_batches
+    from eejax.train.loop import train_exit_adapters
+
+    model = eejax.init_exits(family[model_type][1], adapter_rank=8)
+    batches = sequence_batches(random_prompts(8, [12, 20, 7, 16], seed=9), 8, 32)
+    _, losses, start = train_exit_adapters(model, batches, steps=30, learning_rate=1e-2, progress=False)
+    assert start == 0 and float(np.mean(losses[-5:])) < 0.8 * float(np.mean(losses[:5]))
