@@ -2,8 +2,9 @@
 // (each thread half of every matrix's rows, no XLA, no thread pool, no barriers: the best two
 // cores can do): 30 layers of Q4_1 matrices (q 576x576, k and v 192x576, o 576x576, gate and up
 // 1536x576, down 576x1536) and the Q8_0 head (49152x576), each with its own memory (97 MB, out of
-// cache), one row of x, for each way of taking x (float32, int8, int16). Built and run by
-// quantized_kernel.py; includes the kernel's source, so it times exactly the library's loops.
+// cache), 1 to 16 rows of x, for each way of taking x (float32, int8, int16), and int16's floor on
+// registers. Built and run by quantized_kernel.py; includes the kernel's source, so it times
+// exactly the library's loops.
 #include KERNEL_SOURCE
 
 #include <chrono>
