@@ -128,6 +128,27 @@ def test_a_rows_norm_and_sum_are_its_bits_alone(rows, width, seed):
     np.testing.assert_allclose(sums, np.asarray(x, np.float64).sum(-1), rtol=0, atol=1e-4 * np.sqrt(width) * 4)
 
 
+@pytest.mark.parametrize("heads", [1, 3, 9])
+def test_the_rotation_shares_a_rows_tables_between_its_heads(heads):
+    """`rope` takes x [B, T, H, Dh] against tables [B, T, Dh] (a row's heads share its row): the
+    bits of tables broadcast to x's shape, a row's bits alone, the reference's values, its gradient."""
+    from eejax.kernels import cpu_elementwise
+    from eejax.models.rope import rope_tables
+
+    rng = np.random.default_rng(heads)
+    x = jnp.asarray(rng.standard_normal((2, 7, heads, 64)).astype(np.float32))
+    cos, sin = rope_tables(jnp.asarray(rng.integers(0, 500, (2, 7)), jnp.int32), 1e4 ** -(np.arange(32) / 32))
+    rope = jax.jit(cpu_elementwise.rope)
+    got = np.asarray(rope(x, cos, sin))
+    full = [jnp.broadcast_to(t[:, :, None, :], x.shape) for t in (cos, sin)]
+    assert np.array_equal(got, np.asarray(rope(x, *full)))
+    assert np.array_equal(got[1, 4], np.asarray(rope(x[1:2, 4:5], cos[1:2, 4:5], sin[1:2, 4:5]))[0, 0])
+    np.testing.assert_allclose(got, np.asarray(cpu_elementwise.rope_reference(x, cos, sin)), atol=1e-5)
+    grad = jax.grad(lambda x: jnp.sum(cpu_elementwise.rope(x, cos, sin) ** 2))(x)
+    want = jax.grad(lambda x: jnp.sum(cpu_elementwise.rope_reference(x, cos, sin) ** 2))(x)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want), atol=1e-5)
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     rows=st.integers(1, cpu_matmul.MAX_QUANTIZED_ROWS),

@@ -64,18 +64,19 @@ ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Result
 ffi::Error Rope(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                             ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
-  if (xd.size() < 2 || cos.element_count() != x.element_count() || sin.element_count() != x.element_count())
-    return ffi::Error::InvalidArgument("eejax_rope: x, cos and sin must have one shape");
-  const int64_t Dh = xd.back(), half = Dh / 2, N = x.element_count() / Dh;
-  if (Dh % 2) return ffi::Error::InvalidArgument("eejax_rope: the head size must be even");
+  const int64_t tables = cos.element_count();
+  if (xd.size() < 2 || tables == 0 || sin.element_count() != tables || x.element_count() % tables)
+    return ffi::Error::InvalidArgument("eejax_rope: x must be [..., H, Dh] against cos and sin [..., Dh]");
+  const int64_t Dh = xd.back(), half = Dh / 2, N = x.element_count() / Dh, heads = x.element_count() / tables;
+  if (Dh % 2 || tables % Dh) return ffi::Error::InvalidArgument("eejax_rope: the head size must be even, the tables' too");
   const float *xs = x.typed_data(), *c = cos.typed_data(), *s = sin.typed_data();
   float* out = y->typed_data();
   for (int64_t n = 0; n < N; ++n) {
-    const int64_t at = n * Dh;
+    const int64_t at = n * Dh, row = n / heads * Dh;  // a row's H heads share its tables
     for (int64_t d = 0; d < Dh; ++d) {
       const float rotated = d < half ? -xs[at + d + half] : xs[at + d - half];
-      const float a = xs[at + d] * c[at + d];
-      const float b = rotated * s[at + d];
+      const float a = xs[at + d] * c[row + d];
+      const float b = rotated * s[row + d];
       out[at + d] = a + b;
     }
   }

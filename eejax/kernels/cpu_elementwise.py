@@ -40,11 +40,14 @@ def rms_norm(x, weight, eps):
 def rope_reference(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    if cos.ndim < x.ndim:  # one table row for a row's heads
+        cos, sin = cos[..., None, :], sin[..., None, :]
     return x * cos + rotated * sin
 
 
 def rope(x, cos, sin):
-    """x * cos + rotate_half(x) * sin for float32 x, cos, sin of one shape [..., Dh]."""
+    """x * cos + rotate_half(x) * sin for float32 x [..., H, Dh] and tables cos, sin [..., Dh]
+    (each row's heads rotated by its row of the tables; or tables of x's own shape)."""
     if not applies(x, cos, sin):
         return rope_reference(x, cos, sin)
     return _rope(x, cos, sin)

@@ -40,5 +40,5 @@ def apply_rope(x, cos, sin):
     """Rotates `x [B, T, H, Dh]` by the tables `[B, T, Dh]`; computed in float32 (on a CPU by
     eejax's kernel: `kernels.cpu_elementwise.rope`)."""
     xf = x.astype(jnp.float32)
-    out = cpu_elementwise.rope(xf, *(jnp.broadcast_to(t[:, :, None, :], xf.shape) for t in (cos, sin)))
+    out = cpu_elementwise.rope(xf, cos, sin)
     return out.astype(x.dtype)
