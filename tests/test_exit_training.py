@@ -73,7 +73,7 @@ def test_training_moves_only_the_exits_and_raises_agreement():
     opt_state = optimizer.init(exit_params)
     weights = jnp.asarray(layer_weights("calm", 4))
     exit_layers = jnp.arange(1, 4, dtype=jnp.int32)
-    train_batch = exit_batch(tokens, lengths, None, None)
+    train_batch = exit_batch((tokens, lengths), None, None)
     backbone = jax.tree.map(np.asarray, {k: v for k, v in model.params.items() if k != "exits"})
     before = [agreement(model, exit_params, test_tokens, test_lengths, e) for e in (1, 2)]
     losses = []

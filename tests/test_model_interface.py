@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from eejax.config import LlamaConfig, T5Config
-from eejax.errors import UnsupportedModelError
+from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.kernels.cpu_matmul import RowsMatrix
 from eejax.models.registry import ARCHITECTURES, ModelModule, model_module
 from eejax.models.stack import is_split, on_layer, split_stack
@@ -46,13 +46,18 @@ def test_every_architecture_implements_the_interface(config):
     assert m.lm_head(params, jnp.ones((2, config.hidden_size)), config).shape == (2, config.vocab_size)
 
 
-def test_training_forward_is_the_architectures_and_refused_for_encoder_decoders():
+def test_training_forward_is_the_architectures_and_an_encoder_decoders_needs_its_prompts():
     params = model_module(LLAMA).init_params(LLAMA, jax.random.PRNGKey(0))
     tokens = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6))
-    assert layer_states(params, tokens, jnp.asarray([6, 3]), LLAMA).shape == (3, 2, 6, 16)
+    lengths = jnp.asarray([6, 3])
+    assert layer_states(params, tokens, lengths, LLAMA).shape == (3, 2, 6, 16)
+    with pytest.raises(EejaxError, match="decoder-only model's training forward takes no encoder context"):
+        layer_states(params, tokens, lengths, LLAMA, context=(tokens, lengths))
     t5_params = model_module(T5).init_params(T5, jax.random.PRNGKey(0))
-    with pytest.raises(UnsupportedModelError, match="decoder-only"):
-        layer_states(t5_params, tokens, jnp.asarray([6, 3]), T5)
+    prompts = (jnp.ones((2, 4), jnp.int32), jnp.asarray([4, 2]))
+    assert layer_states(t5_params, tokens, lengths, T5, context=prompts).shape == (T5.num_layers, 2, 6, 16)
+    with pytest.raises(EejaxError, match="needs the prompts its decoder attends to"):
+        layer_states(t5_params, tokens, lengths, T5)
 
 
 def test_an_unknown_architecture_names_the_known_ones():

@@ -87,9 +87,9 @@ def cmd_train_layerskip(args: argparse.Namespace) -> int:
     if not texts:
         raise EejaxError(f"no prompts left after --skip {args.skip}")
     model = eejax.load(args.model, quantization=None)  # trains and distills on float32 weights
-    from eejax.train.loop import check_trainable
+    from eejax.train.loop import check_decoder_only
 
-    check_trainable(model.config)
+    check_decoder_only(model.config, "LayerSkip training")
     settings.layerskip.eligible(model.config.num_layers)  # exit layers within the model
     if args.exit_vocab_size > model.config.vocab_size:
         raise EejaxError(f"--exit-vocab-size must lie in [0, {model.config.vocab_size}], got {args.exit_vocab_size}")

@@ -93,10 +93,13 @@ def add_parsers(sub) -> None:
         "trained exit and train the adapters with optax (adam, cosine decay) so that each exit's next-token "
         "distribution matches the full model's (KL, per-layer weights; optionally plus cross-entropy on the "
         "data) while the backbone stays frozen. The data are the prompts followed by the model's own greedy "
-        "continuations. Writes a new eejax checkpoint with the trained exits; with --checkpoint-dir, training "
+        "continuations (a T5's rows are its decoder's start token and continuation, the encoder reading the "
+        "prompt). Writes a new eejax checkpoint with the trained exits; with --checkpoint-dir, training "
         "state is saved every --save-every steps and a rerun resumes from it.",
     )
-    add_model_and_prompts(tr, "training prompts", "eejax checkpoint directory or known model name (a Llama)")
+    add_model_and_prompts(
+        tr, "training prompts", "eejax checkpoint directory or known model name (a Llama-family model or a T5)"
+    )
     tr.add_argument("--output", required=True, metavar="DIR", help="where to write the model with trained exits")
     tr.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     tr.add_argument(

@@ -23,6 +23,7 @@ import numpy as np
 
 from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import LlamaConfig
+from eejax.errors import EejaxError
 from eejax.kernels import cpu_elementwise, paged_attention
 from eejax.kernels.attention import TreeMask
 from eejax.kernels.cpu_matmul import RowsMatrix
@@ -40,7 +41,7 @@ from eejax.models.modules import (
     unboxed_init,
 )
 from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
-from eejax.models.stack import on_layer, run_layer_range, split_stack
+from eejax.models.stack import on_layer, run_layer_range, scan_states, split_stack
 from eejax.quantized import is_quantized
 
 ENCODER_DECODER = False  # the prompt is decoded into the paged cache (see `eejax.models.registry`)
@@ -277,27 +278,21 @@ def causal_attention(q, k, v, valid, window: int | None = None):
     return out.reshape(b, hkv, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, dh).astype(q.dtype)
 
 
-def forward_states(params, tokens, lengths, config: LlamaConfig, skip=None):
+def forward_states(params, tokens, lengths, config: LlamaConfig, skip=None, context=None):
     """The training forward: whole right-padded sequences tokens [B, T] (lengths [B]) through
     dense causal attention, no KV cache. Returns (states [L, B, T, D], layers computed int32);
     states[l] is the hidden state after layer l. skip [L] bool: layer l passes its input through
     unchanged, and a `lax.cond` runs nothing else for it (LayerSkip's layer dropout, one decision
-    per layer for the whole batch). The layers may carry LoRA factors (see `modules.Linear`)."""
+    per layer for the whole batch). The layers may carry LoRA factors (see `modules.Linear`).
+    `context` is an encoder-decoder's prompt; a decoder-only model has none."""
+    if context is not None:
+        raise EejaxError("a decoder-only model's training forward takes no encoder context")
     _, valid, cos, sin = _dense_positions(config, tokens, lengths)
-    if skip is None:
-        skip = jnp.zeros((config.num_layers,), bool)
 
-    def compute(h, lp):
-        return _layer_apply(config, lp, None, h, cos, sin, valid), jnp.int32(1)
+    def layer(h, lp):
+        return _layer_apply(config, lp, None, h, cos, sin, valid)
 
-    def body(carry, xs):
-        h, count = carry
-        lp, skipped = xs
-        h, ran = jax.lax.cond(skipped, lambda h, lp: (h, jnp.int32(0)), compute, h, lp)
-        return (h, count + ran), h
-
-    (_, count), states = jax.lax.scan(body, (embed(params, tokens), jnp.int32(0)), (params["layers"], skip))
-    return states, count
+    return scan_states(layer, embed(params, tokens), params["layers"], skip)
 
 
 def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):

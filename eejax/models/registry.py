@@ -34,8 +34,9 @@ class ModelModule(Protocol):
         buffer where the architecture supports it (`eejax.models.stack`; what a CPU reads fastest).
     with_linear_rows(params) -> params whose decoder-layer Linear weights are held as their rows
         (`kernels.cpu_matmul.RowsMatrix`) where the architecture supports it (what XLA:GPU fuses).
-    forward_states(params, tokens, lengths, config, skip) -> (states [L, B, T, D], layers run):
-        the forward without a cache that training uses.
+    forward_states(params, tokens, lengths, config, skip, context) -> (states [L, B, T, D], layers
+        run): the forward without a cache that training uses; an encoder-decoder's decoder
+        attends to context = (prompts [B, S], prompt lengths [B]), which decoder-only models refuse.
     quantize_weights(params, quantize) -> params with the matrices a decode step multiplies by
         replaced by quantize(w, transposed) (`kernels.quantized`); architectures without it
         cannot be quantized (T5 today).
@@ -59,7 +60,7 @@ class ModelModule(Protocol):
     def decoder_layers(self, params) -> dict: ...
     def with_layer_buffers(self, params) -> dict: ...
     def with_linear_rows(self, params) -> dict: ...
-    def forward_states(self, params, tokens, lengths, config, skip=...): ...
+    def forward_states(self, params, tokens, lengths, config, skip=..., context=...): ...
 
 
 ARCHITECTURES: dict[str, ModuleType] = {"llama": llama, "t5": t5}

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
@@ -100,3 +101,24 @@ def run_layer_range(decoder_layer, params, h, cache, batch, config, start=0, sto
 
 def _has_layer_buffers(params) -> bool:
     return any(isinstance(v, dict) and v and is_split(v) for v in params.values())
+
+
+def scan_states(layer: Callable, h, stack: dict, skip):
+    """The training forward's loop over stacked layers: h -> layer(h, one layer's weights) for
+    each layer of `stack` ({name: [L, ...]}) in order. skip [L] bool: layer l passes its input
+    through and a `lax.cond` runs nothing else for it (LayerSkip's layer dropout). Returns
+    (states [L, ...h's shape], layers computed int32): states[l] is h after layer l."""
+
+    def compute(h, lp):
+        return layer(h, lp), jnp.int32(1)
+
+    def body(carry, xs):
+        h, count = carry
+        lp, skipped = xs
+        h, ran = jax.lax.cond(skipped, lambda h, lp: (h, jnp.int32(0)), compute, h, lp)
+        return (h, count + ran), h
+
+    if skip is None:
+        skip = jnp.zeros((num_stacked(stack),), bool)
+    (_, count), states = jax.lax.scan(body, (h, jnp.int32(0)), (stack, skip))
+    return states, count

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import T5Config
-from eejax.errors import UnsupportedModelError
+from eejax.errors import EejaxError
 from eejax.kernels import paged_attention
 from eejax.kernels.position_bias import RelativePositionBias, relative_position_bucket
 from eejax.models import modules
@@ -43,7 +43,7 @@ from eejax.models.modules import (
     share_scope,
     unboxed_init,
 )
-from eejax.models.stack import run_layer_range
+from eejax.models.stack import run_layer_range, scan_states
 from eejax.models.t5_attention import CrossKV, cross_attention, dense_attention, encoder_attention
 
 ENCODER_DECODER = True  # the prompt goes to the encoder; the paged cache holds decoder tokens
@@ -376,11 +376,30 @@ def decoder_layers(params) -> dict:
     return params["decoder"]["layers"]
 
 
-def forward_states(params, tokens, lengths, config: T5Config, skip=None):
-    """The training forward (`llama.forward_states`) is written for decoder-only models."""
-    raise UnsupportedModelError(
-        "training exits runs decoder-only (Llama) models; T5 decodes with exits it was given (CALM-style checkpoints)"
-    )
+def forward_states(params, tokens, lengths, config: T5Config, skip=None, context=None):
+    """The training forward of the decoder, no KV cache: right-padded decoder inputs tokens [B, T]
+    (lengths [B]; each row starts with the decoder start token) attending causally to themselves
+    and to the encoder's output of `context` = (prompts [B, S] int32, prompt lengths [B]).
+    Returns (states [L, B, T, D], layers computed int32); states[l] is the decoder's hidden state
+    after layer l, before the final norm (what the exit heads read). skip [L] bool: layer l passes
+    its input through and nothing else runs for it (as `llama.forward_states`)."""
+    if context is None:
+        raise EejaxError("T5's training forward needs the prompts its decoder attends to (context)")
+    prompts, prompt_lengths = context
+    enc_out = encode(params, prompts, prompt_lengths, config)
+    dec = params["decoder"]
+    b, t = tokens.shape
+    valid = jnp.arange(t, dtype=jnp.int32)[None, :] < lengths[:, None]
+    mask = valid[:, None, :] & jnp.tril(jnp.ones((t, t), bool))[None]
+    enc_valid = jnp.arange(prompts.shape[1], dtype=jnp.int32)[None, :] < prompt_lengths[:, None]
+    enc_mask = jnp.broadcast_to(enc_valid[:, None, :], (b, t, prompts.shape[1]))
+    bias = T5Stack(config, decoder=True).apply({"params": {"rel_bias": dec["rel_bias"]}}, t, method="position_bias")
+    layers = {k: dec["layers"][k] for k in ENCODER_KEYS + CROSS_KEYS + ff_keys(config)}
+
+    def layer(h, lp):
+        return _block(config, lp, None, h, mask, bias, enc_out, enc_mask)
+
+    return scan_states(layer, embed(params, tokens), layers, skip)
 
 
 def lm_head(params, h, config: T5Config, weight=None):

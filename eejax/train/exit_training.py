@@ -84,15 +84,28 @@ def distillation_loss(exit_params, params, states, valid, exit_layers, weights, 
     return total
 
 
+class SequenceBatch(NamedTuple):
+    """Right-padded training sequences tokens [B, T] int32 with lengths [B] int32; `context`: an
+    encoder-decoder's prompts (tokens [B, S], lengths [B]), whose decoder inputs the sequences
+    are (None for a decoder-only model). A (tokens, lengths) pair reads as one with no context."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    context: tuple | None = None
+
+
 class ExitBatch(NamedTuple):
     """Right-padded sequences tokens [B, T] with lengths [B], and the positions [B, P] whose exits
     are trained (mask [B, P] False for padding): the exit heads cost far more than the backbone,
-    so a step trains on a sample of each row's positions while the backbone sees whole rows."""
+    so a step trains on a sample of each row's positions while the backbone sees whole rows.
+    `context`: an encoder-decoder's prompts (tokens [B, S], lengths [B]); the sequences are then
+    its decoder's inputs."""
 
     tokens: jax.Array
     lengths: jax.Array
     positions: jax.Array
     mask: jax.Array
+    context: tuple | None = None
 
 
 def next_tokens(tokens, lengths):
@@ -103,7 +116,7 @@ def next_tokens(tokens, lengths):
 
 def sampled_states(params, batch: ExitBatch, config):
     """(states [L, B, P, D], labels [B, P]) at the batch's sampled positions."""
-    states = jax.lax.stop_gradient(layer_states(params, batch.tokens, batch.lengths, config))
+    states = jax.lax.stop_gradient(layer_states(params, batch.tokens, batch.lengths, config, context=batch.context))
     rows = jnp.arange(batch.tokens.shape[0])[:, None]
     labels = next_tokens(batch.tokens, batch.lengths)[rows, batch.positions]
     return states[:, rows, batch.positions], labels
@@ -124,20 +137,20 @@ def train_step(
 
 
 def exit_agreement(model, batches, start: int = 0) -> np.ndarray:
-    """Share [L - 1] of the valid positions >= `start` of `batches` ((tokens [B, T], lengths [B])
-    pairs) where the exit after l = 1..L-1 layers picks the last layer's argmax."""
+    """Share [L - 1] of the valid positions >= `start` of `batches` (`SequenceBatch`es) where the
+    exit after l = 1..L-1 layers picks the last layer's argmax."""
     config = model.config
     agree = np.zeros((config.num_layers - 1,), np.int64)
     total = 0
-    for tokens, lengths in batches:
-        agree += np.asarray(_agreement_counts(model.params, jnp.asarray(tokens), jnp.asarray(lengths), start, config))
+    for tokens, lengths, context in (SequenceBatch(*b) for b in batches):
+        agree += np.asarray(_agreement_counts(model.params, tokens, lengths, start, context, config))
         total += int(np.sum(np.maximum(np.asarray(lengths) - start, 0)))
     return agree / max(total, 1)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _agreement_counts(params, tokens, lengths, start, config):
-    states = layer_states(params, tokens, lengths, config)
+def _agreement_counts(params, tokens, lengths, start, context, config):
+    states = layer_states(params, tokens, lengths, config, context=context)
     positions = jnp.arange(tokens.shape[1])[None, :]
     valid = (positions < lengths[:, None]) & (positions >= start)
     final = jnp.argmax(model_module(config).lm_head(params, states[-1], config), axis=-1)
@@ -176,10 +189,10 @@ def classifier_loss(exit_params, params, states, valid, config):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer"))
-def classifier_train_step(exit_params, opt_state, params, tokens, lengths, *, config, optimizer):
-    """One optax step on the exit classifiers (the adapters' gradients are zero). Returns
-    (exit_params, opt_state, loss)."""
-    states = jax.lax.stop_gradient(layer_states(params, tokens, lengths, config))
+def classifier_train_step(exit_params, opt_state, params, tokens, lengths, context=None, *, config, optimizer):
+    """One optax step on the exit classifiers (the adapters' gradients are zero); `context` as in
+    `ExitBatch`. Returns (exit_params, opt_state, loss)."""
+    states = jax.lax.stop_gradient(layer_states(params, tokens, lengths, config, context=context))
     valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
     loss, grads = jax.value_and_grad(classifier_loss)(exit_params, params, states, valid, config)
     updates, opt_state = optimizer.update(grads, opt_state, exit_params)

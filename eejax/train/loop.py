@@ -18,10 +18,11 @@ from eejax.train.data import exit_batch
 from eejax.train.exit_training import check_exit_layers, layer_weights, train_step
 
 
-def check_trainable(config) -> None:
-    """Exit training runs the training forward (`forward_states`), which decoder-only models have."""
+def check_decoder_only(config, what: str) -> None:
+    """`what` trains on whole sequences of a decoder-only model (LayerSkip's layer dropout and
+    its self-speculation): refused by name for an encoder-decoder."""
     if model_module(config).ENCODER_DECODER:
-        raise UnsupportedModelError(f"exit training runs on decoder-only Llama models, not {config.architecture}")
+        raise UnsupportedModelError(f"{what} runs on decoder-only (Llama-family) models, not {config.architecture}")
 
 
 def train_exit_adapters(
@@ -53,7 +54,6 @@ def train_exit_adapters(
     from eejax.models.exits import ADAPTER_KEYS, CLASSIFIER_KEYS, has_adapters
 
     config = model.config
-    check_trainable(config)
     if not has_adapters(model.params.get("exits")):
         raise EejaxError(
             "the model has no exit adapters to train; add them with eejax.init_exits(model, adapter_rank=R)"
@@ -81,8 +81,7 @@ def train_exit_adapters(
     bar = tqdm(range(start, steps), initial=start, total=steps, desc="training exits", disable=not progress)
     try:
         for step in bar:
-            tokens, lengths = batches[step % len(batches)]
-            batch = exit_batch(tokens, lengths, positions_per_row, np.random.default_rng([seed, step]))
+            batch = exit_batch(batches[step % len(batches)], positions_per_row, np.random.default_rng([seed, step]))
             exit_params, opt_state, loss = train_step(
                 exit_params,
                 opt_state,
@@ -131,15 +130,15 @@ def fit_exit_adapters(
     """Makes `model` exit-capable: adds identity exit adapters of rank `adapter_rank` (unless it
     has adapters, which then train further), builds the data (each prompt followed by
     `continuation_tokens` greedy tokens of the model itself, at most `max_len` tokens, in batches
-    of `batch_size`) and trains the adapters for `steps` steps (`train_options` go to
-    `train_exit_adapters`). `prompts` are strings or token-id lists. Returns (the model with
-    trained exits, losses [steps])."""
+    of `batch_size`; an encoder-decoder's rows are its decoder's start token and continuation,
+    attending to the prompt: `train.data.training_batches`) and trains the adapters for `steps`
+    steps (`train_options` go to `train_exit_adapters`). `prompts` are strings or token-id
+    lists. Returns (the model with trained exits, losses [steps])."""
     from eejax.decode.prompts import prompt_token_ids
     from eejax.loading.model import init_exits
     from eejax.models.exits import has_adapters
-    from eejax.train.data import continued_sequences, sequence_batches
+    from eejax.train.data import training_batches
 
-    check_trainable(model.config)  # the checks that can fail come before the slow part
     if not 0 <= continuation_tokens < max_len:
         raise EejaxError(f"continuation_tokens must lie in [0, max_len = {max_len}), got {continuation_tokens}")
     if train_options.get("exit_layers") is not None:
@@ -149,9 +148,7 @@ def fit_exit_adapters(
     if not has_adapters(exits):
         adapters = init_exits(model, adapter_rank=adapter_rank, classifier=False).params["exits"]
         model = model.with_params({**model.params, "exits": {**exits, **adapters}})
-    sequences = continued_sequences(
-        model, [p[: max_len - continuation_tokens] for p in ids], continuation_tokens, progress=progress
-    )
-    batches = sequence_batches(sequences, batch_size, max_len)
+    cut = [p[: max_len - continuation_tokens] for p in ids]
+    batches = training_batches(model, cut, continuation_tokens, batch_size, max_len, progress=progress)
     trained, losses, _ = train_exit_adapters(model, batches, steps=steps, progress=progress, **train_options)
     return model.with_params({**model.params, "exits": trained}), losses
