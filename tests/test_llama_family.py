@@ -234,3 +234,30 @@ def test_exit_training_runs_on_the_family(family, model_type):
     batches = sequence_batches(random_prompts(8, [12, 20, 7, 16], seed=9), 8, 32)
     _, losses, start = train_exit_adapters(model, batches, steps=30, learning_rate=1e-2, progress=False)
     assert start == 0 and float(np.mean(losses[-5:])) < 0.8 * float(np.mean(losses[:5]))
+
+
+def test_draft_head_training_and_the_engine_run_on_the_family(family, tmp_path):
+    """`train-draft`'s two stages on a Qwen2 (its biases in the features and in the head's layer):
+    the loss falls and the trained head decodes losslessly; the serving engine runs a Mistral
+    (its window) with plain, early-exit and speculative requests mixed, each row as `generate`."""
+    from eejax.engine.engine import Engine
+    from eejax.train.draft_features import build_feature_cache, load_feature_cache
+    from eejax.train.draft_training import train_draft
+
+    model = family["qwen2"][1]
+    texts = random_prompts(8, [40, 33, 24], seed=11)
+    cache = build_feature_cache(model, texts, tmp_path / "features", window=32, batch_size=4, progress=False)
+    draft, losses, _ = train_draft(model, load_feature_cache(cache), steps=20, batch_size=4, progress=False)
+    assert np.isfinite(losses).all() and losses[-5:].mean() < losses[:5].mean()
+    drafted = model.with_params({**model.params, "draft": draft})
+    prompts = random_prompts(3, [4, 19, 9], seed=5)
+    kw = dict(max_new_tokens=12, ignore_eos=True, page_size=4)
+    assert eejax.generate(drafted, prompts, spec="draft:2", **kw).tokens == eejax.generate(model, prompts, **kw).tokens
+
+    mistral = family["mistral"][1]
+    engine = Engine(mistral, max_slots=2, max_new_tokens=12, cache_budget="1MiB", page_size=4, ignore_eos=True)
+    options = [dict(), dict(exit="static:2"), dict(spec="1:3")]
+    seqs = [engine.submit(p, max_new_tokens=12, **o) for p, o in zip(prompts, options)]
+    engine.run()
+    for seq, p, o in zip(seqs, prompts, options):
+        assert seq.tokens == eejax.generate(mistral, [p], **kw, **o).tokens[0], o
