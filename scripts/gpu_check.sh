@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one command (issue 55), for a machine with an NVIDIA GPU that has the checkout,
 # the SmolLM2 GGUF in $EEJAX_CACHE/downloads and, in $WHEELS (default .whl/), wheels of what its
-# image lacks (the H100/H200 image of 2026-11: jax-triton and gguf). The steps run in order of
+# image lacks (the H100/H200 image of 2026-11: jax-triton, absl-py and gguf) and eejax's own
+# wheel, which it installs first as `pip install eejax[gpu]` would (below). The steps run in order of
 # what the issue needs most, within GPU_CHECK_SECONDS (default 540: a device lease is 15 minutes,
 # its start included); each has its own limit too, and one that would start with too little time
 # left is skipped and said so:
@@ -54,7 +55,37 @@ run() {  # run LOG LIMIT_S COMMAND...: its output to OUT_DIR/LOG, within LIMIT_S
   return 1
 }
 
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
+# The checkout as a package: its wheel in $WHEELS (built beside the others: `pip wheel --no-deps
+# -w .whl .`) installed as a user would, `pip install eejax[gpu]`, its requirements resolved with
+# no index against the image's own packages and the wheels: a requirement the image's jax fails
+# stops here, and the install must not bring another jax. The steps then run the checkout (the
+# same code). Without that wheel, or when the install fails (said so), the wheels are unpacked
+# beside the checkout instead.
+installed=0
+eejax_wheel=$(compgen -G "$WHEELS/eejax-*.whl" | tail -n 1)
+if [ -n "$eejax_wheel" ]; then
+  dry=() && [ "${EEJAX_GPU_CHECK_DRY:-0}" = 1 ] && dry=(--dry-run)  # a CPU only resolves
+  jax_before=$(python3 -c 'import jax; print(jax.__version__)')
+  if python3 -m pip install -q --no-index --find-links "$WHEELS" "${dry[@]}" --report "$OUT_DIR/install.json" \
+    "$eejax_wheel[gpu]" >"$OUT_DIR/install.log" 2>&1; then
+    python3 - "$OUT_DIR/install.json" "$jax_before" <<'PY' | tee -a "$OUT_DIR/steps.log"
+import json, sys
+import jax
+names = [i["metadata"]["name"] + " " + i["metadata"]["version"] for i in json.load(open(sys.argv[1]))["install"]]
+other = [n for n in names if n.split()[0].lower() in ("jax", "jaxlib") or "cuda" in n.lower()]
+print(f"pip install eejax[gpu] (jax {sys.argv[2]} before, {jax.__version__} after):", ", ".join(names) or "nothing")
+print("  installs another jax:", ", ".join(other) if other else "no")
+PY
+    [ ${#dry[@]} = 0 ] && installed=1
+  else
+    echo "pip install eejax[gpu] failed (exit $?): $OUT_DIR/install.log" | tee -a "$OUT_DIR/steps.log"
+    tail -n 5 "$OUT_DIR/install.log" | tee -a "$OUT_DIR/steps.log"
+  fi
+fi
+if [ $installed = 1 ]; then  # the benchmarks put the checkout first on sys.path: the same code
+  (cd /tmp && env -u PYTHONPATH python3 -c "import eejax; print('eejax installed at', eejax.__file__)") 2>&1 |
+    tail -n 1 | tee -a "$OUT_DIR/steps.log"
+elif compgen -G "$WHEELS/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/eejax-gpu-site "$WHEELS"/*.whl &&
     export PYTHONPATH="$PYTHONPATH:/tmp/eejax-gpu-site"
 fi
