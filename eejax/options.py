@@ -371,6 +371,20 @@ def is_auto(spec) -> bool:
     return isinstance(spec, str) and spec.strip().lower() == "auto"
 
 
+def check_exit_or_spec(exit, spec, names: tuple[str, str] = ("early exit (exit)", "self-speculation (spec)")) -> None:
+    """The one rule between early exit and speculation: a request decodes with one of them at
+    most. `exit` and `spec` as given (a config, a string or None): None and the strings "none",
+    "off" and "" ask for neither; any config does (an `ExitConfig("none")` runs the early-exit
+    loop); "auto" asks for speculation even where it would run full depth. `names`: how the
+    caller spells the two (flags, keywords)."""
+
+    def asked(option) -> bool:
+        return option is not None and not (isinstance(option, str) and option.strip().lower() in OFF)
+
+    if asked(exit) and asked(spec):
+        raise EejaxError(f"choose {names[0]} or {names[1]}, not both")
+
+
 def resolve_spec(spec: SpecConfig | str | None, has_draft_head: bool, speculate: bool = True) -> SpecConfig | None:
     """A `spec` argument as the SpecConfig it runs, or None for full depth: "auto" is `auto_spec()`
     on a model with a draft head where `speculate` (`spec_policy.auto_speculates`: the device and
@@ -427,8 +441,7 @@ class StepOptions:
 
     def __post_init__(self):
         object.__setattr__(self, "eos_ids", tuple(int(t) for t in self.eos_ids))
-        if self.exit is not None and self.spec is not None:
-            raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
+        check_exit_or_spec(self.exit, self.spec)
         if isinstance(self.num_steps, bool) or int(self.num_steps) != self.num_steps or self.num_steps < 1:
             raise EejaxError(f"num_steps (decode steps per program) must be an integer >= 1, got {self.num_steps}")
         if self.spec is not None:

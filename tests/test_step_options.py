@@ -10,7 +10,7 @@ import eejax
 from eejax.config import LlamaConfig
 from eejax.errors import EejaxError
 from eejax.models.registry import model_module
-from eejax.options import ExitConfig, SpecConfig, StepOptions
+from eejax.options import ExitConfig, SpecConfig, StepOptions, check_exit_or_spec
 
 CONFIG = LlamaConfig(
     vocab_size=64,
@@ -22,6 +22,22 @@ CONFIG = LlamaConfig(
     head_dim=4,
     max_position_embeddings=64,
 )
+
+
+def test_early_exit_or_speculation_is_one_rule():
+    """`check_exit_or_spec`, which generate, the engine's requests, the CLI and StepOptions call:
+    words that mean off ask for nothing; "auto" and any config ask."""
+    for exit, spec in [
+        ("none", "1:2"),
+        ("softmax:0.9", "off"),
+        (None, "auto"),
+        ("", None),
+        (ExitConfig("none"), " None"),
+    ]:
+        check_exit_or_spec(exit, spec)
+    for exit, spec in [("softmax:0.9", "auto"), (ExitConfig("none"), "1:2"), ("static:1", SpecConfig(1, 2))]:
+        with pytest.raises(EejaxError, match="choose --exit or --spec, not both"):
+            check_exit_or_spec(exit, spec, ("--exit", "--spec"))
 
 
 def test_checks_and_hashing():

@@ -20,7 +20,7 @@ from eejax.cli.args import (
     prompts_from_args,
 )
 from eejax.errors import EejaxError
-from eejax.options import OFF
+from eejax.options import OFF, check_exit_or_spec
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -46,16 +46,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "--exit-decay, --min-exit-layer, --exit-every, --exit-layers, --exit-head and --exit-emit need --exit"
         )
     spec = None
+    check_exit_or_spec(exit_config, args.spec, ("--exit", "--spec"))
     named = args.spec is not None and args.spec.strip().lower() in ("auto",) + OFF
-    if named and args.exit is not None and args.spec.strip().lower() == "auto":
-        raise EejaxError("choose --exit or --spec, not both")
     if named and any(x is not None for x in (args.spec_max_d, args.spec_head, args.spec_bonus)):
         raise EejaxError(f"--spec {args.spec} takes no --spec-max-d, --spec-head or --spec-bonus (auto sets its own)")
     if named:
         spec = args.spec
     elif args.spec is not None:
-        if args.exit is not None:
-            raise EejaxError("choose --exit or --spec, not both")
         options = {} if args.spec_max_d is None else {"max_speculations": args.spec_max_d}
         spec = eejax.SpecConfig.parse(
             args.spec,

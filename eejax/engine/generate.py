@@ -24,7 +24,7 @@ from eejax.errors import EejaxError
 from eejax.kernels.attention import IMPLS
 from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
-from eejax.options import ExitConfig, SpecConfig, is_auto, resolve_spec
+from eejax.options import ExitConfig, SpecConfig, check_exit_or_spec, resolve_spec
 
 
 @dataclasses.dataclass
@@ -89,12 +89,11 @@ def generate(
     if attention not in IMPLS:
         raise EejaxError(f"unknown attention {attention!r}; choose one of: " + ", ".join(IMPLS))
     exit_config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
+    check_exit_or_spec(exit_config, spec, ("early exit (exit=)", "self-speculation (spec=)"))
     rows, texts = prompt_token_ids(model.tokenizer, batch)
     at_once = len(rows) if batch_size is None else min(max(batch_size, 1), len(rows))
     speculate = auto_speculates(at_once, model.quantization is not None)
     spec_config = resolve_spec(spec, draft_head.has_draft(model.params), speculate)
-    if exit_config is not None and (spec_config is not None or is_auto(spec)):
-        raise EejaxError("choose early exit (exit=) or self-speculation (spec=), not both")
     exit_config, spec_config = exits.resolve_options(model.params, config, exit_config, spec_config)
     if truncate_prompt_tokens is not None:
         if truncate_prompt_tokens < 1:

@@ -21,7 +21,7 @@ from eejax.engine.sequence import Sequence
 from eejax.engine.waiting import WaitingQueue
 from eejax.errors import EejaxError
 from eejax.models import draft_head, exits
-from eejax.options import ExitConfig, SpecConfig, is_auto, resolve_spec
+from eejax.options import ExitConfig, SpecConfig, check_exit_or_spec, resolve_spec
 
 
 def checked_exit(model, exit) -> ExitConfig | None:  # noqa: A002
@@ -119,12 +119,9 @@ class Requests:
         it the request ends with what it has, finish reason "length" and `timed_out` set, its pages freed (a
         background loop's check, each step). `queue=False` checks the request and returns its Sequence
         without queueing it (`warmup` learns a request's programs so)."""
+        check_exit_or_spec(exit, spec)
         spec_config = resolve_spec(spec, draft_head.has_draft(self.model.params), self.speculate_auto)
-        if is_auto(spec) and exit not in (None, "none"):
-            raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
         if spec_config is not None:
-            if exit not in (None, "none"):
-                raise EejaxError("choose early exit (exit) or self-speculation (spec), not both")
             if spec_config.adaptive and jax.process_count() > 1:
                 raise EejaxError(
                     "adaptive speculation picks d from this process's timings; across processes use a "
