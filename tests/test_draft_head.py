@@ -525,11 +525,10 @@ def test_training_on_cached_features_learns_the_next_token(tmp_path):
 def test_the_continuations_budget_holds_the_batch_asked_for(model):
     """A trainer's generation batch gets the KV cache it needs (`generate`'s default 1 GiB would
     decode only part of a GPU's batch at a time), and small batches keep the default."""
-    from eejax.cache import page_bytes, pages_for_budget, pages_needed
+    from eejax.cache import pages_for_budget, pages_needed
     from eejax.train.data import cache_budget_for
 
-    c = model.config
-    per_page = page_bytes(model.cache_layers, 16, c.num_kv_heads, c.head_dim, model.dtype)
+    per_page = model.page_bytes(16)
     assert cache_budget_for(model, [[5] * 40] * 3, 24, 2) == 1 << 30
     rows = [[5] * 40] * 200_000
     need = 1 + len(rows) * pages_needed(40 + 24, 16)

@@ -128,10 +128,7 @@ def test_requests_with_their_own_sampling_share_the_slots(tiny_model):
 def test_rows_that_run_out_of_pages_are_preempted_and_recomputed(tiny_model):
     """With pages handed out as rows grow, 6 long requests through 4 slots outgrow a 16-page
     cache: rows are preempted and recomputed, and every one still gets exactly its greedy tokens."""
-    from eejax.cache import page_bytes
-
-    c = tiny_model.config
-    budget = 16 * page_bytes(c.num_layers, 8, c.num_kv_heads, c.head_dim, tiny_model.dtype)
+    budget = 16 * tiny_model.page_bytes(8)
     prompts = random_prompts(6, [9, 14, 5], seed=11)
     engine = Engine(tiny_model, max_slots=4, max_new_tokens=40, cache_budget=budget, page_size=8, pages="grow")
     seqs = [engine.submit(p, max_new_tokens=36, priority=i % 2) for i, p in enumerate(prompts)]
@@ -203,10 +200,7 @@ def test_preemption_with_chunked_prefill_and_shared_prefixes(tiny_model):
     """Pages handed out as rows grow over a 16-page cache, prompts that share a 3-page prefix,
     prefill in chunks of 12: rows are preempted and recomputed (sharing the cached prefix again),
     and every one gets exactly its greedy tokens; afterwards nothing is held."""
-    from eejax.cache import page_bytes
-
-    c = tiny_model.config
-    budget = 16 * page_bytes(c.num_layers, 8, c.num_kv_heads, c.head_dim, tiny_model.dtype)
+    budget = 16 * tiny_model.page_bytes(8)
     prefix = random_prompts(1, [24], seed=5)[0]
     prompts = [prefix + rest for rest in random_prompts(6, [3, 9, 1], seed=13)]
     engine = Engine(
@@ -225,10 +219,7 @@ def test_penalised_rows_beside_plain_ones_through_preemption_chunks_and_speculat
     """Rows with repetition / frequency / presence penalties share the slots with plain rows,
     are preempted and recomputed (their counts rebuilt from the host's tokens), prefill in chunks
     after a shared prefix, and speculate: each gets exactly the tokens `generate` gives it alone."""
-    from eejax.cache import page_bytes
-
-    c = tiny_model.config
-    budget = 16 * page_bytes(c.num_layers, 8, c.num_kv_heads, c.head_dim, tiny_model.dtype)
+    budget = 16 * tiny_model.page_bytes(8)
     prefix = random_prompts(1, [24], seed=5)[0]
     prompts = [prefix + rest for rest in random_prompts(6, [3, 9, 1], seed=14)]
     penalties = [

@@ -165,10 +165,7 @@ def test_every_accepted_request_can_start_on_an_empty_cache(tiny_model, pages, p
     """Over cache sizes, page sizes and request lengths: `submit` either refuses with the numbers
     or the scheduler admits the request (and, after a preemption, its recomputation) into the
     empty cache. Before, a request needing more than the 90% admission grants waited forever."""
-    from eejax.cache import page_bytes
-
-    c = tiny_model.config
-    budget = pages * page_bytes(c.num_layers, page_size, c.num_kv_heads, c.head_dim, tiny_model.dtype)
+    budget = pages * tiny_model.page_bytes(page_size)
     try:
         engine = Engine(
             tiny_model,
@@ -196,10 +193,8 @@ def test_every_accepted_request_can_start_on_an_empty_cache(tiny_model, pages, p
 
 
 def test_a_request_as_long_as_admission_allows_runs_to_the_end(tiny_model):
-    from eejax.cache import page_bytes
 
-    c = tiny_model.config
-    budget = 11 * page_bytes(c.num_layers, 8, c.num_kv_heads, c.head_dim, tiny_model.dtype)
+    budget = 11 * tiny_model.page_bytes(8)
     engine = Engine(tiny_model, max_slots=2, max_new_tokens=40, cache_budget=budget, page_size=8, pages="grow")
     assert engine.pages.allocator.num_free == 10 and engine.max_len == 9 * 8  # 90% of 10 pages
     with pytest.raises(EejaxError, match=r"exceeds the 72 tokens .*\(10 pages of 8 tokens"):

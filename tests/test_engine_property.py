@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import eejax
-from eejax.cache import page_bytes
 from eejax.config import LlamaConfig
 from eejax.engine.engine import Engine
 from eejax.models import llama
@@ -115,8 +114,7 @@ def test_engine_equals_generate_on_random_mixes(requests, pages, softmax_row, ch
     (reserve) or are preempted and recomputed (grow); prompts prefill whole or in chunks of 5 or
     12 tokens per step. One slot count and cache size, as each compiles its own programs."""
     m = model()
-    c = m.config
-    budget = 9 * page_bytes(c.num_layers, PAGE, c.num_kv_heads, c.head_dim, m.dtype)  # + the null page
+    budget = 9 * m.page_bytes(PAGE)  # + the null page
     engine = Engine(
         m, max_slots=3, max_new_tokens=NEW, cache_budget=budget, page_size=PAGE, pages=pages, prefill_chunk=chunk
     )
@@ -184,8 +182,7 @@ def test_a_recomputed_row_keeps_its_absolute_position_and_limit():
     state counts positions from there (start = offset), so λ(t) and its seeded draws continue
     at the request's own positions, and its limit is what is left of its max tokens."""
     m = model()
-    c = m.config
-    budget = 9 * page_bytes(c.num_layers, PAGE, c.num_kv_heads, c.head_dim, m.dtype)  # 8 pages: 64 tokens
+    budget = 9 * m.page_bytes(PAGE)  # 8 pages: 64 tokens
     engine = Engine(m, max_slots=2, max_new_tokens=NEW, cache_budget=budget, page_size=PAGE, pages="grow")
     # Both start (3 pages each) and outgrow the cache (5 pages each): the lower priority yields.
     victim = engine.submit([9, 20, 31, 42] * 5, max_new_tokens=NEW, exit="softmax:0.2", priority=0)

@@ -34,7 +34,7 @@ from typing import Any
 
 import jax
 
-from eejax.cache import page_bytes, pages_for_budget, pages_needed
+from eejax.cache import pages_needed
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.sampling import SamplingParams
 from eejax.decode.spec_policy import auto_speculates
@@ -155,8 +155,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         # Decode steps per program (`Dispatch.plan` falls back to 1); 1: always one.
         self.steps_per_dispatch = int(steps_per_dispatch)
-        per_page = page_bytes(model.cache_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
-        num_pages = pages_for_budget(cache_budget, per_page)
+        num_pages = model.pages_for_budget(cache_budget, page_size)
         # The longest request admission can always start: it keeps 10% of the free pages back
         # (none in a batch job), so a request needing more pages than that share of an empty
         # cache would wait forever. (A preempted row comes back needing up to all of its pages.)

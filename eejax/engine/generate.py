@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from eejax.cache import page_bytes, pages_for_budget, pages_needed
+from eejax.cache import pages_needed
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
 from eejax.decode.sampling import SamplingParams
@@ -111,8 +111,7 @@ def generate(
     # The cache holds a Llama's prompt and new tokens, a T5 decoder's start and new tokens (its
     # prompt is the encoder's). A speculation round may draft past max_new_tokens; those
     # positions go to the null page.
-    per_page = page_bytes(model.cache_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
-    budget_pages = pages_for_budget(cache_budget, per_page)
+    budget_pages = model.pages_for_budget(cache_budget, page_size)
     encoder_decoder = model_module(config).ENCODER_DECODER
     in_cache = [(1 if encoder_decoder else len(r)) + max_new_tokens for r in rows]
     need = [pages_needed(n, page_size) for n in in_cache]
@@ -131,7 +130,7 @@ def generate(
         model,
         max_slots=slots,
         max_new_tokens=max_new_tokens,
-        cache_budget=num_pages * per_page,
+        cache_budget=num_pages * model.page_bytes(page_size),
         page_size=page_size,
         exit=exit_config,
         temperature=sampling.temperature,

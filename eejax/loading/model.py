@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from eejax.cache import init_cache
+from eejax.cache import init_cache, page_bytes, pages_for_budget
 from eejax.checkpoint import CONFIG_FILE, write_checkpoint
 from eejax.compile_cache import background_compile
 from eejax.config import LlamaConfig, T5Config
@@ -122,6 +122,16 @@ class Model:
         if self.mesh is None:
             return cache
         return jax.device_put(cache, cache_sharding(c, self.mesh))
+
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes of one page of this model's KV cache (`new_cache`), every layer's keys and values."""
+        c = self.config
+        return page_bytes(self.cache_layers, page_size, c.num_kv_heads, c.head_dim, self.dtype)
+
+    def pages_for_budget(self, budget: int | str, page_size: int) -> int:
+        """How many pages of this model's KV cache (the null page included) fit in `budget` bytes
+        (or "512MiB"): the one place a memory budget becomes pages."""
+        return pages_for_budget(budget, self.page_bytes(page_size))
 
     @property
     def cache_layers(self) -> int:

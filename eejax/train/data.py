@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eejax.cache import page_bytes, pages_needed
+from eejax.cache import pages_needed
 from eejax.errors import EejaxError
 from eejax.models.registry import model_module
 from eejax.train.exit_training import ExitBatch, SequenceBatch
@@ -17,8 +17,7 @@ def cache_budget_for(model, prompts: list[list[int]], new_tokens: int, batch_siz
     """KV-cache bytes for `batch_size` of `prompts` decoding at once, each with `new_tokens` more,
     and never less than `generate`'s default of 1 GiB: the batch a trainer asks for is the batch it
     gets (1 GiB holds ~47 SmolLM2 rows of 480 tokens, so a GPU's batch of 512 would run ~47 at a time)."""
-    config = model.config
-    per_page = page_bytes(model.cache_layers, page_size, config.num_kv_heads, config.head_dim, model.dtype)
+    per_page = model.page_bytes(page_size)
     longest = max(map(len, prompts)) + new_tokens
     return max(1 << 30, (1 + min(batch_size, len(prompts)) * pages_needed(longest, page_size)) * per_page)
 
