@@ -128,6 +128,23 @@ def test_a_rows_norm_and_sum_are_its_bits_alone(rows, width, seed):
     np.testing.assert_allclose(sums, np.asarray(x, np.float64).sum(-1), rtol=0, atol=1e-4 * np.sqrt(width) * 4)
 
 
+def test_layers_kv_under_vmap_are_each_layers_own_bits(config, float_params):
+    """A GPU's KV fill projects a range of layers at once (`llama.kv_of_layers`: the layer norm and
+    products vmapped over the stacked weights); on a CPU each layer's K/V are then the bits of
+    that layer alone (`kv_of_layer`). The norm kernel once broadcast a batched weight and gave
+    every layer the first one's."""
+    norms = jnp.linspace(0.5, 1.5, 2 * config.hidden_size).reshape(2, config.hidden_size)
+    params = {**float_params, "layers": {**float_params["layers"], "attn_norm": norms}}
+    positions = jnp.asarray([[5], [9], [2]], jnp.int32)
+    table = jnp.asarray(np.arange(1, 13).reshape(3, 4), jnp.int32)
+    batch = llama.token_batch(config, positions, jnp.ones((3, 1), bool), table, positions[:, 0] + 1, 8)
+    h = jax.random.normal(jax.random.PRNGKey(3), (3, 1, config.hidden_size))
+    ks, vs = jax.jit(lambda h: llama.kv_of_layers(params, h, 0, 2, batch, config))(h)
+    for layer in range(2):
+        k, v = jax.jit(lambda h, layer=layer: llama.kv_of_layer(params, h, layer, batch, config))(h)
+        assert np.array_equal(ks[layer], k) and np.array_equal(vs[layer], v), layer
+
+
 @pytest.mark.parametrize("heads", [1, 3, 9])
 def test_the_rotation_shares_a_rows_tables_between_its_heads(heads):
     """`rope` takes x [B, T, H, Dh] against tables [B, T, Dh] (a row's heads share its row): the

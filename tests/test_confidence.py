@@ -6,16 +6,22 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from eejax.cache import init_cache
+from eejax.decode import early_exit
 from eejax.decode.confidence import exit_threshold, softmax_margin, state_cosine
 from eejax.decode.early_exit import ExitFns, early_exit_layers
 from eejax.models import exits
 from eejax.options import ExitConfig
 
 
-def test_flags_are_monotone_and_the_batch_waits_for_its_least_confident_row():
-    """A crafted 4-layer model whose per-row, per-layer classifier confidence is a table."""
+@pytest.mark.parametrize("gpu_loops", [False, True], ids=["cpu", "gpu"])
+def test_flags_are_monotone_and_the_batch_waits_for_its_least_confident_row(monkeypatch, gpu_loops):
+    """A crafted 4-layer model whose per-row, per-layer classifier confidence is a table; with a
+    GPU's loops (`static_loops`) KV fill is one batched projection and one write, which must fill
+    the same slots."""
+    monkeypatch.setattr(early_exit, "static_loops", lambda: gpu_loops)
     num_layers, b = 4, 3
     conf = jnp.array(
         [
@@ -29,12 +35,18 @@ def test_flags_are_monotone_and_the_batch_waits_for_its_least_confident_row():
         return jnp.concatenate([h[:, -1, :1], jnp.full((b, 1), run, jnp.float32)], axis=-1)
 
     fns = ExitFns(
-        run_layers=lambda h, cache, start, stop: (h + (stop - start), cache),
+        run_layers=lambda h, cache, start, stop=None, length=None: (
+            h + (length if stop is None else stop - start),
+            cache,
+        ),
         exit_logits=head,
         check_logits=head,
         emit_logits=head,
         exit_prob=lambda h, run: conf[jnp.arange(b), run - 1],
         layer_kv=lambda layer, h: ((100.0 + layer) * jnp.ones((b, 1, 1, 2)),) * 2,
+        layers_kv=lambda start, stop, h: (
+            ((100.0 + jnp.arange(start, stop))[:, None, None, None, None] * jnp.ones((1, b, 1, 1, 2)),) * 2
+        ),
     )
     cache = init_cache(num_layers, 4, 2, 1, 2, jnp.float32)
     pages, slots = jnp.array([[1], [2], [0]]), jnp.array([[1], [0], [0]])
@@ -55,7 +67,7 @@ def test_flags_are_monotone_and_the_batch_waits_for_its_least_confident_row():
     np.testing.assert_array_equal(out.logits, [[3, 3]] * 3)  # the head saw h after 3 layers
     k = np.asarray(out.cache.k)
     assert k[3, 0, 1, 1, 0] == 103 and k[3, 0, 2, 0, 0] == 103  # the skipped layer was filled
-    assert not k[:3, :, 1:].any()  # layers that ran are not overwritten by the fill
+    assert not k[:3, :, 1:].any()  # layers that ran are not overwritten by the fill (a GPU's: page 0)
 
 
 def test_measures_match_numpy():

@@ -70,6 +70,12 @@ for kv in (4, 1):
                             wq=list(layers["wq"].sharding.spec), wk=list(layers["wk"].sharding.spec),
                             embed=list(model.params["embed"].sharding.spec),
                             cache=list(model.new_cache(4, 8).k.sharding.spec)))
+    if kv == 4:  # a GPU's loops: KV fill as one batched projection and one write of each device's heads
+        from eejax.decode import early_exit
+        cpu_loops, early_exit.static_loops = early_exit.static_loops, lambda: True
+        check("llama-gpu-loops", eejax.Model(c, base.params, layer_buffers="stacked"), make_mesh(2, 2),
+              exit="softmax:0.05")
+        early_exit.static_loops = cpu_loops
     if kv == 4:  # rows split over data: each device's decode step runs half of the 4 rows
         model = shard(base, make_mesh(1, 2))
         eejax.generate(model, prompts, max_new_tokens=6, ignore_eos=True)
@@ -145,7 +151,7 @@ def mesh_results():
 
 def test_sharded_decoding_gives_one_devices_tokens_and_exit_layers(mesh_results):
     runs = [r for r in mesh_results if "options" in r]
-    assert len(runs) == 19
+    assert len(runs) == 20
     assert [r for r in runs if not (r["same"] and r["same_layers"])] == []
     assert any(r["exited"] < 4 for r in runs if "exit" in r["options"])  # early exits ran on the mesh
     assert [r["same"] for r in mesh_results if r["name"].startswith(("engine", "smollm2"))] == [True] * 5

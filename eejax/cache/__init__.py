@@ -10,6 +10,7 @@ from eejax.cache.paged import (
     parse_bytes,
     slot_indices,
     write_layer_kv,
+    write_layers_kv,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "pages_needed",
     "slot_indices",
     "write_layer_kv",
+    "write_layers_kv",
 ]

@@ -104,6 +104,29 @@ def write_layer_kv(cache: KVCache, layer, k, v, pages, slots) -> KVCache:
     )
 
 
+def write_layers_kv(cache: KVCache, layers, k, v, pages, slots) -> KVCache:
+    """Writes several layers' new keys/values `[n, B, T, Hkv, Dh]` in one scatter: layer
+    `layers[i]` (int32 [n]) at (pages[i], slots) (pages [n, B, T], slots [B, T]); split by KV
+    heads on a mesh as `write_layer_kv`."""
+    mesh = head_mesh(cache.k.shape[1])
+    if mesh is None:
+        return _write_layers_kv(cache, layers, k, v, pages, slots)
+    heads, cache_spec = P(None, None, None, "tensor", None), P(None, "tensor")
+    in_specs = (KVCache(cache_spec, cache_spec), P(), heads, heads, P(), P())
+    return on_head_shards(_write_layers_kv, mesh, in_specs, KVCache(cache_spec, cache_spec))(
+        cache, layers, k, v, pages, slots
+    )
+
+
+def _write_layers_kv(cache: KVCache, layers, k, v, pages, slots) -> KVCache:
+    heads = jnp.arange(cache.k.shape[1])[None, :, None, None]
+    index = (layers[:, None, None, None], heads, pages[:, None], slots[None, None])  # [n, Hkv, B, T]
+    return KVCache(
+        k=scatter_set(cache.k, index, k.transpose(0, 3, 1, 2, 4)),
+        v=scatter_set(cache.v, index, v.transpose(0, 3, 1, 2, 4)),
+    )
+
+
 def _write_layer_kv(cache: KVCache, layer, k, v, pages, slots) -> KVCache:
     index = (layer, jnp.arange(cache.k.shape[1])[:, None, None], pages, slots)
     return KVCache(

@@ -7,12 +7,13 @@ a `lax.while_loop` runs one whole segment of layers [c_{i-1}, c_i) per iteration
 finished count as confident from the start. The loop stops once every row is confident, so the
 whole batch exits at one layer E: the batch waits for its least confident row. Then **KV
 fill** writes the K/V of every skipped layer l in [E, L) from the exit hidden state
-(proj_l(norm_l(h_E)) with rotary), one layer at a time (only the skipped layers' K/V weights
-are read), and the token comes from the exit head at E.
+(proj_l(norm_l(h_E)) with rotary), one layer at a time on a CPU (only the skipped layers' K/V
+weights are read), in one batched product and one cache write on a GPU; the token comes from
+the exit head at E.
 
 On a GPU every iteration of a loop with a traced trip count, and every conditional, is a host
-round trip (`decode.control_flow`); there (`static_loops`) the layers every segment has run and
-KV fill run in loops of known trip count instead, leaving the segment loop (and, when the check
+round trip (`decode.control_flow`); there (`static_loops`) the layers every segment has run go
+in a loop of known trip count and KV fill in no loop at all, leaving the segment loop (and, when the check
 layers are unevenly spaced, a loop over each segment's layers beyond the shortest segment's).
 
 The loop is model-agnostic: a model supplies `ExitFns` (closures over its params and the step's
@@ -28,7 +29,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from eejax.cache import KVCache, write_layer_kv
+from eejax.cache import KVCache, write_layer_kv, write_layers_kv
 from eejax.decode.confidence import softmax_margin, state_cosine
 from eejax.kernels.backend import backend
 from eejax.options import ExitConfig
@@ -47,6 +48,8 @@ class ExitFns(NamedTuple):
         (`exit_logits`, or the reduced head with -inf outside its vocabulary).
     exit_prob(h, layers_run) -> [B] float32: the exit classifier's P(exit) (classifier only).
     layer_kv(layer, h) -> (k, v) [B, T, Hkv, Dh]: layer `layer`'s (traced) K/V of h (KV fill).
+    layers_kv(start, stop, h) -> (k, v) [stop - start, B, T, Hkv, Dh]: the K/V of h in each layer
+        of a static range, one batched product (a GPU's KV fill).
     """
 
     run_layers: Callable
@@ -55,6 +58,7 @@ class ExitFns(NamedTuple):
     emit_logits: Callable
     exit_prob: Callable | None
     layer_kv: Callable
+    layers_kv: Callable
 
 
 @jax.tree_util.register_dataclass
@@ -109,7 +113,7 @@ def early_exit_layers(
         stop = config.exit_layer if config.measure == "static" else num_layers
         h, cache = fns.run_layers(h, cache, 0, stop)
         logits = fns.exit_logits(h, stop) if stop == num_layers else fns.emit_logits(h, stop)
-        cache = kv_fill(cache, fns.layer_kv, h, stop, num_layers, pages, slots)
+        cache = kv_fill(cache, fns, h, stop, num_layers, pages, slots, first=stop if static_loops() else None)
         return ExitOutcome(logits, cache, jnp.int32(stop), jnp.full((b,), stop, jnp.int32))
 
     points = config.check_layers(num_layers)
@@ -174,9 +178,7 @@ def early_exit_layers(
         logits = jax.lax.cond(
             exit_layer < num_layers, lambda: fns.emit_logits(h, exit_layer), lambda: fns.exit_logits(h, num_layers)
         )
-    cache = kv_fill(
-        cache, fns.layer_kv, h, exit_layer, num_layers, pages, slots, first=points[0] if few_round_trips else None
-    )
+    cache = kv_fill(cache, fns, h, exit_layer, num_layers, pages, slots, first=points[0] if few_round_trips else None)
     confident_layer = jnp.where(confident_at == 0, exit_layer, confident_at)
     return ExitOutcome(logits, cache, exit_layer, confident_layer)
 
@@ -185,8 +187,9 @@ def static_loops() -> bool:
     """Whether the decode programs trade a little compute for host round trips: on a GPU a loop
     with a traced trip count reads its predicate back to the host every iteration and a
     conditional its branch (10-20 us each, `eejax.decode.control_flow`); on CPU they cost
-    nothing. Then KV fill runs a loop of known length from the first check layer (projecting,
-    and dropping, the K/V of the layers between it and the exit), and the reduced-head check runs
+    nothing. Then KV fill is one batched product from the first check layer (projecting, and
+    dropping, the K/V of the layers between it and the exit) and one write, and the reduced-head
+    check runs
     at full depth too instead of behind a conditional; speculation drafts with fixed scans (a
     prompt lookup's head passes run for every row, a confidence stop's after the stop, masked;
     the head runs at the bonus pass, unused) and verifies every drafted position."""
@@ -194,17 +197,24 @@ def static_loops() -> bool:
 
 
 def kv_fill(
-    cache: KVCache, layer_kv: Callable, h, exit_layer, num_layers: int, pages, slots, first: int | None = None
+    cache: KVCache, fns: ExitFns, h, exit_layer, num_layers: int, pages, slots, first: int | None = None
 ) -> KVCache:
     """Writes the K/V of layers [exit_layer, num_layers) (exit_layer traced; none at full depth)
-    of hidden states h [B, T, D] at (pages, slots) [B, T], one layer per loop iteration:
-    `layer_kv(layer, h) -> (k, v)` [B, T, Hkv, Dh]. With `first` (static, <= exit_layer) the loop
-    runs layers [first, num_layers), a known trip count, and the layers below exit_layer write to
-    the null page (page 0), which no row reads."""
+    of hidden states h [B, T, D] at (pages, slots) [B, T]. Without `first`, one layer per loop
+    iteration (`fns.layer_kv`: only the skipped layers' weights are read). With `first` (static,
+    <= exit_layer; a GPU's structure) the K/V of every layer in [first, num_layers) come from one
+    batched product over the stacked weights (`fns.layers_kv`) and go to the cache in one write,
+    the layers below exit_layer to the null page (page 0), which no row reads."""
+    if first is not None:
+        if first >= num_layers:
+            return cache
+        layers = jnp.arange(first, num_layers, dtype=jnp.int32)
+        k, v = fns.layers_kv(first, num_layers, h)
+        to = jnp.where((layers >= exit_layer)[:, None, None], pages[None], 0)
+        return write_layers_kv(cache, layers, k, v, to, slots)
 
     def body(layer, cache):
-        k, v = layer_kv(layer, h)
-        to = pages if first is None else jnp.where(layer >= exit_layer, pages, 0)
-        return write_layer_kv(cache, layer, k, v, to, slots)
+        k, v = fns.layer_kv(layer, h)
+        return write_layer_kv(cache, layer, k, v, pages, slots)
 
-    return jax.lax.fori_loop(exit_layer if first is None else first, num_layers, body, cache)
+    return jax.lax.fori_loop(exit_layer, num_layers, body, cache)

@@ -234,6 +234,7 @@ def exit_fns(params, batch, config, *, check_reduced: bool = False, emit_reduced
         emit_logits=emit if emit_reduced else full,
         exit_prob=exit_prob if exits.has_classifier(exit_params) else None,
         layer_kv=lambda layer, h: m.kv_of_layer(params, h, layer, batch, config),
+        layers_kv=lambda start, stop, h: m.kv_of_layers(params, h, start, stop, batch, config),
     )
 
 

@@ -80,14 +80,16 @@ def silu_mul(gate, up):
     return _silu_mul(gate, up)
 
 
-def _call(target, like, *args, **attrs):
+def _call(target, like, *args, vmap_method="broadcast_all", **attrs):
     out = jax.ShapeDtypeStruct(like.shape, jnp.float32)
-    return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")(*args, **attrs)
+    return jax.ffi.ffi_call(target, out, vmap_method=vmap_method)(*args, **attrs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _rms_norm(x, weight, eps):
-    return _call("eejax_rms_norm", x, x, weight, eps=np.float32(eps))
+    # The kernel scales every row by one weight [D]: under vmap (a batch of layers' norms, KV
+    # fill on a GPU's structure) each batch entry is a call of its own, never a broadcast weight.
+    return _call("eejax_rms_norm", x, x, weight, vmap_method="sequential", eps=np.float32(eps))
 
 
 @jax.custom_vjp

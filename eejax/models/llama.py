@@ -41,7 +41,7 @@ from eejax.models.modules import (
     unboxed_init,
 )
 from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
-from eejax.models.stack import on_layer, run_layer_range, scan_states, split_stack
+from eejax.models.stack import on_layer, on_layers, run_layer_range, scan_states, split_stack
 from eejax.quantized import is_quantized
 
 ENCODER_DECODER = False  # the prompt is decoded into the paged cache (see `eejax.models.registry`)
@@ -251,6 +251,15 @@ def kv_of_layer(params, h, layer, batch: TokenBatch, config: LlamaConfig):
     layers = params["layers"]
     return on_layer(
         layers, _held(layers, KV_KEYS), layer, lambda lp: _layer_apply(config, lp, "kv", h, batch.cos, batch.sin)
+    )
+
+
+def kv_of_layers(params, h, start: int, stop: int, batch: TokenBatch, config: LlamaConfig):
+    """The K and V `[stop - start, B, T, Hkv, Dh]` of hidden states h in each layer of [start,
+    stop) (static): one batched product over the stacked weights (KV fill on a GPU)."""
+    layers = params["layers"]
+    return on_layers(
+        layers, _held(layers, KV_KEYS), start, stop, lambda lp: _layer_apply(config, lp, "kv", h, batch.cos, batch.sin)
     )
 
 

@@ -77,6 +77,17 @@ def on_layer(stack: dict, keys, layer, fn: Callable):
     return jax.lax.switch(layer, branches)
 
 
+def on_layers(stack: dict, keys, start: int, stop: int, fn: Callable):
+    """fn(weights of one layer, {name: array} over `keys`) for each layer in [start, stop)
+    (static), its outputs stacked on a new leading axis [stop - start, ...]. Stacked weights are
+    sliced once and `fn` is vmapped over the slice (each product one batched product); per-layer
+    buffers run `fn` layer by layer, each reading its buffers in place."""
+    if not is_split(stack):
+        return jax.vmap(fn)({k: jax.tree.map(lambda a: a[start:stop], stack[k]) for k in keys})
+    outs = [fn({k: stack[k][i] for k in keys}) for i in range(start, stop)]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+
+
 def run_layer_range(decoder_layer, params, h, cache, batch, config, start=0, stop=None, length: int | None = None):
     """Layers [start, stop) of `decoder_layer(params, h, cache, layer, batch, config) -> (h,
     cache)` in a `lax.fori_loop` (a traced layer index); with a static `length`, layers

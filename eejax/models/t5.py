@@ -43,7 +43,7 @@ from eejax.models.modules import (
     share_scope,
     unboxed_init,
 )
-from eejax.models.stack import run_layer_range, scan_states
+from eejax.models.stack import on_layers, run_layer_range, scan_states
 from eejax.models.t5_attention import CrossKV, cross_attention, dense_attention, encoder_attention
 
 ENCODER_DECODER = True  # the prompt goes to the encoder; the paged cache holds decoder tokens
@@ -326,6 +326,13 @@ def kv_of_layer(params, h, layer, batch: TokenBatch, config: T5Config):
     """Decoder layer `layer`'s (traced) self-attention K/V [B, T, H, Dk] of h (KV fill)."""
     lp = layer_params(params["decoder"]["layers"], layer, ("attn_norm", "wk", "wv"))
     return _block(config, lp, "self_kv", h)
+
+
+def kv_of_layers(params, h, start: int, stop: int, batch: TokenBatch, config: T5Config):
+    """Decoder layers [start, stop)'s (static) self-attention K/V `[stop - start, B, T, H, Dk]`
+    of h: one batched product over the stacked weights (KV fill on a GPU)."""
+    keys = ("attn_norm", "wk", "wv")
+    return on_layers(params["decoder"]["layers"], keys, start, stop, lambda lp: _block(config, lp, "self_kv", h))
 
 
 def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: T5Config):
