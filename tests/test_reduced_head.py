@@ -218,6 +218,7 @@ def test_kv_fill_of_the_skipped_layers_writes_what_the_masked_fill_wrote(models)
         c, state.seq_len[:, None], active[:, None], table, state.seq_len + active, cache.page_size
     )
     h = jax.random.normal(jax.random.PRNGKey(2), (4, 1, c.hidden_size))
+    fns = steps.exit_fns(p, batch, c)
     # The masked fill this replaced: every layer's K/V of h, written where layer >= E. (Computed
     # per layer: a vmapped projection rounds differently in the last bit.)
     kv = [llama.kv_of_layer(p, h, layer, batch, c) for layer in range(c.num_layers)]
@@ -230,7 +231,7 @@ def test_kv_fill_of_the_skipped_layers_writes_what_the_masked_fill_wrote(models)
             want_v[layer][heads, batch.pages, batch.slots] = np.asarray(v_all[layer]).transpose(2, 0, 1, 3)
         got = kv_fill(
             cache,
-            lambda layer, x: llama.kv_of_layer(p, x, layer, batch, c),
+            fns,
             h,
             jnp.int32(e),
             c.num_layers,
@@ -241,12 +242,12 @@ def test_kv_fill_of_the_skipped_layers_writes_what_the_masked_fill_wrote(models)
         np.testing.assert_allclose(got.v, want_v, rtol=1e-6, atol=1e-6)
         # Exactly the slots of the skipped layers changed, nothing else.
         np.testing.assert_array_equal(np.asarray(got.k) != np.asarray(cache.k), want_k != np.asarray(cache.k))
-        # The GPU's loop of known length from layer `first`: the same, and the layers in [first, E)
-        # wrote to the null page only.
+        # The GPU's fill from layer `first`, one batched projection and one write: the same bits,
+        # and the layers in [first, E) wrote to the null page only.
         first = min(e, 1)
         fixed = kv_fill(
             cache,
-            lambda layer, x: llama.kv_of_layer(p, x, layer, batch, c),
+            fns,
             h,
             jnp.int32(e),
             c.num_layers,
