@@ -13,8 +13,9 @@ the exit head at E.
 
 On a GPU every iteration of a loop with a traced trip count, and every conditional, is a host
 round trip (`decode.control_flow`); there (`static_loops`) the layers every segment has run go
-in a loop of known trip count and KV fill in no loop at all, leaving the segment loop (and, when the check
-layers are unevenly spaced, a loop over each segment's layers beyond the shortest segment's).
+in a loop of known trip count and KV fill in no loop at all, leaving the segment loop (and, when
+the check layers are unevenly spaced, a loop over each segment's layers beyond the shortest
+segment's).
 
 The loop is model-agnostic: a model supplies `ExitFns` (closures over its params and the step's
 token batch), so Llama and T5 decoders share this code.
@@ -189,10 +190,9 @@ def static_loops() -> bool:
     conditional its branch (10-20 us each, `eejax.decode.control_flow`); on CPU they cost
     nothing. Then KV fill is one batched product from the first check layer (projecting, and
     dropping, the K/V of the layers between it and the exit) and one write, and the reduced-head
-    check runs
-    at full depth too instead of behind a conditional; speculation drafts with fixed scans (a
-    prompt lookup's head passes run for every row, a confidence stop's after the stop, masked;
-    the head runs at the bonus pass, unused) and verifies every drafted position."""
+    check runs at full depth too instead of behind a conditional; speculation drafts with fixed
+    scans (a prompt lookup's head passes run for every row, a confidence stop's after the stop,
+    masked; the head runs at the bonus pass, unused) and verifies every drafted position."""
     return backend() != "cpu"
 
 
