@@ -18,6 +18,7 @@ from eejax.engine.metrics import ServeMetrics
 from eejax.engine.scheduler import BucketScheduler
 from eejax.engine.sequence import Sequence
 from eejax.engine.slots import SlotPages, SlotTable
+from eejax.engine.transfers import SlotsRead
 from eejax.engine.waiting import WaitingQueue
 
 SLOTS, N, EOS = 2, 6, 2
@@ -51,7 +52,7 @@ def outputs(slot: int, tokens: list[int], done: bool = False):
     made = np.zeros((SLOTS, N), np.int32)
     num[slot], flags[slot], made[slot, : len(tokens)] = len(tokens), done, tokens
     counters = jax.tree.map(np.asarray, SpecCounters.zeros(SLOTS))
-    return num, flags, made, made * 0 + 4, made * 0 + 4, counters, None, 0.0
+    return SlotsRead(num, flags, made, made * 0 + 4, made * 0 + 4, counters), None, 0.0
 
 
 def test_tokens_reach_the_request_and_its_stream_and_the_limit_ends_it(tiny_model, device):

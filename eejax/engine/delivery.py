@@ -16,6 +16,7 @@ from eejax.engine.metrics import ServeMetrics
 from eejax.engine.sequence import Sequence
 from eejax.engine.slots import SlotTable
 from eejax.engine.stops import first_stop
+from eejax.engine.transfers import SlotsRead
 from eejax.engine.waiting import WaitingQueue
 
 
@@ -37,21 +38,20 @@ class Delivery:
         self._slot_table, self._device, self._waiting = slot_table, device, waiting
         self._prometheus, self._counters = prometheus, counters
 
-    def deliver(self, seq: Sequence, slot: int, num, done, tokens, layers, confident, counters, record, now) -> None:
-        """Appends a row's new tokens (and log-probs) to its Sequence and ends it if it ended. The
-        host copies of a step's outputs: num [S] tokens made, done [S], tokens / layers /
-        confident [S, N], the speculation counters [S], the log-prob record (or None); `now`:
-        when they were read."""
+    def deliver(self, seq: Sequence, slot: int, read: SlotsRead, record, now: float) -> None:
+        """Appends a row's new tokens (and log-probs) to its Sequence and ends it if it ended.
+        `read`: the host copies of a step's outputs for every slot; `record`: its log-prob
+        record (or None); `now`: when they were read."""
         start = len(seq.tokens) - seq.offset
-        n = min(seq.offset + int(num[slot]), seq.max_new_tokens)
-        new = tokens[slot, start : n - seq.offset].tolist()
+        n = min(seq.offset + int(read.num_generated[slot]), seq.max_new_tokens)
+        new = read.tokens[slot, start : n - seq.offset].tolist()
         stop = self.stop_index(seq, new)
         if stop is not None:
             new = new[: stop + 1]
         end = start + len(new)
         seq.tokens.extend(new)
-        seq.exit_layers.extend(layers[slot, start:end].tolist())
-        seq.confident_layers.extend(confident[slot, start:end].tolist())
+        seq.exit_layers.extend(read.exit_layers[slot, start:end].tolist())
+        seq.confident_layers.extend(read.confident_layers[slot, start:end].tolist())
         if seq.logprobs is not None:
             for j in range(start, end):
                 seq.token_logprobs.append(float(record.chosen[slot, j]))
@@ -67,8 +67,9 @@ class Delivery:
             seq._events.put(token)
         self._counters["generated_tokens"] += len(new)
         seq._notify()
-        if seq.ending or done[slot] or stop is not None:
+        if seq.ending or read.done[slot] or stop is not None:
             ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.eos_ids
+            counters = read.spec_counters
             seq.spec_counters = {f.name: int(getattr(counters, f.name)[slot]) for f in dataclasses.fields(counters)}
             self.release(seq)
             self.finish(seq, seq.ending or ("stop" if ended_at_eos or stop is not None else "length"))

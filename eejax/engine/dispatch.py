@@ -30,6 +30,20 @@ from eejax.options import StepOptions
 from eejax.sharding import to_host
 
 
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """The last dispatched program, not read yet.
+
+    outputs: its outputs on their way to the host (`Dispatch._outputs`)
+    rows:    slot -> the row it ran for (a row's slot may be another's by the time it is read)
+    made:    slot -> the fewest tokens the row's program makes (its decode steps or rounds)
+    """
+
+    outputs: tuple
+    rows: dict[int, Sequence]
+    made: dict[int, int]
+
+
 class Dispatch:
     """`options`: the engine's programs' options, which a group's replace; `steps_per_dispatch`:
     decode steps per program (1: always one); `batch_job`: every request is known (programs keep
@@ -57,9 +71,7 @@ class Dispatch:
         self.steps_per_dispatch, self.batch_job = steps_per_dispatch, batch_job
         self.prompt_positions = prompt_positions
         self._running = slot_table.running  # read-only view
-        # (its outputs on their way to the host, slot -> row, slot -> the fewest tokens the row's
-        # program makes: its steps or rounds) of the last dispatched program, not read yet
-        self._pending = None
+        self._pending: InFlight | None = None  # the last dispatched program, not read yet
         self._made: dict[int, int] = {}  # slot -> the fewest tokens, of the programs being dispatched
         # Decode steps of the program in flight (read after the next dispatch; 0: none), and of the next.
         self.steps_in_flight = self.next_steps = 1
@@ -120,8 +132,9 @@ class Dispatch:
         prefill's first token, and those of the program in flight (its decode steps, at least
         one per speculation round)."""
         made = len(seq.tokens) + (len(seq.tokens) == seq.offset)
-        if self.steps_in_flight and self._pending is not None and self._pending[1].get(seq.slot) is seq:
-            made += self._pending[2].get(seq.slot, 0)
+        pending = self._pending
+        if self.steps_in_flight and pending is not None and pending.rows.get(seq.slot) is seq:
+            made += pending.made.get(seq.slot, 0)
         return seq.max_new_tokens - made
 
     def options_of(self, seq: Sequence) -> StepOptions:
@@ -169,10 +182,10 @@ class Dispatch:
                 group = self._device.upload(("group", group.tobytes()), group)
                 self._faults.guarded(members, self.dispatch, table, group, options, members)
         # Read next step even without a dispatch: a row's last tokens may be on device unread.
-        self._pending = (self._outputs(), dict(self._running), self._made) if self._running else None
+        self._pending = InFlight(self._outputs(), dict(self._running), self._made) if self._running else None
         self.steps_in_flight = self.next_steps if dispatch else 0  # 0: nothing in flight
         if pending is not None:
-            self._read(*pending[:2])
+            self._read(pending.outputs, pending.rows)
 
     def step_ended(self, end: float, seconds: float | None) -> None:
         """The step ended at `end`; `seconds`: its wall time if it prefilled and compiled nothing
@@ -226,13 +239,14 @@ class Dispatch:
         out = {}
 
         def fetch():
-            out["host"] = (*packed.read(), None if logprobs is None else to_host(logprobs))
+            out["read"], out["record"] = packed.read(), None if logprobs is None else to_host(logprobs)
 
         self._faults.guarded(list(running.values()), fetch)
-        if "host" not in out:
+        if "read" not in out:
             return
-        self._speculation.observe_acceptance(running, self._running, out["host"][5])
+        read, record = out["read"], out["record"]
+        self._speculation.observe_acceptance(running, self._running, read.spec_counters)
         now = time.perf_counter()
         for slot, seq in running.items():
             if not seq.finished and self._running.get(slot) is seq:  # else ended, or preempted (recomputed later)
-                self._faults.guarded([seq], self._delivery.deliver, seq, slot, *out["host"], now)
+                self._faults.guarded([seq], self._delivery.deliver, seq, slot, read, record, now)

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +27,24 @@ import numpy as np
 from eejax.sharding import to_host
 
 
-def read_tree(state, spec_counters) -> tuple:
-    """What the host reads of the slots after a step: each row's tokens made (num_generated [S]),
-    done [S], tokens, exit and confident layers [S, N], and the speculation counters [S]."""
-    return state.num_generated, state.done, state.tokens, state.exit_layers, state.confident_layers, spec_counters
+class SlotsRead(NamedTuple):
+    """What the host reads of the slots after a step (device arrays, or their host copies once
+    read): each row's tokens made num_generated [S], done [S], tokens, exit_layers and
+    confident_layers [S, N], and the speculation counters spec_counters [S] (`SpecCounters`)."""
+
+    num_generated: Any
+    done: Any
+    tokens: Any
+    exit_layers: Any
+    confident_layers: Any
+    spec_counters: Any
+
+
+def read_tree(state, spec_counters) -> SlotsRead:
+    """What the host reads of the slots after a step (`SlotsRead`) of the decode state."""
+    return SlotsRead(
+        state.num_generated, state.done, state.tokens, state.exit_layers, state.confident_layers, spec_counters
+    )
 
 
 def pack(tree) -> jax.Array:
