@@ -208,7 +208,7 @@ def bad_inputs(tmp_path, ckpt):
         ),
         "too many drafts": (base + ["--prompt", "hi", "--spec", "1:100000"], "[1, 64]"),
         "infinite temperature": (base + ["--prompt", "hi", "--temperature", "inf"], "finite"),
-        "zero repetition penalty": (base + ["--prompt", "hi", "--repetition-penalty", 0], "repetition penalty"),
+        "zero repetition penalty": (base + ["--prompt", "hi", "--repetition-penalty", 0], "repetition_penalty"),
     }
 
 

@@ -96,7 +96,7 @@ def test_the_background_loop_outlives_a_failing_step_and_reports_its_own_death(t
         def unrecoverable(error):
             raise SystemError("unrecoverable")
 
-        engine._recover = unrecoverable
+        engine.recover = unrecoverable
         faults.append("scheduler fault")
         orphan = engine.submit([5, 6, 7], max_new_tokens=4).result(timeout=60)
         assert orphan.finish_reason == "error"

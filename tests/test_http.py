@@ -294,7 +294,7 @@ def _break_the_loop(monkeypatch, target):
         raise SystemError("broken engine")
 
     monkeypatch.setattr(target, "step", broken)
-    monkeypatch.setattr(target, "_recover", broken)
+    monkeypatch.setattr(target, "recover", broken)
 
 
 def test_a_request_the_engine_failed_on_is_a_500_and_a_dead_loop_makes_health_503(tiny_model, monkeypatch):

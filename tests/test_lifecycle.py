@@ -7,9 +7,9 @@ waiting requests with "length", and stop ends the thread. And what process 0 tel
 import threading
 import time
 
-from eejax.engine import replicas
+from eejax.engine import inbox, replicas
 from eejax.engine.delivery import Delivery
-from eejax.engine.lifecycle import Lifecycle
+from eejax.engine.lifecycle import Lifecycle, Loop
 from eejax.engine.metrics import ServeMetrics
 from eejax.engine.scheduler import BucketScheduler
 from eejax.engine.sequence import Sequence
@@ -19,21 +19,32 @@ from eejax.engine.waiting import WaitingQueue
 
 class StandIn:
     """An engine that is busy for its first `busy_steps` steps; step i raises if `fail(i)`;
-    `recover` takes what a step raised (default: kept in `recovered`)."""
+    `recover` takes what a step raised (default: kept in `recovered`). Its loop functions are
+    all the Lifecycle gets."""
 
     def __init__(self, busy_steps: int, fail=None, recover=None):
         self.waiting = WaitingQueue(BucketScheduler(33, 4, max_rows=1), grow=False, prompt_positions=len)
         self.slot_table = SlotTable(1, SlotPages(4, 1, 4, 2, prefix_caching=False))
         self.delivery = Delivery(None, (), self.slot_table, None, self.waiting, ServeMetrics(2), {})
-        self.replication, self._lock = replicas.ChangeLog(False), threading.RLock()
+        self.replication = replicas.ChangeLog(False)
         self.steps, self.busy_steps, self.fail, self.recovered = 0, busy_steps, fail, []
-        self._recover = recover or self.recovered.append
+        self.recover = recover or self.recovered.append
+        self.lifecycle = Lifecycle(
+            Loop(self.step, self.busy, lambda e: self.recover(e), self.take_messages, self.live, self.delivery.finish),
+            self.replication,
+        )
 
-    @property
     def busy(self) -> bool:
-        return self.steps < self.busy_steps
+        return self.steps < self.busy_steps or bool(self.lifecycle.inbox)
+
+    def take_messages(self) -> None:
+        inbox.apply(self.lifecycle.inbox.take(), self.waiting, self.slot_table, self.delivery, self.replication)
+
+    def live(self) -> list:
+        return [s for s in self.waiting.values() + self.slot_table.rows() if not s.finished]
 
     def step(self) -> None:
+        self.take_messages()
         self.steps += 1
         if self.fail is not None and self.fail(self.steps):
             raise RuntimeError(f"step {self.steps}")
@@ -41,7 +52,7 @@ class StandIn:
 
 def loop_over(busy_steps: int, **kw):
     engine = StandIn(busy_steps, **kw)
-    return engine, Lifecycle(engine)
+    return engine, engine.lifecycle
 
 
 def wait_for(condition, timeout: float = 5.0) -> bool:
@@ -67,7 +78,8 @@ def test_a_loop_that_dies_says_so_and_ends_what_waits():
 
     engine, life = loop_over(busy_steps=3, fail=lambda i: True, recover=unrecoverable)
     queued = Sequence(0, [1, 2], max_new_tokens=2)
-    engine.waiting.queue(queued)
+    life.post(inbox.Submit(queued))  # no loop yet: queued at once
+    assert engine.waiting.values() == [queued]
     life.start()
     assert wait_for(lambda: life.error is not None) and isinstance(life.error, SystemError)
     # The loop says it died first (so that the server refuses new requests), then ends what waits.
@@ -78,13 +90,52 @@ def test_deadlines_end_waiting_requests_and_cancel_ends_one_now():
     engine, life = loop_over(busy_steps=0)
     late, early, other = (Sequence(i, [1, 2], max_new_tokens=2) for i in range(3))
     for seq in (late, early, other):
-        engine.waiting.queue(seq)
+        life.post(inbox.Submit(seq))
     late.deadline, early.deadline = time.perf_counter() - 1, time.perf_counter() + 60
-    life.expire_deadlines()
+    life.post(inbox.Expire())
     assert late.finish_reason == "length" and late.timed_out and not early.finished
     life.cancel(other)
     assert other.finish_reason == "cancelled" and engine.waiting.values() == [early]
     assert life.abort("shutdown") == 1 and early.finish_reason == "shutdown"
+
+
+def test_a_running_loop_applies_what_other_threads_post_and_only_it_does():
+    """While the loop runs, a message waits in the inbox for the loop's thread; a stuck loop's
+    abort still ends the requests for their callers, and the loop frees them when it comes back."""
+    engine = StandIn(busy_steps=0)
+    applied_by, gate = [], threading.Event()
+    gate.set()
+
+    def take_messages_():
+        applied_by.append(threading.current_thread().name)
+        engine.take_messages()
+
+    def step():
+        gate.wait()  # a step stuck inside a program while the gate is shut
+        take_messages_()
+        engine.steps += 1
+
+    loop = Loop(step, engine.busy, engine.recover, take_messages_, engine.live, engine.delivery.finish)
+    life = Lifecycle(loop, engine.replication)
+    engine.lifecycle = life
+    life.start()
+    try:
+        seq = Sequence(0, [1, 2], max_new_tokens=2)
+        life.post(inbox.Submit(seq))
+        assert wait_for(lambda: engine.waiting.values() == [seq])
+        life.cancel(seq)
+        assert wait_for(lambda: seq.finish_reason == "cancelled")
+        stuck = Sequence(1, [1, 2], max_new_tokens=2)
+        life.post(inbox.Submit(stuck))
+        assert wait_for(lambda: engine.waiting.values() == [stuck])
+        gate.clear()
+        assert life.abort("abort", wait=0.2) == 1 and stuck.finish_reason == "abort"
+        assert set(applied_by) == {"eejax-engine"}
+        gate.set()
+        assert wait_for(lambda: not engine.waiting.values() and not engine.busy())
+    finally:
+        gate.set()
+        assert life.stop(timeout=5)
 
 
 def test_process_zeros_changes_are_taken_once_and_finished_requests_forgotten():

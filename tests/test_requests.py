@@ -1,29 +1,21 @@
-"""The engine's front door alone (`engine/requests.py`) over a real queue: a request that passes
-`submit`'s checks queues and wakes the loop, one that fails them is refused with a message that
-names the problem and leaves nothing queued, at most `max_decoding_options` early-exit /
+"""The engine's front door alone (`engine/requests.py`): a request that passes `submit`'s checks
+is posted to the loop (an `inbox.Submit`) and counted live until it finishes, one that fails them
+is refused with a message that names the problem and posts nothing, at most `max_decoding_options` early-exit /
 speculation options are served, and the seeds drawn for requests follow the engine's seed."""
-
-import threading
 
 import pytest
 
 from eejax.decode.sampling import SamplingParams
-from eejax.engine.replicas import ChangeLog
+from eejax.engine.inbox import Submit
 from eejax.engine.requests import Requests
-from eejax.engine.scheduler import BucketScheduler
-from eejax.engine.waiting import WaitingQueue
 from eejax.errors import EejaxError
 
 
 def front_door(model, seed: int = 0, max_decoding_options: int = 2):
-    waiting = WaitingQueue(BucketScheduler(65, 8, max_rows=2), grow=False, prompt_positions=len)
-    woken = []
+    posted = []
     requests = Requests(
         model,
-        waiting,
-        ChangeLog(False),
-        lambda: woken.append(True),
-        threading.RLock(),
+        posted.append,
         sampling=SamplingParams(),
         exit_config=None,
         max_new_tokens=16,
@@ -36,13 +28,13 @@ def front_door(model, seed: int = 0, max_decoding_options: int = 2):
         seed=seed,
         prompt_positions=len,
     )
-    return requests, waiting, woken
+    return requests, posted
 
 
-def test_a_request_queues_and_wakes_the_loop_and_a_bad_one_leaves_nothing(tiny_model):
-    requests, waiting, woken = front_door(tiny_model)
+def test_a_request_is_posted_to_the_loop_and_a_bad_one_posts_nothing(tiny_model):
+    requests, posted = front_door(tiny_model)
     seq = requests.submit([5, 6, 7], max_new_tokens=4)
-    assert waiting.values() == [seq] and woken == [True] and seq.id == 0
+    assert posted == [Submit(seq)] and seq.id == 0 and requests.live() == [seq]
     for bad, message in [
         (dict(max_new_tokens=17), "max_new_tokens must lie in"),
         (dict(max_new_tokens=4, stop_token_ids=[10**6]), "stop_token_ids must lie in"),
@@ -52,12 +44,14 @@ def test_a_request_queues_and_wakes_the_loop_and_a_bad_one_leaves_nothing(tiny_m
             requests.submit([5, 6, 7], **bad)
     with pytest.raises(EejaxError, match="prompt of 60 tokens \\+ 8 new tokens exceeds"):
         requests.submit([5] * 60, max_new_tokens=8)
-    assert waiting.values() == [seq] and woken == [True]
-    assert requests.submit([5], max_new_tokens=1, queue=False).id == 1 and len(waiting) == 1  # checked, not queued
+    assert posted == [Submit(seq)]
+    assert requests.submit([5], max_new_tokens=1, queue=False).id == 1 and len(posted) == 1  # checked, not queued
+    seq._done.set()  # finished
+    assert requests.live() == []
 
 
 def test_decoding_options_are_capped_and_seeds_follow_the_engines(tiny_model):
-    requests, _, _ = front_door(tiny_model, max_decoding_options=2)
+    requests, _ = front_door(tiny_model, max_decoding_options=2)
     requests.submit([5], max_new_tokens=2, spec="1:2")  # the engine's own option and this one
     with pytest.raises(EejaxError, match="at most 2 early-exit / speculation options"):
         requests.submit([5], max_new_tokens=2, spec="1:3")

@@ -116,13 +116,19 @@ def test_sampling_options_are_checked_and_pick_their_sampler():
         (dict(top_k=-1), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
-        (dict(presence=2.5), "presence penalty"),
-        (dict(frequency=float("nan")), "frequency penalty"),
-        (dict(repetition=0.0), "repetition penalty"),
-        (dict(repetition=float("inf")), "repetition penalty"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(top_k=2.5), "top_k must be an integer"),
+        (dict(temperature="hot"), "temperature must be a number"),
     ]:
         with pytest.raises(EejaxError, match=match):
             SamplingParams(**bad)
+    default = SamplingParams(0.7)
+    assert default.override(top_p=None, top_k=3) == SamplingParams(0.7, top_k=3) and default.override() is default
+    with pytest.raises(EejaxError, match="unknown option 'temprature'; the sampling options are temperature, top_k"):
+        default.override(temprature=0.5)
     with pytest.raises(EejaxError, match="vocabulary size 40"):
         SamplingParams(1.0, top_k=41).check_vocab(40)
 
@@ -131,7 +137,10 @@ def test_penalties_off_change_nothing_and_positions_count_the_drafts_before_them
     from eejax.decode.penalties import TokenCounts, apply_penalties, apply_to_positions, count_tokens
 
     rng = np.random.default_rng(0)
-    vocab, rows = 12, [SamplingParams(), SamplingParams(0.7, presence=0.5, frequency=-0.3, repetition=1.7)]
+    vocab, rows = (
+        12,
+        [SamplingParams(), SamplingParams(0.7, presence_penalty=0.5, frequency_penalty=-0.3, repetition_penalty=1.7)],
+    )
     logits = jnp.asarray(rng.normal(size=(2, 3, vocab)) * 3, jnp.float32)
     sampling = jax.tree.map(jnp.asarray, RowSampling.of(rows))
     counts = jax.tree.map(jnp.asarray, TokenCounts.of([[1, 2, 2], [3, 4]], [[5, 5, 1], [3, 6, 6, 6]], vocab, 2))

@@ -12,12 +12,14 @@ from eejax.cli.args import (
     add_model_and_prompts,
     add_model_placement,
     add_processes,
+    add_sampling_args,
     join_processes,
     layer_counts,
     load_model,
     number_or_off,
     positive_int,
     prompts_from_args,
+    sampling_of,
 )
 from eejax.errors import EejaxError
 from eejax.options import OFF, check_exit_or_spec
@@ -72,12 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             model,
             prompts,
             max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
-            repetition_penalty=args.repetition_penalty,
+            sampling=sampling_of(args),
             seed=args.seed,
             ignore_eos=args.ignore_eos,
             batch_size=args.batch_size,
@@ -160,28 +157,7 @@ def add_parsers(sub) -> None:
     )
     gen.add_argument("--batch-size", type=positive_int, help="rows decoded together (default: all prompts)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS: always generate --max-new-tokens")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    gen.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="divide a positive logit (multiply a negative one) of every token already in the prompt or "
-        "output by this (> 0; 1.0 = off, the default; 1.1-1.3 tames loops like SmolLM2's)",
-    )
-    gen.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=0.0,
-        help="subtract this times a token's count in the output from its logit ([-2, 2]; 0 = off)",
-    )
-    gen.add_argument(
-        "--presence-penalty",
-        type=float,
-        default=0.0,
-        help="subtract this from the logit of every token already in the output ([-2, 2]; 0 = off)",
-    )
+    add_sampling_args(gen)
     gen.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
     gen.add_argument(
         "--truncate-prompt-tokens", type=positive_int, metavar="N", help="keep the first N tokens of each prompt"

@@ -6,14 +6,17 @@ import argparse
 import time
 
 from eejax.cli.args import (
+    REQUEST_OPTIONS,
     add_model_placement,
     add_processes,
+    add_sampling_args,
     join_processes,
     load_model,
     non_negative_float,
     non_negative_int,
     positive_int,
     request_options,
+    sampling_of,
     seconds_or_off,
 )
 from eejax.errors import EejaxError
@@ -60,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_tokens_limit,
         cache_budget=args.cache_budget,
         exit=args.exit,
-        temperature=args.temperature,
+        sampling=sampling_of(args),
         policy=args.policy,
         bucketing=not args.no_bucketing,
         pages=args.pages,
@@ -186,7 +189,7 @@ def add_parsers(sub) -> None:
     )
     srv.add_argument("--cache-budget", default="1GiB", help="KV cache memory (default 1GiB)")
     srv.add_argument("--exit", metavar="SPEC", help="early exit for every request, as in eejax generate --exit")
-    srv.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    add_sampling_args(srv, "requests' default: ")
     srv.add_argument("--policy", choices=("fcfs", "sjf", "ljf"), default="fcfs", help="order inside a bucket")
     srv.add_argument("--no-bucketing", action="store_true", help="one bucket (plain FCFS continuous batching)")
     srv.add_argument(
@@ -256,8 +259,7 @@ def add_parsers(sub) -> None:
         default=[],
         metavar="OPTIONS",
         help="with --warmup, also compile the programs of requests with these options, as key=value pairs "
-        "separated by commas (exit, spec, temperature, top_k, top_p, logprobs, prompt_logprobs, "
-        "presence_penalty, frequency_penalty, repetition_penalty), e.g. 'temperature=0.8,top_p=0.95' or "
+        f"separated by commas ({', '.join(REQUEST_OPTIONS)}), e.g. 'temperature=0.8,top_p=0.95' or "
         "'spec=15:2'; repeat for several kinds of request (default: the server's own options only)",
     )
     srv.add_argument(

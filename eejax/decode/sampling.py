@@ -26,34 +26,59 @@ GREEDY, TEMPERATURE, FILTERED = "greedy", "temperature", "filtered"
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """One request's sampling options (host side): temperature 0 is greedy; top_k 0 and top_p
-    1.0 switch those filters off; the penalties (`penalties.py`) are off at presence 0,
-    frequency 0 and repetition 1. On device they ride per row in a `RowSampling`."""
+    """One request's sampling options (host side), the one list of them: `generate`,
+    `Engine`, `Engine.submit`, the CLI and the HTTP schema take these names (`override`).
+    temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off; the penalties
+    (`penalties.py`: OpenAI's presence and frequency in [-2, 2], vLLM's and HF's repetition > 0)
+    are off at 0, 0 and 1. On device they ride per row in a `RowSampling`."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    presence: float = 0.0
-    frequency: float = 0.0
-    repetition: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise EejaxError(f"{f.name} must be a number, got {value!r}")
+            if f.type == "int" and int(value) != value:
+                raise EejaxError(f"{f.name} must be an integer, got {value!r}")
+            object.__setattr__(self, f.name, int(value) if f.type == "int" else float(value))
         if not 0 <= self.temperature < float("inf"):
             raise EejaxError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise EejaxError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise EejaxError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("presence", "frequency"):
+        for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise EejaxError(f"{name} penalty must lie in [-2, 2] (0 = off), got {getattr(self, name)}")
-        if not 0 < self.repetition < float("inf"):
-            raise EejaxError(f"repetition penalty must be a finite number > 0 (1 = off), got {self.repetition}")
+                raise EejaxError(f"{name} must lie in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise EejaxError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def override(self, **values) -> SamplingParams:
+        """These options with `values` (of `names()`; None keeps this one's) in their place: how a
+        request's keywords meet the engine's defaults. An unknown name is an EejaxError."""
+        unknown = sorted(set(values) - set(self.names()))
+        if unknown:
+            raise EejaxError(
+                f"unknown option{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; the sampling options "
+                f"are {', '.join(self.names())}"
+            )
+        given = {k: v for k, v in values.items() if v is not None}
+        return dataclasses.replace(self, **given) if given else self
 
     @property
     def penalized(self) -> bool:
         """Whether a penalty is on (a static program option: the counts are kept and read)."""
-        return (self.presence, self.frequency, self.repetition) != (0.0, 0.0, 1.0)
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0.0, 0.0, 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -94,9 +119,9 @@ class RowSampling:
             np.asarray([p.temperature for p in params], np.float32),
             np.asarray([p.top_k for p in params], np.int32),
             np.asarray([p.top_p for p in params], np.float32),
-            np.asarray([p.presence for p in params], np.float32),
-            np.asarray([p.frequency for p in params], np.float32),
-            np.asarray([p.repetition for p in params], np.float32),
+            np.asarray([p.presence_penalty for p in params], np.float32),
+            np.asarray([p.frequency_penalty for p in params], np.float32),
+            np.asarray([p.repetition_penalty for p in params], np.float32),
         )
 
     @property

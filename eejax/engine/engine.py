@@ -28,7 +28,6 @@ static, and at most `max_decoding_options` of them are served, so the programs s
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from typing import Any
 
@@ -38,13 +37,13 @@ from eejax.cache import pages_needed
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.sampling import SamplingParams
 from eejax.decode.spec_policy import auto_speculates
-from eejax.engine import replicas
+from eejax.engine import inbox, replicas
 from eejax.engine.admission import Admission
 from eejax.engine.delivery import Delivery
 from eejax.engine.device_slots import DeviceSlots
 from eejax.engine.dispatch import Dispatch
 from eejax.engine.faults import Faults
-from eejax.engine.lifecycle import Lifecycle
+from eejax.engine.lifecycle import Lifecycle, Loop
 from eejax.engine.metrics import ServeMetrics
 from eejax.engine.requests import Requests, checked_exit
 from eejax.engine.scheduler import BucketScheduler, safe_pages
@@ -88,12 +87,7 @@ class Engine:
         cache_budget: int | str = "1GiB",
         page_size: int = 16,
         exit: ExitConfig | str | None = None,  # noqa: A002
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
+        sampling: SamplingParams | None = None,
         seed: int = 0,
         policy: str = "fcfs",
         bucketing: bool = True,
@@ -107,7 +101,10 @@ class Engine:
         max_prompt_tokens: int = 512,
         ignore_eos: bool = False,
         batch_job: bool = False,
+        **sampling_options,
     ):
+        """`sampling` (or its options by name: temperature=, top_k=, ...) is a request's default;
+        the other arguments are the class's."""
         config = model.config
         # A batch job (what `generate` runs): every request is submitted before the first step,
         # so admission keeps no pages back for later arrivals, prefills are timed (the host waits
@@ -184,14 +181,7 @@ class Engine:
         # Cache positions a row's prompt takes: the prompt's; an encoder-decoder's start token.
         self.prompt_positions = (lambda prompt: 1) if self.encoder_decoder else len
         self.waiting = WaitingQueue(scheduler, self.grow, self.prompt_positions)
-        self.sampling = SamplingParams(  # a request's default
-            float(temperature),
-            int(top_k),
-            float(top_p),
-            float(presence_penalty),
-            float(frequency_penalty),
-            float(repetition_penalty),
-        )
+        self.sampling = (sampling or SamplingParams()).override(**sampling_options)  # a request's default
         self.sampling.check_vocab(config.vocab_size)
         # The options of the engine's programs; a group of rows replaces the per-request ones.
         self.options = StepOptions(max_new_tokens, () if ignore_eos else model.eos_token_ids, attention=attention)
@@ -199,7 +189,6 @@ class Engine:
         # the device, and the uploads of block tables and group masks: a part that owns them.
         context_width = bucket(max_prompt_tokens, MIN_PROMPT_BUCKET) if self.encoder_decoder else None
         self.device = DeviceSlots(model, max_slots, max_new_tokens, num_pages, page_size, self.max_len, context_width)
-        self._lock = threading.RLock()
         # Across processes (jax.distributed): process 0's changes since the last step, which its
         # replicas apply before stepping with it (`engine/replicas.py`); inactive in one process.
         self.replication = replicas.ChangeLog(jax.process_count() > 1 and not batch_job)
@@ -266,15 +255,21 @@ class Engine:
             batch_job=batch_job,
             prompt_positions=self.prompt_positions,
         )
-        # The background loop (what the HTTP server runs), cancellation, abort, deadlines: a part.
-        self.lifecycle = Lifecycle(self)
+        # The background loop (what the HTTP server runs) and the inbox of what other threads ask
+        # (submit, cancel, abort; deadlines): a part, handed the loop's functions.
+        loop = Loop(  # looked up at each call: a test may replace a method of this engine
+            lambda: self.step(),
+            lambda: self.busy,
+            lambda error: self.recover(error),
+            self.take_messages,
+            self.live,
+            self.delivery.finish,
+        )
+        self.lifecycle = Lifecycle(loop, self.replication)
         # The front door: what `submit` checks, the seeds, ids and decoding options served: a part.
         self.requests = Requests(
             model,
-            self.waiting,
-            self.replication,
-            self.lifecycle.wake,
-            self._lock,
+            self.lifecycle.post,
             sampling=self.sampling,
             exit_config=self.exit_config,
             max_new_tokens=max_new_tokens,
@@ -329,15 +324,27 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.running or self.prefilling or self.waiting or self.dispatch.in_flight)
+        return bool(self.running or self.prefilling or self.waiting or self.dispatch.in_flight or self.lifecycle.inbox)
+
+    def live(self) -> list[Sequence]:
+        """The requests submitted and not yet finished (any thread may ask: `Requests.live`)."""
+        return self.requests.live()
 
     # -- the loop ------------------------------------------------------------------------------
+    def take_messages(self) -> None:
+        """Applies what other threads posted (`Lifecycle.post`: submit, cancel, abort, deadlines),
+        in the thread that steps the engine."""
+        inbox.apply(self.lifecycle.inbox.take(), self.waiting, self.slot_table, self.delivery, self.replication)
+
     def step(self) -> None:
-        """One iteration: admit into free slots, prefill, dispatch the running rows' programs and
-        read the previous ones (`Dispatch`). A program that fails fails only the requests it ran
-        for (`Faults.guarded`)."""
+        """One iteration: what other threads posted (across processes, process 0's loop applies
+        them before it tells its replicas: `Lifecycle`), then admit into free slots, prefill,
+        dispatch the running rows' programs and read the previous ones (`Dispatch`). A program
+        that fails fails only the requests it ran for (`Faults.guarded`)."""
+        if not self.replication.active:
+            self.take_messages()
         start, compiled = time.perf_counter(), self.model.programs.compile_seconds
-        with self._lock, self.model.programs.in_use():  # background compilations wait meanwhile
+        with self.model.programs.in_use():  # background compilations wait meanwhile
             last_end = self.dispatch.step_started()  # a step that raises times nothing after it
             self.admission.admit()
             prefills = bool(self.prefilling)
@@ -368,10 +375,9 @@ class Engine:
                 bar.update(sum(s.finished for s in seqs) - bar.n)
         return seqs
 
-    def _recover(self, error: BaseException) -> None:
-        """After a step raised outside any one program (`Faults.recover`)."""
-        with self._lock:
-            self.faults.recover(error)
+    def recover(self, error: BaseException) -> None:
+        """After a step raised outside any one program (`Faults.recover`; the stepping thread)."""
+        self.faults.recover(error)
 
     # -- the background loop (`Lifecycle`) -----------------------------------------------------
     def start(self) -> None:
@@ -397,10 +403,11 @@ class Engine:
         """Ends a request now (a client that went away): its slot and pages are freed."""
         self.lifecycle.cancel(seq)
 
-    def abort(self, reason: str = "abort", lock_timeout: float = 1.0) -> int:
+    def abort(self, reason: str = "abort", wait: float = 1.0) -> int:
         """Ends every request now with finish reason `reason` (a server shutting down at its
-        deadline); returns how many (`Lifecycle.abort`)."""
-        return self.lifecycle.abort(reason, lock_timeout)
+        deadline); returns how many. A loop stuck for `wait` seconds ends them for their callers
+        (`Lifecycle.abort`)."""
+        return self.lifecycle.abort(reason, wait)
 
     def warmup(self, max_prompt_len: int | None = None, progress: bool = True, requests=()) -> int:
         """Compiles, before the first requests, every program requests of the engine's own options

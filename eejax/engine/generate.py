@@ -49,12 +49,7 @@ def generate(
     batch,
     *,
     max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: float = 1.0,
+    sampling: SamplingParams | None = None,
     seed: int = 0,
     ignore_eos: bool = False,
     batch_size: int | None = None,
@@ -64,6 +59,7 @@ def generate(
     exit: ExitConfig | str | None = None,  # noqa: A002 (the documented name of the option)
     spec: SpecConfig | str | None = None,
     attention: str = "auto",
+    **sampling_options,
 ) -> GenerateResult:
     """Generates up to `max_new_tokens` for each prompt of `batch` (see `prompt_token_ids`).
 
@@ -80,9 +76,11 @@ def generate(
     (eejax's CPU kernel on a CPU, XLA's reference elsewhere), "reference", "cpu" or "triton"
     (interpreted without a GPU: slow). Sampling is seeded per row and position: row i draws with
     `fold_in(seed_key(seed), i)` folded with each token's index, whatever batch it runs in.
-    `presence_penalty` / `frequency_penalty` (OpenAI's, in [-2, 2], 0 = off) and
-    `repetition_penalty` (vLLM's and HF's, > 0, 1 = off) penalise tokens already seen before
-    temperature, top-k and top-p (`decode/penalties.py`); lossless speculation stays exact.
+    `sampling` (a `SamplingParams`; default greedy), or its options by name over it:
+    `temperature`, `top_k`, `top_p`, and `presence_penalty` / `frequency_penalty` (OpenAI's, in
+    [-2, 2], 0 = off) and `repetition_penalty` (vLLM's and HF's, > 0, 1 = off), which penalise
+    tokens already seen before temperature, top-k and top-p (`decode/penalties.py`); lossless
+    speculation stays exact.
     """
 
     config = model.config
@@ -105,7 +103,7 @@ def generate(
     if page_size < 1:
         raise EejaxError(f"page_size must be >= 1, got {page_size}")
     # Checked here, before any work (the engine checks them again as its defaults).
-    sampling = SamplingParams(temperature, top_k, top_p, presence_penalty, frequency_penalty, repetition_penalty)
+    sampling = (sampling or SamplingParams()).override(**sampling_options)
     sampling.check_vocab(config.vocab_size)
 
     # The cache holds a Llama's prompt and new tokens, a T5 decoder's start and new tokens (its
@@ -133,12 +131,7 @@ def generate(
         cache_budget=num_pages * model.page_bytes(page_size),
         page_size=page_size,
         exit=exit_config,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        presence_penalty=sampling.presence,
-        frequency_penalty=sampling.frequency,
-        repetition_penalty=sampling.repetition,
+        sampling=sampling,
         bucketing=False,
         attention=attention,
         prefix_caching=False,

@@ -1,57 +1,85 @@
 """The engine's life, a part of `Engine`: its background loop (in step with process 0 across
-processes), stopping it, and ending requests from outside the loop (cancel, abort, deadlines).
-It owns the loop's thread, its stop and wake events and what killed the loop (`error`); it
-steps the engine (`Engine.step`; a step that raises is recovered from, `Engine._recover`) and
-ends requests through its parts (`Delivery`, `WaitingQueue`)."""
+processes), stopping it, and what other threads ask of the engine (submit, cancel, abort). It
+owns the loop's thread, its stop and wake events, what killed the loop (`error`) and the inbox
+(`engine/inbox.py`): other threads post messages there, and the thread that steps the engine
+applies them. It is handed only the loop's functions (`Loop`), never the engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-import time
+from collections.abc import Callable
 
 from eejax.engine import replicas
+from eejax.engine.inbox import Abort, Cancel, CancelAll, Expire, Inbox, Message
 from eejax.engine.sequence import Sequence
 
 log = logging.getLogger("eejax.serve")
 
 
-class Lifecycle:
-    """The background loop of `engine`, which it steps (its `step`, `busy` and lock)."""
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """What the background loop drives (the engine's, `Engine.loop`).
 
-    def __init__(self, engine):
-        self._engine = engine
+    step:          one engine step, the inbox's messages first (across processes, the loop
+                   applies them itself before it tells the replicas).
+    busy:          whether a step has work (the inbox's messages count).
+    recover:       after a step raised outside any one program (`Faults.recover`).
+    take_messages: applies the inbox's messages (the stepping thread only).
+    live:          the requests submitted and not yet finished (any thread may ask).
+    finish:        ends a request for its caller (`Delivery.finish`), when the loop is stuck.
+    """
+
+    step: Callable[[], None]
+    busy: Callable[[], bool]
+    recover: Callable[[BaseException], None]
+    take_messages: Callable[[], None]
+    live: Callable[[], list[Sequence]]
+    finish: Callable[[Sequence, str], None]
+
+
+class Lifecycle:
+    """The background loop over `loop`; `replication`: process 0's changes, which its replicas
+    apply before stepping with it (inactive in one process)."""
+
+    def __init__(self, loop: Loop, replication: replicas.ChangeLog):
+        self._fns, self._replication = loop, replication
+        self.inbox = Inbox()
         self.error: BaseException | None = None  # what stopped the background loop, if it died
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._wake = threading.Event()
+        self._inline = threading.Lock()  # messages applied by their poster: no loop runs
 
     @property
     def alive(self) -> bool:
         """Whether the background loop is running (started, not stopped, not died)."""
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def wake(self) -> None:
-        """Wakes an idle loop: a request came."""
-        self._wake.set()
+    def post(self, message: Message) -> None:
+        """Asks the engine for `message`'s change: the loop applies it before its next step. With
+        no loop running, the thread that owns the engine posts, and it is applied at once."""
+        self.inbox.put(message)
+        if self.alive:
+            self._wake.set()
+        else:
+            with self._inline:
+                self._fns.take_messages()
 
     def start(self) -> None:
         """Runs the loop in a background thread until `stop()`."""
         if self._thread is not None:
             return
         self._stopping.clear()
-        self._thread = threading.Thread(target=self._loop, name="eejax-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="eejax-engine", daemon=True)
         self._thread.start()
 
     def stop(self, cancel: bool = False, timeout: float | None = None) -> bool:
         """Stops the background loop after finishing (or, with `cancel`, cancelling) all requests.
         Waits at most `timeout` seconds for the loop (None: until it ends); False if it did not end."""
-        engine = self._engine
         if cancel:
-            with engine._lock:
-                seqs = engine.waiting.values() + engine.slot_table.rows()
-            for seq in seqs:
-                self.cancel(seq)
+            self.post(CancelAll())
         self._stopping.set()
         self._wake.set()
         if self._thread is not None:
@@ -64,85 +92,60 @@ class Lifecycle:
 
     def cancel(self, seq: Sequence) -> None:
         """Ends a request now (a client that went away): its slot and pages are freed."""
-        engine = self._engine
-        with engine._lock:
-            if not seq.finished:
-                engine.replication.cancelled(seq)
-            engine.delivery.end(seq)
+        self.post(Cancel(seq))
 
-    def abort(self, reason: str = "abort", lock_timeout: float = 1.0) -> int:
+    def abort(self, reason: str = "abort", wait: float = 1.0) -> int:
         """Ends every request now with finish reason `reason` (a server shutting down at its
-        deadline); returns how many. If the loop is stuck inside a program for longer than
-        `lock_timeout`, the requests still end for their callers (the engine is going away)."""
-        engine = self._engine
-        locked = engine._lock.acquire(timeout=lock_timeout)
+        deadline); returns how many. If the loop does not get to it within `wait` seconds (stuck
+        inside a program), the requests still end for their callers (the engine is going away)."""
+        message = Abort(reason)
         try:
-            seqs = engine.waiting.values() + engine.slot_table.rows()
-            for seq in seqs:
-                if seq.finished:
-                    continue
-                if locked:
-                    engine.waiting.remove(seq)
-                    engine.delivery.release(seq)
-                engine.delivery.finish(seq, reason)
-            return len(seqs)
-        finally:
-            if locked:
-                engine._lock.release()
-
-    def expire_deadlines(self) -> None:
-        """Ends the requests past their deadline (waiting ones too) with finish reason "length"
-        and `timed_out`, like a cancellation (so replicas hear of it with this step's changes).
-        Only the loop that serves calls it: replicas follow its decisions, never their clocks."""
-        engine = self._engine
-        now = time.perf_counter()
-        with engine._lock:
-            for seq in [*engine.waiting.values(), *engine.slot_table.rows()]:
-                if seq.deadline is None or now < seq.deadline or seq.finished or seq.ending:
-                    continue
-                seq.timed_out = True
-                engine.replication.cancelled(seq)
-                engine.delivery.end(seq, "length")
+            self.post(message)
+        except Exception:  # noqa: BLE001 - applied at once on a broken engine: end them below
+            log.exception("aborting the engine's requests failed")
+        if message.done.wait(wait if self.alive else 0):
+            return len(message.ended)
+        unfinished = [seq for seq in self._fns.live() if not seq.finished]
+        for seq in unfinished:
+            self._fns.finish(seq, reason)
+        return len(unfinished)
 
     def step_or_recover(self) -> None:
         """One engine step; if it raises, the loop lives on for the other requests."""
         try:
-            self._engine.step()
+            self._fns.step()
         except Exception as e:  # noqa: BLE001 - the loop lives on for the other requests
             log.exception("an engine step failed")
-            self._engine._recover(e)
+            self._fns.recover(e)
 
     def _replicated_iteration(self) -> bool:
-        """Process 0 of several: sends its changes to the replicas and steps with them (the lock
-        held throughout, so no request slips in between); False once it has told them to stop."""
-        engine = self._engine
-        self.expire_deadlines()
-        with engine._lock:
-            changes = engine.replication.take()
-            busy = engine.busy
-            stopping = self._stopping.is_set() and not busy
-            replicas.broadcast(replicas.STOP if stopping else (changes, busy))
-            if stopping:
-                return False
-            if busy:
-                self.step_or_recover()
-        with engine._lock:
-            engine.replication.forget_finished()
+        """Process 0 of several: applies what was posted, sends the changes to the replicas and
+        steps with them (nothing posted meanwhile joins this step); False once it has told them
+        to stop."""
+        self.inbox.put(Expire())
+        self._fns.take_messages()
+        busy = self._fns.busy()
+        stopping = self._stopping.is_set() and not busy
+        replicas.broadcast(replicas.STOP if stopping else (self._replication.take(), busy))
+        if stopping:
+            return False
+        if busy:
+            self.step_or_recover()
+        self._replication.forget_finished()
         if not busy:
             self._wake.wait(replicas.HEARTBEAT_S)
             self._wake.clear()
         return True
 
-    def _loop(self) -> None:
-        engine = self._engine
+    def _run(self) -> None:
         try:
             while True:
-                if engine.replication.active:
+                if self._replication.active:
                     if not self._replicated_iteration():
                         return
                     continue
-                if engine.busy:
-                    self.expire_deadlines()
+                if self._fns.busy():
+                    self.inbox.put(Expire())
                     self.step_or_recover()
                     continue
                 if self._stopping.is_set():
@@ -152,4 +155,4 @@ class Lifecycle:
         except BaseException as e:  # the loop itself died: nothing will be served any more
             self.error = e
             log.critical("the engine loop died", exc_info=True)
-            self.abort("error", lock_timeout=0)
+            self.abort("error", wait=0)

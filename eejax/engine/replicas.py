@@ -99,13 +99,10 @@ def broadcast(message=None):
 
 
 def apply(engine, changes: list[tuple]) -> None:
-    """Applies process 0's changes to a replica engine (the lock is held)."""
-    from eejax.engine.sequence import Sequence
-
+    """Applies process 0's changes to a replica engine (in the thread that steps it)."""
     for kind, value in changes:
         if kind == "submit":
-            engine.requests.count_decoding_options(value["exit"], value["spec"])
-            seq = Sequence(**value)
+            seq = engine.requests.replicated(value)
             engine.replication.applied(seq)
             engine.waiting.queue(seq)
         else:
@@ -121,9 +118,7 @@ def follow(engine) -> None:
         if message == STOP:
             return
         changes, step = message
-        with engine._lock:
-            apply(engine, changes)
+        apply(engine, changes)
         if step:
             engine.lifecycle.step_or_recover()
-        with engine._lock:
-            engine.replication.forget_finished()
+        engine.replication.forget_finished()

@@ -1,13 +1,16 @@
 """Requests, a part of the `Engine`: its front door. What `submit` checks before a request may
 queue (options, limits, token ids, stops, seeds) and how many early-exit / speculation options
-the engine serves. It owns the request ids, the seeds drawn for requests that name none and the
-decoding options served; a request queues through the `WaitingQueue`, and the replicas
-(`replicas.ChangeLog`) and the loop (`Lifecycle.wake`) hear of it."""
+the engine serves. It owns the request ids, the seeds drawn for requests that name none, the
+decoding options served and the requests it let in that have not finished (`live`); a request
+that passed its checks is posted to the engine's loop (`Lifecycle.post` of an `inbox.Submit`),
+which queues it."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import threading
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -16,9 +19,8 @@ import numpy as np
 from eejax.decode.prompts import prompt_token_ids
 from eejax.decode.sampling import SamplingParams, seed_key
 from eejax.decode.state import TOP_LOGPROBS
-from eejax.engine.replicas import ChangeLog
+from eejax.engine.inbox import Message, Submit
 from eejax.engine.sequence import Sequence
-from eejax.engine.waiting import WaitingQueue
 from eejax.errors import EejaxError
 from eejax.models import draft_head, exits
 from eejax.options import ExitConfig, SpecConfig, check_exit_or_spec, resolve_spec
@@ -38,15 +40,13 @@ class Requests:
     `num_pages` and `page_size` say which bound `max_len` is); at most `max_decoding_options`
     early-exit / speculation options are served; `seed` draws the seeds of requests that name
     none; `speculate_auto`: whether `spec="auto"` speculates here (`spec_policy.auto_speculates`
-    of the engine's slots); `lock`: the engine's; `wake()`: tells the loop a request came."""
+    of the engine's slots); `post`: hands a message to the engine's loop (`Lifecycle.post`).
+    Any thread may submit."""
 
     def __init__(
         self,
         model,
-        waiting: WaitingQueue,
-        replication: ChangeLog,
-        wake: Callable[[], None],
-        lock,
+        post: Callable[[Message], None],
         *,
         sampling: SamplingParams,
         exit_config: ExitConfig | None,
@@ -62,7 +62,9 @@ class Requests:
         speculate_auto: bool = True,
     ):
         self.model, self.config = model, model.config
-        self._waiting, self._replication, self._wake, self._lock = waiting, replication, wake, lock
+        self._post = post
+        self._lock = threading.Lock()  # submissions come from any thread
+        self._live: weakref.WeakSet = weakref.WeakSet()  # submitted (or replicated), maybe finished
         self.sampling, self.exit_config = sampling, exit_config
         self.max_new_tokens, self.max_len, self.cache_len = max_new_tokens, max_len, cache_len
         self.max_prompt_tokens, self.encoder_decoder = max_prompt_tokens, max_prompt_tokens is not None
@@ -90,12 +92,7 @@ class Requests:
         max_new_tokens: int = 64,
         priority: int = 0,
         exit=None,  # noqa: A002
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        repetition_penalty: float | None = None,
+        sampling: SamplingParams | None = None,
         spec: SpecConfig | str | None = None,
         seed: int | None = None,
         choice: int = 0,
@@ -105,13 +102,15 @@ class Requests:
         stop_token_ids=(),
         timeout: float | None = None,
         queue: bool = True,
+        **sampling_options,
     ) -> Sequence:
         """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the engine's
         early-exit option for this request ("none" = full depth), `spec` ("E:d", or "draft:d" with a draft
-        head; "auto" where `speculate_auto`, "none") decodes it by speculation, `temperature`, `top_k`,
-        `top_p` set its sampling, `presence_penalty`, `frequency_penalty` and `repetition_penalty` its
-        penalties (`decode/penalties.py`; None: the engine's; traced values: a new setting compiles nothing,
-        though rows with penalties run apart from those without). Sampled tokens depend only on the prompt,
+        head; "auto" where `speculate_auto`, "none") decodes it by speculation; `sampling` (None: the
+        engine's), and its options by name over it (temperature=, top_k=, top_p=, presence_penalty=,
+        frequency_penalty=, repetition_penalty=: `SamplingParams`; None keeps the default), set its sampling
+        and penalties (`decode/penalties.py`; traced values: a new setting compiles nothing, though rows with
+        penalties run apart from those without). Sampled tokens depend only on the prompt,
         the options, `seed` and `choice`: they are row `choice` of `generate(seed=seed)`. `logprobs` (0 to
         20 alternatives) records each token's log-probability, `prompt_logprobs` (0 to 20) each prompt
         token's under the model (`seq.prompt_token_logprobs`); `stop` (strings) and `stop_token_ids` end the
@@ -129,15 +128,7 @@ class Requests:
                 )
             exits.resolve_options(self.model.params, self.config, spec=spec_config)
             exit = "none"  # noqa: A001
-        default = self.sampling
-        sampling = SamplingParams(
-            default.temperature if temperature is None else float(temperature),
-            default.top_k if top_k is None else int(top_k),
-            default.top_p if top_p is None else float(top_p),
-            default.presence if presence_penalty is None else float(presence_penalty),
-            default.frequency if frequency_penalty is None else float(frequency_penalty),
-            default.repetition if repetition_penalty is None else float(repetition_penalty),
-        )
+        sampling = (sampling or self.sampling).override(**sampling_options)
         sampling.check_vocab(self.config.vocab_size)
         if spec_config is not None:
             spec_config.check_sampling(sampling.sampler, sampling.penalized)
@@ -201,10 +192,23 @@ class Requests:
             if not queue:
                 return seq
             seq.deadline = None if timeout is None else seq.submitted_at + timeout
-            self._waiting.queue(seq)
-            self._replication.submitted(seq)
-        self._wake()
+            self._live.add(seq)
+        self._post(Submit(seq))
         return seq
+
+    def replicated(self, fields: dict) -> Sequence:
+        """A request process 0 submitted (`replicas.submitted`'s fields), on a replica: its
+        decoding options counted as process 0 counted them."""
+        with self._lock:
+            self.count_decoding_options(fields["exit"], fields["spec"])
+            seq = Sequence(**fields)
+            self._live.add(seq)
+        return seq
+
+    def live(self) -> list[Sequence]:
+        """The requests let in that have not finished (any thread may ask)."""
+        with self._lock:
+            return [seq for seq in self._live if not seq.finished]
 
     def count_decoding_options(self, exit_config, spec_config) -> None:
         """Adds a request's early-exit / speculation option to those served, or refuses a new one

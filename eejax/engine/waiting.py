@@ -66,5 +66,6 @@ class WaitingQueue:
         return self._requests[seq.id]
 
     def forget(self, seq: Sequence) -> None:
-        """Drops a finished row's Request."""
+        """Drops a finished row's Request (one that finished while waiting leaves the queue)."""
+        self.remove(seq)
         self._requests.pop(seq.id, None)

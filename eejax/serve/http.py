@@ -26,6 +26,7 @@ import logging
 import time
 
 from eejax.decode.prompts import prompt_token_ids
+from eejax.decode.sampling import SamplingParams
 from eejax.engine.stops import visible_text
 from eejax.errors import EejaxError
 from eejax.options import OFF, ExitConfig, SpecConfig
@@ -154,10 +155,7 @@ def create_app(
                             priority=req.priority,
                             exit=req.exit or None,
                             spec=None if req.spec in (None, "", "none") else req.spec,
-                            temperature=req.temperature,
-                            top_p=req.top_p,
-                            top_k=None if req.top_k is None else max(req.top_k, 0),
-                            **req.penalties,
+                            **req.sampling_options,
                             seed=seed,
                             choice=choice,
                             logprobs=top_logprobs,
@@ -177,9 +175,7 @@ def create_app(
                     for f in (
                         "spec",
                         "exit",
-                        "temperature",
-                        "top_p",
-                        "top_k",
+                        *SamplingParams.names(),
                         "stop_token_ids",
                         "stop",
                         "seed",

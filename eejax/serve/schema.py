@@ -13,6 +13,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from eejax.decode.sampling import SamplingParams
+
 MAX_STOP = 4  # stop strings per request (OpenAI's bound)
 MAX_N = 16  # choices per request
 MAX_ROWS = 64  # prompts x choices per completions request
@@ -79,13 +81,13 @@ class _Common(BaseModel):
         return self.stop or []
 
     @property
-    def penalties(self) -> dict[str, float | None]:
-        """The penalties as `Engine.submit` takes them (None: the server's default)."""
-        return {
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-        }
+    def sampling_options(self) -> dict[str, float | int | None]:
+        """The sampling options as `Engine.submit` takes them (`SamplingParams.names()`; None:
+        the server's default); vLLM's top_k -1 is 0 (off)."""
+        options = {name: getattr(self, name) for name in SamplingParams.names()}
+        if options["top_k"] is not None:
+            options["top_k"] = max(options["top_k"], 0)
+        return options
 
     @property
     def include_usage(self) -> bool:
