@@ -48,6 +48,7 @@ from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.config import LlamaConfig  # noqa: E402
 from eejax.decode import early_exit  # noqa: E402
 from eejax.decode.control_flow import argument_copies, cache_copies, control_flow  # noqa: E402
+from eejax.decode.slot_args import SlotArgs  # noqa: E402
 from eejax.engine import dispatch as dispatch_module  # noqa: E402
 from eejax.engine import transfers  # noqa: E402
 from eejax.engine.engine import Engine  # noqa: E402
@@ -293,12 +294,12 @@ def floor(prompt: list[int], repeats: int, serial: bool = True, dispatches: int 
     for _ in range(repeats + 1):  # the first warms up
         times, tokens = [], 0
         while len(times) < dispatches:
-            # (params, cache, state, table, group, counters, prompts): `DeviceSlots.program`'s
-            args = list(jax.tree.map(lambda x: x.copy(), captured[program]))
-            made, previous = np.asarray(args[2].num_generated).copy(), None
+            args = SlotArgs(*jax.tree.map(lambda x: x.copy(), captured[program]))  # `DeviceSlots.program`'s
+            made, previous = np.asarray(args.state.num_generated).copy(), None
             for _ in range(runs):
                 start = time.thread_time()
-                args[2], args[1], args[5], packed = program(*args)
+                state, cache, counters, packed = program(*args)
+                args = args._replace(state=state, cache=cache, spec_counters=counters)
                 if serial:
                     jax.block_until_ready(packed)
                 packed.copy_to_host_async()
@@ -306,7 +307,7 @@ def floor(prompt: list[int], repeats: int, serial: bool = True, dispatches: int 
                     np.asarray(previous)
                 previous = packed
                 times.append(time.thread_time() - start)
-            tokens += int(np.sum(np.asarray(args[2].num_generated) - made))
+            tokens += int(np.sum(np.asarray(args.state.num_generated) - made))
         medians.append(float(np.median(times)) * len(times) / tokens)
     return 1e6 * float(np.median(medians[1:]))
 

@@ -4,7 +4,6 @@ go to the rows the scheduler picks, with their pages; a prompt prefills in chunk
 admission first, and decodes once whole; rows that grow take pages and, when none are left, the
 lowest-priority row is preempted and waits again."""
 
-import collections
 import types
 
 import numpy as np
@@ -28,8 +27,8 @@ def admission(model, num_pages: int, grow: bool = False, prefill_chunk=None, spa
     waiting = WaitingQueue(BucketScheduler(33, PAGE, max_rows=SLOTS, margin=0.0), grow, len)
     table = SlotTable(SLOTS, SlotPages(num_pages, SLOTS, PAGE, 8, prefix_caching=False))
     device = DeviceSlots(model, SLOTS, N, num_pages, PAGE, max_len=32)
-    counters, prometheus = collections.defaultdict(float), ServeMetrics(model.config.num_layers)
-    delivery = Delivery(model.tokenizer, (), table, device, waiting, prometheus, counters)
+    prometheus = ServeMetrics(model.config.num_layers)
+    delivery = Delivery(model.tokenizer, (), table, device, waiting, prometheus)
     faults = Faults(waiting, table, device, delivery, lambda: None)
     dispatch = types.SimpleNamespace(span=span)  # only a growing row's span is asked for
     part = Admission(
@@ -42,7 +41,6 @@ def admission(model, num_pages: int, grow: bool = False, prefill_chunk=None, spa
         delivery,
         faults,
         prometheus,
-        counters,
         max_len=32,
         max_prompt_tokens=None,
         prefill_chunk=prefill_chunk,
@@ -50,7 +48,7 @@ def admission(model, num_pages: int, grow: bool = False, prefill_chunk=None, spa
         batch_job=False,
         prompt_positions=len,
     )
-    return part, waiting, table, counters
+    return part, waiting, table, part.counts
 
 
 def test_free_slots_go_to_the_rows_the_scheduler_picks_with_all_their_pages(tiny_model):
@@ -80,7 +78,7 @@ def test_prompts_prefill_in_chunks_oldest_first_and_decode_once_whole(chunked):
     assert (first.prefilled, second.prefilled) == (6, 0) and not table.running
     part.prefill_some()  # its last 2, then the other's 3
     assert (first.prefilled, second.prefilled) == (8, 3) and dict(table.running) == {0: first, 1: second}
-    assert counters["prompt_tokens"] == 11 and counters["prefills"] == 2 and not first.finished
+    assert counters.prompt_tokens == 11 and counters.prefills == 2 and not first.finished
 
 
 def test_a_growing_row_takes_pages_and_the_lowest_priority_is_preempted_when_none_are_left(tiny_model):
@@ -97,4 +95,4 @@ def test_a_growing_row_takes_pages_and_the_lowest_priority_is_preempted_when_non
     part.grow_pages()  # each needs 3 pages: 5 usable (page 0 is the null page) hold one more
     assert high.slot is not None and len(high.pages) == 3
     assert low.slot is None and low.pages == [] and waiting.values() == [low] and low.preemptions == 1
-    assert counters["preemptions"] == 1
+    assert counters.preemptions == 1

@@ -13,6 +13,7 @@ import pytest
 from eejax.decode.speculative import SpecCounters
 from eejax.engine.delivery import Delivery
 from eejax.engine.device_slots import DeviceSlots
+from eejax.engine.dispatch import StepResult
 from eejax.engine.faults import Faults
 from eejax.engine.metrics import ServeMetrics
 from eejax.engine.scheduler import BucketScheduler
@@ -32,9 +33,8 @@ def device(tiny_model):
 def parts(tiny_model, device):
     table = SlotTable(SLOTS, SlotPages(8, SLOTS, 4, 8, prefix_caching=False))
     waiting = WaitingQueue(BucketScheduler(33, 4, max_rows=SLOTS), grow=False, prompt_positions=len)
-    counters = {"generated_tokens": 0}
-    delivery = Delivery(tiny_model.tokenizer, (EOS,), table, device, waiting, ServeMetrics(4), counters)
-    return delivery, table, waiting, counters
+    delivery = Delivery(tiny_model.tokenizer, (EOS,), table, device, waiting, ServeMetrics(4))
+    return delivery, table, waiting, delivery
 
 
 def running_row(table, waiting, slot: int, **kw) -> Sequence:
@@ -46,22 +46,22 @@ def running_row(table, waiting, slot: int, **kw) -> Sequence:
     return seq
 
 
-def outputs(slot: int, tokens: list[int], done: bool = False):
-    """A step's host outputs with `tokens` made for `slot`."""
+def result(seq: Sequence, slot: int, tokens: list[int], done: bool = False) -> StepResult:
+    """A step's result for `seq` in `slot`, which made `tokens`."""
     num, flags = np.zeros((SLOTS,), np.int32), np.zeros((SLOTS,), bool)
     made = np.zeros((SLOTS, N), np.int32)
     num[slot], flags[slot], made[slot, : len(tokens)] = len(tokens), done, tokens
     counters = jax.tree.map(np.asarray, SpecCounters.zeros(SLOTS))
-    return SlotsRead(num, flags, made, made * 0 + 4, made * 0 + 4, counters), None, 0.0
+    return StepResult({slot: seq}, SlotsRead(num, flags, made, made * 0 + 4, made * 0 + 4, counters), None, 0.0)
 
 
 def test_tokens_reach_the_request_and_its_stream_and_the_limit_ends_it(tiny_model, device):
     delivery, table, waiting, counters = parts(tiny_model, device)
     seq = running_row(table, waiting, 1)
-    delivery.deliver(seq, 1, *outputs(1, [9, 10]))
+    assert delivery.deliver(result(seq, 1, [9, 10])) == []  # no row failed
     assert seq.tokens == [9, 10] and seq.exit_layers == [4, 4] and not seq.finished
-    assert counters["generated_tokens"] == 2
-    delivery.deliver(seq, 1, *outputs(1, [9, 10, 11, 12, 13, 14], done=True))
+    assert counters.generated_tokens == 2
+    delivery.deliver(result(seq, 1, [9, 10, 11, 12, 13, 14], done=True))
     assert seq.tokens == [9, 10, 11, 12, 13, 14] and seq.finish_reason == "length"
     assert list(seq.stream()) == seq.tokens
     assert not table.running and table.pages.metrics()["kv_pages_used"] == 0
@@ -83,7 +83,7 @@ def test_a_row_ends_with_its_finish_reason(tiny_model, device, kw, made, reason,
     seq = running_row(table, waiting, 0, **kw)
     if reason == "cancelled":
         seq.ending = "cancelled"  # cancelled while its step was in flight
-    delivery.deliver(seq, 0, *outputs(0, made, done=made[-1] == EOS))
+    delivery.deliver(result(seq, 0, made, done=made[-1] == EOS))
     assert seq.tokens == made[:kept] and seq.finish_reason == reason and seq.slot is None
 
 
@@ -91,10 +91,24 @@ def test_a_stop_string_ends_the_row_at_the_token_that_completes_it(tiny_model, d
     delivery, table, waiting, _ = parts(tiny_model, device)
     text = tiny_model.tokenizer.decode([40, 41, 42], skip_special_tokens=True)
     seq = running_row(table, waiting, 0, stop=(text[-2:],))
-    delivery.deliver(seq, 0, *outputs(0, [40, 41, 42, 43]))
+    delivery.deliver(result(seq, 0, [40, 41, 42, 43]))
     assert seq.tokens == [40, 41, 42] and seq.finish_reason == "stop"
     seq.tokens = [40]
     assert delivery.stop_index(seq, [41, 42, 43]) == 1 and delivery.stop_index(seq, [41]) is None
+
+
+def test_a_row_whose_delivery_raises_is_returned_and_fails_alone(tiny_model, device):
+    """`Delivery.deliver` hands back the rows it failed on; `Faults.failed` ends each with "error"
+    and the others keep their tokens."""
+    delivery, table, waiting, _ = parts(tiny_model, device)
+    broken, fine = running_row(table, waiting, 0, stop=("x",)), running_row(table, waiting, 1)
+    delivery.tokenizer = None  # a stop string's check now raises
+    one = result(broken, 0, [40, 41]).read
+    both = one._replace(num_generated=one.num_generated[[0, 0]], tokens=one.tokens[[0, 0]])
+    failed = delivery.deliver(StepResult({0: broken, 1: fine}, both, None, 0.0))
+    assert [seq for seq, _ in failed] == [broken] and fine.tokens == [40, 41]
+    Faults(waiting, table, device, delivery, lambda: None).failed(failed)
+    assert broken.finish_reason == "error" and "AttributeError" in broken.error and not fine.finished
 
 
 def test_a_request_ended_early_ends_now_unless_a_step_in_flight_has_its_tokens(tiny_model, device):

@@ -26,7 +26,6 @@ def dispatch(batch_job: bool = False) -> tuple[Dispatch, SlotTable]:
         speculation,
         None,
         None,
-        {},
         steps_per_dispatch=STEPS,
         batch_job=batch_job,
         prompt_positions=len,
@@ -44,28 +43,28 @@ def decoding(table: SlotTable, slot: int, made: int, **kw) -> Sequence:
 
 def test_a_program_runs_several_steps_unless_a_row_would_idle_or_a_request_waits_on_it():
     part, table = dispatch()
-    part.plan(waiting=False)
+    part.choose_steps(waiting=False)
     assert part.next_steps == 1  # nothing running
     row = decoding(table, 0, made=2)
-    part.plan(waiting=False)
+    part.choose_steps(waiting=False)
     assert part.next_steps == STEPS
-    part.plan(waiting=True)
+    part.choose_steps(waiting=True)
     assert part.next_steps == STEPS  # far from its limit: no slot frees within the program
     row.tokens = [7] * (N - 3)
-    part.plan(waiting=True)
+    part.choose_steps(waiting=True)
     assert part.next_steps == 1  # the waiting request gets its slot at once
-    part.plan(waiting=False)
+    part.choose_steps(waiting=False)
     assert part.next_steps == 1  # serving: its last tokens would wait for idle steps
     spec = decoding(table, 1, made=2, spec=SpecConfig.parse("2:3"))  # up to d + 1 = 4 tokens a round
     row.tokens = [7] * 2
-    part.plan(waiting=True)
+    part.choose_steps(waiting=True)
     assert part.next_steps == STEPS  # 30 tokens to go: more than 1 + 4 rounds in flight and next make
     spec.tokens = [7] * (N - 4 * STEPS)
-    part.plan(waiting=True)
+    part.choose_steps(waiting=True)
     assert part.next_steps == 1  # 16 to go: its limit may come within the rounds
     batch, batch_table = dispatch(batch_job=True)
     decoding(batch_table, 0, made=N - 3)
-    batch.plan(waiting=False)
+    batch.choose_steps(waiting=False)
     assert batch.next_steps == STEPS  # a batch job keeps its steps to the end
 
 
@@ -91,3 +90,17 @@ def test_rows_alike_share_one_options_and_a_row_that_wants_more_gets_its_own():
     assert part.options_of(a) is part.options_of(b) and part.options_of(a).num_steps == STEPS
     assert part.options_of(scored) != part.options_of(a) and part.options_of(scored).logprobs
     assert part.to_make(a) == N - 1  # nothing in flight: all but the one read
+
+
+def test_a_plan_is_one_program_per_group_of_rows_alike_and_none_when_nothing_is_left_to_make():
+    """`Dispatch.plan`'s `StepPlan`: the chosen steps, a (options, rows) group per program in
+    the running rows' order; empty once every row has made its tokens."""
+    part, table = dispatch()
+    a, scored, b = decoding(table, 0, made=1), decoding(table, 1, made=1, logprobs=2), decoding(table, 2, made=1)
+    part.choose_steps(waiting=False)
+    plan = part.plan()
+    assert plan.steps == STEPS and [rows for _, rows in plan.groups] == [(a, b), (scored,)]
+    assert [options for options, _ in plan.groups] == [part.options_of(a), part.options_of(scored)]
+    for seq in (a, scored, b):
+        seq.tokens = [7] * N
+    assert part.plan().groups == ()

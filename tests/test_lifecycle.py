@@ -25,7 +25,7 @@ class StandIn:
     def __init__(self, busy_steps: int, fail=None, recover=None):
         self.waiting = WaitingQueue(BucketScheduler(33, 4, max_rows=1), grow=False, prompt_positions=len)
         self.slot_table = SlotTable(1, SlotPages(4, 1, 4, 2, prefix_caching=False))
-        self.delivery = Delivery(None, (), self.slot_table, None, self.waiting, ServeMetrics(2), {})
+        self.delivery = Delivery(None, (), self.slot_table, None, self.waiting, ServeMetrics(2))
         self.replication = replicas.ChangeLog(False)
         self.steps, self.busy_steps, self.fail, self.recovered = 0, busy_steps, fail, []
         self.recover = recover or self.recovered.append

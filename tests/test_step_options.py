@@ -85,3 +85,28 @@ def test_a_prefill_compiles_once_for_every_decoding_option():
     assert names.count("decode_slots") == 3
     options = [opts for name, opts, _ in model.programs.entries() if name == "decode_slots"]
     assert {o.exit.spec if o.exit else "none" for o in options} == {"none", "static:1", "state:0.5"}
+
+
+def test_the_grammar_reads_plain_fields_and_spells_each_option_back():
+    """`options.grammar` turns strings into the configs' fields (plain values, no config) and the
+    configs spell themselves back through it: every spelling reads back to itself."""
+    from eejax.options import grammar
+
+    assert grammar.read_spec("draft:4:lookup") == {
+        "exit_layer": 0,
+        "num_speculations": 4,
+        "adaptive": False,
+        "draft_head": True,
+        "tree": None,
+        "confidence_stop": None,
+        "lookup": 4,
+    }
+    assert grammar.read_exit("static:12") == {"measure": "static", "exit_layer": 12}
+    for text in ("12:4", "12:4:adaptive", "draft:2", "draft:4:tree", "draft:tree=0,00,1", "draft:4:stop=0.3",
+                 "draft:4:lookup", "draft:2:lookup=8", "draft:2:adaptive:lookup=4"):  # fmt: skip
+        assert SpecConfig.parse(text).spec == text
+    for text in ("none", "static:12", "softmax:0.9", "state:-0.5", "classifier:inf"):
+        assert ExitConfig.parse(text).spec == text
+    assert [grammar.is_off(t) for t in ("none", " OFF ", "", "auto", None)] == [True, True, True, False, False]
+    with pytest.raises(EejaxError, match="cannot read speculation 'draft:4:lookup:lookup'"):
+        SpecConfig.parse("draft:4:lookup:lookup")

@@ -22,7 +22,7 @@ from eejax.cli.args import (
     sampling_of,
 )
 from eejax.errors import EejaxError
-from eejax.options import OFF, check_exit_or_spec
+from eejax.options import check_exit_or_spec, is_auto, is_off
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -49,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     spec = None
     check_exit_or_spec(exit_config, args.spec, ("--exit", "--spec"))
-    named = args.spec is not None and args.spec.strip().lower() in ("auto",) + OFF
+    named = is_auto(args.spec) or is_off(args.spec)
     if named and any(x is not None for x in (args.spec_max_d, args.spec_head, args.spec_bonus)):
         raise EejaxError(f"--spec {args.spec} takes no --spec-max-d, --spec-head or --spec-bonus (auto sets its own)")
     if named:

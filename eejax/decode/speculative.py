@@ -342,7 +342,7 @@ def draft_slots(params, cache, state, block_table, group, *, config, options: St
     return drafts, cache
 
 
-def verify_slots(params, cache, state, drafts, counters, block_table, group, *, config, options: StepOptions):
+def verify_slots(params, cache, state, counters, drafts, block_table, group, *, config, options: StepOptions):
     """A round's verification (`verify`) for the slots in `group`. Returns (state, cache,
     counters)."""
     masked, waiting = only_group(state, group)

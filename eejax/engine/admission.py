@@ -2,7 +2,7 @@
 pages, how their prompts reach the cache (whole, or `prefill_chunk` tokens per step, after the
 pages of a prefix the cache already holds), pages for rows that grow, and preemption when none
 is left. It owns no state: the queue, slots, pages and device arrays change through their parts
-(`WaitingQueue`, `SlotTable`, `DeviceSlots`), and it adds to the engine's counters."""
+(`WaitingQueue`, `SlotTable`, `DeviceSlots`); it counts its own work (`AdmissionCounts`)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,21 @@ from eejax.options import StepOptions
 log = logging.getLogger("eejax.serve")
 
 
+@dataclasses.dataclass
+class AdmissionCounts:
+    """What admission did, summed (`Engine.metrics`): prefill programs, rows preempted, prompt
+    tokens prefilled, those shared from the prefix cache, padding in the prefills, and seconds in
+    the scheduler and (a batch job's, which waits for each) in prefills."""
+
+    prefills: int = 0
+    preemptions: int = 0
+    padding_tokens: int = 0
+    prompt_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    scheduler_s: float = 0.0
+    prefill_s: float = 0.0
+
+
 class Admission:
     """`options`: the engine's programs' options (a prefill's are made from them); `max_len`: the
     longest row; `max_prompt_tokens`: an encoder-decoder's longest prompt (None: decoder-only);
@@ -51,7 +66,6 @@ class Admission:
         delivery: Delivery,
         faults: Faults,
         prometheus: ServeMetrics,
-        counters: dict,
         *,
         max_len: int,
         max_prompt_tokens: int | None,
@@ -62,7 +76,8 @@ class Admission:
     ):
         self.model, self.config, self.options = model, model.config, options
         self._waiting, self._slot_table, self._device, self._dispatch = waiting, slot_table, device, dispatch
-        self._delivery, self._faults, self._prometheus, self._counters = delivery, faults, prometheus, counters
+        self._delivery, self._faults, self._prometheus = delivery, faults, prometheus
+        self.counts = AdmissionCounts()
         self.slots, self.pages = slot_table.size, slot_table.pages
         self.page_size = self.pages.page_size
         self.max_len, self.max_prompt_tokens, self.prefill_chunk = max_len, max_prompt_tokens, prefill_chunk
@@ -75,12 +90,11 @@ class Admission:
         free = self._slot_table.free()
         start = time.perf_counter()
         seqs = self._waiting.take(len(free), self.pages.num_free)
-        self._counters["scheduler_s"] += time.perf_counter() - start
+        self.counts.scheduler_s += time.perf_counter() - start
         for seq, slot in zip(seqs, free):
             seq.offset = len(seq.tokens)
             positions = self.prompt_positions(seq.prompt) + (seq.offset + 1 if self.grow else seq.max_new_tokens)
             self._slot_table.admit(seq, slot, positions)  # (admission counted every page as fresh)
-            seq.spec_read = (0, 0)  # the prefill zeroes the slot's speculation counters
             seq.prefilled = seq.cached
 
     def prefill_some(self) -> None:
@@ -178,19 +192,19 @@ class Admission:
             self._record_prompt_scores(work, jax.device_get(scores[0]))
         if self.batch_job:
             jax.block_until_ready(self._device.state)
-            self._counters["prefill_s"] += time.perf_counter() - started
+            self.counts.prefill_s += time.perf_counter() - started
         self._device.clear_spec_counters(slots)
         for seq, end in work:
             self._prometheus.prefill_chunk.observe(end - seq.prefilled)
             seq.prefilled = end
             if end == len(seq.prompt) + seq.offset:  # the prompt is complete: the row decodes
                 self._slot_table.start_decoding(seq)
-                self._counters["prompt_tokens"] += end
-                self._counters["prefix_cache_hit_tokens"] += seq.cached
+                self.counts.prompt_tokens += end
+                self.counts.prefix_cache_hit_tokens += seq.cached
                 self._prometheus.prompt_tokens.inc(end)
                 self._prometheus.prefix_hits.inc(seq.cached)
-        self._counters["prefills"] += 1
-        self._counters["padding_tokens"] += int(b * t - (lengths - offset).sum())
+        self.counts.prefills += 1
+        self.counts.padding_tokens += int(b * t - (lengths - offset).sum())
 
     @staticmethod
     def _record_prompt_scores(work: list[tuple[Sequence, int]], scores) -> None:
@@ -272,5 +286,5 @@ class Admission:
         self._delivery.release(seq)
         self._waiting.queue(seq)
         seq.preemptions += 1
-        self._counters["preemptions"] += 1
+        self.counts.preemptions += 1
         self._prometheus.preemptions.inc()

@@ -3,7 +3,7 @@ their `Sequence`s and streamed, stop tokens and strings checked, and the rows th
 (their slot and pages, `SlotTable`; a cancelled row stopped on device, `DeviceSlots`) and
 finished (finish reason, Prometheus, the waiting queue's Request dropped, waiters woken). It
 owns no state of its own; what it changes it changes through those parts' methods, and it adds
-to the engine's counters (`generated_tokens`) and Prometheus registry."""
+to its own count of tokens delivered (`generated_tokens`) and the Prometheus registry."""
 
 from __future__ import annotations
 
@@ -32,16 +32,26 @@ class Delivery:
         device: DeviceSlots,
         waiting: WaitingQueue,
         prometheus: ServeMetrics,
-        counters: dict,
     ):
         self.tokenizer, self.eos_ids = tokenizer, eos_ids
         self._slot_table, self._device, self._waiting = slot_table, device, waiting
-        self._prometheus, self._counters = prometheus, counters
+        self._prometheus = prometheus
+        self.generated_tokens = 0  # tokens delivered, summed (`Engine.metrics`)
 
-    def deliver(self, seq: Sequence, slot: int, read: SlotsRead, record, now: float) -> None:
-        """Appends a row's new tokens (and log-probs) to its Sequence and ends it if it ended.
-        `read`: the host copies of a step's outputs for every slot; `record`: its log-prob
-        record (or None); `now`: when they were read."""
+    def deliver(self, result) -> list[tuple[Sequence, Exception]]:
+        """Delivers a finished program's `StepResult` (`dispatch.StepResult`) to each of its rows;
+        returns the rows whose delivery raised, with what (a stop string the tokenizer failed on:
+        `Faults` fails them alone)."""
+        failed = []
+        for slot, seq in result.rows.items():
+            try:
+                self._deliver_row(seq, slot, result.read, result.record, result.read_at)
+            except Exception as e:  # noqa: BLE001 - one row's failure ends that row only
+                failed.append((seq, e))
+        return failed
+
+    def _deliver_row(self, seq: Sequence, slot: int, read: SlotsRead, record, now: float) -> None:
+        """Appends a row's new tokens (and log-probs) to its Sequence and ends it if it ended."""
         start = len(seq.tokens) - seq.offset
         n = min(seq.offset + int(read.num_generated[slot]), seq.max_new_tokens)
         new = read.tokens[slot, start : n - seq.offset].tolist()
@@ -63,10 +73,8 @@ class Delivery:
                     ]
                 )  # tokens that top-k / top-p filtered out cannot be drawn
         seq.token_times.extend([now] * len(new))
-        for token in new:
-            seq._events.put(token)
-        self._counters["generated_tokens"] += len(new)
-        seq._notify()
+        self.generated_tokens += len(new)
+        seq.publish(new)
         if seq.ending or read.done[slot] or stop is not None:
             ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.eos_ids
             counters = read.spec_counters
@@ -116,6 +124,4 @@ class Delivery:
         seq.finish_reason = reason
         self._prometheus.finished(seq)
         self._waiting.forget(seq)
-        seq._events.put(None)
-        seq._done.set()
-        seq._notify()
+        seq.close()

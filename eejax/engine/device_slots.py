@@ -20,6 +20,7 @@ import numpy as np
 
 from eejax.decode.lookup import PromptTokens
 from eejax.decode.penalties import TokenCounts
+from eejax.decode.slot_args import DONATED, SlotArgs
 from eejax.decode.speculative import SpecCounters
 from eejax.decode.state import empty_state
 from eejax.engine.transfers import ReadLayout, Uploads, read_tree, reading
@@ -117,25 +118,30 @@ class DeviceSlots:
             self._read_layout = ReadLayout(read_tree(self._state, self._spec_counters))
         return self._read_layout
 
-    def program(self, fn, args: tuple, options: StepOptions, now: bool = False):
-        """(compiled `fn`, the args it takes) for a decode program over these slots (`Model.program`),
-        `fn(params, cache, state, ...)` returning the new state. Without a mesh, the program packs
-        its read as well and takes the state's prompts apart (`transfers.reading`: the slots'
-        speculation counters, unless `fn` takes them itself, and the prompts go in as two more
-        arguments; `keep` takes the packed vector). It donates the state and counters as well as
-        the cache: what it returns replaces them, so XLA updates them in place instead of copying
-        each array in first (27 copies a dispatch, ~10% of the tiny model's decode program on a
-        CPU; a kernel each on a GPU). On a mesh a separate program packs the read: this one keeps
-        the collectives it has, and copies."""
+    def program(self, fn, options: StepOptions, inputs: tuple, *, takes_counters: bool = False, now: bool = False):
+        """(compiled program, its `SlotArgs`) of a slot program `fn(params, cache, state[, spec
+        counters], *inputs)` over these slots (`transfers.reading`; `takes_counters`: a round's,
+        which updates the counters), built with the state `options` read (`state_for`) and its
+        prompts apart. It returns (state, cache, spec counters, packed read), which `keep`
+        takes. Without a mesh the program packs its read itself and donates the state and
+        counters as well as the cache (`slot_args.DONATED`): what it returns replaces them, so XLA
+        updates them in place instead of copying each array in first (27 copies a dispatch, ~10% of
+        the tiny model's decode program on a CPU; a kernel each on a GPU). On a mesh a separate
+        program packs the read: this one keeps the collectives it has, donates the cache only,
+        and copies. `now`: compile the split layout's program before it runs (`Model.program`)."""
+        state = self.state_for(options)
+        args = SlotArgs(
+            self._model.run_params,
+            self._cache,
+            dataclasses.replace(state, prompt=None) if state.prompt is not None else state,
+            self._spec_counters,
+            state.prompt,
+            tuple(inputs),
+        )
         if self._model.mesh is not None:
-            return self._model.program(fn, args, options, now)
-        prompt = args[2].prompt
-        if prompt is not None:
-            args = (*args[:2], dataclasses.replace(args[2], prompt=None), *args[3:])
-        taken = [i for i, x in enumerate(args) if x is self._spec_counters]  # a round's: it returns them
-        args = (*args, None if taken else self._spec_counters, prompt)
-        donated = (1, 2, *(taken or [len(args) - 2]))
-        return self._model.program(reading(fn), args, options, now, donate_argnums=donated)
+            program = reading(fn, takes_counters, packs=False)
+            return self._model.program(program, args, options, now, donate_argnums=(SlotArgs._fields.index("cache"),))
+        return self._model.program(reading(fn, takes_counters), args, options, now, donate_argnums=DONATED)
 
     def state_for(self, options: StepOptions, counts: bool = True):
         """The state a program of `options` takes: with the token counts when it applies

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,9 +26,39 @@ from eejax.engine.faults import Faults
 from eejax.engine.sequence import Sequence
 from eejax.engine.slots import SlotTable
 from eejax.engine.speculation import Speculation
-from eejax.engine.transfers import PackedRead, copied, read_tree
+from eejax.engine.transfers import PackedRead, SlotsRead, copied, read_tree
 from eejax.options import StepOptions
 from eejax.sharding import to_host
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What a step dispatches (`Dispatch.plan`), consumed by `Dispatch.dispatch_and_read`.
+
+    steps:  decode steps (a speculation group: rounds) each program runs
+    groups: one program per (options, rows) pair of the running rows alike (empty: nothing to
+            dispatch: the program in flight ends every row at its limit)
+    """
+
+    steps: int
+    groups: tuple[tuple[StepOptions, tuple[Sequence, ...]], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What a finished program made, on the host (`Dispatch` reads it one step later), consumed
+    by `Delivery.deliver`.
+
+    rows:    slot -> the row the program ran for that still holds its slot, not finished
+    read:    the host copies of the slots' tokens, counts and flags (`SlotsRead`)
+    record:  their log-prob record (`LogProbRecord` of host arrays), or None
+    read_at: when they were read (perf_counter): the time of each of the rows' new tokens
+    """
+
+    rows: dict[int, Sequence]
+    read: SlotsRead
+    record: Any
+    read_at: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +79,7 @@ class Dispatch:
     """`options`: the engine's programs' options, which a group's replace; `steps_per_dispatch`:
     decode steps per program (1: always one); `batch_job`: every request is known (programs keep
     their steps to the end); `prompt_positions(prompt)`:
-    the cache positions a prompt takes; `counters`: the engine's, this part adds `steps`."""
+    the cache positions a prompt takes. `steps` counts the programs it dispatched."""
 
     def __init__(
         self,
@@ -59,7 +90,6 @@ class Dispatch:
         speculation: Speculation,
         delivery: Delivery,
         faults: Faults,
-        counters: dict,
         *,
         steps_per_dispatch: int,
         batch_job: bool,
@@ -67,7 +97,8 @@ class Dispatch:
     ):
         self.model, self.options = model, options
         self._slot_table, self._device, self._speculation = slot_table, device, speculation
-        self._delivery, self._faults, self._counters = delivery, faults, counters
+        self._delivery, self._faults = delivery, faults
+        self.steps = 0  # programs dispatched, summed (`Engine.metrics`)
         self.steps_per_dispatch, self.batch_job = steps_per_dispatch, batch_job
         self.prompt_positions = prompt_positions
         self._running = slot_table.running  # read-only view
@@ -93,7 +124,7 @@ class Dispatch:
         last_end, self._last_step_end = self._last_step_end, None
         return last_end
 
-    def plan(self, waiting: bool) -> None:
+    def choose_steps(self, waiting: bool) -> None:
         """Decode steps (a speculation group: rounds) in the next program: `steps_per_dispatch`
         (one dispatch and one read per several tokens) unless a prompt is being prefilled (chunks
         come every step), or requests wait (`waiting`) and a row may reach its limit within the
@@ -160,30 +191,33 @@ class Dispatch:
         return options
 
     # -- dispatching and reading ---------------------------------------------------------------
-    def dispatch_and_read(self) -> None:
-        """Dispatches one program per option group of the running rows (nothing when the program
-        in flight ends every row at its limit), then reads the program dispatched before."""
-        pending = self._pending
-        dispatch = any(self.to_make(seq) > 0 for seq in self._running.values())
-        groups: dict = {}
-        if dispatch:
-            # One program per (early exit, sampler, speculation, log-probs) option among the
-            # running rows (usually one); the other rows wait through it.
+    def plan(self) -> StepPlan:
+        """The step's programs: one per option group of the running rows (usually one; the other
+        rows wait through it), with `choose_steps`'s steps; none when the program in flight ends
+        every row at its limit."""
+        groups: dict[StepOptions, list[Sequence]] = {}
+        if any(self.to_make(seq) > 0 for seq in self._running.values()):
             for seq in self._running.values():
                 groups.setdefault(self.options_of(seq), []).append(seq)
-        self._speculation.begin_step(len(groups))
+        return StepPlan(self.next_steps, tuple((options, tuple(rows)) for options, rows in groups.items()))
+
+    def dispatch_and_read(self, plan: StepPlan) -> None:
+        """Dispatches `plan`'s programs, then reads the program dispatched before (`StepResult`)
+        and delivers it."""
+        pending = self._pending
+        self._speculation.begin_step(len(plan.groups))
         self._made = {}
-        if dispatch:
+        if plan.groups:
             table = self.table()
             slots = self._slot_table.size
-            for options, members in groups.items():
+            for options, members in plan.groups:
                 group = np.zeros((slots,), bool)
                 group[[seq.slot for seq in members]] = True
                 group = self._device.upload(("group", group.tobytes()), group)
-                self._faults.guarded(members, self.dispatch, table, group, options, members)
+                self._faults.guarded(list(members), self.dispatch, table, group, options, list(members))
         # Read next step even without a dispatch: a row's last tokens may be on device unread.
         self._pending = InFlight(self._outputs(), dict(self._running), self._made) if self._running else None
-        self.steps_in_flight = self.next_steps if dispatch else 0  # 0: nothing in flight
+        self.steps_in_flight = plan.steps if plan.groups else 0  # 0: nothing in flight
         if pending is not None:
             self._read(pending.outputs, pending.rows)
 
@@ -203,7 +237,7 @@ class Dispatch:
         else:
             made = self._speculation.dispatch(table, group, options, members, self.next_steps)
         self._made.update((seq.slot, made) for seq in members)
-        self._counters["steps"] += 1
+        self.steps += 1
 
     def table(self):
         """The block table of the running rows, as wide as the longest needs (bucketed)."""
@@ -214,8 +248,7 @@ class Dispatch:
     def decode_program(self, table, group, options: StepOptions, now: bool = False):
         """The decode program of `options` and its arguments (`now`: compile the split layout's
         before it runs, as warm-up does; `Model.program`)."""
-        args = (self.model.run_params, self._device.cache, self._device.state_for(options), table, group)
-        return self._device.program(decode_slots, args, options, now)
+        return self._device.program(decode_slots, options, (table, group), now=now)
 
     def _outputs(self):
         """What `_read` takes of the state just dispatched: its tokens, counts and flags packed
@@ -232,9 +265,9 @@ class Dispatch:
         return read, copied(state.logprobs) if scored else None  # the next program donates the state
 
     def _read(self, outputs, running: dict[int, Sequence]) -> None:
-        """Delivers the tokens a finished program produced (`Delivery`); rows that ended (EOS,
-        limit, stop token or string, cancelled) are released. If the program failed on the
-        device, its requests fail."""
+        """Reads a finished program's outputs (a `StepResult`) and delivers them (`Delivery`):
+        rows that ended (EOS, limit, stop token or string, cancelled) are released. If the
+        program failed on the device, its requests fail; a row whose delivery raised fails alone."""
         packed, logprobs = outputs
         out = {}
 
@@ -244,9 +277,8 @@ class Dispatch:
         self._faults.guarded(list(running.values()), fetch)
         if "read" not in out:
             return
-        read, record = out["read"], out["record"]
+        read = out["read"]
         self._speculation.observe_acceptance(running, self._running, read.spec_counters)
-        now = time.perf_counter()
-        for slot, seq in running.items():
-            if not seq.finished and self._running.get(slot) is seq:  # else ended, or preempted (recomputed later)
-                self._faults.guarded([seq], self._delivery.deliver, seq, slot, read, record, now)
+        # A row not running in its slot any more ended, or was preempted (recomputed later).
+        rows = {slot: seq for slot, seq in running.items() if not seq.finished and self._running.get(slot) is seq}
+        self._faults.failed(self._delivery.deliver(StepResult(rows, read, out["record"], time.perf_counter())))

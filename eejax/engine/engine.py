@@ -27,6 +27,7 @@ static, and at most `max_decoding_options` of them are served, so the programs s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any
@@ -108,7 +109,7 @@ class Engine:
         config = model.config
         # A batch job (what `generate` runs): every request is submitted before the first step,
         # so admission keeps no pages back for later arrivals, prefills are timed (the host waits
-        # for each: `counters["prefill_s"]`), and across processes each submits the same requests
+        # for each: `AdmissionCounts.prefill_s`), and across processes each submits the same requests
         # itself (nothing is broadcast from process 0).
         self.batch_job = batch_job
         # An encoder-decoder (T5) encodes the prompt at admission; its cache holds decoder tokens
@@ -193,18 +194,7 @@ class Engine:
         # replicas apply before stepping with it (`engine/replicas.py`); inactive in one process.
         self.replication = replicas.ChangeLog(jax.process_count() > 1 and not batch_job)
         self.prometheus = ServeMetrics(config.num_layers)
-        self.counters = {  # every part adds to its own entries
-            "steps": 0,
-            "prefills": 0,
-            "preemptions": 0,
-            "generated_tokens": 0,
-            "padding_tokens": 0,
-            "prompt_tokens": 0,
-            "prefix_cache_hit_tokens": 0,
-            "scheduler_s": 0.0,
-            "step_s": 0.0,
-            "prefill_s": 0.0,
-        }
+        self.step_s = 0.0  # seconds in `step`, summed
         # Tokens to their requests; rows that ended released and finished: a part.
         self.delivery = Delivery(
             model.tokenizer,
@@ -213,7 +203,6 @@ class Engine:
             self.device,
             self.waiting,
             self.prometheus,
-            self.counters,
         )
         # A program that raises fails its requests only; lost device arrays are rebuilt (and the
         # program in flight is forgotten): a part.
@@ -231,7 +220,6 @@ class Engine:
             self.speculation,
             self.delivery,
             self.faults,
-            self.counters,
             steps_per_dispatch=self.steps_per_dispatch,
             batch_job=batch_job,
             prompt_positions=self.prompt_positions,
@@ -247,7 +235,6 @@ class Engine:
             self.delivery,
             self.faults,
             self.prometheus,
-            self.counters,
             max_len=self.max_len,
             max_prompt_tokens=self.max_prompt_tokens,
             prefill_chunk=prefill_chunk,
@@ -349,14 +336,14 @@ class Engine:
             self.admission.admit()
             prefills = bool(self.prefilling)
             self.admission.prefill_some()
-            self.dispatch.plan(waiting=bool(self.waiting))
+            self.dispatch.choose_steps(waiting=bool(self.waiting))
             if self.grow:
                 self.admission.grow_pages()
-            self.dispatch.dispatch_and_read()
+            self.dispatch.dispatch_and_read(self.dispatch.plan())
             end = time.perf_counter()
             timed = not prefills and self.model.programs.compile_seconds == compiled and last_end is not None
             self.dispatch.step_ended(end, end - last_end if timed else None)
-        self.counters["step_s"] += end - start
+        self.step_s += end - start
 
     def run(self) -> None:
         """Steps, in this thread, until every submitted request has finished."""
@@ -417,6 +404,17 @@ class Engine:
         return warmup(self, max_prompt_len, progress, requests)
 
     # -- reports -------------------------------------------------------------------------------
+    @property
+    def counters(self) -> dict[str, int | float]:
+        """What the parts did, summed, each part's own count (`AdmissionCounts`, `Dispatch.steps`,
+        `Delivery.generated_tokens`) and the steps' seconds."""
+        return {
+            "steps": self.dispatch.steps,
+            "generated_tokens": self.delivery.generated_tokens,
+            **dataclasses.asdict(self.admission.counts),
+            "step_s": self.step_s,
+        }
+
     def metrics(self) -> dict[str, Any]:
         return {
             "waiting": len(self.waiting),

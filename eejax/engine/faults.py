@@ -43,6 +43,12 @@ class Faults:
             self._rebuild_if_lost(e)
             self.fail(seqs, e)
 
+    def failed(self, failures: list[tuple[Sequence, Exception]]) -> None:
+        """Rows whose host-side work raised (`Delivery.deliver`'s): each fails alone."""
+        for seq, error in failures:
+            log.error("delivering to request %s failed", seq.id, exc_info=error)
+            self.fail([seq], error)
+
     def recover(self, error: BaseException) -> None:
         """After a step raised outside any one program: its rows fail (those in slots; the
         waiting ones if none was), and the engine drops its read in flight."""

@@ -30,9 +30,8 @@ class Sequence:
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the request (kept, like EOS)
     prompt_logprobs: int | None = None  # alternatives to report per prompt token; None: the prompt is not scored
     # Self-speculation's `SpecCounters` of the row (drafted, accepted, rounds, ...: set when the
-    # request ends), and the (accepted, rejections) the engine's policy has seen of them.
+    # request ends).
     spec_counters: dict[str, int] = dataclasses.field(default_factory=dict)
-    spec_read: tuple[int, int] = (0, 0)
     # The adaptive policy turned its speculation off (`SpeculationPolicy.turned_off`): plain
     # full-depth steps from then on, its draft not kept up.
     spec_off: bool = False
@@ -104,6 +103,18 @@ class Sequence:
         the request ends (an event loop's `call_soon_threadsafe`, say: it must be quick)."""
         self._listeners.append(callback)
         callback()
+
+    def publish(self, tokens: list[int]) -> None:
+        """Streams new tokens (already appended to `tokens`) and tells the listeners (Delivery)."""
+        for token in tokens:
+            self._events.put(token)
+        self._notify()
+
+    def close(self) -> None:
+        """Ends the stream and wakes whoever waits (Delivery, once `finish_reason` is set)."""
+        self._events.put(None)
+        self._done.set()
+        self._notify()
 
     def _notify(self) -> None:
         for callback in list(self._listeners):

@@ -69,6 +69,7 @@ class Speculation:
 
     def __init__(self, model, device: DeviceSlots, batch_job: bool, steps_per_dispatch: int):
         self.model, self.config, self._device = model, model.config, device
+        self._seen: dict[tuple[int, int], tuple[int, int]] = {}  # (row id, admission) -> (accepted, rejections) read
         self.batch_job, self.steps_per_dispatch = batch_job, steps_per_dispatch
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows
         self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
@@ -191,9 +192,7 @@ class Speculation:
     # not in the background while the stacked one runs (`Model.program`).
     def _plain_program(self, table, group, options: StepOptions, steps: int, now: bool = False):
         plain = options.plain(steps, catch_up=not options.spec_off)
-        device = self._device
-        args = (self.model.run_params, device.cache, device.state_for(plain), device.spec_counters, table, group)
-        return self._device.program(plain_step_slots, args, plain, now)
+        return self._device.program(plain_step_slots, plain, (table, group), takes_counters=True, now=now)
 
     @staticmethod
     def _plain_steps(options: StepOptions, decode_steps: int) -> int:
@@ -203,16 +202,7 @@ class Speculation:
         return min(decode_steps, options.spec.max_speculations + 1)
 
     def _round_program(self, table, group, round_options: StepOptions, now: bool = False):
-        device = self._device
-        args = (
-            self.model.run_params,
-            device.cache,
-            device.state_for(round_options),
-            device.spec_counters,
-            table,
-            group,
-        )
-        return self._device.program(spec_round_slots, args, round_options, now)
+        return self._device.program(spec_round_slots, round_options, (table, group), takes_counters=True, now=now)
 
     def _draft_program(self, table, group, round_options: StepOptions, now: bool = False):
         args = (
@@ -225,10 +215,8 @@ class Speculation:
         return self.model.program(draft_slots, args, round_options.drafting(), now)
 
     def _verify_program(self, table, group, drafts, round_options: StepOptions, now: bool = False):
-        device = self._device
-        state = device.state_for(round_options)
-        args = (self.model.run_params, device.cache, state, drafts, device.spec_counters, table, group)
-        return self._device.program(verify_slots, args, round_options.verifying(), now)
+        verifying = round_options.verifying()
+        return self._device.program(verify_slots, verifying, (drafts, table, group), takes_counters=True, now=now)
 
     def compile(self, table, group, options: StepOptions) -> None:
         """Compiles (runs nothing) the programs rows speculating with `options` may run at page-table
@@ -267,14 +255,19 @@ class Speculation:
         (a row that left its slot since is skipped); counters: the host copy of the step's
         `SpecCounters`."""
         seen: dict = {}
+        live = {(seq.id, seq.preemptions) for seq in running.values()}
+        self._seen = {admission: counts for admission, counts in self._seen.items() if admission in live}
         for slot, seq in read.items():
             if not seq.speculating or running.get(slot) is not seq:
                 continue
             accepted, rejections = int(counters.accepted[slot]), int(counters.rejections[slot])
+            # An admission's prefill zeroes its slot's counters: a row's reads count from there.
+            admission = (seq.id, seq.preemptions)
+            a0, r0 = self._seen.get(admission, (0, 0))
+            self._seen[admission] = (accepted, rejections)
             key = (seq.spec, seq.sampling.sampler)
             a, r = seen.get(key, (0, 0))
-            seen[key] = (a + accepted - seq.spec_read[0], r + rejections - seq.spec_read[1])
-            seq.spec_read = (accepted, rejections)
+            seen[key] = (a + accepted - a0, r + rejections - r0)
         for key, (accepted, rejections) in seen.items():
             if accepted or rejections:
                 self.policies[key].observe(key[0].num_speculations, accepted, rejections)

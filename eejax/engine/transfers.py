@@ -56,26 +56,28 @@ _pack = jax.jit(pack)
 
 
 @functools.cache
-def reading(fn):
-    """A program `fn(params, cache, state, *rest) -> (state, cache[, spec counters])` that also
-    packs what the host reads of it (`read_tree`, `pack`): it takes the slots' speculation counters
-    (None where `fn` takes and returns them itself, a round's) and the state's prompts
-    (`DecodeState.prompt`, for a prompt lookup; None) as two more arguments and returns (state
-    without its prompts, cache, spec counters, packed), the counters as it left them (or as they
-    came). One program, one transfer: no packing program runs after it. The state and counters
-    may then be donated as the cache is (`DeviceSlots.program`): the prompts, which the next
-    program reads again, come apart from them, and none is copied into an output. Named as `fn`
-    (the program cache keys it apart by this module)."""
+def reading(fn, takes_counters: bool, packs: bool = True):
+    """A slot program over `SlotArgs` of `fn(params, cache, state[, spec counters], *inputs) ->
+    (state, cache[, spec counters])` (`takes_counters`: a round's, which updates them): the
+    state's prompts (a prompt lookup's) rejoin it for `fn` and leave it again, and it returns
+    (state without its prompts, cache, spec counters[, packed]), the counters as `fn` left them
+    or as they came. With `packs` it also packs what the host reads of it (`read_tree`, `pack`):
+    one program, one transfer, no packing program after it. The state and counters may then be
+    donated as the cache is (`DeviceSlots.program`): the prompts, which the next program reads
+    again, come apart from them, and none is copied into an output. Named as `fn` (the program
+    cache keys it apart by this module)."""
 
-    def program(params, cache, state, *args, config, options):
-        *args, spec_counters, prompt = args
+    def program(params, cache, state, spec_counters, prompt, inputs, *, config, options):
         if prompt is not None:
             state = dataclasses.replace(state, prompt=prompt)
-        out = fn(params, cache, state, *args, config=config, options=options)
+        counters = (spec_counters,) if takes_counters else ()
+        out = fn(params, cache, state, *counters, *inputs, config=config, options=options)
         state, cache = out[:2]
         if state.prompt is not None:
             state = dataclasses.replace(state, prompt=None)
-        spec_counters = out[2] if len(out) > 2 else spec_counters
+        spec_counters = out[2] if takes_counters else spec_counters
+        if not packs:
+            return state, cache, spec_counters
         return state, cache, spec_counters, pack(read_tree(state, spec_counters))
 
     program.__name__, program.__qualname__, program.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__

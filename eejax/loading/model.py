@@ -16,6 +16,7 @@ from eejax.checkpoint import CONFIG_FILE, write_checkpoint
 from eejax.compile_cache import background_compile
 from eejax.config import LlamaConfig, T5Config
 from eejax.decode.programs import ProgramCache
+from eejax.decode.slot_args import SlotArgs
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
@@ -82,7 +83,7 @@ class Model:
         `now`), the stacked one over `params`. It donates `donate_argnums`: the cache (args[1]) by
         default."""
         if self.compiles_split_later and not now:
-            stacked = (self.params, *args[1:])
+            stacked = args._replace(params=self.params) if isinstance(args, SlotArgs) else (self.params, *args[1:])
             return self.programs.get_soon(fn, args, stacked, self.config, options, donate_argnums=donate_argnums)
         return self.programs.get(fn, args, self.config, options, donate_argnums=donate_argnums), args
 

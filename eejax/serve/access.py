@@ -23,6 +23,8 @@ import re
 import time
 import uuid
 
+from eejax.options import is_off
+
 ACCESS_LOG = logging.getLogger("eejax.access")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 API_KEY_ENV = "EEJAX_API_KEY"
@@ -81,9 +83,9 @@ def access_line(fields: dict, fmt: str) -> str:
 
 def decoding_of(req, engine) -> str:
     """A request's decoding option in a word or two, for the access log."""
-    if req.spec not in (None, "", "none"):
+    if req.spec is not None and not is_off(req.spec):
         mode = f"spec={req.spec}"
-    elif req.exit not in (None, "", "none"):
+    elif req.exit is not None and not is_off(req.exit):
         mode = f"exit={req.exit}"
     else:
         mode = "full"

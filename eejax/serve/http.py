@@ -29,7 +29,7 @@ from eejax.decode.prompts import prompt_token_ids
 from eejax.decode.sampling import SamplingParams
 from eejax.engine.stops import visible_text
 from eejax.errors import EejaxError
-from eejax.options import OFF, ExitConfig, SpecConfig
+from eejax.options import ExitConfig, SpecConfig, is_auto, is_off
 from eejax.serve import logprobs as spelled
 from eejax.serve.access import AccessMiddleware, completion_fields, decoding_of
 from eejax.serve.schema import ChatRequest, CompletionRequest, RequestError, parse, unicode_error
@@ -135,7 +135,7 @@ def create_app(
             )
         for field, parse_option in (("exit", ExitConfig.parse), ("spec", SpecConfig.parse)):
             value = getattr(req, field)
-            if value not in (None, "", "none") and not (field == "spec" and value.strip().lower() in ("auto",) + OFF):
+            if value is not None and not is_off(value) and not (field == "spec" and is_auto(value)):
                 try:
                     parse_option(value)
                 except EejaxError as e:
@@ -154,7 +154,7 @@ def create_app(
                             max_new_tokens=max_tokens,
                             priority=req.priority,
                             exit=req.exit or None,
-                            spec=None if req.spec in (None, "", "none") else req.spec,
+                            spec=None if is_off(req.spec) else req.spec,
                             **req.sampling_options,
                             seed=seed,
                             choice=choice,

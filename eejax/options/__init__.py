@@ -1,0 +1,24 @@
+"""Decoding options, by concern: what the user gives, frozen and checked (`ExitConfig` in
+`early_exit`, `SpecConfig` with the rules between them in `speculation`), their string
+grammar (`grammar`: "softmax:0.9", "draft:4:lookup", "auto", "none"), and the compile key of a
+program (`StepOptions` in `step`). The names are re-exported here."""
+
+from eejax.options.early_exit import HEADS, ExitConfig
+from eejax.options.grammar import EXIT_MEASURES, MAX_SPECULATIONS, OFF, is_auto, is_off
+from eejax.options.speculation import SpecConfig, auto_spec, check_exit_or_spec, resolve_spec
+from eejax.options.step import StepOptions
+
+__all__ = [
+    "EXIT_MEASURES",
+    "HEADS",
+    "MAX_SPECULATIONS",
+    "OFF",
+    "ExitConfig",
+    "SpecConfig",
+    "StepOptions",
+    "auto_spec",
+    "check_exit_or_spec",
+    "is_auto",
+    "is_off",
+    "resolve_spec",
+]
