@@ -173,16 +173,16 @@ class Dispatch:
         a program with sampled ones: their argmax runs alone; nor do rows that filter (top-k /
         top-p: a sort) with rows that only scale.) A speculation round's d and bonus pass come from
         its group's policy at dispatch (`Speculation`)."""
-        sampling = seq.sampling
+        sampler, logprobs, penalties = seq.sampling.sampler, seq.logprobs is not None, seq.sampling.penalized
         if seq.spec is not None:
-            key = (sampling.sampler, seq.logprobs is not None, sampling.penalized, True, seq.spec, seq.spec_off)
+            key = (sampler, logprobs, penalties, True, seq.spec, seq.spec_off)
         else:
-            key = (sampling.sampler, seq.logprobs is not None, sampling.penalized, False, seq.exit, self.next_steps)
+            key = (sampler, logprobs, penalties, False, seq.exit, self.next_steps)
         options = self._options_made.get(key)  # made once: each row asks at every dispatch
         if options is None:
             if len(self._options_made) >= 256:  # a server's requests may ask for ever new exits
                 self._options_made.clear()
-            options = dataclasses.replace(self.options, sampler=key[0], logprobs=key[1], penalties=key[2])
+            options = dataclasses.replace(self.options, sampler=sampler, logprobs=logprobs, penalties=penalties)
             if seq.spec is not None:
                 options = dataclasses.replace(options, spec=seq.spec, spec_off=seq.spec_off)
             else:

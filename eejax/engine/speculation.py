@@ -186,7 +186,8 @@ class Speculation:
         """`steps` plain full-depth steps of the slots in `group`, whose speculation is off, counted
         as the plain steps a round's place takes are (`speculative.plain_step`)."""
         plain, args = self._plain_program(table, group, options, steps)
-        self._device.keep(*run_timed(plain, args, False)[0])
+        outputs, _ = run_timed(plain, args, False)
+        self._device.keep(*outputs)
 
     # Each returns (program, args); `now`: compile the split layout's program before it runs (warm-up),
     # not in the background while the stacked one runs (`Model.program`).
@@ -268,9 +269,9 @@ class Speculation:
             key = (seq.spec, seq.sampling.sampler)
             a, r = seen.get(key, (0, 0))
             seen[key] = (a + accepted - a0, r + rejections - r0)
-        for key, (accepted, rejections) in seen.items():
+        for (spec, sampler), (accepted, rejections) in seen.items():
             if accepted or rejections:
-                self.policies[key].observe(key[0].num_speculations, accepted, rejections)
+                self.policies[spec, sampler].observe(spec.num_speculations, accepted, rejections)
 
     @staticmethod
     def span_drafts(seq: Sequence) -> int:
