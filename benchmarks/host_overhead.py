@@ -171,9 +171,10 @@ class StepTimes:
         step = Engine.step
 
         def timed(engine):
-            prefills, programs, start = engine.counters["prefills"], self._programs.seconds, time.thread_time()
+            counts = engine.admission.counts
+            prefills, programs, start = counts.prefills, self._programs.seconds, time.thread_time()
             step(engine)
-            if engine.counters["prefills"] == prefills:
+            if counts.prefills == prefills:
                 self.steps.append((time.thread_time() - start, self._programs.seconds - programs))
 
         with mock.patch.object(Engine, "step", timed):

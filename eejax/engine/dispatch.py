@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -31,8 +31,7 @@ from eejax.options import StepOptions
 from eejax.sharding import to_host
 
 
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
+class StepPlan(NamedTuple):
     """What a step dispatches (`Dispatch.plan`), consumed by `Dispatch.dispatch_and_read`.
 
     steps:  decode steps (a speculation group: rounds) each program runs
@@ -44,8 +43,7 @@ class StepPlan:
     groups: tuple[tuple[StepOptions, tuple[Sequence, ...]], ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class StepResult:
+class StepResult(NamedTuple):
     """What a finished program made, on the host (`Dispatch` reads it one step later), consumed
     by `Delivery.deliver`.
 
@@ -61,8 +59,7 @@ class StepResult:
     read_at: float
 
 
-@dataclasses.dataclass(frozen=True)
-class InFlight:
+class InFlight(NamedTuple):
     """The last dispatched program, not read yet.
 
     outputs: its outputs on their way to the host (`Dispatch._outputs`)
@@ -214,7 +211,7 @@ class Dispatch:
                 group = np.zeros((slots,), bool)
                 group[[seq.slot for seq in members]] = True
                 group = self._device.upload(("group", group.tobytes()), group)
-                self._faults.guarded(list(members), self.dispatch, table, group, options, list(members))
+                self._faults.guarded(members, self.dispatch, table, group, options, members)
         # Read next step even without a dispatch: a row's last tokens may be on device unread.
         self._pending = InFlight(self._outputs(), dict(self._running), self._made) if self._running else None
         self.steps_in_flight = plan.steps if plan.groups else 0  # 0: nothing in flight
@@ -227,7 +224,7 @@ class Dispatch:
         self._speculation.end_step(seconds)
         self._last_step_end = end
 
-    def dispatch(self, table, group, options: StepOptions, members: list[Sequence]) -> None:
+    def dispatch(self, table, group, options: StepOptions, members: tuple[Sequence, ...]) -> None:
         """Dispatches one program of `members`, the rows of the slots in `group`:
         `options.num_steps` decode steps, or speculation rounds."""
         if options.spec is None:
@@ -281,4 +278,6 @@ class Dispatch:
         self._speculation.observe_acceptance(running, self._running, read.spec_counters)
         # A row not running in its slot any more ended, or was preempted (recomputed later).
         rows = {slot: seq for slot, seq in running.items() if not seq.finished and self._running.get(slot) is seq}
-        self._faults.failed(self._delivery.deliver(StepResult(rows, read, out["record"], time.perf_counter())))
+        failed = self._delivery.deliver(StepResult(rows, read, out["record"], time.perf_counter()))
+        if failed:
+            self._faults.failed(failed)

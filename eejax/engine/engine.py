@@ -27,7 +27,6 @@ static, and at most `max_decoding_options` of them are served, so the programs s
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Any
@@ -328,7 +327,7 @@ class Engine:
         them before it tells its replicas: `Lifecycle`), then admit into free slots, prefill,
         dispatch the running rows' programs and read the previous ones (`Dispatch`). A program
         that fails fails only the requests it ran for (`Faults.guarded`)."""
-        if not self.replication.active:
+        if self.lifecycle.inbox and not self.replication.active:
             self.take_messages()
         start, compiled = time.perf_counter(), self.model.programs.compile_seconds
         with self.model.programs.in_use():  # background compilations wait meanwhile
@@ -411,7 +410,7 @@ class Engine:
         return {
             "steps": self.dispatch.steps,
             "generated_tokens": self.delivery.generated_tokens,
-            **dataclasses.asdict(self.admission.counts),
+            **vars(self.admission.counts),
             "step_s": self.step_s,
         }
 

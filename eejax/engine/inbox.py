@@ -70,6 +70,8 @@ class Inbox:
 
     def take(self) -> list[Message]:
         """Every message posted so far, oldest first (the others stay for the next take)."""
+        if not self._messages:
+            return []
         return [self._messages.popleft() for _ in range(len(self._messages))]
 
     def __bool__(self) -> bool:

@@ -108,7 +108,7 @@ class Speculation:
             self.policies[key] = SpeculationPolicy(spec, unit_costs=unit_costs, sampled=options.sampler != GREEDY)
         return self.policies[key]
 
-    def dispatch(self, table, group, options: StepOptions, members: list[Sequence], decode_steps: int) -> int:
+    def dispatch(self, table, group, options: StepOptions, members: tuple[Sequence, ...], decode_steps: int) -> int:
         """Speculation rounds of `members`, the rows of the slots in `group`: as many as a decode
         program runs steps now (`decode_steps`), at the d the policy picks for this program (or
         plain steps in the rounds' place; one round where an adaptive policy times the draft
@@ -256,8 +256,9 @@ class Speculation:
         (a row that left its slot since is skipped); counters: the host copy of the step's
         `SpecCounters`."""
         seen: dict = {}
-        live = {(seq.id, seq.preemptions) for seq in running.values()}
-        self._seen = {admission: counts for admission, counts in self._seen.items() if admission in live}
+        if self._seen:  # what it read of rows that left their slots is dropped
+            live = {(seq.id, seq.preemptions) for seq in running.values()}
+            self._seen = {admission: counts for admission, counts in self._seen.items() if admission in live}
         for slot, seq in read.items():
             if not seq.speculating or running.get(slot) is not seq:
                 continue
