@@ -211,7 +211,7 @@ class Dispatch:
                 group = np.zeros((slots,), bool)
                 group[[seq.slot for seq in members]] = True
                 group = self._device.upload(("group", group.tobytes()), group)
-                self._faults.guarded(members, self.dispatch, table, group, options, members)
+                self._faults.guarded(members, self.dispatch, table, group, options, members, plan.steps)
         # Read next step even without a dispatch: a row's last tokens may be on device unread.
         self._pending = InFlight(self._outputs(), dict(self._running), self._made) if self._running else None
         self.steps_in_flight = plan.steps if plan.groups else 0  # 0: nothing in flight
@@ -224,15 +224,15 @@ class Dispatch:
         self._speculation.end_step(seconds)
         self._last_step_end = end
 
-    def dispatch(self, table, group, options: StepOptions, members: tuple[Sequence, ...]) -> None:
+    def dispatch(self, table, group, options: StepOptions, members: tuple[Sequence, ...], steps: int) -> None:
         """Dispatches one program of `members`, the rows of the slots in `group`:
-        `options.num_steps` decode steps, or speculation rounds."""
+        `options.num_steps` decode steps, or speculation rounds (`steps` of them, the plan's)."""
         if options.spec is None:
             program, args = self.decode_program(table, group, options)
             self._device.keep(*program(*args))
             made = options.num_steps
         else:
-            made = self._speculation.dispatch(table, group, options, members, self.next_steps)
+            made = self._speculation.dispatch(table, group, options, members, steps)
         self._made.update((seq.slot, made) for seq in members)
         self.steps += 1
 
