@@ -259,35 +259,22 @@ def layer_counts(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected layer counts such as 3,6,9, got {text!r}") from None
 
 
-SAMPLING_HELP = {  # `SamplingParams`'s options as flags say them
-    "temperature": "0 is greedy (default)",
-    "top_k": "sample among the k most likely tokens (0 = off, the default)",
-    "top_p": "nucleus sampling mass (1.0 = off, the default)",
-    "presence_penalty": "subtract this from the logit of every token already in the output ([-2, 2]; 0 = off)",
-    "frequency_penalty": "subtract this times a token's count in the output from its logit ([-2, 2]; 0 = off)",
-    "repetition_penalty": "divide a positive logit (multiply a negative one) of every token already in the prompt "
-    "or output by this (> 0; 1.0 = off, the default; 1.1-1.3 tames loops like SmolLM2's)",
-}
-
-
 def sampling_types() -> dict[str, type]:
     """Each of `SamplingParams.names()` with the type a flag or `key=value` reads it as."""
-    import dataclasses
-
     from eejax.decode.sampling import SamplingParams
 
-    return {f.name: int if f.type == "int" else float for f in dataclasses.fields(SamplingParams)}
+    return {name: kind for name, (kind, _, _) in SamplingParams.options().items()}
 
 
 def add_sampling_args(parser, what: str = "") -> None:
-    """--temperature, --top-k, ... (`SamplingParams`'s options), each defaulting to its off value;
-    `what` says whose they are in their help (e.g. "requests' default: ")."""
+    """--temperature, --top-k, ... (`SamplingParams.options()`), each defaulting to its off
+    value; `what` says whose they are in their help (e.g. "requests' default: ")."""
     from eejax.decode.sampling import SamplingParams
 
     defaults = SamplingParams()
-    for name, kind in sampling_types().items():
+    for name, (kind, _, help) in SamplingParams.options().items():
         flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, type=kind, default=getattr(defaults, name), help=what + SAMPLING_HELP[name])
+        parser.add_argument(flag, type=kind, default=getattr(defaults, name), help=what + help)
 
 
 def sampling_of(args):

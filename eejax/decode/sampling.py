@@ -9,6 +9,7 @@ batch's size, or a preemption that makes the engine recompute the row."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,20 +25,40 @@ from eejax.models.common import log_softmax, softmax
 GREEDY, TEMPERATURE, FILTERED = "greedy", "temperature", "filtered"
 
 
+def _option(default: float, help: str, **bounds: float):
+    """A sampling option's field: its default (its off value), what it does (`help`: the CLI's
+    flags say it) and the bounds of its values (pydantic's ge / gt / le / lt: the HTTP schema's
+    too); every value is a finite number."""
+    return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds})
+
+
+_SPELL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling options (host side), the one list of them: `generate`,
-    `Engine`, `Engine.submit`, the CLI and the HTTP schema take these names (`override`).
+    `Engine`, `Engine.submit`, the CLI's flags and the HTTP schema's fields take these names
+    (`override`) and read their bounds and help from here (`options`).
     temperature 0 is greedy; top_k 0 and top_p 1.0 switch those filters off; the penalties
     (`penalties.py`: OpenAI's presence and frequency in [-2, 2], vLLM's and HF's repetition > 0)
     are off at 0, 0 and 1. On device they ride per row in a `RowSampling`."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float = _option(0.0, "0 is greedy (default)", ge=0)
+    top_k: int = _option(0, "sample among the k most likely tokens (0 = off, the default)", ge=0)
+    top_p: float = _option(1.0, "nucleus sampling mass (1.0 = off, the default)", gt=0, le=1)
+    presence_penalty: float = _option(
+        0.0, "subtract this from the logit of every token already in the output ([-2, 2]; 0 = off)", ge=-2, le=2
+    )
+    frequency_penalty: float = _option(
+        0.0, "subtract this times a token's count in the output from its logit ([-2, 2]; 0 = off)", ge=-2, le=2
+    )
+    repetition_penalty: float = _option(
+        1.0,
+        "divide a positive logit (multiply a negative one) of every token already in the prompt or output by "
+        "this (> 0; 1.0 = off, the default; 1.1-1.3 tames loops like SmolLM2's)",
+        gt=0,
+    )
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -46,18 +67,21 @@ class SamplingParams:
                 raise EejaxError(f"{f.name} must be a number, got {value!r}")
             if f.type == "int" and int(value) != value:
                 raise EejaxError(f"{f.name} must be an integer, got {value!r}")
-            object.__setattr__(self, f.name, int(value) if f.type == "int" else float(value))
-        if not 0 <= self.temperature < float("inf"):
-            raise EejaxError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise EejaxError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise EejaxError(f"top_p must be in (0, 1], got {self.top_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise EejaxError(f"{name} must lie in [-2, 2] (0 = off), got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty < float("inf"):
-            raise EejaxError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+            value = int(value) if f.type == "int" else float(value)
+            bounds = f.metadata["bounds"]
+            if not math.isfinite(value) or not all(_holds(value, op, bound) for op, bound in bounds.items()):
+                spelled = " and ".join(f"{_SPELL[op]} {bound:g}" for op, bound in bounds.items())
+                kind = "an integer" if f.type == "int" else "a finite number"
+                raise EejaxError(f"{f.name} must be {kind} {spelled} (default {f.default:g}), got {value}")
+            object.__setattr__(self, f.name, value)
+
+    @classmethod
+    def options(cls) -> dict[str, tuple[type, dict[str, float], str]]:
+        """Each option's (type, bounds, help), in order."""
+        return {
+            f.name: (int if f.type == "int" else float, f.metadata["bounds"], f.metadata["help"])
+            for f in dataclasses.fields(cls)
+        }
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -95,6 +119,10 @@ class SamplingParams:
         """Refuses a top_k larger than the model's vocabulary."""
         if self.top_k > vocab_size:
             raise EejaxError(f"top_k must be <= the vocabulary size {vocab_size} (0 = off), got {self.top_k}")
+
+
+def _holds(value: float, op: str, bound: float) -> bool:
+    return {"ge": value >= bound, "gt": value > bound, "le": value <= bound, "lt": value < bound}[op]
 
 
 @jax.tree_util.register_dataclass

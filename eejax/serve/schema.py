@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from eejax.decode.sampling import SamplingParams
 
@@ -39,16 +39,25 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
-class _Common(BaseModel):
+def _sampling_fields() -> type[BaseModel]:
+    """The sampling options (`SamplingParams.options()`: temperature, top_p, top_k (vLLM's),
+    presence_penalty, frequency_penalty, repetition_penalty (vLLM's)) as optional fields with
+    their bounds (None: the server's default); on the wire top_k -1 is off too (vLLM's)."""
+    fields = {}
+    for name, (kind, bounds, _) in SamplingParams.options().items():
+        bounds = {**bounds, "ge": -1} if name == "top_k" else bounds
+        finite = {"allow_inf_nan": False} if kind is float else {}
+        fields[name] = (kind | None, Field(None, **bounds, **finite))
+    return create_model("_Sampling", __config__=ConfigDict(strict=True), **fields)
+
+
+class _Common(_sampling_fields()):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's extra; 0 and -1 switch it off
     n: int | None = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
@@ -60,9 +69,6 @@ class _Common(BaseModel):
     exit: str | None = None  # early exit ("softmax:0.9", "static:15", "none"),
     spec: str | None = None  # speculation ("auto", "none", "E:d", "draft:d", ":tree", ":stop=η", ":lookup"),
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds (capped by the server's)
-    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)  # 0: off
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)  # 0: off
-    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's extra; 1: off
     # Defined by OpenAI, honoured only when they ask for nothing:
     logit_bias: dict[str, float] | None = None
 
