@@ -44,7 +44,7 @@ from benchmarks.common import (  # noqa: E402
     write_result,
 )
 from benchmarks.early_exit import summary_prompts  # noqa: E402
-from eejax import SpecConfig  # noqa: E402
+from eejax import LayerSkipSpec, SpecConfig  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser
 from eejax.decode.spec_policy import break_even_acceptance, speedup  # noqa: E402
 from eejax.options import StepOptions  # noqa: E402
@@ -53,14 +53,14 @@ from eejax.options import StepOptions  # noqa: E402
 # reduced head; every other configuration drafts with the reduced head and lets the cost model
 # decide the bonus pass.
 SPECS = [
-    SpecConfig(15, 2, head="full", bonus=True),
-    SpecConfig(15, 2),
-    SpecConfig(8, 2),
-    SpecConfig(22, 2),
-    SpecConfig(22, 4),
-    SpecConfig(27, 3),
+    LayerSkipSpec(15, 2, head="full", bonus=True),
+    LayerSkipSpec(15, 2),
+    LayerSkipSpec(8, 2),
+    LayerSkipSpec(22, 2),
+    LayerSkipSpec(22, 4),
+    LayerSkipSpec(27, 3),
 ]
-ADAPTIVE = [SpecConfig(e, 2, adaptive=True) for e in (15, 22)]
+ADAPTIVE = [LayerSkipSpec(e, 2, adaptive=True) for e in (15, 22)]
 
 
 def spec_label(spec: SpecConfig) -> str:
@@ -103,10 +103,10 @@ def program_costs(model, batch: int, prompt_tokens: int, exit_layers, ds=(1, 2, 
     counters = speculative.SpecCounters.zeros(batch)
     for e in exit_layers:
         # One draft token: 4 drafts without the bonus pass, per draft.
-        token = program(speculative.draft, StepOptions(64, spec=SpecConfig(e, 4)).round(4).drafting())
+        token = program(speculative.draft, StepOptions(64, spec=LayerSkipSpec(e, 4)).round(4).drafting())
         runs[f"draft_token_{e}"] = (lambda ca, f=token: f(model.params, ca, state, table)[::2], 4)
         for d in ds:
-            round_options = StepOptions(64, spec=SpecConfig(e, d)).round(d, bonus=True)
+            round_options = StepOptions(64, spec=LayerSkipSpec(e, d)).round(d, bonus=True)
             draft = program(speculative.draft, round_options.drafting())
             verify = program(speculative.verify, round_options.verifying())
             drafts, st, cache = draft(model.params, cache, state, table)
@@ -283,7 +283,7 @@ def main() -> int:
             c_verify = lambda d, line=verify_line: float(np.polyval(line, d + 1))  # noqa: E731
             c_draft = timed[f"draft_pass_{e}"]
             alpha = break_even_acceptance(c_draft, c_verify, step_s)
-            measured = out["speculation"][spec_label(SpecConfig(e, 2, adaptive=True))]["acceptance_rate"]
+            measured = out["speculation"][spec_label(LayerSkipSpec(e, 2, adaptive=True))]["acceptance_rate"]
             best = max(speedup(1.0, d, c_draft, c_verify, step_s) for d in range(1, 9))
             model_rows.append(
                 (

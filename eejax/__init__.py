@@ -4,7 +4,8 @@ model = eejax.load("smollm2-135m")           # or an eejax checkpoint directory
 out = eejax.generate(model, ["The capital of France is"], max_new_tokens=16)
 out.texts, out.tokens, out.exit_layers, out.stats
 out = eejax.generate(model, prompts, exit=eejax.ExitConfig("softmax", threshold=0.9))
-out = eejax.generate(model, prompts, spec=eejax.SpecConfig(exit_layer=12, num_speculations=4))
+out = eejax.generate(model, prompts, spec=eejax.LayerSkipSpec(exit_layer=12, num_speculations=4))
+out = eejax.generate(model, prompts, spec="draft:4:lookup")   # eejax.SpecConfig.parse's spelling
 t5 = eejax.load("path/to/converted-t5")          # encoder-decoder: prompts go to the encoder
 out = eejax.generate(t5, ["summarize: ..."], exit="softmax:0.9")
 sharded = eejax.shard(model, eejax.make_mesh(tensor=2))   # several devices: same calls, same tokens
@@ -15,7 +16,15 @@ from eejax.decode import GenerateStats, SamplingParams
 from eejax.engine import GenerateResult, generate
 from eejax.errors import EejaxError, OutOfPagesError, UnsupportedModelError
 from eejax.loading import Model, init_exits, load, save, shard
-from eejax.options import ExitConfig, SpecConfig
+from eejax.options import (
+    DraftChainSpec,
+    DraftLookupSpec,
+    DraftStopSpec,
+    DraftTreeSpec,
+    ExitConfig,
+    LayerSkipSpec,
+    SpecConfig,
+)
 from eejax.sharding import make_mesh
 
 __version__ = "0.1.0"
@@ -32,10 +41,15 @@ def convert(
 
 
 __all__ = [
+    "DraftChainSpec",
+    "DraftLookupSpec",
+    "DraftStopSpec",
+    "DraftTreeSpec",
     "EejaxError",
     "ExitConfig",
     "GenerateResult",
     "GenerateStats",
+    "LayerSkipSpec",
     "LlamaConfig",
     "Model",
     "OutOfPagesError",

@@ -20,7 +20,7 @@ from eejax.config import LlamaConfig
 from eejax.kernels import cpu_matmul
 from eejax.models import llama
 from eejax.models.common import rms_norm, row_sum
-from eejax.options import SpecConfig
+from eejax.options import LayerSkipSpec
 from tests.helpers import random_prompts
 from tests.test_quantized import blocks_of, random_matrix
 
@@ -210,7 +210,7 @@ def test_speculation_and_steps_per_program_on_integer_activations_are_full_depth
 
     full = greedy(1)
     assert greedy(1, steps=1) == full and greedy(2) == full
-    for spec in (SpecConfig(1, 3, bonus=True), SpecConfig(1, 2, bonus=False)):
+    for spec in (LayerSkipSpec(1, 3, bonus=True), LayerSkipSpec(1, 2, bonus=False)):
         assert greedy(1, spec) == full and greedy(2, spec) == full, spec
     shared = prompts[0][:16]
     chunked = Engine(model, max_slots=1, max_new_tokens=12, cache_budget="8MiB", page_size=8, prefill_chunk=8,

@@ -23,7 +23,16 @@ from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import draft_head, llama
 from eejax.models.exits import set_exit_vocab
 from eejax.models.modules import embed
-from eejax.options import SpecConfig, StepOptions, auto_spec, resolve_spec
+from eejax.options import (
+    DraftChainSpec,
+    DraftLookupSpec,
+    DraftStopSpec,
+    DraftTreeSpec,
+    SpecConfig,
+    StepOptions,
+    auto_spec,
+    resolve_spec,
+)
 from tests.helpers import fixed_policy_costs, prefilled
 from tests.test_speculative import NEW, PROMPTS, chi_square_p, perfect_drafts, spec_round, tiny
 
@@ -199,8 +208,10 @@ def test_tree_settings_are_refused_on_one_line(model):
     ):
         with pytest.raises(EejaxError, match=message):
             SpecConfig.parse(spec)
-    with pytest.raises(EejaxError, match="num_speculations \\(2\\) must be the draft tree's depth \\(1\\)"):
-        SpecConfig(0, 2, draft_head=True, tree=[(0,), (1,)])
+    assert DraftTreeSpec([(1,), (0,)]) == SpecConfig.parse("draft:tree=0,1")
+    assert DraftTreeSpec([(0,), (0, 0)]).num_speculations == 2  # d is the tree's depth
+    with pytest.raises(EejaxError, match="common type: build one of LayerSkipSpec, DraftChainSpec"):
+        SpecConfig(0, 2, draft_head=True, tree=[(0,), (1,)])  # the methods' fields are their own
     with pytest.raises(EejaxError, match="greedy rows without penalties"):
         StepOptions(8, sampler="temperature", spec=SpecConfig.parse("draft:2:tree"))
     for kw in (dict(temperature=0.7), dict(repetition_penalty=1.2)):  # refused before anything runs
@@ -218,7 +229,7 @@ def _draft_kv(cache, table, row, n, layer):
 
 
 def test_draft_kv_after_rounds_and_plain_steps_equals_a_prefill_of_the_same_tokens(model):
-    spec = SpecConfig(0, 3, draft_head=True)
+    spec = DraftChainSpec(3)
     state, cache, table = prefilled(model, PROMPTS, max_new_tokens=16, pages_per_row=6)
     counters = speculative.SpecCounters.zeros(len(PROMPTS))
     plain = StepOptions(16, spec=spec).plain(3)  # 3 plain steps in one program: one draft catch-up
@@ -383,7 +394,7 @@ def test_speculative_sampling_with_a_draft_head_matches_the_models_softmax():
     """Many identical rows (a greedy prefill), one round at temperature 1 over a 16-token
     vocabulary: the first token the round emits is distributed as the model's next-token softmax,
     not as the draft's (the perfect head's drafts: the right argmax at another temperature)."""
-    model, state, new_state, counters = sampled_round(4096, SpecConfig(0, 2, draft_head=True), 4, seed=5)
+    model, state, new_state, counters = sampled_round(4096, DraftChainSpec(2), 4, seed=5)
     first = np.asarray(new_state.tokens)[:, 1]
     p = np.asarray(jax.nn.softmax(_last_logits(model, SAMPLED_PROMPT + [int(state.last_token[0])])))
     q = np.asarray(jax.nn.softmax(draft_head.draft_logits(model.params, state.draft_hidden[0], model.config, False)))
@@ -399,7 +410,7 @@ def test_sampling_after_a_confidence_stop_takes_the_next_token_from_the_model():
     3 in the others (which keep the batch drafting). A row that accepted both of its 2 drafts
     draws its third token from the model's softmax after them, not from a residual against the
     third draft that the batch made but the row never counted."""
-    spec = SpecConfig(0, 3, draft_head=True, confidence_stop=0.5)
+    spec = DraftStopSpec(3, 0.5)
     model, state, new_state, counters = sampled_round(8192, spec, 5, seed=6)
     made = np.asarray(new_state.num_generated) - np.asarray(state.num_generated)
     drafted, tokens = np.asarray(counters.drafted), np.asarray(new_state.tokens)
@@ -419,7 +430,7 @@ def test_sampling_a_copied_draft_takes_the_models_softmax():
     two) were drawn from a q all on them: the first token a round emits is distributed as the
     model's softmax, whether the copy is the model's likeliest next token or its least likely."""
     model = perfect_head(tiny(vocab=16, scale=0.6, seed=3))
-    spec = SpecConfig(0, 3, draft_head=True, lookup=True)
+    spec = DraftLookupSpec(3)
 
     def softmax_after(first):
         return np.asarray(jax.nn.softmax(_last_logits(model, SAMPLED_PROMPT + [first])))
@@ -553,14 +564,14 @@ def test_bad_draft_settings(model):
         eejax.generate(plain, PROMPTS[:1], max_new_tokens=2, spec="draft:2")
     with pytest.raises(EejaxError, match="cannot read speculation"):
         SpecConfig.parse("draft:x")
-    with pytest.raises(EejaxError, match="exit_layer is 0"):
-        SpecConfig(3, 2, draft_head=True)
-    assert SpecConfig.parse("draft:4:adaptive") == SpecConfig(0, 4, adaptive=True, draft_head=True)
+    with pytest.raises(EejaxError, match=r"'draft:2' \(draft\) takes no bonus, exit_layer"):
+        SpecConfig.parse("draft:2", exit_layer=3, bonus=True)  # a draft head drafts from the last features
+    assert SpecConfig.parse("draft:4:adaptive") == DraftChainSpec(4, adaptive=True)
     assert SpecConfig.parse("draft:4").spec == "draft:4"
-    assert SpecConfig.parse("draft:4:stop=0.5") == SpecConfig(0, 4, draft_head=True, confidence_stop=0.5)
+    assert SpecConfig.parse("draft:4:stop=0.5") == DraftStopSpec(4, 0.5)
     assert SpecConfig.parse("draft:4:stop=0.5").spec == "draft:4:stop=0.5"
     assert SpecConfig.parse("draft:4:stop=0") == SpecConfig.parse("draft:4")  # 0: off
-    assert SpecConfig.parse("draft:4:lookup") == SpecConfig(0, 4, draft_head=True, lookup=True)
+    assert SpecConfig.parse("draft:4:lookup") == DraftLookupSpec(4)
     for spelled in ("draft:4:lookup", "draft:4:adaptive:lookup", "draft:2:lookup=8"):
         assert SpecConfig.parse(spelled).spec == spelled
     assert SpecConfig.parse("draft:4:lookup:adaptive").spec == "draft:4:adaptive:lookup"
@@ -581,7 +592,7 @@ def test_bad_draft_settings(model):
         with pytest.raises(EejaxError, match=message):
             SpecConfig.parse(spec)
     with pytest.raises(EejaxError, match="fixed chain"):
-        SpecConfig(0, 4, adaptive=True, draft_head=True, confidence_stop=0.5)
+        SpecConfig.parse("draft:4:adaptive:stop=0.5")
     with pytest.raises(UnsupportedModelError, match="Llama"):
         draft_head.check_model(dataclasses.replace(plain.config, architecture="t5"))
     bad = {**model.params["draft"], "fc": model.params["draft"]["fc"][:3]}

@@ -22,7 +22,7 @@ from eejax.decode.control_flow import argument_copies, cache_copies, control_flo
 from eejax.decode.programs import ProgramCache
 from eejax.decode.sampling import FILTERED
 from eejax.models import exits, t5
-from eejax.options import ExitConfig, SpecConfig
+from eejax.options import ExitConfig, LayerSkipSpec
 from tests.helpers import fixed_policy_costs, random_prompts
 from tests.test_speculative import tiny
 
@@ -114,7 +114,7 @@ def test_t5_programs_lower_for_cuda():
         vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_encoder_layers=2, num_heads=4, head_dim=8
     )
     model = gpu_layout(eejax.Model(c, t5.init_params(c, jax.random.PRNGKey(0), scale=0.3)))
-    for kw in (dict(), dict(exit="softmax:0.3"), dict(spec=SpecConfig(1, 2))):
+    for kw in (dict(), dict(exit="softmax:0.3"), dict(spec=LayerSkipSpec(1, 2))):
         eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, **kw)
     texts = lowered_for_cuda(model)
     assert {"prefill_slots", "decode_slots", "spec_round_slots"} <= set(texts)
@@ -190,8 +190,8 @@ def test_full_depth_static_exit_and_speculation_have_no_host_round_trips():
     for kw in (
         dict(),
         dict(exit="static:2"),
-        dict(spec=SpecConfig(2, 2, bonus=False)),
-        dict(spec=SpecConfig(2, 2, bonus=True)),
+        dict(spec=LayerSkipSpec(2, 2, bonus=False)),
+        dict(spec=LayerSkipSpec(2, 2, bonus=True)),
         dict(spec="1:2:adaptive"),
     ):
         eejax.generate(model, PROMPTS, max_new_tokens=5, ignore_eos=True, **kw)
@@ -217,8 +217,8 @@ def test_gpu_structure_speculation_has_no_host_round_trips(monkeypatch):
     kw = dict(max_new_tokens=9, ignore_eos=True)
     want = eejax.generate(model, prompts, **kw).tokens
     for spec in (
-        SpecConfig(2, 2, bonus=False),
-        SpecConfig(2, 2, bonus=True),
+        LayerSkipSpec(2, 2, bonus=False),
+        LayerSkipSpec(2, 2, bonus=True),
         "1:2:adaptive",
         "draft:3",
         "draft:3:tree",

@@ -20,7 +20,7 @@ from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.kernels import cpu_matmul
 from eejax.kernels.backend import tracing_for
 from eejax.models import llama
-from eejax.options import SpecConfig
+from eejax.options import LayerSkipSpec
 from tests.helpers import random_prompts
 
 gguf = pytest.importorskip("gguf")
@@ -216,7 +216,7 @@ def test_lossless_modes_equal_the_quantized_full_depth(blocks_model, layout):
     between a verify pass and a decode step into different tokens; docs/quantization.md)."""
     model = dataclasses.replace(blocks_model, layer_buffers=layout)
     full = greedy(model, PROMPTS).tokens
-    for spec in (SpecConfig(2, 3, bonus=True), SpecConfig(1, 2, bonus=False)):
+    for spec in (LayerSkipSpec(2, 3, bonus=True), LayerSkipSpec(1, 2, bonus=False)):
         assert greedy(model, PROMPTS, spec=spec).tokens == full, spec
     assert greedy(model, PROMPTS, exit="softmax:inf").tokens == full
 
@@ -228,7 +228,7 @@ def test_a_gpus_programs_of_the_blocks_decode_as_the_cpus_and_stay_lossless(bloc
     model = dataclasses.replace(blocks_model, layer_buffers="stacked", programs=ProgramCache())
     with tracing_for("gpu"):
         full = greedy(model, PROMPTS).tokens
-        assert greedy(model, PROMPTS, spec=SpecConfig(2, 3, bonus=True)).tokens == full
+        assert greedy(model, PROMPTS, spec=LayerSkipSpec(2, 3, bonus=True)).tokens == full
         assert greedy(model, PROMPTS, exit="softmax:inf").tokens == full
     assert full == greedy(blocks_model, PROMPTS).tokens
     assert not any("eejax_" in p.as_text() for _, p in model.programs.compiled())  # no CPU kernel ran
@@ -253,7 +253,7 @@ def test_prompt_activations_take_the_prefill_and_leave_decoding_exact(config, bl
     assert prompt == int16_prompt and prompt != float_prompt
     assert steps[1:] != int16_steps[1:]  # the steps after the prefill's token multiply float32 x
     model = eejax.Model(config, mixed)
-    assert greedy(model, PROMPTS, spec=SpecConfig(2, 3)).tokens == greedy(model, PROMPTS).tokens
+    assert greedy(model, PROMPTS, spec=LayerSkipSpec(2, 3)).tokens == greedy(model, PROMPTS).tokens
 
 
 @pytest.mark.parametrize("exit", ["static:2", "softmax:0.1"])

@@ -17,7 +17,7 @@ from eejax.decode.confidence import softmax_margin, state_cosine
 from eejax.decode.early_exit import early_exit_layers, kv_fill
 from eejax.errors import EejaxError
 from eejax.models import exits, llama
-from eejax.options import ExitConfig, SpecConfig
+from eejax.options import ExitConfig, LayerSkipSpec
 from eejax.train.exit_vocab import add_exit_vocab, count_tokens, most_frequent
 from tests.helpers import prefilled
 from tests.test_early_exit import NEW, PROMPTS, gen  # a padded batch of 4 (3 rows + 1 padding row)
@@ -58,8 +58,8 @@ def test_a_reduced_head_of_the_whole_vocabulary_is_bit_identical(models, kind):
     )
     if kind == "gqa-tied":
         return  # drafts: the untied head is enough
-    spec_full = gen(model, spec=SpecConfig(1, 3, head="full"))
-    spec_whole = gen(whole, spec=SpecConfig(1, 3, head="reduced"))
+    spec_full = gen(model, spec=LayerSkipSpec(1, 3, head="full"))
+    spec_whole = gen(whole, spec=LayerSkipSpec(1, 3, head="reduced"))
     assert spec_whole.tokens == spec_full.tokens
     assert spec_whole.stats["accepted_tokens"] == spec_full.stats["accepted_tokens"]  # the same drafts
 
@@ -71,7 +71,7 @@ def test_self_speculation_with_a_reduced_head_equals_full_depth(models, kind, ro
     ids = set(np.asarray(model.params["exits"]["vocab_ids"]).tolist())
     full = gen(model, PROMPTS[:rows])
     accepted = 0
-    for spec in (SpecConfig(1, 2), SpecConfig(2, 3, bonus=True), SpecConfig(2, 3, bonus=False)):
+    for spec in (LayerSkipSpec(1, 2), LayerSkipSpec(2, 3, bonus=True), LayerSkipSpec(2, 3, bonus=False)):
         res = gen(model, PROMPTS[:rows], spec=spec)
         assert res.tokens == full.tokens, spec
         accepted += res.stats["accepted_tokens"]
@@ -288,7 +288,7 @@ def test_weight_counts_and_ideal_speedups_by_hand(models):
     assert res.stats["weights_per_token"] == 2 * layer + w.kv + w.head
     assert res.stats["ideal_speedup"] == pytest.approx(full / (2 * layer + w.kv + w.head))
     assert gen(model).stats["ideal_speedup"] == 1.0
-    res = gen(model, spec=SpecConfig(1, 2, bonus=True))
+    res = gen(model, spec=LayerSkipSpec(1, 2, bonus=True))
     s = res.stats
     decoded = s["generated_tokens"] - 3
     want = cost.spec_weights(w, 1, 3 * s["rounds"], 2 * s["rounds"], s["rounds"], True) / decoded
@@ -310,14 +310,14 @@ def test_bad_check_layers_and_missing_reduced_heads_are_named(models):
     for option in (
         dict(exit=ExitConfig("softmax", threshold=0.5, head="reduced")),
         dict(exit=ExitConfig("static", exit_layer=1, emit="reduced")),
-        dict(spec=SpecConfig(1, 2, head="reduced")),
+        dict(spec=LayerSkipSpec(1, 2, head="reduced")),
     ):
         with pytest.raises(EejaxError, match="eejax exit-vocab"):
             gen(model, **option)
     with pytest.raises(EejaxError, match=r"lie in \[0, 320\)"):
         exits.set_exit_vocab(model.params, [0, 320], tied=False)
     with pytest.raises(EejaxError, match="head must be one of"):
-        SpecConfig(1, 2, head="small")
+        LayerSkipSpec(1, 2, head="small")
 
 
 def run_cli(capsys, *argv):

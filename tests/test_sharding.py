@@ -22,7 +22,7 @@ SCRIPT = r"""
 import json, jax, eejax
 from eejax.config import LlamaConfig, T5Config
 from eejax.models.registry import model_module
-from eejax import ExitConfig, SpecConfig
+from eejax import ExitConfig, LayerSkipSpec, SpecConfig
 from eejax.decode.collectives import collectives
 from eejax.models.exits import set_exit_vocab
 from eejax.models import draft_head
@@ -89,7 +89,8 @@ for kv in (4, 1):
         results.append(dict(name=f"engine-kv{kv}-{t}x{d}", same=[s.tokens for s in seqs] == want))
     if kv == 4:  # the reduced exit head (vocabulary-sharded) in checks and drafts
         reduced = base.with_params(set_exit_vocab(base.params, range(0, 64, 2), tied=False))
-        for kw in (dict(exit=ExitConfig("softmax", 0.05, head="reduced")), dict(spec=SpecConfig(2, 2, head="reduced"))):
+        reduced_spec = LayerSkipSpec(2, 2, head="reduced")
+        for kw in (dict(exit=ExitConfig("softmax", 0.05, head="reduced")), dict(spec=reduced_spec)):
             check("llama-reduced-head", reduced, make_mesh(2, 2), **kw)
         drafting = reduced.with_params({**reduced.params, "draft": draft_head.init_draft(c, jax.random.PRNGKey(1),
                                                                                          params=base.params)})

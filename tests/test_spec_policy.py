@@ -17,7 +17,7 @@ from eejax.decode.spec_policy import (
     expected_tokens,
     speedup,
 )
-from eejax.options import SpecConfig
+from eejax.options import DraftChainSpec, LayerSkipSpec
 
 
 def test_cost_model():
@@ -34,7 +34,7 @@ def test_cost_model():
 
 
 def test_policy_follows_acceptance_and_costs():
-    policy = SpeculationPolicy(SpecConfig(2, 3, adaptive=True, max_speculations=8))
+    policy = SpeculationPolicy(LayerSkipSpec(2, 3, adaptive=True, max_speculations=8))
     assert policy.next_speculations() == 3 and policy.split  # the configured start, its draft pass timed apart
     for _ in range(10):
         policy.observe(4, accepted=32, rejected=0, draft_s=0.5, verify_s=2.25)  # 8 rows, all accepted
@@ -56,7 +56,7 @@ def test_policy_follows_acceptance_and_costs():
 def test_a_draft_heads_plain_step_is_the_verify_lines_d0_point():
     """Verifying d + 1 positions of 8 rows costs ~(d + 1) plain steps (a compute-bound CPU): from one
     round at d = 4 and one plain step the line says so, and no d pays (flat, d = 8 looked best)."""
-    policy = SpeculationPolicy(SpecConfig(0, 4, adaptive=True, max_speculations=8, draft_head=True))
+    policy = SpeculationPolicy(DraftChainSpec(4, adaptive=True, max_speculations=8))
     assert policy.next_speculations() == 4 and policy.split
     policy.observe(4, accepted=20, rejected=4, draft_s=0.25, verify_s=5.0)
     assert policy.c_verify(8) == 5.0  # one point: flat
@@ -68,12 +68,12 @@ def test_a_draft_heads_plain_step_is_the_verify_lines_d0_point():
     )  # to beat: a plain step less the catch-up (a draft pass bounds it)
     assert max(policy.predicted_speedup(d) for d in range(1, 9)) < 1 and policy.next_speculations() == 0
     # a round predicted to beat plain steps by less than its timings' error runs plain steps
-    even = SpeculationPolicy(SpecConfig(0, 1, adaptive=True, max_speculations=1, draft_head=True))
+    even = SpeculationPolicy(DraftChainSpec(1, adaptive=True, max_speculations=1))
     even.observe(1, accepted=30, rejected=30, draft_s=0.0, verify_s=1.5 / 1.03)  # 1.5 tokens, 1.03x
     even.observe_plain(1.0)
     assert even.predicted_speedup(1) == pytest.approx(1.03, rel=0.01) and 1.03 < PAYS_ABOVE
     assert even.next_speculations() == 0
-    layerskip = SpeculationPolicy(SpecConfig(2, 4, adaptive=True))  # its verify runs L - E layers only
+    layerskip = SpeculationPolicy(LayerSkipSpec(2, 4, adaptive=True))  # its verify runs L - E layers only
     layerskip.observe(4, accepted=20, rejected=4, draft_s=0.25, verify_s=5.0)
     layerskip.observe_plain(1.0)
     assert layerskip.c_verify(0) == 5.0 and layerskip.c_plain == 1.0
@@ -84,7 +84,7 @@ def test_a_draft_heads_speculation_is_turned_off_where_no_round_would_pay_at_mor
     TURN_OFF_MARGIN more acceptance than measured, the policy turns speculation off for good."""
 
     def measured(alpha, verify, n=1000):  # one split round at d = 2 (8 rows), then a plain step of 1 s
-        policy = SpeculationPolicy(SpecConfig(0, 2, adaptive=True, max_speculations=4, draft_head=True))
+        policy = SpeculationPolicy(DraftChainSpec(2, adaptive=True, max_speculations=4))
         assert policy.next_speculations() == 2 and policy.split
         # n = 1000: a long-measured acceptance (no prior to speak of)
         policy.observe(2, accepted=alpha * n, rejected=(1 - alpha) * n, draft_s=0.0, verify_s=verify)
@@ -106,7 +106,7 @@ def test_a_draft_heads_speculation_is_turned_off_where_no_round_would_pay_at_mor
     assert near.predicted_speedup(2) < PAYS_ABOVE and near.pays_at(near.alpha + TURN_OFF_MARGIN)
     assert any(near.next_speculations() for _ in range(PROBE_EVERY)) and not near.turned_off
     layers = SpeculationPolicy(
-        SpecConfig(2, 2, adaptive=True, max_speculations=4)
+        LayerSkipSpec(2, 2, adaptive=True, max_speculations=4)
     )  # their plain steps cost nothing extra
     layers.observe(2, accepted=0, rejected=1000, draft_s=0.3, verify_s=1.8)
     layers.observe_plain(1.0)
@@ -116,7 +116,7 @@ def test_a_draft_heads_speculation_is_turned_off_where_no_round_would_pay_at_mor
 def test_a_timed_rounds_own_cost_wins_over_the_line():
     """A round costs more than its positions on the line through a plain step (its drafts, its
     acceptance): once a whole round of d was timed, d is costed at its own time."""
-    policy = SpeculationPolicy(SpecConfig(0, 4, adaptive=True, max_speculations=4, draft_head=True))
+    policy = SpeculationPolicy(DraftChainSpec(4, adaptive=True, max_speculations=4))
     policy.observe(4, accepted=8, rejected=8, draft_s=0.0, verify_s=2.0)  # split: the line's point at d = 4
     policy.observe_plain(1.0)
     assert policy.c_verify(1) == pytest.approx(1.25)  # the line through (1, 1.0) and (5, 2.0)
@@ -125,7 +125,7 @@ def test_a_timed_rounds_own_cost_wins_over_the_line():
 
 
 def test_adaptive_policy_falls_back_to_plain_steps_while_no_round_pays():
-    policy = SpeculationPolicy(SpecConfig(2, 2, adaptive=True, max_speculations=4), unit_costs=(1.0, 0.1, 1.0))
+    policy = SpeculationPolicy(LayerSkipSpec(2, 2, adaptive=True, max_speculations=4), unit_costs=(1.0, 0.1, 1.0))
     for _ in range(10):  # nothing accepted; a draft pass 0.5 s and a verify 0.5 s: a round cannot pay
         policy.observe(2, accepted=0, rejected=8, draft_s=1.0, verify_s=0.5, passes=2)
     policy.observe_plain(0.9)
@@ -139,7 +139,7 @@ def test_adaptive_policy_falls_back_to_plain_steps_while_no_round_pays():
     for _ in range(10):
         policy.observe(1, accepted=8, rejected=0, draft_s=1.0, verify_s=0.5, passes=2)
     assert policy.predicted_speedup(4) > 1 and policy.next_speculations() >= 1
-    fixed = SpeculationPolicy(SpecConfig(2, 2), unit_costs=(1.0, 0.1, 1.0))
+    fixed = SpeculationPolicy(LayerSkipSpec(2, 2), unit_costs=(1.0, 0.1, 1.0))
     fixed.observe(2, accepted=0, rejected=8)
     assert [fixed.next_speculations() for _ in range(3)] == [2, 2, 2]  # a fixed d never falls back
 
@@ -147,7 +147,7 @@ def test_adaptive_policy_falls_back_to_plain_steps_while_no_round_pays():
 def test_rounds_run_whole_and_every_cost_is_measured_again():
     """A draft pass timed in a split round, then a plain step, then whole rounds whose verify time
     is what their draft passes leave; every REFRESH_EVERY rounds a plain step and a split round."""
-    policy = SpeculationPolicy(SpecConfig(2, 2, adaptive=True, max_speculations=4))
+    policy = SpeculationPolicy(LayerSkipSpec(2, 2, adaptive=True, max_speculations=4))
     chosen = []
     for _ in range(2 + 2 * (REFRESH_EVERY + 2)):
         d = policy.next_speculations()
@@ -164,12 +164,12 @@ def test_rounds_run_whole_and_every_cost_is_measured_again():
     assert chosen == ["split", "plain"] + cycle * 2
     assert policy.c_draft == pytest.approx(0.1) and policy.verify_s[4] == pytest.approx(1.0)
     assert policy.bonus_choices() == (True,)
-    assert SpeculationPolicy(SpecConfig(2, 2), unit_costs=(1.0, 0.1, 1.0)).bonus_choices() == (False, True)
-    assert SpeculationPolicy(SpecConfig(0, 2, draft_head=True), unit_costs=(1.0, 0.1, 1.0)).bonus_choices() == (True,)
+    assert SpeculationPolicy(LayerSkipSpec(2, 2), unit_costs=(1.0, 0.1, 1.0)).bonus_choices() == (False, True)
+    assert SpeculationPolicy(DraftChainSpec(2), unit_costs=(1.0, 0.1, 1.0)).bonus_choices() == (True,)
 
 
 def test_a_whole_rounds_verify_time_replaces_a_split_rounds():
-    policy = SpeculationPolicy(SpecConfig(2, 2, adaptive=True, max_speculations=4))
+    policy = SpeculationPolicy(LayerSkipSpec(2, 2, adaptive=True, max_speculations=4))
     policy.observe(2, accepted=8, rejected=0, draft_s=0.3, verify_s=5.0)  # split: the host waited between
     policy.observe_round(2, 0.3 + 1.0)
     assert policy.verify_s == {2: pytest.approx(1.0)}  # not a mean with the split round's 5.0
@@ -197,7 +197,7 @@ def test_marginal_rounds_time_a_plain_step_again():
     time (the machine sped up) then shows they do not pay; rounds that pay well never do."""
 
     def running(plain_s):
-        policy = SpeculationPolicy(SpecConfig(0, 2, adaptive=True, max_speculations=2, draft_head=True))
+        policy = SpeculationPolicy(DraftChainSpec(2, adaptive=True, max_speculations=2))
         assert policy.next_speculations() == 2 and policy.split
         policy.observe(2, accepted=600, rejected=400, draft_s=0.0, verify_s=2.0)  # α 0.6, τ(d=2) 1.96
         assert policy.next_speculations() == 0

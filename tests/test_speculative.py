@@ -16,14 +16,14 @@ from eejax.decode import speculative, steps
 from eejax.decode.sampling import SamplingParams
 from eejax.errors import EejaxError
 from eejax.models import llama
-from eejax.options import SpecConfig, StepOptions
+from eejax.options import LayerSkipSpec, SpecConfig, StepOptions
 from tests.helpers import fixed_policy_costs, prefilled, random_prompts
 
 # 8 rows of different lengths (one a single token) as one padded batch.
 PROMPTS = random_prompts(8, [5, 17, 1, 11, 3, 9, 24, 2], vocab=60, seed=7)
 NEW = 13  # not a multiple of d + 1 for any d used below
 # d = 1, E = L - 1 among them; with the bonus pass, without it, and as the policy decides
-SPECS = [SpecConfig(1, 1), SpecConfig(2, 3, bonus=True), SpecConfig(3, 4), SpecConfig(2, 3, bonus=False)]
+SPECS = [LayerSkipSpec(1, 1), LayerSkipSpec(2, 3, bonus=True), LayerSkipSpec(3, 4), LayerSkipSpec(2, 3, bonus=False)]
 
 
 def tiny(num_layers=4, vocab=64, scale=0.3, seed=0, eos=()):
@@ -97,10 +97,10 @@ def test_eos_inside_a_draft_stops_the_row_exactly(model):
     row, stop = next((i, t[6]) for i, t in enumerate(full.tokens) if t.index(t[6]) == 6)
     eos_model = with_eos(perfect, [stop])
     want = [row[: row.index(stop) + 1] if stop in row else row for row in full.tokens]
-    for spec in (SpecConfig(2, 4), SpecConfig(2, 1), SpecConfig(3, 3), SpecConfig(2, 4, bonus=False)):
+    for spec in (LayerSkipSpec(2, 4), LayerSkipSpec(2, 1), LayerSkipSpec(3, 3), LayerSkipSpec(2, 4, bonus=False)):
         res = eejax.generate(eos_model, PROMPTS, max_new_tokens=NEW, spec=spec)
         assert res.tokens == want, spec
-    res = eejax.generate(eos_model, PROMPTS, max_new_tokens=NEW, spec=SpecConfig(2, 4, bonus=True))
+    res = eejax.generate(eos_model, PROMPTS, max_new_tokens=NEW, spec=LayerSkipSpec(2, 4, bonus=True))
     assert res.stats["acceptance_rate"] == 1.0
     # That row emits its EOS at token 7 = 1 (prefill) + 5 (round 1) + 1: an accepted draft of round 2.
     assert res.exit_layers[row] == [4, 2, 2, 2, 2, 4, 2]
@@ -110,14 +110,14 @@ def test_eos_inside_a_draft_stops_the_row_exactly(model):
 def test_never_more_tokens_than_asked(model, new):
     perfect = perfect_drafts(model, 1)
     full = eejax.generate(perfect, PROMPTS, max_new_tokens=new, ignore_eos=True)
-    for spec in (SpecConfig(1, 4), SpecConfig(3, 6)):
+    for spec in (LayerSkipSpec(1, 4), LayerSkipSpec(3, 6)):
         res = eejax.generate(perfect, PROMPTS, max_new_tokens=new, ignore_eos=True, spec=spec)
         assert res.tokens == full.tokens and all(len(t) == new for t in res.tokens), (spec, new)
 
 
 def test_perfect_drafts_are_all_accepted_and_counted(model):
     perfect = perfect_drafts(model, 1)
-    res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec=SpecConfig(1, 4, bonus=True))
+    res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec=LayerSkipSpec(1, 4, bonus=True))
     s, L = res.stats, perfect.config.num_layers
     assert s["acceptance_rate"] == 1.0
     # 10 decode tokens per row in rounds of 5 (4 drafts + 1): 2 rounds, 8 drafts per row.
@@ -127,7 +127,9 @@ def test_perfect_drafts_are_all_accepted_and_counted(model):
     assert s["mean_layers_per_token"] == pytest.approx((2 * (5 * 1 + 3) + L) / 11)
     assert res.exit_layers == [[L, 1, 1, 1, 1, L, 1, 1, 1, 1, L]] * 3
     # Without the bonus pass a round of 4 accepted drafts emits those 4: rounds of 4, 4 and 2.
-    res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec=SpecConfig(1, 4, bonus=False))
+    res = eejax.generate(
+        perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec=LayerSkipSpec(1, 4, bonus=False)
+    )
     s = res.stats
     assert (s["rounds"], s["accepted_tokens"], s["bonus_pass_rate"]) == (9, 30, 0.0)  # every token a draft
     assert s["mean_layers_per_token"] == pytest.approx((3 * (4 * 1 + 3) + L) / 11)
@@ -135,7 +137,7 @@ def test_perfect_drafts_are_all_accepted_and_counted(model):
 
 
 def test_rows_accept_different_counts_in_one_batch(model):
-    res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=SpecConfig(3, 3))
+    res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=LayerSkipSpec(3, 3))
     accepted_per_row = {sum(layer == 3 for layer in row) for row in res.exit_layers}
     assert len(accepted_per_row) > 1
 
@@ -170,7 +172,7 @@ def spec_round(model, state, cache, table, spec, max_new_tokens, temperature=0.0
     )
 
 
-@pytest.mark.parametrize("spec", [SpecConfig(1, 5), SpecConfig(3, 2)], ids=lambda s: s.spec)
+@pytest.mark.parametrize("spec", [LayerSkipSpec(1, 5), LayerSkipSpec(3, 2)], ids=lambda s: s.spec)
 def test_accepted_positions_hold_the_full_depth_kv(model, spec):
     state0, cache0, table = prefilled(model, PROMPTS, max_new_tokens=20, pages_per_row=6)
     state, cache = state0, cache0
@@ -205,7 +207,7 @@ def test_a_round_touches_only_the_rows_own_pages(model):
     """Rows near max_new_tokens draft past their room: those positions go to the null page."""
     state, cache, table = prefilled(model, PROMPTS, max_new_tokens=3, pages_per_row=1, page_size=32)
     before_k = np.asarray(cache.k).copy()
-    state, cache, _ = spec_round(model, state, cache, table, SpecConfig(2, 6), max_new_tokens=3)
+    state, cache, _ = spec_round(model, state, cache, table, LayerSkipSpec(2, 6), max_new_tokens=3)
     after_k = np.asarray(cache.k)
     changed_pages = set(np.nonzero((after_k != before_k).any(axis=(0, 1, 3, 4)))[0].tolist())
     assert changed_pages <= set(np.asarray(table).ravel().tolist()) | {0}
@@ -263,7 +265,7 @@ def test_speculative_sampling_on_a_model_matches_its_softmax():
     the first emitted token is distributed as the full model's next-token softmax."""
     model = tiny(vocab=16, scale=0.6, seed=3)
     rows, prompt = 4096, [3, 7, 1, 12, 5]
-    spec = SpecConfig(2, 2)
+    spec = LayerSkipSpec(2, 2)
     state, cache, table = prefilled(model, [prompt] * rows, max_new_tokens=4, temperature=1.0, pages_per_row=2)
     x0 = 9
     keys = jax.random.split(jax.random.PRNGKey(5), rows)  # rows draw independently
@@ -310,7 +312,7 @@ def test_sampled_generation_is_seeded(model):
 def test_adaptive_generation_is_lossless(model, monkeypatch):
     full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
     res = eejax.generate(
-        model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=SpecConfig(3, 2, adaptive=True, max_speculations=5)
+        model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=LayerSkipSpec(3, 2, adaptive=True, max_speculations=5)
     )
     assert res.tokens == full.tokens
     assert 1 <= res.stats["mean_speculations"] <= 5
@@ -319,13 +321,17 @@ def test_adaptive_generation_is_lossless(model, monkeypatch):
     fixed_policy_costs(monkeypatch, draft_pass=0.1, verify=0.3, plain=0.35)
     perfect = perfect_drafts(model, 1)
     res = eejax.generate(
-        perfect, PROMPTS, max_new_tokens=40, ignore_eos=True, spec=SpecConfig(1, 1, adaptive=True, max_speculations=6)
+        perfect,
+        PROMPTS,
+        max_new_tokens=40,
+        ignore_eos=True,
+        spec=LayerSkipSpec(1, 1, adaptive=True, max_speculations=6),
     )
     assert res.stats["mean_speculations"] > 2  # all accepted: the policy lengthens the rounds
     # CPU-like costs where no round pays: plain full-depth steps, a probe round every few, same tokens.
     fixed_policy_costs(monkeypatch, draft_pass=1.0, verify=1.0, plain=1.0)
     res = eejax.generate(
-        model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=SpecConfig(3, 2, adaptive=True, max_speculations=5)
+        model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=LayerSkipSpec(3, 2, adaptive=True, max_speculations=5)
     )
     assert res.tokens == full.tokens
     s = res.stats
@@ -348,7 +354,7 @@ def test_adaptive_generation_is_lossless(model, monkeypatch):
 )
 def test_bad_spec_config(spec, message):
     with pytest.raises(EejaxError, match=message):
-        SpecConfig(**spec)
+        LayerSkipSpec(**spec)
 
 
 @pytest.mark.parametrize(
@@ -370,5 +376,5 @@ def test_bad_spec_for_the_model(model):
         eejax.generate(model, PROMPTS, spec="4:2")
     with pytest.raises(EejaxError, match="not both"):
         eejax.generate(model, PROMPTS, spec="2:2", exit="static:2")
-    assert SpecConfig.parse("3:4:adaptive") == SpecConfig(3, 4, adaptive=True)
-    assert SpecConfig(3, 4, adaptive=True).spec == "3:4:adaptive"
+    assert SpecConfig.parse("3:4:adaptive") == LayerSkipSpec(3, 4, adaptive=True)
+    assert LayerSkipSpec(3, 4, adaptive=True).spec == "3:4:adaptive"

@@ -10,7 +10,17 @@ import eejax
 from eejax.config import LlamaConfig
 from eejax.errors import EejaxError
 from eejax.models.registry import model_module
-from eejax.options import ExitConfig, SpecConfig, StepOptions, check_exit_or_spec
+from eejax.options import (
+    METHODS,
+    DraftChainSpec,
+    DraftLookupSpec,
+    ExitConfig,
+    LayerSkipSpec,
+    SpecConfig,
+    StepOptions,
+    auto_spec,
+    check_exit_or_spec,
+)
 
 CONFIG = LlamaConfig(
     vocab_size=64,
@@ -35,14 +45,14 @@ def test_early_exit_or_speculation_is_one_rule():
         (ExitConfig("none"), " None"),
     ]:
         check_exit_or_spec(exit, spec)
-    for exit, spec in [("softmax:0.9", "auto"), (ExitConfig("none"), "1:2"), ("static:1", SpecConfig(1, 2))]:
+    for exit, spec in [("softmax:0.9", "auto"), (ExitConfig("none"), "1:2"), ("static:1", LayerSkipSpec(1, 2))]:
         with pytest.raises(EejaxError, match="choose --exit or --spec, not both"):
             check_exit_or_spec(exit, spec, ("--exit", "--spec"))
 
 
 def test_checks_and_hashing():
     with pytest.raises(EejaxError, match="not both"):
-        StepOptions(8, exit=ExitConfig("static", exit_layer=1), spec=SpecConfig(1, 2))
+        StepOptions(8, exit=ExitConfig("static", exit_layer=1), spec=LayerSkipSpec(1, 2))
     for bad in (0, 1.5, True):
         with pytest.raises(EejaxError, match="num_steps"):
             StepOptions(8, num_steps=bad)
@@ -60,11 +70,11 @@ def test_views_keep_what_each_program_reads():
     assert dataclasses.replace(base, exit=exit_config).decoding(4) == dataclasses.replace(
         base, exit=exit_config, num_steps=4
     )
-    spec = SpecConfig(2, 3, adaptive=True, max_speculations=6, head="full", bonus=None)
+    spec = LayerSkipSpec(2, 3, adaptive=True, max_speculations=6, head="full", bonus=None)
     round_ = dataclasses.replace(base, spec=spec).round(5, bonus=True)
-    assert round_.spec == SpecConfig(2, 5, head="full") and round_.bonus
+    assert round_.spec == LayerSkipSpec(2, 5, head="full") and round_.bonus
     # The same round under another adaptive policy is the same program.
-    other = dataclasses.replace(base, spec=SpecConfig(2, 1, adaptive=True, max_speculations=8, head="full"))
+    other = dataclasses.replace(base, spec=LayerSkipSpec(2, 1, adaptive=True, max_speculations=8, head="full"))
     assert other.round(5, bonus=True) == round_
     # A draft reads neither the limits, EOS nor log-probs; a verify not the bonus flag.
     assert round_.drafting() == StepOptions(
@@ -88,17 +98,14 @@ def test_a_prefill_compiles_once_for_every_decoding_option():
 
 
 def test_the_grammar_reads_plain_fields_and_spells_each_option_back():
-    """`options.grammar` turns strings into the configs' fields (plain values, no config) and the
+    """`options.grammar` turns strings into a method and its fields (plain values, no config) and the
     configs spell themselves back through it: every spelling reads back to itself."""
     from eejax.options import grammar
 
     assert grammar.read_spec("draft:4:lookup") == {
-        "exit_layer": 0,
+        "method": "lookup",
         "num_speculations": 4,
         "adaptive": False,
-        "draft_head": True,
-        "tree": None,
-        "confidence_stop": None,
         "lookup": 4,
     }
     assert grammar.read_exit("static:12") == {"measure": "static", "exit_layer": 12}
@@ -110,3 +117,16 @@ def test_the_grammar_reads_plain_fields_and_spells_each_option_back():
     assert [grammar.is_off(t) for t in ("none", " OFF ", "", "auto", None)] == [True, True, True, False, False]
     with pytest.raises(EejaxError, match="cannot read speculation 'draft:4:lookup:lookup'"):
         SpecConfig.parse("draft:4:lookup:lookup")
+
+
+def test_each_speculation_method_is_its_own_record_and_a_round_keeps_what_it_runs():
+    spelled = ("2:3:adaptive", "draft:3:adaptive", "draft:3:adaptive:lookup=5", "draft:3:stop=0.4", "draft:tree=0,00,1")
+    specs = [SpecConfig.parse(text) for text in spelled]
+    assert [type(spec).method for spec in specs] == list(METHODS) and [s.spec for s in specs] == list(spelled)
+    base = StepOptions(16)
+    auto = dataclasses.replace(base, spec=auto_spec())
+    assert auto.round(3).spec == DraftLookupSpec(3, lookup=4)  # not adaptive, nor its largest d
+    assert auto.plain(2).spec == DraftChainSpec(1) and auto.plain(2).num_steps == 2  # the draft's catch-up
+    assert auto.plain(2, catch_up=False) == base.decoding(2)
+    for spec in specs[3:]:  # a fixed method's round is itself
+        assert dataclasses.replace(base, spec=spec).round(spec.num_speculations).spec == spec

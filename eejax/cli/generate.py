@@ -55,13 +55,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if named:
         spec = args.spec
     elif args.spec is not None:
-        options = {} if args.spec_max_d is None else {"max_speculations": args.spec_max_d}
-        spec = eejax.SpecConfig.parse(
-            args.spec,
-            head=args.spec_head or "auto",
-            bonus={"on": True, "off": False, "auto": None}[args.spec_bonus or "auto"],
-            **options,
-        )
+        given = (("max_speculations", args.spec_max_d), ("head", args.spec_head))
+        options = {name: value for name, value in given if value is not None}
+        if args.spec_bonus is not None:  # E:d's alone: a draft head's round always verifies d + 1
+            options["bonus"] = {"on": True, "off": False, "auto": None}[args.spec_bonus]
+        spec = eejax.SpecConfig.parse(args.spec, **options)
     if args.spec_max_d is not None and not named and not (spec and spec.adaptive):
         raise EejaxError("--spec-max-d needs an adaptive --spec (E:d:adaptive or draft:d:adaptive)")
     if spec is None and not named and (args.spec_head or args.spec_bonus):
@@ -236,7 +234,7 @@ def add_parsers(sub) -> None:
     gen.add_argument(
         "--spec-bonus",
         choices=("auto", "on", "off"),
-        help="the (d+1)-th draft pass that lets a fully accepted round emit d+1 tokens: on, off, or auto "
+        help="E:d's (d+1)-th draft pass that lets a fully accepted round emit d+1 tokens: on, off, or auto "
         "(when it pays at the measured acceptance; default)",
     )
     add_model_placement(gen)

@@ -55,18 +55,19 @@ def spell_exit(measure: str, threshold: float | None, exit_layer: int | None) ->
 
 
 def read_spec(text: str) -> dict:
-    """`SpecConfig`'s fields of `E:d` (d drafts per round from the first E layers) or `draft:d`
-    (from the draft head), then modifiers, each at most once: `:adaptive`, and with the draft
-    head `:tree` (a tree of drafts; or `draft:tree=0,1,00,...`), `:stop=η` (a confidence stop),
-    `:lookup` or `:lookup=k` (prompt lookup: up to d or k copied drafts)."""
+    """A speculation's method (`options.speculation.METHODS`) and its fields, of `E:d` (d drafts
+    per round from the first E layers: "layerskip") or `draft:d` (from the draft head: "draft"),
+    then modifiers, each at most once: `:adaptive`, and with the draft head `:tree` (a tree of
+    drafts, "tree"; or `draft:tree=0,1,00,...`), `:stop=η` (a confidence stop, "stop"), `:lookup`
+    or `:lookup=k` (prompt lookup, up to d or k copied drafts: "lookup"). A stop of 0 and a
+    lookup of 0 are off."""
     drafter, *rest = text.split(":")
     head = drafter == "draft"
     if head and rest and rest[0].startswith("tree="):
         nodes = rest[0][len("tree=") :].split(",")
         if len(rest) > 1 or not all(n.isdigit() for n in nodes):
             raise EejaxError(f"cannot read the draft tree {text!r}: each node is its ranks as digits (e.g. 0,1,00)")
-        tree = check_tree(tuple(int(c) for c in n) for n in nodes)
-        return {"exit_layer": 0, "num_speculations": max(map(len, tree)), "draft_head": True, "tree": tree}
+        return {"method": "tree", "tree": check_tree(tuple(int(c) for c in n) for n in nodes)}
     modifiers = rest[1:]
     stops = [m for m in modifiers if m.startswith("stop=")]
     copies = [m for m in modifiers if m.startswith("lookup")]
@@ -80,44 +81,56 @@ def read_spec(text: str) -> dict:
         raise EejaxError(f"cannot read speculation {text!r}: a tree of drafts needs the draft head (draft:d:tree)")
     try:
         e, d = 0 if head else int(drafter), int(rest[0])
-        stop = float(stops[0][len("stop=") :]) if stops else None
+        stop = float(stops[0][len("stop=") :]) if stops else 0.0
         lookup = 0 if not copies else d if copies[0] == "lookup" else int(copies[0].removeprefix("lookup="))
     except ValueError:
         raise EejaxError(
             f"cannot read speculation {text!r}: E, d and k must be integers, η a number "
             "(e.g. 12:4, draft:4, draft:4:stop=0.5, draft:2:lookup=8)"
         ) from None
-    if "tree" in modifiers and not 1 <= d <= MAX_TREE_NODES - 3:
-        raise EejaxError(f"cannot read speculation {text!r}: a draft tree's depth d lies in [1, {MAX_TREE_NODES - 3}]")
-    return {
-        "exit_layer": e,
-        "num_speculations": d,
-        "adaptive": "adaptive" in modifiers,
-        "draft_head": head,
-        "tree": default_tree(d) if "tree" in modifiers else None,
-        "confidence_stop": stop,
-        "lookup": lookup,
-    }
+    if not 0 <= stop <= 1:
+        raise EejaxError(f"speculation confidence_stop (η) must lie in [0, 1] (0: off), got {stop!r}")
+    if not 0 <= lookup <= MAX_SPECULATIONS:
+        raise EejaxError(
+            f"speculation lookup (copied drafts) must lie in [0, {MAX_SPECULATIONS}] (0: off), got {lookup}"
+        )
+    adaptive = "adaptive" in modifiers
+    if "tree" in modifiers:
+        if not 1 <= d <= MAX_TREE_NODES - 3:
+            raise EejaxError(
+                f"cannot read speculation {text!r}: a draft tree's depth d lies in [1, {MAX_TREE_NODES - 3}]"
+            )
+        if adaptive:
+            raise EejaxError("a draft tree needs a draft head at a fixed depth: draft:d:tree, not adaptive")
+    if lookup and (not head or "tree" in modifiers or stop):
+        raise EejaxError("a prompt lookup takes a draft head's chain: draft:d:lookup (not a tree, nor a stop)")
+    if stop and adaptive:
+        raise EejaxError("a confidence stop (η) takes a draft head's fixed chain: draft:d:stop=η")
+    if not head:
+        return {"method": "layerskip", "exit_layer": e, "num_speculations": d, "adaptive": adaptive}
+    if "tree" in modifiers:
+        return {"method": "tree", "tree": default_tree(d)}
+    if stop:
+        return {"method": "stop", "num_speculations": d, "confidence_stop": stop}
+    if lookup:
+        return {"method": "lookup", "num_speculations": d, "adaptive": adaptive, "lookup": lookup}
+    return {"method": "draft", "num_speculations": d, "adaptive": adaptive}
 
 
-def spell_spec(
-    exit_layer: int,
-    num_speculations: int,
-    adaptive: bool,
-    draft_head: bool,
-    tree: tuple[tuple[int, ...], ...] | None,
-    confidence_stop: float | None,
-    lookup: int,
-) -> str:
-    """The spelling `read_spec` reads back: `E:d`, `draft:d`, with `:adaptive` (d is then the
-    first round's), a stop's or a lookup's, or a tree's (`draft:d:tree`, `draft:tree=...`)."""
-    d = num_speculations
-    if tree is not None:
+def spell_spec(method: str, fields: dict) -> str:
+    """The spelling `read_spec` reads back of a method's fields: `E:d`, `draft:d`, with
+    `:adaptive` (d is then the first round's), a stop's or a lookup's, or a tree's (`draft:d:tree`,
+    `draft:tree=...`). Fields the grammar does not spell (head, bonus, max) are left out."""
+    if method == "tree":
+        tree = fields["tree"]
+        d = max(map(len, tree))
         if tree == default_tree(d):
             return f"draft:{d}:tree"
         return "draft:tree=" + ",".join("".join(map(str, p)) for p in tree)
-    drafter = "draft" if draft_head else exit_layer
-    if confidence_stop is not None:
-        return f"{drafter}:{d}:stop={confidence_stop:g}"
+    d = fields["num_speculations"]
+    drafter = fields["exit_layer"] if method == "layerskip" else "draft"
+    if method == "stop":
+        return f"{drafter}:{d}:stop={fields['confidence_stop']:g}"
+    lookup = fields.get("lookup", 0)
     copies = ":lookup" * bool(lookup) + f"={lookup}" * (lookup not in (0, d))
-    return f"{drafter}:{d}" + ":adaptive" * adaptive + copies
+    return f"{drafter}:{d}" + ":adaptive" * fields["adaptive"] + copies

@@ -8,7 +8,8 @@ import functools
 
 from eejax.errors import EejaxError
 from eejax.options.early_exit import ExitConfig
-from eejax.options.speculation import SpecConfig, check_exit_or_spec
+from eejax.options.resolve import check_exit_or_spec
+from eejax.options.speculation import DraftChainSpec, SpecConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +22,8 @@ class StepOptions:
     eos_ids:        the tokens that end a row.
     sampler:        "greedy", "temperature" or "filtered" (`sampling.sample`).
     exit:           early exit in decode steps (a resolved `ExitConfig`), None: full depth.
-    spec:           self-speculation; in a round's programs `spec.num_speculations` is that
-                    round's d (see `round`).
+    spec:           speculation (a `SpecConfig` method's record); in a round's programs what the
+                    round runs, `spec.at_depth(d)`, with d that round's (see `round`).
     spec_off:       (engine groups) rows of `spec` whose speculation the adaptive policy turned
                     off: plain steps without the draft's catch-up (`plain(catch_up=False)`).
     bonus:          a draft program runs the (d + 1)-th pass (`speculative.draft`).
@@ -78,9 +79,8 @@ class StepOptions:
         """What `num_steps` full-depth decode steps in place of a round read (`decoding`); with a
         draft head and `catch_up`, also that they end with the draft's catch-up
         (`speculative.plain_step`)."""
-        if catch_up and self.spec is not None and self.spec.draft_head:
-            steps = self.round(1)  # (a plain step looks nothing up)
-            return dataclasses.replace(steps, spec=dataclasses.replace(steps.spec, lookup=0), num_steps=num_steps)
+        if catch_up and self.spec is not None and self.spec.draft_head:  # (a plain step looks nothing up)
+            return dataclasses.replace(self.round(1), spec=DraftChainSpec(1, head=self.spec.head), num_steps=num_steps)
         return self.decoding(num_steps)
 
     def drafting(self) -> StepOptions:
@@ -94,14 +94,6 @@ class StepOptions:
 
 @functools.lru_cache(maxsize=256)
 def _round(options: StepOptions, num_speculations: int, bonus: bool, rounds: int) -> StepOptions:
-    spec = SpecConfig(
-        options.spec.exit_layer,
-        num_speculations,
-        head=options.spec.head,
-        draft_head=options.spec.draft_head,
-        tree=options.spec.tree,
-        confidence_stop=options.spec.confidence_stop,
-        lookup=options.spec.lookup,
-    )
+    spec = options.spec.at_depth(num_speculations)
     bonus = bonus and not spec.draft_head  # a draft head's round always scores d + 1 positions
     return dataclasses.replace(options, exit=None, spec=spec, bonus=bonus, num_steps=rounds)

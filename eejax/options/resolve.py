@@ -1,0 +1,45 @@
+"""What a request's `exit` and `spec` arguments ask for, as given (a config, a string or None):
+the one rule between early exit and speculation (`check_exit_or_spec`), and the speculation a
+`spec` runs (`resolve_spec`: "auto" is `auto_spec()` where it pays, "none" / "off" / "" none)."""
+
+from __future__ import annotations
+
+import eejax.options.grammar as grammar
+from eejax.errors import EejaxError
+from eejax.options.speculation import DraftLookupSpec, SpecConfig
+
+
+def auto_spec() -> SpecConfig:
+    """What `spec="auto"` runs on a model with a draft head: the head's chain with prompt lookup
+    (up to 4 copied drafts), d chosen per program by the adaptive policy from 1 to 4, plain
+    full-depth steps where no round pays, and speculation turned off for the group's rows where
+    none would (`decode.spec_policy`). Spelled `draft:2:adaptive:lookup=4` with max_speculations 4."""
+    return DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
+
+
+def check_exit_or_spec(exit, spec, names: tuple[str, str] = ("early exit (exit)", "self-speculation (spec)")) -> None:
+    """The one rule between early exit and speculation: a request decodes with one of them at
+    most. `exit` and `spec` as given (a config, a string or None): None and the strings "none",
+    "off" and "" ask for neither; any config does (an `ExitConfig("none")` runs the early-exit
+    loop); "auto" asks for speculation even where it would run full depth. `names`: how the
+    caller spells the two (flags, keywords)."""
+
+    def asked(option) -> bool:
+        return option is not None and not grammar.is_off(option)
+
+    if asked(exit) and asked(spec):
+        raise EejaxError(f"choose {names[0]} or {names[1]}, not both")
+
+
+def resolve_spec(spec: SpecConfig | str | None, has_draft_head: bool, speculate: bool = True) -> SpecConfig | None:
+    """A `spec` argument as the SpecConfig it runs, or None for full depth: "auto" is `auto_spec()`
+    on a model with a draft head where `speculate` (`spec_policy.auto_speculates`: the device and
+    the rows decoding at once), else full depth; "none", "off" and "" are full depth; another
+    string is `SpecConfig.parse`d."""
+    if not isinstance(spec, str):
+        return spec
+    if grammar.is_auto(spec):
+        return auto_spec() if has_draft_head and speculate else None
+    if grammar.is_off(spec):
+        return None
+    return SpecConfig.parse(spec)
