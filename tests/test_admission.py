@@ -15,7 +15,7 @@ from eejax.engine.device_slots import DeviceSlots
 from eejax.engine.faults import Faults
 from eejax.engine.metrics import ServeMetrics
 from eejax.engine.scheduler import BucketScheduler
-from eejax.engine.sequence import Sequence
+from eejax.engine.sequence import Request, Sequence
 from eejax.engine.slots import SlotPages, SlotTable
 from eejax.engine.waiting import WaitingQueue
 from eejax.options import StepOptions
@@ -53,7 +53,7 @@ def admission(model, num_pages: int, grow: bool = False, prefill_chunk=None, spa
 
 def test_free_slots_go_to_the_rows_the_scheduler_picks_with_all_their_pages(tiny_model):
     part, waiting, table, _ = admission(tiny_model, num_pages=16)
-    seqs = [Sequence(i, [3] * 5, max_new_tokens=N) for i in range(3)]
+    seqs = [Sequence(Request(i, [3] * 5, max_new_tokens=N)) for i in range(3)]
     for seq in seqs:
         waiting.queue(seq)
     part.admit()
@@ -69,8 +69,8 @@ def chunked(tiny_model):
 def test_prompts_prefill_in_chunks_oldest_first_and_decode_once_whole(chunked):
     part, waiting, table, counters = chunked
     key = np.zeros((2,), np.uint32)
-    first = Sequence(0, list(range(3, 11)), max_new_tokens=N, key=key)
-    second = Sequence(1, [5, 6, 7], max_new_tokens=N, key=key)
+    first = Sequence(Request(0, list(range(3, 11)), max_new_tokens=N, key=key))
+    second = Sequence(Request(1, [5, 6, 7], max_new_tokens=N, key=key))
     for seq in (first, second):
         waiting.queue(seq)
     part.admit()
@@ -84,7 +84,10 @@ def test_prompts_prefill_in_chunks_oldest_first_and_decode_once_whole(chunked):
 def test_a_growing_row_takes_pages_and_the_lowest_priority_is_preempted_when_none_are_left(tiny_model):
     spans = {}
     part, waiting, table, counters = admission(tiny_model, num_pages=6, grow=True, span=lambda seq: spans[seq.id])
-    low, high = Sequence(0, [3] * 6, max_new_tokens=N, priority=0), Sequence(1, [4] * 6, max_new_tokens=N, priority=1)
+    low, high = (
+        Sequence(Request(0, [3] * 6, max_new_tokens=N, priority=0)),
+        Sequence(Request(1, [4] * 6, max_new_tokens=N, priority=1)),
+    )
     for seq in (low, high):
         waiting.queue(seq)
     part.admit()

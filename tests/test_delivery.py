@@ -17,7 +17,7 @@ from eejax.engine.dispatch import StepResult
 from eejax.engine.faults import Faults
 from eejax.engine.metrics import ServeMetrics
 from eejax.engine.scheduler import BucketScheduler
-from eejax.engine.sequence import Sequence
+from eejax.engine.sequence import Request, Sequence
 from eejax.engine.slots import SlotPages, SlotTable
 from eejax.engine.transfers import SlotsRead
 from eejax.engine.waiting import WaitingQueue
@@ -38,7 +38,7 @@ def parts(tiny_model, device):
 
 
 def running_row(table, waiting, slot: int, **kw) -> Sequence:
-    seq = Sequence(slot, [5, 6, 7], max_new_tokens=N, **kw)
+    seq = Sequence(Request(slot, [5, 6, 7], max_new_tokens=N, **kw))
     waiting.queue(seq)
     assert waiting.take(1, 8) == [seq]
     table.admit(seq, slot, 3 + N)
@@ -82,7 +82,7 @@ def test_a_row_ends_with_its_finish_reason(tiny_model, device, kw, made, reason,
     delivery, table, waiting, _ = parts(tiny_model, device)
     seq = running_row(table, waiting, 0, **kw)
     if reason == "cancelled":
-        seq.ending = "cancelled"  # cancelled while its step was in flight
+        seq.output.ending = "cancelled"  # cancelled while its step was in flight
     delivery.deliver(result(seq, 0, made, done=made[-1] == EOS))
     assert seq.tokens == made[:kept] and seq.finish_reason == reason and seq.slot is None
 
@@ -93,7 +93,7 @@ def test_a_stop_string_ends_the_row_at_the_token_that_completes_it(tiny_model, d
     seq = running_row(table, waiting, 0, stop=(text[-2:],))
     delivery.deliver(result(seq, 0, [40, 41, 42, 43]))
     assert seq.tokens == [40, 41, 42] and seq.finish_reason == "stop"
-    seq.tokens = [40]
+    seq.output.tokens = [40]
     assert delivery.stop_index(seq, [41, 42, 43]) == 1 and delivery.stop_index(seq, [41]) is None
 
 
@@ -114,11 +114,11 @@ def test_a_row_whose_delivery_raises_is_returned_and_fails_alone(tiny_model, dev
 def test_a_request_ended_early_ends_now_unless_a_step_in_flight_has_its_tokens(tiny_model, device):
     delivery, table, waiting, _ = parts(tiny_model, device)
     decoding = running_row(table, waiting, 0)
-    prefilling = Sequence(1, [5, 6], max_new_tokens=N)
+    prefilling = Sequence(Request(1, [5, 6], max_new_tokens=N))
     waiting.queue(prefilling)
     waiting.take(1, 8)
     table.admit(prefilling, 1, 2 + N)
-    queued = Sequence(2, [5], max_new_tokens=N)
+    queued = Sequence(Request(2, [5], max_new_tokens=N))
     waiting.queue(queued)
     for seq in (decoding, prefilling, queued):
         delivery.end(seq, "length" if seq is queued else "cancelled")
@@ -132,7 +132,7 @@ def test_a_failing_program_fails_its_rows_only_and_one_that_lost_the_device_arra
     lost = []
     faults = Faults(waiting, table, device, delivery, lambda: lost.append(True))
     a, b = running_row(table, waiting, 0), running_row(table, waiting, 1)
-    queued = Sequence(7, [5], max_new_tokens=N)
+    queued = Sequence(Request(7, [5], max_new_tokens=N))
     waiting.queue(queued)
 
     def fails():
@@ -156,7 +156,7 @@ def test_a_step_that_failed_outside_a_program_fails_the_rows_in_slots_or_else_th
     lost = []
     faults = Faults(waiting, table, device, delivery, lambda: lost.append(True))
     row = running_row(table, waiting, 0)
-    queued = Sequence(7, [5], max_new_tokens=N)
+    queued = Sequence(Request(7, [5], max_new_tokens=N))
     waiting.queue(queued)
     faults.recover(RuntimeError("admission"))
     assert row.finish_reason == "error" and not queued.finished and lost == [True]

@@ -7,7 +7,7 @@ import types
 import numpy as np
 
 from eejax.engine.dispatch import Dispatch
-from eejax.engine.sequence import Sequence
+from eejax.engine.sequence import Request, Sequence
 from eejax.engine.slots import SlotPages, SlotTable
 from eejax.engine.speculation import Speculation
 from eejax.options import SpecConfig, StepOptions
@@ -34,10 +34,10 @@ def dispatch(batch_job: bool = False) -> tuple[Dispatch, SlotTable]:
 
 
 def decoding(table: SlotTable, slot: int, made: int, **kw) -> Sequence:
-    seq = Sequence(slot, [1] * 5, max_new_tokens=N, key=np.zeros((2,), np.uint32), **kw)
+    seq = Sequence(Request(slot, [1] * 5, max_new_tokens=N, key=np.zeros((2,), np.uint32), **kw))
     table.admit(seq, slot, 5 + N)
     table.start_decoding(seq)
-    seq.tokens = [7] * made
+    seq.output.tokens = [7] * made
     return seq
 
 
@@ -50,16 +50,16 @@ def test_a_program_runs_several_steps_unless_a_row_would_idle_or_a_request_waits
     assert part.next_steps == STEPS
     part.choose_steps(waiting=True)
     assert part.next_steps == STEPS  # far from its limit: no slot frees within the program
-    row.tokens = [7] * (N - 3)
+    row.output.tokens = [7] * (N - 3)
     part.choose_steps(waiting=True)
     assert part.next_steps == 1  # the waiting request gets its slot at once
     part.choose_steps(waiting=False)
     assert part.next_steps == 1  # serving: its last tokens would wait for idle steps
     spec = decoding(table, 1, made=2, spec=SpecConfig.parse("2:3"))  # up to d + 1 = 4 tokens a round
-    row.tokens = [7] * 2
+    row.output.tokens = [7] * 2
     part.choose_steps(waiting=True)
     assert part.next_steps == STEPS  # 30 tokens to go: more than 1 + 4 rounds in flight and next make
-    spec.tokens = [7] * (N - 4 * STEPS)
+    spec.output.tokens = [7] * (N - 4 * STEPS)
     part.choose_steps(waiting=True)
     assert part.next_steps == 1  # 16 to go: its limit may come within the rounds
     batch, batch_table = dispatch(batch_job=True)
@@ -78,7 +78,7 @@ def test_a_rows_span_covers_the_program_in_flight_and_the_next_and_never_passes_
     part.steps_in_flight, part.next_steps = 2, 2
     # two rounds in flight (d + 1 = 4 each), the next program's first round and its second's d drafts
     assert part.span(speculating) == 5 + 3 + 2 * 4 + 4 + 3
-    plain.tokens = [7] * (N - 2)
+    plain.output.tokens = [7] * (N - 2)
     assert part.span(plain) == 5 + N - 1  # nothing past the row's limit is written
 
 
@@ -102,5 +102,5 @@ def test_a_plan_is_one_program_per_group_of_rows_alike_and_none_when_nothing_is_
     assert plan.steps == STEPS and [rows for _, rows in plan.groups] == [(a, b), (scored,)]
     assert [options for options, _ in plan.groups] == [part.options_of(a), part.options_of(scored)]
     for seq in (a, scored, b):
-        seq.tokens = [7] * N
+        seq.output.tokens = [7] * N
     assert part.plan().groups == ()

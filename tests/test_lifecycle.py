@@ -12,7 +12,7 @@ from eejax.engine.delivery import Delivery
 from eejax.engine.lifecycle import Lifecycle, Loop
 from eejax.engine.metrics import ServeMetrics
 from eejax.engine.scheduler import BucketScheduler
-from eejax.engine.sequence import Sequence
+from eejax.engine.sequence import Request, Sequence
 from eejax.engine.slots import SlotPages, SlotTable
 from eejax.engine.waiting import WaitingQueue
 
@@ -77,7 +77,7 @@ def test_a_loop_that_dies_says_so_and_ends_what_waits():
         raise SystemError("unrecoverable")
 
     engine, life = loop_over(busy_steps=3, fail=lambda i: True, recover=unrecoverable)
-    queued = Sequence(0, [1, 2], max_new_tokens=2)
+    queued = Sequence(Request(0, [1, 2], max_new_tokens=2))
     life.post(inbox.Submit(queued))  # no loop yet: queued at once
     assert engine.waiting.values() == [queued]
     life.start()
@@ -88,10 +88,11 @@ def test_a_loop_that_dies_says_so_and_ends_what_waits():
 
 def test_deadlines_end_waiting_requests_and_cancel_ends_one_now():
     engine, life = loop_over(busy_steps=0)
-    late, early, other = (Sequence(i, [1, 2], max_new_tokens=2) for i in range(3))
+    now = time.perf_counter()
+    deadlines = (now - 1, now + 60, None)
+    late, early, other = (Sequence(Request(i, [1, 2], max_new_tokens=2, deadline=d)) for i, d in enumerate(deadlines))
     for seq in (late, early, other):
         life.post(inbox.Submit(seq))
-    late.deadline, early.deadline = time.perf_counter() - 1, time.perf_counter() + 60
     life.post(inbox.Expire())
     assert late.finish_reason == "length" and late.timed_out and not early.finished
     life.cancel(other)
@@ -120,12 +121,12 @@ def test_a_running_loop_applies_what_other_threads_post_and_only_it_does():
     engine.lifecycle = life
     life.start()
     try:
-        seq = Sequence(0, [1, 2], max_new_tokens=2)
+        seq = Sequence(Request(0, [1, 2], max_new_tokens=2))
         life.post(inbox.Submit(seq))
         assert wait_for(lambda: engine.waiting.values() == [seq])
         life.cancel(seq)
         assert wait_for(lambda: seq.finish_reason == "cancelled")
-        stuck = Sequence(1, [1, 2], max_new_tokens=2)
+        stuck = Sequence(Request(1, [1, 2], max_new_tokens=2))
         life.post(inbox.Submit(stuck))
         assert wait_for(lambda: engine.waiting.values() == [stuck])
         gate.clear()
@@ -140,7 +141,7 @@ def test_a_running_loop_applies_what_other_threads_post_and_only_it_does():
 
 def test_process_zeros_changes_are_taken_once_and_finished_requests_forgotten():
     log, alone = replicas.ChangeLog(True), replicas.ChangeLog(False)
-    seq = Sequence(4, [1, 2], max_new_tokens=2)
+    seq = Sequence(Request(4, [1, 2], max_new_tokens=2))
     for changes in (log, alone):
         changes.submitted(seq)
         changes.cancelled(seq)

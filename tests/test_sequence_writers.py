@@ -1,29 +1,39 @@
-"""Each field of a request's `Sequence` has one writer: reading the engine's modules, every
-assignment to a Sequence field (`seq.x = ...`, `seq.x += ...`) and every call that changes one in
-place (`seq.tokens.extend(...)`) is in one module per field. Fields the request asked for are
-written by none (they are set when `Requests.submit` builds it)."""
+"""Each piece of a request's `Sequence` has its writers, and each field one: reading the engine's
+and the server's modules, every assignment to a piece's field (`seq.output.x = ...`,
+`seq.placement.x += ...`) and every call that changes one in place (`seq.output.tokens.extend`)
+is in the modules that own that piece, one module per field. The request itself is frozen, and
+the Sequence's own reads (`seq.tokens`) have no setter."""
 
 import ast
 import dataclasses
 import pathlib
 
+import pytest
+
 import eejax.engine
-from eejax.engine.sequence import Sequence
+from eejax.engine.sequence import PIECES, Request, Sequence
 
 MUTATORS = {"append", "extend", "clear", "insert", "pop", "remove", "update", "put", "set"}
-ASKED = {"id", "prompt", "max_new_tokens", "priority", "exit", "sampling", "spec", "key", "logprobs", "stop",
-         "stop_token_ids", "prompt_logprobs", "submitted_at"}  # fmt: skip
+OWNERS = {"request": set(), "placement": {"slots.py", "admission.py"}, "output": {"delivery.py"}}
 
 
-def writers() -> dict[str, set[str]]:
-    """Sequence field -> the modules of eejax/engine and eejax/serve that write it."""
-    fields = {f.name for f in dataclasses.fields(Sequence)}
+def writers() -> dict[tuple[str, str], set[str]]:
+    """(piece, field) -> the modules of eejax/engine and eejax/serve that write it; a write to a
+    Sequence's field not through its piece is ("sequence", field)."""
+    fields = {f.name: piece for piece, cls in PIECES.items() for f in dataclasses.fields(cls)}
     root = pathlib.Path(eejax.engine.__file__).parent
-    found: dict[str, set[str]] = {}
+    found: dict[tuple[str, str], set[str]] = {}
     for path in [*root.glob("*.py"), *root.parent.joinpath("serve").glob("*.py")]:
         if path.name == "sequence.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        aliases = {  # out = seq.output: a piece under a local name
+            node.targets[0].id: node.value.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Attribute) and node.value.attr in PIECES
+        }  # fmt: skip
+        for node in ast.walk(tree):
             targets = []
             if isinstance(node, ast.Assign):
                 targets = node.targets
@@ -35,14 +45,32 @@ def writers() -> dict[str, set[str]]:
                 for t in target.elts if isinstance(target, ast.Tuple) else [target]:
                     if isinstance(t, ast.Subscript):
                         t = t.value
-                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in ("seq", "s"):
-                        if t.attr in fields:
-                            found.setdefault(t.attr, set()).add(path.name)
+                    if not isinstance(t, ast.Attribute) or t.attr not in fields:
+                        continue
+                    owner = t.value
+                    if isinstance(owner, ast.Attribute) and owner.attr in PIECES:  # seq.output.tokens
+                        found.setdefault((owner.attr, t.attr), set()).add(path.name)
+                    elif isinstance(owner, ast.Name) and owner.id in aliases:  # out.tokens
+                        found.setdefault((aliases[owner.id], t.attr), set()).add(path.name)
+                    elif isinstance(owner, ast.Name) and owner.id in ("seq", "s"):  # seq.tokens
+                        found.setdefault(("sequence", t.attr), set()).add(path.name)
     return found
 
 
-def test_each_sequence_field_has_one_writer_and_what_the_request_asked_has_none():
+def test_each_piece_is_written_by_its_part_and_each_field_by_one_module():
     found = writers()
-    assert found["tokens"] == {"delivery.py"} and found["slot"] == {"slots.py"}  # the scan sees writes
-    assert {name: modules for name, modules in found.items() if len(modules) > 1} == {}
-    assert ASKED.isdisjoint(found), {name: found[name] for name in ASKED & set(found)}
+    assert found[("output", "tokens")] == {"delivery.py"} and found[("placement", "slot")] == {"slots.py"}
+    assert {key: modules for key, modules in found.items() if len(modules) > 1} == {}
+    assert {key: modules for key, modules in found.items() if not modules <= OWNERS[key[0]]} == {}
+
+
+def test_the_request_is_frozen_and_the_sequence_reads_its_pieces_without_setters():
+    seq = Sequence(Request(3, [5, 6], max_new_tokens=4))
+    seq.output.tokens.append(9)
+    seq.placement.slot = 2
+    assert (seq.id, seq.prompt, seq.tokens, seq.slot, seq.finish_reason) == (3, [5, 6], [9], 2, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        seq.request.max_new_tokens = 8
+    for name in ("tokens", "slot", "prompt"):
+        with pytest.raises(AttributeError, match="has no setter"):
+            setattr(seq, name, None)

@@ -5,7 +5,7 @@ they prefill and decode (SlotTable)."""
 import numpy as np
 import pytest
 
-from eejax.engine.sequence import Sequence
+from eejax.engine.sequence import Request, Sequence
 from eejax.engine.slots import SlotPages, SlotTable
 from eejax.errors import OutOfPagesError
 
@@ -13,7 +13,7 @@ PAGE = 4
 
 
 def row(i: int, prompt: list[int], **kw) -> Sequence:
-    return Sequence(i, prompt, max_new_tokens=8, **kw)
+    return Sequence(Request(i, prompt, max_new_tokens=8, **kw))
 
 
 def test_a_row_takes_fresh_pages_and_its_table_row_lists_them():
@@ -131,6 +131,6 @@ def test_a_row_released_after_its_slot_moved_on_leaves_the_new_holders_table_row
     table.release(old)
     new = row(1, [4, 5, 6])
     table.admit(new, 0, 4)
-    old.slot, old.pages = stale[0], []  # a stale record of the slot (a cancelled row read late)
+    old.placement.slot, old.placement.pages = stale[0], []  # a stale record of the slot (a cancelled row read late)
     assert not table.release(old)
     assert table.pages.table(4)[0, 0] == new.pages[0] and dict(table.prefilling) == {0: new}

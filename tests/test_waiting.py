@@ -5,7 +5,7 @@ back needing its tokens' pages too, and the victim of a preemption is the lowest
 import pytest
 
 from eejax.engine.scheduler import BucketScheduler
-from eejax.engine.sequence import Sequence
+from eejax.engine.sequence import Request, Sequence
 from eejax.engine.waiting import WaitingQueue
 
 
@@ -16,7 +16,7 @@ def queue(grow: bool = False) -> WaitingQueue:
 
 def test_rows_leave_in_the_order_the_scheduler_admits_and_keep_their_request_until_they_finish():
     waiting = queue()
-    seqs = [Sequence(i, [1] * 5, max_new_tokens=3) for i in range(3)]
+    seqs = [Sequence(Request(i, [1] * 5, max_new_tokens=3)) for i in range(3)]
     for seq in seqs:
         waiting.queue(seq)
     assert len(waiting) == 3 and seqs[1] in waiting and waiting.values() == seqs
@@ -33,12 +33,15 @@ def test_rows_leave_in_the_order_the_scheduler_admits_and_keep_their_request_unt
 
 def test_a_preempted_row_needs_its_tokens_pages_and_the_victim_is_the_lowest_priority():
     waiting = queue(grow=True)
-    low, high = Sequence(0, [1] * 6, max_new_tokens=8, priority=0), Sequence(1, [2] * 6, max_new_tokens=8, priority=1)
+    low, high = (
+        Sequence(Request(0, [1] * 6, max_new_tokens=8, priority=0)),
+        Sequence(Request(1, [2] * 6, max_new_tokens=8, priority=1)),
+    )
     for seq in (low, high):
         waiting.queue(seq)
     assert waiting.request(low).length == 6 + 1  # grow: its prompt and one token to start
     running = waiting.take(2, 100)
     assert waiting.victim(running) is low
-    low.tokens = [7, 7, 7]
+    low.output.tokens = [7, 7, 7]
     waiting.queue(low)  # preempted: recomputed from its prompt and the tokens it has
     assert waiting.request(low).prompt_len == 6 + 3 and waiting.values() == [low]

@@ -25,6 +25,7 @@ from eejax.decode.early_exit import ExitFns, early_exit_layers
 from eejax.decode.penalties import apply_penalties, count_tokens
 from eejax.decode.prompt_scores import score_prompt
 from eejax.decode.sampling import SAMPLE, RowSampling, SamplingParams, expand_logits, row_keys, sample, token_keys
+from eejax.decode.slot_args import PrefillChunk
 from eejax.decode.state import DecodeState, LogprobRecord, insert_rows, is_eos, only_group, record_logprobs, ungrouped
 from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
@@ -356,51 +357,29 @@ def decode_steps(params, cache: KVCache, state: DecodeState, block_table, *, con
     return repeat(step, options.num_steps, (state, cache), lambda carry: carry[0].done)
 
 
-def prefill_slots(
-    params,
-    cache,
-    state,
-    tokens,
-    lengths,
-    block_table,
-    slots,
-    keys,
-    start,
-    limit,
-    sampling,
-    offset,
-    next_token=None,
-    counts=None,
-    targets=None,
-    *,
-    config,
-    options: StepOptions,
-):
-    """Prefills right-padded prompts into decode slots `slots` [b] of `state`: tokens [b, T] are
-    positions offset..lengths-1 of each row (offset [b]: a shared prefix already cached), with
-    the rows' keys [b, 2], start [b] (tokens generated before, recomputed), limit [b] (max new
-    tokens from there), sampling (`RowSampling` [b]), with a draft head next_token [b], with
-    penalties counts (`TokenCounts` [b], written into `state.counts`) and with prompt scores
-    targets [b, T] (see `prefill`). Returns (state, cache), and with `options.prompt_logprobs`
-    the chunk's `PromptScores`."""
+def prefill_slots(params, cache, state, chunk: PrefillChunk, *, config, options: StepOptions):
+    """Prefills right-padded prompts into decode slots `chunk.slots` [b] of `state`: the
+    `PrefillChunk`'s tokens [b, T] are positions offset..lengths-1 of each row (offset [b]: a
+    shared prefix or earlier chunks already cached); see `PrefillChunk` and `prefill`. Returns
+    (state, cache), and with `options.prompt_logprobs` the chunk's `PromptScores`."""
     out = prefill(
         params,
         cache,
-        tokens,
-        lengths,
-        block_table,
-        keys,
-        start,
-        limit,
-        sampling,
-        offset,
-        next_token,
-        counts,
-        targets,
+        chunk.tokens,
+        chunk.lengths,
+        chunk.block_table,
+        chunk.keys,
+        chunk.start,
+        chunk.limit,
+        chunk.sampling,
+        chunk.offset,
+        chunk.next_token,
+        chunk.counts,
+        chunk.targets,
         config=config,
         options=options,
     )
-    return (insert_rows(state, out[0], slots),) + out[1:]
+    return (insert_rows(state, out[0], chunk.slots),) + out[1:]
 
 
 def decode_slots(params, cache, state, block_table, group, *, config, options: StepOptions):

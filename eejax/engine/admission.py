@@ -19,6 +19,7 @@ from eejax.cache import pages_needed
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.penalties import TokenCounts
 from eejax.decode.sampling import FILTERED, RowSampling, SamplingParams
+from eejax.decode.slot_args import PREFILL_DONATED, PrefillArgs, PrefillChunk
 from eejax.decode.steps import prefill_slots
 from eejax.engine.delivery import Delivery
 from eejax.engine.device_slots import DeviceSlots
@@ -92,10 +93,10 @@ class Admission:
         seqs = self._waiting.take(len(free), self.pages.num_free)
         self.counts.scheduler_s += time.perf_counter() - start
         for seq, slot in zip(seqs, free):
-            seq.offset = len(seq.tokens)
+            seq.placement.offset = len(seq.tokens)
             positions = self.prompt_positions(seq.prompt) + (seq.offset + 1 if self.grow else seq.max_new_tokens)
             self._slot_table.admit(seq, slot, positions)  # (admission counted every page as fresh)
-            seq.prefilled = seq.cached
+            seq.placement.prefilled = seq.cached
 
     def prefill_some(self) -> None:
         """Prefills the admitted rows' prompts: whole, or with `prefill_chunk`, that many tokens
@@ -182,21 +183,22 @@ class Admission:
             start_token = [self.config.decoder_start_token_id] if self.encoder_decoder else None
             history = [(start_token or seq.prompt, seq.tokens[: seq.offset]) for seq, _ in work]
             counts = TokenCounts.of(*zip(*history), self.config.vocab_size, b)
-        program, args = self.prefill_program(
-            tokens, lengths, table, slots, keys, start, limit, sampling, offset, options, next_token, counts, targets
+        chunk = PrefillChunk(
+            tokens, lengths, table, slots, keys, start, limit, sampling, offset, next_token, counts, targets
         )
+        program, args = self.prefill_program(chunk, options)
         started = time.perf_counter()
         state, cache, *scores = program(*args)
         self._device.keep(state, cache)
         if scores:
-            self._record_prompt_scores(work, jax.device_get(scores[0]))
+            self._delivery.record_prompt_scores(work, jax.device_get(scores[0]))
         if self.batch_job:
             jax.block_until_ready(self._device.state)
             self.counts.prefill_s += time.perf_counter() - started
         self._device.clear_spec_counters(slots)
         for seq, end in work:
             self._prometheus.prefill_chunk.observe(end - seq.prefilled)
-            seq.prefilled = end
+            seq.placement.prefilled = end
             if end == len(seq.prompt) + seq.offset:  # the prompt is complete: the row decodes
                 self._slot_table.start_decoding(seq)
                 self.counts.prompt_tokens += end
@@ -206,68 +208,38 @@ class Admission:
         self.counts.prefills += 1
         self.counts.padding_tokens += int(b * t - (lengths - offset).sum())
 
-    @staticmethod
-    def _record_prompt_scores(work: list[tuple[Sequence, int]], scores) -> None:
-        """Appends to each row's prompt log-probs those of its positions prefilled..end-1 (host
-        `PromptScores` [b, T]); the first prompt token gets None."""
-        for j, (seq, end) in enumerate(work):
-            if not seq.prompt_token_logprobs:
-                seq.prompt_token_logprobs.append(None)
-                seq.prompt_top_logprobs.append(None)
-            for i in range(min(end, len(seq.prompt) - 1) - seq.prefilled):
-                seq.prompt_token_logprobs.append(float(scores.chosen[j, i]))
-                top = zip(scores.top_ids[j, i, : seq.prompt_logprobs], scores.top[j, i, : seq.prompt_logprobs])
-                seq.prompt_top_logprobs.append([(int(a), float(b)) for a, b in top])
-
     def prefill_width(self, prompt_bucket: int) -> int:
         """The block-table width of a prefill of prompts of up to `prompt_bucket` tokens."""
         return self.pages.width(prompt_bucket)
 
-    def prefill_program(
-        self,
-        tokens,
-        lengths,
-        table,
-        slots,
-        keys,
-        start,
-        limit,
-        sampling: RowSampling,
-        offset,
-        options: StepOptions,
-        next_token=None,
-        counts: TokenCounts | None = None,
-        targets=None,
-    ):
-        """The prefill program and its arguments; `next_token` [b] only matters with a draft head
-        (`steps.prefill`), and is passed only then; `counts` (host `TokenCounts` [b]) only with
-        `options.penalties` (default: none seen), `targets` [b, T] only with
-        `options.prompt_logprobs` (default: none)."""
-        b = len(lengths)
-        extra = options.penalties or options.prompt_logprobs  # arguments after next_token
-        if (self.model.params.get("draft") or extra) and next_token is None:
-            next_token = np.full((b,), -1, np.int32)
+    def prefill_program(self, chunk: PrefillChunk, options: StepOptions):
+        """(the prefill program, its `PrefillArgs`) of a host `PrefillChunk`: its `next_token`
+        matters only with a draft head (default there: the prompts end), its `counts` only with
+        `options.penalties` (default: none seen), its `targets` only with
+        `options.prompt_logprobs` (default: none); each is dropped (None) where it does not."""
+        b = len(chunk.lengths)
+
+        def read(value, used: bool, default):
+            return None if not used else default() if value is None else value
+
+        chunk = chunk._replace(
+            next_token=read(
+                chunk.next_token, bool(self.model.params.get("draft")), lambda: np.full((b,), -1, np.int32)
+            ),
+            counts=read(chunk.counts, options.penalties, lambda: TokenCounts.zeros(b, self.config.vocab_size)),
+            targets=read(chunk.targets, options.prompt_logprobs, lambda: np.full(chunk.tokens.shape, -1, np.int32)),
+        )
         # A prefill reads the stacked weights whatever the layout: its matmuls have a row per
         # prompt token, so copying a layer's slice costs little beside them, and its layer loop
         # then compiles as a loop, not 30 unrolled layers (SmolLM2: ~2.5 s less compile).
-        args = (
+        args = PrefillArgs(
             self.model.params,
             self._device.cache,
             self._device.state_for(options),
-            *map(jnp.asarray, (tokens, lengths, table, slots, keys, start, limit)),
-            jax.tree.map(jnp.asarray, sampling),
-            jnp.asarray(offset),
+            jax.tree.map(jnp.asarray, chunk),
         )
-        if self.model.params.get("draft") or extra:
-            args += (jnp.asarray(next_token),)
-        if options.penalties:
-            counts = TokenCounts.zeros(b, self.config.vocab_size) if counts is None else counts
-            args += (jax.tree.map(jnp.asarray, counts),)
-        elif extra:
-            args += (None,)
-        if options.prompt_logprobs:
-            args += (jnp.asarray(np.full(tokens.shape, -1, np.int32) if targets is None else targets),)
-        return self.model.programs.get(prefill_slots, args, self.config, options, donate_argnums=(1,)), args
+        program = self.model.programs.get(prefill_slots, args, self.config, options, donate_argnums=PREFILL_DONATED)
+        return program, args
 
     def grow_pages(self) -> None:
         """Gives every running row the pages for the tokens it may hold after the step about to
@@ -285,6 +257,6 @@ class Admission:
         the tokens it has) when admitted."""
         self._delivery.release(seq)
         self._waiting.queue(seq)
-        seq.preemptions += 1
+        seq.placement.preemptions += 1
         self.counts.preemptions += 1
         self._prometheus.preemptions.inc()

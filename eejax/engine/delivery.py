@@ -59,28 +59,43 @@ class Delivery:
         if stop is not None:
             new = new[: stop + 1]
         end = start + len(new)
-        seq.tokens.extend(new)
-        seq.exit_layers.extend(read.exit_layers[slot, start:end].tolist())
-        seq.confident_layers.extend(read.confident_layers[slot, start:end].tolist())
+        out = seq.output
+        out.tokens.extend(new)
+        out.exit_layers.extend(read.exit_layers[slot, start:end].tolist())
+        out.confident_layers.extend(read.confident_layers[slot, start:end].tolist())
         if seq.logprobs is not None:
             for j in range(start, end):
-                seq.token_logprobs.append(float(record.chosen[slot, j]))
-                seq.top_logprobs.append(
+                out.token_logprobs.append(float(record.chosen[slot, j]))
+                out.top_logprobs.append(
                     [
                         (int(t), float(x))
                         for t, x in zip(record.top_ids[slot, j, : seq.logprobs], record.top[slot, j, : seq.logprobs])
                         if np.isfinite(x)
                     ]
                 )  # tokens that top-k / top-p filtered out cannot be drawn
-        seq.token_times.extend([now] * len(new))
+        out.token_times.extend([now] * len(new))
         self.generated_tokens += len(new)
         seq.publish(new)
         if seq.ending or read.done[slot] or stop is not None:
             ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.eos_ids
             counters = read.spec_counters
-            seq.spec_counters = {f.name: int(getattr(counters, f.name)[slot]) for f in dataclasses.fields(counters)}
+            out.spec_counters = {f.name: int(getattr(counters, f.name)[slot]) for f in dataclasses.fields(counters)}
             self.release(seq)
             self.finish(seq, seq.ending or ("stop" if ended_at_eos or stop is not None else "length"))
+
+    @staticmethod
+    def record_prompt_scores(work: list[tuple[Sequence, int]], scores) -> None:
+        """Appends to each row's prompt log-probs those of its positions prefilled..end-1 (host
+        `PromptScores` [b, T]); the first prompt token gets None."""
+        for j, (seq, end) in enumerate(work):
+            out = seq.output
+            if not out.prompt_token_logprobs:
+                out.prompt_token_logprobs.append(None)
+                out.prompt_top_logprobs.append(None)
+            for i in range(min(end, len(seq.prompt) - 1) - seq.prefilled):
+                out.prompt_token_logprobs.append(float(scores.chosen[j, i]))
+                top = zip(scores.top_ids[j, i, : seq.prompt_logprobs], scores.top[j, i, : seq.prompt_logprobs])
+                out.prompt_top_logprobs.append([(int(a), float(b)) for a, b in top])
 
     def stop_index(self, seq: Sequence, new: list[int]) -> int | None:
         """The index in `new`, a row's next tokens, of the first that ends the request: a stop
@@ -96,19 +111,21 @@ class Delivery:
                     return k
         return None
 
-    def end(self, seq: Sequence, reason: str = "cancelled") -> None:
-        """Ends a request early (cancelled; past its deadline: "length"): a waiting one leaves the
-        queue and a prefilling one its slot now; a decoding one ends after the step in flight,
-        with the tokens it made (`Sequence.ending`)."""
+    def end(self, seq: Sequence, reason: str = "cancelled", timed_out: bool = False) -> None:
+        """Ends a request early (cancelled; past its deadline: "length" and `timed_out`): a
+        waiting one leaves the queue and a prefilling one its slot now; a decoding one ends after
+        the step in flight, with the tokens it made (`Sequence.ending`)."""
         if seq.finished:
             return
+        if timed_out:
+            seq.output.timed_out = True
         if self._waiting.remove(seq):
             self.finish(seq, reason)
         elif seq.slot is not None and self._slot_table.prefilling.get(seq.slot) is seq:  # no tokens in flight
             self.release(seq)
             self.finish(seq, reason)
         else:
-            seq.ending = reason  # released after the step in flight, with the tokens it made
+            seq.output.ending = reason  # released after the step in flight, with the tokens it made
 
     def release(self, seq: Sequence) -> None:
         """Frees a row's slot and pages, if it holds them (ended, cancelled, preempted)."""
@@ -118,10 +135,10 @@ class Delivery:
             # stopped here.
             self._device.stop(slot)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Ends a request with finish reason `reason` (its slot already released) and wakes whoever
-        waits on it or streams it."""
-        seq.finish_reason = reason
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Ends a request with finish reason `reason` (its slot already released; "error": with the
+        `error`'s text) and wakes whoever waits on it or streams it."""
+        seq.output.finish_reason, seq.output.error = reason, error
         self._prometheus.finished(seq)
         self._waiting.forget(seq)
         seq.close()

@@ -64,8 +64,7 @@ class Faults:
                 continue
             self._waiting.remove(seq)
             self._delivery.release(seq)
-            seq.error = f"{type(error).__name__}: {error}"
-            self._delivery.finish(seq, "error")
+            self._delivery.finish(seq, "error", f"{type(error).__name__}: {error}")
 
     def _rebuild_if_lost(self, error: BaseException) -> None:
         if self._device.intact():

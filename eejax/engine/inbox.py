@@ -114,8 +114,7 @@ def apply(
             for seq in held:
                 if seq.deadline is None or message.now < seq.deadline or seq.finished or seq.ending:
                     continue
-                seq.timed_out = True
                 replication.cancelled(seq)
-                delivery.end(seq, "length")
+                delivery.end(seq, "length", timed_out=True)
         else:
             raise TypeError(f"not an engine message: {message!r}")

@@ -20,26 +20,11 @@ import numpy as np
 
 HEARTBEAT_S = 0.5
 STOP = "stop"
-SEQUENCE_FIELDS = (
-    "id",
-    "prompt",
-    "max_new_tokens",
-    "priority",
-    "exit",
-    "sampling",
-    "spec",
-    "key",
-    "logprobs",
-    "stop",
-    "stop_token_ids",
-    "prompt_logprobs",
-    "submitted_at",
-)
 
 
 def submitted(seq) -> tuple:
-    """The change `seq`'s submission made, as it travels to the replicas."""
-    return ("submit", {name: getattr(seq, name) for name in SEQUENCE_FIELDS})
+    """The change `seq`'s submission made, as it travels to the replicas: what it asked."""
+    return ("submit", seq.request)
 
 
 def cancelled(seq) -> tuple:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -20,7 +21,7 @@ from eejax.decode.prompts import prompt_token_ids
 from eejax.decode.sampling import SamplingParams, seed_key
 from eejax.decode.state import TOP_LOGPROBS
 from eejax.engine.inbox import Message, Submit
-from eejax.engine.sequence import Sequence
+from eejax.engine.sequence import Request, Sequence
 from eejax.errors import EejaxError
 from eejax.models import draft_head, exits
 from eejax.options import ExitConfig, SpecConfig, check_exit_or_spec, resolve_spec
@@ -175,7 +176,8 @@ class Requests:
         key = np.asarray(jax.random.fold_in(seed_key(seed), choice))
         with self._lock:
             self.count_decoding_options(exit_config, spec_config)
-            seq = Sequence(
+            submitted_at = time.perf_counter()
+            request = Request(
                 next(self._ids),
                 ids,
                 max_new_tokens,
@@ -188,20 +190,22 @@ class Requests:
                 stop,
                 stop_token_ids,
                 prompt_logprobs,
+                submitted_at,
+                None if timeout is None or not queue else submitted_at + timeout,
             )
+            seq = Sequence(request)
             if not queue:
                 return seq
-            seq.deadline = None if timeout is None else seq.submitted_at + timeout
             self._live.add(seq)
         self._post(Submit(seq))
         return seq
 
-    def replicated(self, fields: dict) -> Sequence:
-        """A request process 0 submitted (`replicas.submitted`'s fields), on a replica: its
-        decoding options counted as process 0 counted them."""
+    def replicated(self, request: Request) -> Sequence:
+        """A request process 0 submitted (`replicas.submitted`), on a replica: its decoding options
+        counted as process 0 counted them."""
         with self._lock:
-            self.count_decoding_options(fields["exit"], fields["spec"])
-            seq = Sequence(**fields)
+            self.count_decoding_options(request.exit, request.spec)
+            seq = Sequence(request)
             self._live.add(seq)
         return seq
 

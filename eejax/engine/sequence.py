@@ -1,8 +1,20 @@
-"""A request inside the engine, and what its caller reads back (tokens, stream, result)."""
+"""A request inside the engine, and what its caller reads back (tokens, stream, result): a
+`Sequence` holds three pieces, each written by one part of the engine.
+
+    request    `Request`, what the caller asked: frozen, built once by `Requests.submit`
+    placement  `Placement`, where it runs: admission's (`SlotTable`: slot, pages, cached prefix;
+               `Admission`: prefill progress, preemptions)
+    output     `Output`, what it produced and how it ended: `Delivery`'s alone
+
+and `spec_off`, the adaptive speculation policy's verdict on it (`Speculation`'s). Every field
+of the three reads as the Sequence's own (`seq.tokens`, `seq.slot`, `seq.prompt`), read-only: a
+part writes through the piece it owns (`seq.output.tokens.extend(...)`), and
+`tests/test_sequence_writers.py` shows which part that is."""
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import queue
 import threading
 import time
@@ -12,10 +24,9 @@ from eejax.decode.sampling import SamplingParams
 from eejax.options import ExitConfig, SpecConfig
 
 
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    """A request inside the engine, and what the caller reads back: `tokens` grow as they are
-    generated; `stream()` yields them; `result()` waits for the end."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Request:
+    """What the caller asked, checked (`Requests.submit`), and how it travels to replicas."""
 
     id: int
     prompt: list[int]
@@ -29,12 +40,26 @@ class Sequence:
     stop: tuple[str, ...] = ()  # strings that end the request (matched on the detokenised text)
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the request (kept, like EOS)
     prompt_logprobs: int | None = None  # alternatives to report per prompt token; None: the prompt is not scored
-    # Self-speculation's `SpecCounters` of the row (drafted, accepted, rounds, ...: set when the
-    # request ends).
-    spec_counters: dict[str, int] = dataclasses.field(default_factory=dict)
-    # The adaptive policy turned its speculation off (`SpeculationPolicy.turned_off`): plain
-    # full-depth steps from then on, its draft not kept up.
-    spec_off: bool = False
+    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
+    deadline: float | None = None  # (perf_counter) it ends at the first step after this, finish reason "length"
+
+
+@dataclasses.dataclass(eq=False)
+class Placement:
+    """Where the request runs: a decode slot, its pages, how much of its prompt is in them."""
+
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0  # prompt tokens whose K/V this admission shares from the prefix cache (not prefilled)
+    offset: int = 0  # tokens generated before the current admission (a preempted row recomputes them)
+    prefilled: int = 0  # positions of this admission's prompt in the cache so far (chunked prefill)
+    preemptions: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Output:
+    """What the request produced, and how it ended."""
+
     tokens: list[int] = dataclasses.field(default_factory=list)
     exit_layers: list[int] = dataclasses.field(default_factory=list)
     confident_layers: list[int] = dataclasses.field(default_factory=list)  # the row's own first confident layer
@@ -43,23 +68,34 @@ class Sequence:
     # With `prompt_logprobs`, per prompt token (None for the first: nothing precedes it):
     prompt_token_logprobs: list[float | None] = dataclasses.field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = dataclasses.field(default_factory=list)
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    # Self-speculation's `SpecCounters` of the row (drafted, accepted, rounds, ...: set when the
+    # request ends).
+    spec_counters: dict[str, int] = dataclasses.field(default_factory=dict)
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "cancelled",
     # "abort" (the server shut down before it ended), "error" (a step failed on it: see `error`)
     error: str | None = None
     ending: str | None = None  # the finish reason it ends with once the step in flight is read (cancelled)
-    deadline: float | None = None  # (perf_counter) it ends at the first step after this, finish reason "length"
     timed_out: bool = False  # it ended at its deadline
-    submitted_at: float = dataclasses.field(default_factory=time.perf_counter)
-    token_times: list[float] = dataclasses.field(default_factory=list)
-    slot: int | None = None
-    pages: list[int] = dataclasses.field(default_factory=list)
-    offset: int = 0  # tokens generated before the current admission (a preempted row recomputes them)
-    cached: int = 0  # prompt tokens whose K/V this admission shares from the prefix cache (not prefilled)
-    prefilled: int = 0  # positions of this admission's prompt in the cache so far (chunked prefill)
-    preemptions: int = 0
-    _events: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue, repr=False)
-    _done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
-    _listeners: list = dataclasses.field(default_factory=list, repr=False)
+
+
+class Sequence:
+    """A request inside the engine, and what the caller reads back: `tokens` grow as they are
+    generated; `stream()` yields them; `result()` waits for the end."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.placement = Placement()
+        self.output = Output()
+        # The adaptive policy turned its speculation off (`SpeculationPolicy.turned_off`): plain
+        # full-depth steps from then on, its draft not kept up.
+        self.spec_off = False
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._listeners: list = []
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.id}, {self.placement}, finish_reason={self.finish_reason!r})"
 
     @property
     def drafted(self) -> int:
@@ -122,3 +158,11 @@ class Sequence:
                 callback()
             except Exception:  # a listener that went away (its event loop closed) stops nothing
                 self._listeners.remove(callback)
+
+
+PIECES = {"request": Request, "placement": Placement, "output": Output}
+
+# Each piece's fields read as the Sequence's own, read-only (no setter: a part writes its piece).
+for _piece, _cls in PIECES.items():
+    for _field in dataclasses.fields(_cls):
+        setattr(Sequence, _field.name, property(operator.attrgetter(f"{_piece}.{_field.name}")))

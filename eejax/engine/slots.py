@@ -57,7 +57,8 @@ class SlotPages:
         except BaseException:
             self.allocator.free(shared)
             raise
-        seq.slot, seq.pages, seq.cached = slot, shared + fresh, len(shared) * self.page_size
+        placed = seq.placement
+        placed.slot, placed.pages, placed.cached = slot, shared + fresh, len(shared) * self.page_size
         self._table[slot] = 0
         self._table[slot, : len(seq.pages)] = seq.pages
 
@@ -70,7 +71,7 @@ class SlotPages:
             except OutOfPagesError:
                 return False
             self._table[seq.slot, len(seq.pages)] = page
-            seq.pages.append(page)
+            seq.placement.pages.append(page)
         return True
 
     def release(self, seq: Sequence, clear_row: bool) -> None:
@@ -81,7 +82,7 @@ class SlotPages:
             self._table[seq.slot] = 0
         if seq.pages:
             self.allocator.free(seq.pages)
-            seq.pages = []
+            seq.placement.pages = []
 
     def publish(self, seq: Sequence) -> None:
         """Keys the row's full prompt pages, now written (prefills run in order on the device):
@@ -158,5 +159,5 @@ class SlotTable:
         elif prefilling:
             del self._prefilling[seq.slot]
         self.pages.release(seq, clear_row=running or prefilling)
-        seq.slot = None
+        seq.placement.slot = None
         return running

@@ -15,6 +15,7 @@ import numpy as np
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.programs import MAPS_PER_PROGRAM, map_headroom
 from eejax.decode.sampling import RowSampling
+from eejax.decode.slot_args import PrefillChunk
 
 log = logging.getLogger("eejax.serve")
 
@@ -49,8 +50,11 @@ def warmup(engine, max_prompt_len: int | None = None, progress: bool = True, req
     def prefill(b, t, width, options):
         zeros = np.zeros((b,), np.int32)
         table = np.zeros((b, width), np.int32)
-        args = (np.zeros((b, t), np.int32), zeros, table, zeros, np.zeros((b, 2), np.uint32), zeros, zeros)
-        admission.prefill_program(*args, RowSampling.of(engine.sampling, b), zeros, options)
+        sampling = RowSampling.of(engine.sampling, b)
+        keys = np.zeros((b, 2), np.uint32)
+        admission.prefill_program(
+            PrefillChunk(np.zeros((b, t), np.int32), zeros, table, zeros, keys, zeros, zeros, sampling, zeros), options
+        )
 
     def decode(width, options):
         table = jnp.zeros((engine.slots, width), jnp.int32)
