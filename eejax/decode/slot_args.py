@@ -1,5 +1,6 @@
 """The arguments of a slot program (decode steps, a speculation round, plain steps in a round's
-place, a round's verify pass: over the engine's slots) and of a prefill into the slots, by name.
+place, a round's verify pass: over the engine's slots), of a prefill into the slots and of a
+round's draft pass, by name.
 The engine builds them (`DeviceSlots.program`, `Admission.prefill_program`), the programs take
 them in this order, donation names what it gives away (`DONATED`, `PREFILL_DONATED`), and a
 benchmark replays a captured call by name."""
@@ -28,6 +29,18 @@ class SlotArgs(NamedTuple):
 
 # What a slot program gives away: what it returns replaces them (XLA updates them in place).
 DONATED = tuple(SlotArgs._fields.index(name) for name in ("cache", "state", "spec_counters"))
+
+
+class DraftArgs(NamedTuple):
+    """A round's draft program's arguments (`speculative.draft_slots`), when an adaptive policy
+    times the drafts apart: the weights, the paged KV cache (given away: the drafts' K/V), the
+    slots' `DecodeState` (without token counts), the block table and the group mask."""
+
+    params: Any
+    cache: Any
+    state: Any
+    block_table: Any
+    group: Any
 
 
 class PrefillChunk(NamedTuple):

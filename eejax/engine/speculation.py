@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from eejax.decode import cost
 from eejax.decode.sampling import GREEDY
+from eejax.decode.slot_args import DraftArgs
 from eejax.decode.spec_policy import SpeculationPolicy
 from eejax.decode.speculative import draft_slots, plain_step_slots, spec_round_slots, verify_slots
 from eejax.engine.device_slots import DeviceSlots
@@ -206,13 +207,8 @@ class Speculation:
         return self._device.program(spec_round_slots, round_options, (table, group), takes_counters=True, now=now)
 
     def _draft_program(self, table, group, round_options: StepOptions, now: bool = False):
-        args = (
-            self.model.run_params,
-            self._device.cache,
-            self._device.state_for(round_options, counts=False),
-            table,
-            group,
-        )
+        state = self._device.state_for(round_options, counts=False)
+        args = DraftArgs(self.model.run_params, self._device.cache, state, table, group)
         return self.model.program(draft_slots, args, round_options.drafting(), now)
 
     def _verify_program(self, table, group, drafts, round_options: StepOptions, now: bool = False):

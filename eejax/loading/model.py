@@ -16,7 +16,6 @@ from eejax.checkpoint import CONFIG_FILE, write_checkpoint
 from eejax.compile_cache import background_compile
 from eejax.config import LlamaConfig, T5Config
 from eejax.decode.programs import ProgramCache
-from eejax.decode.slot_args import SlotArgs
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
@@ -77,13 +76,13 @@ class Model:
         before their first step."""
         return self.layer_buffers == "auto" and self.layout == "split" and background_compile()
 
-    def program(self, fn, args: tuple, options, now: bool = False, donate_argnums=(1,)):
-        """(compiled `fn`, the args it takes) for a decode program whose args[0] is `run_params`;
-        while its split version compiles in the background (`compiles_split_later`, unless
-        `now`), the stacked one over `params`. It donates `donate_argnums`: the cache (args[1]) by
-        default."""
+    def program(self, fn, args, options, now: bool = False, donate_argnums=(1,)):
+        """(compiled `fn`, the args it takes) for a decode program over named `args` whose
+        `params` are `run_params` (`decode.slot_args`); while its split version compiles in the
+        background (`compiles_split_later`, unless `now`), the stacked one over `params`. It
+        donates `donate_argnums`: the cache (args[1]) by default."""
         if self.compiles_split_later and not now:
-            stacked = args._replace(params=self.params) if isinstance(args, SlotArgs) else (self.params, *args[1:])
+            stacked = args._replace(params=self.params)
             return self.programs.get_soon(fn, args, stacked, self.config, options, donate_argnums=donate_argnums)
         return self.programs.get(fn, args, self.config, options, donate_argnums=donate_argnums), args
 
