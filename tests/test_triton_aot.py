@@ -1,5 +1,5 @@
-"""The Triton attention kernel compiled for real GPUs (sm_80, sm_90) on this CPU machine, with the
-argument types jax-triton gives each launch (`eejax.kernels.aot`)."""
+"""The Triton kernels (attention, the fused products) compiled for real GPUs (sm_80, sm_90) on this
+CPU machine, with the argument types jax-triton gives each launch (`eejax.kernels.aot`)."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("triton.backends.nvidia.compiler", reason="triton's CUDA backend is not installed")
 
-from eejax.kernels.aot import LAUNCHES, kernel_signature, triton_type  # noqa: E402
+from eejax.kernels.aot import LAUNCHES, LINEAR_LAUNCHES, kernel_signature, triton_type  # noqa: E402
 
 
 def test_every_launch_compiles_for_sm80_and_sm90_and_fits():
@@ -25,7 +25,7 @@ def test_every_launch_compiles_for_sm80_and_sm90_and_fits():
         timeout=600,
     )
     builds = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(builds) == 2 * len(LAUNCHES), done.stderr[-3000:]
+    assert len(builds) == 2 * (len(LAUNCHES) + len(LINEAR_LAUNCHES)), done.stderr[-3000:]
     for build in builds:
         print(
             f"{build['launch']:40} sm_{build['arch']} regs {build['registers']} smem {build['shared_bytes']} "

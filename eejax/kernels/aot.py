@@ -1,4 +1,5 @@
-"""The Triton attention kernel compiled ahead of time for real GPUs, on a machine without one.
+"""The Triton kernels (attention, and the fused products of `triton_linear`: `LINEAR_LAUNCHES`)
+compiled ahead of time for real GPUs, on a machine without one.
 
 Every launch configuration eejax makes (`LAUNCHES`: decode with and without split-K, speculative
 verification, prefill chunks, T5's relative-position bias, head sizes 64 and 128, fp32 and
@@ -238,11 +239,85 @@ def compile_launch(launch: Launch, arch: int) -> KernelBuild:
     return KernelBuild(**base, shared_bytes=built.metadata.shared, seconds=time.perf_counter() - start, **report)
 
 
+@dataclasses.dataclass(frozen=True)
+class LinearLaunch:
+    """One `triton_linear.fused_linear` configuration: rows of x [rows, k] against w [k, n] of
+    `dtype`, with the norm, the gated pair or the residual fused in."""
+
+    name: str
+    rows: int
+    k: int
+    n: int
+    dtype: str
+    norm: bool = False
+    gated: bool = False
+    residual: bool = False
+
+
+def _linears(dtype: str) -> list[LinearLaunch]:
+    """SmolLM2-135M's decode-layer products (D 576, F 1536, vocabulary 49152) at 1 and 64 rows."""
+    short = "bf16" if dtype == "bfloat16" else "fp32"
+    found = []
+    for rows in (1, 64):
+        found += [
+            LinearLaunch(f"linear norm+qkv {short} x{rows}", rows, 576, 960, dtype, norm=True),
+            LinearLaunch(f"linear o+residual {short} x{rows}", rows, 576, 576, dtype, residual=True),
+            LinearLaunch(f"linear norm+gate/up {short} x{rows}", rows, 576, 1536, dtype, norm=True, gated=True),
+            LinearLaunch(f"linear down+residual {short} x{rows}", rows, 1536, 576, dtype, residual=True),
+        ]
+    return found
+
+
+LINEAR_LAUNCHES = _linears("float32") + _linears("bfloat16")
+
+
+def compile_linear(launch: LinearLaunch, arch: int) -> KernelBuild:
+    """`compile_launch` for a `LinearLaunch`: arrays 16-byte aligned pointers (x, the norm's
+    weight, the residual and y float32; w and w_up of the launch's dtype), M, K, N as i32, eps fp32."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from eejax.kernels import triton_linear
+
+    plan = triton_linear.plan_linear(
+        launch.rows, launch.k, launch.n, norm=launch.norm, gated=launch.gated, residual=launch.residual,
+        upcast=False, eps=1e-5, weight_bytes=jnp.dtype(launch.dtype).itemsize,
+    )  # fmt: skip
+    base = dict(
+        launch=launch.name,
+        arch=arch,
+        grid=(*plan.grid, 1),
+        block_m=triton_linear.BLOCK_M,
+        block_n=plan.constexprs["BLOCK_N"],
+    )
+    start = time.perf_counter()
+    try:
+        params = list(inspect.signature(triton_linear._fused_linear_kernel).parameters)
+        weights = "*" + _TRITON_DTYPES[launch.dtype]
+        arrays = dict(x_ptr="*fp32", g_ptr="*fp32", w_ptr=weights, u_ptr=weights, r_ptr="*fp32", y_ptr="*fp32")
+        scalars = dict(zip(("M", "K", "N", "eps"), map(triton_type, plan.scalars)))
+        signature = {p: "constexpr" if p in plan.constexprs else arrays.get(p) or scalars[p] for p in params}
+        constexprs = {(params.index(p),): v for p, v in plan.constexprs.items()}
+        attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in arrays}
+        source = ASTSource(
+            fn=triton_linear._kernel(interpret=False), signature=signature, constexprs=constexprs, attrs=attrs
+        )
+        options = dict(num_warps=triton_linear.NUM_WARPS, num_stages=triton_linear.NUM_STAGES)
+        built = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+        report = ptxas_report(built.asm["ptx"], arch)
+    except Exception as e:  # noqa: BLE001 - every failure is reported, per launch
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return KernelBuild(**base, shared_bytes=0, registers=0, spill_stores=0, spill_loads=0,
+                           seconds=time.perf_counter() - start, error=f"{type(e).__name__}: {first_line}")  # fmt: skip
+    return KernelBuild(**base, shared_bytes=built.metadata.shared, seconds=time.perf_counter() - start, **report)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m eejax.kernels.aot",
-        description="Compile every Triton attention launch eejax makes for real GPUs (no GPU needed) and check "
-        "that registers and shared memory fit.",
+        description="Compile every Triton attention and fused-product launch eejax makes for real GPUs (no GPU "
+        "needed) and check that registers and shared memory fit.",
     )
     parser.add_argument("--targets", default="80,90", help="compute capabilities, comma-separated (default 80,90)")
     parser.add_argument("--json", action="store_true", help="one JSON object per build instead of a table")
@@ -257,9 +332,9 @@ def main(argv=None) -> int:
     if not args.json:
         print(f"{'launch':40} {'arch':>5} {'grid':>14} {'M x N':>7} {'smem B':>7} {'regs':>5} {'spill':>6} {'s':>5}")
     failed = 0
-    for launch in LAUNCHES:
+    for launch in [*LAUNCHES, *LINEAR_LAUNCHES]:
         for arch in targets:
-            build = compile_launch(launch, arch)
+            build = compile_launch(launch, arch) if isinstance(launch, Launch) else compile_linear(launch, arch)
             problems = build.problems()
             failed += bool(problems)
             if args.json:

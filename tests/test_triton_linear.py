@@ -1,0 +1,87 @@
+"""The fused products (`kernels.triton_linear`), run through Triton's interpreter: each form against
+the jnp reference, and a row's bits the same alone, among 5 verified positions and in a batch of 8."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eejax.errors import EejaxError
+from eejax.kernels.triton_linear import BLOCK_K, BLOCK_M, fused_linear, plan_linear
+from eejax.models.common import rms_norm
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+K, N = BLOCK_K + 16, 72  # a partial K step and a partial column tile
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def weights(dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    w, up = (jnp.asarray(rng.normal(size=(K, N)) * 0.1, dtype) for _ in range(2))
+    return w, up, jnp.asarray(rng.normal(size=(K,)), jnp.float32)
+
+
+def rows(n, seed):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(n, K)), jnp.float32)
+
+
+def forms(x, w, up, g, r):
+    """Each form's kernel call and its reference."""
+    normed = rms_norm(x, g, 1e-5)
+
+    def dot(a, b):
+        return jnp.dot(a, b.astype(jnp.float32), precision=HIGHEST)
+
+    return {
+        "plain": (dict(), dot(x, w)),
+        "norm": (dict(norm_weight=g), dot(normed, w)),
+        "norm+gated": (dict(norm_weight=g, w_up=up), jax.nn.silu(dot(normed, w)) * dot(normed, up)),
+        "residual": (dict(residual=r), r + dot(x, w)),
+    }
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_each_form_matches_the_reference(dtype):
+    w, up, g = weights(dtype)
+    x = rows(5, 1)
+    r = jnp.asarray(np.random.default_rng(2).normal(size=(5, N)), jnp.float32)
+    for name, (kw, want) in forms(x, w, up, g, r).items():
+        got = fused_linear(x, w, interpret=True, **kw)
+        assert got.shape == (5, N) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
+    """Alone, as one of d + 1 = 5 verified positions, in a batch of 8 and of 20 (two row tiles):
+    the same bits for every form."""
+    w, up, g = weights()
+    x = rows(20, 3)
+    r = jnp.asarray(np.random.default_rng(4).normal(size=(20, N)), jnp.float32)
+    for name, (kw, _) in forms(x, w, up, g, r).items():
+
+        def call(lo, hi, kw=kw):
+            picked = {k: (v[lo:hi] if k == "residual" else v) for k, v in kw.items()}
+            return np.asarray(fused_linear(x[lo:hi], w, interpret=True, **picked))
+
+        alone, five, eight, twenty = call(3, 4), call(1, 6), call(0, 8), call(0, 20)
+        for got in (five[2], eight[3], twenty[3]):
+            np.testing.assert_array_equal(got, alone[0], err_msg=name)
+        np.testing.assert_array_equal(twenty[17], call(17, 18)[0], err_msg=name)  # the second row tile
+
+
+def test_the_tile_never_depends_on_the_row_count_and_shapes_are_checked():
+    for n_rows in (1, 5, 8, 64):
+        for gated, weight_bytes in ((False, 4), (True, 4), (True, 2)):
+            plan = plan_linear(n_rows, K, N, norm=True, gated=gated, residual=False, upcast=False, eps=1e-5,
+                               weight_bytes=weight_bytes)  # fmt: skip
+            assert plan.constexprs["BLOCK_M"] == BLOCK_M and plan.grid[0] == -(-n_rows // BLOCK_M)
+            assert plan.constexprs["BLOCK_N"] == (32 if gated and weight_bytes == 4 else 64)
+            assert plan.scalars[-1].dtype == np.float32  # jax-triton would type a Python float as fp64
+    w, up, _ = weights()
+    with pytest.raises(EejaxError, match="needs w"):
+        fused_linear(rows(2, 0), w.T, interpret=True)
+    with pytest.raises(EejaxError, match="needs w"):
+        fused_linear(rows(2, 0), w, w_up=up[:, :8], interpret=True)
