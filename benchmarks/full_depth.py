@@ -77,6 +77,13 @@ def main(argv=None) -> int:
         default="float32",
         help="eejax's weights, activations and KV cache (HF runs float32 either way)",
     )
+    parser.add_argument(
+        "--versus-triton",
+        action="store_true",
+        help="also time the decode steps of the Triton layer (attention='triton': the Triton attention kernel and "
+        "the fused products of eejax/kernels/triton_linear.py; a GPU) paired with the default: the two alternate "
+        "and the median ratio of --repeats pairs is printed",
+    )
     add_quantization_args(parser)
     parser.add_argument(
         "--versus-float",
@@ -149,6 +156,14 @@ def main(argv=None) -> int:
             )
             row["decode_versus_stacked"] = paired.speedups[0]
             print(f"   {model.layout} decode steps over stacked's, paired: {paired.speedups[0]:.2f}x")
+        if args.versus_triton:
+            paired = paired_runs(
+                lambda impl, prompts=prompts, kw=kw: eejax.generate(model, prompts, attention=impl or "auto", **kw),
+                ["triton"],
+                args.repeats,
+            )
+            row["decode_triton_versus_auto"] = paired.speedups[0]
+            print(f"   the Triton layer's decode steps over the default's, paired: {paired.speedups[0]:.2f}x")
         if float_model is not None:
             paired = paired_runs(
                 lambda weights, prompts=prompts, kw=kw: eejax.generate(

@@ -12,7 +12,8 @@
 #   3. the draft head (smollm2-135m-eagle) at batch 1 in float32 and bfloat16 and at batch 8 in
 #      bfloat16, each paired with full depth in the same run (`benchmarks/gpu_profile.py`);
 #   4. full depth in bf16 with its layers unrolled, paired with stacked, at batch 1 and 8
-#      (`benchmarks/full_depth.py`); then with its matrices held as their rows ("rows": each
+#      (`benchmarks/full_depth.py`); the Triton layer (attention="triton", fused products) paired
+#      with the default, bf16 and fp32; then with its matrices held as their rows ("rows": each
 #      product one fused kernel, compiled for an H100 on a CPU, `benchmarks/gpu_kernels.py`);
 #   5. full depth against HF at batch 1 in bf16 (eager, and its static cache compiled);
 #   6. the GGUF's own blocks (issue 56: XLA's dequantise-and-dot) at batch 1 and 8, paired with
@@ -27,7 +28,7 @@
 #   10. one table of it all (`benchmarks/gpu_table.py`), printed and written to OUT_DIR/gpu_check.md.
 # A step that fails or runs out of time is said so in OUT_DIR/steps.log and the rest still run;
 # OUT_DIR also keeps each step's log and JSON. GPU_CHECK_SKIP leaves steps out by name
-# (convert kernel eagle split rows hf quantized layerskip batches tests), e.g. when a lease has run some already.
+# (convert kernel eagle split triton rows hf quantized layerskip batches tests), e.g. when a lease has run some already.
 #
 #   scripts/gpu_check.sh [OUT_DIR]          # default gpu_check/
 #   EEJAX_GPU_CHECK_DRY=1 scripts/gpu_check.sh /tmp/dry   # a CPU: every step at toy sizes (to try it)
@@ -132,6 +133,16 @@ if wanted split; then
   run full_depth_split.log 90 python3 benchmarks/full_depth.py --dtype bfloat16 --layer-buffers split --versus-stacked \
     --skip-hf "${FULL[@]}" --batches "${BATCHES[@]}" --repeats 3
   cp $BENCH_OUT/full_depth_split_bfloat16.json "$OUT_DIR/json/full_depth_split.json" 2>/dev/null
+fi
+# The Triton layer (attention="triton": the attention kernel and kernels/triton_linear.py's fused
+# products, five a layer) against the default, bf16 and fp32 at batch 1 and 8: whether "auto" may
+# take it. Its tokens are checked in the interpreter on CPU (tests/test_triton_linear.py).
+if wanted triton && [ $LIMIT = 0 ]; then
+  for dtype in bfloat16 float32; do
+    step "full depth ($dtype) with the Triton layer, paired with the default"
+    run "full_depth_triton_$dtype.log" 90 python3 benchmarks/full_depth.py --dtype $dtype --versus-triton --skip-hf \
+      "${FULL[@]}" --batches "${BATCHES[@]}" --repeats 3
+  done
 fi
 # The matrices as their rows: no product writes its multiply out before summing it (4 bytes a
 # weight, ~430 MB a bf16 step on XLA's H100 and H200 cost models) and ~150 fewer kernels a batch-1 step.

@@ -85,3 +85,28 @@ def test_the_tile_never_depends_on_the_row_count_and_shapes_are_checked():
         fused_linear(rows(2, 0), w.T, interpret=True)
     with pytest.raises(EejaxError, match="needs w"):
         fused_linear(rows(2, 0), w, w_up=up[:, :8], interpret=True)
+
+
+def test_the_triton_layer_decodes_a_tiny_llama_as_the_reference_does(tiny_model, monkeypatch):
+    """attention="triton" runs the decode layer's products as the fused kernels (RMSNorm + q, k,
+    v; o + residual; RMSNorm + gate/up + SiLU·mul; down + residual) in prefill, decode steps and
+    speculation rounds: the same tokens as the reference path."""
+    import eejax
+    from eejax.kernels import triton_linear
+    from eejax.models import llama
+    from tests.helpers import random_prompts
+
+    forms = []
+
+    def spy(x, w, **kw):
+        forms.append(tuple(sorted(k for k, v in kw.items() if v is not None and k not in ("eps", "interpret"))))
+        return triton_linear.fused_linear(x, w, **kw)
+
+    monkeypatch.setattr(llama, "fused_linear", spy)
+    model = eejax.Model(tiny_model.config, tiny_model.params)  # its own programs: traced here, with the spy
+    prompts = random_prompts(3, [5, 12, 9], seed=11)
+    kw = dict(max_new_tokens=4, ignore_eos=True)
+    want = eejax.generate(model, prompts, attention="reference", **kw).tokens
+    assert not forms  # the reference path takes XLA's products
+    assert eejax.generate(model, prompts, attention="triton", spec="1:2", **kw).tokens == want
+    assert set(forms) == {("norm_weight",), ("residual",), ("norm_weight", "w_up")}

@@ -12,7 +12,8 @@ kernel in `triton_attention.py`: compiled through jax-triton on CUDA, run by Tri
 interpreter elsewhere: slow, for tests). "auto" picks the CPU kernel on a CPU and the reference
 (XLA's) elsewhere: on an H100 (2026-11-27) the Triton kernel was 0.38-0.87x of XLA's attention
 at batch 1-64, so a GPU takes it only when asked for ("triton"). The choice is made at trace
-time; the model code never knows which one ran.
+time. "triton" also asks a Llama's paged steps for the Triton layer: its float products as the
+fused kernels of `triton_linear.py` (`llama.DecoderLayer.triton`).
 """
 
 from __future__ import annotations

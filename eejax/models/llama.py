@@ -26,7 +26,9 @@ from eejax.config import LlamaConfig
 from eejax.errors import EejaxError
 from eejax.kernels import cpu_elementwise, paged_attention
 from eejax.kernels.attention import TreeMask
+from eejax.kernels.backend import backend
 from eejax.kernels.cpu_matmul import RowsMatrix
+from eejax.kernels.triton_linear import fused_linear
 from eejax.models import modules
 from eejax.models.modules import (
     Dtype,
@@ -122,6 +124,7 @@ class DecoderLayer(nn.Module):
     config: LlamaConfig
     init_scale: float = 0.02
     param_dtype: Dtype = jnp.float32
+    triton: bool = False  # the paged step's products as `triton_linear`'s fused kernels (attention "triton")
 
     def setup(self):
         c = self.config
@@ -154,11 +157,28 @@ class DecoderLayer(nn.Module):
             self.query_norm, self.key_norm = norm("q_norm"), norm("k_norm")
             share_scope(self, self.query_norm, self.key_norm)
 
+    def _fused(self, *names: str) -> list | None:
+        """The weights `names` (norms and float matrices) when the step asks for the Triton layer
+        and its fused products can take them (float arrays without LoRA factors or biases: no
+        blocks, no rows layout), else None (the products run as XLA's)."""
+        if not self.triton or self.config.qkv_bias or not all(self.has_variable("params", n) for n in names):
+            return None
+        if any(self.has_variable("params", n + "_a") for n in names):
+            return None
+        ws = [self.get_variable("params", n) for n in names]
+        return ws if all(isinstance(w, jax.Array) for w in ws) else None  # (tracers are jax.Arrays)
+
     def qkv(self, h, cos, sin):
         """Rotated q [B, T, Hq, Dh], k and v [B, T, Hkv, Dh] of hidden states h [B, T, D]."""
         b, t, _ = h.shape
         c = self.config
-        q, k, v = apply_linears(self, self.input_norm(h), self.q_proj, self.k_proj, self.v_proj)
+        fused = self._fused("attn_norm", "wq", "wk", "wv")
+        if fused:  # RMSNorm + each product, one kernel each
+            norm, *ws = fused
+            interpret = backend() != "gpu"
+            q, k, v = (fused_linear(h, w, norm_weight=norm, eps=c.rms_norm_eps, interpret=interpret) for w in ws)
+        else:
+            q, k, v = apply_linears(self, self.input_norm(h), self.q_proj, self.k_proj, self.v_proj)
         q = q.reshape(b, t, c.num_heads, c.head_dim)
         q = apply_rope(self.query_norm(q) if c.qk_norm else q, cos, sin)
         return q, *self._rotated_kv(k, v, cos, sin)
@@ -179,6 +199,13 @@ class DecoderLayer(nn.Module):
     def out_mlp(self, h, attn):
         """The attention output projection of attn [B, T, Hq, Dh] and the gated MLP, each with
         its residual: h [B, T, D] -> h."""
+        fused = self._fused("wo", "mlp_norm", "w_gate", "w_up", "w_down")
+        if fused:  # o + residual, RMSNorm + gate/up + SiLU·mul, down + residual: three kernels
+            wo, norm, gate, up, down = fused
+            interpret = backend() != "gpu"
+            h = fused_linear(attn.reshape(*h.shape[:2], -1), wo, residual=h, interpret=interpret)
+            act = fused_linear(h, gate, norm_weight=norm, eps=self.config.rms_norm_eps, w_up=up, interpret=interpret)
+            return fused_linear(act, down, residual=h, interpret=interpret)
         h = h + self.o_proj(attn.reshape(*h.shape[:2], -1))
         gate, up = apply_linears(self, self.post_norm(h), self.gate_proj, self.up_proj)
         return h + self.down_proj(cpu_elementwise.silu_mul(gate, up))
@@ -239,10 +266,10 @@ def _dense_positions(config: LlamaConfig, tokens, lengths):
     return positions, valid, cos, sin
 
 
-def _layer_apply(config: LlamaConfig, lp: dict, method: str | None, *args):
+def _layer_apply(config: LlamaConfig, lp: dict, method: str | None, *args, triton: bool = False):
     """`DecoderLayer.<method>(*args)` (None: the whole layer) on one layer's weights `lp` (a
-    slice of the stack)."""
-    return DecoderLayer(config).apply({"params": lp}, *args, method=method)
+    slice of the stack); `triton`: its products as the fused Triton kernels where they apply."""
+    return DecoderLayer(config, triton=triton).apply({"params": lp}, *args, method=method)
 
 
 def kv_of_layer(params, h, layer, batch: TokenBatch, config: LlamaConfig):
@@ -310,10 +337,15 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
     (`on_layer`); the cache write and the attention over the cache run between them."""
     layers = params["layers"]
     qkv_keys = _held(layers, QKV_KEYS)
-    q, k, v = on_layer(layers, qkv_keys, layer, lambda lp: _layer_apply(config, lp, "qkv", h, batch.cos, batch.sin))
+    triton = batch.attention == "triton"  # the Triton layer: its attention and its fused products
+    q, k, v = on_layer(
+        layers, qkv_keys, layer, lambda lp: _layer_apply(config, lp, "qkv", h, batch.cos, batch.sin, triton=triton)
+    )
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
     attn = cache_attention(q, cache, layer, batch)
-    return on_layer(layers, OUT_KEYS, layer, lambda lp: _layer_apply(config, lp, "out_mlp", h, attn)), cache
+    return on_layer(
+        layers, OUT_KEYS, layer, lambda lp: _layer_apply(config, lp, "out_mlp", h, attn, triton=triton)
+    ), cache
 
 
 def cache_attention(q, cache: KVCache, layer, batch: TokenBatch):
