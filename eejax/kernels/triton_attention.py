@@ -23,15 +23,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eejax.errors import EejaxError
 from eejax.kernels.position_bias import RelativePositionBias
+from eejax.kernels.triton_runtime import host_array, host_tensor, import_triton, interpreter_scalars
 
 tl = None  # triton.language, bound by `_kernel` when the kernel is first needed
 # The annotation of compile-time parameters: triton reads its text ("constexpr", which postponed
@@ -312,26 +310,10 @@ def merge_splits(acc, m, l, dtype):
 
 @functools.cache
 def _kernel(interpret: bool):
-    """The kernel wrapped by `triton.jit`: compiled for the GPU, or run by Triton's interpreter.
-
-    Triton decides at import time whether its own library functions (tl.max, ...) are compiled
-    or interpreted, so a process runs one or the other: the interpreter needs TRITON_INTERPRET=1
-    before triton is first imported, which this sets when it imports triton itself.
-    """
+    """The kernel wrapped by `triton.jit`: compiled for the GPU, or run by Triton's interpreter (a
+    process runs one or the other: `triton_runtime`)."""
     global tl, constexpr
-    if interpret and "triton" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton
-        import triton.language
-    except ImportError:
-        raise EejaxError("the Triton attention kernels need triton: pip install triton (or eejax[gpu])") from None
-    if bool(triton.knobs.runtime.interpret) != interpret:
-        mode = "interpreted (CPU)" if interpret else "compiled (GPU)"
-        raise EejaxError(
-            f"cannot run the Triton kernel {mode}: triton was imported with TRITON_INTERPRET="
-            f"{os.environ.get('TRITON_INTERPRET', '')!r}; a process runs Triton either compiled or interpreted"
-        )
+    triton = import_triton(interpret)
     tl, constexpr = triton.language, triton.language.constexpr
     return triton.jit(_paged_attention_kernel)
 
@@ -340,20 +322,11 @@ def _interpret_on_host(plan: LaunchPlan, q, k, v, layer, table, q_pos, kv_len, b
     """Runs the kernel in Triton's interpreter on torch CPU tensors (numpy in, numpy out)."""
     import torch
 
-    def tensor(x):
-        x = np.array(x, order="C")  # a writable host copy that torch can wrap
-        if x.dtype == jnp.bfloat16:
-            return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
-        return torch.from_numpy(x)
-
     dtypes = (getattr(torch, plan.out_dtype), torch.float32, torch.float32)
     outs = [torch.zeros(s, dtype=t) for s, t in zip(plan.out_shapes, dtypes)]
-    args = [tensor(x) for x in (q, k, v, np.asarray(layer, np.int32).reshape(1), table, q_pos, kv_len, bias)]
-    scalars = [float(x) if isinstance(x, np.floating) else x for x in plan.scalars]  # the interpreter's types
-    _kernel(interpret=True)[plan.grid](*args, *scalars, *outs, **plan.constexprs)
-    return tuple(
-        o.view(torch.uint16).numpy().view(jnp.bfloat16) if o.dtype == torch.bfloat16 else o.numpy() for o in outs
-    )
+    args = [host_tensor(x) for x in (q, k, v, np.asarray(layer, np.int32).reshape(1), table, q_pos, kv_len, bias)]
+    _kernel(interpret=True)[plan.grid](*args, *interpreter_scalars(plan.scalars), *outs, **plan.constexprs)
+    return tuple(host_array(o) for o in outs)
 
 
 def triton_paged_attention(

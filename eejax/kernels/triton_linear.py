@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from eejax.errors import EejaxError
+from eejax.kernels.triton_runtime import host_array, host_tensor, import_triton, interpreter_scalars
 
 tl = None  # triton.language, bound by `_kernel`
 constexpr = "constexpr"  # see triton_attention: triton reads the annotation's text
@@ -130,18 +129,9 @@ def plan_linear(
 @functools.cache
 def _kernel(interpret: bool):
     """The kernel wrapped by `triton.jit`, compiled (GPU) or interpreted (CPU): a process runs one
-    or the other (`triton_attention._kernel`)."""
+    or the other (`triton_runtime`)."""
     global tl, constexpr
-    if interpret and "triton" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton
-        import triton.language
-    except ImportError:
-        raise EejaxError("the Triton kernels need triton: pip install triton (or eejax[gpu])") from None
-    if bool(triton.knobs.runtime.interpret) != interpret:
-        mode = "interpreted (CPU)" if interpret else "compiled (GPU)"
-        raise EejaxError(f"cannot run the Triton kernel {mode}: triton was imported the other way in this process")
+    triton = import_triton(interpret)
     tl, constexpr = triton.language, triton.language.constexpr
     return triton.jit(_fused_linear_kernel)
 
@@ -150,16 +140,10 @@ def _interpret_on_host(launch: LinearLaunch, out_dtype: str, x, g, w, u, r):
     """Runs the kernel in Triton's interpreter on torch CPU tensors (numpy in, numpy out)."""
     import torch
 
-    def tensor(a):
-        a = np.array(a, order="C")
-        if a.dtype == jnp.bfloat16:
-            return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
-        return torch.from_numpy(a)
-
     y = torch.zeros((launch.scalars[0], launch.scalars[2]), dtype=getattr(torch, out_dtype))
-    scalars = [float(v) if isinstance(v, np.floating) else v for v in launch.scalars]  # the interpreter's types
-    _kernel(interpret=True)[launch.grid](*map(tensor, (x, g, w, u, r)), *scalars, y, **launch.constexprs)
-    return y.view(torch.uint16).numpy().view(jnp.bfloat16) if y.dtype == torch.bfloat16 else y.numpy()
+    args = map(host_tensor, (x, g, w, u, r))
+    _kernel(interpret=True)[launch.grid](*args, *interpreter_scalars(launch.scalars), y, **launch.constexprs)
+    return host_array(y)
 
 
 def fused_linear(x, w, *, norm_weight=None, eps: float = 1e-5, w_up=None, residual=None, interpret: bool = False):
