@@ -135,7 +135,7 @@ if wanted split; then
   cp $BENCH_OUT/full_depth_split_bfloat16.json "$OUT_DIR/json/full_depth_split.json" 2>/dev/null
 fi
 # The Triton layer (attention="triton": the attention kernel and kernels/triton_linear.py's fused
-# products, five a layer) against the default, bf16 and fp32 at batch 1 and 8: whether "auto" may
+# products, four launches a layer) against the default, bf16 and fp32 at batch 1 and 8: whether "auto" may
 # take it. Its tokens are checked in the interpreter on CPU (tests/test_triton_linear.py).
 if wanted triton && [ $LIMIT = 0 ]; then
   for dtype in bfloat16 float32; do

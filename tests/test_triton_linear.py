@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from eejax.errors import EejaxError
-from eejax.kernels.triton_linear import BLOCK_K, BLOCK_M, fused_linear, plan_linear
+from eejax.kernels.triton_linear import BLOCK_K, BLOCK_M, fused_linear, fused_linears, plan_linear
 from eejax.models.common import rms_norm
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -72,25 +72,42 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
         np.testing.assert_array_equal(twenty[17], call(17, 18)[0], err_msg=name)  # the second row tile
 
 
+def test_three_matrices_in_one_launch_give_what_each_gives_alone():
+    """q, k and v in one launch (their column tiles side by side): each output's bits are those of
+    its matrix alone, with the norm fused in, at 1 and 5 rows."""
+    w, up, g = weights()
+    k_matrix = jnp.asarray(np.random.default_rng(5).normal(size=(K, 24)) * 0.1, jnp.float32)
+    for n_rows in (1, 5):
+        x = rows(n_rows, 6)
+        together = fused_linears(x, [w, k_matrix, up], norm_weight=g, interpret=True)
+        assert [y.shape for y in together] == [(n_rows, N), (n_rows, 24), (n_rows, N)]
+        for y, matrix in zip(together, (w, k_matrix, up)):
+            np.testing.assert_array_equal(
+                np.asarray(y), np.asarray(fused_linear(x, matrix, norm_weight=g, interpret=True))
+            )
+    with pytest.raises(EejaxError, match="one to three matrices"):
+        fused_linears(rows(2, 0), [w, w], residual=jnp.zeros((2, N)), interpret=True)
+
+
 def test_the_tile_never_depends_on_the_row_count_and_shapes_are_checked():
     for n_rows in (1, 5, 8, 64):
         for gated, weight_bytes in ((False, 4), (True, 4), (True, 2)):
-            plan = plan_linear(n_rows, K, N, norm=True, gated=gated, residual=False, upcast=False, eps=1e-5,
+            plan = plan_linear(n_rows, K, (N,), norm=True, gated=gated, residual=False, upcast=False, eps=1e-5,
                                weight_bytes=weight_bytes)  # fmt: skip
             assert plan.constexprs["BLOCK_M"] == BLOCK_M and plan.grid[0] == -(-n_rows // BLOCK_M)
             assert plan.constexprs["BLOCK_N"] == (32 if gated and weight_bytes == 4 else 64)
             assert plan.scalars[-1].dtype == np.float32  # jax-triton would type a Python float as fp64
     w, up, _ = weights()
-    with pytest.raises(EejaxError, match="needs w"):
+    with pytest.raises(EejaxError, match="needs matrices"):
         fused_linear(rows(2, 0), w.T, interpret=True)
-    with pytest.raises(EejaxError, match="needs w"):
+    with pytest.raises(EejaxError, match="w_up must be"):
         fused_linear(rows(2, 0), w, w_up=up[:, :8], interpret=True)
 
 
 def test_the_triton_layer_decodes_a_tiny_llama_as_the_reference_does(tiny_model, monkeypatch):
-    """attention="triton" runs the decode layer's products as the fused kernels (RMSNorm + q, k,
-    v; o + residual; RMSNorm + gate/up + SiLU·mul; down + residual) in prefill, decode steps and
-    speculation rounds: the same tokens as the reference path."""
+    """attention="triton" runs the decode layer's products as the fused kernels (RMSNorm + q, k
+    and v in one launch; o + residual; RMSNorm + gate/up + SiLU·mul; down + residual) in prefill,
+    decode steps and speculation rounds: the same tokens as the reference path."""
     import eejax
     from eejax.kernels import triton_linear
     from eejax.models import llama
@@ -98,15 +115,16 @@ def test_the_triton_layer_decodes_a_tiny_llama_as_the_reference_does(tiny_model,
 
     forms = []
 
-    def spy(x, w, **kw):
-        forms.append(tuple(sorted(k for k, v in kw.items() if v is not None and k not in ("eps", "interpret"))))
-        return triton_linear.fused_linear(x, w, **kw)
+    def spy(x, ws, **kw):
+        forms.append((len(ws), *sorted(k for k, v in kw.items() if v is not None and k not in ("eps", "interpret"))))
+        return triton_linear.fused_linears(x, ws, **kw)
 
-    monkeypatch.setattr(llama, "fused_linear", spy)
+    monkeypatch.setattr(llama, "fused_linears", spy)
+    monkeypatch.setattr(llama, "fused_linear", lambda x, w, **kw: spy(x, [w], **kw)[0])
     model = eejax.Model(tiny_model.config, tiny_model.params)  # its own programs: traced here, with the spy
     prompts = random_prompts(3, [5, 12, 9], seed=11)
     kw = dict(max_new_tokens=4, ignore_eos=True)
     want = eejax.generate(model, prompts, attention="reference", **kw).tokens
     assert not forms  # the reference path takes XLA's products
     assert eejax.generate(model, prompts, attention="triton", spec="1:2", **kw).tokens == want
-    assert set(forms) == {("norm_weight",), ("residual",), ("norm_weight", "w_up")}
+    assert set(forms) == {(3, "norm_weight"), (1, "residual"), (1, "norm_weight", "w_up")}

@@ -247,7 +247,7 @@ class LinearLaunch:
     name: str
     rows: int
     k: int
-    n: int
+    ns: tuple[int, ...]  # one to three matrices' columns
     dtype: str
     norm: bool = False
     gated: bool = False
@@ -260,10 +260,10 @@ def _linears(dtype: str) -> list[LinearLaunch]:
     found = []
     for rows in (1, 64):
         found += [
-            LinearLaunch(f"linear norm+qkv {short} x{rows}", rows, 576, 960, dtype, norm=True),
-            LinearLaunch(f"linear o+residual {short} x{rows}", rows, 576, 576, dtype, residual=True),
-            LinearLaunch(f"linear norm+gate/up {short} x{rows}", rows, 576, 1536, dtype, norm=True, gated=True),
-            LinearLaunch(f"linear down+residual {short} x{rows}", rows, 1536, 576, dtype, residual=True),
+            LinearLaunch(f"linear norm+qkv {short} x{rows}", rows, 576, (576, 192, 192), dtype, norm=True),
+            LinearLaunch(f"linear o+residual {short} x{rows}", rows, 576, (576,), dtype, residual=True),
+            LinearLaunch(f"linear norm+gate/up {short} x{rows}", rows, 576, (1536,), dtype, norm=True, gated=True),
+            LinearLaunch(f"linear down+residual {short} x{rows}", rows, 1536, (576,), dtype, residual=True),
         ]
     return found
 
@@ -281,7 +281,7 @@ def compile_linear(launch: LinearLaunch, arch: int) -> KernelBuild:
     from eejax.kernels import triton_linear
 
     plan = triton_linear.plan_linear(
-        launch.rows, launch.k, launch.n, norm=launch.norm, gated=launch.gated, residual=launch.residual,
+        launch.rows, launch.k, launch.ns, norm=launch.norm, gated=launch.gated, residual=launch.residual,
         upcast=False, eps=1e-5, weight_bytes=jnp.dtype(launch.dtype).itemsize,
     )  # fmt: skip
     base = dict(
@@ -295,10 +295,13 @@ def compile_linear(launch: LinearLaunch, arch: int) -> KernelBuild:
     try:
         params = list(inspect.signature(triton_linear._fused_linear_kernel).parameters)
         weights = "*" + _TRITON_DTYPES[launch.dtype]
-        arrays = dict(x_ptr="*fp32", g_ptr="*fp32", w_ptr=weights, u_ptr=weights, r_ptr="*fp32", y_ptr="*fp32")
-        scalars = dict(zip(("M", "K", "N", "eps"), map(triton_type, plan.scalars)))
-        signature = {p: "constexpr" if p in plan.constexprs else arrays.get(p) or scalars[p] for p in params}
-        constexprs = {(params.index(p),): v for p, v in plan.constexprs.items()}
+        arrays = dict(x_ptr="*fp32", g_ptr="*fp32", w_ptr=weights, w2_ptr=weights, w3_ptr=weights, u_ptr=weights,
+                      r_ptr="*fp32", y_ptr="*fp32", y2_ptr="*fp32", y3_ptr="*fp32")  # fmt: skip
+        values = dict(zip(("M", "K", "N", "N2", "N3", "eps"), plan.scalars))
+        known = dict(plan.constexprs)  # and, as jax-triton specialises them, integer scalars equal to 1
+        known.update({n: 1 for n, v in values.items() if triton_type(v).startswith("i") and v == 1})
+        signature = {p: "constexpr" if p in known else arrays.get(p) or triton_type(values[p]) for p in params}
+        constexprs = {(params.index(p),): v for p, v in known.items()}
         attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in arrays}
         source = ASTSource(
             fn=triton_linear._kernel(interpret=False), signature=signature, constexprs=constexprs, attrs=attrs

@@ -3,7 +3,8 @@ rows get the same bits at any number of rows: launched through jax-triton on CUD
 Triton's interpreter on CPU (as `triton_attention`).
 
     fused_linear(x, w)                                  x @ w
-    fused_linear(x, w, norm_weight=g)                   RMSNorm(x) * g @ w         (q/k/v, the head)
+    fused_linear(x, w, norm_weight=g)                   RMSNorm(x) * g @ w         (the head)
+    fused_linears(x, [wq, wk, wv], norm_weight=g)       n @ wq, n @ wk, n @ wv     (q, k, v: one launch)
     fused_linear(x, w, norm_weight=g, w_up=u)           silu(n @ w) * (n @ u)      (gate/up + SiLU·mul)
     fused_linear(x, w, residual=h)                      h + x @ w                  (o, down)
 
@@ -44,14 +45,21 @@ def _fused_linear_kernel(
     x_ptr,
     g_ptr,
     w_ptr,
+    w2_ptr,
+    w3_ptr,
     u_ptr,
     r_ptr,
     M,
     K,
     N,
+    N2,
+    N3,
     eps,
     y_ptr,  # jax-triton passes the outputs after the arguments
+    y2_ptr,
+    y3_ptr,
     NORM: constexpr,
+    MATRICES: constexpr,
     GATED: constexpr,
     RESIDUAL: constexpr,
     UPCAST: constexpr,
@@ -59,10 +67,19 @@ def _fused_linear_kernel(
     BLOCK_N: constexpr,
     BLOCK_K: constexpr,
 ):
+    # The column tiles of up to three matrices (q, k, v) in one grid: this program's matrix.
+    tile = tl.program_id(1)
+    w_base, y_base, n = w_ptr, y_ptr, N
+    if MATRICES > 1:
+        first, second = tl.cdiv(N, BLOCK_N), tl.cdiv(N2, BLOCK_N)
+        if tile >= first + second:
+            w_base, y_base, n, tile = w3_ptr, y3_ptr, N3, tile - first - second
+        elif tile >= first:
+            w_base, y_base, n, tile = w2_ptr, y2_ptr, N2, tile - first
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = offs_m < M, offs_n < N
+    m_ok, n_ok = offs_m < M, offs_n < n
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * K
     if NORM:  # each row's mean square, in BLOCK_K steps
         squares = tl.zeros((BLOCK_M,), tl.float32)
@@ -81,9 +98,9 @@ def _fused_linear_kernel(
         if NORM:
             g = tl.load(g_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             a = a * inv[:, None] * g[None, :]
-        w_tile = (k0 + offs_k).to(tl.int64)[:, None] * N + offs_n[None, :]
+        w_tile = (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :]
         w_ok = k_ok[:, None] & n_ok[None, :]
-        w = tl.load(w_ptr + w_tile, mask=w_ok, other=0.0)
+        w = tl.load(w_base + w_tile, mask=w_ok, other=0.0)
         if UPCAST:  # Triton's interpreter multiplies bf16 bit patterns in tl.dot: use f32 there
             w = w.to(tl.float32)
         a = a.to(w.dtype)
@@ -95,16 +112,16 @@ def _fused_linear_kernel(
             acc_up += tl.dot(a, up, input_precision="ieee")
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    out = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    out = offs_m.to(tl.int64)[:, None] * n + offs_n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     if RESIDUAL:
         acc += tl.load(r_ptr + out, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_base + out, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @dataclasses.dataclass(frozen=True)
 class LinearLaunch:
-    """One launch: grid, scalars (M, K, N, eps) and the kernel's compile-time parameters."""
+    """One launch: grid, scalars (M, K, N, N2, N3, eps) and the kernel's compile-time parameters."""
 
     grid: tuple[int, int]
     scalars: tuple
@@ -112,18 +129,39 @@ class LinearLaunch:
 
 
 def plan_linear(
-    rows: int, k: int, n: int, *, norm: bool, gated: bool, residual: bool, upcast: bool, eps: float, weight_bytes: int
+    rows: int,
+    k: int,
+    ns: tuple[int, ...],
+    *,
+    norm: bool,
+    gated: bool,
+    residual: bool,
+    upcast: bool,
+    eps: float,
+    weight_bytes: int,
 ):
-    """The launch of `fused_linear` over `rows` rows of x [rows, k] and w [k, n] of `weight_bytes`
-    a value. A gated pair of fp32 tiles takes BLOCK_N / 2 columns (two accumulators and two fp32
-    weight tiles of 64 columns spill on sm_80); the tile never depends on `rows`."""
+    """The launch of `fused_linears` over `rows` rows of x [rows, k] and one to three matrices
+    [k, n] (`ns`: their n) of `weight_bytes` a value, their column tiles side by side in one grid.
+    A gated pair of fp32 tiles takes BLOCK_N / 2 columns (two accumulators and two fp32 weight
+    tiles of 64 columns spill on sm_80); the tile never depends on `rows`."""
+    if not 1 <= len(ns) <= 3 or (len(ns) > 1 and (gated or residual)):
+        raise EejaxError("fused_linears: one to three matrices, several only without w_up or a residual")
     block_n = BLOCK_N // 2 if gated and weight_bytes == 4 else BLOCK_N
-    grid = ((rows + BLOCK_M - 1) // BLOCK_M, (n + block_n - 1) // block_n)
+    tiles = sum((n + block_n - 1) // block_n for n in ns)
+    grid = ((rows + BLOCK_M - 1) // BLOCK_M, tiles)
     constexprs = dict(
-        NORM=norm, GATED=gated, RESIDUAL=residual, UPCAST=upcast, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K
+        NORM=norm,
+        MATRICES=len(ns),
+        GATED=gated,
+        RESIDUAL=residual,
+        UPCAST=upcast,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K,
     )
+    n, n2, n3 = (*ns, 0, 0)[:3]
     # eps as numpy float32: jax-triton types a Python float as fp64 (`aot.triton_type`)
-    return LinearLaunch(grid, (rows, k, n, np.float32(eps)), constexprs)
+    return LinearLaunch(grid, (rows, k, n, n2, n3, np.float32(eps)), constexprs)
 
 
 @functools.cache
@@ -136,59 +174,79 @@ def _kernel(interpret: bool):
     return triton.jit(_fused_linear_kernel)
 
 
-def _interpret_on_host(launch: LinearLaunch, out_dtype: str, x, g, w, u, r):
+def _out_shapes(launch: LinearLaunch) -> list[tuple[int, int]]:
+    """The launch's three outputs: [rows, n] of each matrix, [1, 1] where there is none (never written)."""
+    rows, _, *ns = launch.scalars[:5]
+    return [(rows, n) if n else (1, 1) for n in ns]
+
+
+def _interpret_on_host(launch: LinearLaunch, out_dtype: str, x, g, w, w2, w3, u, r):
     """Runs the kernel in Triton's interpreter on torch CPU tensors (numpy in, numpy out)."""
     import torch
 
-    y = torch.zeros((launch.scalars[0], launch.scalars[2]), dtype=getattr(torch, out_dtype))
-    args = map(host_tensor, (x, g, w, u, r))
-    _kernel(interpret=True)[launch.grid](*args, *interpreter_scalars(launch.scalars), y, **launch.constexprs)
-    return host_array(y)
+    ys = [torch.zeros(shape, dtype=getattr(torch, out_dtype)) for shape in _out_shapes(launch)]
+    args = map(host_tensor, (x, g, w, w2, w3, u, r))
+    _kernel(interpret=True)[launch.grid](*args, *interpreter_scalars(launch.scalars), *ys, **launch.constexprs)
+    return tuple(host_array(y) for y in ys)
 
 
-def fused_linear(x, w, *, norm_weight=None, eps: float = 1e-5, w_up=None, residual=None, interpret: bool = False):
-    """x [..., K] against w [K, N] in one kernel (see the module's table): RMSNorm of x first
-    when `norm_weight` [K] is given, silu(x @ w) * (x @ w_up) when `w_up` [K, N] is, + `residual`
-    [..., N] when it is. float32 accumulation; the result in x's dtype. `interpret`: Triton's
-    interpreter on the host (CPU), else jax-triton (CUDA)."""
+def fused_linears(
+    x, ws, *, norm_weight=None, eps: float = 1e-5, w_up=None, residual=None, interpret: bool = False
+) -> list:
+    """x [..., K] against each of `ws` (one to three [K, N_i]: a layer's q, k and v) in one kernel
+    launch (see the module's table): RMSNorm of x first when `norm_weight` [K] is given;
+    silu(x @ w) * (x @ w_up) when `w_up` [K, N] is (one matrix); + `residual` [..., N] when it is
+    (one matrix). float32 accumulation; the results in x's dtype. A matrix's outputs are those it
+    gets alone. `interpret`: Triton's interpreter on the host (CPU), else jax-triton (CUDA)."""
     *lead, k = x.shape
-    n = w.shape[-1]
-    if w.shape != (k, n) or (w_up is not None and w_up.shape != w.shape):
-        raise EejaxError(f"fused_linear: x [..., {k}] needs w [{k}, N] (and w_up alike), got {w.shape}")
+    ws = list(ws)
+    for w in ws:
+        if w.ndim != 2 or w.shape[0] != k or w.dtype != ws[0].dtype:
+            raise EejaxError(f"fused_linears: x [..., {k}] needs matrices [{k}, N] of one dtype, got {w.shape}")
+    if w_up is not None and w_up.shape != ws[0].shape:
+        raise EejaxError(f"fused_linears: w_up must be w's shape {ws[0].shape}, got {w_up.shape}")
     rows = int(np.prod(lead, dtype=np.int64))
     launch = plan_linear(
         rows,
         k,
-        n,
+        tuple(w.shape[1] for w in ws),
         norm=norm_weight is not None,
         gated=w_up is not None,
         residual=residual is not None,
-        upcast=interpret and w.dtype != jnp.float32,
+        upcast=interpret and ws[0].dtype != jnp.float32,
         eps=eps,
-        weight_bytes=jnp.dtype(w.dtype).itemsize,
+        weight_bytes=jnp.dtype(ws[0].dtype).itemsize,
     )
     absent = jnp.zeros((1,), jnp.float32)
+    absent_w = jnp.zeros((1, 1), ws[0].dtype)  # (another matrix's pointer: never read)
+    matrices = (ws + [absent_w] * 2)[:3]
     args = (
         x.reshape(rows, k),
         absent if norm_weight is None else norm_weight,
-        w,
-        absent if w_up is None else w_up,
-        absent if residual is None else residual.reshape(rows, n),
+        *matrices,
+        absent_w if w_up is None else w_up,
+        absent if residual is None else residual.reshape(rows, -1),
     )
-    out = jax.ShapeDtypeStruct((rows, n), x.dtype)
+    outs = tuple(jax.ShapeDtypeStruct(shape, x.dtype) for shape in _out_shapes(launch))
     if interpret:
-        y = jax.pure_callback(functools.partial(_interpret_on_host, launch, jnp.dtype(x.dtype).name), out, *args)
+        host = functools.partial(_interpret_on_host, launch, jnp.dtype(x.dtype).name)
+        ys = jax.pure_callback(host, outs, *args)
     else:
         import jax_triton
 
-        y = jax_triton.triton_call(
+        ys = jax_triton.triton_call(
             *args,
             *launch.scalars,
             kernel=_kernel(interpret=False),
-            out_shape=out,
+            out_shape=outs,
             grid=launch.grid,
             num_warps=NUM_WARPS,
             num_stages=NUM_STAGES,
             **launch.constexprs,
         )
-    return y.reshape(*lead, n)
+    return [y.reshape(*lead, w.shape[1]) for y, w in zip(ys, ws)]
+
+
+def fused_linear(x, w, **options):
+    """`fused_linears` of one matrix w [K, N] -> [..., N]."""
+    return fused_linears(x, [w], **options)[0]

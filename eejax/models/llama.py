@@ -28,7 +28,7 @@ from eejax.kernels import cpu_elementwise, paged_attention
 from eejax.kernels.attention import TreeMask
 from eejax.kernels.backend import backend
 from eejax.kernels.cpu_matmul import RowsMatrix
-from eejax.kernels.triton_linear import fused_linear
+from eejax.kernels.triton_linear import fused_linear, fused_linears
 from eejax.models import modules
 from eejax.models.modules import (
     Dtype,
@@ -173,10 +173,9 @@ class DecoderLayer(nn.Module):
         b, t, _ = h.shape
         c = self.config
         fused = self._fused("attn_norm", "wq", "wk", "wv")
-        if fused:  # RMSNorm + each product, one kernel each
+        if fused:  # RMSNorm + the three products, one launch
             norm, *ws = fused
-            interpret = backend() != "gpu"
-            q, k, v = (fused_linear(h, w, norm_weight=norm, eps=c.rms_norm_eps, interpret=interpret) for w in ws)
+            q, k, v = fused_linears(h, ws, norm_weight=norm, eps=c.rms_norm_eps, interpret=backend() != "gpu")
         else:
             q, k, v = apply_linears(self, self.input_norm(h), self.q_proj, self.k_proj, self.v_proj)
         q = q.reshape(b, t, c.num_heads, c.head_dim)
@@ -200,7 +199,7 @@ class DecoderLayer(nn.Module):
         """The attention output projection of attn [B, T, Hq, Dh] and the gated MLP, each with
         its residual: h [B, T, D] -> h."""
         fused = self._fused("wo", "mlp_norm", "w_gate", "w_up", "w_down")
-        if fused:  # o + residual, RMSNorm + gate/up + SiLU·mul, down + residual: three kernels
+        if fused:  # o + residual, RMSNorm + gate/up + SiLU·mul, down + residual: three launches
             wo, norm, gate, up, down = fused
             interpret = backend() != "gpu"
             h = fused_linear(attn.reshape(*h.shape[:2], -1), wo, residual=h, interpret=interpret)
