@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ def _option(default: float, help: str, **bounds: float):
     return dataclasses.field(default=default, metadata={"help": help, "bounds": bounds})
 
 
-_SPELL = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le), "lt": ("<", operator.lt)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +70,8 @@ class SamplingParams:
                 raise EejaxError(f"{f.name} must be an integer, got {value!r}")
             value = int(value) if f.type == "int" else float(value)
             bounds = f.metadata["bounds"]
-            if not math.isfinite(value) or not all(_holds(value, op, bound) for op, bound in bounds.items()):
-                spelled = " and ".join(f"{_SPELL[op]} {bound:g}" for op, bound in bounds.items())
+            if not math.isfinite(value) or not all(BOUNDS[op][1](value, bound) for op, bound in bounds.items()):
+                spelled = " and ".join(f"{BOUNDS[op][0]} {bound:g}" for op, bound in bounds.items())
                 kind = "an integer" if f.type == "int" else "a finite number"
                 raise EejaxError(f"{f.name} must be {kind} {spelled} (default {f.default:g}), got {value}")
             object.__setattr__(self, f.name, value)
@@ -119,10 +120,6 @@ class SamplingParams:
         """Refuses a top_k larger than the model's vocabulary."""
         if self.top_k > vocab_size:
             raise EejaxError(f"top_k must be <= the vocabulary size {vocab_size} (0 = off), got {self.top_k}")
-
-
-def _holds(value: float, op: str, bound: float) -> bool:
-    return {"ge": value >= bound, "gt": value > bound, "le": value <= bound, "lt": value < bound}[op]
 
 
 @jax.tree_util.register_dataclass
