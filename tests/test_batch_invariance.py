@@ -5,6 +5,7 @@ for float32 weights and GGUF blocks with each activation mode; the pieces that m
 integer activations token-identical to full depth."""
 
 import functools
+import importlib.util
 
 import hypothesis.strategies as st
 import jax
@@ -51,11 +52,11 @@ def float_params(config):
     return llama.init_params(config, jax.random.PRNGKey(1), scale=0.1)
 
 
-def step_program(config):
+def step_program(config, attention="auto"):
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(params, cache, tokens, positions, block_table):
         batch = llama.token_batch(
-            config, positions, jnp.ones(tokens.shape, bool), block_table, positions[:, -1] + 1, PAGE
+            config, positions, jnp.ones(tokens.shape, bool), block_table, positions[:, -1] + 1, PAGE, attention
         )
         h, cache = llama.run_layers(params, llama.embed(params, tokens), cache, batch, config)
         return llama.lm_head(params, h, config), cache
@@ -63,11 +64,12 @@ def step_program(config):
     return step
 
 
-def logits_four_ways(config, params) -> dict:
+def logits_four_ways(config, params, attention="auto", dtype=jnp.float32) -> dict:
     """{how: logits [ROWS, NEW, V]} of the same new tokens after the same prompts, each row's
     prompt prefilled alone: one token a step per row ("alone"), the NEW tokens of a row in one pass
-    ("verify"), the ROWS rows a step ("batch"), and all of them in one pass ("batch verify")."""
-    step = step_program(config)
+    ("verify"), the ROWS rows a step ("batch"), and all of them in one pass ("batch verify"); a
+    cache of `dtype`."""
+    step = step_program(config, attention)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, config.vocab_size, (ROWS, PROMPT)).astype(np.int32)
     new = rng.integers(0, config.vocab_size, (ROWS, NEW)).astype(np.int32)
@@ -76,7 +78,7 @@ def logits_four_ways(config, params) -> dict:
     c = config
 
     def prefilled():
-        cache = init_cache(c.num_layers, 1 + ROWS * per_row, PAGE, c.num_kv_heads, c.head_dim, jnp.float32)
+        cache = init_cache(c.num_layers, 1 + ROWS * per_row, PAGE, c.num_kv_heads, c.head_dim, dtype)
         for r in range(ROWS):
             _, cache = step(
                 params, cache, prompts[r : r + 1], np.arange(PROMPT, dtype=np.int32)[None], tables[r : r + 1]
@@ -113,6 +115,30 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(config, float_params,
     for how in ("verify", "batch", "batch verify"):
         differing = int((got[how] != got["alone"]).any(-1).sum())
         assert differing == 0, f"{weights}, {how}: {differing} of {ROWS * NEW} positions differ from alone"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_triton_layers_bf16_logits_do_not_depend_on_the_rows_beside_it():
+    """The GPU's Triton layer (attention="triton": the fused products and the paged-attention
+    kernel, here in Triton's interpreter) on bf16 weights and a bf16 cache: a row's logits are the
+    same bits alone, verified, in a batch and as a batch's verify pass (the GPU check compares them
+    on a device). A narrow model: the interpreter runs each program in Python."""
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_embeddings=True,
+    )
+    params = llama.init_params(config, jax.random.PRNGKey(2), scale=0.1, dtype=jnp.bfloat16)
+    got = logits_four_ways(config, llama.with_layer_buffers(params), "triton", jnp.bfloat16)
+    for how in ("verify", "batch", "batch verify"):
+        differing = int((got[how] != got["alone"]).any(-1).sum())
+        assert differing == 0, f"triton bf16, {how}: {differing} of {ROWS * NEW} positions differ from alone"
 
 
 @settings(max_examples=12, deadline=None)

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
-def attention_case(seed, *, page, group, head_dim, q_len, dtype, num_kv_heads=2, layers=2):
+def attention_case(seed, *, page, group, head_dim, q_len, dtype, num_kv_heads=2, layers=2, pages_per_row=None):
     """Random cache and queries for 4 rows: a padding row (length 0), a row holding just the new
     tokens, one ending right after a page boundary, and a random ragged one."""
     rng = np.random.default_rng(seed)
-    pages_per_row = 4 + (q_len + page - 1) // page
+    pages_per_row = pages_per_row or 4 + (q_len + page - 1) // page
     num_pages = 1 + 4 * pages_per_row
     max_keys = pages_per_row * page
     lengths = np.array([0, q_len, min(2 * page + 1, max_keys), rng.integers(q_len, max_keys + 1)], np.int32)
@@ -82,32 +82,75 @@ def test_kernel_matches_reference_with_a_window(window):
     )
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 5])
-def test_split_k_partials_merge_exactly(num_splits):
-    q, k, v, table, pos, lengths = attention_case(3, page=8, group=3, head_dim=64, q_len=1, dtype=jnp.float32)
+@pytest.mark.parametrize("keys_per_split", [64, 128, 192, 256])
+def test_split_partials_merge_exactly(keys_per_split):
+    q, k, v, table, pos, lengths = attention_case(
+        3, page=16, group=3, head_dim=64, q_len=1, dtype=jnp.float32, pages_per_row=24
+    )
     want = reference_paged_attention(q, k, v, 1, table, pos, lengths)
-    got = triton_paged_attention(q, k, v, 1, table, pos, lengths, interpret=True, num_splits=num_splits)
+    got = triton_paged_attention(q, k, v, 1, table, pos, lengths, interpret=True, keys_per_split=keys_per_split)
     assert_close(got, want, jnp.float32)
 
 
 def test_launch_plan():
     small = plan_launch((1, 1, 9, 64), (30, 3, 100, 16, 64), (1, 32), jnp.float32)
-    assert small.num_splits > 1 and small.grid == (1, 3, small.num_splits)  # batch 1: split the keys
+    assert small.grid == (1, 3, 2) and small.keys_per_split == 256  # 512 keys: two splits of 256
     assert small.constexprs["PRECISION"] == "ieee"
-    assert small.keys_per_split % 64 == 0 and small.num_splits * small.keys_per_split >= 32 * 16
     big = plan_launch((64, 1, 9, 64), (30, 3, 100, 16, 64), (64, 32), jnp.bfloat16)
-    assert big.num_splits == 1 and big.constexprs["PRECISION"] is None
-    # 9,600 keys over 3 kv heads: splits sized from the SMs (a CPU plans for an H100's 132)
-    long = [
-        plan_launch((1, 1, 9, 64), (30, 3, 700, 16, 64), (1, 600), jnp.float32, programs_to_fill=sms)
-        for sms in (None, 132, 108, 12)
-    ]
-    assert [p.num_splits for p in long] == [38, 38, 30, 4] and long[2].grid == (1, 3, 30)
+    assert big.grid == (64, 3, 2) and big.constexprs["PRECISION"] is None
+    # every size but the grid's is the same at any batch, token count and table width
+    sizes = {
+        (p.keys_per_split, p.constexprs["BLOCK_M"], p.constexprs["BLOCK_N"])
+        for p in (small, big, plan_launch((8, 5, 9, 64), (30, 3, 100, 16, 64), (8, 600), jnp.float32))
+    }
+    assert sizes == {(256, 16, 64)}
     multi = plan_launch((2, 16, 8, 128), (2, 1, 10, 8, 128), (2, 4), jnp.float32)
-    assert multi.constexprs["BLOCK_M"] == 64 and multi.grid[1] == 2  # 16 tokens x 8 heads = 2 blocks of 64
+    assert multi.constexprs["BLOCK_M"] == 16 and multi.grid == (2, 8, 1)  # 16 tokens x 8 heads = 8 blocks of 16
     assert min(multi.constexprs["BLOCK_M"], multi.constexprs["BLOCK_N"], 128) >= 16  # tl.dot on GPUs
     with pytest.raises(ValueError, match="head_dim"):
         plan_launch((1, 1, 4, 48), (1, 1, 4, 8, 48), (1, 2), jnp.float32)
+    with pytest.raises(ValueError, match="multiple of the key block"):
+        plan_launch((1, 1, 9, 64), (30, 3, 100, 16, 64), (1, 32), jnp.float32, keys_per_split=100)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_querys_bits_do_not_depend_on_the_batch_the_tokens_or_the_table(dtype):
+    """Batch invariance: the last of 8 verified positions of a row over 3,000 keys gets the same
+    bits alone, among 8 rows of other lengths (a batch), decoded as one token, and over a block
+    table twice as wide. (Before the fixed split size, batch 1 split a 4k table 16 ways, batch 8
+    8 ways, and a verify pass of 8 tokens took blocks of 32 queries by 32 keys: the bits differed.)"""
+    rng = np.random.default_rng(0)
+    page, hkv, group, dh, width, n = 16, 2, 3, 64, 256, 8
+    shape = (1, hkv, 1 + 8 * 2 * width, page, dh)
+    k, v = (jnp.asarray(rng.normal(size=shape), dtype) for _ in range(2))
+    lengths = np.array([3000, 40, 700, 4096, 9, 900, 257, 1100], np.int32)
+    tables = (1 + rng.permutation(8 * 2 * width)).reshape(8, 2 * width).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(8, n, hkv * group, dh)), dtype)
+    pos = (lengths - n)[:, None] + np.arange(n, dtype=np.int32)
+
+    def run(rows, tokens, table_width):
+        t = slice(n - tokens, n)
+        return np.asarray(
+            triton_paged_attention(
+                q[rows, t],
+                k,
+                v,
+                0,
+                jnp.asarray(tables[rows, :table_width]),
+                jnp.asarray(pos[rows, t]),
+                jnp.asarray(lengths[rows]),
+                interpret=True,
+            ),
+            np.float32,
+        )
+
+    batch = run(slice(0, 8), n, width)
+    alone = run(slice(0, 1), n, width)
+    assert np.array_equal(batch[:1], alone)
+    assert np.array_equal(run(slice(0, 1), 1, width)[0, 0], batch[0, -1])  # a decode step of the last position
+    assert np.array_equal(run(slice(0, 1), n, 2 * width), alone)
+    want = reference_paged_attention(q, k, v, 0, jnp.asarray(tables[:, :width]), jnp.asarray(pos), jnp.asarray(lengths))
+    assert_close(batch, want, dtype)
 
 
 def test_merge_of_rows_without_keys_is_zero():

@@ -70,6 +70,9 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
         for got in (five[2], eight[3], twenty[3]):
             np.testing.assert_array_equal(got, alone[0], err_msg=name)
         np.testing.assert_array_equal(twenty[17], call(17, 18)[0], err_msg=name)  # the second row tile
+        last = call(15, 16)[0]  # the last row of a tile (numpy's BLAS gave rows 6-15 other bits)
+        for got in (call(8, 16)[7], twenty[15]):
+            np.testing.assert_array_equal(got, last, err_msg=name)
 
 
 def test_three_matrices_in_one_launch_give_what_each_gives_alone():

@@ -1,7 +1,7 @@
 """The Triton kernels (attention, and the fused products of `triton_linear`: `LINEAR_LAUNCHES`)
 compiled ahead of time for real GPUs, on a machine without one.
 
-Every launch configuration eejax makes (`LAUNCHES`: decode with and without split-K, speculative
+Every launch configuration eejax makes (`LAUNCHES`: decode at batch 1 and 32, speculative
 verification, prefill chunks, T5's relative-position bias, head sizes 64 and 128, fp32 and
 bf16) is compiled with Triton's own compiler for an explicit target (sm_80, sm_90: no device is
 queried) down to a cubin, with the argument types and specialisations jax-triton gives the same
@@ -78,14 +78,14 @@ def _llama(name, batch, tokens, heads, kv_heads, head_dim, dtype, pages=128, **k
 
 LAUNCHES = (
     # SmolLM2-135M: 9 query heads over 3 KV heads, head_dim 64
-    _llama("decode b1 split-K, hd64 gqa3", 1, 1, 9, 3, 64, "bfloat16"),
-    _llama("decode b1 split-K, hd64 gqa3, fp32", 1, 1, 9, 3, 64, "float32"),
+    _llama("decode b1, hd64 gqa3", 1, 1, 9, 3, 64, "bfloat16"),
+    _llama("decode b1, hd64 gqa3, fp32", 1, 1, 9, 3, 64, "float32"),
     _llama("decode b32, hd64 gqa3", 32, 1, 9, 3, 64, "bfloat16"),
     _llama("verify d+1=4 b8, hd64 gqa3", 8, 4, 9, 3, 64, "bfloat16"),
     _llama("verify d+1=4 b8, hd64 gqa3, fp32", 8, 4, 9, 3, 64, "float32"),
     _llama("prefill 256 b1, hd64 gqa3", 1, 256, 9, 3, 64, "bfloat16"),
     # Llama 3 8B: 32 query heads over 8 KV heads, head_dim 128
-    _llama("decode b1 split-K, hd128 gqa4", 1, 1, 32, 8, 128, "bfloat16"),
+    _llama("decode b1, hd128 gqa4", 1, 1, 32, 8, 128, "bfloat16"),
     _llama("decode b32, hd128 gqa4", 32, 1, 32, 8, 128, "bfloat16"),
     _llama("verify d+1=4 b8, hd128 gqa4", 8, 4, 32, 8, 128, "bfloat16"),
     # T5 decoder: multi-head (group 1), head_dim 64, unscaled scores plus the relative-position bias
@@ -125,7 +125,7 @@ def kernel_signature(plan: LaunchPlan, dtype) -> tuple[dict, dict, dict]:
         qpos_ptr="*i32",
         kvlen_ptr="*i32",
         bias_ptr="*fp32",
-        out_ptr="*" + _TRITON_DTYPES[plan.out_dtype],
+        out_ptr="*fp32",
         m_ptr="*fp32",
         l_ptr="*fp32",
     )

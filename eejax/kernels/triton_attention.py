@@ -2,16 +2,21 @@
 interpreter on CPU.
 
 One kernel serves decode (q_len 1) and multi-token steps (speculative verification, chunked
-prefill): a program owns one row, one KV head and a block of query rows (new tokens x the GQA
-group of that KV head, so each key block is loaded once for the whole group), and a range of
-keys (split-K, flash-decoding style: the batch is small, so the keys are split across programs
-and the partial results are merged afterwards). Keys are gathered page by page through the
-block table (a key block may span several pages); masking is causal on absolute positions and
-stops at the row's `kv_len`; online softmax in float32. Optionally T5's relative-position bias:
-the bucket of (key - query) position is computed per score and looked up in a
-[num_buckets, heads] table. With several splits each program writes an unnormalised partial
-(acc, running max m, sum l) and `merge_splits` combines them (rows without keys give zeros); with
-one (a batch that fills the device) the kernel writes the output itself, in its dtype.
+prefill): a program owns one row, one KV head, a block of 16 query rows (new tokens x the GQA
+group of that KV head, so each key block is loaded once for the whole group) and one split of
+the keys (`KEYS_PER_SPLIT` of them, flash-decoding style). Keys are gathered page by page through
+the block table (a key block may span several pages); masking is causal on absolute positions
+and stops at the row's `kv_len`; online softmax in float32. Optionally T5's relative-position
+bias: the bucket of (key - query) position is computed per score and looked up in a
+[num_buckets, heads] table. Each program writes an unnormalised partial (acc, running max m, sum
+l), and `merge_splits` combines them split by split in key order (rows without keys give zeros).
+
+Batch invariance (Thinking Machines' batch-invariant attention: split by a fixed size, not a fixed
+count): the query block (16 rows), the key block and the split's size are constants, never sized
+from the batch, the tokens or the table, and the merge runs in one order, where a split without
+keys for a query leaves its running values exactly as they were. So a query's output has the same
+bits alone, as one of d + 1 verified positions, among 8 rows, in a prefill chunk of any length and
+over a wider block table.
 
 `plan_launch` computes grid, block sizes and strides once for both paths, so the CPU tests
 exercise the same launch arithmetic the GPU runs. triton and jax_triton are imported lazily:
@@ -38,22 +43,18 @@ tl = None  # triton.language, bound by `_kernel` when the kernel is first needed
 constexpr = "constexpr"
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16 on GPUs
-# Keys x head_dim per inner-loop step: 64 keys of 64 dims, 32 of 128, half that for blocks of 64
-# query rows and for T5's bias (a block may span several pages or part of one). The sizes come
-# from `python -m eejax.kernels.aot`: with 4 warps, or 64 keys of 128 dims, ptxas needs 216-255
-# registers per thread and spills; with these it needs 80-190 and spills at most 8 bytes.
+BLOCK_M = MIN_DOT  # query rows a program owns, at any token count: the same MMA shape for every row
+# Keys x head_dim per inner-loop step: 64 keys of 64 dims, 32 of 128, half that with T5's bias (a
+# block may span several pages or part of one). The sizes come from `python -m eejax.kernels.aot`:
+# with 4 warps, or 64 keys of 128 dims, ptxas needs 216-255 registers per thread and spills; with
+# these it needs 80-190 and spills at most 8 bytes.
 KEY_ELEMENTS = 4096
 NUM_WARPS = 8
 NUM_STAGES = 2
-SPLIT_TARGET_PROGRAMS = 132  # programs to fill a device that does not say its SM count: an H100's 132
-
-
-def target_programs() -> int:
-    """Programs that fill the device, one per SM: its SM count on a GPU (`Device.core_count`:
-    132 on an H100, 108 on an A100), else `SPLIT_TARGET_PROGRAMS` (the interpreter, an AOT compile)."""
-    device = jax.devices()[0]
-    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    return int(count) if count else SPLIT_TARGET_PROGRAMS
+# Keys a program takes (a multiple of every key block): fixed, so that where a query's keys are
+# split never depends on the batch or the table's width. At 2k keys a decode step at batch 1 runs
+# 8 programs a KV head.
+KEYS_PER_SPLIT = 256
 
 
 def _paged_attention_kernel(
@@ -101,7 +102,6 @@ def _paged_attention_kernel(
     HALF_BUCKETS: constexpr,
     MAX_EXACT: constexpr,
     NUM_HEADS: constexpr,
-    NORMALIZED: constexpr,
     WINDOW: constexpr,
 ):
     row = tl.program_id(0)
@@ -171,14 +171,10 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out_off = row * stride_ob + split * stride_os + tok * stride_ot + head * stride_oh
-    if NORMALIZED:  # the only split: the output itself, in its dtype (rows that saw no key: 0)
-        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
-        ml_off = row * stride_mb + split * stride_ms + tok * stride_mt + head
-        tl.store(m_ptr + ml_off, m_i, mask=row_ok)
-        tl.store(l_ptr + ml_off, l_i, mask=row_ok)
+    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
+    ml_off = row * stride_mb + split * stride_ms + tok * stride_mt + head
+    tl.store(m_ptr + ml_off, m_i, mask=row_ok)
+    tl.store(l_ptr + ml_off, l_i, mask=row_ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,14 +186,7 @@ class LaunchPlan:
     keys_per_split: int
     scalars: tuple  # the kernel's scalar arguments in order: strides, num_tokens, keys_per_split, scale, bias_log_scale
     constexprs: dict
-    # acc [B, S, T, Hq, Dh] float32; m, l [B, S, T, Hq] float32. One split (`normalized`): the
-    # output [B, 1, T, Hq, Dh] in the inputs' dtype; m and l unused, [1].
-    out_shapes: tuple[tuple[int, ...], ...]
-    out_dtype: str  # acc's: float32, or the inputs' with one split
-
-    @property
-    def normalized(self) -> bool:
-        return bool(self.constexprs["NORMALIZED"])
+    out_shapes: tuple[tuple[int, ...], ...]  # acc [B, S, T, Hq, Dh] float32; m, l [B, S, T, Hq] float32
 
 
 def _strides(shape) -> tuple[int, ...]:
@@ -215,31 +204,28 @@ def plan_launch(
     dtype,
     *,
     interpret: bool = False,
-    num_splits: int | None = None,
+    keys_per_split: int = KEYS_PER_SPLIT,
     scale: float | None = None,
     bias: RelativePositionBias | None = None,
-    programs_to_fill: int | None = None,
     window: int | None = None,
 ) -> LaunchPlan:
     """The launch of `_paged_attention_kernel` for q [B, T, Hq, Dh] over a cache
     [L, Hkv, P, S, Dh] with a block table [B, M]; `interpret` for Triton's CPU interpreter;
-    `scale` of the scores (default Dh^-0.5). Without `num_splits`, the keys are split only as
-    far as B x kv heads x query blocks programs fall short of `programs_to_fill` (default: one
-    per SM of the device, `target_programs`)."""
+    `scale` of the scores (default Dh^-0.5). The keys go in splits of `keys_per_split` (a
+    multiple of the key block), as many as the table's keys need; only the grid depends on the
+    shapes, never a block's size or where a split starts."""
     b, t, hq, dh = q_shape
     _, hkv, _, page, _ = cache_shape
     max_keys = table_shape[1] * page
     group = hq // hkv
     if dh < MIN_DOT or dh != _pow2(dh):
         raise ValueError(f"the Triton attention kernel needs a power-of-two head_dim >= {MIN_DOT}, got {dh}")
-    block_m = max(MIN_DOT, min(_pow2(t * group), 64))
-    block_n = max(MIN_DOT, KEY_ELEMENTS // dh // (2 if block_m > MIN_DOT or bias else 1))
-    m_blocks = math.ceil(t * group / block_m)
-    programs = b * hkv * m_blocks
-    if num_splits is None:  # split the keys only when the batch alone cannot fill the device
-        fill = target_programs() if programs_to_fill is None else programs_to_fill
-        num_splits = max(1, min(fill // programs, math.ceil(max_keys / 256)))
-    keys_per_split = block_n * math.ceil(max_keys / (num_splits * block_n))
+    block_n = max(MIN_DOT, KEY_ELEMENTS // dh // (2 if bias else 1))
+    if keys_per_split < 1 or keys_per_split % block_n:
+        raise ValueError(
+            f"keys_per_split must be a positive multiple of the key block ({block_n}), got {keys_per_split}"
+        )
+    m_blocks = math.ceil(t * group / BLOCK_M)
     num_splits = max(1, math.ceil(max_keys / keys_per_split))
     acc_shape = (b, num_splits, t, hq, dh)
     ml_shape = (b, num_splits, t, hq)
@@ -273,7 +259,7 @@ def plan_launch(
         PAGE=page,
         HEAD_DIM=dh,
         M_BLOCKS=m_blocks,
-        BLOCK_M=block_m,
+        BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
         # fp32 inputs: exact products (no TF32); bf16: tensor cores with the default
         PRECISION="ieee" if jnp.dtype(dtype) == jnp.float32 else None,
@@ -283,29 +269,29 @@ def plan_launch(
         HALF_BUCKETS=bias.half if bias else 1,
         MAX_EXACT=bias.max_exact if bias else 1,
         NUM_HEADS=hq,
-        # One split: the kernel divides by the softmax sum and writes the output; no merge after it.
-        NORMALIZED=num_splits == 1,
         WINDOW=window or 0,
     )
-    one = num_splits == 1
-    return LaunchPlan(
-        (b, hkv * m_blocks, num_splits),
-        num_splits,
-        keys_per_split,
-        scalars,
-        constexprs,
-        (acc_shape, (1,), (1,)) if one else (acc_shape, ml_shape, ml_shape),
-        jnp.dtype(dtype).name if one else "float32",
-    )
+    grid = (b, hkv * m_blocks, num_splits)
+    return LaunchPlan(grid, num_splits, keys_per_split, scalars, constexprs, (acc_shape, ml_shape, ml_shape))
 
 
 def merge_splits(acc, m, l, dtype):
-    """Combines split-K partials: acc [B, S, T, Hq, Dh], m/l [B, S, T, Hq] -> [B, T, Hq, Dh]."""
-    m_max = jnp.max(m, axis=1, keepdims=True)
-    weight = jnp.where(m == -jnp.inf, 0.0, jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)))
-    total = jnp.sum(weight * l, axis=1)
-    out = jnp.sum(weight[..., None] * acc, axis=1)
-    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
+    """Combines the splits' partials split by split in key order: acc [B, S, T, Hq, Dh], m/l
+    [B, S, T, Hq] -> [B, T, Hq, Dh] (zeros where a query saw no key). A split where a query saw no
+    key (m = -inf) leaves its running values as they were, bit for bit, so its output does not
+    depend on how many splits the table has."""
+    run_m, run_l, run_acc = m[:, 0], l[:, 0], acc[:, 0]
+    for s in range(1, acc.shape[1]):
+        m_s, l_s, acc_s = m[:, s], l[:, s], acc[:, s]
+        new = jnp.maximum(run_m, m_s)
+        safe = jnp.where(new == -jnp.inf, 0.0, new)
+        keep, take = jnp.exp(run_m - safe), jnp.exp(m_s - safe)
+        empty = m_s == -jnp.inf
+        run_l = jnp.where(empty, run_l, run_l * keep + l_s * take)
+        run_acc = jnp.where(empty[..., None], run_acc, run_acc * keep[..., None] + acc_s * take[..., None])
+        run_m = new
+    seen = run_l > 0
+    return jnp.where(seen[..., None], run_acc / jnp.where(seen, run_l, 1.0)[..., None], 0.0).astype(dtype)
 
 
 @functools.cache
@@ -322,8 +308,7 @@ def _interpret_on_host(plan: LaunchPlan, q, k, v, layer, table, q_pos, kv_len, b
     """Runs the kernel in Triton's interpreter on torch CPU tensors (numpy in, numpy out)."""
     import torch
 
-    dtypes = (getattr(torch, plan.out_dtype), torch.float32, torch.float32)
-    outs = [torch.zeros(s, dtype=t) for s, t in zip(plan.out_shapes, dtypes)]
+    outs = [torch.zeros(s, dtype=torch.float32) for s in plan.out_shapes]
     args = [host_tensor(x) for x in (q, k, v, np.asarray(layer, np.int32).reshape(1), table, q_pos, kv_len, bias)]
     _kernel(interpret=True)[plan.grid](*args, *interpreter_scalars(plan.scalars), *outs, **plan.constexprs)
     return tuple(host_array(o) for o in outs)
@@ -339,7 +324,7 @@ def triton_paged_attention(
     kv_len,
     *,
     interpret: bool,
-    num_splits: int | None = None,
+    keys_per_split: int = KEYS_PER_SPLIT,
     scale=None,
     bias_table=None,
     bias: RelativePositionBias | None = None,
@@ -353,7 +338,7 @@ def triton_paged_attention(
         block_table.shape,
         q.dtype,
         interpret=interpret,
-        num_splits=num_splits,
+        keys_per_split=keys_per_split,
         scale=scale,
         bias=bias,
         window=window,
@@ -370,9 +355,7 @@ def triton_paged_attention(
         kv_len.astype(jnp.int32),
         bias_table,
     )
-    out_shapes = tuple(
-        jax.ShapeDtypeStruct(s, t) for s, t in zip(plan.out_shapes, (plan.out_dtype, jnp.float32, jnp.float32))
-    )
+    out_shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in plan.out_shapes)
     if interpret:
         acc, m, l = jax.pure_callback(functools.partial(_interpret_on_host, plan), out_shapes, *args)
     else:
@@ -388,6 +371,4 @@ def triton_paged_attention(
             num_stages=NUM_STAGES,
             **plan.constexprs,
         )
-    if plan.normalized:
-        return acc[:, 0]
     return merge_splits(acc, m, l, q.dtype)

@@ -4,7 +4,13 @@ Triton kernels (`triton_attention`, `triton_linear`).
 Triton decides at import time whether its own library functions (tl.max, ...) are compiled or
 interpreted, so a process runs one or the other: the interpreter needs TRITON_INTERPRET=1 before
 triton is first imported, which `import_triton` sets when it imports triton itself. triton is
-imported lazily: jax-triton only imports with a GPU jaxlib."""
+imported lazily: jax-triton only imports with a GPU jaxlib.
+
+The interpreter's `tl.dot` is numpy's matmul, whose BLAS computes a tile's rows in micro-tiles
+(OpenBLAS: a row's bits differ between rows 0-5 and 6-15 of a 16-row tile). A GPU's MMA computes
+every row of a tile the same way, and the kernels' batch invariance rests on that. So the
+interpreter's dot here is `rowwise_dot` (numpy's einsum without BLAS: each output a sum over K in
+one order, whatever row it is in), and the CPU tests see the tile as a GPU computes it."""
 
 from __future__ import annotations
 
@@ -32,7 +38,34 @@ def import_triton(interpret: bool):
             f"cannot run a Triton kernel {mode}: triton was imported with TRITON_INTERPRET="
             f"{os.environ.get('TRITON_INTERPRET', '')!r}; a process runs Triton either compiled or interpreted"
         )
+    if interpret:
+        _dot_by_rows()
     return triton
+
+
+def rowwise_dot(a: np.ndarray, b: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """acc + a @ b ([..., M, K] @ [..., K, N]) with each output summed over K in one order,
+    whatever its row (numpy's einsum, no BLAS), in acc's dtype."""
+    return np.einsum("...mk,...kn->...mn", a, b, dtype=acc.dtype, optimize=False) + acc
+
+
+def _dot_by_rows() -> None:
+    """The interpreter's `tl.dot` as `rowwise_dot` (see the module docstring); 8-bit floats keep
+    the interpreter's own conversion."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "rowwise", False):
+        return
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        if a.data.dtype.itemsize == 1 or b.data.dtype.itemsize == 1:
+            return original(self, a, b, d, *args)
+        return interpreter.TensorHandle(rowwise_dot(a.data, b.data, d.data), d.dtype.scalar)
+
+    create_dot.rowwise = True
+    builder.create_dot = create_dot
 
 
 def host_tensor(x):
