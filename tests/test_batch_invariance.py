@@ -59,7 +59,7 @@ def step_program(config, attention="auto"):
             config, positions, jnp.ones(tokens.shape, bool), block_table, positions[:, -1] + 1, PAGE, attention
         )
         h, cache = llama.run_layers(params, llama.embed(params, tokens), cache, batch, config)
-        return llama.lm_head(params, h, config), cache
+        return llama.lm_head(params, h, config, triton=attention == "triton"), cache
 
     return step
 
@@ -119,8 +119,8 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(config, float_params,
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_the_triton_layers_bf16_logits_do_not_depend_on_the_rows_beside_it():
-    """The GPU's Triton layer (attention="triton": the fused products and the paged-attention
-    kernel, here in Triton's interpreter) on bf16 weights and a bf16 cache: a row's logits are the
+    """The GPU's Triton layer (attention="triton": the fused products, the paged-attention kernel
+    and the fused head, here in Triton's interpreter) on bf16 weights and a bf16 cache: a row's logits are the
     same bits alone, verified, in a batch and as a batch's verify pass (the GPU check compares them
     on a device). A narrow model: the interpreter runs each program in Python."""
     config = LlamaConfig(

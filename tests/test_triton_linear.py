@@ -75,6 +75,33 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
             np.testing.assert_array_equal(got, last, err_msg=name)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_tied_head_reads_the_embeddings_rows_and_gives_float32_logits(dtype):
+    """The final norm + a tied head: e [V, K] read as its rows (`transposed`), float32 logits from
+    x of the model's dtype, the reference's values, and a row's bits the same alone, among 8 and
+    as the last row of a 16-row tile."""
+    w, _, g = weights(dtype)
+    e = jnp.asarray(np.asarray(w, np.float32).T, dtype)  # [N, K]: the embedding's layout
+    x = rows(20, 5).astype(dtype)
+
+    def head(lo, hi):
+        y = fused_linear(x[lo:hi], e, norm_weight=g, transposed=True, out_dtype=jnp.float32, interpret=True)
+        assert y.dtype == jnp.float32 and y.shape == (hi - lo, N)
+        return np.asarray(y)
+
+    want = jnp.dot(rms_norm(x.astype(jnp.float32), g, 1e-5), e.astype(jnp.float32).T, precision=HIGHEST)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    twenty = head(0, 20)
+    np.testing.assert_allclose(twenty, np.asarray(want), rtol=tol, atol=tol)
+    for lo, hi, at in ((3, 4, 0), (0, 8, 3), (0, 20, 3)):
+        np.testing.assert_array_equal(head(lo, hi)[at], twenty[3])
+    np.testing.assert_array_equal(head(15, 16)[0], twenty[15])
+    with pytest.raises(EejaxError, match=r"needs matrices \[N, 80\]"):
+        fused_linear(x, w, transposed=True, interpret=True)
+    with pytest.raises(EejaxError, match="takes no w_up"):
+        fused_linear(x, e, w_up=e, transposed=True, interpret=True)
+
+
 def test_three_matrices_in_one_launch_give_what_each_gives_alone():
     """q, k and v in one launch (their column tiles side by side): each output's bits are those of
     its matrix alone, with the norm fused in, at 1 and 5 rows."""
@@ -100,6 +127,10 @@ def test_the_tile_never_depends_on_the_row_count_and_shapes_are_checked():
             assert plan.constexprs["BLOCK_M"] == BLOCK_M and plan.grid[0] == -(-n_rows // BLOCK_M)
             assert plan.constexprs["BLOCK_N"] == (32 if gated and weight_bytes == 4 else 64)
             assert plan.scalars[-1].dtype == np.float32  # jax-triton would type a Python float as fp64
+        for weight_bytes, block_n in ((4, 32), (2, 64)):  # a tied head's rows
+            plan = plan_linear(n_rows, K, (N,), norm=True, gated=False, residual=False, upcast=False, eps=1e-5,
+                               weight_bytes=weight_bytes, transposed=True)  # fmt: skip
+            assert plan.constexprs["BLOCK_N"] == block_n and plan.constexprs["TRANSPOSED"]
     w, up, _ = weights()
     with pytest.raises(EejaxError, match="needs matrices"):
         fused_linear(rows(2, 0), w.T, interpret=True)
@@ -109,8 +140,9 @@ def test_the_tile_never_depends_on_the_row_count_and_shapes_are_checked():
 
 def test_the_triton_layer_decodes_a_tiny_llama_as_the_reference_does(tiny_model, monkeypatch):
     """attention="triton" runs the decode layer's products as the fused kernels (RMSNorm + q, k
-    and v in one launch; o + residual; RMSNorm + gate/up + SiLU·mul; down + residual) in prefill,
-    decode steps and speculation rounds: the same tokens as the reference path."""
+    and v in one launch; o + residual; RMSNorm + gate/up + SiLU·mul; down + residual) and the
+    final norm + head as one, in prefill, decode steps and speculation rounds: the same tokens as
+    the reference path."""
     import eejax
     from eejax.kernels import triton_linear
     from eejax.models import llama
@@ -130,4 +162,5 @@ def test_the_triton_layer_decodes_a_tiny_llama_as_the_reference_does(tiny_model,
     want = eejax.generate(model, prompts, attention="reference", **kw).tokens
     assert not forms  # the reference path takes XLA's products
     assert eejax.generate(model, prompts, attention="triton", spec="1:2", **kw).tokens == want
-    assert set(forms) == {(3, "norm_weight"), (1, "residual"), (1, "norm_weight", "w_up")}
+    head = (1, "norm_weight", "out_dtype", "transposed")  # this model's head is untied: [D, V]
+    assert set(forms) == {(3, "norm_weight"), (1, "residual"), (1, "norm_weight", "w_up"), head}

@@ -229,7 +229,7 @@ def _verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters
     else:
         tokens, m = drafts.tokens, model_module(config)
         h, cache = m.run_layers(params, drafts.hidden, cache, batch, config, e, num_layers)
-        logits = m.lm_head(params, h, config)  # [B, d+1, V]
+        logits = m.lm_head(params, h, config, triton=attention == "triton")  # [B, d+1, V]
         if options.penalties:  # each position as if the drafts before it were emitted
             logits = apply_to_positions(logits, state.sampling, state.counts, tokens[:, 1:t])
         n, new = greedy_accept(logits, tokens[:, 1:])  # [B], [B, t]

@@ -102,7 +102,7 @@ def prefill(
     batch = m.token_batch(config, positions, valid, block_table, lengths, cache.page_size, options.attention)
     h, cache = m.run_layers(params, m.embed(params, tokens), cache, batch, config)
     last = h[jnp.arange(b), jnp.maximum(lengths - offset - 1, 0)]
-    logits = m.lm_head(params, last, config)
+    logits = m.lm_head(params, last, config, triton=options.attention == "triton")
     if options.penalties:
         logits = apply_penalties(logits, sampling, counts)
     first = sample(logits, token_keys(keys, start, SAMPLE), sampling, sampler)
@@ -269,7 +269,7 @@ def decode_and_hidden(params, cache: KVCache, state: DecodeState, block_table, *
     if exit_config is None:
         h, cache = m.run_layers(params, h, cache, batch, config)
         hidden = h[:, 0]
-        logits = m.lm_head(params, hidden, config)
+        logits = m.lm_head(params, hidden, config, triton=attention == "triton")
         exit_layer = confident = jnp.full(active.shape, config.num_layers, jnp.int32)
     else:
         threshold = exit_threshold(exit_config, state.position, state.start + state.limit)

@@ -241,8 +241,9 @@ def compile_launch(launch: Launch, arch: int) -> KernelBuild:
 
 @dataclasses.dataclass(frozen=True)
 class LinearLaunch:
-    """One `triton_linear.fused_linear` configuration: rows of x [rows, k] against w [k, n] of
-    `dtype`, with the norm, the gated pair or the residual fused in."""
+    """One `triton_linear.fused_linear` configuration: rows of x [rows, k] against w [k, n] (or
+    [n, k] `transposed`: a tied head) of `dtype`, with the norm, the gated pair or the residual
+    fused in."""
 
     name: str
     rows: int
@@ -252,10 +253,12 @@ class LinearLaunch:
     norm: bool = False
     gated: bool = False
     residual: bool = False
+    transposed: bool = False
 
 
 def _linears(dtype: str) -> list[LinearLaunch]:
-    """SmolLM2-135M's decode-layer products (D 576, F 1536, vocabulary 49152) at 1 and 64 rows."""
+    """SmolLM2-135M's decode-layer products and its tied head (D 576, F 1536, vocabulary 49152) at
+    1 and 64 rows."""
     short = "bf16" if dtype == "bfloat16" else "fp32"
     found = []
     for rows in (1, 64):
@@ -264,6 +267,9 @@ def _linears(dtype: str) -> list[LinearLaunch]:
             LinearLaunch(f"linear o+residual {short} x{rows}", rows, 576, (576,), dtype, residual=True),
             LinearLaunch(f"linear norm+gate/up {short} x{rows}", rows, 576, (1536,), dtype, norm=True, gated=True),
             LinearLaunch(f"linear down+residual {short} x{rows}", rows, 1536, (576,), dtype, residual=True),
+            LinearLaunch(
+                f"linear norm+tied head {short} x{rows}", rows, 576, (49152,), dtype, norm=True, transposed=True
+            ),  # fmt: skip
         ]
     return found
 
@@ -282,7 +288,7 @@ def compile_linear(launch: LinearLaunch, arch: int) -> KernelBuild:
 
     plan = triton_linear.plan_linear(
         launch.rows, launch.k, launch.ns, norm=launch.norm, gated=launch.gated, residual=launch.residual,
-        upcast=False, eps=1e-5, weight_bytes=jnp.dtype(launch.dtype).itemsize,
+        upcast=False, eps=1e-5, weight_bytes=jnp.dtype(launch.dtype).itemsize, transposed=launch.transposed,
     )  # fmt: skip
     base = dict(
         launch=launch.name,

@@ -3,7 +3,8 @@ rows get the same bits at any number of rows: launched through jax-triton on CUD
 Triton's interpreter on CPU (as `triton_attention`).
 
     fused_linear(x, w)                                  x @ w
-    fused_linear(x, w, norm_weight=g)                   RMSNorm(x) * g @ w         (the head)
+    fused_linear(x, w, norm_weight=g)                   RMSNorm(x) * g @ w
+    fused_linear(x, e, norm_weight=g, transposed=True)  RMSNorm(x) * g @ e.T       (a tied head: e [V, D])
     fused_linears(x, [wq, wk, wv], norm_weight=g)       n @ wq, n @ wk, n @ wv     (q, k, v: one launch)
     fused_linear(x, w, norm_weight=g, w_up=u)           silu(n @ w) * (n @ u)      (gate/up + SiLU·mul)
     fused_linear(x, w, residual=h)                      h + x @ w                  (o, down)
@@ -62,6 +63,7 @@ def _fused_linear_kernel(
     MATRICES: constexpr,
     GATED: constexpr,
     RESIDUAL: constexpr,
+    TRANSPOSED: constexpr,
     UPCAST: constexpr,
     BLOCK_M: constexpr,
     BLOCK_N: constexpr,
@@ -98,7 +100,10 @@ def _fused_linear_kernel(
         if NORM:
             g = tl.load(g_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             a = a * inv[:, None] * g[None, :]
-        w_tile = (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :]
+        if TRANSPOSED:  # w [N, K]: column n of the product is row n of w
+            w_tile = offs_n.to(tl.int64)[None, :] * K + (k0 + offs_k)[:, None]
+        else:
+            w_tile = (k0 + offs_k).to(tl.int64)[:, None] * n + offs_n[None, :]
         w_ok = k_ok[:, None] & n_ok[None, :]
         w = tl.load(w_base + w_tile, mask=w_ok, other=0.0)
         if UPCAST:  # Triton's interpreter multiplies bf16 bit patterns in tl.dot: use f32 there
@@ -139,14 +144,18 @@ def plan_linear(
     upcast: bool,
     eps: float,
     weight_bytes: int,
+    transposed: bool = False,
 ):
     """The launch of `fused_linears` over `rows` rows of x [rows, k] and one to three matrices
-    [k, n] (`ns`: their n) of `weight_bytes` a value, their column tiles side by side in one grid.
-    A gated pair of fp32 tiles takes BLOCK_N / 2 columns (two accumulators and two fp32 weight
-    tiles of 64 columns spill on sm_80); the tile never depends on `rows`."""
-    if not 1 <= len(ns) <= 3 or (len(ns) > 1 and (gated or residual)):
-        raise EejaxError("fused_linears: one to three matrices, several only without w_up or a residual")
-    block_n = BLOCK_N // 2 if gated and weight_bytes == 4 else BLOCK_N
+    [k, n] (`ns`: their n; one [n, k] when `transposed`) of `weight_bytes` a value, their column
+    tiles side by side in one grid. A gated pair of fp32 tiles, and a transposed fp32 tile, take
+    BLOCK_N / 2 columns (with 64, ptxas spills on sm_80: 892 and 80 bytes); the tile never
+    depends on `rows`."""
+    if not 1 <= len(ns) <= 3 or (len(ns) > 1 and (gated or residual or transposed)):
+        raise EejaxError("fused_linears: one to three matrices, several only without w_up, a residual or transposed")
+    if transposed and gated:
+        raise EejaxError("fused_linears: a transposed matrix takes no w_up")
+    block_n = BLOCK_N // 2 if (gated or transposed) and weight_bytes == 4 else BLOCK_N
     tiles = sum((n + block_n - 1) // block_n for n in ns)
     grid = ((rows + BLOCK_M - 1) // BLOCK_M, tiles)
     constexprs = dict(
@@ -154,6 +163,7 @@ def plan_linear(
         MATRICES=len(ns),
         GATED=gated,
         RESIDUAL=residual,
+        TRANSPOSED=transposed,
         UPCAST=upcast,
         BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
@@ -191,31 +201,44 @@ def _interpret_on_host(launch: LinearLaunch, out_dtype: str, x, g, w, w2, w3, u,
 
 
 def fused_linears(
-    x, ws, *, norm_weight=None, eps: float = 1e-5, w_up=None, residual=None, interpret: bool = False
+    x,
+    ws,
+    *,
+    norm_weight=None,
+    eps: float = 1e-5,
+    w_up=None,
+    residual=None,
+    transposed: bool = False,
+    out_dtype=None,
+    interpret: bool = False,
 ) -> list:
     """x [..., K] against each of `ws` (one to three [K, N_i]: a layer's q, k and v) in one kernel
     launch (see the module's table): RMSNorm of x first when `norm_weight` [K] is given;
     silu(x @ w) * (x @ w_up) when `w_up` [K, N] is (one matrix); + `residual` [..., N] when it is
-    (one matrix). float32 accumulation; the results in x's dtype. A matrix's outputs are those it
-    gets alone. `interpret`: Triton's interpreter on the host (CPU), else jax-triton (CUDA)."""
+    (one matrix); `transposed`: one matrix held as [N, K] (a tied head's embedding). float32
+    accumulation; the results in `out_dtype` (default x's). A matrix's outputs are those it gets
+    alone. `interpret`: Triton's interpreter on the host (CPU), else jax-triton (CUDA)."""
     *lead, k = x.shape
     ws = list(ws)
     for w in ws:
-        if w.ndim != 2 or w.shape[0] != k or w.dtype != ws[0].dtype:
-            raise EejaxError(f"fused_linears: x [..., {k}] needs matrices [{k}, N] of one dtype, got {w.shape}")
+        if w.ndim != 2 or w.shape[transposed] != k or w.dtype != ws[0].dtype:
+            want = f"[N, {k}]" if transposed else f"[{k}, N]"
+            raise EejaxError(f"fused_linears: x [..., {k}] needs matrices {want} of one dtype, got {w.shape}")
+    n_of = [w.shape[0] if transposed else w.shape[1] for w in ws]
     if w_up is not None and w_up.shape != ws[0].shape:
         raise EejaxError(f"fused_linears: w_up must be w's shape {ws[0].shape}, got {w_up.shape}")
     rows = int(np.prod(lead, dtype=np.int64))
     launch = plan_linear(
         rows,
         k,
-        tuple(w.shape[1] for w in ws),
+        tuple(n_of),
         norm=norm_weight is not None,
         gated=w_up is not None,
         residual=residual is not None,
         upcast=interpret and ws[0].dtype != jnp.float32,
         eps=eps,
         weight_bytes=jnp.dtype(ws[0].dtype).itemsize,
+        transposed=transposed,
     )
     absent = jnp.zeros((1,), jnp.float32)
     absent_w = jnp.zeros((1, 1), ws[0].dtype)  # (another matrix's pointer: never read)
@@ -227,9 +250,10 @@ def fused_linears(
         absent_w if w_up is None else w_up,
         absent if residual is None else residual.reshape(rows, -1),
     )
-    outs = tuple(jax.ShapeDtypeStruct(shape, x.dtype) for shape in _out_shapes(launch))
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    outs = tuple(jax.ShapeDtypeStruct(shape, out_dtype) for shape in _out_shapes(launch))
     if interpret:
-        host = functools.partial(_interpret_on_host, launch, jnp.dtype(x.dtype).name)
+        host = functools.partial(_interpret_on_host, launch, out_dtype.name)
         ys = jax.pure_callback(host, outs, *args)
     else:
         import jax_triton
@@ -244,9 +268,9 @@ def fused_linears(
             num_stages=NUM_STAGES,
             **launch.constexprs,
         )
-    return [y.reshape(*lead, w.shape[1]) for y, w in zip(ys, ws)]
+    return [y.reshape(*lead, n) for y, n in zip(ys, n_of)]
 
 
 def fused_linear(x, w, **options):
-    """`fused_linears` of one matrix w [K, N] -> [..., N]."""
+    """`fused_linears` of one matrix w [K, N] (or [N, K] `transposed`) -> [..., N]."""
     return fused_linears(x, [w], **options)[0]

@@ -393,10 +393,24 @@ def decoder_layers(params) -> dict:
     return params["layers"]
 
 
-def lm_head(params, h, config: LlamaConfig, weight=None):
-    """Final norm + LM head: hidden [..., D] -> float32 logits [..., V] (`Llama.logits`)."""
-    head = {k: params[k] for k in ("final_norm", "embed" if config.tie_embeddings else "lm_head")}
-    return Llama(config).apply({"params": head}, h, weight, method="logits")
+def lm_head(params, h, config: LlamaConfig, weight=None, triton: bool = False):
+    """Final norm + LM head: hidden [..., D] -> float32 logits [..., V] (`Llama.logits`).
+    `triton` (the Triton layer's steps): the full head of float weights as one fused kernel
+    (`triton_linear`: the norm in, a tied head read as the embedding's rows), whose row's logits
+    do not depend on the rows beside it; a reduced head (`weight`) or blocks keep XLA's."""
+    name = "embed" if config.tie_embeddings else "lm_head"
+    w = params[name]
+    if triton and weight is None and isinstance(w, jax.Array):
+        return fused_linear(
+            h,
+            w,
+            norm_weight=params["final_norm"],
+            eps=config.rms_norm_eps,
+            transposed=config.tie_embeddings,
+            out_dtype=jnp.float32,
+            interpret=backend() != "gpu",
+        )
+    return Llama(config).apply({"params": {"final_norm": params["final_norm"], name: w}}, h, weight, method="logits")
 
 
 def quantize_weights(params, quantize) -> dict:

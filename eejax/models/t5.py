@@ -409,9 +409,9 @@ def forward_states(params, tokens, lengths, config: T5Config, skip=None, context
     return scan_states(layer, embed(params, tokens), layers, skip)
 
 
-def lm_head(params, h, config: T5Config, weight=None):
+def lm_head(params, h, config: T5Config, weight=None, triton: bool = False):
     """Decoder final norm (+ v1.0's d_model^-0.5 scaling) + head: [..., D] -> float32 [..., V]
-    (`T5.logits`); `weight` as in `llama.lm_head`."""
+    (`T5.logits`); `weight` as in `llama.lm_head`. T5 has no Triton head: `triton` changes nothing."""
     head = {
         "decoder": {"final_norm": params["decoder"]["final_norm"]},
         **{k: params[k] for k in ("embed" if config.tie_embeddings else "lm_head",)},
