@@ -135,8 +135,9 @@ if wanted split; then
   cp $BENCH_OUT/full_depth_split_bfloat16.json "$OUT_DIR/json/full_depth_split.json" 2>/dev/null
 fi
 # The Triton layer (attention="triton": the attention kernel and kernels/triton_linear.py's fused
-# products, four launches a layer) against the default, bf16 and fp32 at batch 1 and 8: whether "auto" may
-# take it. Its tokens are checked in the interpreter on CPU (tests/test_triton_linear.py).
+# products, four launches a layer, and the fused head) against the default, bf16 and fp32 at batch 1 and 8:
+# whether "auto" may take it. Its tokens and bits are checked in the interpreter on CPU and on the device by
+# the tests step (tests/test_triton_layer.py).
 if wanted triton && [ $LIMIT = 0 ]; then
   for dtype in bfloat16 float32; do
     step "full depth ($dtype) with the Triton layer, paired with the default"
@@ -189,7 +190,10 @@ fi
 
 if wanted tests; then
   step "tests on the device"
-  run tests.log 150 python3 -m pytest -q -p no:cacheprovider "${TESTS[@]}" tests/test_speculative.py tests/test_draft_head.py
+  # test_triton_layer.py: the Triton layer compiled, its bits compared on the device (batch invariance,
+  # bf16 speculation equal to full depth bit for bit)
+  run tests.log 150 python3 -m pytest -q -p no:cacheprovider "${TESTS[@]}" tests/test_speculative.py tests/test_draft_head.py \
+    tests/test_triton_layer.py
   echo "tests: $(tail -1 "$OUT_DIR/tests.log")" | tee -a "$OUT_DIR/steps.log"
   run tests_quantized.log 60 python3 -m pytest -q -p no:cacheprovider "${TESTS[@]}" tests/test_quantized.py \
     -k "dequantised_float_model or lossless_modes or kv_fill_run or prompt_activations"

@@ -5,7 +5,6 @@ for float32 weights and GGUF blocks with each activation mode; the pieces that m
 integer activations token-identical to full depth."""
 
 import functools
-import importlib.util
 
 import hypothesis.strategies as st
 import jax
@@ -115,56 +114,6 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(config, float_params,
     for how in ("verify", "batch", "batch verify"):
         differing = int((got[how] != got["alone"]).any(-1).sum())
         assert differing == 0, f"{weights}, {how}: {differing} of {ROWS * NEW} positions differ from alone"
-
-
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-
-
-@needs_triton
-def test_the_triton_layers_bf16_logits_do_not_depend_on_the_rows_beside_it():
-    """The GPU's Triton layer (attention="triton": the fused products, the paged-attention kernel
-    and the fused head, here in Triton's interpreter) on bf16 weights and a bf16 cache: a row's logits are the
-    same bits alone, verified, in a batch and as a batch's verify pass (the GPU check compares them
-    on a device). A narrow model: the interpreter runs each program in Python."""
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=6,
-        num_kv_heads=2,
-        head_dim=32,
-        max_position_embeddings=128,
-        tie_embeddings=True,
-    )
-    params = llama.init_params(config, jax.random.PRNGKey(2), scale=0.1, dtype=jnp.bfloat16)
-    got = logits_four_ways(config, llama.with_layer_buffers(params), "triton", jnp.bfloat16)
-    for how in ("verify", "batch", "batch verify"):
-        differing = int((got[how] != got["alone"]).any(-1).sum())
-        assert differing == 0, f"triton bf16, {how}: {differing} of {ROWS * NEW} positions differ from alone"
-
-
-@needs_triton
-def test_bf16_speculation_on_the_triton_layer_gives_full_depths_log_probs_bit_for_bit(tiny_model):
-    """bf16 weights and cache on the Triton layer: self-speculation emits full depth's tokens, and
-    each token's log-prob (from a verify pass's logits there, a decode step's here) is the same
-    float. Three rows at once, so a row's verify pass runs beside the others' positions."""
-    from eejax.engine.engine import Engine
-
-    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                          tiny_model.params)  # fmt: skip
-    model = eejax.Model(tiny_model.config, params)
-
-    def run(spec):
-        engine = Engine(model, max_slots=3, max_new_tokens=8, cache_budget="1MiB", page_size=8, attention="triton")
-        seqs = [engine.submit(p, max_new_tokens=8, logprobs=0, spec=spec) for p in random_prompts(3, [5, 12, 9], 11)]
-        engine.run()
-        return [(s.tokens, s.token_logprobs) for s in seqs]
-
-    want = run(None)
-    assert sum(len(tokens) for tokens, _ in want) > 12
-    for spec in ("1:2", "2:3"):
-        assert run(spec) == want, spec
 
 
 @settings(max_examples=12, deadline=None)

@@ -136,31 +136,3 @@ def test_the_tile_never_depends_on_the_row_count_and_shapes_are_checked():
         fused_linear(rows(2, 0), w.T, interpret=True)
     with pytest.raises(EejaxError, match="w_up must be"):
         fused_linear(rows(2, 0), w, w_up=up[:, :8], interpret=True)
-
-
-def test_the_triton_layer_decodes_a_tiny_llama_as_the_reference_does(tiny_model, monkeypatch):
-    """attention="triton" runs the decode layer's products as the fused kernels (RMSNorm + q, k
-    and v in one launch; o + residual; RMSNorm + gate/up + SiLU·mul; down + residual) and the
-    final norm + head as one, in prefill, decode steps and speculation rounds: the same tokens as
-    the reference path."""
-    import eejax
-    from eejax.kernels import triton_linear
-    from eejax.models import llama
-    from tests.helpers import random_prompts
-
-    forms = []
-
-    def spy(x, ws, **kw):
-        forms.append((len(ws), *sorted(k for k, v in kw.items() if v is not None and k not in ("eps", "interpret"))))
-        return triton_linear.fused_linears(x, ws, **kw)
-
-    monkeypatch.setattr(llama, "fused_linears", spy)
-    monkeypatch.setattr(llama, "fused_linear", lambda x, w, **kw: spy(x, [w], **kw)[0])
-    model = eejax.Model(tiny_model.config, tiny_model.params)  # its own programs: traced here, with the spy
-    prompts = random_prompts(3, [5, 12, 9], seed=11)
-    kw = dict(max_new_tokens=4, ignore_eos=True)
-    want = eejax.generate(model, prompts, attention="reference", **kw).tokens
-    assert not forms  # the reference path takes XLA's products
-    assert eejax.generate(model, prompts, attention="triton", spec="1:2", **kw).tokens == want
-    head = (1, "norm_weight", "out_dtype", "transposed")  # this model's head is untied: [D, V]
-    assert set(forms) == {(3, "norm_weight"), (1, "residual"), (1, "norm_weight", "w_up"), head}
