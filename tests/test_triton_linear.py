@@ -102,6 +102,38 @@ def test_a_tied_head_reads_the_embeddings_rows_and_gives_float32_logits(dtype):
         fused_linear(x, e, w_up=e, transposed=True, interpret=True)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_q_and_k_rotated_in_the_launch_are_the_rotation_of_the_products(dtype):
+    """rope=(cos, sin): q and k come out rotated per head (as `apply_rope` rotates the products),
+    v as it is; a row's bits are its own alone, among 5 and as the last row of a tile."""
+    from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
+
+    rng = np.random.default_rng(6)
+    dh, k = 32, BLOCK_K + 16
+    wq, wk, wv = (jnp.asarray(rng.normal(size=(k, n)) * 0.1, dtype) for n in (4 * dh, 2 * dh, 2 * dh))
+    g = jnp.asarray(rng.normal(size=(k,)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(16, k)), jnp.float32)
+    cos, sin = rope_tables(jnp.asarray(rng.integers(0, 500, (16,)), jnp.int32), inv_frequencies(dh, 10000.0, None))
+
+    def call(lo, hi):
+        outs = fused_linears(x[lo:hi], [wq, wk, wv], norm_weight=g, rope=(cos[lo:hi], sin[lo:hi]), interpret=True)
+        return [np.asarray(o) for o in outs]
+
+    q, kk, v = call(0, 16)
+    plain = fused_linears(x, [wq, wk, wv], norm_weight=g, interpret=True)
+    for got, want, heads in ((q, plain[0], 4), (kk, plain[1], 2)):
+        rotated = apply_rope(want.astype(jnp.float32).reshape(16, 1, heads, dh), cos[:, None], sin[:, None])
+        np.testing.assert_allclose(got, np.asarray(rotated).reshape(16, -1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(v, np.asarray(plain[2]))
+    for lo, hi, at in ((3, 4, 0), (1, 6, 2), (0, 8, 3)):
+        for got, whole in zip(call(lo, hi), (q, kk, v)):
+            np.testing.assert_array_equal(got[at], whole[3])
+    for got, whole in zip(call(15, 16), (q, kk, v)):
+        np.testing.assert_array_equal(got[0], whole[15])
+    with pytest.raises(EejaxError, match="rope takes q, k and v alone"):
+        fused_linears(x, [wq, wk], rope=(cos, sin), interpret=True)
+
+
 def test_three_matrices_in_one_launch_give_what_each_gives_alone():
     """q, k and v in one launch (their column tiles side by side): each output's bits are those of
     its matrix alone, with the norm fused in, at 1 and 5 rows."""

@@ -254,6 +254,7 @@ class LinearLaunch:
     gated: bool = False
     residual: bool = False
     transposed: bool = False
+    head_dim: int = 0  # the rotation fused in (q and k), per head of this many columns
 
 
 def _linears(dtype: str) -> list[LinearLaunch]:
@@ -264,6 +265,9 @@ def _linears(dtype: str) -> list[LinearLaunch]:
     for rows in (1, 64):
         found += [
             LinearLaunch(f"linear norm+qkv {short} x{rows}", rows, 576, (576, 192, 192), dtype, norm=True),
+            LinearLaunch(
+                f"linear norm+qkv+rope {short} x{rows}", rows, 576, (576, 192, 192), dtype, norm=True, head_dim=64
+            ),  # fmt: skip
             LinearLaunch(f"linear o+residual {short} x{rows}", rows, 576, (576,), dtype, residual=True),
             LinearLaunch(f"linear norm+gate/up {short} x{rows}", rows, 576, (1536,), dtype, norm=True, gated=True),
             LinearLaunch(f"linear down+residual {short} x{rows}", rows, 1536, (576,), dtype, residual=True),
@@ -289,6 +293,7 @@ def compile_linear(launch: LinearLaunch, arch: int) -> KernelBuild:
     plan = triton_linear.plan_linear(
         launch.rows, launch.k, launch.ns, norm=launch.norm, gated=launch.gated, residual=launch.residual,
         upcast=False, eps=1e-5, weight_bytes=jnp.dtype(launch.dtype).itemsize, transposed=launch.transposed,
+        head_dim=launch.head_dim,
     )  # fmt: skip
     base = dict(
         launch=launch.name,
@@ -302,7 +307,8 @@ def compile_linear(launch: LinearLaunch, arch: int) -> KernelBuild:
         params = list(inspect.signature(triton_linear._fused_linear_kernel).parameters)
         weights = "*" + _TRITON_DTYPES[launch.dtype]
         arrays = dict(x_ptr="*fp32", g_ptr="*fp32", w_ptr=weights, w2_ptr=weights, w3_ptr=weights, u_ptr=weights,
-                      r_ptr="*fp32", y_ptr="*fp32", y2_ptr="*fp32", y3_ptr="*fp32")  # fmt: skip
+                      r_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", y_ptr="*fp32", y2_ptr="*fp32",
+                      y3_ptr="*fp32")  # fmt: skip
         values = dict(zip(("M", "K", "N", "N2", "N3", "eps"), plan.scalars))
         known = dict(plan.constexprs)  # and, as jax-triton specialises them, integer scalars equal to 1
         known.update({n: 1 for n, v in values.items() if triton_type(v).startswith("i") and v == 1})

@@ -6,6 +6,8 @@ Triton's interpreter on CPU (as `triton_attention`).
     fused_linear(x, w, norm_weight=g)                   RMSNorm(x) * g @ w
     fused_linear(x, e, norm_weight=g, transposed=True)  RMSNorm(x) * g @ e.T       (a tied head: e [V, D])
     fused_linears(x, [wq, wk, wv], norm_weight=g)       n @ wq, n @ wk, n @ wv     (q, k, v: one launch)
+    fused_linears(x, [wq, wk, wv], norm_weight=g,       rope(n @ wq), rope(n @ wk), n @ wv
+                  rope=(cos, sin))                      (q and k rotated per head: the rotary tables)
     fused_linear(x, w, norm_weight=g, w_up=u)           silu(n @ w) * (n @ u)      (gate/up + SiLU·mul)
     fused_linear(x, w, residual=h)                      h + x @ w                  (o, down)
 
@@ -50,6 +52,8 @@ def _fused_linear_kernel(
     w3_ptr,
     u_ptr,
     r_ptr,
+    cos_ptr,
+    sin_ptr,
     M,
     K,
     N,
@@ -64,22 +68,25 @@ def _fused_linear_kernel(
     GATED: constexpr,
     RESIDUAL: constexpr,
     TRANSPOSED: constexpr,
+    ROPE: constexpr,
     UPCAST: constexpr,
     BLOCK_M: constexpr,
     BLOCK_N: constexpr,
     BLOCK_K: constexpr,
 ):
-    # The column tiles of up to three matrices (q, k, v) in one grid: this program's matrix.
+    # The column tiles of up to three matrices (q, k, v) in one grid: this program's matrix. With
+    # ROPE a tile is a head: its two halves (BLOCK_N columns each), which the rotation pairs.
+    COLUMNS = 2 * BLOCK_N if ROPE else BLOCK_N
     tile = tl.program_id(1)
-    w_base, y_base, n = w_ptr, y_ptr, N
+    w_base, y_base, n, matrix = w_ptr, y_ptr, N, 0
     if MATRICES > 1:
-        first, second = tl.cdiv(N, BLOCK_N), tl.cdiv(N2, BLOCK_N)
+        first, second = tl.cdiv(N, COLUMNS), tl.cdiv(N2, COLUMNS)
         if tile >= first + second:
-            w_base, y_base, n, tile = w3_ptr, y3_ptr, N3, tile - first - second
+            w_base, y_base, n, tile, matrix = w3_ptr, y3_ptr, N3, tile - first - second, 2
         elif tile >= first:
-            w_base, y_base, n, tile = w2_ptr, y2_ptr, N2, tile - first
+            w_base, y_base, n, tile, matrix = w2_ptr, y2_ptr, N2, tile - first, 1
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile * COLUMNS + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = offs_m < M, offs_n < n
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * K
@@ -92,7 +99,7 @@ def _fused_linear_kernel(
             squares += tl.sum(a * a, axis=1)
         inv = 1.0 / tl.sqrt(squares / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if GATED:
+    if GATED or ROPE:  # the up product, or the head's second half
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = k0 + offs_k < K
@@ -110,8 +117,8 @@ def _fused_linear_kernel(
             w = w.to(tl.float32)
         a = a.to(w.dtype)
         acc += tl.dot(a, w, input_precision="ieee")
-        if GATED:
-            up = tl.load(u_ptr + w_tile, mask=w_ok, other=0.0)
+        if GATED or ROPE:
+            up = tl.load((u_ptr + w_tile) if GATED else (w_base + w_tile + BLOCK_N), mask=w_ok, other=0.0)
             if UPCAST:
                 up = up.to(tl.float32)
             acc_up += tl.dot(a, up, input_precision="ieee")
@@ -119,6 +126,18 @@ def _fused_linear_kernel(
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     out = offs_m.to(tl.int64)[:, None] * n + offs_n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
+    if ROPE:  # rotate half (HF Llama): q and k's halves x1, x2 -> x1 cos - x2 sin, x2 cos + x1 sin
+        half = offs_m.to(tl.int64)[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :]
+        rows_ok = m_ok[:, None]
+        cos_lo = tl.load(cos_ptr + half, mask=rows_ok, other=0.0)
+        sin_lo = tl.load(sin_ptr + half, mask=rows_ok, other=0.0)
+        cos_hi = tl.load(cos_ptr + half + BLOCK_N, mask=rows_ok, other=0.0)
+        sin_hi = tl.load(sin_ptr + half + BLOCK_N, mask=rows_ok, other=0.0)
+        rotate = matrix < 2
+        lo = tl.where(rotate, acc * cos_lo - acc_up * sin_lo, acc)
+        hi = tl.where(rotate, acc_up * cos_hi + acc * sin_hi, acc_up)
+        tl.store(y_base + out + BLOCK_N, hi.to(y_ptr.dtype.element_ty), mask=ok)
+        acc = lo
     if RESIDUAL:
         acc += tl.load(r_ptr + out, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_base + out, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -145,18 +164,27 @@ def plan_linear(
     eps: float,
     weight_bytes: int,
     transposed: bool = False,
+    head_dim: int = 0,
 ):
     """The launch of `fused_linears` over `rows` rows of x [rows, k] and one to three matrices
     [k, n] (`ns`: their n; one [n, k] when `transposed`) of `weight_bytes` a value, their column
     tiles side by side in one grid. A gated pair of fp32 tiles, and a transposed fp32 tile, take
-    BLOCK_N / 2 columns (with 64, ptxas spills on sm_80: 892 and 80 bytes); the tile never
-    depends on `rows`."""
+    BLOCK_N / 2 columns (with 64, ptxas spills on sm_80: 892 and 80 bytes); with `head_dim` (the
+    rotation) a tile is a head, two halves of head_dim / 2 columns. The tile never depends on
+    `rows`."""
     if not 1 <= len(ns) <= 3 or (len(ns) > 1 and (gated or residual or transposed)):
         raise EejaxError("fused_linears: one to three matrices, several only without w_up, a residual or transposed")
     if transposed and gated:
         raise EejaxError("fused_linears: a transposed matrix takes no w_up")
-    block_n = BLOCK_N // 2 if (gated or transposed) and weight_bytes == 4 else BLOCK_N
-    tiles = sum((n + block_n - 1) // block_n for n in ns)
+    if head_dim and (gated or residual or transposed or len(ns) != 3 or any(n % head_dim for n in ns)):
+        raise EejaxError(f"fused_linears: rope takes q, k and v alone, each whole heads of {head_dim}, got {ns}")
+    if head_dim and (head_dim < 32 or head_dim & (head_dim - 1)):
+        raise EejaxError(f"fused_linears: rope needs a power-of-two head_dim >= 32 (tl.dot's halves), got {head_dim}")
+    if head_dim:
+        block_n, tiles = head_dim // 2, sum(n // head_dim for n in ns)
+    else:
+        block_n = BLOCK_N // 2 if (gated or transposed) and weight_bytes == 4 else BLOCK_N
+        tiles = sum((n + block_n - 1) // block_n for n in ns)
     grid = ((rows + BLOCK_M - 1) // BLOCK_M, tiles)
     constexprs = dict(
         NORM=norm,
@@ -164,6 +192,7 @@ def plan_linear(
         GATED=gated,
         RESIDUAL=residual,
         TRANSPOSED=transposed,
+        ROPE=bool(head_dim),
         UPCAST=upcast,
         BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
@@ -190,12 +219,12 @@ def _out_shapes(launch: LinearLaunch) -> list[tuple[int, int]]:
     return [(rows, n) if n else (1, 1) for n in ns]
 
 
-def _interpret_on_host(launch: LinearLaunch, out_dtype: str, x, g, w, w2, w3, u, r):
+def _interpret_on_host(launch: LinearLaunch, out_dtype: str, x, g, w, w2, w3, u, r, cos, sin):
     """Runs the kernel in Triton's interpreter on torch CPU tensors (numpy in, numpy out)."""
     import torch
 
     ys = [torch.zeros(shape, dtype=getattr(torch, out_dtype)) for shape in _out_shapes(launch)]
-    args = map(host_tensor, (x, g, w, w2, w3, u, r))
+    args = map(host_tensor, (x, g, w, w2, w3, u, r, cos, sin))
     _kernel(interpret=True)[launch.grid](*args, *interpreter_scalars(launch.scalars), *ys, **launch.constexprs)
     return tuple(host_array(y) for y in ys)
 
@@ -209,13 +238,16 @@ def fused_linears(
     w_up=None,
     residual=None,
     transposed: bool = False,
+    rope=None,
     out_dtype=None,
     interpret: bool = False,
 ) -> list:
     """x [..., K] against each of `ws` (one to three [K, N_i]: a layer's q, k and v) in one kernel
     launch (see the module's table): RMSNorm of x first when `norm_weight` [K] is given;
     silu(x @ w) * (x @ w_up) when `w_up` [K, N] is (one matrix); + `residual` [..., N] when it is
-    (one matrix); `transposed`: one matrix held as [N, K] (a tied head's embedding). float32
+    (one matrix); `transposed`: one matrix held as [N, K] (a tied head's embedding); `rope`: the
+    rotary tables (cos, sin) [..., Dh] of x's rows, which rotate the first two of three matrices'
+    outputs (q and k) per head of Dh in float32, as `models.rope.apply_rope` does. float32
     accumulation; the results in `out_dtype` (default x's). A matrix's outputs are those it gets
     alone. `interpret`: Triton's interpreter on the host (CPU), else jax-triton (CUDA)."""
     *lead, k = x.shape
@@ -239,6 +271,7 @@ def fused_linears(
         eps=eps,
         weight_bytes=jnp.dtype(ws[0].dtype).itemsize,
         transposed=transposed,
+        head_dim=0 if rope is None else rope[0].shape[-1],
     )
     absent = jnp.zeros((1,), jnp.float32)
     absent_w = jnp.zeros((1, 1), ws[0].dtype)  # (another matrix's pointer: never read)
@@ -249,6 +282,7 @@ def fused_linears(
         *matrices,
         absent_w if w_up is None else w_up,
         absent if residual is None else residual.reshape(rows, -1),
+        *((absent, absent) if rope is None else (t.reshape(rows, -1).astype(jnp.float32) for t in rope)),
     )
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     outs = tuple(jax.ShapeDtypeStruct(shape, out_dtype) for shape in _out_shapes(launch))

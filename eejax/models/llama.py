@@ -114,6 +114,13 @@ def token_batch(
     return TokenBatch(positions, pages, slots, block_table, kv_len, cos, sin, attention, tree, config.sliding_window)
 
 
+def rope_fuses(config: LlamaConfig) -> bool:
+    """Whether the Triton layer rotates q and k in their products' launch: a head of a power of
+    two >= 32 values (tl.dot's halves), and no norm of q and k before the rotation (Qwen3)."""
+    dh = config.head_dim
+    return not config.qk_norm and dh >= 32 and dh & (dh - 1) == 0
+
+
 class DecoderLayer(nn.Module):
     """One Llama decoder layer (Flax): pre-norm GQA attention and a gated SiLU MLP, each with its
     residual. Weights in the eejax layout (see the module docstring, less the L axis), each with
@@ -173,9 +180,15 @@ class DecoderLayer(nn.Module):
         b, t, _ = h.shape
         c = self.config
         fused = self._fused("attn_norm", "wq", "wk", "wv")
-        if fused:  # RMSNorm + the three products, one launch
+        if fused:  # RMSNorm + the three products in one launch, q and k rotated in it where they can be
             norm, *ws = fused
-            q, k, v = fused_linears(h, ws, norm_weight=norm, eps=c.rms_norm_eps, interpret=backend() != "gpu")
+            rope = (cos, sin) if rope_fuses(c) else None
+            q, k, v = fused_linears(
+                h, ws, norm_weight=norm, eps=c.rms_norm_eps, rope=rope, interpret=backend() != "gpu"
+            )
+            if rope is not None:
+                shape = (b, t, -1, c.head_dim)
+                return q.reshape(shape), k.reshape(shape), v.reshape(shape)
         else:
             q, k, v = apply_linears(self, self.input_norm(h), self.q_proj, self.k_proj, self.v_proj)
         q = q.reshape(b, t, c.num_heads, c.head_dim)
