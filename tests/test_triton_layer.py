@@ -44,6 +44,28 @@ def test_the_triton_layer_decodes_a_tiny_llama_as_the_reference_does(tiny_model,
     assert set(forms) == {(3, "norm_weight"), (1, "residual"), (1, "norm_weight", "w_up"), head}
 
 
+def test_a_draft_heads_layer_runs_the_fused_products_and_drafts_stay_lossless(tiny_model, monkeypatch):
+    """With the Triton layer a draft head's layer takes the fused products too (as the model's
+    layers do), and draft:2 gives full depth's tokens."""
+    from eejax.models import draft_head
+    from tests.test_draft_head import with_draft
+
+    layers = []
+
+    def recorded(config, *args, **kw):
+        layers.append(kw.get("triton", False))
+        return llama.DecoderLayer(config, *args, **kw)
+
+    monkeypatch.setattr(draft_head, "DecoderLayer", recorded)
+    drafted = with_draft(tiny_model)
+    model = eejax.Model(drafted.config, drafted.params)  # its own programs: traced here, with the spy
+    prompts = random_prompts(2, [5, 9], seed=3)
+    kw = dict(max_new_tokens=6, ignore_eos=True, attention="triton")
+    want = eejax.generate(model, prompts, **kw).tokens
+    assert eejax.generate(model, prompts, spec="draft:2", **kw).tokens == want
+    assert True in layers  # the draft passes traced as the Triton layer
+
+
 def test_the_triton_layers_bf16_logits_do_not_depend_on_the_rows_beside_it():
     """The GPU's Triton layer (attention="triton": the fused products with q and k rotated in their
     launch, the paged-attention kernel and the fused head, here in Triton's interpreter) on bf16

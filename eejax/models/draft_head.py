@@ -142,21 +142,22 @@ def _apply(config, draft, method, *args):
     return DraftHead(config).apply({"params": {"fc": draft["fc"], "layer": draft["layer"]}}, *args, method=method)
 
 
-def _layer(config, draft, method, *args):
-    return DecoderLayer(config).apply({"params": draft["layer"]}, *args, method=method)
+def _layer(config, draft, method, *args, triton: bool = False):
+    return DecoderLayer(config, triton=triton).apply({"params": draft["layer"]}, *args, method=method)
 
 
 def draft_layer(params, feature, token_embeds, cache: KVCache, batch: TokenBatch, config: LlamaConfig):
     """The draft head over T new positions per row: feature [B, T, D] (the model's, or the draft's
     own prediction, at each position), token_embeds [B, T, D] of the token after it. Writes the
     draft layer's K/V at the batch's slots in cache layer L, attends over the row's earlier ones.
+    With the Triton layer (attention "triton") its products are the fused kernels, as the model's.
     Returns (predicted features [B, T, D], cache)."""
-    draft, layer = params["draft"], config.num_layers
+    draft, layer, triton = params["draft"], config.num_layers, batch.attention == "triton"
     x = _apply(config, draft, "inputs", feature, token_embeds)
-    q, k, v = _layer(config, draft, "qkv", x, batch.cos, batch.sin)
+    q, k, v = _layer(config, draft, "qkv", x, batch.cos, batch.sin, triton=triton)
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
     attn = cache_attention(q, cache, layer, batch)
-    return _layer(config, draft, "out_mlp", x, attn), cache
+    return _layer(config, draft, "out_mlp", x, attn, triton=triton), cache
 
 
 def draft_logits(params, predicted, config: LlamaConfig, reduced: bool):
