@@ -13,9 +13,13 @@ device (`ProgramCache.compile_for`, `eejax.kernels.gpu_targets`). From the optim
   products (4 bytes a weight) and reads them back, on top of reading the weights;
 - data-dependent loops (a host round trip an iteration on a GPU).
 No timing: XLA's cost model, not autotuning, picks the fusions of a device-less compile.
+`--attention triton` counts the Triton layer (the fused products, the attention kernel and the
+head, each a custom call: one launch): the programs that ran here ("auto") traced again with
+attention "triton" (`ProgramCache.compile_for`) and lowered through jax-triton with the target's
+compute capability (no Triton kernel runs here).
 
     scripts/gpu_compiler.sh python benchmarks/gpu_kernels.py [--weights float32 bfloat16 gguf int8] \\
-        [--settings full draft:4:lookup] [--batches 1 8] [--target h100|h200]
+        [--settings full draft:4:lookup] [--batches 1 8] [--attention auto triton] [--target h100|h200]
 """
 
 from __future__ import annotations
@@ -59,6 +63,14 @@ def main(argv=None) -> int:
         default=None,
         help="layouts of the layer weights (eejax.Model.layout; default stacked rows; rows only for float weights)",
     )
+    parser.add_argument(
+        "--attention",
+        nargs="+",
+        action="extend",
+        choices=("auto", "triton"),
+        default=None,
+        help="the decode layer: auto (XLA's on a GPU; default) and/or triton (the Triton layer)",
+    )
     parser.add_argument("--target", choices=tuple(TARGETS), default="h100")
     parser.add_argument("--hlo-dir", default=None, help="also write each program's optimised HLO there")
     args = parser.parse_args(argv)
@@ -66,16 +78,17 @@ def main(argv=None) -> int:
     rows = []
     print(f"compiled for {device.device_kind} on this CPU (no device)")
     print(
-        f"{'weights':9s} {'layout':7s} {'setting':15s} {'batch':>5s}  {'program':18s} {'kernels/step':>12s} "
-        f"{'kernels/layer':>13s} {'MB written/step':>15s} {'dynamic loops':>13s}"
+        f"{'weights':9s} {'layout':7s} {'attention':9s} {'setting':15s} {'batch':>5s}  {'program':18s} "
+        f"{'kernels/step':>12s} {'kernels/layer':>13s} {'MB written/step':>15s} {'dynamic loops':>13s}"
     )
     runs = [
-        (weights, layout)
+        (weights, layout, attention)
         for weights in args.weights or ["float32", "bfloat16", "gguf"]
         for layout in args.layer_buffers or ["stacked", "rows"]
+        for attention in args.attention or ["auto"]
         if layout != "rows" or weights in ("float32", "bfloat16")  # quantized weights are rows already
     ]
-    for weights, layout in runs:
+    for weights, layout, attention in runs:
         model = eejax.load("smollm2-135m-eagle", layer_buffers=layout, **WEIGHTS[weights])
         layers = model.config.num_layers
         for setting in args.settings or ["full"]:
@@ -83,11 +96,12 @@ def main(argv=None) -> int:
                 model = model.with_params(model.params)  # its own programs: this setting's alone
                 prompts = cnndm_prompts(model.tokenizer, batch, 64)
                 eejax.generate(model, prompts, max_new_tokens=8, ignore_eos=True, **decoding_options(setting))
-                for name, compiled in model.programs.compile_for(device, names=DECODES):
+                triton = "triton" if attention == "triton" else None
+                for name, compiled in model.programs.compile_for(device, names=DECODES, attention=triton):
                     text = compiled.as_text()
                     if args.hlo_dir:
                         os.makedirs(args.hlo_dir, exist_ok=True)
-                        file = f"{weights}_{layout}_{setting.replace(':', '-')}_b{batch}_{name}.hlo"
+                        file = f"{weights}_{layout}_{attention}_{setting.replace(':', '-')}_b{batch}_{name}.hlo"
                         path = os.path.join(args.hlo_dir, file)
                         with open(path, "w") as f:
                             f.write(text)
@@ -98,6 +112,7 @@ def main(argv=None) -> int:
                     row = dict(
                         weights=weights,
                         layout=layout,
+                        attention=attention,
                         setting=setting,
                         batch=batch,
                         program=name,
@@ -108,7 +123,7 @@ def main(argv=None) -> int:
                     )
                     rows.append(row)
                     print(
-                        f"{weights:9s} {layout:7s} {setting:15s} {batch:5d}  {name:18s} "
+                        f"{weights:9s} {layout:7s} {attention:9s} {setting:15s} {batch:5d}  {name:18s} "
                         f"{row['kernels_per_step']:12.0f} {layer or '-':>13} {row['mb_written_per_step']:15.1f} "
                         f"{k.dynamic_loops:13d}",
                         flush=True,

@@ -92,7 +92,8 @@ def test_compile_only_device_says_what_it_needs():
 def test_compiles_for_a_gpu_without_one():
     if IN_COMPILER:
         pytest.skip("this is the compiler's process")
-    env = {**os.environ, "EEJAX_TEST_GPU_COMPILER": "1", "PYTHON": sys.executable}
+    # Triton compiled, not interpreted: the Triton layer's kernels lower through jax-triton there
+    env = {**os.environ, "EEJAX_TEST_GPU_COMPILER": "1", "PYTHON": sys.executable, "TRITON_INTERPRET": "0"}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "for_an_h100", __file__]
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_compiler.sh"), *command],
@@ -102,7 +103,7 @@ def test_compiles_for_a_gpu_without_one():
         text=True,
         timeout=900,
     )
-    assert done.returncode == 0 and "3 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
 def compiled_for_h100(model, names=None) -> dict[str, list[str]]:
@@ -179,3 +180,31 @@ def test_the_rows_layout_fuses_each_product_of_a_step_compiled_for_an_h100():
     assert rows_layer < stacked_layer
     assert launches["stacked"].written_bytes / steps > 0.8 * weight_bytes
     assert launches["rows"].written_bytes / steps < 0.2 * weight_bytes
+
+
+@in_compiler_only
+def test_the_triton_layer_compiles_for_an_h100_as_its_kernels():
+    """The programs that ran here (XLA's layer) traced again as the Triton layer
+    (`compile_for(attention="triton")`) compile for sm_90 through jax-triton, given the target's
+    compute capability: a step is each layer's five Triton kernels (q/k/v with the rotation,
+    attention, o, gate/up, down) and the head's, with fewer launches than XLA's layer."""
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+    )
+    model = eejax.Model(config, llama.init_params(config, jax.random.PRNGKey(0), scale=0.3), layer_buffers="split")
+    eejax.generate(model, [[3, 4, 5]], max_new_tokens=3, ignore_eos=True)
+    device = compile_only_device("h100")
+    (_, xla), (_, triton) = (
+        model.programs.compile_for(device, names=("decode_slots",), attention=a)[0] for a in (None, "triton")
+    )
+    text = triton.as_text()
+    calls = [line for line in text.splitlines() if "custom-call(" in line and "triton_kernel_call" in line]
+    assert len(calls) == 5 * config.num_layers + 1
+    assert kernel_launches(text).total < kernel_launches(xla.as_text()).total

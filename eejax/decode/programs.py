@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -228,12 +229,14 @@ class ProgramCache:
                 lowered.append((fn.__qualname__, jitted.trace(*args).lower(lowering_platforms=(platform,))))
         return lowered
 
-    def compile_for(self, device, names=None) -> list[tuple[str, jax.stages.Compiled]]:
+    def compile_for(self, device, names=None, attention: str | None = None) -> list[tuple[str, jax.stages.Compiled]]:
         """Every program compiled so far (of the functions `names`, where given), traced and
         compiled again for `device`, a compile-only device of another backend
         (`eejax.kernels.gpu_targets.compile_only_device`: an H100 on a machine without a GPU):
         [(function name, Compiled)]. Traced as that backend traces (`kernels.backend.tracing_for`:
-        XLA's products and attention, the GPU's static loops). One device only: a mesh's
+        XLA's products and attention, the GPU's static loops, the device's compute capability
+        for jax-triton), with `attention` in their options where given ("triton": the Triton
+        layer's programs, which need not have run here). One device only: a mesh's
         programs are refused. The process's persistent compilation cache must be off (its
         entries would be executables no process can load: `scripts/gpu_compiler.sh`)."""
         if self.mesh is not None:
@@ -245,9 +248,11 @@ class ProgramCache:
         for fn, args, static, donate in sources:
             if names is not None and fn.__qualname__ not in names:
                 continue
+            if attention is not None:
+                static = {**static, "options": dataclasses.replace(static["options"], attention=attention)}
             abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), args)
             jitted = jax.jit(functools.partial(fn, **static), donate_argnums=donate)
-            with self._tracing(), tracing_for(device.platform):
+            with self._tracing(), tracing_for(device.platform, getattr(device, "compute_capability", None)):
                 compiled.append((fn.__qualname__, jitted.trace(*abstract).lower().compile()))
         return compiled
 

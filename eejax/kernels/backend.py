@@ -20,12 +20,21 @@ def backend() -> str:
     return getattr(_target, "platform", None) or jax.default_backend()
 
 
+def compute_capability() -> int | None:
+    """The CUDA compute capability the programs traced in this thread are for (90 for "9.0")
+    where `tracing_for` names one (a compile-only device: no GPU to ask), else None (jax-triton
+    asks the device)."""
+    return getattr(_target, "compute_capability", None)
+
+
 @contextlib.contextmanager
-def tracing_for(platform: str):
-    """Within it, `backend()` is `platform` in this thread (JAX's names: "cpu", "gpu", "tpu")."""
-    before = getattr(_target, "platform", None)
+def tracing_for(platform: str, compute_capability: str | None = None):
+    """Within it, `backend()` is `platform` in this thread (JAX's names: "cpu", "gpu", "tpu") and
+    `compute_capability()` that of `compute_capability` ("9.0", a CUDA device's), if given."""
+    before = getattr(_target, "platform", None), getattr(_target, "compute_capability", None)
     _target.platform = platform
+    _target.compute_capability = int(compute_capability.replace(".", "")) if compute_capability else None
     try:
         yield
     finally:
-        _target.platform = before
+        _target.platform, _target.compute_capability = before

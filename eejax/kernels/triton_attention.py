@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eejax.kernels.backend import compute_capability
 from eejax.kernels.position_bias import RelativePositionBias
 from eejax.kernels.triton_runtime import host_array, host_tensor, import_triton, interpreter_scalars
 
@@ -344,7 +345,7 @@ def triton_paged_attention(
         window=window,
     )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    bias_table = jnp.zeros((1, q.shape[2]), jnp.float32) if bias_table is None else bias_table.astype(jnp.float32)
+    bias_table = np.zeros((1, q.shape[2]), np.float32) if bias_table is None else bias_table.astype(jnp.float32)
     args = (
         q,
         k_cache,
@@ -369,6 +370,7 @@ def triton_paged_attention(
             grid=plan.grid,
             num_warps=NUM_WARPS,
             num_stages=NUM_STAGES,
+            compute_capability=compute_capability(),  # a compile-only device's, else None: the device's
             **plan.constexprs,
         )
     return merge_splits(acc, m, l, q.dtype)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.errors import EejaxError
+from eejax.kernels.backend import compute_capability
 from eejax.kernels.triton_runtime import host_array, host_tensor, import_triton, interpreter_scalars
 
 tl = None  # triton.language, bound by `_kernel`
@@ -300,6 +301,7 @@ def fused_linears(
             grid=launch.grid,
             num_warps=NUM_WARPS,
             num_stages=NUM_STAGES,
+            compute_capability=compute_capability(),  # a compile-only device's, else None: the device's
             **launch.constexprs,
         )
     return [y.reshape(*lead, n) for y, n in zip(ys, n_of)]
