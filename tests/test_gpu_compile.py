@@ -75,6 +75,21 @@ def test_kernel_launches_counts_each_loop_iteration_and_what_it_writes():
     assert unknown.loops == ((None, 3),) and unknown.dynamic_loops == 1 and unknown.total == 2 + 3 + 1
 
 
+def test_a_custom_calls_outputs_that_alias_its_operands_are_updates_in_place():
+    """A Triton kernel that writes the KV cache's new slots (jax-triton's input-output aliases)
+    writes its other outputs only."""
+    hlo = LOOP_HLO.replace(
+        "  %copy = f32[4]{0} copy(%x)\n",
+        '  %k = (f32[4]{0}, f32[1024]{0}) custom-call(%x, %cache), custom_call_target="triton_kernel_call", '
+        "output_to_operand_aliasing={{1}: (1, {})}, api_version=API_VERSION_STATUS_RETURNING\n"
+        "  %copy = f32[4]{0} get-tuple-element(%k), index=0\n",
+    )
+    plain = kernel_launches(LOOP_HLO)
+    aliased = kernel_launches(hlo)
+    assert aliased.total == plain.total  # the call replaced the copy: one kernel either way
+    assert aliased.written_bytes == plain.written_bytes  # 16 bytes of x, not the 4 KB cache
+
+
 def test_kernel_launches_reads_a_compiled_program():
     """The counter reads XLA's real output too: a fori_loop's trip count and its body."""
     step = jax.jit(lambda x: jax.lax.fori_loop(0, 7, lambda i, x: jnp.sin(x) * 2.0, x))

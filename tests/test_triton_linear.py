@@ -134,6 +134,44 @@ def test_q_and_k_rotated_in_the_launch_are_the_rotation_of_the_products(dtype):
         fused_linears(x, [wq, wk], rope=(cos, sin), interpret=True)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_k_and_v_go_into_the_paged_cache_as_write_layer_kv_writes_them(dtype):
+    """fused_qkv_into_cache: q as the rope launch gives it, and the cache as `write_layer_kv` of
+    that launch's k and v leaves it (the other layers, pages and slots untouched; a padding row's
+    to the null page), bit for bit."""
+    from eejax.cache.paged import KVCache, slot_indices, write_layer_kv
+    from eejax.kernels.triton_linear import fused_qkv_into_cache
+    from eejax.models.rope import inv_frequencies, rope_tables
+
+    rng = np.random.default_rng(8)
+    dh, k, hkv, page = 32, BLOCK_K + 16, 2, 4
+    wq, wk, wv = (jnp.asarray(rng.normal(size=(k, n)) * 0.1, dtype) for n in (4 * dh, hkv * dh, hkv * dh))
+    g = jnp.asarray(rng.normal(size=(k,)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(2, 3, k)), dtype)  # 2 rows of 3 tokens, the second's last is padding
+    positions = jnp.asarray([[5, 6, 7], [0, 1, 2]], jnp.int32)
+    valid = jnp.asarray([[True, True, True], [True, True, False]])
+    table = jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.int32)
+    pages, slots = slot_indices(table, positions, valid, page)
+    cos, sin = rope_tables(positions, inv_frequencies(dh, 10000.0, None))
+    shape = (3, hkv, 7, page, dh)
+    cache = KVCache(*(jnp.asarray(rng.normal(size=shape), dtype) for _ in range(2)))
+    q, k_cache, v_cache = fused_qkv_into_cache(
+        x, [wq, wk, wv], norm_weight=g, eps=1e-5, rope=(cos, sin), k_cache=cache.k, v_cache=cache.v, layer=1,
+        pages=pages, slots=slots, interpret=True,
+    )  # fmt: skip
+    want_q, want_k, want_v = fused_linears(x, [wq, wk, wv], norm_weight=g, rope=(cos, sin), interpret=True)
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(want_q))
+    heads = (2, 3, hkv, dh)
+    want = write_layer_kv(cache, 1, want_k.reshape(heads), want_v.reshape(heads), pages, slots)
+    for got, ref in ((k_cache, want.k), (v_cache, want.v)):
+        np.testing.assert_array_equal(np.asarray(got)[:, :, 1:], np.asarray(ref)[:, :, 1:])  # page 0: the null page
+    with pytest.raises(EejaxError, match="a cache"):
+        fused_qkv_into_cache(
+            x, [wq, wk, wv], norm_weight=g, eps=1e-5, rope=(cos, sin), k_cache=cache.k[:, :1], v_cache=cache.v,
+            layer=1, pages=pages, slots=slots, interpret=True,
+        )  # fmt: skip
+
+
 def test_three_matrices_in_one_launch_give_what_each_gives_alone():
     """q, k and v in one launch (their column tiles side by side): each output's bits are those of
     its matrix alone, with the norm fused in, at 1 and 5 rows."""
@@ -158,7 +196,7 @@ def test_the_tile_never_depends_on_the_row_count_and_shapes_are_checked():
                                weight_bytes=weight_bytes)  # fmt: skip
             assert plan.constexprs["BLOCK_M"] == BLOCK_M and plan.grid[0] == -(-n_rows // BLOCK_M)
             assert plan.constexprs["BLOCK_N"] == (32 if gated and weight_bytes == 4 else 64)
-            assert plan.scalars[-1].dtype == np.float32  # jax-triton would type a Python float as fp64
+            assert plan.scalars[5].dtype == np.float32  # eps: jax-triton would type a Python float as fp64
         for weight_bytes, block_n in ((4, 32), (2, 64)):  # a tied head's rows
             plan = plan_linear(n_rows, K, (N,), norm=True, gated=False, residual=False, upcast=False, eps=1e-5,
                                weight_bytes=weight_bytes, transposed=True)  # fmt: skip

@@ -97,15 +97,23 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16}
 _IN_PLACE = ("scatter", "dynamic_update_slice", "dynamic-update-slice")  # write a slice of their output
+_ALIASED = re.compile(
+    r"output_to_operand_aliasing=\{(.*?)\}(?:, [a-z_]+=|$)"
+)  # a custom call's outputs updated in place
 
 
-def _written_bytes(name: str, op: str, shape: str) -> int:
+def _written_bytes(name: str, op: str, shape: str, line: str = "") -> int:
     """Bytes an instruction of result type `shape` writes: all of it, but for an update in place
-    (the op, or a fusion named after it)."""
+    (the op, or a fusion named after it) and a custom call's outputs that alias its operands
+    (a Triton kernel writing the KV cache's new slots)."""
     if any(word in name or word == op for word in _IN_PLACE):
         return 0
+    aliased = _ALIASED.search(line)
+    skip = {int(i) for i in re.findall(r"\{(\d+)\}:", aliased.group(1))} if aliased else set()
     total = 0
-    for dtype, dims in _ARRAY.findall(shape):
+    for index, (dtype, dims) in enumerate(_ARRAY.findall(shape)):
+        if index in skip:
+            continue
         elements = 1
         for n in filter(None, dims.split(",")):
             elements *= int(n)
@@ -150,7 +158,7 @@ def kernel_launches(hlo_text: str) -> KernelLaunches:
         for result, shape, op, line in computations.get(name, ()):
             if op not in _NO_KERNEL:
                 count += 1
-                written += _written_bytes(result, op, shape)
+                written += _written_bytes(result, op, shape, line)
             elif op == "while":
                 condition, body = _CALLED.findall(line)[:2]
                 trips = _TRIP_COUNT.search(line)

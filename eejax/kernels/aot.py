@@ -255,6 +255,7 @@ class LinearLaunch:
     residual: bool = False
     transposed: bool = False
     head_dim: int = 0  # the rotation fused in (q and k), per head of this many columns
+    cache_shape: tuple[int, ...] | None = None  # k and v written into this paged cache
 
 
 def _linears(dtype: str) -> list[LinearLaunch]:
@@ -267,6 +268,16 @@ def _linears(dtype: str) -> list[LinearLaunch]:
             LinearLaunch(f"linear norm+qkv {short} x{rows}", rows, 576, (576, 192, 192), dtype, norm=True),
             LinearLaunch(
                 f"linear norm+qkv+rope {short} x{rows}", rows, 576, (576, 192, 192), dtype, norm=True, head_dim=64
+            ),
+            LinearLaunch(
+                f"linear norm+qkv+rope+cache {short} x{rows}",
+                rows,
+                576,
+                (576, 192, 192),
+                dtype,
+                norm=True,
+                head_dim=64,
+                cache_shape=(30, 3, 1025, 16, 64),
             ),  # fmt: skip
             LinearLaunch(f"linear o+residual {short} x{rows}", rows, 576, (576,), dtype, residual=True),
             LinearLaunch(f"linear norm+gate/up {short} x{rows}", rows, 576, (1536,), dtype, norm=True, gated=True),
@@ -283,7 +294,8 @@ LINEAR_LAUNCHES = _linears("float32") + _linears("bfloat16")
 
 def compile_linear(launch: LinearLaunch, arch: int) -> KernelBuild:
     """`compile_launch` for a `LinearLaunch`: arrays 16-byte aligned pointers (x, the norm's
-    weight, the residual and y float32; w and w_up of the launch's dtype), M, K, N as i32, eps fp32."""
+    weight, the residual, the rotary tables and y float32; w, w_up and the cache of the launch's
+    dtype; pages, slots and the layer int32), M, K, N and the cache's strides as i32, eps fp32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -293,7 +305,7 @@ def compile_linear(launch: LinearLaunch, arch: int) -> KernelBuild:
     plan = triton_linear.plan_linear(
         launch.rows, launch.k, launch.ns, norm=launch.norm, gated=launch.gated, residual=launch.residual,
         upcast=False, eps=1e-5, weight_bytes=jnp.dtype(launch.dtype).itemsize, transposed=launch.transposed,
-        head_dim=launch.head_dim,
+        head_dim=launch.head_dim, cache_shape=launch.cache_shape,
     )  # fmt: skip
     base = dict(
         launch=launch.name,
@@ -307,9 +319,11 @@ def compile_linear(launch: LinearLaunch, arch: int) -> KernelBuild:
         params = list(inspect.signature(triton_linear._fused_linear_kernel).parameters)
         weights = "*" + _TRITON_DTYPES[launch.dtype]
         arrays = dict(x_ptr="*fp32", g_ptr="*fp32", w_ptr=weights, w2_ptr=weights, w3_ptr=weights, u_ptr=weights,
-                      r_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", y_ptr="*fp32", y2_ptr="*fp32",
-                      y3_ptr="*fp32")  # fmt: skip
-        values = dict(zip(("M", "K", "N", "N2", "N3", "eps"), plan.scalars))
+                      r_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", kc_ptr=weights, vc_ptr=weights,
+                      page_ptr="*i32", slot_ptr="*i32", layer_ptr="*i32", y_ptr="*fp32", y2_ptr="*fp32",
+                      y3_ptr="*fp32", kc_out_ptr=weights, vc_out_ptr=weights)  # fmt: skip
+        scalar_names = ("M", "K", "N", "N2", "N3", "eps", "stride_cl", "stride_ch", "stride_cp", "stride_cs")
+        values = dict(zip(scalar_names, plan.scalars))
         known = dict(plan.constexprs)  # and, as jax-triton specialises them, integer scalars equal to 1
         known.update({n: 1 for n, v in values.items() if triton_type(v).startswith("i") and v == 1})
         signature = {p: "constexpr" if p in known else arrays.get(p) or triton_type(values[p]) for p in params}

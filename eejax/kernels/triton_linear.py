@@ -55,21 +55,33 @@ def _fused_linear_kernel(
     r_ptr,
     cos_ptr,
     sin_ptr,
+    kc_ptr,  # (the cache's inputs: its outputs alias them)
+    vc_ptr,
+    page_ptr,
+    slot_ptr,
+    layer_ptr,
     M,
     K,
     N,
     N2,
     N3,
     eps,
+    stride_cl,
+    stride_ch,
+    stride_cp,
+    stride_cs,
     y_ptr,  # jax-triton passes the outputs after the arguments
     y2_ptr,
     y3_ptr,
+    kc_out_ptr,
+    vc_out_ptr,
     NORM: constexpr,
     MATRICES: constexpr,
     GATED: constexpr,
     RESIDUAL: constexpr,
     TRANSPOSED: constexpr,
     ROPE: constexpr,
+    CACHE: constexpr,
     UPCAST: constexpr,
     BLOCK_M: constexpr,
     BLOCK_N: constexpr,
@@ -137,20 +149,39 @@ def _fused_linear_kernel(
         rotate = matrix < 2
         lo = tl.where(rotate, acc * cos_lo - acc_up * sin_lo, acc)
         hi = tl.where(rotate, acc_up * cos_hi + acc * sin_hi, acc_up)
-        tl.store(y_base + out + BLOCK_N, hi.to(y_ptr.dtype.element_ty), mask=ok)
-        acc = lo
-    if RESIDUAL:
-        acc += tl.load(r_ptr + out, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_base + out, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        if CACHE:  # k and v straight into the paged cache: layer, this head, each row's page and slot
+            page = tl.load(page_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+            slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+            base = tl.load(layer_ptr).to(tl.int64) * stride_cl + tile * stride_ch + page * stride_cp + slot * stride_cs
+            at = base[:, None] + tl.arange(0, BLOCK_N)[None, :]
+            if matrix == 1:
+                tl.store(kc_out_ptr + at, lo.to(kc_out_ptr.dtype.element_ty), mask=rows_ok)
+                tl.store(kc_out_ptr + at + BLOCK_N, hi.to(kc_out_ptr.dtype.element_ty), mask=rows_ok)
+            elif matrix == 2:
+                tl.store(vc_out_ptr + at, lo.to(vc_out_ptr.dtype.element_ty), mask=rows_ok)
+                tl.store(vc_out_ptr + at + BLOCK_N, hi.to(vc_out_ptr.dtype.element_ty), mask=rows_ok)
+            else:
+                tl.store(y_base + out + BLOCK_N, hi.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.store(y_base + out, lo.to(y_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(y_base + out + BLOCK_N, hi.to(y_ptr.dtype.element_ty), mask=ok)
+            tl.store(y_base + out, lo.to(y_ptr.dtype.element_ty), mask=ok)
+    else:
+        if RESIDUAL:
+            acc += tl.load(r_ptr + out, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_base + out, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @dataclasses.dataclass(frozen=True)
 class LinearLaunch:
-    """One launch: grid, scalars (M, K, N, N2, N3, eps) and the kernel's compile-time parameters."""
+    """One launch: grid, scalars (M, K, N, N2, N3, eps, the cache's strides: layer, head, page,
+    slot) and the kernel's compile-time parameters; `cache_shape` [L, Hkv, P, S, Dh] where k and v
+    go into a paged cache."""
 
     grid: tuple[int, int]
     scalars: tuple
     constexprs: dict
+    cache_shape: tuple[int, ...] | None = None
 
 
 def plan_linear(
@@ -166,13 +197,14 @@ def plan_linear(
     weight_bytes: int,
     transposed: bool = False,
     head_dim: int = 0,
+    cache_shape: tuple[int, ...] | None = None,
 ):
     """The launch of `fused_linears` over `rows` rows of x [rows, k] and one to three matrices
     [k, n] (`ns`: their n; one [n, k] when `transposed`) of `weight_bytes` a value, their column
     tiles side by side in one grid. A gated pair of fp32 tiles, and a transposed fp32 tile, take
     BLOCK_N / 2 columns (with 64, ptxas spills on sm_80: 892 and 80 bytes); with `head_dim` (the
-    rotation) a tile is a head, two halves of head_dim / 2 columns. The tile never depends on
-    `rows`."""
+    rotation) a tile is a head, two halves of head_dim / 2 columns, and with `cache_shape` k and v
+    go into that paged cache. The tile never depends on `rows`."""
     if not 1 <= len(ns) <= 3 or (len(ns) > 1 and (gated or residual or transposed)):
         raise EejaxError("fused_linears: one to three matrices, several only without w_up, a residual or transposed")
     if transposed and gated:
@@ -181,6 +213,8 @@ def plan_linear(
         raise EejaxError(f"fused_linears: rope takes q, k and v alone, each whole heads of {head_dim}, got {ns}")
     if head_dim and (head_dim < 32 or head_dim & (head_dim - 1)):
         raise EejaxError(f"fused_linears: rope needs a power-of-two head_dim >= 32 (tl.dot's halves), got {head_dim}")
+    if cache_shape is not None and (not head_dim or tuple(cache_shape[1::3]) != (ns[1] // head_dim, head_dim)):
+        raise EejaxError(f"fused_qkv_into_cache: a cache [L, Hkv, P, S, Dh] of k's heads, got {cache_shape} for {ns}")
     if head_dim:
         block_n, tiles = head_dim // 2, sum(n // head_dim for n in ns)
     else:
@@ -194,14 +228,16 @@ def plan_linear(
         RESIDUAL=residual,
         TRANSPOSED=transposed,
         ROPE=bool(head_dim),
+        CACHE=cache_shape is not None,
         UPCAST=upcast,
         BLOCK_M=BLOCK_M,
         BLOCK_N=block_n,
         BLOCK_K=BLOCK_K,
     )
     n, n2, n3 = (*ns, 0, 0)[:3]
+    strides = tuple(int(np.prod(cache_shape[i + 1 :])) for i in range(4)) if cache_shape else (0, 0, 0, 0)
     # eps as numpy float32: jax-triton types a Python float as fp64 (`aot.triton_type`)
-    return LinearLaunch(grid, (rows, k, n, n2, n3, np.float32(eps)), constexprs)
+    return LinearLaunch(grid, (rows, k, n, n2, n3, np.float32(eps), *strides), constexprs, cache_shape)
 
 
 @functools.cache
@@ -214,20 +250,71 @@ def _kernel(interpret: bool):
     return triton.jit(_fused_linear_kernel)
 
 
-def _out_shapes(launch: LinearLaunch) -> list[tuple[int, int]]:
-    """The launch's three outputs: [rows, n] of each matrix, [1, 1] where there is none (never written)."""
+def _out_shapes(launch: LinearLaunch) -> list[tuple[int, ...]]:
+    """The launch's five outputs: [rows, n] of each matrix, then the cache's k and v (aliasing its
+    inputs); [1, 1] where there is none (never written), k and v's own where they go to the cache."""
     rows, _, *ns = launch.scalars[:5]
-    return [(rows, n) if n else (1, 1) for n in ns]
+    into_cache = launch.cache_shape is not None
+    mats = [(rows, n) if n and not (into_cache and i) else (1, 1) for i, n in enumerate(ns)]
+    return mats + [launch.cache_shape or (1, 1)] * 2
 
 
-def _interpret_on_host(launch: LinearLaunch, out_dtype: str, x, g, w, w2, w3, u, r, cos, sin):
-    """Runs the kernel in Triton's interpreter on torch CPU tensors (numpy in, numpy out)."""
+def _interpret_on_host(launch: LinearLaunch, out_dtype: str, cache_dtype: str, *args):
+    """Runs the kernel in Triton's interpreter on torch CPU tensors (numpy in, numpy out); the
+    cache's outputs start as its inputs (what jax-triton's aliases make them)."""
     import torch
 
-    ys = [torch.zeros(shape, dtype=getattr(torch, out_dtype)) for shape in _out_shapes(launch)]
-    args = map(host_tensor, (x, g, w, w2, w3, u, r, cos, sin))
-    _kernel(interpret=True)[launch.grid](*args, *interpreter_scalars(launch.scalars), *ys, **launch.constexprs)
-    return tuple(host_array(y) for y in ys)
+    shapes = _out_shapes(launch)
+    ys = [torch.zeros(shape, dtype=getattr(torch, out_dtype)) for shape in shapes[:3]]
+    inputs = [host_tensor(a) for a in args]
+    cache = (
+        [inputs[9].clone(), inputs[10].clone()]
+        if launch.cache_shape
+        else [torch.zeros(shape, dtype=getattr(torch, cache_dtype)) for shape in shapes[3:]]
+    )
+    _kernel(interpret=True)[launch.grid](
+        *inputs, *interpreter_scalars(launch.scalars), *ys, *cache, **launch.constexprs
+    )
+    return tuple(host_array(y) for y in ys + cache)
+
+
+def _launch(launch: LinearLaunch, args: tuple, out_dtype, cache_dtype, interpret: bool) -> tuple:
+    """The kernel over `args` (the 14 arrays it reads), its five outputs (`_out_shapes`)."""
+    shapes = _out_shapes(launch)
+    outs = tuple(jax.ShapeDtypeStruct(shape, out_dtype) for shape in shapes[:3]) + tuple(
+        jax.ShapeDtypeStruct(shape, cache_dtype) for shape in shapes[3:]
+    )
+    if interpret:
+        host = functools.partial(_interpret_on_host, launch, jnp.dtype(out_dtype).name, jnp.dtype(cache_dtype).name)
+        return jax.pure_callback(host, outs, *args)
+    import jax_triton
+
+    return jax_triton.triton_call(
+        *args,
+        *launch.scalars,
+        kernel=_kernel(interpret=False),
+        out_shape=outs,
+        grid=launch.grid,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+        compute_capability=compute_capability(),  # a compile-only device's, else None: the device's
+        input_output_aliases={9: 3, 10: 4} if launch.cache_shape else None,
+        **launch.constexprs,
+    )
+
+
+_ABSENT = np.zeros((1,), np.float32)  # an argument a launch does not read
+_ABSENT_INT = np.zeros((1,), np.int32)
+
+
+def _check(x, ws, transposed: bool) -> list[int]:
+    """The matrices' N, or an EejaxError naming what does not contract with x [..., K]."""
+    k = x.shape[-1]
+    for w in ws:
+        if w.ndim != 2 or w.shape[transposed] != k or w.dtype != ws[0].dtype:
+            want = f"[N, {k}]" if transposed else f"[{k}, N]"
+            raise EejaxError(f"fused_linears: x [..., {k}] needs matrices {want} of one dtype, got {w.shape}")
+    return [w.shape[0] if transposed else w.shape[1] for w in ws]
 
 
 def fused_linears(
@@ -253,11 +340,7 @@ def fused_linears(
     alone. `interpret`: Triton's interpreter on the host (CPU), else jax-triton (CUDA)."""
     *lead, k = x.shape
     ws = list(ws)
-    for w in ws:
-        if w.ndim != 2 or w.shape[transposed] != k or w.dtype != ws[0].dtype:
-            want = f"[N, {k}]" if transposed else f"[{k}, N]"
-            raise EejaxError(f"fused_linears: x [..., {k}] needs matrices {want} of one dtype, got {w.shape}")
-    n_of = [w.shape[0] if transposed else w.shape[1] for w in ws]
+    n_of = _check(x, ws, transposed)
     if w_up is not None and w_up.shape != ws[0].shape:
         raise EejaxError(f"fused_linears: w_up must be w's shape {ws[0].shape}, got {w_up.shape}")
     rows = int(np.prod(lead, dtype=np.int64))
@@ -274,37 +357,61 @@ def fused_linears(
         transposed=transposed,
         head_dim=0 if rope is None else rope[0].shape[-1],
     )
-    absent = jnp.zeros((1,), jnp.float32)
-    absent_w = jnp.zeros((1, 1), ws[0].dtype)  # (another matrix's pointer: never read)
-    matrices = (ws + [absent_w] * 2)[:3]
+    absent_w = np.zeros((1, 1), ws[0].dtype)  # (another matrix's pointer: never read)
     args = (
         x.reshape(rows, k),
-        absent if norm_weight is None else norm_weight,
-        *matrices,
+        _ABSENT if norm_weight is None else norm_weight,
+        *(ws + [absent_w] * 2)[:3],
         absent_w if w_up is None else w_up,
-        absent if residual is None else residual.reshape(rows, -1),
-        *((absent, absent) if rope is None else (t.reshape(rows, -1).astype(jnp.float32) for t in rope)),
+        _ABSENT if residual is None else residual.reshape(rows, -1),
+        *((_ABSENT, _ABSENT) if rope is None else (t.reshape(rows, -1).astype(jnp.float32) for t in rope)),
+        *(np.zeros((1, 1), x.dtype),) * 2,
+        *(_ABSENT_INT,) * 3,
     )
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    outs = tuple(jax.ShapeDtypeStruct(shape, out_dtype) for shape in _out_shapes(launch))
-    if interpret:
-        host = functools.partial(_interpret_on_host, launch, out_dtype.name)
-        ys = jax.pure_callback(host, outs, *args)
-    else:
-        import jax_triton
-
-        ys = jax_triton.triton_call(
-            *args,
-            *launch.scalars,
-            kernel=_kernel(interpret=False),
-            out_shape=outs,
-            grid=launch.grid,
-            num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES,
-            compute_capability=compute_capability(),  # a compile-only device's, else None: the device's
-            **launch.constexprs,
-        )
+    ys = _launch(launch, args, out_dtype, x.dtype, interpret)
     return [y.reshape(*lead, n) for y, n in zip(ys, n_of)]
+
+
+def fused_qkv_into_cache(x, ws, *, norm_weight, eps: float, rope, k_cache, v_cache, layer, pages, slots,
+                         interpret: bool = False):  # fmt: skip
+    """`fused_linears(x, [wq, wk, wv], norm_weight=, rope=)` whose k and v go straight into the
+    paged cache k_cache, v_cache [L, Hkv, P, S, Dh] at layer `layer` and each row's (pages, slots)
+    [...] (`cache.slot_indices`: a padding row's go to the null page), as `cache.write_layer_kv`
+    writes them: one launch for a layer's norm, products, rotation and cache write. Returns (q
+    [..., Nq], k_cache, v_cache) (the caches updated in place on a GPU: jax-triton's aliases)."""
+    *lead, k = x.shape
+    ws = list(ws)
+    n_of = _check(x, ws, False)
+    rows = int(np.prod(lead, dtype=np.int64))
+    launch = plan_linear(
+        rows,
+        k,
+        tuple(n_of),
+        norm=True,
+        gated=False,
+        residual=False,
+        upcast=interpret and ws[0].dtype != jnp.float32,
+        eps=eps,
+        weight_bytes=jnp.dtype(ws[0].dtype).itemsize,
+        head_dim=rope[0].shape[-1],
+        cache_shape=tuple(k_cache.shape),
+    )
+    args = (
+        x.reshape(rows, k),
+        norm_weight,
+        *ws,
+        np.zeros((1, 1), ws[0].dtype),
+        _ABSENT,
+        *(t.reshape(rows, -1).astype(jnp.float32) for t in rope),
+        k_cache,
+        v_cache,
+        pages.reshape(rows).astype(jnp.int32),
+        slots.reshape(rows).astype(jnp.int32),
+        jnp.asarray(layer, jnp.int32).reshape(1),
+    )
+    q, _, _, k_cache, v_cache = _launch(launch, args, x.dtype, k_cache.dtype, interpret)
+    return q.reshape(*lead, n_of[0]), k_cache, v_cache
 
 
 def fused_linear(x, w, **options):

@@ -28,7 +28,8 @@ from eejax.kernels import cpu_elementwise, paged_attention
 from eejax.kernels.attention import TreeMask
 from eejax.kernels.backend import backend
 from eejax.kernels.cpu_matmul import RowsMatrix
-from eejax.kernels.triton_linear import fused_linear, fused_linears
+from eejax.kernels.head_parallel import head_mesh
+from eejax.kernels.triton_linear import fused_linear, fused_linears, fused_qkv_into_cache
 from eejax.models import modules
 from eejax.models.modules import (
     Dtype,
@@ -43,7 +44,7 @@ from eejax.models.modules import (
     unboxed_init,
 )
 from eejax.models.rope import apply_rope, inv_frequencies, rope_tables
-from eejax.models.stack import on_layer, on_layers, run_layer_range, scan_states, split_stack
+from eejax.models.stack import is_split, on_layer, on_layers, run_layer_range, scan_states, split_stack
 from eejax.quantized import is_quantized
 
 ENCODER_DECODER = False  # the prompt is decoded into the paged cache (see `eejax.models.registry`)
@@ -194,6 +195,21 @@ class DecoderLayer(nn.Module):
         q = q.reshape(b, t, c.num_heads, c.head_dim)
         q = apply_rope(self.query_norm(q) if c.qk_norm else q, cos, sin)
         return q, *self._rotated_kv(k, v, cos, sin)
+
+    def qkv_into_cache(self, h, cos, sin, cache: KVCache, layer, pages, slots):
+        """The Triton layer's first launch whole: RMSNorm, the q/k/v products, their rotation and
+        k and v written into the cache at (layer, pages, slots) (`triton_linear.fused_qkv_into_cache`).
+        Returns (rotated q [B, T, Hq, Dh], cache), or None where the launch cannot take this
+        layer (`_fused`, `rope_fuses`): the caller then runs `qkv` and writes the cache itself."""
+        fused = self._fused("attn_norm", "wq", "wk", "wv")
+        if not fused or not rope_fuses(self.config):
+            return None
+        norm, *ws = fused
+        q, k, v = fused_qkv_into_cache(
+            h, ws, norm_weight=norm, eps=self.config.rms_norm_eps, rope=(cos, sin), k_cache=cache.k,
+            v_cache=cache.v, layer=layer, pages=pages, slots=slots, interpret=backend() != "gpu",
+        )  # fmt: skip
+        return q.reshape(*h.shape[:2], -1, self.config.head_dim), KVCache(k, v)
 
     def kv(self, h, cos, sin):
         """This layer's K and V [B, T, Hkv, Dh] of hidden states h (norm, projection, rotary)."""
@@ -350,10 +366,22 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
     layers = params["layers"]
     qkv_keys = _held(layers, QKV_KEYS)
     triton = batch.attention == "triton"  # the Triton layer: its attention and its fused products
-    q, k, v = on_layer(
-        layers, qkv_keys, layer, lambda lp: _layer_apply(config, lp, "qkv", h, batch.cos, batch.sin, triton=triton)
-    )
-    cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
+    into_cache = None
+    # The Triton layer writes k and v into the cache in its first launch, where the cache comes
+    # back from `on_layer` as it went in: not out of a per-layer `lax.switch` (its results are
+    # copied) nor split by heads over a mesh.
+    if triton and (not is_split(layers) or isinstance(layer, int)) and head_mesh(cache.k.shape[1]) is None:
+        args = (h, batch.cos, batch.sin, cache, layer, batch.pages, batch.slots)
+        into_cache = on_layer(
+            layers, qkv_keys, layer, lambda lp: _layer_apply(config, lp, "qkv_into_cache", *args, triton=True)
+        )
+    if into_cache is not None:
+        q, cache = into_cache
+    else:
+        q, k, v = on_layer(
+            layers, qkv_keys, layer, lambda lp: _layer_apply(config, lp, "qkv", h, batch.cos, batch.sin, triton=triton)
+        )
+        cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
     attn = cache_attention(q, cache, layer, batch)
     return on_layer(
         layers, OUT_KEYS, layer, lambda lp: _layer_apply(config, lp, "out_mlp", h, attn, triton=triton)
