@@ -94,16 +94,15 @@ def test_split_partials_merge_exactly(keys_per_split):
 
 def test_launch_plan():
     small = plan_launch((1, 1, 9, 64), (30, 3, 100, 16, 64), (1, 32), jnp.float32)
-    assert small.grid == (1, 3, 2) and small.keys_per_split == 256  # 512 keys: two splits of 256
-    assert small.constexprs["PRECISION"] == "ieee"
+    assert small.grid == (1, 3, 1) and small.keys_per_split == 512  # 512 keys: one split, the output itself
+    assert small.constexprs["PRECISION"] == "ieee" and small.out_dtype == "float32"
     big = plan_launch((64, 1, 9, 64), (30, 3, 100, 16, 64), (64, 32), jnp.bfloat16)
-    assert big.grid == (64, 3, 2) and big.constexprs["PRECISION"] is None
+    assert big.grid == (64, 3, 1) and big.constexprs["PRECISION"] is None and big.out_dtype == "bfloat16"
+    wide = plan_launch((8, 5, 9, 64), (30, 3, 100, 16, 64), (8, 600), jnp.bfloat16)
+    assert wide.grid == (8, 3, 19) and wide.out_dtype == "float32"  # 9,600 keys: 19 splits, merged in float32
     # every size but the grid's is the same at any batch, token count and table width
-    sizes = {
-        (p.keys_per_split, p.constexprs["BLOCK_M"], p.constexprs["BLOCK_N"])
-        for p in (small, big, plan_launch((8, 5, 9, 64), (30, 3, 100, 16, 64), (8, 600), jnp.float32))
-    }
-    assert sizes == {(256, 16, 64)}
+    sizes = {(p.keys_per_split, p.constexprs["BLOCK_M"], p.constexprs["BLOCK_N"]) for p in (small, big, wide)}
+    assert sizes == {(512, 16, 64)}
     multi = plan_launch((2, 16, 8, 128), (2, 1, 10, 8, 128), (2, 4), jnp.float32)
     assert multi.constexprs["BLOCK_M"] == 16 and multi.grid == (2, 8, 1)  # 16 tokens x 8 heads = 8 blocks of 16
     assert min(multi.constexprs["BLOCK_M"], multi.constexprs["BLOCK_N"], 128) >= 16  # tl.dot on GPUs
@@ -117,8 +116,9 @@ def test_launch_plan():
 def test_a_querys_bits_do_not_depend_on_the_batch_the_tokens_or_the_table(dtype):
     """Batch invariance: the last of 8 verified positions of a row over 3,000 keys gets the same
     bits alone, among 8 rows of other lengths (a batch), decoded as one token, and over a block
-    table twice as wide. (Before the fixed split size, batch 1 split a 4k table 16 ways, batch 8
-    8 ways, and a verify pass of 8 tokens took blocks of 32 queries by 32 keys: the bits differed.)"""
+    table twice as wide; a short row the same over a table of one split as of eight. (Before the
+    fixed split size, batch 1 split a 4k table 16 ways, batch 8 8 ways, and a verify pass of 8
+    tokens took blocks of 32 queries by 32 keys: the bits differed.)"""
     rng = np.random.default_rng(0)
     page, hkv, group, dh, width, n = 16, 2, 3, 64, 256, 8
     shape = (1, hkv, 1 + 8 * 2 * width, page, dh)
@@ -149,6 +149,9 @@ def test_a_querys_bits_do_not_depend_on_the_batch_the_tokens_or_the_table(dtype)
     assert np.array_equal(batch[:1], alone)
     assert np.array_equal(run(slice(0, 1), 1, width)[0, 0], batch[0, -1])  # a decode step of the last position
     assert np.array_equal(run(slice(0, 1), n, 2 * width), alone)
+    # a row of 40 keys: its one split's output, written by the kernel itself over a table of one
+    # split (32 pages), merged with empty splits over 8
+    assert np.array_equal(run(slice(1, 2), n, 32), batch[1:2])
     want = reference_paged_attention(q, k, v, 0, jnp.asarray(tables[:, :width]), jnp.asarray(pos), jnp.asarray(lengths))
     assert_close(batch, want, dtype)
 

@@ -125,7 +125,7 @@ def kernel_signature(plan: LaunchPlan, dtype) -> tuple[dict, dict, dict]:
         qpos_ptr="*i32",
         kvlen_ptr="*i32",
         bias_ptr="*fp32",
-        out_ptr="*fp32",
+        out_ptr="*" + _TRITON_DTYPES[plan.out_dtype],
         m_ptr="*fp32",
         l_ptr="*fp32",
     )

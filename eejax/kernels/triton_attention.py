@@ -8,15 +8,17 @@ the keys (`KEYS_PER_SPLIT` of them, flash-decoding style). Keys are gathered pag
 the block table (a key block may span several pages); masking is causal on absolute positions
 and stops at the row's `kv_len`; online softmax in float32. Optionally T5's relative-position
 bias: the bucket of (key - query) position is computed per score and looked up in a
-[num_buckets, heads] table. Each program writes an unnormalised partial (acc, running max m, sum
-l), and `merge_splits` combines them split by split in key order (rows without keys give zeros).
+[num_buckets, heads] table. Each program writes its split's normalised output (and the softmax's
+running max m and sum l); a table of one split is the output itself, and otherwise
+`merge_splits` weights the splits by their share of the softmax and sums them in key order (rows
+without keys give zeros).
 
 Batch invariance (Thinking Machines' batch-invariant attention: split by a fixed size, not a fixed
 count): the query block (16 rows), the key block and the split's size are constants, never sized
-from the batch, the tokens or the table, and the merge runs in one order, where a split without
-keys for a query leaves its running values exactly as they were. So a query's output has the same
-bits alone, as one of d + 1 verified positions, among 8 rows, in a prefill chunk of any length and
-over a wider block table.
+from the batch, the tokens or the table, and the merge runs in one order, where a query whose
+keys lie in one split gets that split's output exactly (weight l / l = 1). So a query's output
+has the same bits alone, as one of d + 1 verified positions, among 8 rows, in a prefill chunk of
+any length and over a wider block table.
 
 `plan_launch` computes grid, block sizes and strides once for both paths, so the CPU tests
 exercise the same launch arithmetic the GPU runs. triton and jax_triton are imported lazily:
@@ -53,9 +55,10 @@ KEY_ELEMENTS = 4096
 NUM_WARPS = 8
 NUM_STAGES = 2
 # Keys a program takes (a multiple of every key block): fixed, so that where a query's keys are
-# split never depends on the batch or the table's width. At 2k keys a decode step at batch 1 runs
-# 8 programs a KV head.
-KEYS_PER_SPLIT = 256
+# split never depends on the batch or the table's width. A table of up to 512 keys is one split,
+# whose program writes the output itself (no merge); at 2k keys a decode step at batch 1 runs 4
+# programs a KV head.
+KEYS_PER_SPLIT = 512
 
 
 def _paged_attention_kernel(
@@ -172,7 +175,10 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out_off = row * stride_ob + split * stride_os + tok * stride_ot + head * stride_oh
-    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
+    # The split's own output, normalised (0 where a query saw no key here), in the output's dtype:
+    # the model's when the table is one split (no merge after it), else float32 for the merge.
+    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     ml_off = row * stride_mb + split * stride_ms + tok * stride_mt + head
     tl.store(m_ptr + ml_off, m_i, mask=row_ok)
     tl.store(l_ptr + ml_off, l_i, mask=row_ok)
@@ -187,7 +193,8 @@ class LaunchPlan:
     keys_per_split: int
     scalars: tuple  # the kernel's scalar arguments in order: strides, num_tokens, keys_per_split, scale, bias_log_scale
     constexprs: dict
-    out_shapes: tuple[tuple[int, ...], ...]  # acc [B, S, T, Hq, Dh] float32; m, l [B, S, T, Hq] float32
+    out_shapes: tuple[tuple[int, ...], ...]  # out [B, S, T, Hq, Dh]; m, l [B, S, T, Hq] float32
+    out_dtype: str  # out's: the inputs' with one split (the output itself; interpreted: float32), else float32
 
 
 def _strides(shape) -> tuple[int, ...]:
@@ -273,26 +280,35 @@ def plan_launch(
         WINDOW=window or 0,
     )
     grid = (b, hkv * m_blocks, num_splits)
-    return LaunchPlan(grid, num_splits, keys_per_split, scalars, constexprs, (acc_shape, ml_shape, ml_shape))
+    # One split writes the output in the inputs' dtype, cast as XLA casts a merge's (round to
+    # nearest even), but for the interpreter, whose float32 -> bf16 conversion rounds otherwise:
+    # interpreted, XLA casts it.
+    out_dtype = jnp.dtype(dtype).name if num_splits == 1 and not interpret else "float32"
+    return LaunchPlan(grid, num_splits, keys_per_split, scalars, constexprs, (acc_shape, ml_shape, ml_shape), out_dtype)
 
 
-def merge_splits(acc, m, l, dtype):
-    """Combines the splits' partials split by split in key order: acc [B, S, T, Hq, Dh], m/l
-    [B, S, T, Hq] -> [B, T, Hq, Dh] (zeros where a query saw no key). A split where a query saw no
-    key (m = -inf) leaves its running values as they were, bit for bit, so its output does not
-    depend on how many splits the table has."""
-    run_m, run_l, run_acc = m[:, 0], l[:, 0], acc[:, 0]
-    for s in range(1, acc.shape[1]):
-        m_s, l_s, acc_s = m[:, s], l[:, s], acc[:, s]
-        new = jnp.maximum(run_m, m_s)
-        safe = jnp.where(new == -jnp.inf, 0.0, new)
-        keep, take = jnp.exp(run_m - safe), jnp.exp(m_s - safe)
-        empty = m_s == -jnp.inf
-        run_l = jnp.where(empty, run_l, run_l * keep + l_s * take)
-        run_acc = jnp.where(empty[..., None], run_acc, run_acc * keep[..., None] + acc_s * take[..., None])
-        run_m = new
-    seen = run_l > 0
-    return jnp.where(seen[..., None], run_acc / jnp.where(seen, run_l, 1.0)[..., None], 0.0).astype(dtype)
+def merge_splits(out, m, l, dtype):
+    """Combines the splits' normalised outputs: out [B, S, T, Hq, Dh], m/l [B, S, T, Hq] -> [B, T,
+    Hq, Dh] in `dtype` (zeros where a query saw no key). A query whose keys all lie in one split
+    gets that split's output itself (a select: exact), whatever the table's width; one with keys in
+    several, their outputs weighted by each one's share of the softmax (l_s exp(m_s - max m) over
+    their sum), summed in split order, the splits without its keys adding exact zeros. One split
+    is the output itself, with no merge."""
+    if out.shape[1] == 1:
+        return out[:, 0].astype(dtype)
+    seen = m != -jnp.inf
+    alone = jnp.sum(jnp.where(seen[..., None], out, 0.0), axis=1)  # one non-zero term: that split's output
+    top = jnp.max(m, axis=1, keepdims=True)
+    shares = jnp.where(seen, l * jnp.exp(m - jnp.where(top == -jnp.inf, 0.0, top)), 0.0)
+    total = shares[:, 0]
+    for s in range(1, out.shape[1]):
+        total = total + shares[:, s]
+    weights = shares / jnp.where(total > 0, total, 1.0)[:, None]
+    merged = weights[:, 0, ..., None] * out[:, 0]
+    for s in range(1, out.shape[1]):
+        merged = merged + weights[:, s, ..., None] * out[:, s]
+    several = jnp.sum(seen, axis=1) > 1
+    return jnp.where(several[..., None], merged, alone).astype(dtype)
 
 
 @functools.cache
@@ -309,7 +325,8 @@ def _interpret_on_host(plan: LaunchPlan, q, k, v, layer, table, q_pos, kv_len, b
     """Runs the kernel in Triton's interpreter on torch CPU tensors (numpy in, numpy out)."""
     import torch
 
-    outs = [torch.zeros(s, dtype=torch.float32) for s in plan.out_shapes]
+    dtypes = (getattr(torch, plan.out_dtype), torch.float32, torch.float32)
+    outs = [torch.zeros(s, dtype=t) for s, t in zip(plan.out_shapes, dtypes)]
     args = [host_tensor(x) for x in (q, k, v, np.asarray(layer, np.int32).reshape(1), table, q_pos, kv_len, bias)]
     _kernel(interpret=True)[plan.grid](*args, *interpreter_scalars(plan.scalars), *outs, **plan.constexprs)
     return tuple(host_array(o) for o in outs)
@@ -356,7 +373,9 @@ def triton_paged_attention(
         kv_len.astype(jnp.int32),
         bias_table,
     )
-    out_shapes = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in plan.out_shapes)
+    out_shapes = tuple(
+        jax.ShapeDtypeStruct(s, t) for s, t in zip(plan.out_shapes, (plan.out_dtype, jnp.float32, jnp.float32))
+    )
     if interpret:
         acc, m, l = jax.pure_callback(functools.partial(_interpret_on_host, plan), out_shapes, *args)
     else:
