@@ -121,6 +121,20 @@ def test_compiles_for_a_gpu_without_one():
     assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
+# A model whose products XLA does not fuse whole (a tiny one's it does), with heads of 64 (the
+# Triton layer rotates q and k in their launch)
+WIDE = LlamaConfig(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+)
+
+
 def compiled_for_h100(model, names=None) -> dict[str, list[str]]:
     """function name -> the optimised HLO of its programs compiled for an H100."""
     out: dict[str, list[str]] = {}
@@ -172,16 +186,7 @@ def test_the_rows_layout_fuses_each_product_of_a_step_compiled_for_an_h100():
     ([D_in, N]) with the RMSNorm before it, it writes the multiply out first (4 bytes a weight)
     and sums it in a second kernel; from the weight's rows (`layer_buffers="rows"`) the multiply
     fuses into the sum. (A model this size or larger: XLA fuses a tiny one's either way.)"""
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        max_position_embeddings=256,
-    )
+    config = WIDE
     params = llama.init_params(config, jax.random.PRNGKey(0), scale=0.3)
     weight_bytes = sum(params["layers"][k].nbytes for k in llama.LINEAR_KEYS)  # float32, all layers
     launches = {}
@@ -203,16 +208,7 @@ def test_the_triton_layer_compiles_for_an_h100_as_its_kernels():
     (`compile_for(attention="triton")`) compile for sm_90 through jax-triton, given the target's
     compute capability: a step is each layer's five Triton kernels (q/k/v with the rotation,
     attention, o, gate/up, down) and the head's, with fewer launches than XLA's layer."""
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        max_position_embeddings=256,
-    )
+    config = WIDE
     model = eejax.Model(config, llama.init_params(config, jax.random.PRNGKey(0), scale=0.3), layer_buffers="split")
     eejax.generate(model, [[3, 4, 5]], max_new_tokens=3, ignore_eos=True)
     device = compile_only_device("h100")

@@ -35,9 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eejax.kernels.backend import compute_capability
 from eejax.kernels.position_bias import RelativePositionBias
-from eejax.kernels.triton_runtime import host_array, host_tensor, import_triton, interpreter_scalars
+from eejax.kernels.triton_runtime import call_compiled, host_array, host_tensor, import_triton, interpreter_scalars
 
 tl = None  # triton.language, bound by `_kernel` when the kernel is first needed
 # The annotation of compile-time parameters: triton reads its text ("constexpr", which postponed
@@ -379,17 +378,14 @@ def triton_paged_attention(
     if interpret:
         acc, m, l = jax.pure_callback(functools.partial(_interpret_on_host, plan), out_shapes, *args)
     else:
-        import jax_triton
-
-        acc, m, l = jax_triton.triton_call(
-            *args,
-            *plan.scalars,
-            kernel=_kernel(interpret=False),
+        acc, m, l = call_compiled(
+            _kernel(interpret=False),
+            args,
+            plan.scalars,
             out_shape=out_shapes,
             grid=plan.grid,
             num_warps=NUM_WARPS,
             num_stages=NUM_STAGES,
-            compute_capability=compute_capability(),  # a compile-only device's, else None: the device's
-            **plan.constexprs,
+            constexprs=plan.constexprs,
         )
     return merge_splits(acc, m, l, q.dtype)

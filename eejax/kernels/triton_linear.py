@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eejax.errors import EejaxError
-from eejax.kernels.backend import compute_capability
-from eejax.kernels.triton_runtime import host_array, host_tensor, import_triton, interpreter_scalars
+from eejax.kernels.triton_runtime import call_compiled, host_array, host_tensor, import_triton, interpreter_scalars
 
 tl = None  # triton.language, bound by `_kernel`
 constexpr = "constexpr"  # see triton_attention: triton reads the annotation's text
@@ -287,19 +286,16 @@ def _launch(launch: LinearLaunch, args: tuple, out_dtype, cache_dtype, interpret
     if interpret:
         host = functools.partial(_interpret_on_host, launch, jnp.dtype(out_dtype).name, jnp.dtype(cache_dtype).name)
         return jax.pure_callback(host, outs, *args)
-    import jax_triton
-
-    return jax_triton.triton_call(
-        *args,
-        *launch.scalars,
-        kernel=_kernel(interpret=False),
+    return call_compiled(
+        _kernel(interpret=False),
+        args,
+        launch.scalars,
         out_shape=outs,
         grid=launch.grid,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
-        compute_capability=compute_capability(),  # a compile-only device's, else None: the device's
-        input_output_aliases={9: 3, 10: 4} if launch.cache_shape else None,
-        **launch.constexprs,
+        constexprs=launch.constexprs,
+        aliases={9: 3, 10: 4} if launch.cache_shape else None,  # the cache's k and v, updated in place
     )
 
 

@@ -20,6 +20,7 @@ import sys
 import numpy as np
 
 from eejax.errors import EejaxError
+from eejax.kernels.backend import compute_capability
 
 
 def import_triton(interpret: bool):
@@ -66,6 +67,27 @@ def _dot_by_rows() -> None:
 
     create_dot.rowwise = True
     builder.create_dot = create_dot
+
+
+def call_compiled(kernel, args, scalars, *, out_shape, grid, num_warps, num_stages, constexprs, aliases=None):
+    """`kernel` (compiled: `import_triton(False)`) launched through jax-triton over `args` then
+    `scalars`, for the device being traced for: a compile-only device's compute capability
+    (`backend.compute_capability`), else the device's own. `aliases`: {input index: output index}
+    updated in place."""
+    import jax_triton
+
+    return jax_triton.triton_call(
+        *args,
+        *scalars,
+        kernel=kernel,
+        out_shape=out_shape,
+        grid=grid,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        compute_capability=compute_capability(),
+        input_output_aliases=aliases,
+        **constexprs,
+    )
 
 
 def host_tensor(x):
