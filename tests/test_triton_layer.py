@@ -50,10 +50,10 @@ def test_a_draft_heads_layer_runs_the_fused_products_and_drafts_stay_lossless(ti
     from eejax.models import draft_head
     from tests.test_draft_head import with_draft
 
-    layers = []
+    triton_passes = []  # per DecoderLayer the draft head builds: whether it is the Triton layer
 
     def recorded(config, *args, **kw):
-        layers.append(kw.get("triton", False))
+        triton_passes.append(kw.get("triton", False))
         return llama.DecoderLayer(config, *args, **kw)
 
     monkeypatch.setattr(draft_head, "DecoderLayer", recorded)
@@ -63,7 +63,8 @@ def test_a_draft_heads_layer_runs_the_fused_products_and_drafts_stay_lossless(ti
     kw = dict(max_new_tokens=6, ignore_eos=True, attention="triton")
     want = eejax.generate(model, prompts, **kw).tokens
     assert eejax.generate(model, prompts, spec="draft:2", **kw).tokens == want
-    assert True in layers  # the draft passes traced as the Triton layer
+    # (its module's own setup builds one plain layer; the draft passes build theirs as the Triton layer)
+    assert triton_passes.count(True) > 0, triton_passes
 
 
 def test_the_triton_layers_bf16_logits_do_not_depend_on_the_rows_beside_it():
