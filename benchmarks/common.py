@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,43 +23,18 @@ def cnndm_prompts(tokenizer, n: int, prompt_tokens: int) -> list[list[int]]:
 
 
 def load_hf_smollm2(dtype: str = "float32", device: str = "cpu"):
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    """HF transformers' SmolLM2-135M from the same GGUF file (`eejax.bench.peers.load_hf`)."""
+    from eejax.bench.peers import load_hf
     from eejax.loading.hub import fetch_original
 
-    gguf = fetch_original("smollm2-135m")
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype))
-    return hf.to(device).eval()
+    return load_hf(fetch_original("smollm2-135m"), dtype, device)
 
 
 def hf_generate_seconds(hf, prompts: list[list[int]], new_tokens: int, pad_id: int, cache: str | None = None) -> float:
-    """Wall seconds of HF `generate` (greedy, left-padded batch, exactly `new_tokens` each), on
-    the model's device; `cache="static"`: HF's static cache, which its generate compiles
-    (torch.compile) on first use at each shape."""
-    import torch
+    """Wall seconds of HF `generate` (`eejax.bench.peers.hf_generate`)."""
+    from eejax.bench.peers import hf_generate
 
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    ids, mask = ids.to(hf.device), mask.to(hf.device)
-    kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
-    if cache is not None:
-        kw["cache_implementation"] = cache
-    sync = torch.cuda.synchronize if hf.device.type == "cuda" else (lambda: None)
-    with torch.no_grad():
-        # a warm-up at the same shapes (a static cache compiles for them)
-        hf.generate(ids, attention_mask=mask, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-        sync()
-        start = time.perf_counter()
-        out = hf.generate(ids, attention_mask=mask, **kw)
-        sync()
-        elapsed = time.perf_counter() - start
-    assert out.shape[1] - width == new_tokens
-    return elapsed
+    return hf_generate(hf, prompts, new_tokens, pad_id, cache)[0]
 
 
 def hf_generate_tokens_per_s(hf, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
@@ -114,36 +88,20 @@ def paired_runs(
     repeats: int,
     speed: Callable[[Any], float] = lambda r: r.stats["decode_tokens_per_s"],
 ) -> Paired:
-    """Times `run(c)` for every config c against `run(None)` (the peer: full depth, say).
+    """Times `run(c)` for every config c against `run(None)` (the peer: full depth, say), as
+    `eejax bench` does (`eejax.bench.paired`): a warm-up run each, then every repeat runs peer,
+    c_1, peer, c_2, ..., c_n, peer; c_i's speed-up is its speed over the mean of the two peer
+    runs around it, the median over repeats."""
+    from eejax.bench.paired import paired_runs as timed_pairs
 
-    This machine's speed drifts by 10-40% over minutes (shared cores), so after one warm-up
-    (compiling) run each, every repeat runs peer, c_1, peer, c_2, ..., c_n, peer, and c_i's
-    speed-up is its speed over the mean of the two peer runs around it; the median over
-    repeats is reported."""
-    for c in [None, *configs]:
-        run(c)
-    ratios: list[list[float]] = [[] for _ in configs]
-    speeds: list[list[float]] = [[] for _ in configs]
-    peer_speeds: list[float] = []
-    results: list = [None] * len(configs)
-    for _ in range(repeats):
-        peer = run(None)
-        before = speed(peer)
-        peer_speeds.append(before)
-        for i, c in enumerate(configs):
-            results[i] = run(c)
-            peer = run(None)
-            after = speed(peer)
-            peer_speeds.append(after)
-            speeds[i].append(speed(results[i]))
-            ratios[i].append(speeds[i][-1] / ((before + after) / 2))
-            before = after
+    timed = timed_pairs(run, configs, repeats)
+    n = range(len(configs))
     return Paired(
-        peer,
-        results,
-        [statistics.median(r) for r in ratios],
-        [statistics.median(s) for s in speeds],
-        statistics.median(peer_speeds),
+        timed.last(None),
+        [timed.last(i) for i in n],
+        [timed.ratio(i, speed) for i in n],
+        [timed.speed(i, speed) for i in n],
+        timed.speed(None, speed),
     )
 
 

@@ -18,29 +18,10 @@ import itertools
 import json
 from pathlib import Path
 
+from eejax.bench.prompts import CHAT, CODE, pydoc_texts  # written for the benchmarks; `eejax bench` ships them
+
 ROOT = Path(__file__).resolve().parent.parent
 SETS = ("cnndm", "mtbench", "pydoc", "code", "chat")
-
-CODE = (  # written for this benchmark (2026-11-29); no training set holds them
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
-    "Write a Python class Stack with push, pop and peek methods.",
-    "Write a Python function that counts how often each word occurs in a text file.",
-    "Write a Python function that merges two sorted lists into one sorted list.",
-    "Write a SQL query that returns the five customers with the highest total order amount.",
-    "Write a Python function that reads a CSV file and returns the average of one column.",
-    "Write a JavaScript function that removes duplicate values from an array.",
-)
-CHAT = (  # written for this benchmark (2026-11-29); no training set holds them
-    "What are some good ways to stay focused while working from home?",
-    "Explain why the sky is blue in simple terms.",
-    "Give me three ideas for a healthy dinner that takes less than 30 minutes.",
-    "What is the difference between a virus and a bacterium?",
-    "How can I improve my public speaking skills?",
-    "Summarize the main causes of the French Revolution.",
-    "What should I pack for a weekend hiking trip?",
-    "Why is sleep important for learning?",
-)
 
 
 def _chat(tokenizer, questions) -> list[list[int]]:
@@ -76,11 +57,7 @@ def _prompts(tokenizer, name: str, n: int, prompt_tokens: int) -> list[list[int]
     if name == "mtbench":
         return _chat(tokenizer, mtbench_questions(n))
     if name == "pydoc":
-        import pydoc_data.topics
-
-        topics = pydoc_data.topics.topics
-        texts = [topics[k] for k in sorted(topics)[::10]][:n]
-        return [tokenizer(t)["input_ids"][:prompt_tokens] for t in texts]
+        return [tokenizer(t)["input_ids"][:prompt_tokens] for t in pydoc_texts()[:n]]
     if name == "code":
         return _chat(tokenizer, CODE[:n])
     if name == "chat":

@@ -1,4 +1,4 @@
-"""The `eejax` command: `eejax convert`, `generate`, `calibrate`, `exit-vocab`, `train-exits`,
+"""The `eejax` command: `eejax convert`, `generate`, `bench`, `calibrate`, `exit-vocab`, `train-exits`,
 `train-layerskip`, `train-draft`, `serve`, `models`; each command group lives in its own module here and adds
 its parser with `add_parsers`."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eejax.cli import convert, draft, exits, generate, layerskip, serve, train
+from eejax.cli import bench, convert, draft, exits, generate, layerskip, serve, train
 from eejax.cli.args import run_guarded
 from eejax.cli.parsing import OneLineErrorParser
 from eejax.compile_cache import enable_compile_cache
@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `eejax COMMAND --help` for a command's options.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineErrorParser)
-    for module in (convert, generate, exits, train, layerskip, draft, serve):  # in the order `eejax --help` lists them
+    # in the order `eejax --help` lists them
+    for module in (convert, generate, bench, exits, train, layerskip, draft, serve):
         module.add_parsers(sub)
     return parser
 

@@ -4,15 +4,12 @@ and argparse types that name what they expected."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
+from eejax.bench.prompts import read_file
 from eejax.errors import EejaxError
 from eejax.quantized import ACTIVATIONS
-
-PROMPT_FIELDS = ("prompt", "text", "article", "document")
 
 
 def run_guarded(fn: Callable[[], int]) -> int:
@@ -28,31 +25,8 @@ def run_guarded(fn: Callable[[], int]) -> int:
 
 
 def read_prompts_file(path: str, field: str | None) -> list[str]:
-    """Prompts from a .jsonl file: one JSON string or object per line."""
-    p = Path(path)
-    if not p.is_file():
-        raise EejaxError(f"prompts file not found: {path}")
-    prompts = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EejaxError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if isinstance(row, str):
-            prompts.append(row)
-            continue
-        if not isinstance(row, dict):
-            raise EejaxError(f"{path}:{n}: expected a JSON string or object")
-        name = field or next((f for f in PROMPT_FIELDS if f in row), None)
-        if name is None or name not in row:
-            wanted = field or " / ".join(PROMPT_FIELDS)
-            raise EejaxError(f"{path}:{n}: no {wanted} field (choose one with --prompt-field)")
-        prompts.append(str(row[name]))
-    if not prompts:
-        raise EejaxError(f"no prompts in {path}")
-    return prompts
+    """Prompts from a .jsonl file: one JSON string or object per line (`bench.prompts.read_file`)."""
+    return read_file(path, field, None)[0]
 
 
 def prompts_from_args(args: argparse.Namespace) -> list[str]:
