@@ -553,3 +553,13 @@ def test_the_compile_cache_directory_and_off():
     if current:
         explicit = {"JAX_COMPILATION_CACHE_DIR": current, "EEJAX_COMPILE_CACHE": "off"}
         assert enable_compile_cache(explicit) == Path(current)
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [(["--exit", "static:1", "--spec", "1:2"], "choose --exit or --spec"), (["--spec", "1:x"], "cannot read")],
+)
+def test_serve_reads_its_default_decoding_before_loading(capsys, ckpt, extra, needle):
+    code, out, err = run_cli(capsys, "serve", "--model", ckpt, *extra)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and needle in lines[0] and out == "", err

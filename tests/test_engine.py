@@ -300,3 +300,23 @@ def test_token_log_probs_are_read_after_the_next_program_took_the_state(tiny_mod
     assert all(-50 < lp <= 0 for lp in scored.token_logprobs)
     want = eejax.generate(tiny_model, prompts, max_new_tokens=10, ignore_eos=True).tokens
     assert scored.tokens == want[0] and plain.tokens == want[1][:9]
+
+
+def test_a_default_spec_decodes_requests_that_name_no_decoding_of_their_own(tiny_model):
+    """`Engine(spec=...)` (`eejax serve --spec`): a request naming neither exit nor spec
+    speculates with it, one naming either (spec "none" included) does not; greedy tokens stay
+    full depth's. A default exit and a default spec together are refused."""
+    prompts = random_prompts(3, [5, 11, 8], seed=9)
+    engine = Engine(tiny_model, max_slots=3, max_new_tokens=8, cache_budget="4MiB", page_size=8, spec="1:2")
+    seqs = [
+        engine.submit(prompts[0], max_new_tokens=8),
+        engine.submit(prompts[1], max_new_tokens=8, spec="none"),
+        engine.submit(prompts[2], max_new_tokens=8, exit="static:1"),
+    ]
+    engine.run()
+    assert [s.spec is not None for s in seqs] == [True, False, False]
+    assert [s.exit is not None for s in seqs] == [False, False, True]
+    full = eejax.generate(tiny_model, prompts[:2], max_new_tokens=8).tokens
+    assert [s.tokens for s in seqs[:2]] == full
+    with pytest.raises(eejax.EejaxError, match="not both"):
+        Engine(tiny_model, max_slots=1, max_new_tokens=4, cache_budget="4MiB", exit="static:1", spec="1:2")

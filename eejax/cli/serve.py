@@ -38,6 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise EejaxError('eejax serve needs the serve extra: pip install "eejax[serve]"') from None
     max_body = parse_bytes(args.max_body_size)
+    check_decoding_defaults(args.exit, args.spec)
     if args.warmup_for and not args.warmup:
         raise EejaxError("--warmup-for needs --warmup TOKENS (the prompt lengths to compile for)")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
@@ -63,6 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_tokens_limit,
         cache_budget=args.cache_budget,
         exit=args.exit,
+        spec=args.spec,
         sampling=sampling_of(args),
         policy=args.policy,
         bucketing=not args.no_bucketing,
@@ -147,6 +149,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return code
 
 
+def check_decoding_defaults(exit_spec: str | None, spec: str | None) -> None:
+    """--exit and --spec read before the model loads: one of them at most, each well formed."""
+    from eejax.options import ExitConfig, SpecConfig, check_exit_or_spec, is_auto, is_off
+
+    check_exit_or_spec(exit_spec, spec, ("--exit", "--spec"))
+    if exit_spec is not None:
+        ExitConfig.parse(exit_spec)
+    if spec is not None and not (is_off(spec) or is_auto(spec)):
+        SpecConfig.parse(spec)
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from eejax.loading.hub import KNOWN_MODELS, cache_dir
 
@@ -188,7 +201,19 @@ def add_parsers(sub) -> None:
         "--max-waiting", type=positive_int, default=256, help="requests queued before new ones get 429 (default 256)"
     )
     srv.add_argument("--cache-budget", default="1GiB", help="KV cache memory (default 1GiB)")
-    srv.add_argument("--exit", metavar="SPEC", help="early exit for every request, as in eejax generate --exit")
+    srv.add_argument(
+        "--exit",
+        metavar="SPEC",
+        help="the early exit of requests that name neither exit nor spec, as in eejax generate --exit (default: "
+        "none, full depth); a request's own exit or spec replaces it",
+    )
+    srv.add_argument(
+        "--spec",
+        metavar="SPEC",
+        help="the speculation of requests that name neither exit nor spec, as in eejax generate --spec, e.g. "
+        "auto or draft:4:lookup (default: none, full depth); a request's own exit or spec replaces it "
+        '("none": full depth). --warmup compiles its programs too',
+    )
     add_sampling_args(srv, "requests' default: ")
     srv.add_argument("--policy", choices=("fcfs", "sjf", "ljf"), default="fcfs", help="order inside a bucket")
     srv.add_argument("--no-bucketing", action="store_true", help="one bucket (plain FCFS continuous batching)")

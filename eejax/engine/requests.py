@@ -36,7 +36,8 @@ def checked_exit(model, exit) -> ExitConfig | None:  # noqa: A002
 
 
 class Requests:
-    """`sampling` and `exit_config`: a request's defaults; `max_new_tokens`, `max_len`,
+    """`sampling`, `exit_config` and `spec`: a request's defaults (a request that names an exit
+    or a spec of its own, "none" included, takes neither default: `default_decoding`); `max_new_tokens`, `max_len`,
     `max_prompt_tokens` (an encoder-decoder's; None: decoder-only): its limits (`cache_len`,
     `num_pages` and `page_size` say which bound `max_len` is); at most `max_decoding_options`
     early-exit / speculation options are served; `seed` draws the seeds of requests that name
@@ -61,6 +62,7 @@ class Requests:
         seed: int,
         prompt_positions: Callable[[list[int]], int],
         speculate_auto: bool = True,
+        spec: SpecConfig | str | None = None,
     ):
         self.model, self.config = model, model.config
         self._post = post
@@ -76,11 +78,26 @@ class Requests:
         # Early-exit and speculation options are static in the programs (each compiles its own):
         # at most `max_decoding_options` distinct ones, so that no client keeps the server compiling.
         self.max_decoding_options = max_decoding_options
-        self.decoding_options: set = {(exit_config, None)}
+        check_exit_or_spec(exit_config, spec, ("a default exit", "a default spec"))
+        self.spec = spec
+        self.decoding_options: set = {(exit_config, self.checked_spec(spec))}
 
     def checked_exit(self, exit) -> ExitConfig | None:  # noqa: A002
         """An early-exit option (ExitConfig or its CLI spelling) checked against the model."""
         return checked_exit(self.model, exit)
+
+    def checked_spec(self, spec: SpecConfig | str | None) -> SpecConfig | None:
+        """The speculation `spec` runs here (None: none; "auto" resolved for this engine), checked
+        against the model."""
+        spec_config = resolve_spec(spec, draft_head.has_draft(self.model.params), self.speculate_auto)
+        if spec_config is not None:
+            if spec_config.adaptive and jax.process_count() > 1:
+                raise EejaxError(
+                    "adaptive speculation picks d from this process's timings; across processes use a "
+                    "fixed E:d or draft:d"
+                )
+            exits.resolve_options(self.model.params, self.config, spec=spec_config)
+        return spec_config
 
     def fresh_seed(self) -> int:
         """A seed for a request that names none (drawn from the engine's own seed)."""
@@ -107,7 +124,8 @@ class Requests:
     ) -> Sequence:
         """Queues a prompt (text or token ids); returns its Sequence at once. `exit` overrides the engine's
         early-exit option for this request ("none" = full depth), `spec` ("E:d", or "draft:d" with a draft
-        head; "auto" where `speculate_auto`, "none") decodes it by speculation; `sampling` (None: the
+        head; "auto" where `speculate_auto`, "none") decodes it by speculation; a request that names
+        neither takes the engine's default speculation (`spec`), if any; `sampling` (None: the
         engine's), and its options by name over it (temperature=, top_k=, top_p=, presence_penalty=,
         frequency_penalty=, repetition_penalty=: `SamplingParams`; None keeps the default), set its sampling
         and penalties (`decode/penalties.py`; traced values: a new setting compiles nothing, though rows with
@@ -119,15 +137,11 @@ class Requests:
         it the request ends with what it has, finish reason "length" and `timed_out` set, its pages freed (a
         background loop's check, each step). `queue=False` checks the request and returns its Sequence
         without queueing it (`warmup` learns a request's programs so)."""
+        if exit is None and spec is None:  # a request that names neither decodes as the defaults say
+            spec = self.spec
         check_exit_or_spec(exit, spec)
-        spec_config = resolve_spec(spec, draft_head.has_draft(self.model.params), self.speculate_auto)
+        spec_config = self.checked_spec(spec)
         if spec_config is not None:
-            if spec_config.adaptive and jax.process_count() > 1:
-                raise EejaxError(
-                    "adaptive speculation picks d from this process's timings; across processes use a "
-                    "fixed E:d or draft:d"
-                )
-            exits.resolve_options(self.model.params, self.config, spec=spec_config)
             exit = "none"  # noqa: A001
         sampling = (sampling or self.sampling).override(**sampling_options)
         sampling.check_vocab(self.config.vocab_size)

@@ -154,7 +154,7 @@ def create_app(
                             max_new_tokens=max_tokens,
                             priority=req.priority,
                             exit=req.exit or None,
-                            spec=None if is_off(req.spec) else req.spec,
+                            spec=req.spec,  # "none": full depth, whatever the server's default
                             **req.sampling_options,
                             seed=seed,
                             choice=choice,
