@@ -1,12 +1,14 @@
 """The README stays short and true: at most 250 lines, a link to every docs page (each of which is in
 mkdocs.yml's nav), its Python quick starts run (on a tiny model with a draft head standing in for
 the real one, the server's against `eejax serve` on 127.0.0.1), and its shell commands parse with
-the `eejax` command's own parser (every command, flag and choice as `--help` lists it)."""
+the `eejax` command's own parser (every command, flag and choice as `--help` lists it); docs/cli.md
+is what the parsers generate."""
 
 import contextlib
 import io
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import jax
@@ -14,6 +16,7 @@ import pytest
 
 import eejax
 from eejax.cli import build_parser
+from eejax.cli.reference import render
 from eejax.engine.engine import Engine
 from eejax.models import draft_head
 from tests.helpers import serve_in_thread
@@ -86,3 +89,27 @@ def test_the_shell_commands_parse_as_the_cli_has_them():
             else:
                 assert (ROOT / words[0]).is_file(), command
     assert seen >= 4
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="argparse lays usage out per Python version; made on 3.11")
+def test_the_cli_page_is_what_the_parsers_generate():
+    """docs/cli.md lists every command and flag `--help` does: `python -m eejax.cli.reference > docs/cli.md`."""
+    assert (ROOT / "docs" / "cli.md").read_text() == render(build_parser()), (
+        "run: python -m eejax.cli.reference > docs/cli.md"
+    )
+
+
+REFERENCES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # docs/results/ holds the dated log
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+LAB_NOTEBOOK = re.compile(r"\b(tried|not kept|this VM)\b", re.I)
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+@pytest.mark.parametrize("page", REFERENCES, ids=lambda p: p.name)
+def test_reference_pages_are_references_not_lab_notebooks(page):
+    """No commit hashes, no "tried" / "not kept" / "this VM", at most 5 dates a page: dated
+    measurements go to docs/results/, and a reference links them."""
+    text = page.read_text()
+    assert not COMMIT.findall(text), COMMIT.findall(text)
+    assert not LAB_NOTEBOOK.findall(text), LAB_NOTEBOOK.findall(text)
+    assert len(DATE.findall(text)) <= 5, DATE.findall(text)

@@ -198,7 +198,7 @@ def write_gguf(hf, tokenizer, path, arch: str):
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_gguf_files_of_qwens_read_as_transformers_reads_them(family, tiny_tokenizer, tmp_path, model_type):
     """A Qwen2 / Qwen3 .gguf file: converted dequantised (no torch), its logits are transformers'
-    reading of the file; kept as its blocks (`--quantize gguf`), its greedy tokens are too. (The
+    reading of the file; kept as its blocks (`--quantization gguf`), its greedy tokens are too. (The
     Qwen3 has Qwen3's usual head size, 128: transformers' GGUF reader takes that default, not the
     file's key length, which eejax reads.)"""
     pytest.importorskip("gguf")

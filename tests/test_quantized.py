@@ -386,7 +386,11 @@ def test_the_cli_quantizes_and_refuses_bad_values(capsys, tiny_checkpoints, tmp_
     assert code == 2 and "apply to quantized weights" in err
     code, out, _ = run_cli(capsys, *common, "--quantization", "int8", "--prompt-activations", "int16")
     assert code == 0 and len(json.loads(out)["outputs"][0]["tokens"]) == 4
-    code, out, _ = run_cli(
-        capsys, "convert", tiny_checkpoints["gqa-untied"][1], tmp_path / "q", "--quantize", "int8", "--quiet"
-    )
-    assert code == 0 and eejax.load(tmp_path / "q").quantization == "int8"
+    convert = ["convert", tiny_checkpoints["gqa-untied"][1], tmp_path / "q", "--quantization", "int8", "--quiet"]
+    code, out, err = run_cli(capsys, *convert)
+    assert code == 0 and eejax.load(tmp_path / "q").quantization == "int8" and "deprecated" not in err
+    # the old name still works, says so, and refuses to be given beside the new one
+    code, out, err = run_cli(capsys, *convert[:2], tmp_path / "q2", "--quantize", "int8", "--quiet")
+    assert code == 0 and "--quantize is deprecated; use --quantization" in err
+    code, out, err = run_cli(capsys, *convert, "--quantize", "none")
+    assert code == 2 and "given twice" in err

@@ -66,10 +66,12 @@ def bench_prompts(
     chat: bool = False,
     field: str | None = None,
     reference_field: str | None = None,
+    suffix: str = "",
 ) -> BenchPrompts:
     """The first `n` prompts of `data`, a set name (`SETS`) or a .jsonl file. Plain text is cut to
-    its first `prompt_tokens` tokens; `chat` puts a file's prompts through the chat template (the
-    chat and code sets always are). An EejaxError names a set or file with fewer than n."""
+    its first `prompt_tokens` tokens, `suffix` included after the cut (e.g. "\\n\\nSummary:");
+    `chat` puts a file's prompts through the chat template (the chat and code sets always are).
+    An EejaxError names a set or file with fewer than n."""
     from eejax.train.chat_corpus import chat_prompt
 
     references = None
@@ -87,7 +89,10 @@ def bench_prompts(
     if chat:
         ids = [chat_prompt(tokenizer, t) for t in texts]
     else:
-        ids = [tokenizer(t)["input_ids"][:prompt_tokens] for t in texts]
+        tail = tokenizer(suffix, add_special_tokens=False)["input_ids"] if suffix else []
+        if len(tail) >= prompt_tokens:
+            raise EejaxError(f"the prompt suffix takes {len(tail)} tokens, --prompt-tokens is {prompt_tokens}")
+        ids = [tokenizer(t)["input_ids"][: prompt_tokens - len(tail)] + tail for t in texts]
     if any(not row for row in ids):
         raise EejaxError(f"{data}: an empty prompt")
     return BenchPrompts(data, ids, None if references is None else references[:n])

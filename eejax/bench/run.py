@@ -199,6 +199,7 @@ def environment(model_name: str, model) -> dict:
             "layers": model.config.num_layers,
             "weights": sorted(formats(model.params)) or [str(model.dtype)],
             "activations": sorted({x.activations for x in quantized}) or None,
+            "prompt_activations": sorted({x.prompt_activations or x.activations for x in quantized}) or None,
             "layer_buffers": model.layout,
         },
     }

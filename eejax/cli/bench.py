@@ -42,6 +42,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         chat=args.chat_template,
         field=args.prompt_field,
         reference_field=args.reference_field,
+        suffix=args.prompt_suffix.replace("\\n", "\n"),
     )
     if prompts.references is not None:
         _needs_rouge()
@@ -193,6 +194,13 @@ def add_parsers(sub) -> None:
     p.add_argument("--chat-template", action="store_true", help="put a file's prompts through the chat template")
     p.add_argument("--prompt-field", help="which field of --data objects holds the prompt")
     p.add_argument("--reference-field", help="which field of --data objects holds a reference text (default reference)")
+    p.add_argument(
+        "--prompt-suffix",
+        default="",
+        metavar="TEXT",
+        help="text put after each plain-text prompt's cut, within --prompt-tokens; \\n is a newline "
+        "(e.g. '\\n\\nSummary:' for news summaries; default none)",
+    )
     p.add_argument(
         "--prompt-tokens",
         type=positive_int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from eejax.cli.args import quantization
+from eejax.cli.parsing import RenamedOption
 
 DESCRIPTION = """Convert an HF PyTorch checkpoint or a GGUF file into an eejax checkpoint.
 
@@ -19,7 +20,7 @@ left at DST. What converts (config.json's model_type):
   mistral  Mistral (its sliding attention window)
   t5       T5ForConditionalGeneration: T5 v1.0, v1.1, Flan-T5, CALM-style T5s
 A .gguf file of llama.cpp's llama, qwen2 or qwen3 architecture converts without torch (float, or
-its own blocks with --quantize gguf); another architecture's goes through transformers (torch)."""
+its own blocks with --quantization gguf); another architecture's goes through transformers (torch)."""
 
 
 def add_parsers(sub) -> None:
@@ -42,13 +43,21 @@ def add_parsers(sub) -> None:
         "weights costs the kernel compute), and ~3x slower with EEJAX_CPU_MATMUL=off",
     )
     parser.add_argument(
-        "--quantize",
+        "--quantization",
         type=quantization,
         default=None,
         metavar="{gguf,int8,none}",
         help="store the matrices quantized (Llama): gguf keeps a .gguf file's own Q4_0 / Q4_1 / Q8_0 blocks "
         "(no float copy), int8 stores every matrix as int8 per output channel (any checkpoint); default none "
         "(float weights; a .gguf file dequantised). Norms stay --dtype",
+    )
+    parser.add_argument(
+        "--quantize",
+        dest="quantization",
+        type=quantization,
+        action=RenamedOption,
+        new_name="--quantization",
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -72,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         args.src,
         args.dst,
         dtype=args.dtype,
-        quantization=args.quantize,
+        quantization=args.quantization,
         overwrite=args.overwrite,
         progress=not args.quiet,
     )

@@ -4,6 +4,7 @@ and repeated single-valued options that are refused (nothing a user typed is sil
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 class ExtendAction(argparse.Action):
@@ -25,6 +26,19 @@ class StoreOnceAction(argparse._StoreAction):
         if option_string is not None and self.dest in given:
             parser.error(f"{'/'.join(self.option_strings)} given twice; give it once")
         given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class RenamedOption(StoreOnceAction):
+    """An option's old name: it still works, with a line on stderr naming the new one (which
+    shares its dest, so giving both is refused as giving one twice)."""
+
+    def __init__(self, *args, new_name: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.new_name = new_name
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new_name}", file=sys.stderr)
         super().__call__(parser, namespace, values, option_string)
 
 

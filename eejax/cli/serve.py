@@ -285,7 +285,9 @@ def add_parsers(sub) -> None:
         metavar="OPTIONS",
         help="with --warmup, also compile the programs of requests with these options, as key=value pairs "
         f"separated by commas ({', '.join(REQUEST_OPTIONS)}), e.g. 'temperature=0.8,top_p=0.95' or "
-        "'spec=15:2'; repeat for several kinds of request (default: the server's own options only)",
+        "'spec=15:2'; repeat for several kinds of request (default: the server's own options only). Each kind "
+        "costs programs (SmolLM2, 8 slots, 256 tokens: ~260 prefills per sampler, log-prob or penalty kind): "
+        "compile what the clients will send",
     )
     srv.add_argument(
         "--api-key",

@@ -202,7 +202,7 @@ def load(
     activations, everything else loads as stored. None loads the weights as stored (a known GGUF
     model dequantised to float32); "gguf" keeps a known GGUF model's own blocks (SmolLM2: Q4_1
     layers, a Q8_0 embedding and head; a directory must hold blocks already, `eejax convert
-    --quantize gguf`); "int8" quantizes float matrices per output channel as they load.
+    --quantization gguf`); "int8" quantizes float matrices per output channel as they load.
     `activations` (quantized weights; None: int16 where "auto" chose the blocks, else float32):
     "float32" multiplies float x by the dequantised blocks (the float32 model's products, up to
     summation order), "int16" / "int8" round x per block of 32 to 16 or 8 bits (int8 as llama.cpp

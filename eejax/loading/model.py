@@ -203,7 +203,7 @@ def quantize(model_params: dict, config, kind: str | None) -> dict:
             return _quantize_draft(model_params)
         raise EejaxError(
             "quantization='gguf' keeps a GGUF file's own blocks: load a known GGUF model by name or convert a .gguf "
-            "file with `eejax convert --quantize gguf`; this checkpoint holds "
+            "file with `eejax convert --quantization gguf`; this checkpoint holds "
             + (f"{', '.join(sorted(held))} weights" if held else "float weights (use 'int8')")
         )
     if held:
