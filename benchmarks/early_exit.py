@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import eejax  # noqa: E402
 from benchmarks.common import ROOT, Paired, paired_runs, with_exit_vocab, write_result  # noqa: E402
 from eejax import ExitConfig  # noqa: E402
+from eejax.bench.run import rouge_l  # noqa: E402  (mean ROUGE-L F1, stemmed)
 from eejax.cli.parsing import OneLineErrorParser
 
 # Each configuration runs with the reduced exit head (8192 tokens) unless it says "full head".
@@ -57,13 +58,6 @@ def summary_prompts(tokenizer, n: int, prompt_tokens: int) -> tuple[list[list[in
     suffix = tokenizer("\n\nSummary:")["input_ids"]
     prompts = [tokenizer(r["article"])["input_ids"][: prompt_tokens - len(suffix)] + suffix for r in rows]
     return prompts, [r["highlights"] for r in rows]
-
-
-def rouge_l(predictions: list[str], references: list[str]) -> float:
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    return sum(scorer.score(r, p)["rougeL"].fmeasure for p, r in zip(predictions, references)) / len(references)
 
 
 def decode_runs(model, prompts, batch, configs, new_tokens, repeats) -> Paired:

@@ -20,46 +20,13 @@ that eejax's float32 reference reproduces.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.eval_sets import SETS  # noqa: E402
 from benchmarks.eval_sets import prompts as eval_prompts  # noqa: E402
-
-
-def run_llamacpp(gguf: str, prompts: list[list[int]], new_tokens: int, threads: int) -> dict:
-    """llama.cpp's greedy decoding of each prompt: prefill (to the first token) and decode seconds."""
-    from llama_cpp import Llama
-
-    llm = Llama(
-        model_path=gguf,
-        n_ctx=max(map(len, prompts)) + new_tokens + 8,
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_batch=512,
-        verbose=False,
-    )
-    rows = []
-    for warm in (True, False):
-        for prompt in prompts[:1] if warm else prompts:
-            tokens = []
-            start = time.perf_counter()
-            for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-                tokens.append(int(token))
-                if len(tokens) == 1:
-                    first = time.perf_counter()
-                if len(tokens) == new_tokens:
-                    break
-            end = time.perf_counter()
-            if not warm:
-                rows.append({"prefill_s": first - start, "decode_s": end - first, "tokens": tokens})
-    return summarise(rows, prompts, new_tokens)
 
 
 def summarise(rows: list[dict], prompts: list[list[int]], new_tokens: int) -> dict:
@@ -74,15 +41,16 @@ def summarise(rows: list[dict], prompts: list[list[int]], new_tokens: int) -> di
 
 
 def llamacpp_in_child(gguf: str, prompts, new_tokens: int, threads: int) -> dict:
-    """`run_llamacpp` in a process of its own."""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = os.path.join(tmp, "in.json")
-        with open(spec, "w") as f:
-            json.dump({"gguf": gguf, "prompts": prompts, "new_tokens": new_tokens, "threads": threads}, f)
-        out = subprocess.run(
-            [sys.executable, __file__, "--child", spec], check=True, capture_output=True, text=True
-        ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    """llama.cpp's greedy decoding of each prompt in a process of its own (`eejax.bench.peers`)."""
+    from eejax.bench.peers import llamacpp_in_child as run
+
+    r = run(gguf, prompts, new_tokens, threads)
+    return {
+        "prefill_tokens_per_s": r.prefill_tokens_per_s,
+        "decode_tokens_per_s": r.decode_tokens_per_s,
+        "end_to_end_tokens_per_s": r.tokens_per_s,
+        "tokens": r.tokens,
+    }
 
 
 def run_eejax(model, prompts, new_tokens: int, spec=None) -> dict:
@@ -103,11 +71,6 @@ def run_eejax(model, prompts, new_tokens: int, spec=None) -> dict:
 def main(argv=None) -> int:
     from eejax.cli.parsing import OneLineErrorParser
 
-    if argv is None and sys.argv[1:2] == ["--child"]:
-        with open(sys.argv[2]) as f:
-            a = json.load(f)
-        print(json.dumps(run_llamacpp(a["gguf"], a["prompts"], a["new_tokens"], a["threads"])))
-        return 0
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=256)

@@ -180,7 +180,7 @@ def test_the_chat_head_drafts_chat_better_than_the_news_head(smollm2):
     """smollm2-135m-eagle-chat (the news head trained on further on the model's chat answers) on
     four everyday questions through the chat template, written for the benchmarks and trained on by
     neither head: lossless, and its drafts accepted more often than the news head's."""
-    from benchmarks.eval_sets import CHAT
+    from eejax.bench.prompts import CHAT
     from eejax.train.chat_corpus import chat_prompt
 
     prompts = [chat_prompt(smollm2.tokenizer, q) for q in CHAT[:4]]

@@ -24,12 +24,14 @@ PEERS = ("hf", "llamacpp")
 @dataclasses.dataclass(frozen=True)
 class PeerResult:
     """A peer's greedy decoding of a run's prompts: `decode_tokens_per_s` (the tokens after each
-    row's first over the time they took), `tokens_per_s` (end to end, prefill included), and
-    `tokens` per prompt."""
+    row's first over the time they took), `tokens_per_s` (end to end, prefill included),
+    `tokens` per prompt, and where the peer times it, `prefill_tokens_per_s` (prompt tokens
+    over the time to each first token)."""
 
     decode_tokens_per_s: float
     tokens_per_s: float
     tokens: list[list[int]]
+    prefill_tokens_per_s: float | None = None
 
 
 def original_gguf(model_name: str) -> Path:
@@ -153,7 +155,10 @@ def run_llamacpp(gguf: str, prompts: list[list[int]], new_tokens: int, threads: 
             if not warm:
                 prefill, decode = prefill + first - start, decode + end - first
                 tokens.append(row)
-    return PeerResult(len(prompts) * (new_tokens - 1) / decode, len(prompts) * new_tokens / (prefill + decode), tokens)
+    n = len(prompts)
+    return PeerResult(
+        n * (new_tokens - 1) / decode, n * new_tokens / (prefill + decode), tokens, sum(map(len, prompts)) / prefill
+    )
 
 
 def llamacpp_in_child(gguf, prompts: list[list[int]], new_tokens: int, threads: int) -> PeerResult:

@@ -40,12 +40,17 @@ def markdown(doc: dict) -> str:
     value in any row left out)."""
     env, run = doc["environment"], doc["run"]
     model = env["model"]
-    weights = ", ".join(model["weights"]) + (
-        f" ({', '.join(model['activations'])} activations)" if model.get("activations") else ""
+    weights = "weights " + ", ".join(model["weights"])
+    for key in ("activations", "prompt_activations"):
+        if model.get(key):
+            weights += f", {key.replace('_', ' ')} {', '.join(model[key])}"
+    cpu = env["cpu"]
+    device = (
+        env["device"]["kind"] if env["device"]["platform"] != "cpu" else f"{cpu['processor']}, {cpu['cores']} cores"
     )
     head = (
-        f"`{model['name']}` ({weights}), {run['data']}: {run['prompts']} prompts, {run['new_tokens']} new tokens, "
-        f"{env['device']['kind']} ({env['cpu']['cores']} cores), jax {env['versions']['jax']}, {env['date'][:10]}"
+        f"`{model['name']}` ({weights}), {run['data']}: {run['prompts']} prompts, {run['new_tokens']} new tokens; "
+        f"{device}, jax {env['versions']['jax']}, {env['date'][:10]}"
         + (f", peer {run['peer']}" if run.get("peer") else "")
     )
     rows = doc["rows"]

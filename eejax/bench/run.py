@@ -187,7 +187,7 @@ def environment(model_name: str, model) -> dict:
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": {"platform": device.platform, "kind": device.device_kind, "count": jax.device_count()},
-        "cpu": {"cores": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "cpu": {"cores": os.cpu_count(), "processor": _cpu_name(), "avx512_vnni": _cpu_has("avx512_vnni")},
         "versions": {
             "eejax": _version("eejax"),
             "jax": jax.__version__,
@@ -203,6 +203,28 @@ def environment(model_name: str, model) -> dict:
             "layer_buffers": model.layout,
         },
     }
+
+
+def _cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else the platform's."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
+def _cpu_has(flag: str) -> bool | None:
+    """Whether /proc/cpuinfo lists `flag` (None where there is no /proc/cpuinfo)."""
+    info = _cpuinfo()
+    return flag in info.split() if info else None
 
 
 def _version(package: str) -> str:
