@@ -304,8 +304,8 @@ def test_token_log_probs_are_read_after_the_next_program_took_the_state(tiny_mod
 
 def test_a_default_spec_decodes_requests_that_name_no_decoding_of_their_own(tiny_model):
     """`Engine(spec=...)` (`eejax serve --spec`): a request naming neither exit nor spec
-    speculates with it, one naming either (spec "none" included) does not; greedy tokens stay
-    full depth's. A default exit and a default spec together are refused."""
+    speculates with it, one naming either (spec "none" included) takes neither default; greedy
+    tokens stay full depth's. A default exit and a default spec together are refused."""
     prompts = random_prompts(3, [5, 11, 8], seed=9)
     engine = Engine(tiny_model, max_slots=3, max_new_tokens=8, cache_budget="4MiB", page_size=8, spec="1:2")
     seqs = [
@@ -320,3 +320,6 @@ def test_a_default_spec_decodes_requests_that_name_no_decoding_of_their_own(tiny
     assert [s.tokens for s in seqs[:2]] == full
     with pytest.raises(eejax.EejaxError, match="not both"):
         Engine(tiny_model, max_slots=1, max_new_tokens=4, cache_budget="4MiB", exit="static:1", spec="1:2")
+    exiting = Engine(tiny_model, max_slots=1, max_new_tokens=4, cache_budget="4MiB", exit="static:1")
+    assert exiting.submit(prompts[0], max_new_tokens=4, queue=False).exit is not None
+    assert exiting.submit(prompts[0], max_new_tokens=4, spec="none", queue=False).exit is None

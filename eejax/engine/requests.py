@@ -139,6 +139,8 @@ class Requests:
         without queueing it (`warmup` learns a request's programs so)."""
         if exit is None and spec is None:  # a request that names neither decodes as the defaults say
             spec = self.spec
+        elif exit is None:  # one that names a spec, "none" included, takes no default exit either
+            exit = "none"  # noqa: A001
         check_exit_or_spec(exit, spec)
         spec_config = self.checked_spec(spec)
         if spec_config is not None:
