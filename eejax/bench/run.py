@@ -79,7 +79,7 @@ def bench(
 
     if model.compiles_split_later:
         model = dataclasses.replace(model, layer_buffers=model.layout)
-    others = [s for s in dict.fromkeys(settings) if not s.is_full]
+    others = timed_settings(settings)
     rows = []
     for batch in batches:
         ids = list(itertools.islice(itertools.cycle(prompts.ids), max(batch, len(prompts.ids))))
@@ -144,8 +144,12 @@ def _peer_row(name: str, batch: int, result, full, full_decode: float, full_e2e:
 
 def bench_runs(settings: list[Setting], batches: list[int], repeats: int, peer: bool = False) -> int:
     """How many runs `bench` makes (a progress bar's total): `generate` calls and a peer's."""
-    others = [s for s in dict.fromkeys(settings) if not s.is_full]
-    return len(batches) * (runs_count(len(others), repeats) + 2 * peer)
+    return len(batches) * (runs_count(len(timed_settings(settings)), repeats) + 2 * peer)
+
+
+def timed_settings(settings: list[Setting]) -> list[Setting]:
+    """The settings timed against full depth: each once, in order, full depth itself left out."""
+    return [s for s in dict.fromkeys(settings) if not s.is_full]
 
 
 def _decode(result) -> float:

@@ -52,5 +52,5 @@ def parse_setting(text: str) -> Setting:
         if not is_auto(value):
             SpecConfig.parse(value)
         return Setting(name, spec=value)
-    except (ValueError, EejaxError) as e:
+    except EejaxError as e:
         raise EejaxError(f"bench setting {text!r}: {e}") from None
