@@ -23,6 +23,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_parts.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -34,9 +35,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-struct Shapes {
-  int64_t B, T, Hq, Dh, L, Hkv, P, S, M;
-};
+using Shapes = eejax::AttentionShapes;
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline float horizontal_sum(__m256 v) {  // lanes summed in a fixed order
@@ -319,6 +318,36 @@ void attend_queries(const Shapes& n, const float* q, const float* k, const float
   weighted_values(s, most, live, slo, skeys, [&](int64_t i) { return row(v, i); }, Dh, souts);
 }
 
+}  // namespace
+
+void eejax::paged_attention(ffi::ThreadPool& pool, const AttentionShapes& n, const float* q, const float* k_cache,
+                            const float* v_cache, int64_t layer, const int32_t* block_table, const int32_t* positions,
+                            const int32_t* kv_len, float scale, int64_t window, float* out) {
+  // Work in tiles: a row's consecutive positions times heads of one KV head (at most kMaxGroup
+  // heads and kMaxQueries queries), in the order (row, positions, heads).
+  const int64_t group = n.Hq / n.Hkv, heads = std::min<int64_t>(group, kMaxGroup);
+  const int64_t chunks_per_kv = (group + heads - 1) / heads, chunks = n.Hkv * chunks_per_kv;  // runs of heads
+  const int64_t span = std::max<int64_t>(1, kMaxQueries / heads), spans = (n.T + span - 1) / span;
+  const int64_t units = n.B * spans * chunks;
+  int64_t values = 0;  // cached keys and values read (a KV head's queries share them), at most
+  for (int64_t b = 0; b < n.B; ++b)
+    values += std::clamp<int64_t>(kv_len[b], 0, n.M * n.S) * n.T * n.Hkv * 2 * n.Dh;
+  const int64_t parts = eejax::num_parts(pool, std::clamp<int64_t>((values + kMinValuesPerPart - 1) / kMinValuesPerPart, 1, std::max<int64_t>(1, units)));
+  eejax::run_parts(pool, parts, [&](int64_t i) {
+    static thread_local std::vector<float> scores;  // the running thread's, kept from call to call
+    for (int64_t u = units * i / parts; u < units * (i + 1) / parts; ++u) {
+      const int64_t b = u / (spans * chunks), t0 = u / chunks % spans * span, c = u % chunks;
+      const int64_t h0 = c / chunks_per_kv * group + c % chunks_per_kv * heads;
+      const int64_t h1 = std::min(h0 + heads, (c / chunks_per_kv + 1) * group);
+      attend_queries(n, q, k_cache, v_cache, layer, block_table,
+                     positions, kv_len[b], b, t0, std::min(span, n.T - t0), h0, int(h1 - h0),
+                     scale, window, out, scores);
+    }
+  });
+}
+
+namespace {
+
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_table,
                           ffi::Buffer<ffi::S32> q_positions, ffi::Buffer<ffi::S32> kv_len, ffi::ResultBuffer<ffi::F32> out,
@@ -332,27 +361,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (n.Dh % kLanes) return ffi::Error::InvalidArgument("eejax_paged_attention: head size must be a multiple of 8");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= n.L) return ffi::Error::InvalidArgument("eejax_paged_attention: layer out of range");
-  // Work in tiles: a row's consecutive positions times heads of one KV head (at most kMaxGroup
-  // heads and kMaxQueries queries), in the order (row, positions, heads).
-  const int64_t group = n.Hq / n.Hkv, heads = std::min<int64_t>(group, kMaxGroup);
-  const int64_t chunks_per_kv = (group + heads - 1) / heads, chunks = n.Hkv * chunks_per_kv;  // runs of heads
-  const int64_t span = std::max<int64_t>(1, kMaxQueries / heads), spans = (n.T + span - 1) / span;
-  const int64_t units = n.B * spans * chunks;
-  int64_t values = 0;  // cached keys and values read (a KV head's queries share them), at most
-  for (int64_t b = 0; b < n.B; ++b)
-    values += std::clamp<int64_t>(kv_len.typed_data()[b], 0, n.M * n.S) * n.T * n.Hkv * 2 * n.Dh;
-  const int64_t parts = eejax::num_parts(pool, std::clamp<int64_t>((values + kMinValuesPerPart - 1) / kMinValuesPerPart, 1, std::max<int64_t>(1, units)));
-  eejax::run_parts(pool, parts, [&](int64_t i) {
-    static thread_local std::vector<float> scores;  // the running thread's, kept from call to call
-    for (int64_t u = units * i / parts; u < units * (i + 1) / parts; ++u) {
-      const int64_t b = u / (spans * chunks), t0 = u / chunks % spans * span, c = u % chunks;
-      const int64_t h0 = c / chunks_per_kv * group + c % chunks_per_kv * heads;
-      const int64_t h1 = std::min(h0 + heads, (c / chunks_per_kv + 1) * group);
-      attend_queries(n, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), l, block_table.typed_data(),
-                     q_positions.typed_data(), kv_len.typed_data()[b], b, t0, std::min(span, n.T - t0), h0, int(h1 - h0),
-                     scale, window, out->typed_data(), scores);
-    }
-  });
+  eejax::paged_attention(pool, n, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(), l, block_table.typed_data(),
+                         q_positions.typed_data(), kv_len.typed_data(), scale, window, out->typed_data());
   return ffi::Error::Success();
 }
 

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -49,15 +50,7 @@ ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Result
                                float eps) {
   const int64_t D = w.element_count();
   if (D < 1 || x.element_count() % D) return ffi::Error::InvalidArgument("eejax_rms_norm: x's rows are not w's width");
-  const int64_t N = x.element_count() / D;
-  const float* xs = x.typed_data();
-  const float* ws = w.typed_data();
-  float* out = y->typed_data();
-  for (int64_t n = 0; n < N; ++n) {
-    const float* row = xs + n * D;
-    const float inverse = 1.f / std::sqrt(sum_of_squares(row, D) / float(D) + eps);
-    for (int64_t d = 0; d < D; ++d) out[n * D + d] = ws[d] * (row[d] * inverse);
-  }
+  eejax::rms_norm_rows(x.typed_data(), w.typed_data(), y->typed_data(), x.element_count() / D, D, eps);
   return ffi::Error::Success();
 }
 
@@ -67,19 +60,10 @@ ffi::Error Rope(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos, ffi::Buffer<
   const int64_t tables = cos.element_count();
   if (xd.size() < 2 || tables == 0 || sin.element_count() != tables || x.element_count() % tables)
     return ffi::Error::InvalidArgument("eejax_rope: x must be [..., H, Dh] against cos and sin [..., Dh]");
-  const int64_t Dh = xd.back(), half = Dh / 2, N = x.element_count() / Dh, heads = x.element_count() / tables;
+  const int64_t Dh = xd.back();
   if (Dh % 2 || tables % Dh) return ffi::Error::InvalidArgument("eejax_rope: the head size must be even, the tables' too");
-  const float *xs = x.typed_data(), *c = cos.typed_data(), *s = sin.typed_data();
-  float* out = y->typed_data();
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t at = n * Dh, row = n / heads * Dh;  // a row's H heads share its tables
-    for (int64_t d = 0; d < Dh; ++d) {
-      const float rotated = d < half ? -xs[at + d + half] : xs[at + d - half];
-      const float a = xs[at + d] * c[row + d];
-      const float b = rotated * s[row + d];
-      out[at + d] = a + b;
-    }
-  }
+  eejax::rope_rows(x.typed_data(), cos.typed_data(), sin.typed_data(), y->typed_data(), x.element_count() / Dh,
+                   x.element_count() / tables, Dh);
   return ffi::Error::Success();
 }
 
@@ -130,11 +114,30 @@ inline v16 silu_mul16(v16 g, v16 u) {
   return g / (1.f + exp_of(e)) * u;
 }
 
-ffi::Error SiluMul(ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u, ffi::ResultBuffer<ffi::F32> y) {
-  if (g.element_count() != u.element_count()) return ffi::Error::InvalidArgument("eejax_silu_mul: gate and up differ in size");
-  const float *gs = g.typed_data(), *us = u.typed_data();
-  float* out = y->typed_data();
-  const int64_t n = g.element_count();
+}  // namespace
+
+void eejax::rms_norm_rows(const float* xs, const float* ws, float* out, int64_t N, int64_t D, float eps) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = xs + n * D;
+    const float inverse = 1.f / std::sqrt(sum_of_squares(row, D) / float(D) + eps);
+    for (int64_t d = 0; d < D; ++d) out[n * D + d] = ws[d] * (row[d] * inverse);
+  }
+}
+
+void eejax::rope_rows(const float* xs, const float* c, const float* s, float* out, int64_t N, int64_t heads, int64_t Dh) {
+  const int64_t half = Dh / 2;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t at = n * Dh, row = n / heads * Dh;  // a row's H heads share its tables
+    for (int64_t d = 0; d < Dh; ++d) {
+      const float rotated = d < half ? -xs[at + d + half] : xs[at + d - half];
+      const float a = xs[at + d] * c[row + d];
+      const float b = rotated * s[row + d];
+      out[at + d] = a + b;
+    }
+  }
+}
+
+void eejax::silu_mul_values(const float* gs, const float* us, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     v16 a, b;
@@ -150,6 +153,13 @@ ffi::Error SiluMul(ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u, ffi::Result
     const v16 v = silu_mul16(a, b);
     std::memcpy(out + i, &v, (n - i) * sizeof(float));
   }
+}
+
+namespace {
+
+ffi::Error SiluMul(ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u, ffi::ResultBuffer<ffi::F32> y) {
+  if (g.element_count() != u.element_count()) return ffi::Error::InvalidArgument("eejax_silu_mul: gate and up differ in size");
+  eejax::silu_mul_values(g.typed_data(), u.typed_data(), y->typed_data(), g.element_count());
   return ffi::Error::Success();
 }
 

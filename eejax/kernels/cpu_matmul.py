@@ -62,9 +62,18 @@ MAX_CALLED_ROWS = 64  # up to here a product runs the kernel on each MAX_ROWS ro
 SOURCE = Path(__file__).with_suffix(".cc")
 SOURCES = tuple(
     SOURCE.with_name(n)
-    for n in ("cpu_matmul.cc", "cpu_quantized.cc", "cpu_attention.cc", "cpu_elementwise.cc", "cpu_parts.h")
+    for n in (
+        "cpu_matmul.cc",
+        "cpu_quantized.cc",
+        "cpu_attention.cc",
+        "cpu_elementwise.cc",
+        "cpu_layer.cc",
+        "cpu_parts.h",
+        "cpu_kernels.h",
+    )
 )
-SOURCE_FLAGS = {"cpu_elementwise.cc": ["-ffp-contract=off"]}  # its bits must not depend on the compiler's fusing
+# Their bits must not depend on the compiler's fusing.
+SOURCE_FLAGS = {"cpu_elementwise.cc": ["-ffp-contract=off"], "cpu_layer.cc": ["-ffp-contract=off"]}
 TARGETS = {  # XLA's name for a handler -> its symbol in the library
     "eejax_matmul_nn": "EejaxMatmulNN",
     "eejax_matmul_nt": "EejaxMatmulNT",
@@ -76,6 +85,7 @@ TARGETS = {  # XLA's name for a handler -> its symbol in the library
     "eejax_rope": "EejaxRope",
     "eejax_rope_tables": "EejaxRopeTables",
     "eejax_silu_mul": "EejaxSiluMul",
+    "eejax_cpu_layer": "EejaxCpuLayer",  # cpu_layer.py
     **{
         f"eejax_quantized_{f}_{a}": f"EejaxQuantized{f.capitalize()}{suffix}"
         for f in quantized.FORMATS

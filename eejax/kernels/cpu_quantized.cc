@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_parts.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -688,6 +689,47 @@ ffi::Error PanelMatmul(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_
 }
 #endif
 
+// x [M, K] against N matrices (ws; matrix j's rows are [starts[j], starts[j + 1]) of all rows) ->
+// outs[j] [M, R_j]: an eejax_quantized_* call's work once its buffers are read.
+template <Format F, typename XQ>
+ffi::Error Products(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_t K, int64_t N, const Weights* ws,
+                    float* const* outs, const int64_t* starts, bool gemm) {
+  const int64_t R = starts[N], NB = K / 32;
+  if (M < 1 || R < 1) return ffi::Error::Success();
+  constexpr bool kInteger = !std::is_same_v<XQ, float>;
+  if (kInteger && NB > kMaxBlocks) return ffi::Error::InvalidArgument("eejax_quantized: rows longer than 16384");
+#if EEJAX_VNNI512
+  if constexpr (kInteger)
+    if (M > kMaxVectorRows || gemm) return PanelMatmul<F, XQ>(pool, xs, M, N, ws, outs, starts);
+#endif
+  // This caller's buffers, reused from call to call. A reference, which the parts capture: in a
+  // helper's thread the name would be the helper's own.
+  static thread_local QuantizedX<std::conditional_t<kInteger, XQ, int8_t>> caller_qx;
+  auto& qx = caller_qx;
+  if constexpr (kInteger) quantize_x<F, XQ>(xs, M, NB, qx);
+  // A part is at least kMinBlocksPerPart blocks of work: waking a helper costs more than a small product.
+  const int group = kInteger ? kIntegerGroup : kGroup;
+  const int64_t work = R * NB * ((M + group - 1) / group);
+  const int64_t parts = eejax::num_parts(pool, std::min((R + kRowsPerTile - 1) / kRowsPerTile, (work + kMinBlocksPerPart - 1) / kMinBlocksPerPart));
+  eejax::run_parts(pool, parts, [&](int64_t i) {
+    const int64_t lo = R * i / parts, hi = R * (i + 1) / parts;
+    for (int64_t j = 0; j < N; ++j) {  // the part's rows of matrix j
+      const Weights& w = ws[j];
+      const int64_t r0 = std::max(lo, starts[j]) - starts[j], r1 = std::min(hi, starts[j + 1]) - starts[j];
+      for (int64_t t = r0; t < r1; t += kRowsPerTile)
+        for (int64_t m = 0; m < M; m += group) {
+          const int g = int(std::min<int64_t>(group, M - m));
+          const int64_t t1 = std::min(r1, t + kRowsPerTile);
+          if constexpr (kInteger)
+            integer_group<F, XQ>(g, qx, m, outs[j] + m * w.R, w, t, t1);
+          else
+            float_group<F>(g, xs + m * K, outs[j] + m * w.R, w, t, t1);
+        }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 // x [M, K] f32 against N matrices that share it (a layer's q, k and v; its gate and up), each
 // given as three buffers: qs [R, NB, block bytes]; scales [R, NB] f16 (int8: [R, 1] f32); mins
 // [R, NB] f16 (q4_1; else any buffer) -> N results y [M, R]. One call: x is quantized once and
@@ -723,41 +765,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     outs[j] = (*y)->typed_data();
     starts[j + 1] = starts[j] + qd[0];
   }
-  const int64_t R = starts[N], NB = K / 32;
-  if (M < 1 || R < 1) return ffi::Error::Success();
-  const float* xs = x.typed_data();
-  constexpr bool kInteger = !std::is_same_v<XQ, float>;
-  if (kInteger && NB > kMaxBlocks) return ffi::Error::InvalidArgument("eejax_quantized: rows longer than 16384");
-#if EEJAX_VNNI512
-  if constexpr (kInteger)
-    if (M > kMaxVectorRows || gemm) return PanelMatmul<F, XQ>(pool, xs, M, N, ws, outs, starts);
-#endif
-  // This caller's buffers, reused from call to call. A reference, which the parts capture: in a
-  // helper's thread the name would be the helper's own.
-  static thread_local QuantizedX<std::conditional_t<kInteger, XQ, int8_t>> caller_qx;
-  auto& qx = caller_qx;
-  if constexpr (kInteger) quantize_x<F, XQ>(xs, M, NB, qx);
-  // A part is at least kMinBlocksPerPart blocks of work: waking a helper costs more than a small product.
-  const int group = kInteger ? kIntegerGroup : kGroup;
-  const int64_t work = R * NB * ((M + group - 1) / group);
-  const int64_t parts = eejax::num_parts(pool, std::min((R + kRowsPerTile - 1) / kRowsPerTile, (work + kMinBlocksPerPart - 1) / kMinBlocksPerPart));
-  eejax::run_parts(pool, parts, [&](int64_t i) {
-    const int64_t lo = R * i / parts, hi = R * (i + 1) / parts;
-    for (int64_t j = 0; j < N; ++j) {  // the part's rows of matrix j
-      const Weights& w = ws[j];
-      const int64_t r0 = std::max(lo, starts[j]) - starts[j], r1 = std::min(hi, starts[j + 1]) - starts[j];
-      for (int64_t t = r0; t < r1; t += kRowsPerTile)
-        for (int64_t m = 0; m < M; m += group) {
-          const int g = int(std::min<int64_t>(group, M - m));
-          const int64_t t1 = std::min(r1, t + kRowsPerTile);
-          if constexpr (kInteger)
-            integer_group<F, XQ>(g, qx, m, outs[j] + m * w.R, w, t, t1);
-          else
-            float_group<F>(g, xs + m * K, outs[j] + m * w.R, w, t, t1);
-        }
-    }
-  });
-  return ffi::Error::Success();
+  return Products<F, XQ>(pool, x.typed_data(), M, K, N, ws, outs, starts, gemm);
 }
 
 // qs, scales, mins (as above) -> the rows [R, K] as float32, exactly as `quantized.dequantize_rows`
@@ -798,6 +806,46 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer qs, ffi::AnyBuffer sc
 }
 
 }  // namespace
+
+ffi::Error eejax::quantized_products(ffi::ThreadPool& pool, Activations activations, const float* x, int64_t M, int64_t K,
+                                     const BlockMatrix* matrices, int64_t N, float* const* outs) {
+  if (N < 1 || N > kMaxMatrices || K % 32) return ffi::Error::InvalidArgument("eejax: 1 to 8 matrices of whole blocks");
+  Weights ws[kMaxMatrices];
+  int64_t starts[kMaxMatrices + 1] = {0};
+  const BlockFormat format = matrices[0].format;
+  for (int64_t j = 0; j < N; ++j) {
+    const BlockMatrix& m = matrices[j];
+    if (m.format != format) return ffi::Error::InvalidArgument("eejax: matrices in one product call share a format");
+    const bool int8 = format == BlockFormat::kInt8;
+    ws[j] = Weights{static_cast<const uint8_t*>(m.qs), int8 ? nullptr : static_cast<const uint16_t*>(m.scales),
+                    format == BlockFormat::kQ4_1 ? static_cast<const uint16_t*>(m.mins) : nullptr,
+                    int8 ? static_cast<const float*>(m.scales) : nullptr, m.rows, K / 32};
+    starts[j + 1] = starts[j] + m.rows;
+  }
+  auto run = [&](auto format_tag) -> ffi::Error {
+    constexpr Format F = decltype(format_tag)::value;
+    switch (activations) {
+      case Activations::kFloat32:
+        return Products<F, float>(pool, x, M, K, N, ws, outs, starts, false);
+      case Activations::kInt8:
+        return Products<F, int8_t>(pool, x, M, K, N, ws, outs, starts, false);
+      case Activations::kInt16:
+        return Products<F, int16_t>(pool, x, M, K, N, ws, outs, starts, false);
+    }
+    return ffi::Error::InvalidArgument("eejax: unknown activations");
+  };
+  switch (format) {
+    case BlockFormat::kQ4_0:
+      return run(std::integral_constant<Format, Format::kQ4_0>{});
+    case BlockFormat::kQ4_1:
+      return run(std::integral_constant<Format, Format::kQ4_1>{});
+    case BlockFormat::kQ8_0:
+      return run(std::integral_constant<Format, Format::kQ8_0>{});
+    case BlockFormat::kInt8:
+      return run(std::integral_constant<Format, Format::kInt8>{});
+  }
+  return ffi::Error::InvalidArgument("eejax: unknown block format");
+}
 
 #define EEJAX_DEQUANTIZE_HANDLER(name, format)                                           \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, Dequantize<format>, ffi::Ffi::Bind()             \

@@ -24,8 +24,8 @@ import numpy as np
 from eejax.cache import KVCache, slot_indices, write_layer_kv
 from eejax.config import LlamaConfig
 from eejax.errors import EejaxError
-from eejax.kernels import cpu_elementwise, paged_attention
-from eejax.kernels.attention import TreeMask
+from eejax.kernels import cpu_elementwise, cpu_layer, paged_attention
+from eejax.kernels.attention import TreeMask, resolve_impl
 from eejax.kernels.backend import backend
 from eejax.kernels.cpu_matmul import RowsMatrix
 from eejax.kernels.head_parallel import head_mesh
@@ -364,6 +364,8 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
     returns (h, cache). The halves before and after attention each read the layer's weights
     (`on_layer`); the cache write and the attention over the cache run between them."""
     layers = params["layers"]
+    if _in_one_call(layers, h, cache, layer, batch, config):
+        return on_layer(layers, CPU_LAYER_KEYS, layer, lambda lp: _one_call(lp, h, cache, layer, batch, config))
     qkv_keys = _held(layers, QKV_KEYS)
     triton = batch.attention == "triton"  # the Triton layer: its attention and its fused products
     into_cache = None
@@ -386,6 +388,31 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
     return on_layer(
         layers, OUT_KEYS, layer, lambda lp: _layer_apply(config, lp, "out_mlp", h, attn, triton=triton)
     ), cache
+
+
+CPU_LAYER_KEYS = (*cpu_layer.NORMS, *cpu_layer.MATRICES)
+
+
+def _in_one_call(layers: dict, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig) -> bool:
+    """Whether layer `layer` runs as one CPU call (`kernels.cpu_layer`): blocks on a CPU, a Llama
+    layer without q/k/v biases, q/k norms or LoRA factors, on one device, and a layer read in
+    place (per-layer buffers at a static index: a `lax.switch` over them would copy the cache out)."""
+    if config.qkv_bias or config.qk_norm or head_mesh(cache.k.shape[1]) is not None:
+        return False
+    split = is_split(layers)
+    if (split and not isinstance(layer, int)) or any(k + "_a" in layers for k in cpu_layer.MATRICES):
+        return False
+    example = {k: layers[k][0] if split else layers[k] for k in CPU_LAYER_KEYS if k in layers}
+    impl = resolve_impl(batch.attention)
+    return cpu_layer.applies(example, h, cache.k, batch.cos, attention=impl, tree=batch.tree)
+
+
+def _one_call(lp: dict, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
+    h, k, v = cpu_layer.decoder_layer(
+        lp, h, batch.cos, batch.sin, cache.k, cache.v, layer, batch.pages, batch.slots, batch.block_table,
+        batch.positions, batch.kv_len, eps=config.rms_norm_eps, window=batch.window,
+    )  # fmt: skip
+    return h, KVCache(k, v)
 
 
 def cache_attention(q, cache: KVCache, layer, batch: TokenBatch):
