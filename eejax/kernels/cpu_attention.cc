@@ -14,7 +14,7 @@
 // share the call: a verify pass, a decode step and a prefill agree bit for bit. The queries go
 // in tiles of a row's consecutive positions times the heads of one KV head (up to 32 queries: a
 // prefill's tile reads each key and value row once for all of them, from memory, then from L1),
-// split between the calling thread and the library's helpers (cpu_parts.h). Scores go 4 queries x 4 keys a block, weighted
+// split between the pool's threads (cpu_parts.h). Scores go 4 queries x 4 keys a block, weighted
 // values 3 queries x 64 values in registers; rows are prefetched a page ahead.
 
 #include <algorithm>

@@ -1,9 +1,9 @@
-// Few-row float32 matrix products on a CPU, streamed by every core (cpu_parts.h's threads).
+// Few-row float32 matrix products on a CPU, streamed by every thread of XLA's intra-op pool.
 //
 // A decode step of a few rows is a chain of products of x [M, K] by weights, and its time is the
 // time to read them. XLA:CPU's one-row products run mostly on one core (README's decode profile),
 // which streams about two thirds of what both cores of a 2-core machine read together. These
-// handlers split each weight between the cores instead:
+// handlers split each weight between the pool's threads instead:
 //   eejax_matmul_nn:  y[M, N] = x[M, K] @ w[K, N]    (a layer's Linear; w row-major)
 //   eejax_matmul_nt:  y[M, N] = x[M, K] @ w[N, K]^T  (the LM head tied to the embedding)
 // nn splits K (each part sums its rows of w into its own partial [M, N]; the parts are added in

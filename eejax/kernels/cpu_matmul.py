@@ -4,8 +4,7 @@
 Why. A decode step of a small batch is a chain of products of a few rows by a weight matrix, and
 its time is the time to read the weights. XLA:CPU computes a one-row product mostly on one core,
 which streams ~22 GB/s on this 2-core EPYC while both cores read 30-43 GB/s; the kernel splits
-each weight between the cores: the calling thread and the library's own helper threads
-(`cpu_parts.h`; docs/benchmarks.md, the decode profile).
+each weight between the threads of XLA's own intra-op pool (docs/benchmarks.md, the decode profile).
 
 When. `matmul` / `matmul_t` use it at trace time when all of these hold: the process's backend is
 the CPU, no mesh is in context (a custom call is not partitioned), x and w are float32 or

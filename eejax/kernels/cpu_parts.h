@@ -1,23 +1,16 @@
-// Splitting a kernel's work between the calling thread and the library's helper threads (shared
-// by cpu_matmul.cc, cpu_quantized.cc, cpu_attention.cc and cpu_layer.cc).
+// Splitting a kernel's work between the calling thread and the threads of XLA's intra-op pool
+// (shared by cpu_matmul.cc and cpu_quantized.cc).
 //
-// Parts are claimed from an atomic counter by the calling thread and by helpers; the caller claims
-// what no helper has started, so it never waits for a helper that has not come (no deadlock when
-// the helpers are busy or descheduled), and a helper that comes after every part is claimed has
-// nothing to do. A call's state is shared, so it outlives the call.
+// Parts are claimed from an atomic counter by the calling thread and by helpers on the pool; the
+// caller claims what no helper has started, so it never waits for a helper that is queued behind
+// busy threads (no deadlock when the pool is busy), and a helper that comes after every part is
+// claimed has nothing to do. A call's state is shared, so it outlives the call.
 //
-// The helpers are the library's own threads, one fewer than the machine's cores (at most
-// kMaxParts - 1), started on first use. They were the tasks of XLA's intra-op pool, but XLA runs a
-// program on a thread outside that pool when nothing in it runs side by side (a step whose
-// layers are each one call, cpu_layer.cc): the caller and the pool's threads were then more
-// threads than cores (batch 2-8 steps 13-22% slower on 2 cores). With their own threads the
-// kernels keep one thread a core whichever thread calls them.
-//
-// Helpers linger. Waking a sleeping thread takes longer on a VM than a part of a decode step's
-// product takes (~10-40 us), so the caller often ran every part itself: a helper spins for
+// Helpers linger. Waking a sleeping pool thread takes longer on a VM than a part of a decode
+// step's product takes (~10-40 us), so the caller often ran every part itself: a helper spins for
 // linger_ns() after its last part, watching the board where each call posts its parts, and the
-// next call finds it awake (a call wakes the sleeping helpers only when none lingers). A lingering
-// helper holds a core for at most that long past the last product.
+// next call finds it awake (a call schedules a new helper only when none lingers). A lingering
+// helper holds its pool thread and a core for at most that long past the last product.
 #pragma once
 
 #include <algorithm>
@@ -27,7 +20,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
-#include <thread>
+#include <thread>  // std::this_thread::yield
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -119,40 +112,7 @@ struct Board {
 // Never destroyed: a helper may still be lingering on it while the process exits.
 inline Board& board = *new Board;
 
-// The helper threads: each sleeps until a call wakes it, then helps until it has lingered.
-struct Helpers {
-  std::atomic<uint64_t> wakes{0};
-
-  static int64_t count() {
-    const int64_t cores = std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()));
-    return std::min<int64_t>(cores - 1, kMaxParts - 1);
-  }
-
-  void wake() {
-    static std::once_flag started;
-    std::call_once(started, [this] {
-      for (int64_t i = 0; i < count(); ++i) std::thread([this] { serve(); }).detach();
-    });
-    wakes.fetch_add(1, std::memory_order_release);
-    wakes.notify_all();
-  }
-
-  void serve() {
-    for (uint64_t seen = 0;;) {
-      const uint64_t now = wakes.load(std::memory_order_acquire);
-      if (now == seen) {
-        wakes.wait(seen, std::memory_order_acquire);
-        continue;
-      }
-      seen = now;
-      board.help();
-    }
-  }
-};
-
-inline Helpers& helpers = *new Helpers;  // never destroyed, as the board
-
-// Runs run(i) for every part i in [0, parts), on this thread and the helpers, and returns when all
+// Runs run(i) for every part i in [0, parts), on this thread and the pool's, and returns when all
 // have run.
 template <typename Run>
 void run_parts(xla::ffi::ThreadPool& pool, int64_t parts, Run run) {
@@ -165,7 +125,8 @@ void run_parts(xla::ffi::ThreadPool& pool, int64_t parts, Run run) {
   call->parts = parts;
   if (parts > 1) {
     board.post(call);
-    if (board.lingering.load(std::memory_order_acquire) < std::min<int64_t>(parts - 1, Helpers::count())) helpers.wake();
+    for (int64_t i = board.lingering.load(std::memory_order_acquire); i < parts - 1; ++i)
+      pool.Schedule([] { board.help(); });
   }
   call->claim();
   // Every part is claimed: wait for those other threads are running. Spin briefly (a part takes

@@ -23,9 +23,8 @@
 // float32 GEMM (XLA's, which the float32 activations' prefill keeps).
 // Rows of x go in groups of at most 4 (accumulators in registers); weight rows in tiles of 16,
 // so a tile is read from memory once and from L1 by the later groups; the rows are split between
-// the calling thread and the library's helpers (cpu_parts.h). With AVX2, FMA and F16C (this
-// project's machines) the blocks are decoded with intrinsics (GCC's vector extensions scalarised
-// the byte widening: 20x slower);
+// the pool's threads (cpu_parts.h). With AVX2, FMA and F16C (this project's machines) the blocks
+// are decoded with intrinsics (GCC's vector extensions scalarised the byte widening: 20x slower);
 // elsewhere a portable loop computes the same sums.
 
 #include <algorithm>
