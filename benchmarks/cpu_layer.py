@@ -7,7 +7,10 @@ set and batch (decode and end to end each timed paired), checks the tokens are t
 times each copy's first generate (its programs compiled: a script runs without JAX's persistent
 cache).
 
-    python benchmarks/cpu_layer.py [--sets chat pydoc news] [--batches 1 8] [--prompts 8] [--repeats 3]
+--max-rows lets the call take steps of more rows than `cpu_layer.MAX_ROWS` (as the kernel can, up
+to 64), to measure what that limit avoids.
+
+    python benchmarks/cpu_layer.py [--sets chat pydoc news] [--batches 1] [--max-rows N] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from benchmarks.common import write_result  # noqa: E402
 from eejax.bench.paired import paired_runs  # noqa: E402
 from eejax.bench.prompts import bench_prompts  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
+from eejax.kernels import cpu_layer  # noqa: E402
 from eejax.models import llama  # noqa: E402
 
 SETS = {  # name -> bench_prompts' data and suffix
@@ -49,13 +53,19 @@ class OpByOp:
 def main(argv=None) -> int:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sets", nargs="+", choices=sorted(SETS), default=["chat", "pydoc", "news"])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1])
+    parser.add_argument(
+        "--max-rows", type=int, default=cpu_layer.MAX_ROWS, help="rows a step may have to take the call"
+    )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.new_tokens < 2 or args.repeats < 1 or min(args.batches) < 1:
         parser.error("--prompts, --repeats and --batches must be >= 1 and --new-tokens >= 2")
+    if not 1 <= args.max_rows <= 64:
+        parser.error("--max-rows must be 1 to 64 (the kernel's limit)")
+    cpu_layer.MAX_ROWS = args.max_rows
 
     models = {"one call": eejax.load("smollm2-135m", layer_buffers="split")}
     models["op by op"] = eejax.load("smollm2-135m", layer_buffers="split")
@@ -92,7 +102,9 @@ def main(argv=None) -> int:
                 flush=True,
             )
     print("first generate, programs compiled: " + ", ".join(f"{k} {v:.1f} s" for k, v in first_s.items()))
-    path = write_result("cpu_layer", dict(rows=rows, first_generate_s=first_s, repeats=args.repeats))
+    path = write_result(
+        "cpu_layer", dict(rows=rows, first_generate_s=first_s, repeats=args.repeats, max_rows=args.max_rows)
+    )
     print(f"wrote {path}")
     return 0
 

@@ -1,14 +1,14 @@
 """A Llama decoder layer's decode step in one call on a CPU (`cpu_layer.cc`, built into the kernel
 library with `cpu_matmul`), for weights kept as their blocks (`QuantizedMatrix`, the CPU's default
-load) and the few rows of a decode step, a verify pass or a batch.
+load) and a batch-1 decode step (the kernel takes up to 64 rows; `MAX_ROWS` says why one).
 
 The call runs what the layer runs op by op, with the same loops: RMSNorm, the q/k/v products,
 their rotation, the cache write, the CPU attention kernel, o and its residual, RMSNorm, gate/up,
 SiLU x up, down and its residual. So its bits are the op-by-op layer's (tested), and a row's bits
-still do not depend on the rows beside it. What it saves is the ~15 small XLA ops a layer between
-the products, each ~1.5-2 us of dispatch and work on this project's 2-core CPU (~1 ms of a
-4.4 ms SmolLM2 step on the default load). The caches are written in place (the results alias
-them)."""
+still do not depend on the rows beside it. What it saves is XLA's ~15 small ops a layer between
+the products: the default load's programs compile ~40% faster (a first generate 5.6 s against
+9.4 s); a batch-1 step decodes at 0.95-1.02x op by op's speed, within a shared VM's noise
+(`benchmarks/cpu_layer.py`). The caches are written in place (the results alias them)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,20 @@ from eejax.quantized import FORMATS, QuantizedMatrix
 NORMS = ("attn_norm", "mlp_norm")
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the kernel's order
 ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2}  # cpu_kernels.h's Activations
+# Rows a step may have to take the call. The kernel takes up to 64 (tested), but XLA runs a program
+# whose layers are each one call on a thread outside its intra-op pool (nothing in it runs side by
+# side), where the products' helpers are scheduled: at 2-8 rows that caller beside the pool's
+# threads overcommits the cores, and steps ran 3-22% slower than op by op (benchmarks/cpu_layer.py
+# --max-rows 8). At one row a step runs as fast as op by op.
+MAX_ROWS = 1
 
 
 def applies(weights: dict, h, k_cache, cos, *, attention: str, tree) -> bool:
     """Whether one call can run a layer whose weights are `weights` ({name: one layer's array or
     QuantizedMatrix}, or a stack's: only static facts are read) on h [B, T, D]: every matrix kept
     as blocks of one kind of activations (no prompt's GEMM), float32 norms, h, tables and cache,
-    at most `MAX_QUANTIZED_ROWS` rows, the CPU attention kernel (`attention`: the resolved impl)
-    and no tree of drafts."""
+    at most `MAX_ROWS` rows, the CPU attention kernel (`attention`: the resolved impl) and no tree
+    of drafts."""
     if attention != "cpu" or tree is not None or not all(k in weights for k in (*NORMS, *MATRICES)):
         return False
     ms = [weights[k] for k in MATRICES]
@@ -47,7 +53,7 @@ def applies(weights: dict, h, k_cache, cos, *, attention: str, tree) -> bool:
         and k_cache.dtype == jnp.float32
         and cos.dtype == jnp.float32
         and cos.shape[-1] % 8 == 0
-        and 0 < rows <= cpu_matmul.MAX_QUANTIZED_ROWS
+        and 0 < rows <= min(MAX_ROWS, cpu_matmul.MAX_QUANTIZED_ROWS)
         and cpu_matmul.library_applies()
     )
 
