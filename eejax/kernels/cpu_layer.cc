@@ -79,22 +79,23 @@ ffi::Error CpuLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<f
     return ffi::Error::InvalidArgument("eejax_cpu_layer: shapes do not agree");
   if (weights.size() != 3 * kMatrices) return ffi::Error::InvalidArgument("eejax_cpu_layer: give 7 matrices, three buffers each");
   eejax::BlockMatrix ms[kMatrices];
+  int64_t cols[kMatrices];  // each matrix's values a row
   for (int j = 0; j < kMatrices; ++j) {
     auto qs = weights.get<ffi::AnyBuffer>(3 * j), scales = weights.get<ffi::AnyBuffer>(3 * j + 1),
          mins = weights.get<ffi::AnyBuffer>(3 * j + 2);
     if (!qs || !scales || !mins || qs->dimensions().size() != 3) return ffi::Error::InvalidArgument("eejax_cpu_layer: bad weight buffers");
-    ms[j] = {eejax::BlockFormat((formats >> (4 * j)) & 15), qs->untyped_data(), scales->untyped_data(), mins->untyped_data(),
-             qs->dimensions()[0]};
+    const auto format = eejax::BlockFormat((formats >> (4 * j)) & 15);
+    const auto qd = qs->dimensions();
+    const bool nibbles = format == eejax::BlockFormat::kQ4_0 || format == eejax::BlockFormat::kQ4_1;
+    ms[j] = {format, qs->untyped_data(), scales->untyped_data(), mins->untyped_data(), qd[0]};
+    cols[j] = qd[1] * qd[2] * (nibbles ? 2 : 1);
   }
   const int64_t Rq = ms[kQ].rows, Rk = ms[kK].rows, I = ms[kGate].rows;
   if (Rq % Dh || Rk % Dh || ms[kV].rows != Rk || ms[kO].rows != D || ms[kUp].rows != I || ms[kDown].rows != D)
     return ffi::Error::InvalidArgument("eejax_cpu_layer: the matrices' rows do not make a layer");
-  for (int j = 0; j < kMatrices; ++j) {  // each row's values: what its input is wide
-    const auto qd = weights.get<ffi::AnyBuffer>(3 * j)->dimensions();
-    const bool nibbles = ms[j].format == eejax::BlockFormat::kQ4_0 || ms[j].format == eejax::BlockFormat::kQ4_1;
-    if (qd[1] * qd[2] * (nibbles ? 2 : 1) != (j == kO ? Rq : j == kDown ? I : D))
+  for (int j = 0; j < kMatrices; ++j)  // each row as wide as its input
+    if (cols[j] != (j == kO ? Rq : j == kDown ? I : D))
       return ffi::Error::InvalidArgument("eejax_cpu_layer: a matrix's rows are not as wide as its input");
-  }
   const int64_t Hq = Rq / Dh, Hkv = Rk / Dh, l = layer.typed_data()[0];
   if (Hkv != n.Hkv || Hq % Hkv || l < 0 || l >= n.L) return ffi::Error::InvalidArgument("eejax_cpu_layer: heads or layer do not fit the cache");
   const auto a = eejax::Activations(activations);

@@ -112,6 +112,14 @@ struct Weights {
   int64_t R, NB;
 };
 
+// A matrix's buffers as `Weights`: qs; scales (f16 per block, or int8's f32 per row); mins (q4_1).
+inline Weights weights_of(bool int8, bool q4_1, const void* qs, const void* scales, const void* mins, int64_t R,
+                          int64_t NB) {
+  return Weights{static_cast<const uint8_t*>(qs), int8 ? nullptr : static_cast<const uint16_t*>(scales),
+                 q4_1 ? static_cast<const uint16_t*>(mins) : nullptr, int8 ? static_cast<const float*>(scales) : nullptr,
+                 R, NB};
+}
+
 inline float finish(float sum, const Weights& w, int64_t r, bool int8) { return int8 ? sum * w.row_scale[r] : sum; }
 
 // ---- float: dequantise in registers ----------------------------------------------------------------
@@ -757,11 +765,8 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     const auto qd = qs->dimensions();
     if (qd.size() != 3 || qd[1] * qd[2] * (kNibbles<F> ? 2 : 1) != K)
       return ffi::Error::InvalidArgument("eejax_quantized: x and the blocks do not contract");
-    ws[j] = Weights{static_cast<const uint8_t*>(qs->untyped_data()),
-                    F == Format::kInt8 ? nullptr : static_cast<const uint16_t*>(scales->untyped_data()),
-                    F == Format::kQ4_1 ? static_cast<const uint16_t*>(mins->untyped_data()) : nullptr,
-                    F == Format::kInt8 ? static_cast<const float*>(scales->untyped_data()) : nullptr,
-                    qd[0], K / 32};
+    ws[j] = weights_of(F == Format::kInt8, F == Format::kQ4_1, qs->untyped_data(), scales->untyped_data(),
+                       mins->untyped_data(), qd[0], K / 32);
     outs[j] = (*y)->typed_data();
     starts[j + 1] = starts[j] + qd[0];
   }
@@ -776,10 +781,8 @@ ffi::Error Dequantize(ffi::ThreadPool pool, ffi::AnyBuffer qs, ffi::AnyBuffer sc
   const auto qd = qs.dimensions();
   if (qd.size() != 3) return ffi::Error::InvalidArgument("eejax_dequantize: qs must be 3-D");
   const int64_t R = qd[0], NB = qd[1] * qd[2] * (kNibbles<F> ? 2 : 1) / 32, K = NB * 32;
-  const Weights w{static_cast<const uint8_t*>(qs.untyped_data()),
-                  F == Format::kInt8 ? nullptr : static_cast<const uint16_t*>(scales.untyped_data()),
-                  F == Format::kQ4_1 ? static_cast<const uint16_t*>(mins.untyped_data()) : nullptr,
-                  F == Format::kInt8 ? static_cast<const float*>(scales.untyped_data()) : nullptr, R, NB};
+  const Weights w = weights_of(F == Format::kInt8, F == Format::kQ4_1, qs.untyped_data(), scales.untyped_data(),
+                               mins.untyped_data(), R, NB);
   float* y = out->typed_data();
   const int64_t parts = eejax::num_parts(pool, std::min((R + kRowsPerTile - 1) / kRowsPerTile, (R * NB + kMinBlocksPerPart - 1) / kMinBlocksPerPart));
   eejax::run_parts(pool, parts, [&](int64_t i) {
@@ -816,10 +819,7 @@ ffi::Error eejax::quantized_products(ffi::ThreadPool& pool, Activations activati
   for (int64_t j = 0; j < N; ++j) {
     const BlockMatrix& m = matrices[j];
     if (m.format != format) return ffi::Error::InvalidArgument("eejax: matrices in one product call share a format");
-    const bool int8 = format == BlockFormat::kInt8;
-    ws[j] = Weights{static_cast<const uint8_t*>(m.qs), int8 ? nullptr : static_cast<const uint16_t*>(m.scales),
-                    format == BlockFormat::kQ4_1 ? static_cast<const uint16_t*>(m.mins) : nullptr,
-                    int8 ? static_cast<const float*>(m.scales) : nullptr, m.rows, K / 32};
+    ws[j] = weights_of(format == BlockFormat::kInt8, format == BlockFormat::kQ4_1, m.qs, m.scales, m.mins, m.rows, K / 32);
     starts[j + 1] = starts[j] + m.rows;
   }
   auto run = [&](auto format_tag) -> ffi::Error {
