@@ -240,10 +240,11 @@ inline void softmax(float* s, int64_t keys) {
 }
 #endif
 
-// A part reads at least this many cached values (keys and values, 128 KiB of float32): handing a
-// smaller call's queries to helpers costs more than it saves. Each query is one part's whole, so
+// A part reads at least this many cached values (keys and values, 32 KiB of float32): handing a
+// smaller call's queries to helpers costs more than it saves (a decode step's attention at batch 1
+// reads its KV head's rows from memory, ~5 us a KV head at 70 keys on one thread). Each query is one part's whole, so
 // the parts never change a result.
-constexpr int64_t kMinValuesPerPart = 32768;
+constexpr int64_t kMinValuesPerPart = 8192;
 
 // Queries (b, t, h) for t in [t0, t0 + positions) and h in [h0, h0 + heads), heads of one KV head,
 // against their keys: scores, softmax, weighted values. Each query's sums are those it would have
@@ -325,14 +326,20 @@ void eejax::paged_attention(ffi::ThreadPool& pool, const AttentionShapes& n, con
                             const int32_t* kv_len, float scale, int64_t window, float* out) {
   // Work in tiles: a row's consecutive positions times heads of one KV head (at most kMaxGroup
   // heads and kMaxQueries queries), in the order (row, positions, heads).
-  const int64_t group = n.Hq / n.Hkv, heads = std::min<int64_t>(group, kMaxGroup);
-  const int64_t chunks_per_kv = (group + heads - 1) / heads, chunks = n.Hkv * chunks_per_kv;  // runs of heads
-  const int64_t span = std::max<int64_t>(1, kMaxQueries / heads), spans = (n.T + span - 1) / span;
-  const int64_t units = n.B * spans * chunks;
   int64_t values = 0;  // cached keys and values read (a KV head's queries share them), at most
   for (int64_t b = 0; b < n.B; ++b)
     values += std::clamp<int64_t>(kv_len[b], 0, n.M * n.S) * n.T * n.Hkv * 2 * n.Dh;
-  const int64_t parts = eejax::num_parts(pool, std::clamp<int64_t>((values + kMinValuesPerPart - 1) / kMinValuesPerPart, 1, std::max<int64_t>(1, units)));
+  // Fewer tiles of a KV head's heads than threads to share them (a decode step at batch 1: as many
+  // as KV heads): a tile per head instead, which the threads can share evenly. Each reads its KV
+  // head's keys and values (from memory once, then from the caches); a query's sums are the same.
+  const int64_t group = n.Hq / n.Hkv, threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t wanted = (values + kMinValuesPerPart - 1) / kMinValuesPerPart;  // parts, at most
+  const bool per_head = wanted > 1 && n.B * n.Hkv * ((n.T + kMaxQueries - 1) / kMaxQueries) < 2 * threads;
+  const int64_t heads = per_head ? 1 : std::min<int64_t>(group, kMaxGroup);
+  const int64_t chunks_per_kv = (group + heads - 1) / heads, chunks = n.Hkv * chunks_per_kv;  // runs of heads
+  const int64_t span = std::max<int64_t>(1, kMaxQueries / heads), spans = (n.T + span - 1) / span;
+  const int64_t units = n.B * spans * chunks;
+  const int64_t parts = eejax::num_parts(pool, std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, units)));
   eejax::run_parts(pool, parts, [&](int64_t i) {
     static thread_local std::vector<float> scores;  // the running thread's, kept from call to call
     for (int64_t u = units * i / parts; u < units * (i + 1) / parts; ++u) {

@@ -42,7 +42,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define EEJAX_AVX2 1
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define EEJAX_VNNI512 1
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -219,9 +219,16 @@ void float_rows(const float* x, float* y, const Weights& w, int64_t r0, int64_t 
 // int16 x against 4-bit weights is laid out in pairs of blocks, as the products read it (two
 // blocks per vector; see integer_rows): for blocks b = 2k, 2k + 1 the 64 values of pair k are
 // x_b[0:8] x_b+1[0:8], x_b[8:16] x_b+1[8:16], x_b[16:24] x_b+1[16:24], x_b[24:32] x_b+1[24:32],
-// an odd last block paired with zeros. Otherwise a row is its blocks in order.
+// an odd last block paired with zeros. Where AVX-512 VNNI is, pairs go two by two (kPairsPerLoad):
+// chunk i of pairs 2k and 2k + 1 side by side, so that one 512-bit load holds both (the products
+// read two pairs per vector there). Otherwise a row is its blocks in order.
 template <Format F, typename XQ>
 constexpr bool kPaired = kNibbles<F> && std::is_same_v<XQ, int16_t>;
+#if EEJAX_VNNI512
+constexpr int64_t kPairsPerLoad = 2;
+#else
+constexpr int64_t kPairsPerLoad = 1;
+#endif
 
 template <typename XQ>
 struct QuantizedX {
@@ -233,7 +240,9 @@ struct QuantizedX {
 
   // Where value j of block b of row m is (values 8i..8i+7 of a block are together in either layout).
   int64_t at(int64_t m, int64_t b, int j) const {
-    return paired ? m * stride + b / 2 * 64 + j / 8 * 16 + b % 2 * 8 + j % 8 : m * stride + b * 32 + j;
+    constexpr int64_t P = kPairsPerLoad;
+    return paired ? m * stride + b / (2 * P) * (64 * P) + j / 8 * (16 * P) + b / 2 % P * 16 + b % 2 * 8 + j % 8
+                  : m * stride + b * 32 + j;
   }
 };
 
@@ -242,7 +251,7 @@ struct QuantizedX {
 template <typename Store>
 void size_x(int64_t M, int64_t NB, QuantizedX<Store>& out, bool paired) {
   out.paired = paired;
-  out.stride = out.paired ? (NB + 1) / 2 * 64 : NB * 32;
+  out.stride = out.paired ? ((NB + 1) / 2 + kPairsPerLoad - 1) / kPairsPerLoad * (64 * kPairsPerLoad) : NB * 32;
   out.xq.resize(M * out.stride), out.dx.resize(M * NB), out.offset.resize(M * NB);
   if (out.paired && NB % 2)  // the zeros an odd last block is paired with
     for (int64_t m = 0; m < M; ++m)
@@ -252,16 +261,35 @@ void size_x(int64_t M, int64_t NB, QuantizedX<Store>& out, bool paired) {
 // Rounds blocks [i0, i1) of x (block i: row i / NB, block i % NB) into `out`, sized by `size_x`.
 // XQ gives the levels (int8_t: 127, int16_t: 32767); Store holds them (int16_t for a GEMM's int8
 // x: the same values, the same sums).
+// out[i] = the float sum of block i of x for i in [i0, i1), each in value order (int8 activations'
+// results move with its last bit); eight blocks' sums side by side, so that their adds need not wait
+// on one another (one block's 32 adds in a row waited ~100 cycles).
+inline void block_sums(const float* x, int64_t i0, int64_t i1, float* out) {
+  int64_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    float sums[8] = {};
+    for (int j = 0; j < 32; ++j)
+      for (int c = 0; c < 8; ++c) sums[c] += x[(i + c) * 32 + j];
+    std::memcpy(out + i, sums, sizeof sums);
+  }
+  for (; i < i1; ++i) {
+    float sum = 0.f;
+    for (int j = 0; j < 32; ++j) sum += x[i * 32 + j];
+    out[i] = sum;
+  }
+}
+
 template <Format F, typename XQ, typename Store = XQ>
 void quantize_blocks(const float* x, int64_t NB, QuantizedX<Store>& out, int64_t i0, int64_t i1) {
   constexpr float kLevels = std::numeric_limits<XQ>::max();
+  if constexpr (F == Format::kQ4_1) block_sums(x, i0, i1, out.offset.data());
   for (int64_t i = i0; i < i1; ++i) {
     const float* v = x + i * 32;
     const int64_t m = i / NB, b = i % NB;
     Store* eighths[4];  // where values 8i..8i+7 go
     for (int e = 0; e < 4; ++e) eighths[e] = out.xq.data() + out.at(m, b, 8 * e);
     auto q = [&](int j) -> Store& { return eighths[j / 8][j % 8]; };
-    float amax = 0.f, sum = 0.f;
+    float amax = 0.f;
     int isum = 0;
 #if EEJAX_AVX2
     __m256 block[4], most = _mm256_setzero_ps();
@@ -270,7 +298,6 @@ void quantize_blocks(const float* x, int64_t NB, QuantizedX<Store>& out, int64_t
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, most);
     for (float lane : lanes) amax = std::max(amax, lane);
-    for (int j = 0; j < 32; ++j) sum += v[j];  // in order: int8 activations' results move with its last bit
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? kLevels / amax : 0.f);
     __m256i rounded[4], total = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {  // nearest, ties to even (the default rounding mode, as nearbyint)
@@ -283,7 +310,7 @@ void quantize_blocks(const float* x, int64_t NB, QuantizedX<Store>& out, int64_t
     _mm256_store_si256(reinterpret_cast<__m256i*>(ints), total);
     for (int j = 0; j < 8; ++j) isum += ints[j];
 #else
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j])), sum += v[j];
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
     const float inv = amax > 0.f ? kLevels / amax : 0.f;
     for (int j = 0; j < 32; ++j) {
       const int r = int(std::nearbyint(v[j] * inv));
@@ -293,7 +320,7 @@ void quantize_blocks(const float* x, int64_t NB, QuantizedX<Store>& out, int64_t
 #endif
     const float dx = amax / kLevels;
     out.dx[i] = dx;
-    out.offset[i] = F == Format::kQ4_1 ? sum : F == Format::kQ4_0 ? -8.f * dx * float(isum) : 0.f;
+    if constexpr (F != Format::kQ4_1) out.offset[i] = F == Format::kQ4_0 ? -8.f * dx * float(isum) : 0.f;  // q4_1: block_sums
   }
 }
 
@@ -414,17 +441,85 @@ struct PairDot {
     w[0] = _mm256_unpacklo_epi8(lo, zero), w[1] = _mm256_unpackhi_epi8(lo, zero);
     w[2] = _mm256_unpacklo_epi8(hi, zero), w[3] = _mm256_unpackhi_epi8(hi, zero);
   }
-  // Lanes 0-3: block 2k's products summed in fours; lanes 4-7: block 2k + 1's.
+  // Lanes 0-3: block 2k's products summed in fours; lanes 4-7: block 2k + 1's. x: the pair's first
+  // chunk; its chunks are 16 * kPairsPerLoad values apart.
   __m256i dot(const int16_t* x) const {
+    constexpr int64_t step = 16 * kPairsPerLoad;
     __m256i s = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-    for (int i = 1; i < 4; ++i) s = madd_add(s, w[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * i)));
+    for (int i = 1; i < 4; ++i) s = madd_add(s, w[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + step * i)));
     return s;
   }
 };
 
+#if EEJAX_VNNI512
+// A vector's high 256 bits (AVX-512F's 64-bit lane move: no AVX-512DQ needed).
+inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+// Pairs k and k + 1 of a 4-bit row (`whole`: else pair k + 1 is one block) as int16 in one vector
+// each chunk: pair k in the low 256 bits, pair k + 1 in the high, each laid out as PairDot's.
+struct TwoPairDot {
+  __m512i w[4];
+  TwoPairDot(const uint8_t* pairs, bool whole) {
+    const __m512i bytes = whole ? _mm512_loadu_si512(pairs) : _mm512_maskz_loadu_epi8((1ull << 48) - 1, pairs);
+    const __m512i nibble = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    const __m512i lo = _mm512_and_si512(bytes, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    w[0] = _mm512_unpacklo_epi8(lo, zero), w[1] = _mm512_unpackhi_epi8(lo, zero);
+    w[2] = _mm512_unpacklo_epi8(hi, zero), w[3] = _mm512_unpackhi_epi8(hi, zero);
+  }
+  // Lanes 0-7: PairDot's lanes for pair k; lanes 8-15: pair k + 1's (the same integers: sums exact).
+  __m512i dot(const int16_t* x) const {
+    __m512i s = _mm512_madd_epi16(w[0], _mm512_loadu_si512(x));
+    for (int i = 1; i < 4; ++i) s = _mm512_dpwssd_epi32(s, w[i], _mm512_loadu_si512(x + 32 * i));
+    return s;
+  }
+};
+#endif
+
 // 4-bit weights against int16 x, two blocks per vector (half the conversions and scalings): pair k's
 // scales are its weights' d spread (per weight row) times x's dx spread (per call), the same
 // products d * dx as the unpaired path's.
+#if EEJAX_VNNI512
+// Where AVX-512 VNNI is, two pairs a vector: pair k's lanes in the low half (accumulator 0's chain
+// below), pair k + 1's in the high (accumulator 1's): each lane computes what the 256-bit loop
+// computes. A pair's d spread is a permutation of the row's d in registers.
+template <Format F, int G>
+void paired_rows(const QuantizedX<int16_t>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
+  const int64_t NB = w.NB, pairs = (NB + 1) / 2;
+  alignas(32) float d[kMaxBlocks + 8];  // the row's d, then zeros to the next 8 (an odd last block's partner)
+  const float* dx = qx.dx_pairs.data() + m0 * pairs * 8;
+  const int16_t* xq0 = qx.xq.data() + m0 * qx.stride;
+  const __m512i two_pairs = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m256i one_pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* dr = w.d + r * NB;
+    int64_t b = 0;
+    for (; b + 8 <= NB; b += 8) _mm256_store_ps(d + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dr + b))));
+    if (b < NB) _mm256_store_ps(d + b, _mm256_cvtph_ps(_mm_maskz_loadu_epi16(__mmask8((1u << (NB - b)) - 1), dr + b)));
+    const uint8_t* row = w.qs + r * NB * kBlockBytes<F>;
+    __m512 both[G];
+    for (int m = 0; m < G; ++m) both[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 <= pairs; k += 2) {
+      const TwoPairDot wq(row + k * 2 * kBlockBytes<F>, 2 * k + 3 < NB);
+      const __m512 dk = _mm512_permutexvar_ps(two_pairs, _mm512_castps128_ps512(_mm_loadu_ps(d + 2 * k)));
+      for (int m = 0; m < G; ++m)
+        both[m] = _mm512_fmadd_ps(_mm512_mul_ps(dk, _mm512_loadu_ps(dx + m * pairs * 8 + 8 * k)),
+                                  _mm512_cvtepi32_ps(wq.dot(xq0 + m * qx.stride + k * 64)), both[m]);
+    }
+    __m256 acc[G][2];
+    for (int m = 0; m < G; ++m) acc[m][0] = _mm512_castps512_ps256(both[m]), acc[m][1] = high_half(both[m]);
+    if (k < pairs) {  // the last pair alone (into accumulator 0), as the 256-bit loop takes it
+      const PairDot wq(row + k * 2 * kBlockBytes<F>, 2 * k + 1 < NB);
+      const __m256 dk = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + 2 * k)), one_pair);
+      for (int m = 0; m < G; ++m)
+        acc[m][0] = _mm256_fmadd_ps(_mm256_mul_ps(dk, _mm256_loadu_ps(dx + m * pairs * 8 + 8 * k)),
+                                    _mm256_cvtepi32_ps(wq.dot(xq0 + m * qx.stride + k * 64)), acc[m][0]);
+    }
+    for (int m = 0; m < G; ++m)
+      y[m * w.R + r] = sum8(_mm256_add_ps(acc[m][0], acc[m][1])) + offset_sum<F>(w, r, qx.offset.data() + (m0 + m) * NB);
+  }
+}
+#else
 template <Format F, int G>
 void paired_rows(const QuantizedX<int16_t>& qx, int64_t m0, float* y, const Weights& w, int64_t r0, int64_t r1) {
   const int64_t NB = w.NB, pairs = (NB + 1) / 2;
@@ -456,6 +551,7 @@ void paired_rows(const QuantizedX<int16_t>& qx, int64_t m0, float* y, const Weig
     }
   }
 }
+#endif
 
 // Every other pairing of weights and x: a block per vector, its scale d * dx per row of x.
 template <Format F, typename XQ, int G>
@@ -472,7 +568,14 @@ void block_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w
         for (; b + 8 <= w.NB; b += 8)
           _mm256_store_ps(scale[m] + b, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b))),
                                                       _mm256_loadu_ps(dx + b)));
+#if EEJAX_VNNI512
+        if (b < w.NB) {  // the same products, the last few blocks in one masked vector
+          const __mmask8 tail = __mmask8((1u << (w.NB - b)) - 1);
+          _mm256_mask_storeu_ps(scale[m] + b, tail, _mm256_mul_ps(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(tail, d + b)), _mm256_maskz_loadu_ps(tail, dx + b)));
+        }
+#else
         for (; b < w.NB; ++b) scale[m][b] = half_to_float(d[b]) * dx[b];
+#endif
       }
     }
     __m256 acc[G][2];
@@ -485,6 +588,28 @@ void block_rows(const QuantizedX<XQ>& qx, int64_t m0, float* y, const Weights& w
         acc[m][a] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale[m] + b), _mm256_cvtepi32_ps(wq.dot(xq0 + m * qx.stride + b * 32)), acc[m][a]);
     };
     int64_t b = 0;
+#if EEJAX_VNNI512
+    if constexpr (std::is_same_v<XQ, int16_t>) {
+      // Two blocks a vector: block b's eight sums in the low half (accumulator 0's chain), block
+      // b + 1's in the high (accumulator 1's). A block's 32 products go pairwise to 16 lanes; lane l
+      // plus lane l + 8 is the 256-bit loop's lane l (the same integers).
+      __m512 both[G];
+      for (int m = 0; m < G; ++m) both[m] = _mm512_setzero_ps();
+      const __m512i two_blocks = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      for (; b + 2 <= w.NB; b += 2) {
+        const __m512i wa = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32)));
+        const __m512i wb = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 32 + 32)));
+        for (int m = 0; m < G; ++m) {
+          const XQ* x = xq0 + m * qx.stride + b * 32;
+          const __m512i sa = _mm512_madd_epi16(wa, _mm512_loadu_si512(x)), sb = _mm512_madd_epi16(wb, _mm512_loadu_si512(x + 32));
+          const __m512i sums = _mm512_add_epi32(_mm512_shuffle_i64x2(sa, sb, 0x44), _mm512_shuffle_i64x2(sa, sb, 0xEE));
+          const __m512 scales = _mm512_permutexvar_ps(two_blocks, _mm512_castps128_ps512(_mm_loadu_ps(scale[m] + b)));
+          both[m] = _mm512_fmadd_ps(scales, _mm512_cvtepi32_ps(sums), both[m]);
+        }
+      }
+      for (int m = 0; m < G; ++m) acc[m][0] = _mm512_castps512_ps256(both[m]), acc[m][1] = high_half(both[m]);
+    }
+#endif
     for (; b + 2 <= w.NB; b += 2) block(b, 0), block(b + 1, 1);
     if (b < w.NB) block(b, 0);
     for (int m = 0; m < G; ++m) {
