@@ -120,3 +120,39 @@ def test_continuations_are_saved_each_batch_and_reused_per_prompt(tmp_path, monk
     asked.clear()
     draft_corpus.continuations(None, [[1]], path, new_tokens=3, batch_size=2, progress=False)
     assert asked == [[[1]]]  # another length: continued again
+
+
+def test_sampled_continuations_go_in_saved_batches_and_sample_as_one_call(tiny_checkpoints, tmp_path, monkeypatch):
+    """Prompt i draws with (seed, i) whatever batch it runs in (`generate`'s row_offset), so a run
+    cut short goes on after its last saved batch and ends with what an uncut run gives."""
+    import sys
+
+    from eejax.train import draft_corpus
+
+    model = eejax.load(tiny_checkpoints["gqa-untied"][2])
+    prompts = [[5, 6, 7], [8, 9], [5, 6, 7], [10, 11, 12, 13], [14]]  # a prompt twice: two samples
+    one_call = eejax.generate(model, prompts, max_new_tokens=4, temperature=0.7, seed=1, batch_size=2).tokens
+    later = eejax.generate(model, prompts[2:4], max_new_tokens=4, temperature=0.7, seed=1, row_offset=2)
+    assert later.tokens == one_call[2:4]
+    uncut = draft_corpus.sampled_continuations(model, prompts, tmp_path / "uncut.json", new_tokens=4, batch_size=2)
+    assert uncut == [p + t for p, t in zip(prompts, one_call)]
+
+    module = sys.modules["eejax.engine.generate"]
+    real, offsets = module.generate, []
+
+    def cut_in_the_second_batch(*args, row_offset, **kwargs):
+        offsets.append(row_offset)
+        if len(offsets) == 2:
+            raise KeyboardInterrupt
+        return real(*args, row_offset=row_offset, **kwargs)
+
+    monkeypatch.setattr(module, "generate", cut_in_the_second_batch)
+    path = tmp_path / "cut.json"
+    with pytest.raises(KeyboardInterrupt):
+        draft_corpus.sampled_continuations(model, prompts, path, new_tokens=4, batch_size=2, progress=False)
+    assert json.loads(path.read_text())["sequences"] == uncut[:2]
+    offsets.clear()
+    monkeypatch.setattr(module, "generate", real)
+    assert draft_corpus.sampled_continuations(model, prompts, path, new_tokens=4, batch_size=2) == uncut
+    with pytest.raises(EejaxError, match="row_offset must be an integer >= 0"):
+        eejax.generate(model, prompts, max_new_tokens=2, row_offset=-1)

@@ -51,6 +51,7 @@ def generate(
     max_new_tokens: int = 64,
     sampling: SamplingParams | None = None,
     seed: int = 0,
+    row_offset: int = 0,
     ignore_eos: bool = False,
     batch_size: int | None = None,
     page_size: int = 16,
@@ -75,7 +76,9 @@ def generate(
     CPU batch and without a head), "none" is full depth. `attention` is "auto"
     (eejax's CPU kernel on a CPU, XLA's reference elsewhere), "reference", "cpu" or "triton"
     (interpreted without a GPU: slow). Sampling is seeded per row and position: row i draws with
-    `fold_in(seed_key(seed), i)` folded with each token's index, whatever batch it runs in.
+    `fold_in(seed_key(seed), row_offset + i)` folded with each token's index, whatever batch it
+    runs in (so prompts cut into several calls, each given the number of rows before it as
+    `row_offset`, sample as one call over them all would).
     `sampling` (a `SamplingParams`; default greedy), or its options by name over it:
     `temperature`, `top_k`, `top_p`, and `presence_penalty` / `frequency_penalty` (OpenAI's, in
     [-2, 2], 0 = off) and `repetition_penalty` (vLLM's and HF's, > 0, 1 = off), which penalise
@@ -100,6 +103,8 @@ def generate(
     validate_lengths(rows, max_new_tokens, config.max_position_embeddings, config.vocab_size)
     if batch_size is not None and batch_size < 1:
         raise EejaxError(f"batch_size must be >= 1, got {batch_size}")
+    if isinstance(row_offset, bool) or int(row_offset) != row_offset or row_offset < 0:
+        raise EejaxError(f"row_offset must be an integer >= 0, got {row_offset!r}")
     if page_size < 1:
         raise EejaxError(f"page_size must be >= 1, got {page_size}")
     # Checked here, before any work (the engine checks them again as its defaults).
@@ -142,7 +147,7 @@ def generate(
     compile_before = model.programs.compile_seconds
     start = time.perf_counter()
     seqs = [
-        engine.submit(r, max_new_tokens=max_new_tokens, spec=spec_config, seed=seed, choice=i)
+        engine.submit(r, max_new_tokens=max_new_tokens, spec=spec_config, seed=seed, choice=row_offset + i)
         for i, r in enumerate(rows)
     ]
     while engine.busy:  # nano-vllm's loop: admit, dispatch, read back

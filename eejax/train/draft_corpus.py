@@ -83,31 +83,44 @@ def sampled_continuations(
     temperature: float = 0.7,
     seed: int = 1,
     batch_size: int = 32,
+    progress: bool = True,
 ) -> list[list[int]]:
-    """Each prompt followed by a sampled continuation (one `generate` call: row i draws with
-    (seed, i)), saved as JSON in `path` (read back on a rerun with the same prompts); `batch_size`
-    at once (`data.cache_budget_for`)."""
+    """Each prompt followed by a sampled continuation (prompt i draws with (seed, i), as in one
+    `generate` call over them all: a prompt given twice gets two samples), `batch_size` at once
+    (`data.cache_budget_for`), saved as JSON in `path` after each batch: a rerun with the same
+    prompts and settings, or a run cut short, goes on after the last saved one."""
+    from tqdm.auto import tqdm
+
     from eejax.engine.generate import generate
     from eejax.train.data import cache_budget_for
 
     path = Path(path)
+    done: list[list[int]] = []
     if path.exists():
         saved = json.loads(path.read_text())
-        if saved.get("prompts") == prompts and saved.get("new_tokens") == new_tokens:
-            return saved["sequences"]
-    budget = cache_budget_for(model, prompts, new_tokens, batch_size)
-    res = generate(
-        model,
-        prompts,
-        max_new_tokens=new_tokens,
-        temperature=temperature,
-        seed=seed,
-        batch_size=batch_size,
-        cache_budget=budget,
-    )
-    sequences = [list(p) + list(t) for p, t in zip(prompts, res.tokens)]
-    _save(path, prompts, new_tokens, sequences)
-    return sequences
+        settings = (saved.get("seed", seed), saved.get("temperature", temperature))  # a complete file may lack them
+        same = saved.get("prompts") == prompts and saved.get("new_tokens") == new_tokens
+        if same and settings == (seed, temperature):
+            done = saved["sequences"]
+    starts = range(len(done), len(prompts), batch_size)
+    for start in tqdm(starts, desc="sampling continuations", disable=not progress):
+        chunk = prompts[start : start + batch_size]
+        budget = cache_budget_for(model, chunk, new_tokens, batch_size)
+        res = generate(
+            model,
+            chunk,
+            max_new_tokens=new_tokens,
+            temperature=temperature,
+            seed=seed,
+            row_offset=start,
+            batch_size=batch_size,
+            cache_budget=budget,
+        )
+        done += [list(p) + list(t) for p, t in zip(chunk, res.tokens)]
+        _save(path, prompts, new_tokens, done, seed=seed, temperature=temperature)
+    if not path.exists():
+        _save(path, prompts, new_tokens, done, seed=seed, temperature=temperature)
+    return done
 
 
 def continuations(
@@ -143,7 +156,7 @@ def continuations(
     return [done[tuple(p)] for p in prompts]
 
 
-def _save(path: Path, prompts, new_tokens: int, sequences) -> None:
+def _save(path: Path, prompts, new_tokens: int, sequences, **settings) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"prompts": prompts, "new_tokens": new_tokens, "sequences": sequences}))
+    tmp.write_text(json.dumps({"prompts": prompts, "new_tokens": new_tokens, "sequences": sequences, **settings}))
     os.replace(tmp, path)

@@ -100,7 +100,12 @@ def training_data(
         first = first * settings.sampled_copies
         if first:
             generated += dc.sampled_continuations(
-                model, first, out / "continuations_sampled.json", new_tokens=n, batch_size=generate_batch_size
+                model,
+                first,
+                out / "continuations_sampled.json",
+                new_tokens=n,
+                batch_size=generate_batch_size,
+                progress=progress,
             )
             parts.append(f"{len(first)} sampled (T=0.7)")
     human = [tok(t)["input_ids"] for t in texts + other_texts]
@@ -136,7 +141,9 @@ def chat_answers(model, questions: list[str], out: Path, settings: DraftRunSetti
     parts.append(f"greedy answers ({n} tokens) to {len(prompts)} chat questions")
     if settings.answer_samples:
         again = prompts * settings.answer_samples
-        answers += dc.sampled_continuations(model, again, out / "answers_sampled.json", new_tokens=n, batch_size=batch)
+        answers += dc.sampled_continuations(
+            model, again, out / "answers_sampled.json", new_tokens=n, batch_size=batch, progress=progress
+        )
         parts.append(f"{len(again)} sampled answers (T=0.7)")
     return answers
 
