@@ -242,8 +242,8 @@ inline void softmax(float* s, int64_t keys) {
 
 // A part reads at least this many cached values (keys and values, 32 KiB of float32): handing a
 // smaller call's queries to helpers costs more than it saves (a decode step's attention at batch 1
-// reads its KV head's rows from memory, ~5 us a KV head at 70 keys on one thread). Each query is one part's whole, so
-// the parts never change a result.
+// waits on memory for its rows: ~5 us a KV head at 70 keys on one thread). Each query is one
+// part's whole, so the parts never change a result.
 constexpr int64_t kMinValuesPerPart = 8192;
 
 // Queries (b, t, h) for t in [t0, t0 + positions) and h in [h0, h0 + heads), heads of one KV head,
@@ -329,13 +329,18 @@ void eejax::paged_attention(ffi::ThreadPool& pool, const AttentionShapes& n, con
   int64_t values = 0;  // cached keys and values read (a KV head's queries share them), at most
   for (int64_t b = 0; b < n.B; ++b)
     values += std::clamp<int64_t>(kv_len[b], 0, n.M * n.S) * n.T * n.Hkv * 2 * n.Dh;
-  // Fewer tiles of a KV head's heads than threads to share them (a decode step at batch 1: as many
-  // as KV heads): a tile per head instead, which the threads can share evenly. Each reads its KV
-  // head's keys and values (from memory once, then from the caches); a query's sums are the same.
+  // Fewer tiles of a KV head's heads than twice the threads (a decode step at batch 1: one a KV
+  // head) and more than one part's work: a tile per head instead, which the threads can share
+  // evenly. Each reads its KV head's keys and values (from memory once, then from the caches); a
+  // query's sums are the same.
   const int64_t group = n.Hq / n.Hkv, threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t wanted = (values + kMinValuesPerPart - 1) / kMinValuesPerPart;  // parts, at most
-  const bool per_head = wanted > 1 && n.B * n.Hkv * ((n.T + kMaxQueries - 1) / kMaxQueries) < 2 * threads;
-  const int64_t heads = per_head ? 1 : std::min<int64_t>(group, kMaxGroup);
+  auto tiles = [&](int64_t heads) {
+    const int64_t span = std::max<int64_t>(1, kMaxQueries / heads);
+    return n.B * ((n.T + span - 1) / span) * n.Hkv * ((group + heads - 1) / heads);
+  };
+  int64_t heads = std::min<int64_t>(group, kMaxGroup);
+  if (wanted > 1 && tiles(heads) < 2 * threads) heads = 1;
   const int64_t chunks_per_kv = (group + heads - 1) / heads, chunks = n.Hkv * chunks_per_kv;  // runs of heads
   const int64_t span = std::max<int64_t>(1, kMaxQueries / heads), spans = (n.T + span - 1) / span;
   const int64_t units = n.B * spans * chunks;

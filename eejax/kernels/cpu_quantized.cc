@@ -258,9 +258,6 @@ void size_x(int64_t M, int64_t NB, QuantizedX<Store>& out, bool paired) {
       for (int j = 0; j < 32; ++j) out.xq[out.at(m, NB, j)] = 0;
 }
 
-// Rounds blocks [i0, i1) of x (block i: row i / NB, block i % NB) into `out`, sized by `size_x`.
-// XQ gives the levels (int8_t: 127, int16_t: 32767); Store holds them (int16_t for a GEMM's int8
-// x: the same values, the same sums).
 // out[i] = the float sum of block i of x for i in [i0, i1), each in value order (int8 activations'
 // results move with its last bit); eight blocks' sums side by side, so that their adds need not wait
 // on one another (one block's 32 adds in a row waited ~100 cycles).
@@ -279,6 +276,9 @@ inline void block_sums(const float* x, int64_t i0, int64_t i1, float* out) {
   }
 }
 
+// Rounds blocks [i0, i1) of x (block i: row i / NB, block i % NB) into `out`, sized by `size_x`.
+// XQ gives the levels (int8_t: 127, int16_t: 32767); Store holds them (int16_t for a GEMM's int8
+// x: the same values, the same sums).
 template <Format F, typename XQ, typename Store = XQ>
 void quantize_blocks(const float* x, int64_t NB, QuantizedX<Store>& out, int64_t i0, int64_t i1) {
   constexpr float kLevels = std::numeric_limits<XQ>::max();
