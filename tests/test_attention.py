@@ -190,3 +190,21 @@ def test_the_cpu_kernel_computes_each_query_alone():
         alone = paged_attention(q[:, t : t + 1], kc, vc, np.int32(1), table, q_pos[:, t : t + 1], kv_len, impl="cpu")
         assert np.array_equal(np.asarray(alone)[:, 0], together[:, t])
     assert resolve_impl("auto") == ("cpu" if jax.default_backend() == "cpu" else resolve_impl("auto"))
+
+
+def test_a_decode_steps_queries_split_by_head_give_their_bits_in_a_batch():
+    """A batch-1 decode step with enough keys takes a tile per head (SmolLM2's shape: 3 tiles of
+    KV heads would split 1:2 between two threads, 9 heads 4:5); in a batch of 4 rows the same query
+    goes in a tile of its KV head's heads. Its output is the same bits either way."""
+    rng = np.random.default_rng(12)
+    lengths = [300, 120, 260, 40]
+    q, kc, vc, table, q_pos, rows_k, rows_v = build_case(rng, lengths, 1, 16, 9, 3, 64)
+    kv_len = np.array(lengths, np.int32)
+    batch = np.asarray(paged_attention(q, kc, vc, np.int32(1), table, q_pos, kv_len, impl="cpu"))
+    for i in (0, 2):
+        alone = paged_attention(
+            q[i : i + 1], kc, vc, np.int32(1), table[i : i + 1], q_pos[i : i + 1], kv_len[i : i + 1], impl="cpu"
+        )
+        assert np.array_equal(np.asarray(alone)[0], batch[i])
+        want = dense_attention(q[i], rows_k[i], rows_v[i], q_pos[i], lengths[i])
+        np.testing.assert_allclose(batch[i], want, atol=1e-5, rtol=1e-5)
