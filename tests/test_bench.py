@@ -5,6 +5,7 @@ import json
 import pytest
 
 from eejax.bench.paired import paired_runs, runs_count
+from eejax.bench.peers import llamacpp_failure
 from eejax.bench.run import agreement
 from eejax.bench.settings import parse_setting
 from eejax.errors import EejaxError
@@ -46,6 +47,16 @@ def test_agreement_counts_positions_and_length_differences():
 @pytest.fixture(scope="module")
 def ckpt(tiny_checkpoints):
     return tiny_checkpoints["gqa-untied"][2]
+
+
+def test_a_failed_llamacpp_run_says_how_it_failed_and_on_amx_how_to_build_one_that_runs():
+    assert llamacpp_failure(1, "load\nerror: no such file\n", "") == (
+        "llama.cpp's run failed (exit status 1): error: no such file"
+    )
+    assert llamacpp_failure(-11, "", "flags: avx512f") == "llama.cpp's run was killed by SIGSEGV"
+    amx = llamacpp_failure(-11, "", "flags: avx512f amx_tile amx_int8")
+    assert "#20824" in amx and "-DGGML_NATIVE=OFF" in amx and "llama-cpp-python==0.3.36" in amx
+    assert llamacpp_failure(-9, "", "amx_int8") == "llama.cpp's run was killed by SIGKILL"
 
 
 def test_bench_command_rows_and_json(capsys, ckpt, tmp_path):

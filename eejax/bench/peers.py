@@ -170,8 +170,40 @@ def llamacpp_in_child(gguf, prompts: list[list[int]], new_tokens: int, threads: 
         )
         done = subprocess.run([sys.executable, "-m", "eejax.bench.peers", str(spec)], capture_output=True, text=True)
     if done.returncode != 0:
-        raise EejaxError(f"llama.cpp's run failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
+        raise EejaxError(llamacpp_failure(done.returncode, done.stderr))
     return PeerResult(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+# llama-cpp-python built for a CPU with AMX (its default, native build) crashes in its AMX
+# products on prompts of more than one token (llama.cpp issue #20824); a build without AMX runs.
+NO_AMX_BUILD = (
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON '
+    '-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON" '
+    "pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36"
+)
+
+
+def llamacpp_failure(returncode: int, stderr: str, cpu_flags: str | None = None) -> str:
+    """What to tell a user whose llama.cpp child exited with `returncode` (negative: killed by
+    that signal) after writing `stderr`; on a CPU with AMX a crash names the build that runs."""
+    import signal
+
+    if returncode >= 0:
+        last = stderr.strip().splitlines()[-1:]
+        return f"llama.cpp's run failed (exit status {returncode}): {last[0] if last else 'no message'}"
+    name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(-returncode)
+    message = f"llama.cpp's run was killed by {name}"
+    if cpu_flags is None:
+        try:
+            cpu_flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpu_flags = ""
+    if name == "SIGSEGV" and "amx_int8" in cpu_flags:
+        message += (
+            "; this CPU has AMX, and llama-cpp-python's native build crashes in its AMX products "
+            f"(llama.cpp issue #20824). Build it without AMX: {NO_AMX_BUILD}"
+        )
+    return message
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 // Parts are claimed from an atomic counter by the calling thread and by helpers on the pool; the
 // caller claims what no helper has started, so it never waits for a helper that is queued behind
 // busy threads (no deadlock when the pool is busy), and a helper that comes after every part is
-// claimed has nothing to do. A call's state is shared, so it outlives the call.
+// claimed has nothing to do. The counter lives on a board that outlives every call, so a late
+// helper's claim is safe after the call returned.
 //
 // Helpers linger. Waking a sleeping pool thread takes longer on a VM than a part of a decode
 // step's product takes (~10-40 us), so the caller often ran every part itself: a helper spins for
@@ -18,8 +19,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
-#include <memory>
-#include <mutex>
 #include <thread>  // std::this_thread::yield
 #include <utility>
 
@@ -52,52 +51,80 @@ inline int64_t num_parts(xla::ffi::ThreadPool& pool, int64_t units) {
   return std::clamp<int64_t>(std::max<int64_t>(1, pool.num_threads()), 1, std::min<int64_t>(kMaxParts, units));
 }
 
-// One call's parts.
+// One call's work: run(i) runs part i. It lives on the caller's stack; a helper reaches it only
+// through a part it claimed, and the caller returns only when every claimed part has run.
 struct Call {
-  int64_t parts = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  virtual ~Call() = default;
   virtual void run(int64_t i) = 0;
 
-  void claim() {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
-      run(i);
-      done.fetch_add(1, std::memory_order_release);
-      done.notify_all();  // no system call unless the caller sleeps
-    }
-  }
+ protected:
+  ~Call() = default;
 };
 
-// Where calls post their parts for lingering helpers.
+// Where a call posts its parts for lingering helpers: one ticket word that a part is claimed from
+// by one atomic add, so a helper's pickup touches the ticket's cache line and the call, nothing
+// else (no lock, no reference count, no allocation). One call at a time owns the board; a call
+// that finds it owned (two kernels running at once, or a part that splits its own work) runs its
+// parts on its own thread.
 struct Board {
-  std::mutex mutex;
-  std::shared_ptr<Call> call;        // the latest call (guarded by mutex)
-  std::atomic<uint64_t> posted{0};   // calls posted so far
+  // Bits [32, 64): the call's number; [16, 32): its parts; [0, 16): the next part to claim. Adds
+  // past the last part are harmless: a call's parts are claimed once each, whoever adds.
+  alignas(64) std::atomic<uint64_t> ticket{0};
+  std::atomic<Call*> call{nullptr};  // the call the ticket numbers (set before the ticket)
+  // Bits [32, 64): the call's number; [0, 32): the parts helpers have finished.
+  alignas(64) std::atomic<uint64_t> done{0};
+  alignas(64) std::atomic<bool> owned{false};
   std::atomic<int64_t> lingering{0};  // helpers spinning on the board
+  uint64_t calls = 0;                 // calls posted so far (written by the owner)
 
-  void post(std::shared_ptr<Call> c) {
-    std::lock_guard<std::mutex> lock(mutex);
-    call = std::move(c);
-    posted.fetch_add(1, std::memory_order_release);
+  static int64_t part_of(uint64_t t) { return int64_t(t & 0xffff); }
+  static int64_t parts_of(uint64_t t) { return int64_t((t >> 16) & 0xffff); }
+
+  // Posts `parts` parts of c, if no other call owns the board (else false).
+  bool post(Call* c, int64_t parts) {
+    if (owned.exchange(true, std::memory_order_acquire)) return false;
+    const uint64_t number = ++calls;
+    done.store(number << 32, std::memory_order_relaxed);
+    call.store(c, std::memory_order_relaxed);
+    ticket.store(number << 32 | uint64_t(parts) << 16, std::memory_order_release);
+    return true;
   }
 
-  std::shared_ptr<Call> latest() {
-    std::lock_guard<std::mutex> lock(mutex);
-    return call;
+  // Claims and runs the current call's parts until none is left; the parts it ran (a helper's
+  // are counted in `done` as they finish).
+  int64_t claim(bool helper) {
+    int64_t ran = 0;
+    for (uint64_t t; part_of(t = ticket.fetch_add(1, std::memory_order_acq_rel)) < parts_of(t); ++ran) {
+      call.load(std::memory_order_acquire)->run(part_of(t));
+      if (helper) {
+        done.fetch_add(1, std::memory_order_release);
+        done.notify_all();  // no system call unless the caller sleeps
+      }
+    }
+    return ran;
   }
 
-  // A helper: claims the latest call's parts, then every later call's, until none came for kLingerNs.
+  // The owner, after its own claims: waits for the `expected` parts helpers are running, then
+  // frees the board. Spins briefly (a part takes microseconds), then sleeps on the counter, so that
+  // a caller whose helper was preempted (more threads than cores: another process, test workers)
+  // gives its core back instead of spinning.
+  void finish(int64_t expected) {
+    const auto finished = [](uint64_t d) { return int64_t(d & 0xffffffff); };
+    for (int spins = 0; spins < kSpins && finished(done.load(std::memory_order_acquire)) < expected; ++spins) pause();
+    for (uint64_t seen; finished(seen = done.load(std::memory_order_acquire)) < expected;) done.wait(seen);
+    owned.store(false, std::memory_order_release);
+  }
+
+  // A helper: claims the current call's parts, then every later call's, until none came for
+  // linger_ns().
   void help() {
     lingering.fetch_add(1, std::memory_order_acq_rel);
-    uint64_t seen = posted.load(std::memory_order_acquire);
-    if (auto c = latest()) c->claim();
+    uint64_t seen = ~uint64_t(0);  // the number of the last call looked at
     auto quiet_since = std::chrono::steady_clock::now();
     for (int64_t spins = 0;; ++spins) {
-      const uint64_t now_posted = posted.load(std::memory_order_acquire);
-      if (now_posted != seen) {
-        seen = now_posted;
-        if (auto c = latest()) c->claim();
+      const uint64_t t = ticket.load(std::memory_order_acquire);
+      if (t >> 32 != seen) {
+        seen = t >> 32;
+        if (part_of(t) < parts_of(t)) claim(/*helper=*/true);
         quiet_since = std::chrono::steady_clock::now();
         continue;
       }
@@ -116,24 +143,18 @@ inline Board& board = *new Board;
 // have run.
 template <typename Run>
 void run_parts(xla::ffi::ThreadPool& pool, int64_t parts, Run run) {
-  struct Parts : Call {
-    Run fn;
-    explicit Parts(Run r) : fn(std::move(r)) {}
+  struct Parts final : Call {
+    Run& fn;
+    explicit Parts(Run& r) : fn(r) {}
     void run(int64_t i) override { fn(i); }
-  };
-  auto call = std::make_shared<Parts>(std::move(run));
-  call->parts = parts;
-  if (parts > 1) {
-    board.post(call);
-    for (int64_t i = board.lingering.load(std::memory_order_acquire); i < parts - 1; ++i)
-      pool.Schedule([] { board.help(); });
+  } call(run);
+  if (parts <= 1 || !board.post(&call, parts)) {
+    for (int64_t i = 0; i < parts; ++i) run(i);
+    return;
   }
-  call->claim();
-  // Every part is claimed: wait for those other threads are running. Spin briefly (a part takes
-  // microseconds), then sleep on the counter, so that a caller whose helper was preempted (more
-  // threads than cores: another process, test workers) gives its core back instead of spinning.
-  for (int spins = 0; spins < kSpins && call->done.load(std::memory_order_acquire) < parts; ++spins) pause();
-  for (int64_t seen; (seen = call->done.load(std::memory_order_acquire)) < parts;) call->done.wait(seen);
+  for (int64_t i = board.lingering.load(std::memory_order_acquire); i < parts - 1; ++i)
+    pool.Schedule([] { board.help(); });
+  board.finish(parts - board.claim(/*helper=*/false));
 }
 
 }  // namespace eejax
