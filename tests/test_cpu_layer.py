@@ -1,6 +1,7 @@
 """A decoder layer in one CPU call (`kernels.cpu_layer`): the bits of the same layer run op by op
 (its h and both caches), for each block format and kind of activations, a decode step and a
-batch's verify pass, with and without a window; and which layers take it."""
+batch's verify pass, with and without a window; a stack's layer read in place at a traced index;
+and which layers take it."""
 
 import dataclasses
 
@@ -98,6 +99,28 @@ def test_a_layer_in_one_call_has_the_op_by_op_layers_bits(monkeypatch, formats, 
         assert np.array_equal(np.asarray(cache.k), np.asarray(want_cache.k)), (rows, new)
         assert np.array_equal(np.asarray(cache.v), np.asarray(want_cache.v)), (rows, new)
         assert not np.array_equal(np.asarray(cache.k), np.asarray(inputs(rows, new)[1].k))  # the new keys went in
+
+
+@pytest.mark.parametrize("formats", sorted(FORMATS))
+def test_a_stacks_layer_is_read_in_place_at_a_traced_index_with_its_own_buffers_bits(formats):
+    per_layer = layers(FORMATS[formats], "int16")
+    stacked = {"layers": {k: jax.tree.map(lambda *xs: jnp.stack(xs), *v) for k, v in per_layer.items()}}
+    traced = jax.jit(
+        lambda layer, *a: llama.decoder_layer(stacked, a[0], a[1], layer, token_batch(*a[2:], CONFIG), CONFIG)
+    )
+    text = traced.lower(jnp.int32(1), *inputs(1, 1)).compile().as_text()
+    sliced = [
+        line for line in text.splitlines() if "dynamic-slice(" in line and line.split("=")[1].strip()[:3] != "s32"
+    ]
+    assert "eejax_cpu_layer" in text and not sliced  # the stacks go in whole: no layer's weights copied out
+    for layer in (0, 1):
+        h, cache = traced(jnp.int32(layer), *inputs(1, 1))
+        want_h, want_cache = llama.decoder_layer(
+            {"layers": per_layer}, *inputs(1, 1)[:2], layer, token_batch(*inputs(1, 1)[2:], CONFIG), CONFIG
+        )
+        assert np.array_equal(np.asarray(h), np.asarray(want_h)), layer
+        assert np.array_equal(np.asarray(cache.k), np.asarray(want_cache.k)), layer
+        assert np.array_equal(np.asarray(cache.v), np.asarray(want_cache.v)), layer
 
 
 @pytest.mark.parametrize(

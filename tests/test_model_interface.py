@@ -125,8 +125,9 @@ def test_per_layer_weight_buffers_give_the_stacked_layouts_tokens(options):
 def test_auto_decodes_stacked_while_the_split_program_compiles(monkeypatch):
     """On a CPU "auto" takes the split layout, but its first steps run the stacked loop while the
     unrolled program compiles in a background thread; once it is ready, decoding uses it. An
-    explicit "split" (or $EEJAX_BACKGROUND_COMPILE=off) compiles it before the first step. The
-    tokens are the same throughout."""
+    explicit "split" (or $EEJAX_BACKGROUND_COMPILE=off) compiles it before the first step. A loop
+    that never pauses gets it too, BUSY_S seconds after first asking. The tokens are the same
+    throughout."""
     import eejax
 
     config = dataclasses.replace(LLAMA, num_layers=4)
@@ -155,6 +156,18 @@ def test_auto_decodes_stacked_while_the_split_program_compiles(monkeypatch):
         assert eejax.generate(model, prompts, max_new_tokens=6, **options).tokens == want
         assert took_split and all(took_split)
     assert model.programs.background_seconds > 0
+    # A loop that never pauses still gets the split program, BUSY_S after first asking for it.
+    from eejax.decode import programs
+
+    monkeypatch.setattr(programs, "IDLE_S", 1e9)
+    monkeypatch.setattr(programs, "BUSY_S", 0.0)
+    model.programs.clear()
+    took_split.clear()
+    assert eejax.generate(model, prompts, max_new_tokens=6).tokens == want
+    assert model.programs.wait(timeout=120)  # the cache was never idle
+    took_split.clear()
+    assert eejax.generate(model, prompts, max_new_tokens=6).tokens == want
+    assert took_split and all(took_split)
 
 
 def test_on_layer_reads_the_same_weights_in_both_layouts():

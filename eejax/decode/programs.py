@@ -47,7 +47,8 @@ def float32_matmuls():
     return jax.default_matmul_precision("float32")
 
 
-IDLE_S = 0.5  # `get_soon` compiles in the background after this long without a program request
+IDLE_S = 0.5  # `get_soon` compiles in the background after this long without a program request,
+BUSY_S = 10.0  # or this long after the program was first asked for, if no pause came by then
 _LIVE: weakref.WeakSet[ProgramCache] = weakref.WeakSet()  # every ProgramCache not yet collected
 
 
@@ -101,10 +102,13 @@ class ProgramCache:
         """(compiled program, the args it takes): `fn` over `args` once it is compiled; until then
         `fn` over `fallback` (compiled now where need be), and the program over `args` compiles in
         a background thread once this cache has been idle for IDLE_S seconds (no program asked
-        for, no caller `in_use`: so it never slows the work that runs meanwhile, and a process
-        that ends at once never compiles it). For the split layer layout on a CPU: it decodes
-        faster, but its unrolled layers compile ~3x slower than the stacked loop that `fallback`
-        holds. The two compute the same tokens (float rounding aside: ~1e-5 in a log-probability)."""
+        for, no caller `in_use`: so it does not slow the work that runs meanwhile, and a process
+        that ends at once never compiles it), or BUSY_S seconds after it was first asked for (a
+        loop of `generate` calls, or a server, that never pauses: the compile then runs beside
+        the fallback for a few seconds, and the faster program serves the rest of the loop).
+        For the split layer layout on a CPU: it decodes faster, but its unrolled layers compile
+        ~3x slower than the stacked loop that `fallback` holds. The two compute the same tokens
+        (float rounding aside: ~1e-5 in a log-probability)."""
         self._last_request = time.monotonic()
         key = self._key(fn, args, config, options)
         with self._lock:
@@ -138,7 +142,8 @@ class ProgramCache:
     @contextlib.contextmanager
     def in_use(self):
         """Marks a caller running programs (an engine's step, which may wait long on the device):
-        background compilations start only once no caller is and IDLE_S seconds have passed."""
+        background compilations start once no caller is and IDLE_S seconds have passed (or
+        BUSY_S after their program was first asked for)."""
         with self._lock:
             self._users += 1
         try:
@@ -148,10 +153,13 @@ class ProgramCache:
                 self._users -= 1
             self._last_request = time.monotonic()
 
-    def wait(self) -> None:
-        """Returns once every background compilation (`get_soon`) has ended: call it idle."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Returns once every background compilation (`get_soon`) has ended (call it idle), or
+        after `timeout` seconds; whether they all ended."""
+        end = None if timeout is None else time.monotonic() + timeout
         for thread in list(self._pending.values()):
-            thread.join()
+            thread.join(None if end is None else max(0.0, end - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._pending.values())
 
     def clear(self) -> int:
         """Drops this cache's compiled programs (they compile again on next use) and the background
@@ -173,11 +181,14 @@ class ProgramCache:
             return jitted.lower(*args).compile()
 
     def _compile_when_idle(self, key, fn, abstract, config, options, donate_argnums):
+        asked = time.monotonic()
         while True:
-            busy, idle = self._users, time.monotonic() - self._last_request
-            if not busy and idle >= IDLE_S:
+            now = time.monotonic()
+            busy, idle = self._users, now - self._last_request
+            if (not busy and idle >= IDLE_S) or now - asked >= BUSY_S:
                 break
-            if self._closing.wait(IDLE_S if busy else IDLE_S - idle):
+            wait = min(IDLE_S if busy else IDLE_S - idle, BUSY_S - (now - asked))
+            if self._closing.wait(max(wait, 0.0)):
                 return
         start = time.perf_counter()
         try:

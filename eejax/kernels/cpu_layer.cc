@@ -10,7 +10,8 @@
 // bits are those of the same layer run op by op, which the tests check; what the call saves is the
 // ~15 small XLA ops a layer between the products (their compile time: ~40% of the step program's).
 //
-//   h [N, D], cos/sin [N, Dh], attn_norm/mlp_norm [D], k/v cache [L, Hkv, P, S, Dh] (written in
+//   h [N, D], cos/sin [N, Dh], attn_norm/mlp_norm [D] or a stack's [L, D] (then every matrix's
+//   buffers are stacks too, read at the layer), k/v cache [L, Hkv, P, S, Dh] (written in
 //   place: the results alias them), layer s32[], pages/slots [B, T] (where each new token's K/V
 //   goes; an index past the cache is dropped, a negative one counts from the end, as jnp's
 //   .at[].set), block_table [B, M], positions [B, T], kv_len [B], then the seven matrices q, k, v,
@@ -18,6 +19,7 @@
 //   Attributes: eps, scale (attention), window (0: none), activations (cpu_kernels.h's
 //   Activations), formats (matrix j's BlockFormat in bits [4j, 4j + 4)).
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -78,16 +80,31 @@ ffi::Error CpuLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<f
       kv_len.element_count() != n.B || cos.dimensions()[0] != N || D % 32 || Dh % 8)
     return ffi::Error::InvalidArgument("eejax_cpu_layer: shapes do not agree");
   if (weights.size() != 3 * kMatrices) return ffi::Error::InvalidArgument("eejax_cpu_layer: give 7 matrices, three buffers each");
+  const int64_t l = layer.typed_data()[0];
+  // The weights come as the layer's own buffers or as the whole stack's, [L, ...] (the stacked
+  // layout's loop: read at layer l in place, where slicing would copy the layer's weights a step).
+  const int64_t stacked = attn_norm.dimensions().size() == 2 ? attn_norm.dimensions()[0] : 0;
+  if ((stacked && (l < 0 || l >= stacked || mlp_norm.dimensions().size() != 2)) ||
+      attn_norm.element_count() != size_t(std::max<int64_t>(stacked, 1) * D) || mlp_norm.element_count() != attn_norm.element_count())
+    return ffi::Error::InvalidArgument("eejax_cpu_layer: the norms are not D values each, or not one stack that holds the layer");
+  // Layer l's part of a stack's buffer (a buffer with no values, an absent mins, as it is).
+  const auto at_layer = [&](const ffi::AnyBuffer& b) {
+    const auto* base = static_cast<const uint8_t*>(b.untyped_data());
+    return stacked && b.element_count() ? base + l * (b.size_bytes() / stacked) : base;
+  };
   eejax::BlockMatrix ms[kMatrices];
   int64_t cols[kMatrices];  // each matrix's values a row
   for (int j = 0; j < kMatrices; ++j) {
     auto qs = weights.get<ffi::AnyBuffer>(3 * j), scales = weights.get<ffi::AnyBuffer>(3 * j + 1),
          mins = weights.get<ffi::AnyBuffer>(3 * j + 2);
-    if (!qs || !scales || !mins || qs->dimensions().size() != 3) return ffi::Error::InvalidArgument("eejax_cpu_layer: bad weight buffers");
+    if (!qs || !scales || !mins || qs->dimensions().size() != 3 + (stacked ? 1 : 0) ||
+        (stacked && (qs->dimensions()[0] != stacked || scales->dimensions().size() == 0 || scales->dimensions()[0] != stacked ||
+                     (mins->element_count() && (mins->dimensions().size() == 0 || mins->dimensions()[0] != stacked)))))
+      return ffi::Error::InvalidArgument("eejax_cpu_layer: bad weight buffers (each a layer's, or each a stack of as many layers as the norms)");
     const auto format = eejax::BlockFormat((formats >> (4 * j)) & 15);
-    const auto qd = qs->dimensions();
+    const int64_t* qd = qs->dimensions().begin() + (stacked ? 1 : 0);  // one layer's [R, NB, block bytes]
     const bool nibbles = format == eejax::BlockFormat::kQ4_0 || format == eejax::BlockFormat::kQ4_1;
-    ms[j] = {format, qs->untyped_data(), scales->untyped_data(), mins->untyped_data(), qd[0]};
+    ms[j] = {format, at_layer(*qs), at_layer(*scales), at_layer(*mins), qd[0]};
     cols[j] = qd[1] * qd[2] * (nibbles ? 2 : 1);
   }
   const int64_t Rq = ms[kQ].rows, Rk = ms[kK].rows, I = ms[kGate].rows;
@@ -96,7 +113,7 @@ ffi::Error CpuLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<f
   for (int j = 0; j < kMatrices; ++j)  // each row as wide as its input
     if (cols[j] != (j == kO ? Rq : j == kDown ? I : D))
       return ffi::Error::InvalidArgument("eejax_cpu_layer: a matrix's rows are not as wide as its input");
-  const int64_t Hq = Rq / Dh, Hkv = Rk / Dh, l = layer.typed_data()[0];
+  const int64_t Hq = Rq / Dh, Hkv = Rk / Dh;
   if (Hkv != n.Hkv || Hq % Hkv || l < 0 || l >= n.L) return ffi::Error::InvalidArgument("eejax_cpu_layer: heads or layer do not fit the cache");
   const auto a = eejax::Activations(activations);
 
@@ -108,7 +125,8 @@ ffi::Error CpuLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<f
   float *k_cached = k_out->typed_data(), *v_cached = v_out->typed_data(), *out = h_out->typed_data();
   const float* hs = h.typed_data();
 
-  eejax::rms_norm_rows(hs, attn_norm.typed_data(), s.x.data(), N, D, eps);
+  const float* norms[] = {attn_norm.typed_data() + (stacked ? l * D : 0), mlp_norm.typed_data() + (stacked ? l * D : 0)};
+  eejax::rms_norm_rows(hs, norms[0], s.x.data(), N, D, eps);
   {
     float* outs[] = {s.q.data(), s.k.data(), s.v.data()};
     if (auto e = products(pool, a, s.x.data(), N, D, ms, {kQ, kK, kV}, outs); e.failure()) return e;
@@ -126,7 +144,7 @@ ffi::Error CpuLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<f
     if (auto e = products(pool, a, s.attn.data(), N, Rq, ms, {kO}, outs); e.failure()) return e;
   }
   for (int64_t i = 0; i < N * D; ++i) out[i] = hs[i] + out[i];
-  eejax::rms_norm_rows(out, mlp_norm.typed_data(), s.x.data(), N, D, eps);
+  eejax::rms_norm_rows(out, norms[1], s.x.data(), N, D, eps);
   {
     float* outs[] = {s.gate.data(), s.up.data()};
     if (auto e = products(pool, a, s.x.data(), N, D, ms, {kGate, kUp}, outs); e.failure()) return e;

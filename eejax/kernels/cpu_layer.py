@@ -60,7 +60,8 @@ def applies(weights: dict, h, k_cache, cos, *, attention: str, tree) -> bool:
 
 def decoder_layer(weights: dict, h, cos, sin, k_cache, v_cache, layer, pages, slots, block_table, positions, kv_len, *,
                   eps: float, window: int | None):  # fmt: skip
-    """One layer (`weights`: its own arrays, where `applies`) over h [B, T, D] with rotary tables
+    """One layer (`weights`: its own arrays, or the stack's [L, ...] arrays, read at `layer` in
+    place; where `applies`) over h [B, T, D] with rotary tables
     cos/sin [B, T, Dh], writing the new K/V at (pages, slots) [B, T] of layer `layer` of the caches
     [L, Hkv, P, S, Dh] and attending over them (block_table [B, M], positions [B, T], kv_len [B]
     as `attention.paged_attention` takes them). Returns (h [B, T, D], k_cache, v_cache)."""

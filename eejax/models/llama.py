@@ -365,7 +365,11 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
     (`on_layer`); the cache write and the attention over the cache run between them."""
     layers = params["layers"]
     if _in_one_call(layers, h, cache, layer, batch, config):
-        return on_layer(layers, CPU_LAYER_KEYS, layer, lambda lp: _one_call(lp, h, cache, layer, batch, config))
+        if is_split(layers):
+            return on_layer(layers, CPU_LAYER_KEYS, layer, lambda lp: _one_call(lp, h, cache, layer, batch, config))
+        # The whole stacks, which the call reads at `layer` in place (a slice would be a copy of
+        # the layer's weights every step: twice the bytes a step moves).
+        return _one_call({k: layers[k] for k in CPU_LAYER_KEYS}, h, cache, layer, batch, config)
     qkv_keys = _held(layers, QKV_KEYS)
     triton = batch.attention == "triton"  # the Triton layer: its attention and its fused products
     into_cache = None
