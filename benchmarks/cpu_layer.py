@@ -8,9 +8,12 @@ times each copy's first generate (its programs compiled: a script runs without J
 cache).
 
 --max-rows lets the call take steps of more rows than `cpu_layer.MAX_ROWS` (as the kernel can, up
-to 64), to measure what that limit avoids.
+to 64), to measure what that limit avoids. --layer-buffers stacked times the stacked layout's loop
+instead (a traced layer index: op by op slices each layer's weights out of the stack; the call
+reads the stack in place, up to `cpu_layer.MAX_STACKED_ROWS` rows).
 
     python benchmarks/cpu_layer.py [--sets chat pydoc news] [--batches 1] [--max-rows N] [--repeats 3]
+                                   [--layer-buffers split|stacked]
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--max-rows", type=int, default=cpu_layer.MAX_ROWS, help="rows a step may have to take the call"
     )
+    parser.add_argument("--layer-buffers", choices=["split", "stacked"], default="split")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -67,8 +71,8 @@ def main(argv=None) -> int:
         parser.error("--max-rows must be 1 to 64 (the kernel's limit)")
     cpu_layer.MAX_ROWS = args.max_rows
 
-    models = {"one call": eejax.load("smollm2-135m", layer_buffers="split")}
-    models["op by op"] = eejax.load("smollm2-135m", layer_buffers="split")
+    models = {"one call": eejax.load("smollm2-135m", layer_buffers=args.layer_buffers)}
+    models["op by op"] = eejax.load("smollm2-135m", layer_buffers=args.layer_buffers)
     rows, first_s = [], {}
     for set_name in args.sets:
         data, suffix = SETS[set_name]
@@ -103,7 +107,14 @@ def main(argv=None) -> int:
             )
     print("first generate, programs compiled: " + ", ".join(f"{k} {v:.1f} s" for k, v in first_s.items()))
     path = write_result(
-        "cpu_layer", dict(rows=rows, first_generate_s=first_s, repeats=args.repeats, max_rows=args.max_rows)
+        "cpu_layer",
+        dict(
+            rows=rows,
+            first_generate_s=first_s,
+            repeats=args.repeats,
+            max_rows=args.max_rows,
+            layer_buffers=args.layer_buffers,
+        ),
     )
     print(f"wrote {path}")
     return 0

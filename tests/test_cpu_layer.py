@@ -103,24 +103,28 @@ def test_a_layer_in_one_call_has_the_op_by_op_layers_bits(monkeypatch, formats, 
 
 @pytest.mark.parametrize("formats", sorted(FORMATS))
 def test_a_stacks_layer_is_read_in_place_at_a_traced_index_with_its_own_buffers_bits(formats):
+    """The stacked layout's loop: the call takes the whole stacks at a traced index (no layer's
+    weights sliced out), a decode step and a batch's verify pass alike (`MAX_STACKED_ROWS`), and
+    gives the bits of the layer's own buffers (at 3 x 3 rows, those of the op-by-op layer)."""
     per_layer = layers(FORMATS[formats], "int16")
     stacked = {"layers": {k: jax.tree.map(lambda *xs: jnp.stack(xs), *v) for k, v in per_layer.items()}}
     traced = jax.jit(
         lambda layer, *a: llama.decoder_layer(stacked, a[0], a[1], layer, token_batch(*a[2:], CONFIG), CONFIG)
     )
-    text = traced.lower(jnp.int32(1), *inputs(1, 1)).compile().as_text()
-    sliced = [
-        line for line in text.splitlines() if "dynamic-slice(" in line and line.split("=")[1].strip()[:3] != "s32"
-    ]
-    assert "eejax_cpu_layer" in text and not sliced  # the stacks go in whole: no layer's weights copied out
-    for layer in (0, 1):
-        h, cache = traced(jnp.int32(layer), *inputs(1, 1))
-        want_h, want_cache = llama.decoder_layer(
-            {"layers": per_layer}, *inputs(1, 1)[:2], layer, token_batch(*inputs(1, 1)[2:], CONFIG), CONFIG
-        )
-        assert np.array_equal(np.asarray(h), np.asarray(want_h)), layer
-        assert np.array_equal(np.asarray(cache.k), np.asarray(want_cache.k)), layer
-        assert np.array_equal(np.asarray(cache.v), np.asarray(want_cache.v)), layer
+    for rows, new in ((1, 1), (3, 3)):
+        text = traced.lower(jnp.int32(1), *inputs(rows, new)).compile().as_text()
+        sliced = [
+            line for line in text.splitlines() if "dynamic-slice(" in line and line.split("=")[1].strip()[:3] != "s32"
+        ]
+        assert "eejax_cpu_layer" in text and not sliced, rows  # the stacks go in whole: no layer's weights copied
+        h0, cache0, positions, block_table = inputs(rows, new)
+        for layer in (0, 1):
+            h, cache = traced(jnp.int32(layer), *inputs(rows, new))
+            batch = token_batch(positions, block_table, CONFIG)
+            want_h, want_cache = llama.decoder_layer({"layers": per_layer}, h0, cache0, layer, batch, CONFIG)
+            assert np.array_equal(np.asarray(h), np.asarray(want_h)), (rows, layer)
+            assert np.array_equal(np.asarray(cache.k), np.asarray(want_cache.k)), (rows, layer)
+            assert np.array_equal(np.asarray(cache.v), np.asarray(want_cache.v)), (rows, layer)
 
 
 @pytest.mark.parametrize(

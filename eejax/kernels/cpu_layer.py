@@ -28,13 +28,17 @@ ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2}  # cpu_kernels.h's Activatio
 # threads overcommits the cores, and steps ran 3-22% slower than op by op (benchmarks/cpu_layer.py
 # --max-rows 8). At one row a step runs as fast as op by op.
 MAX_ROWS = 1
+# Rows a step of the stacked layout's loop may have (a traced layer index): there op by op slices
+# each layer's weights out of the stack, a copy a step, which the call, reading the stack in
+# place, does not make (benchmarks/cpu_layer.py --layer-buffers stacked).
+MAX_STACKED_ROWS = 64
 
 
-def applies(weights: dict, h, k_cache, cos, *, attention: str, tree) -> bool:
+def applies(weights: dict, h, k_cache, cos, *, attention: str, tree, max_rows: int | None = None) -> bool:
     """Whether one call can run a layer whose weights are `weights` ({name: one layer's array or
     QuantizedMatrix}, or a stack's: only static facts are read) on h [B, T, D]: every matrix kept
     as blocks of one kind of activations (no prompt's GEMM), float32 norms, h, tables and cache,
-    at most `MAX_ROWS` rows, the CPU attention kernel (`attention`: the resolved impl) and no tree
+    at most `max_rows` rows (default `MAX_ROWS`), the CPU attention kernel (`attention`: the resolved impl) and no tree
     of drafts."""
     if attention != "cpu" or tree is not None or not all(k in weights for k in (*NORMS, *MATRICES)):
         return False
@@ -53,7 +57,7 @@ def applies(weights: dict, h, k_cache, cos, *, attention: str, tree) -> bool:
         and k_cache.dtype == jnp.float32
         and cos.dtype == jnp.float32
         and cos.shape[-1] % 8 == 0
-        and 0 < rows <= min(MAX_ROWS, cpu_matmul.MAX_QUANTIZED_ROWS)
+        and 0 < rows <= min(MAX_ROWS if max_rows is None else max_rows, cpu_matmul.MAX_QUANTIZED_ROWS)
         and cpu_matmul.library_applies()
     )
 

@@ -400,7 +400,9 @@ CPU_LAYER_KEYS = (*cpu_layer.NORMS, *cpu_layer.MATRICES)
 def _in_one_call(layers: dict, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig) -> bool:
     """Whether layer `layer` runs as one CPU call (`kernels.cpu_layer`): blocks on a CPU, a Llama
     layer without q/k/v biases, q/k norms or LoRA factors, on one device, and a layer read in
-    place (per-layer buffers at a static index: a `lax.switch` over them would copy the cache out)."""
+    place (per-layer buffers at a static index: a `lax.switch` over them would copy the cache out;
+    or the stacks at any index), of up to `MAX_ROWS` rows from per-layer buffers and
+    `MAX_STACKED_ROWS` from the stacks."""
     if config.qkv_bias or config.qk_norm or head_mesh(cache.k.shape[1]) is not None:
         return False
     split = is_split(layers)
@@ -408,7 +410,8 @@ def _in_one_call(layers: dict, h, cache: KVCache, layer, batch: TokenBatch, conf
         return False
     example = {k: layers[k][0] if split else layers[k] for k in CPU_LAYER_KEYS if k in layers}
     impl = resolve_impl(batch.attention)
-    return cpu_layer.applies(example, h, cache.k, batch.cos, attention=impl, tree=batch.tree)
+    max_rows = cpu_layer.MAX_ROWS if split else cpu_layer.MAX_STACKED_ROWS
+    return cpu_layer.applies(example, h, cache.k, batch.cos, attention=impl, tree=batch.tree, max_rows=max_rows)
 
 
 def _one_call(lp: dict, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
