@@ -1,6 +1,7 @@
 """A Llama decoder layer's decode step in one call on a CPU (`cpu_layer.cc`, built into the kernel
 library with `cpu_matmul`), for weights kept as their blocks (`QuantizedMatrix`, the CPU's default
-load) and a batch-1 decode step (the kernel takes up to 64 rows; `MAX_ROWS` says why one).
+load) and a batch-1 decode step (the kernel takes up to 64 rows; `MAX_ROWS` says why one), or in
+the stacked layout's loop any step of up to 64 rows (`MAX_STACKED_ROWS`), the stacks read in place.
 
 The call runs what the layer runs op by op, with the same loops: RMSNorm, the q/k/v products,
 their rotation, the cache write, the CPU attention kernel, o and its residual, RMSNorm, gate/up,
@@ -38,8 +39,8 @@ def applies(weights: dict, h, k_cache, cos, *, attention: str, tree, max_rows: i
     """Whether one call can run a layer whose weights are `weights` ({name: one layer's array or
     QuantizedMatrix}, or a stack's: only static facts are read) on h [B, T, D]: every matrix kept
     as blocks of one kind of activations (no prompt's GEMM), float32 norms, h, tables and cache,
-    at most `max_rows` rows (default `MAX_ROWS`), the CPU attention kernel (`attention`: the resolved impl) and no tree
-    of drafts."""
+    at most `max_rows` rows (default `MAX_ROWS`), the CPU attention kernel (`attention`: the
+    resolved impl) and no tree of drafts."""
     if attention != "cpu" or tree is not None or not all(k in weights for k in (*NORMS, *MATRICES)):
         return False
     ms = [weights[k] for k in MATRICES]
@@ -65,10 +66,10 @@ def applies(weights: dict, h, k_cache, cos, *, attention: str, tree, max_rows: i
 def decoder_layer(weights: dict, h, cos, sin, k_cache, v_cache, layer, pages, slots, block_table, positions, kv_len, *,
                   eps: float, window: int | None):  # fmt: skip
     """One layer (`weights`: its own arrays, or the stack's [L, ...] arrays, read at `layer` in
-    place; where `applies`) over h [B, T, D] with rotary tables
-    cos/sin [B, T, Dh], writing the new K/V at (pages, slots) [B, T] of layer `layer` of the caches
-    [L, Hkv, P, S, Dh] and attending over them (block_table [B, M], positions [B, T], kv_len [B]
-    as `attention.paged_attention` takes them). Returns (h [B, T, D], k_cache, v_cache)."""
+    place; where `applies`) over h [B, T, D] with rotary tables cos/sin [B, T, Dh], writing the
+    new K/V at (pages, slots) [B, T] of layer `layer` of the caches [L, Hkv, P, S, Dh] and
+    attending over them (block_table [B, M], positions [B, T], kv_len [B] as
+    `attention.paged_attention` takes them). Returns (h [B, T, D], k_cache, v_cache)."""
     if not cpu_matmul.available():
         raise RuntimeError("eejax's CPU kernel library is not available (see the log)")
     b, t, d = h.shape
