@@ -61,10 +61,14 @@ ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 96  # per training continuation ...
 ANSWER_TOKENS = 160  # ... and per answer to a chat question (it may end sooner)
 EVAL_TOKENS = 64  # per evaluation continuation, as in benchmarks/draft_head.py
-# (prompt set, temperature, seed): the order in which continuations are made until time is up
+# (prompt set, temperature, seed): the order in which continuations are made until time is up;
+# the chat head's data first (chat answers, then Python's standard-library docs and code)
 JOBS = (
     ("chat", 0.0, 0),
     ("chat", 0.7, 1),
+    ("stdlib", 0.0, 0),
+    ("chat", 0.7, 2),
+    ("stdlib", 0.7, 1),
     ("summary256", 0.0, 0),
     ("summary256", 0.7, 1),
     ("summary128_384", 0.0, 0),
@@ -89,6 +93,7 @@ def prepare(out: Path, questions: Path | None = None) -> None:
         ROOT / "data/cnndm_more.jsonl.gz", skip_rows=0
     )
     documents = read_text_file(str(ROOT / "data/wikitext2_valid_test.txt.gz"))
+    stdlib = read_text_file(str(ROOT / "data/python_stdlib_text.txt.gz"))
     evaluation = dc.articles(ROOT / "data/cnndm_test_dev100.jsonl", skip_rows=0)[: dc.EVAL_ROWS]
     chat = read_instructions(ROOT / "data/self_instruct_instructions.jsonl")
     chat += [] if questions is None else json.loads(questions.read_text())["questions"]
@@ -98,13 +103,15 @@ def prepare(out: Path, questions: Path | None = None) -> None:
         "summary128_384": dc.summary_prompts(tok, news, (128, 384)),
         "windows": dc.window_summary_prompts(tok, news),
         "documents": dc.text_prompts(tok, documents),
+        "stdlib": dc.text_prompts(tok, stdlib, offsets=tuple(range(0, 4096, 256))),
     }
     jobs = {
         "sets": sets,
         "jobs": JOBS,
-        "texts": [tok(t)["input_ids"] for t in news + documents],
+        "texts": [tok(t)["input_ids"] for t in news + documents + stdlib],
         "evaluation": dc.summary_prompts(tok, evaluation, (256,)),
-        "source": f"{len(chat)} chat questions, {len(news)} CNN/DM articles, {len(documents)} WikiText-2 documents",
+        "source": f"{len(chat)} chat questions, {len(news)} CNN/DM articles, {len(documents)} WikiText-2 documents, "
+        f"{len(stdlib)} standard-library documents",
     }
     with gzip.open(out, "wt") as f:
         json.dump(jobs, f)
@@ -170,8 +177,28 @@ def load_sequences(path: Path) -> tuple[list[list[int]], list]:
     return sequences, made
 
 
-def run(args) -> None:
+def init_head(model, path: Path, result: dict):
+    """`model` with the draft head of `path`; where its probe does not reproduce (random weights in a
+    dry run, or a device that rounds otherwise) the run goes on and result.json says so."""
+    from eejax.errors import EejaxError
     from eejax.loading.deltas import apply_draft
+
+    try:
+        return apply_draft(model, path)
+    except EejaxError as e:
+        result["init_probe"] = str(e)
+        print(f"  --init: {e}; going on", flush=True)
+        return apply_draft(model, path, check=False)
+
+
+def vocab_coverage(data: dict, ids) -> float:
+    """The share of the model's top-1 next tokens over the cached windows that lie in `ids`."""
+    valid = np.arange(data["tokens"].shape[1])[None, :] < data["lengths"][:, None]
+    top = data["top_ids"][..., 0][valid]
+    return round(float(np.isin(top, np.asarray(ids)).mean()), 4)
+
+
+def run(args) -> None:
     from eejax.train.draft_features import build_feature_cache, load_feature_cache
     from eejax.train.draft_run import draft_vocabulary, save_draft
     from eejax.train.draft_training import heldout_agreement, train_draft
@@ -193,6 +220,7 @@ def run(args) -> None:
         jobs = json.load(f)
     t = time.monotonic()
     model = load_model(args)
+    initial = None if args.init is None else init_head(model, args.init, result)  # a bad --init fails here, early
     phase("load", t)
     left = end - time.monotonic() - args.reserve
     gen_until, features_until = time.monotonic() + 0.45 * left, time.monotonic() + 0.6 * left
@@ -201,6 +229,13 @@ def run(args) -> None:
     evaluation = continue_prompts(
         model, jobs["evaluation"], new_tokens=EVAL_TOKENS, temperature=0.0, seed=0, batch_size=args.generate_batch
     )
+    if args.self_questions:  # Magpie: questions the model writes itself, answered below with the others
+        from eejax.train.chat_corpus import chat_prompt, self_questions
+
+        own = self_questions(model, args.self_questions, out / "self_questions.json", batch_size=args.generate_batch)
+        jobs["sets"]["chat"] = jobs["sets"]["chat"] + [chat_prompt(model.tokenizer, q) for q in own]
+        result["self_questions"] = {"sampled": args.self_questions, "kept": len(own)}
+        print(f"  self questions: {len(own)} kept of {args.self_questions}", flush=True)
     if args.continuations is not None:  # an earlier run's: no generation, more time to train
         generated, made = load_sequences(args.continuations)
         features_until = time.monotonic() + 0.3 * left
@@ -248,8 +283,12 @@ def run(args) -> None:
 
     t = time.monotonic()
     if args.init is not None:  # go on from a trained head (and its reduced head's tokens)
-        trainee = apply_draft(model, args.init)
+        trainee = initial
         ids = np.asarray(trainee.params["exits"]["vocab_ids"])
+        if args.fresh_vocab:  # the head's layers go on; its reduced head becomes this data's most frequent tokens
+            fresh = draft_vocabulary(data, len(ids), model.config.vocab_size, always=model.eos_token_ids)
+            result["vocab_coverage"] = {"init": vocab_coverage(data, ids), "fresh": vocab_coverage(data, fresh)}
+            ids, trainee = fresh, add_exit_vocab(trainee, fresh)
     else:
         ids = draft_vocabulary(data, 8192, model.config.vocab_size, always=model.eos_token_ids)
         trainee = add_exit_vocab(model, ids)
@@ -278,6 +317,8 @@ def run(args) -> None:
             "settings": {
                 **settings,
                 "steps": args.steps,
+                "fresh_vocab": args.fresh_vocab,
+                "self_questions": args.self_questions,
                 "new_tokens": NEW_TOKENS,
                 "answer_tokens": ANSWER_TOKENS,
                 "noise": 0.1,
@@ -312,6 +353,17 @@ def main(argv=None) -> int:
         "--continuations", type=Path, help="an earlier run's continuations.npz: train on them instead of generating"
     )
     p.add_argument("--init", type=Path, help="a draft head (.safetensors delta) to go on training from")
+    p.add_argument(
+        "--fresh-vocab",
+        action="store_true",
+        help="with --init: the reduced head's tokens from this run's data rather than the init's",
+    )
+    p.add_argument(
+        "--self-questions",
+        type=int,
+        default=0,
+        help="sample this many user questions from the model's chat template (Magpie) and answer them too",
+    )
     p.add_argument("--generate-batch", type=int, default=512, help="prompts continued at once (default 512)")
     p.add_argument("--feature-batch", type=int, default=32, help="windows per feature pass (default 32)")
     p.add_argument("--batch-size", type=int, default=32, help="windows per training step (default 32)")
@@ -319,6 +371,10 @@ def main(argv=None) -> int:
     p.add_argument("--unroll", type=int, default=3, choices=(1, 2, 3), help="training-time test passes (default 3)")
     p.add_argument("--steps", type=int, default=3000, help="training steps (default 3000: ~3 min on an H100)")
     args = parser.parse_args(argv)
+    if args.command == "run" and args.fresh_vocab and args.init is None:
+        parser.error("--fresh-vocab needs --init (without it the vocabulary is this run's data's anyway)")
+    if args.command == "run" and args.self_questions < 0:
+        parser.error(f"--self-questions must be >= 0, got {args.self_questions}")
     if args.command == "prepare":
         prepare(args.jobs, args.questions)
     else:
