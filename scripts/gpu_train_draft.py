@@ -82,6 +82,14 @@ JOBS = (
 )
 
 
+def read_questions(path: Path) -> list[str]:
+    """The questions of a self_questions.json (`eejax train-draft --self-questions`, or `run`'s), or
+    of JSON lines (.jsonl or .jsonl.gz) with an `instruction` or `question` each."""
+    from eejax.train.chat_corpus import read_instructions
+
+    return json.loads(path.read_text())["questions"] if path.suffix == ".json" else read_instructions(path)
+
+
 def prepare(out: Path, questions: Path | None = None) -> None:
     import eejax
     from eejax.cli.draft import read_text_file
@@ -96,7 +104,7 @@ def prepare(out: Path, questions: Path | None = None) -> None:
     stdlib = read_text_file(str(ROOT / "data/python_stdlib_text.txt.gz"))
     evaluation = dc.articles(ROOT / "data/cnndm_test_dev100.jsonl", skip_rows=0)[: dc.EVAL_ROWS]
     chat = read_instructions(ROOT / "data/self_instruct_instructions.jsonl")
-    chat += [] if questions is None else json.loads(questions.read_text())["questions"]
+    chat += [] if questions is None else read_questions(questions)
     sets = {
         "chat": [chat_prompt(tok, q) for q in chat],
         "summary256": dc.summary_prompts(tok, news, (256,)),
@@ -161,6 +169,35 @@ def continue_prompts(model, prompts, *, new_tokens, temperature, seed, batch_siz
     return out
 
 
+def sample_questions(model, count: int, batch_size: int, *, until: float, seed: int = 7) -> list[str]:
+    """Up to `count` distinct questions sampled (T = 0.9, 64 tokens) from the chat template's user
+    turn, as `chat_corpus.self_questions` samples them, but in whole batches of `batch_size` rows
+    (one prefill and one decode program: a `generate` over all of them admits rows as others end,
+    prefilling groups of every size) and only until the `until` time passes."""
+    from eejax.engine.generate import generate
+    from eejax.train.chat_corpus import user_turn_prefix, whole_questions
+    from eejax.train.data import cache_budget_for
+
+    prompts = [user_turn_prefix(model.tokenizer)] * batch_size
+    budget = cache_budget_for(model, prompts, 64, batch_size)
+    questions: list[str] = []
+    for start in range(0, count, batch_size):
+        if time.monotonic() > until:
+            break
+        res = generate(
+            model,
+            prompts,
+            max_new_tokens=64,
+            temperature=0.9,
+            seed=seed,
+            row_offset=start,
+            batch_size=batch_size,
+            cache_budget=budget,
+        )
+        questions += whole_questions(model, res.tokens, seen=questions)
+    return questions
+
+
 def save_sequences(path: Path, sequences, made) -> None:
     """Token sequences as one uint16 array and their lengths, and what made them (npz)."""
     flat = np.concatenate([np.asarray(s, np.uint16) for s in sequences]) if sequences else np.zeros(0, np.uint16)
@@ -199,6 +236,7 @@ def vocab_coverage(data: dict, ids) -> float:
 
 
 def run(args) -> None:
+    from eejax.train.chat_corpus import chat_prompt
     from eejax.train.draft_features import build_feature_cache, load_feature_cache
     from eejax.train.draft_run import draft_vocabulary, save_draft
     from eejax.train.draft_training import heldout_agreement, train_draft
@@ -230,18 +268,23 @@ def run(args) -> None:
         model, jobs["evaluation"], new_tokens=EVAL_TOKENS, temperature=0.0, seed=0, batch_size=args.generate_batch
     )
     if args.self_questions:  # Magpie: questions the model writes itself, answered below with the others
-        from eejax.train.chat_corpus import chat_prompt, self_questions
-
-        own = self_questions(model, args.self_questions, out / "self_questions.json", batch_size=args.generate_batch)
+        t_q = time.monotonic()
+        own = sample_questions(model, args.self_questions, args.generate_batch, until=began + 0.15 * args.seconds)
+        (out / "self_questions.json").write_text(json.dumps({"questions": own}))
         jobs["sets"]["chat"] = jobs["sets"]["chat"] + [chat_prompt(model.tokenizer, q) for q in own]
-        result["self_questions"] = {"sampled": args.self_questions, "kept": len(own)}
-        print(f"  self questions: {len(own)} kept of {args.self_questions}", flush=True)
+        result["self_questions"] = {
+            "sampled": args.self_questions,
+            "kept": len(own),
+            "seconds": round(time.monotonic() - t_q, 1),
+        }
+        print(f"  self questions: {result['self_questions']}", flush=True)
     if args.continuations is not None:  # an earlier run's: no generation, more time to train
         generated, made = load_sequences(args.continuations)
         features_until = time.monotonic() + 0.3 * left
     else:
         generated, made = [], []
     for name, temperature, seed in [] if args.continuations is not None else jobs["jobs"]:
+        t_job = time.monotonic()
         seqs = continue_prompts(
             model,
             jobs["sets"][name],
@@ -252,12 +295,16 @@ def run(args) -> None:
             until=gen_until,
         )
         generated += seqs
-        made.append([name, temperature, seed, len(seqs)])
-        print(f"  {name} T={temperature} seed {seed}: {len(seqs)} of {len(jobs['sets'][name])}", flush=True)
+        made.append([name, temperature, seed, len(seqs), round(time.monotonic() - t_job, 1)])
+        print(
+            f"  {name} T={temperature} seed {seed}: {len(seqs)} of {len(jobs['sets'][name])} {made[-1][-1]} s",
+            flush=True,
+        )
         save_sequences(out / "continuations.npz", generated, made)  # after each job: kept if a later phase fails
         if time.monotonic() > gen_until:
             break
-    result["continuations"] = made
+    result["continuations"] = made  # [set, temperature, seed, sequences, seconds]
+    result["programs_compiled"] = model.programs.num_programs
     phase("continuations", t)
 
     t = time.monotonic()
@@ -335,12 +382,49 @@ def run(args) -> None:
     print(json.dumps(result), flush=True)
 
 
+def answer(args) -> None:
+    """The model's greedy answers to chat questions (a self_questions.json, or JSON lines with an
+    `instruction`), `--batch` at once with the model's default load (on a CPU its own blocks with
+    int16 activations), saved to OUT (continuations.npz's format, for `run --continuations`) after
+    every batch; a rerun goes on after the last saved answer."""
+    from tqdm.auto import tqdm
+
+    import eejax
+    from eejax.train.chat_corpus import chat_prompt
+
+    path = Path(args.questions)
+    questions = read_questions(path)
+    order = np.random.default_rng(args.seed).permutation(len(questions))[: args.limit]  # a cut-short run: a fair sample
+    model = eejax.load(args.model)
+    prompts = [chat_prompt(model.tokenizer, questions[i]) for i in order]
+    made_by = f"greedy answers of {args.model}'s default load to {path.name}, order seed {args.seed}"
+    done, made = load_sequences(args.out) if args.out.exists() else ([], [])
+    if made and made[0][0] != made_by:
+        raise SystemExit(f"{args.out} holds other answers ({made[0][0]}): give another OUT")
+    for start in tqdm(range(len(done), len(prompts), args.batch), desc="answering", unit_scale=args.batch):
+        chunk = prompts[start : start + args.batch]
+        done += continue_prompts(
+            model, chunk, new_tokens=args.answer_tokens, temperature=0.0, seed=0, batch_size=args.batch
+        )
+        save_sequences(args.out, done, [[made_by, 0.0, 0, len(done)]])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize the training and evaluation prompts (here)")
     p.add_argument("jobs", type=Path, help="where to write them (.json.gz)")
-    p.add_argument("--questions", type=Path, help="self_questions.json of an eejax train-draft run: more chat")
+    p.add_argument(
+        "--questions", type=Path, help="more chat questions: a self_questions.json, or JSON lines (.jsonl[.gz])"
+    )
+    p = sub.add_parser("answer", help="answer chat questions with the model's default load (here, in the background)")
+    p.add_argument("questions", type=Path, help="a self_questions.json, or JSON lines with an instruction each")
+    p.add_argument("out", type=Path, help="where the answers go (.npz; resumed when it exists)")
+    p.add_argument("--model", default="smollm2-135m", help="the model (default smollm2-135m)")
+    p.add_argument("--limit", type=int, help="answer this many questions (a random sample; default all)")
+    p.add_argument("--seed", type=int, default=0, help="the order of the questions (default 0)")
+    p.add_argument("--batch", type=int, default=64, help="questions answered at once (default 64)")
+    p.add_argument("--answer-tokens", type=int, default=128, help="tokens per answer at most (default 128)")
     p = sub.add_parser("run", help="continue, cache features, train and evaluate within --seconds (on a GPU)")
     p.add_argument("jobs", type=Path, help="the prepared prompts (.json.gz)")
     p.add_argument("run_dir", type=Path, help="where the feature cache and the head go")
@@ -377,6 +461,8 @@ def main(argv=None) -> int:
         parser.error(f"--self-questions must be >= 0, got {args.self_questions}")
     if args.command == "prepare":
         prepare(args.jobs, args.questions)
+    elif args.command == "answer":
+        answer(args)
     else:
         run(args)
     return 0

@@ -3,6 +3,7 @@ questions rendered through the chat template, and `eejax train-draft` on chat da
 from a file and questions the model writes itself, greedy and sampled answers, going on from a
 trained head)."""
 
+import gzip
 import json
 import shutil
 
@@ -31,6 +32,9 @@ def test_instructions_are_read_with_their_inputs_and_bad_rows_named(tmp_path):
     ]
     good.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
     assert chat_corpus.read_instructions(good) == ["Add the numbers.\n\n2 and 3", "Why?", "Hi"]
+    packed = tmp_path / "good.jsonl.gz"
+    packed.write_bytes(gzip.compress(good.read_bytes()))
+    assert chat_corpus.read_instructions(packed) == ["Add the numbers.\n\n2 and 3", "Why?", "Hi"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instruction": "ok"}\n{"answer": "no question"}\n')
     with pytest.raises(EejaxError, match="line 2 has no instruction"):

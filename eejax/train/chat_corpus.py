@@ -11,6 +11,7 @@ Everything the model writes is kept on disk (`draft_corpus._save`'s JSON), so a 
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -40,13 +41,13 @@ def user_turn_prefix(tokenizer) -> list[int]:
 
 
 def read_instructions(path: str | Path) -> list[str]:
-    """The questions of a JSON-lines file: each row's `instruction` (or `question` / `prompt`),
-    followed by its `input` or `context` after a blank line when it has one."""
+    """The questions of a JSON-lines file (.jsonl, or .jsonl.gz): each row's `instruction` (or
+    `question` / `prompt`), followed by its `input` or `context` after a blank line when it has one."""
     p = Path(path)
     if not p.is_file():
         raise EejaxError(f"instructions file not found: {path}")
     out = []
-    with p.open(encoding="utf-8") as f:
+    with gzip.open(p, "rt", encoding="utf-8") if p.suffix == ".gz" else p.open(encoding="utf-8") as f:
         for i, line in enumerate(f):
             if not line.strip():
                 continue
@@ -62,6 +63,21 @@ def read_instructions(path: str | Path) -> list[str]:
     if not out:
         raise EejaxError(f"no instructions in {path}")
     return out
+
+
+def whole_questions(model, samples, *, min_words: int = 3, seen=()) -> list[str]:
+    """The distinct questions (not in `seen`) among token lists sampled from `user_turn_prefix`:
+    those the model ended with EOS and that have at least `min_words` words."""
+    ends, seen, questions = set(model.eos_token_ids), set(seen), []
+    for tokens in samples:
+        tokens = list(tokens)
+        if not tokens or tokens[-1] not in ends:
+            continue  # cut off: no whole question
+        text = model.tokenizer.decode(tokens[:-1], skip_special_tokens=True).strip()
+        if len(text.split()) >= min_words and text not in seen:
+            seen.add(text)
+            questions.append(text)
+    return questions
 
 
 def self_questions(
@@ -103,16 +119,7 @@ def self_questions(
         batch_size=batch_size,
         cache_budget=budget,
     )
-    ends = set(model.eos_token_ids)
-    questions, seen = [], set()
-    for tokens in res.tokens:
-        tokens = list(tokens)
-        if not tokens or tokens[-1] not in ends:
-            continue  # cut off: no whole question
-        text = tok.decode(tokens[:-1], skip_special_tokens=True).strip()
-        if len(text.split()) >= min_words and text not in seen:
-            seen.add(text)
-            questions.append(text)
+    questions = whole_questions(model, res.tokens, min_words=min_words)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"settings": settings, "questions": questions}))
     tmp.replace(path)
