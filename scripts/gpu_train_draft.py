@@ -1,13 +1,28 @@
 """The draft head of smollm2-135m-eagle at GPU scale, inside a fixed time budget (a device-tool
 call runs 10 minutes at most, and a session has 15 minutes of device time).
 
-Two steps:
+The chat head's next lease (the questions and their answers made beforehand, so the device only
+caches features and trains):
+
+    # here, in the background (hours on a 2-core CPU; resumable: a rerun goes on after the last
+    # saved batch): the default load's greedy answers to the questions SmolLM2 wrote itself
+    python scripts/gpu_train_draft.py answer data/smollm2_self_questions.jsonl.gz data/smollm2_chat_answers.npz
+    # here: the evaluation prompts and the texts as token ids
+    python scripts/gpu_train_draft.py prepare .gpu/jobs.json.gz --questions data/smollm2_self_questions.jsonl.gz
+    # there: features of the answers and the texts, training from the shipped chat head, its reduced
+    # head's tokens taken anew from these answers
+    python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 540 --out $OUT \
+        --continuations data/smollm2_chat_answers.npz --init eejax/assets/smollm2-135m-eagle-chat.safetensors \
+        --fresh-vocab --steps 3000 --learning-rate 6e-4
+
+Generating on the device as well:
 
     # here, where the model's tokenizer is: the training and evaluation prompts as token ids
-    # (--questions: the questions SmolLM2 wrote itself in an `eejax train-draft --self-questions` run)
-    python scripts/gpu_train_draft.py prepare .gpu/jobs.json.gz [--questions runs/chat-draft/self_questions.json]
+    # (--questions: more chat questions, a self_questions.json or JSON lines)
+    python scripts/gpu_train_draft.py prepare .gpu/jobs.json.gz [--questions data/smollm2_self_questions.jsonl.gz]
 
     # on the GPU machine: continuations, features, training and evaluation in SECONDS
+    # (--self-questions N: first sample N more questions there, in whole batches, for 15% of SECONDS at most)
     python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 540 [--out DIR]
     # a dry run of the same shapes on random weights (--random-like: a checkpoint's eejax.json
     # and tokenizer/, no weights), to find errors and fill the compile cache first
@@ -17,18 +32,20 @@ Two steps:
         --continuations data/smollm2_continuations.npz --init eejax/assets/smollm2-135m-eagle.safetensors --steps 6000
 
 The text (provenance: data/SOURCES.md): chat questions (data/self_instruct_instructions.jsonl, and
-the questions of --questions) through the chat template, answered first (greedy, then sampled);
+the questions of --questions) through the chat template, answered first (greedy, then sampled),
+then windows of Python's standard-library docs and code (data/python_stdlib_text.txt.gz);
 CNN/DM rows 20..99 of data/cnndm_test_dev100.jsonl and the
 1,240 other CNN/DM articles of data/cnndm_more.jsonl.gz (rows 0..19 of the first are the evaluation
 rows, never trained on), and WikiText-2. `run` continues prompts made from them with the frozen
-model in a fixed order of priority (greedy continuations of 256-token summary prompts first, the
-evaluation's format; then sampled ones, other prompt lengths, later article windows, document
-windows, more samples) until its generation time is up, caches the features of those sequences
-and of the texts themselves (shuffled, so that a pass cut short keeps a fair sample), trains the
-draft head (`draft_training.train_draft`, --steps, stopped early if its time runs out), and
-measures its held-out agreement on rows 0..19 (256-token summary prompts, the model's 64 greedy
-tokens, teacher-forced). It writes RUN_DIR/draft.safetensors, and copies it with the
-continuations, the losses and a result.json to --out.
+model in a fixed order of priority (`JOBS`: chat answers, the standard library, then greedy
+continuations of 256-token summary prompts, sampled ones, other prompt lengths, later article
+windows, document windows, more samples) until its generation time is up, caches the features of
+those sequences and of the texts themselves (shuffled, so that a pass cut short keeps a fair
+sample), trains the draft head (`draft_training.train_draft`, --steps, stopped early if its time
+runs out), and measures its held-out agreement on rows 0..19 (256-token summary prompts, the
+model's 64 greedy tokens, teacher-forced). It writes RUN_DIR/draft.safetensors, and copies it
+with the continuations, the losses and a result.json (each job's sequences and seconds, the
+programs compiled) to --out.
 
 The shipped head (docs/models.md: the model card of smollm2-135m-eagle) was made on one H100 on 2026-11-26
 in two calls: this script's continuations (217 s: 15,277 sequences) and features (74 s: 6.3M
@@ -37,18 +54,31 @@ now does; those continuations are data/smollm2_continuations.npz. (The script's 
 sized the training by timing 12 steps, which timed compilations: the step compiles once per
 window width, up to 8 of them, and it ran 12 steps.)
 
-How it ran through the device tool (one call carries 64 MiB, the GGUF is 98 MB): the tracked
-assets were moved aside for both calls; call 1 carried .gpu/ (jobs.json.gz, the first 52.7 MB of
-the GGUF, its sha256, the `gguf` wheel that transformers' GGUF reader needs) and copied it to
-/tmp; call 2, on the same warm machine, carried the rest of the GGUF, joined and checked it into
-$EEJAX_CACHE/downloads, and ran `run` with PYTHONPATH set to the checkout. The tracked tree is
-now 6 MB larger (these continuations): send a smaller first part.
+On an H200 on 2026-11-30 (`run --self-questions 16384 --generate-batch 1024 --init ...chat...`)
+the evaluation's 20 continuations and the questions took the whole run (569 s after a 24 s
+load). The questions were one `generate` over 16,384 prompts, which admits rows as others end
+and prefills groups of many sizes, each its own program (a tiny model's such call compiled 12
+programs at 4,096 prompts, 5 at 1,024), and compiling is slow on a GPU; how the time went there is
+not known (the log, held back by a `grep` in the pipe, did not come back). The call was stopped at its 600 s with
+13,389 questions (data/smollm2_self_questions.jsonl.gz) and no head. `run` now samples them in
+whole batches until a deadline, and the answers can be made beforehand (`answer`).
+
+How it runs through the device tool (one call carries 64 MiB, the GGUF is 98 MB): the tracked
+assets (eejax/assets/*.safetensors, data/smollm2_continuations.npz, data/cnndm_more.jsonl.gz,
+data/t5_spiece.model) go aside for both calls, leaving ~4 MB; call 1 carries the first 58 MB of
+the GGUF and the `gguf` wheel (transformers' GGUF reader needs it) and copies them to /tmp and
+installs the wheel there; call 2, at once on the same warm machine, carries .gpu/ (jobs.json.gz)
+and the rest of the GGUF with its sha256 and the --init head, joins and checks the GGUF into
+$EEJAX_CACHE/downloads, and runs `run` with PYTHONPATH set to the checkout and
+PYTHONUNBUFFERED=1, its output through `tee $OUT/log.txt` alone (a `grep` in the pipe holds the
+log back until the end, and a call stopped at its limit then returns none of it).
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import shutil
 import sys
@@ -199,10 +229,14 @@ def sample_questions(model, count: int, batch_size: int, *, until: float, seed: 
 
 
 def save_sequences(path: Path, sequences, made) -> None:
-    """Token sequences as one uint16 array and their lengths, and what made them (npz)."""
+    """Token sequences as one uint16 array and their lengths, and what made them (npz), written
+    whole or not at all (a run stopped while it saves keeps the file before)."""
     flat = np.concatenate([np.asarray(s, np.uint16) for s in sequences]) if sequences else np.zeros(0, np.uint16)
     lengths = np.asarray([len(s) for s in sequences])
-    np.savez_compressed(path, tokens=flat, lengths=lengths, made=np.asarray(json.dumps(made)))
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, tokens=flat, lengths=lengths, made=np.asarray(json.dumps(made)))
+    tmp.replace(path)
 
 
 def load_sequences(path: Path) -> tuple[list[list[int]], list]:
@@ -397,7 +431,9 @@ def answer(args) -> None:
     order = np.random.default_rng(args.seed).permutation(len(questions))[: args.limit]  # a cut-short run: a fair sample
     model = eejax.load(args.model)
     prompts = [chat_prompt(model.tokenizer, questions[i]) for i in order]
-    made_by = f"greedy answers of {args.model}'s default load to {path.name}, order seed {args.seed}"
+    digest = hashlib.sha256(json.dumps(questions).encode()).hexdigest()[:16]  # which questions, whatever the file
+    made_by = f"greedy answers of {args.model}'s default load to {len(questions)} questions {digest}"
+    made_by += f", order seed {args.seed}"
     done, made = load_sequences(args.out) if args.out.exists() else ([], [])
     if made and made[0][0] != made_by:
         raise SystemExit(f"{args.out} holds other answers ({made[0][0]}): give another OUT")
