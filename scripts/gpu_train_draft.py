@@ -13,7 +13,7 @@ caches features and trains):
     # head's tokens taken anew from these answers
     python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 540 --out $OUT \
         --continuations data/smollm2_chat_answers.npz --init eejax/assets/smollm2-135m-eagle-chat.safetensors \
-        --fresh-vocab --steps 3000 --learning-rate 6e-4
+        --fresh-vocab --steps 4000 --learning-rate 6e-4
 
 Generating on the device as well:
 
