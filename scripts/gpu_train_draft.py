@@ -7,8 +7,8 @@ caches features and trains):
     # here, in the background (hours on a 2-core CPU; resumable: a rerun goes on after the last
     # saved batch): the default load's greedy answers to the questions SmolLM2 wrote itself
     python scripts/gpu_train_draft.py answer data/smollm2_self_questions.jsonl.gz data/smollm2_chat_answers.npz
-    # here: the evaluation prompts and the texts as token ids
-    python scripts/gpu_train_draft.py prepare .gpu/jobs.json.gz --questions data/smollm2_self_questions.jsonl.gz
+    # here: the evaluation prompts and the texts as token ids (5 MB)
+    python scripts/gpu_train_draft.py prepare .gpu/jobs.json.gz
     # there: features of the answers and the texts, training from the shipped chat head, its reduced
     # head's tokens taken anew from these answers
     python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 540 --out $OUT \
