@@ -67,7 +67,7 @@ CPU; batch 64 answered ~1.3).
 
 How it runs through the device tool (one call carries 64 MiB, the GGUF is 98 MB): the tracked
 assets (eejax/assets/*.safetensors, data/smollm2_continuations.npz, data/cnndm_more.jsonl.gz,
-data/t5_spiece.model) go aside for both calls, leaving ~4 MB; call 1 carries the first 58 MB of
+data/t5_spiece.model) go aside for both calls, leaving ~5.5 MB; call 1 carries the first 58 MB of
 the GGUF and the `gguf` wheel (transformers' GGUF reader needs it) and copies them to /tmp and
 installs the wheel there; call 2, at once on the same warm machine, carries .gpu/ (jobs.json.gz)
 and the rest of the GGUF with its sha256 and the --init head, joins and checks the GGUF into
