@@ -201,35 +201,6 @@ def continue_prompts(model, prompts, *, new_tokens, temperature, seed, batch_siz
     return out
 
 
-def sample_questions(model, count: int, batch_size: int, *, until: float, seed: int = 7) -> list[str]:
-    """Up to `count` distinct questions sampled (T = 0.9, 64 tokens) from the chat template's user
-    turn, as `chat_corpus.self_questions` samples them, but in whole batches of `batch_size` rows
-    (one prefill and one decode program: a `generate` over all of them admits rows as others end,
-    prefilling groups of every size) and only until the `until` time passes."""
-    from eejax.engine.generate import generate
-    from eejax.train.chat_corpus import user_turn_prefix, whole_questions
-    from eejax.train.data import cache_budget_for
-
-    prompts = [user_turn_prefix(model.tokenizer)] * batch_size
-    budget = cache_budget_for(model, prompts, 64, batch_size)
-    questions: list[str] = []
-    for start in range(0, count, batch_size):
-        if time.monotonic() > until:
-            break
-        res = generate(
-            model,
-            prompts,
-            max_new_tokens=64,
-            temperature=0.9,
-            seed=seed,
-            row_offset=start,
-            batch_size=batch_size,
-            cache_budget=budget,
-        )
-        questions += whole_questions(model, res.tokens, seen=questions)
-    return questions
-
-
 def save_sequences(path: Path, sequences, made) -> None:
     """Token sequences as one uint16 array and their lengths, and what made them (npz), written
     whole or not at all (a run stopped while it saves keeps the file before)."""
@@ -272,7 +243,7 @@ def vocab_coverage(data: dict, ids) -> float:
 
 
 def run(args) -> None:
-    from eejax.train.chat_corpus import chat_prompt
+    from eejax.train.chat_corpus import chat_prompt, self_questions
     from eejax.train.draft_features import build_feature_cache, load_feature_cache
     from eejax.train.draft_run import draft_vocabulary, save_draft
     from eejax.train.draft_training import heldout_agreement, train_draft
@@ -305,8 +276,13 @@ def run(args) -> None:
     )
     if args.self_questions:  # Magpie: questions the model writes itself, answered below with the others
         t_q = time.monotonic()
-        own = sample_questions(model, args.self_questions, args.generate_batch, until=began + 0.15 * args.seconds)
-        (out / "self_questions.json").write_text(json.dumps({"questions": own}))
+        own = self_questions(
+            model,
+            args.self_questions,
+            out / "self_questions.json",
+            batch_size=args.generate_batch,
+            until=began + 0.15 * args.seconds,
+        )
         jobs["sets"]["chat"] = jobs["sets"]["chat"] + [chat_prompt(model.tokenizer, q) for q in own]
         result["self_questions"] = {
             "sampled": args.self_questions,

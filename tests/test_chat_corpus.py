@@ -160,3 +160,24 @@ def test_sampled_continuations_go_in_saved_batches_and_sample_as_one_call(tiny_c
     assert draft_corpus.sampled_continuations(model, prompts, path, new_tokens=4, batch_size=2) == uncut
     with pytest.raises(EejaxError, match="row_offset must be an integer >= 0"):
         eejax.generate(model, prompts, max_new_tokens=2, row_offset=-1)
+
+
+def test_self_questions_in_whole_batches_are_the_samples_of_one_call_and_a_cut_short_set_is_not_reused(
+    tiny_checkpoints, tmp_path, monkeypatch
+):
+    import time
+
+    path = tmp_path / "chat-model"
+    shutil.copytree(tiny_checkpoints["gqa-untied"][2], path)
+    _with_template(eejax.load(path).tokenizer, path / "tokenizer")
+    model = eejax.load(path)
+    # every sample kept as its tokens (a tiny random model seldom ends a turn), so samples are compared
+    monkeypatch.setattr(chat_corpus, "_whole_questions", lambda m, samples, w, seen: [str(list(t)) for t in samples])
+    prefix = chat_corpus.user_turn_prefix(model.tokenizer)
+    one_call = eejax.generate(model, [prefix] * 5, max_new_tokens=8, temperature=0.9, seed=7, batch_size=8).tokens
+    got = chat_corpus.self_questions(model, 5, tmp_path / "q.json", max_tokens=8, batch_size=2)
+    assert got == [str(list(t)) for t in one_call] and len(set(got)) > 1
+    cut = tmp_path / "cut.json"
+    past = time.monotonic() - 1
+    assert chat_corpus.self_questions(model, 5, cut, max_tokens=8, batch_size=2, until=past) == []
+    assert chat_corpus.self_questions(model, 5, cut, max_tokens=8, batch_size=2) == got  # sampled anew, not reused

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from pathlib import Path
 
 from eejax.errors import EejaxError
@@ -65,7 +66,7 @@ def read_instructions(path: str | Path) -> list[str]:
     return out
 
 
-def whole_questions(model, samples, *, min_words: int = 3, seen=()) -> list[str]:
+def _whole_questions(model, samples, min_words: int, seen) -> list[str]:
     """The distinct questions (not in `seen`) among token lists sampled from `user_turn_prefix`:
     those the model ended with EOS and that have at least `min_words` words."""
     ends, seen, questions = set(model.eos_token_ids), set(seen), []
@@ -90,11 +91,14 @@ def self_questions(
     seed: int = 7,
     batch_size: int = 64,
     min_words: int = 3,
+    until: float | None = None,
 ) -> list[str]:
     """Up to `count` distinct user questions the model writes itself: `count` samples (temperature,
     row i drawn with (seed, i)) from `user_turn_prefix`, kept where the model ended the turn within
-    `max_tokens` and wrote at least `min_words` words. Saved in `path` as JSON; a rerun with the
-    same settings reads them back."""
+    `max_tokens` and wrote at least `min_words` words. Sampled in whole batches of `batch_size`
+    (one `generate` over them all would admit rows as others end, prefilling groups of many sizes,
+    each a program to compile), and only while `time.monotonic()` is before `until`. Saved in
+    `path` as JSON; a rerun with the same settings reads back a set that was not cut short."""
     from eejax.engine.generate import generate
     from eejax.train.data import cache_budget_for
 
@@ -104,23 +108,28 @@ def self_questions(
     settings = {"count": count, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
     if path.exists():
         saved = json.loads(path.read_text())
-        if saved.get("settings") == settings:
+        if saved.get("settings") == settings and saved.get("complete", True):
             return saved["questions"]
-    tok = model.tokenizer
-    prefix = user_turn_prefix(tok)
-    prompts = [prefix] * count
-    budget = cache_budget_for(model, prompts, max_tokens, batch_size)
-    res = generate(
-        model,
-        prompts,
-        max_new_tokens=max_tokens,
-        temperature=temperature,
-        seed=seed,
-        batch_size=batch_size,
-        cache_budget=budget,
-    )
-    questions = whole_questions(model, res.tokens, min_words=min_words)
+    prefix = user_turn_prefix(model.tokenizer)
+    budget = cache_budget_for(model, [prefix] * batch_size, max_tokens, batch_size)
+    questions: list[str] = []
+    complete = True
+    for start in range(0, count, batch_size):
+        if until is not None and time.monotonic() > until:
+            complete = False
+            break
+        res = generate(
+            model,
+            [prefix] * min(batch_size, count - start),
+            max_new_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            row_offset=start,
+            batch_size=batch_size,
+            cache_budget=budget,
+        )
+        questions += _whole_questions(model, res.tokens, min_words, seen=questions)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"settings": settings, "questions": questions}))
+    tmp.write_text(json.dumps({"settings": settings, "questions": questions, "complete": complete}))
     tmp.replace(path)
     return questions
