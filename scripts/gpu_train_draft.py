@@ -201,26 +201,6 @@ def continue_prompts(model, prompts, *, new_tokens, temperature, seed, batch_siz
     return out
 
 
-def save_sequences(path: Path, sequences, made) -> None:
-    """Token sequences as one uint16 array and their lengths, and what made them (npz), written
-    whole or not at all (a run stopped while it saves keeps the file before)."""
-    flat = np.concatenate([np.asarray(s, np.uint16) for s in sequences]) if sequences else np.zeros(0, np.uint16)
-    lengths = np.asarray([len(s) for s in sequences])
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.savez_compressed(f, tokens=flat, lengths=lengths, made=np.asarray(json.dumps(made)))
-    tmp.replace(path)
-
-
-def load_sequences(path: Path) -> tuple[list[list[int]], list]:
-    """(sequences, what made them) of `save_sequences`' file."""
-    with np.load(path) as f:
-        ends = np.cumsum(f["lengths"])
-        sequences = [x.tolist() for x in np.split(f["tokens"].astype(np.int64), ends[:-1])] if len(ends) else []
-        made = json.loads(str(f["made"])) if "made" in f else [["an earlier run", None, None, len(sequences)]]
-    return sequences, made
-
-
 def init_head(model, path: Path, result: dict):
     """`model` with the draft head of `path`; where its probe does not reproduce (random weights in a
     dry run, or a device that rounds otherwise) the run goes on and result.json says so."""
@@ -248,6 +228,7 @@ def run(args) -> None:
     from eejax.train.draft_run import draft_vocabulary, save_draft
     from eejax.train.draft_training import heldout_agreement, train_draft
     from eejax.train.exit_vocab import add_exit_vocab
+    from eejax.train.token_sequences import load_sequences, save_sequences
 
     began = time.monotonic()
     end = began + args.seconds
@@ -403,6 +384,7 @@ def answer(args) -> None:
 
     import eejax
     from eejax.train.chat_corpus import chat_prompt
+    from eejax.train.token_sequences import load_sequences, save_sequences
 
     path = Path(args.questions)
     questions = read_questions(path)

@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 import eejax
+from eejax.train.token_sequences import load_sequences
 from tests.helpers import ROOT
 from tests.test_chat_corpus import _with_template
 
@@ -37,14 +38,14 @@ def test_answers_resume_after_the_last_saved_batch_and_are_the_models_greedy_ans
     argv = ["answer", str(questions), str(out), "--model", str(model_dir), "--batch", "2", "--answer-tokens", "4"]
 
     assert script.main([*argv, "--limit", "3"]) == 0
-    first, _ = script.load_sequences(out)
+    first, _ = load_sequences(out)
     real = script.continue_prompts
     assert len(first) == 3
     answered = []
     monkeypatch.setattr(script, "continue_prompts", lambda m, c, **kw: answered.append(len(c)) or real(m, c, **kw))
     assert script.main(argv) == 0  # all five: the first three are kept, two more answered
     assert answered == [2]
-    done, made = script.load_sequences(out)
+    done, made = load_sequences(out)
     assert done[:3] == first and len(done) == 5 and made[0][3] == 5
 
     model = eejax.load(model_dir)
@@ -56,7 +57,7 @@ def test_answers_resume_after_the_last_saved_batch_and_are_the_models_greedy_ans
     questions.write_text(json.dumps({"question": "Something else."}) + "\n")
     with pytest.raises(SystemExit, match="holds other answers"):
         script.main(argv)
-    assert script.load_sequences(out)[0] == done  # left as it was
+    assert load_sequences(out)[0] == done  # left as it was
 
 
 def test_run_refuses_a_fresh_vocabulary_without_a_head_to_go_on_from(script, tmp_path, capsys):

@@ -47,6 +47,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from eejax.train.draft_run import DraftRunSettings, draft_vocabulary, save_draft, training_data
     from eejax.train.draft_training import train_draft
     from eejax.train.exit_vocab import add_exit_vocab
+    from eejax.train.token_sequences import load_sequences
 
     settings = DraftRunSettings(
         steps=args.steps,
@@ -79,10 +80,14 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         raise EejaxError(f"no texts left after --skip {args.skip}")
     other = [t for path in args.text_file or [] for t in read_text_file(path)]
     questions = [q for path in args.instructions_file or [] for q in read_instructions(path)]
-    if not (texts or other or questions or args.self_questions):
+    sequences, made = [], []
+    for path in args.sequences_file or []:
+        seqs, how = load_sequences(path)
+        sequences, made = sequences + seqs, made + how
+    if not (texts or other or questions or sequences or args.self_questions):
         raise EejaxError(
-            "nothing to train on: give texts (--prompts-file or --prompt), --text-file, --instructions-file "
-            "or --self-questions"
+            "nothing to train on: give texts (--prompts-file or --prompt), --text-file, --instructions-file, "
+            "--sequences-file or --self-questions"
         )
     if args.init is not None and not Path(args.init).is_file():
         raise EejaxError(f"--init: no such draft head file: {args.init}")
@@ -96,6 +101,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         "instructions_files": args.instructions_file or [],
         "init": args.init,
     }
+    if args.sequences_file:  # only where given: a run started before the option resumes as it was
+        run["sequences_files"] = args.sequences_file
     out = Path(args.output).expanduser()
     run_file = out / "run.json"
     if run_file.exists():
@@ -115,6 +122,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     model = eejax.load(args.model, quantization=None)  # features and answers of the float32 weights
     draft_head.check_model(model.config)
     settings.check(model.config.vocab_size)
+    past = max((max(s) for s in sequences if s), default=-1)
+    if past >= model.config.vocab_size:
+        vocab = model.config.vocab_size
+        raise EejaxError(f"--sequences-file holds token id {past}, past {args.model}'s vocabulary of {vocab}")
     if model.tokenizer is None:
         raise EejaxError(f"{args.model} has no tokenizer to read the texts with")
     out.mkdir(parents=True, exist_ok=True)
@@ -130,6 +141,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         generate_batch_size=args.generate_batch_size,
         feature_batch_size=args.feature_batch_size,
         questions=questions,
+        sequences=sequences,
     )
     ids = draft_vocabulary(data, settings.vocab_size, model.config.vocab_size, always=model.eos_token_ids)
     trainee = add_exit_vocab(model, ids)
@@ -179,6 +191,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
                 "text_files": run["text_files"],
                 "instructions_files": run["instructions_files"],
                 "self_questions": settings.self_questions,
+                "sequences": made,
                 "init": run["init"],
             },
             "top1_agreement_last_100": [float(x) for x in np.mean(agree[-100:], axis=0)],
@@ -207,7 +220,8 @@ def add_parsers(sub) -> None:
         "(soft cross-entropy to the model's distribution, a feature regression, input noise and a second pass on "
         "its own predictions). The text is the --prompts-file texts (after --skip), the model's greedy "
         "continuations of summary prompts made from them, any --text-file, and the model's own answers (greedy and "
-        "sampled) to chat questions: those of --instructions-file and --self-questions that it writes itself. "
+        "sampled) to chat questions: those of --instructions-file and --self-questions that it writes itself, "
+        "and any --sequences-file of its text made beforehand. "
         "Everything lives in --output: run "
         "the same command again to continue (--hours bounds one invocation). At the end it writes "
         "OUTPUT/draft.safetensors (the head, small, with a probe checked at load) and OUTPUT/model.",
@@ -235,6 +249,13 @@ def add_parsers(sub) -> None:
         metavar="F.jsonl",
         help="chat questions, one JSON object per line (instruction, and input or context if any), which the "
         "model answers through its chat template (repeatable)",
+    )
+    p.add_argument(
+        "--sequences-file",
+        action="append",
+        metavar="F.npz",
+        help="token sequences the model wrote beforehand, trained on as they are: scripts/gpu_train_draft.py "
+        "answer's answers (data/smollm2_chat_answers.npz) or its run's continuations.npz (repeatable)",
     )
     p.add_argument(
         "--self-questions",

@@ -111,31 +111,39 @@ def build_feature_cache(
         if deadline is not None and start != todo[0] and time.monotonic() > deadline:
             break
         chunk = rows[start : start + shard_rows]
-        parts = []
-        for b in range(0, len(chunk), batch_size):
-            batch = chunk[b : b + batch_size]
-            tokens = np.zeros((batch_size, window), np.int32)
-            lengths = np.zeros((batch_size,), np.int32)
-            for i, r in enumerate(batch):
-                tokens[i, : len(r)], lengths[i] = r, len(r)
-            feats, ids, probs = jax.device_get(program(model.params, tokens, lengths))
-            parts.append(
-                (
-                    tokens[: len(batch)],
-                    lengths[: len(batch)],
-                    feats[: len(batch)],
-                    ids[: len(batch)],
-                    probs[: len(batch)],
-                )
-            )
-            bar.update(int(lengths.sum()))
-        tokens, lengths, feats, ids, probs = (np.concatenate(x) for x in zip(*parts))
+        tokens, lengths, feats, ids, probs = _shard_features(program, model.params, chunk, window, batch_size)
+        bar.update(int(lengths.sum()))
         path = out / f"shard_{start // shard_rows:05d}.npz"
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, tokens=tokens, lengths=lengths, features=feats.view(np.uint16), top_ids=ids, top_probs=probs)
         os.replace(tmp, path)
     bar.close()
     return out
+
+
+def _shard_features(program, params, rows: list[list[int]], window: int, batch_size: int):
+    """(tokens [R, window], lengths [R], features [R, window, D], top ids, top probs) of `rows`, in
+    their order. Rows run `batch_size` at a time in order of length, each batch padded only to the
+    next multiple of window / 4 past its longest row (a few programs, each compiled once): short
+    chat answers cost what they hold, not a whole window."""
+    step = max(1, window // 4)
+    order = np.argsort([len(r) for r in rows], kind="stable")
+    tokens = np.zeros((len(rows), window), np.int32)
+    lengths = np.asarray([len(r) for r in rows], np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    outputs = None
+    for b in range(0, len(rows), batch_size):
+        picked = order[b : b + batch_size]
+        width = min(window, -(-int(lengths[picked].max()) // step) * step)
+        batch = np.zeros((batch_size, width), np.int32)
+        batch[: len(picked)] = tokens[picked, :width]
+        got = jax.device_get(program(params, batch, np.pad(lengths[picked], (0, batch_size - len(picked)))))
+        if outputs is None:
+            outputs = [np.zeros((len(rows), window, *x.shape[2:]), x.dtype) for x in got]
+        for full, x in zip(outputs, got):
+            full[picked, :width] = x[: len(picked)]
+    return (tokens, lengths, *outputs)
 
 
 def load_feature_cache(path: str | Path) -> dict[str, np.ndarray]:

@@ -71,18 +71,23 @@ def training_data(
     generate_batch_size: int = 32,
     feature_batch_size: int = 4,
     questions: list[str] = (),
+    sequences: list[list[int]] = (),
 ) -> dict:
     """The feature cache of the model's continuations (`draft_corpus`: greedy ones of summary
     prompts of `texts` and of windows of `other_texts`, sampled ones of the 256-token summary
     prompts or of all of those), its answers to chat `questions` and to questions it wrote itself
-    (`chat_corpus`), then the `texts` and `other_texts` themselves. Built once in `out`, then
-    loaded. The batch sizes set the speed only (a GPU takes far larger ones)."""
+    (`chat_corpus`), `sequences` the model wrote beforehand (`token_sequences`), then the `texts`
+    and `other_texts` themselves. Built once in `out`, then loaded. The batch sizes set the speed
+    only (a GPU takes far larger ones)."""
     from eejax.train import draft_corpus as dc
     from eejax.train.draft_features import build_feature_cache, load_feature_cache
 
     tok, n = model.tokenizer, settings.continuation_tokens
     generated, parts, greedy_prompts = [], [], []
     generated += chat_answers(model, list(questions), out, settings, parts, progress, generate_batch_size)
+    if sequences:
+        generated += [list(s) for s in sequences]
+        parts.append(f"{len(sequences)} sequences made beforehand")
     continued = dict(new_tokens=n, progress=progress, batch_size=generate_batch_size)
     if n:
         summary = dc.summary_prompts(tok, texts, settings.prompt_tokens)
