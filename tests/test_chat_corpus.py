@@ -101,6 +101,34 @@ def test_train_draft_on_chat_alone_goes_on_from_a_trained_head(tiny_checkpoints,
     assert "nothing to train on" in capsys.readouterr().err
 
 
+def test_train_draft_on_sequences_made_beforehand(tiny_checkpoints, tmp_path, capsys):
+    """`--sequences-file`: token sequences written beforehand (`token_sequences`) are the whole
+    training text, with no generation; ids past the vocabulary and missing files are refused
+    before anything is written."""
+    from eejax.cli import main
+    from eejax.train.token_sequences import load_sequences, save_sequences
+
+    path = tiny_checkpoints["gqa-untied"][2]
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(3, 60, size=n).tolist() for n in (20, 33, 9)]
+    made = tmp_path / "answers.npz"
+    save_sequences(made, sequences, [["test answers", 0.0, 0, 3]])
+    assert load_sequences(made) == (sequences, [["test answers", 0.0, 0, 3]])
+    out = tmp_path / "run"
+    argv = ["train-draft", "--model", str(path), "--output", str(out), "--steps", "1", "--batch-size", "2"]
+    argv += ["--window", "64", "--vocab-size", "64", "--no-plot", "--quiet"]
+    assert main([*argv, "--sequences-file", str(made)]) == 0, capsys.readouterr().err
+    meta = json.loads((out / "features" / "meta.json").read_text())
+    assert meta["tokens"] == 62 and "3 sequences made beforehand" in meta["source"]
+    assert not (out / "answers.json").exists()
+    bad = tmp_path / "bad.npz"
+    save_sequences(bad, [[1, 2, 10**4]], [])
+    assert main([*argv[:4], str(tmp_path / "bad-run"), *argv[5:], "--sequences-file", str(bad)]) == 2
+    assert "token id 10000, past" in capsys.readouterr().err and not (tmp_path / "bad-run").exists()
+    assert main([*argv[:4], str(tmp_path / "bad-run"), *argv[5:], "--sequences-file", str(tmp_path / "no.npz")]) == 2
+    assert "token sequences file not found" in capsys.readouterr().err
+
+
 def test_continuations_are_saved_each_batch_and_reused_per_prompt(tmp_path, monkeypatch):
     """A rerun with more prompts continues only the new ones; a run cut short keeps its batches."""
     from eejax.train import data, draft_corpus

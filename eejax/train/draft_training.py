@@ -157,7 +157,8 @@ def train_draft(
         )
     params = {k: v for k, v in model.params.items() if k != "draft"}
     draft = model.params.get("draft") or draft_head.init_draft(config, jax.random.PRNGKey(seed))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, min(100, steps // 10 + 1), steps)
+    warmup = min(100, steps // 10 + 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1))  # 1 step too
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
     state = {"draft": draft, "opt": optimizer.init(draft), "step": jnp.int32(0)}
     manager, state, log = runs.resume(checkpoint_dir, state, {"losses": [], "agree": []})

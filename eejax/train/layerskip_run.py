@@ -61,8 +61,8 @@ def optimizer_for(settings: RunSettings):
     """adam with a linear warm-up over the first 5% of the steps, then cosine decay to 10%."""
     warmup = max(1, settings.steps // 20)
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, settings.learning_rate, warmup, settings.steps, end_value=settings.learning_rate / 10
-    )
+        0.0, settings.learning_rate, warmup, max(settings.steps, warmup + 1), end_value=settings.learning_rate / 10
+    )  # max: one step is a run too
     return optax.adam(schedule)
 
 
