@@ -123,6 +123,9 @@ def test_train_draft_on_sequences_made_beforehand(tiny_checkpoints, tmp_path, ca
     assert not (out / "answers.json").exists()
     bad = tmp_path / "bad.npz"
     save_sequences(bad, [[1, 2, 10**4]], [])
+    with pytest.raises(EejaxError, match="uint16"):
+        save_sequences(tmp_path / "wide.npz", [[1, 70_000]], [])  # a larger vocabulary is refused, not wrapped
+    assert not (tmp_path / "wide.npz").exists()
     assert main([*argv[:4], str(tmp_path / "bad-run"), *argv[5:], "--sequences-file", str(bad)]) == 2
     assert "token id 10000, past" in capsys.readouterr().err and not (tmp_path / "bad-run").exists()
     assert main([*argv[:4], str(tmp_path / "bad-run"), *argv[5:], "--sequences-file", str(tmp_path / "no.npz")]) == 2

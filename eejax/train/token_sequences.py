@@ -19,6 +19,9 @@ def save_sequences(path: str | Path, sequences, made) -> None:
     """Writes `sequences` (lists of token ids < 65536) and `made` (JSON: what made them) to `path`,
     whole or not at all (a run stopped while it saves keeps the file before)."""
     path = Path(path)
+    past = max((max(s) for s in sequences if len(s)), default=0)
+    if past >= 2**16:
+        raise EejaxError(f"token id {past} does not fit this format's uint16 (a vocabulary of at most 65536)")
     flat = np.concatenate([np.asarray(s, np.uint16) for s in sequences]) if sequences else np.zeros(0, np.uint16)
     lengths = np.asarray([len(s) for s in sequences], np.int64)
     tmp = path.with_name(path.name + ".tmp")
