@@ -41,6 +41,14 @@ def chain_tau(agreement, d: int) -> float:
     return float(1 + np.sum(np.cumprod(agreement[:d])))
 
 
+def heldout_sequences(model, name: str, rows: int, prompt_tokens: int, new_tokens: int):
+    """(the set's first `rows` prompts followed by the model's greedy tokens, the index of each
+    one's first generated token): what agreement is measured on."""
+    asked = prompts(model.tokenizer, name, rows, prompt_tokens)
+    res = eejax.generate(model, asked, max_new_tokens=new_tokens, ignore_eos=name in ("cnndm", "pydoc"))
+    return [list(p) + list(t) for p, t in zip(asked, res.tokens)], [len(p) for p in asked]
+
+
 def main() -> int:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", nargs="+", action="extend", default=None, help=f"draft deltas (default {SHIPPED})")
@@ -60,16 +68,11 @@ def main() -> int:
     header = "| set | head | " + " | ".join(f"a{k + 1}" for k in range(args.positions)) + " | est. τ d=2 | est. τ d=4 |"
     lines += [header, "|" + "---|" * (args.positions + 4)]
     for name in args.sets or ["cnndm"]:
-        asked = prompts(model.tokenizer, name, args.rows, args.prompt_tokens)
-        plain = name in ("cnndm", "pydoc")
-        res = eejax.generate(model, asked, max_new_tokens=args.new_tokens, ignore_eos=plain)
-        sequences = [list(p) + list(t) for p, t in zip(asked, res.tokens)]
+        sequences, first = heldout_sequences(model, name, args.rows, args.prompt_tokens, args.new_tokens)
         with tempfile.TemporaryDirectory() as tmp:
             data = load_feature_cache(build_feature_cache(model, sequences, tmp, progress=False))
         for head in heads:
-            agree = heldout_agreement(
-                apply_draft(model, head), data, unroll=args.positions, first=[len(p) for p in asked]
-            )
+            agree = heldout_agreement(apply_draft(model, head), data, unroll=args.positions, first=first)
             row = {"set": name, "head": head, "agreement": [round(float(a), 4) for a in agree]}
             row |= {"chain_tau_d2": round(chain_tau(agree, 2), 3), "chain_tau_d4": round(chain_tau(agree, 4), 3)}
             rows.append(row)

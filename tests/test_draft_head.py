@@ -542,6 +542,43 @@ def test_training_on_cached_features_learns_the_next_token(tmp_path):
     np.testing.assert_array_equal(again, losses)
 
 
+def test_a_fusion_of_lower_layers_reads_their_cached_states_and_starts_as_the_head_it_extends(model, tmp_path):
+    """EAGLE-3's fusion (training only): the cache keeps the states after the asked layers (those of
+    the training forward), a cache of other layers is refused, a zero fusion changes no agreement,
+    and a fused head trains with finite losses on windows with padding (the noise's scale is no
+    gradient path: its sqrt at a padded zero feature would give NaN) and learns a fusion."""
+    from eejax.train.draft_features import build_feature_cache, load_feature_cache
+    from eejax.train.draft_training import heldout_agreement, train_draft
+
+    rng = np.random.default_rng(3)
+    texts = [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in (30, 9, 24, 17)]
+    small = dict(window=32, batch_size=2, shard_rows=4, progress=False)
+    data = load_feature_cache(build_feature_cache(model, texts, tmp_path / "fused", layers=(1, 2), **small))
+    assert data["states"].shape == (4, 32, 2, model.config.hidden_size)
+    states, _ = llama.forward_states(model.params, jnp.asarray(data["tokens"]), jnp.asarray(data["lengths"]), model.config)
+    valid = np.arange(32)[None, :] < data["lengths"][:, None]
+    for j, layer in enumerate((1, 2)):
+        want = np.asarray(states[layer - 1], np.float32)[valid]
+        np.testing.assert_allclose(np.asarray(data["states"][:, :, j], np.float32)[valid], want, rtol=0.02, atol=0.02)
+    with pytest.raises(EejaxError, match="other text or settings"):
+        build_feature_cache(model, texts, tmp_path / "fused", **small)
+    with pytest.raises(EejaxError, match="layers must be increasing"):
+        build_feature_cache(model, texts, tmp_path / "bad", layers=(2, 1), **small)
+    fused = model.with_params(
+        {**model.params, "draft": {**model.params["draft"], "fuse": draft_head.init_fuse(model.config, 2)}}
+    )
+    np.testing.assert_array_equal(heldout_agreement(fused, data, unroll=2), heldout_agreement(model, data, unroll=2))
+    with pytest.raises(UnsupportedModelError, match="fuses lower layers' states"):
+        draft_head.check_draft(fused.params["draft"], model.config)
+    with pytest.raises(EejaxError, match="fuses lower layers' states"):
+        eejax.generate(fused, [[5, 6, 7]], max_new_tokens=2, spec="draft:2")
+    plain = {k: v for k, v in data.items() if k != "states"}
+    with pytest.raises(EejaxError, match="fuses 2 layers' states; the feature cache keeps 0"):
+        train_draft(fused, plain, steps=1, progress=False)
+    draft, losses, _ = train_draft(fused, data, steps=3, batch_size=4, learning_rate=1e-2, progress=False)
+    assert np.isfinite(losses).all() and float(jnp.abs(draft["fuse"]).max()) > 0, losses
+
+
 def test_the_continuations_budget_holds_the_batch_asked_for(model):
     """A trainer's generation batch gets the KV cache it needs (`generate`'s default 1 GiB would
     decode only part of a GPU's batch at a time), and small batches keep the default."""

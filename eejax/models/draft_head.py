@@ -95,6 +95,7 @@ def check_draft(draft, config) -> None:
     if not draft:
         return
     check_model(config)
+    _check_no_fusion(draft)
     d = config.hidden_size
     keys = layer_keys(config)
     if set(draft) != set(DRAFT_KEYS) or set(draft["layer"]) != set(keys):
@@ -107,6 +108,14 @@ def check_draft(draft, config) -> None:
             raise EejaxError(
                 f"params['draft']['layer'][{k!r}] has shape {tuple(x.shape)}, the model needs {tuple(want[k].shape)}"
             )
+
+
+def _check_no_fusion(draft) -> None:
+    if "fuse" in draft:
+        raise UnsupportedModelError(
+            "this draft head fuses lower layers' states (draft_head.fused_feature), which is built for training and "
+            "measuring only: decoding does not compute those states yet"
+        )
 
 
 def logical_axes(config: LlamaConfig) -> dict:
@@ -133,6 +142,25 @@ def quantize_weights(draft, quantize) -> dict:
     return {"fc": q(draft["fc"]), "layer": {k: q(v) if k in LINEAR_KEYS else v for k, v in draft["layer"].items()}}
 
 
+def init_fuse(config: LlamaConfig, layers: int, dtype=jnp.float32):
+    """The fusion of `layers` lower layers' hidden states into the feature (`fused_feature`):
+    zeros [layers·D, D], so a head given one starts as it was."""
+    d = config.hidden_size
+    return jnp.zeros((layers * d, d), dtype)
+
+
+def fused_feature(draft, feature, states, config: LlamaConfig):
+    """EAGLE-3's feature fusion, as a residual on the model's feature: feature [..., D] plus
+    draft["fuse"] [n·D, D] over the hidden states after n lower layers, states [..., n, D], each
+    RMS-normalised (no weight) and scaled by 1/sqrt(n·D): the matrix's first Adam steps, each
+    entry ±lr, then move the feature by ~lr·sqrt(n·D), not lr·n·D. Only the first draft of a
+    round reads it: later drafts read the draft's own predicted features. Training only so far:
+    decoding and loading refuse a head with a fusion (`check_draft`, `draft_layer`)."""
+    s = states.astype(jnp.float32)
+    s = s * jax.lax.rsqrt(jnp.sum(s * s, axis=-1, keepdims=True) * s.shape[-2] + config.rms_norm_eps)
+    return feature + s.reshape(*s.shape[:-2], -1) @ draft["fuse"].astype(jnp.float32)
+
+
 def features(params, h, config: LlamaConfig):
     """The model's feature of last-layer hidden states h [..., D]: the final norm's output."""
     return rms_norm(h, params["final_norm"], config.rms_norm_eps)
@@ -153,6 +181,7 @@ def draft_layer(params, feature, token_embeds, cache: KVCache, batch: TokenBatch
     With the Triton layer (attention "triton") its products are the fused kernels, as the model's.
     Returns (predicted features [B, T, D], cache)."""
     draft, layer, triton = params["draft"], config.num_layers, batch.attention == "triton"
+    _check_no_fusion(draft)
     x = _apply(config, draft, "inputs", feature, token_embeds)
     q, k, v = _layer(config, draft, "qkv", x, batch.cos, batch.sin, triton=triton)
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)

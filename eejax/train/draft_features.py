@@ -7,6 +7,8 @@ For each window of tokens [T] the cache keeps:
     features [T, D] bf16      the model's feature at each position (the final norm's output)
     top_ids [T, K] int32      the model's K most likely next tokens at each position ...
     top_probs [T, K] f16      ... and their probabilities (the rest's mass is 1 - their sum)
+    states [T, n, D] bf16     with `layers`: the hidden states after those layers (EAGLE-3's
+                              low and middle features, `draft_head.fused_feature`)
 
 Windows are written in shards of `shard_rows` (`shard_00000.npz`, ...), each atomically, so an
 interrupted pass resumes at the first missing shard; `meta.json` records what the cache was
@@ -27,7 +29,8 @@ import numpy as np
 
 from eejax.errors import EejaxError
 from eejax.models.draft_head import check_model
-from eejax.models.llama import Llama
+from eejax.models.draft_head import features as draft_features
+from eejax.models.llama import Llama, forward_states
 
 TOP_K = 16
 
@@ -46,15 +49,23 @@ def windows(sequences: list[list[int]], length: int) -> list[list[int]]:
     return out
 
 
-def _features_program(config):
-    """jit: tokens [B, T], lengths [B] -> (features [B, T, D] bf16, top ids [B, T, K], top probs)."""
+def _features_program(config, layers: tuple[int, ...] = ()):
+    """jit: tokens [B, T], lengths [B] -> (features [B, T, D] bf16, top ids [B, T, K], top probs
+    [B, T, K] f16), and with `layers` the hidden states after them [B, T, n, D] bf16."""
 
     def run(params, tokens, lengths):
         model = Llama(config)
-        feats = model.apply({"params": params}, tokens, lengths, method="features")
+        if layers:
+            states, _ = forward_states(params, tokens, lengths, config)
+            feats = draft_features(params, states[-1], config)
+        else:
+            feats = model.apply({"params": params}, tokens, lengths, method="features")
         logits = model.apply({"params": params}, feats, method="head")
         probs, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), TOP_K)
-        return feats.astype(jnp.bfloat16), ids.astype(jnp.int32), probs.astype(jnp.float16)
+        out = (feats.astype(jnp.bfloat16), ids.astype(jnp.int32), probs.astype(jnp.float16))
+        if layers:
+            out += (jnp.stack([states[i - 1] for i in layers], axis=2).astype(jnp.bfloat16),)
+        return out
 
     return jax.jit(run)
 
@@ -70,8 +81,10 @@ def build_feature_cache(
     source: str = "",
     progress: bool = True,
     deadline: float | None = None,
+    layers: tuple[int, ...] = (),
 ) -> Path:
     """Writes (or completes) the feature cache of `sequences` (token ids) in `out_dir`. Returns it.
+    `layers` (1-based, increasing): also keep the hidden states after those layers.
     With a `deadline` (a `time.monotonic()` value) it stops after the shard in progress once that
     has passed (one shard at least is written): `load_feature_cache` reads the shards written, and
     a rerun completes the rest."""
@@ -80,6 +93,9 @@ def build_feature_cache(
     check_model(model.config)
     if batch_size < 1 or shard_rows < 1:
         raise EejaxError(f"shard_rows and batch_size must be >= 1, got {shard_rows} and {batch_size}")
+    layers = tuple(int(i) for i in layers)
+    if list(layers) != sorted(set(layers)) or not all(1 <= i <= model.config.num_layers for i in layers):
+        raise EejaxError(f"layers must be increasing, each 1 to {model.config.num_layers}, got {list(layers)}")
     rows = windows(sequences, window)
     if not rows:
         raise EejaxError("no training text: every sequence is shorter than 2 tokens")
@@ -94,15 +110,15 @@ def build_feature_cache(
         "vocab_size": model.config.vocab_size,
         "tokens": int(sum(map(len, rows))),
         "source": source,
-    }
+    } | ({"layers": list(layers)} if layers else {})
     meta_path = out / "meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
-        if {k: old.get(k) for k in meta} != meta:
+        if {k: old.get(k) for k in meta | old} != meta:
             raise EejaxError(f"{out} holds a feature cache of other text or settings; use another directory")
     else:
         _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
-    program = _features_program(model.config)
+    program = _features_program(model.config, layers)
     shards = range(0, len(rows), shard_rows)
     todo = [s for s in shards if not (out / f"shard_{s // shard_rows:05d}.npz").exists()]
     bar = tqdm(total=meta["tokens"], unit="tok", desc="features", disable=not progress)
@@ -111,19 +127,20 @@ def build_feature_cache(
         if deadline is not None and start != todo[0] and time.monotonic() > deadline:
             break
         chunk = rows[start : start + shard_rows]
-        tokens, lengths, feats, ids, probs = _shard_features(program, model.params, chunk, window, batch_size)
+        tokens, lengths, feats, ids, probs, *states = _shard_features(program, model.params, chunk, window, batch_size)
         bar.update(int(lengths.sum()))
         path = out / f"shard_{start // shard_rows:05d}.npz"
         tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, tokens=tokens, lengths=lengths, features=feats.view(np.uint16), top_ids=ids, top_probs=probs)
+        extra = {"states": states[0].view(np.uint16)} if states else {}
+        np.savez(tmp, tokens=tokens, lengths=lengths, features=feats.view(np.uint16), top_ids=ids, top_probs=probs, **extra)
         os.replace(tmp, path)
     bar.close()
     return out
 
 
 def _shard_features(program, params, rows: list[list[int]], window: int, batch_size: int):
-    """(tokens [R, window], lengths [R], features [R, window, D], top ids, top probs) of `rows`, in
-    their order. Rows run `batch_size` at a time in order of length, each batch padded only to the
+    """(tokens [R, window], lengths [R], features [R, window, D], top ids, top probs[, states]) of
+    `rows`, in their order. Rows run `batch_size` at a time in order of length, each batch padded only to the
     next multiple of window / 4 past its longest row (a few programs, each compiled once): short
     chat answers cost what they hold, not a whole window."""
     step = max(1, window // 4)
@@ -148,7 +165,8 @@ def _shard_features(program, params, rows: list[list[int]], window: int, batch_s
 
 def load_feature_cache(path: str | Path) -> dict[str, np.ndarray]:
     """Every complete shard of a feature cache, concatenated: tokens [N, T], lengths [N],
-    features [N, T, D] bf16, top_ids [N, T, K], top_probs [N, T, K]."""
+    features [N, T, D] bf16, top_ids [N, T, K], top_probs [N, T, K], and states [N, T, n, D] bf16
+    where the cache keeps layers' hidden states."""
     path = Path(path)
     files = sorted(path.glob("shard_*.npz"))
     files = [f for f in files if not f.name.endswith(".tmp.npz")]
@@ -156,7 +174,9 @@ def load_feature_cache(path: str | Path) -> dict[str, np.ndarray]:
         raise EejaxError(f"{path} holds no feature shards; build them first (eejax train-draft does)")
     parts = [dict(np.load(f)) for f in files]
     out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    out["features"] = out["features"].view(ml_dtypes.bfloat16)
+    for k in ("features", "states"):
+        if k in out:
+            out[k] = out[k].view(ml_dtypes.bfloat16)
     return out
 
 

@@ -64,7 +64,9 @@ def draft_losses(draft, params, batch, key, *, config, noise: float, feature_wei
     tokens, lengths = batch["tokens"], batch["lengths"]
     feats = batch["features"].astype(jnp.float32)
     x = feats[:, :-1]  # f_p, p = 0..T-2
-    rms = jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True))
+    if "fuse" in draft:  # the first draft also reads lower layers' states (EAGLE-3)
+        x = draft_head.fused_feature(draft, x, batch["states"][:, :-1], config)
+    rms = jax.lax.stop_gradient(jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True)))  # sqrt'(0) at padding is inf
     x = x + noise * rms * jax.random.uniform(key, x.shape, minval=-1.0, maxval=1.0)
     emb = embed(params, tokens[:, 1:]).astype(jnp.float32)  # token p+1
     target_f = feats[:, 1:]
@@ -150,13 +152,18 @@ def train_draft(
         )
     if learning_rate <= 0 or noise < 0 or feature_weight < 0 or (hours is not None and hours <= 0):
         raise EejaxError("learning_rate and hours must be > 0, noise and feature_weight >= 0")
+    draft = model.params.get("draft") or draft_head.init_draft(config, jax.random.PRNGKey(seed))
+    if "fuse" in draft and ("states" not in data or data["states"].shape[2] * config.hidden_size != len(draft["fuse"])):
+        raise EejaxError(
+            f"the draft fuses {len(draft['fuse']) // config.hidden_size} layers' states; the feature cache keeps "
+            f"{data['states'].shape[2] if 'states' in data else 0} (build it with those layers)"
+        )
     if data["features"].shape[-1] != config.hidden_size:
         raise EejaxError(
             f"the feature cache has features of width {data['features'].shape[-1]}, the model "
             f"{config.hidden_size}: it was built for another model"
         )
     params = {k: v for k, v in model.params.items() if k != "draft"}
-    draft = model.params.get("draft") or draft_head.init_draft(config, jax.random.PRNGKey(seed))
     warmup = min(100, steps // 10 + 1)
     schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1))  # 1 step too
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
@@ -238,7 +245,7 @@ def heldout_agreement(model, data: dict, *, unroll: int = 3, first=None, batch_s
     hits, count = np.zeros(unroll), np.zeros(unroll)
     for s in range(0, n, batch_size):
         rows = np.arange(s, min(s + batch_size, n))
-        batch = {k: data[k][rows] for k in ("tokens", "lengths", "features", "top_ids", "top_probs")}
+        batch = {k: data[k][rows] for k in ("tokens", "lengths", "features", "top_ids", "top_probs", "states") if k in data}
         agree, c = _agreement(
             model.params["draft"], params, batch | {"first": first[rows]}, index, config=model.config, unroll=unroll
         )
