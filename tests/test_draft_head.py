@@ -555,7 +555,9 @@ def test_a_fusion_of_lower_layers_reads_their_cached_states_and_starts_as_the_he
     small = dict(window=32, batch_size=2, shard_rows=4, progress=False)
     data = load_feature_cache(build_feature_cache(model, texts, tmp_path / "fused", layers=(1, 2), **small))
     assert data["states"].shape == (4, 32, 2, model.config.hidden_size)
-    states, _ = llama.forward_states(model.params, jnp.asarray(data["tokens"]), jnp.asarray(data["lengths"]), model.config)
+    states, _ = llama.forward_states(
+        model.params, jnp.asarray(data["tokens"]), jnp.asarray(data["lengths"]), model.config
+    )
     valid = np.arange(32)[None, :] < data["lengths"][:, None]
     for j, layer in enumerate((1, 2)):
         want = np.asarray(states[layer - 1], np.float32)[valid]

@@ -132,7 +132,9 @@ def build_feature_cache(
         path = out / f"shard_{start // shard_rows:05d}.npz"
         tmp = path.with_suffix(".tmp.npz")
         extra = {"states": states[0].view(np.uint16)} if states else {}
-        np.savez(tmp, tokens=tokens, lengths=lengths, features=feats.view(np.uint16), top_ids=ids, top_probs=probs, **extra)
+        np.savez(
+            tmp, tokens=tokens, lengths=lengths, features=feats.view(np.uint16), top_ids=ids, top_probs=probs, **extra
+        )
         os.replace(tmp, path)
     bar.close()
     return out

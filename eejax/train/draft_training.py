@@ -245,7 +245,9 @@ def heldout_agreement(model, data: dict, *, unroll: int = 3, first=None, batch_s
     hits, count = np.zeros(unroll), np.zeros(unroll)
     for s in range(0, n, batch_size):
         rows = np.arange(s, min(s + batch_size, n))
-        batch = {k: data[k][rows] for k in ("tokens", "lengths", "features", "top_ids", "top_probs", "states") if k in data}
+        batch = {
+            k: data[k][rows] for k in ("tokens", "lengths", "features", "top_ids", "top_probs", "states") if k in data
+        }
         agree, c = _agreement(
             model.params["draft"], params, batch | {"first": first[rows]}, index, config=model.config, unroll=unroll
         )
