@@ -243,11 +243,12 @@ def heldout_agreement(model, data: dict, *, unroll: int = 3, first=None, batch_s
     n = len(data["lengths"])
     first = np.zeros(n, np.int32) if first is None else np.asarray(first, np.int32)
     hits, count = np.zeros(unroll), np.zeros(unroll)
+    fused = ("states",) if "fuse" in model.params["draft"] else ()  # only a fused head reads them
+    if fused and "states" not in data:
+        raise EejaxError("the draft fuses lower layers' states; this feature cache keeps none (build it with layers)")
     for s in range(0, n, batch_size):
         rows = np.arange(s, min(s + batch_size, n))
-        batch = {
-            k: data[k][rows] for k in ("tokens", "lengths", "features", "top_ids", "top_probs", "states") if k in data
-        }
+        batch = {k: data[k][rows] for k in ("tokens", "lengths", "features", "top_ids", "top_probs") + fused}
         agree, c = _agreement(
             model.params["draft"], params, batch | {"first": first[rows]}, index, config=model.config, unroll=unroll
         )
