@@ -64,6 +64,7 @@ class QuantizedMatrix:
     activations: str = dataclasses.field(default="float32", metadata=dict(static=True))
     prompt_activations: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     prompt: bool = dataclasses.field(default=False, metadata=dict(static=True))  # a prefill's (`for_prompts`)
+    tiled: bool = dataclasses.field(default=False, metadata=dict(static=True))  # rows in tiles of 16 (`tile`)
 
     @property
     def rows(self) -> int:
@@ -112,6 +113,7 @@ def formats(params) -> set[str]:
 
 def dequantize_rows(w: QuantizedMatrix):
     """The rows [..., R, C] as float32 (jnp; numpy arrays work too)."""
+    w = untile(w)
     qs = jnp.asarray(w.qs)
     scale = jnp.asarray(w.scales).astype(jnp.float32)[..., None]
     if w.format.startswith("q4"):
@@ -135,6 +137,7 @@ def take_rows(w: QuantizedMatrix, tokens):
     """Rows of a quantized table [V, D] (not transposed) at `tokens` -> float32 [*tokens.shape, D]:
     only the rows taken are dequantised."""
     ids = tokens.reshape(-1)
+    w = untile(w)
     picked = dataclasses.replace(w, qs=w.qs[ids], scales=w.scales[ids], mins=None if w.mins is None else w.mins[ids])
     return dequantize_rows(picked).reshape(*tokens.shape, w.cols)
 
@@ -151,15 +154,12 @@ def with_activations(params, activations: str, prompt_activations: str | None = 
             raise ValueError(f"{name} must be one of {', '.join(ACTIVATIONS)}, got {value!r}")
     if prompt_activations == activations:
         prompt_activations = None
-    return jax.tree.map(
-        lambda x: (
-            dataclasses.replace(x, activations=activations, prompt_activations=prompt_activations)
-            if is_quantized(x)
-            else x
-        ),
-        params,
-        is_leaf=is_quantized,
-    )
+
+    def take(x):
+        x = dataclasses.replace(x, activations=activations, prompt_activations=prompt_activations)
+        return x if tileable(x) else untile(x)
+
+    return jax.tree.map(lambda x: take(x) if is_quantized(x) else x, params, is_leaf=is_quantized)
 
 
 def for_prompts(params):
@@ -172,6 +172,60 @@ def for_prompts(params):
         return dataclasses.replace(x, activations=activations, prompt_activations=None, prompt=True)
 
     return jax.tree.map(lambda x: prompt(x) if is_quantized(x) else x, params, is_leaf=is_quantized)
+
+
+TILE_ROWS = 16  # weight rows a tile holds
+
+
+def tileable(w: QuantizedMatrix) -> bool:
+    """Whether w may be kept in tiles of 16 rows: a 4-bit Linear weight (`transposed`) of whole tiles
+    whose products, prefills' included, take x as int16 (the CPU kernel's tiled loop)."""
+    return (
+        w.format in ("q4_0", "q4_1")
+        and w.transposed
+        and w.rows % TILE_ROWS == 0
+        and w.activations == "int16"
+        and w.prompt_activations in (None, "int16")
+    )
+
+
+def tile(w: QuantizedMatrix) -> QuantizedMatrix:
+    """w with its rows in tiles of 16 (`tileable`; else w as it is), for the CPU kernel's tiled loop:
+    the same arrays and shapes, their values permuted within each tile. Per tile and block, `qs`
+    holds four runs of 16 four-byte words, run k word n bytes 4k..4k+3 of row n's 16 bytes (so that
+    one vector holds a byte of each row); `scales` and `mins` hold the tile's 16 rows side by side.
+    `untile` reverses it; a tiled matrix is untiled wherever its values are read as rows."""
+    if w.tiled or not tileable(w):
+        return w
+    lead, r, nb = w.qs.shape[:-3], w.rows, w.qs.shape[-2]
+    tiles = r // TILE_ROWS
+    qs = w.qs.reshape(*lead, tiles, TILE_ROWS, nb, 4, 4)
+    qs = _move(qs, (-4, -3, -2), (-2, -4, -3)).reshape(w.qs.shape)  # [.., T, NB, 4, 16, 4]
+
+    def side_by_side(a):  # [..., R, NB] -> [..., T, NB, 16]
+        return None if a is None else _move(a.reshape(*lead, tiles, TILE_ROWS, nb), (-2,), (-1,)).reshape(a.shape)
+
+    return dataclasses.replace(w, qs=qs, scales=side_by_side(w.scales), mins=side_by_side(w.mins), tiled=True)
+
+
+def untile(w: QuantizedMatrix) -> QuantizedMatrix:
+    """The inverse of `tile` (w as it is where it is not tiled)."""
+    if not w.tiled:
+        return w
+    lead, r, nb = w.qs.shape[:-3], w.rows, w.qs.shape[-2]
+    tiles = r // TILE_ROWS
+    qs = w.qs.reshape(*lead, tiles, nb, 4, TILE_ROWS, 4)
+    qs = _move(qs, (-2, -4, -3), (-4, -3, -2)).reshape(w.qs.shape)
+
+    def rows(a):
+        return None if a is None else _move(a.reshape(*lead, tiles, nb, TILE_ROWS), (-1,), (-2,)).reshape(a.shape)
+
+    return dataclasses.replace(w, qs=qs, scales=rows(w.scales), mins=rows(w.mins), tiled=False)
+
+
+def _move(a, source, destination):
+    """np.moveaxis for numpy arrays (a copy once reshaped), jnp's for jax arrays."""
+    return (np if isinstance(a, np.ndarray) else jnp).moveaxis(a, source, destination)
 
 
 def integer_activation_product(x, w: QuantizedMatrix, rows=None):
@@ -236,6 +290,7 @@ def to_tree(params):
     def plain(x):
         if not is_quantized(x):
             return x
+        x = untile(x)
         arrays = {"qs": x.qs, "scales": x.scales, **({"mins": x.mins} if x.mins is not None else {})}
         return {x.format + ("_t" if x.transposed else ""): arrays}
 

@@ -193,7 +193,10 @@ def test_speculation_and_steps_per_program_on_integer_activations_are_full_depth
     more by XLA's GEMM, which rounds otherwise; docs/decoding.md.)"""
     from eejax.engine.engine import Engine
 
-    model = eejax.Model(config, Q.with_activations(blocks_of(float_params), activations))
+    params = Q.with_activations(blocks_of(float_params), activations)
+    model = eejax.Model(config, cpu_matmul.tiled_for_kernel(params))  # int16: tiles, as the default load holds them
+    tiled = [w.tiled for w in jax.tree.leaves(model.params, is_leaf=Q.is_quantized) if Q.is_quantized(w)]
+    assert any(tiled) == (activations == "int16" and cpu_matmul.panel_products())
     prompts = random_prompts(4, [17, 20, 19, 17], vocab=250, seed=5)
 
     def greedy(size, spec=None, steps=4):

@@ -101,6 +101,35 @@ def test_a_layer_in_one_call_has_the_op_by_op_layers_bits(monkeypatch, formats, 
         assert not np.array_equal(np.asarray(cache.k), np.asarray(inputs(rows, new)[1].k))  # the new keys went in
 
 
+@pytest.mark.skipif(not cpu_matmul.panel_products(), reason="the tiled loop is built where the CPU has AVX-512 VNNI")
+@pytest.mark.parametrize("formats", sorted(FORMATS))
+def test_a_layer_of_tiled_matrices_in_one_call_has_the_op_by_op_layers_bits(monkeypatch, formats):
+    """The default load's layout (4-bit matrices in tiles, int16 x) through the one call: a decode
+    step and a batch's verify pass give the op-by-op layer's bits, a stack's layer read in place
+    those of its own buffers, and the untiled layer's values up to summation order."""
+    monkeypatch.setattr(cpu_layer, "MAX_ROWS", 64)
+    per_layer = layers(FORMATS[formats], "int16")
+    tiled = {k: [Q.tile(w) if isinstance(w, Q.QuantizedMatrix) else w for w in v] for k, v in per_layer.items()}
+    assert any(w.tiled for v in tiled.values() for w in v if isinstance(w, Q.QuantizedMatrix))
+    one_call = jax.jit(lambda *a: layer_step({"layers": tiled}, *a, CONFIG))
+    untiled = jax.jit(lambda *a: layer_step({"layers": per_layer}, *a, CONFIG))
+    stacked = {"layers": {k: jax.tree.map(lambda *xs: jnp.stack(xs), *v) for k, v in tiled.items()}}
+    in_place = jax.jit(lambda *a: layer_step(stacked, *a, CONFIG))
+    assert "eejax_cpu_layer" in one_call.lower(*inputs(1, 1)).as_text()
+    shapes = ((1, 1), (3, 3))  # a decode step; a batch's verify pass
+    got = {(r, n): (one_call(*inputs(r, n)), untiled(*inputs(r, n))[0], in_place(*inputs(r, n))) for r, n in shapes}
+    monkeypatch.setattr(llama, "_in_one_call", lambda *a: False)
+    op_by_op = jax.jit(lambda *a: layer_step({"layers": tiled}, *a, CONFIG))
+    for (rows, new), ((h, cache), h_untiled, (h_stack, cache_stack)) in got.items():
+        want_h, want_cache = op_by_op(*inputs(rows, new))
+        for have in ((h, cache), (h_stack, cache_stack)):
+            assert np.array_equal(np.asarray(have[0]), np.asarray(want_h)), (rows, new)
+            assert np.array_equal(np.asarray(have[1].k), np.asarray(want_cache.k)), (rows, new)
+            assert np.array_equal(np.asarray(have[1].v), np.asarray(want_cache.v)), (rows, new)
+        near = 1e-4 * np.abs(np.asarray(h)).max()
+        np.testing.assert_allclose(np.asarray(h), np.asarray(h_untiled), rtol=0, atol=near)
+
+
 @pytest.mark.parametrize("formats", sorted(FORMATS))
 def test_a_stacks_layer_is_read_in_place_at_a_traced_index_with_its_own_buffers_bits(formats):
     """The stacked layout's loop: the call takes the whole stacks at a traced index (no layer's

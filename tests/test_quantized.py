@@ -158,6 +158,65 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_group(activations):
         assert np.array_equal(np.asarray(product(x[i : i + 1], w))[0], together[i])
 
 
+@pytest.mark.parametrize("format", ["q4_0", "q4_1"])
+def test_tiles_permute_a_matrix_in_place_and_untile_back(format):
+    """`tile` keeps a 4-bit Linear weight's shapes and permutes its values within each tile of 16
+    rows (a stack's layers each on its own, numpy or jax arrays); `untile` gives the rows back, and
+    whatever reads the values as rows (dequantising, saving) reads the untiled matrix. Only what
+    `tileable` allows is tiled, and activations that do not keep the tiles untile them."""
+    rng = np.random.default_rng(11)
+    w = dataclasses.replace(random_matrix(format, 48, 96, rng, "int16"), transposed=True)
+    stack = jax.tree.map(lambda *xs: jnp.stack(xs), w, dataclasses.replace(w, qs=w.qs[::-1]))
+    as_numpy = jax.tree.map(np.asarray, w)
+    for m in (w, stack, as_numpy):
+        tiled = Q.tile(m)
+        assert tiled.tiled and [a.shape for a in tiled.arrays()] == [a.shape for a in m.arrays()]
+        assert not np.array_equal(np.asarray(tiled.qs), np.asarray(m.qs))
+        assert not np.array_equal(np.asarray(tiled.scales), np.asarray(m.scales))
+        back = Q.untile(tiled)
+        assert not back.tiled and all(np.array_equal(a, b) for a, b in zip(back.arrays(), m.arrays()))
+        np.testing.assert_array_equal(np.asarray(Q.dequantize_rows(tiled)), np.asarray(Q.dequantize_rows(m)))
+    tiled = Q.tile(w)
+    assert Q.tile(tiled) is tiled
+    saved = Q.from_tree(Q.to_tree({"w": tiled}))["w"]
+    assert not saved.tiled and all(np.array_equal(a, b) for a, b in zip(saved.arrays(), w.arrays()))
+    for other in (
+        dataclasses.replace(w, activations="float32"),
+        dataclasses.replace(w, prompt_activations="float32"),
+        dataclasses.replace(w, transposed=False),  # a table: rows are read by token
+        dataclasses.replace(random_matrix(format, 40, 96, rng, "int16"), transposed=True),  # 40 rows: no whole tiles
+        dataclasses.replace(random_matrix("q8_0", 48, 96, rng, "int16"), transposed=True),
+    ):
+        assert not Q.tile(other).tiled
+    floats = Q.with_activations({"w": tiled}, "float32")["w"]
+    assert not floats.tiled and all(np.array_equal(a, b) for a, b in zip(floats.arrays(), w.arrays()))
+    assert Q.with_activations({"w": tiled}, "int16")["w"].tiled
+
+
+@pytest.mark.skipif(not cpu_matmul.panel_products(), reason="the tiled loop is built where the CPU has AVX-512 VNNI")
+@pytest.mark.parametrize("format", ["q4_0", "q4_1"])
+def test_a_tiled_matrix_gives_a_row_the_prefill_gemms_bits_at_every_number_of_rows(format):
+    """What the CPU's default load holds: 4-bit weights in tiles, int16 x. A decode step's row, a
+    verify pass's, a batch's and a prompt's (the GEMM, 65 rows) get the same bits, which the GEMM
+    also gives from the untiled rows; matrices in one call give their own products; the values are
+    `integer_activation_product`'s up to summation order. 17 blocks a row, 5 tiles."""
+    rng = np.random.default_rng(12)
+    w = dataclasses.replace(random_matrix(format, 80, 544, rng, "int16"), transposed=True)
+    tiled = Q.tile(w)
+    product = jax.jit(cpu_matmul.rows_product)
+    x = jnp.asarray(rng.standard_normal((cpu_matmul.MAX_QUANTIZED_ROWS + 1, 544)).astype(np.float32))
+    gemm = np.asarray(product(x, dataclasses.replace(tiled, prompt=True)))
+    assert np.array_equal(gemm, np.asarray(product(x, dataclasses.replace(w, prompt=True))))
+    for rows in (1, 5, 8, 13, cpu_matmul.MAX_QUANTIZED_ROWS):
+        assert np.array_equal(np.asarray(product(x[:rows], tiled)), gemm[:rows]), rows
+    other = Q.tile(dataclasses.replace(random_matrix(format, 32, 544, rng, "int16"), transposed=True))
+    together = jax.jit(cpu_matmul.rows_products)(x[:5], [tiled, other])
+    assert np.array_equal(np.asarray(together[0]), gemm[:5])
+    assert np.array_equal(np.asarray(together[1]), np.asarray(product(x[:5], other)))
+    emulated = np.asarray(Q.integer_activation_product(x, w))
+    np.testing.assert_allclose(gemm, emulated, rtol=0, atol=3e-6 * np.abs(emulated).max())
+
+
 @pytest.mark.parametrize("activations, near", [("int8", 3e-2), ("int16", 3e-4)])
 @pytest.mark.parametrize("format", Q.FORMATS)
 def test_integer_activations_match_their_jnp_equal(format, activations, near):

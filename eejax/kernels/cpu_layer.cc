@@ -17,7 +17,7 @@
 //   .at[].set), block_table [B, M], positions [B, T], kv_len [B], then the seven matrices q, k, v,
 //   o, gate, up, down as three buffers each (qs, scales, mins) -> h [N, D], k and v cache.
 //   Attributes: eps, scale (attention), window (0: none), activations (cpu_kernels.h's
-//   Activations), formats (matrix j's BlockFormat in bits [4j, 4j + 4)).
+//   Activations), formats (matrix j's BlockFormat in bits [4j, 4j + 3), bit 4j + 3 set where it is tiled).
 
 #include <algorithm>
 #include <cstdint>
@@ -101,10 +101,11 @@ ffi::Error CpuLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<f
         (stacked && (qs->dimensions()[0] != stacked || scales->dimensions().size() == 0 || scales->dimensions()[0] != stacked ||
                      (mins->element_count() && (mins->dimensions().size() == 0 || mins->dimensions()[0] != stacked)))))
       return ffi::Error::InvalidArgument("eejax_cpu_layer: bad weight buffers (each a layer's, or each a stack of as many layers as the norms)");
-    const auto format = eejax::BlockFormat((formats >> (4 * j)) & 15);
+    const auto format = eejax::BlockFormat((formats >> (4 * j)) & 7);
+    const bool tiled = (formats >> (4 * j)) & 8;  // cpu_layer.py: the format's index, plus 8 where tiled
     const int64_t* qd = qs->dimensions().begin() + (stacked ? 1 : 0);  // one layer's [R, NB, block bytes]
     const bool nibbles = format == eejax::BlockFormat::kQ4_0 || format == eejax::BlockFormat::kQ4_1;
-    ms[j] = {format, at_layer(*qs), at_layer(*scales), at_layer(*mins), qd[0]};
+    ms[j] = {format, at_layer(*qs), at_layer(*scales), at_layer(*mins), qd[0], tiled};
     cols[j] = qd[1] * qd[2] * (nibbles ? 2 : 1);
   }
   const int64_t Rq = ms[kQ].rows, Rk = ms[kK].rows, I = ms[kGate].rows;

@@ -78,7 +78,7 @@ def decoder_layer(weights: dict, h, cos, sin, k_cache, v_cache, layer, pages, sl
     buffers = []
     for w in ms:
         buffers += [w.qs, w.scales, w.mins if w.mins is not None else jnp.zeros((0,), jnp.float16)]
-    formats = sum(FORMATS.index(w.format) << (4 * j) for j, w in enumerate(ms))
+    formats = sum((FORMATS.index(w.format) | (8 if w.tiled else 0)) << (4 * j) for j, w in enumerate(ms))
     as_int = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     out = (
         jax.ShapeDtypeStruct((b * t, d), jnp.float32),

@@ -179,7 +179,8 @@ def rows_products(x, ws) -> list:
     for n in x.shape[:-1]:
         rows *= n
     first = ws[0]
-    fused = all(w.format == first.format and w.activations == first.activations and w.cols == first.cols for w in ws)
+    same = ("format", "activations", "cols", "tiled")
+    fused = all(getattr(w, k) == getattr(first, k) for w in ws for k in same)
     # A prefill's rows of integer x go to the GEMM however few they are: a prompt's rows then get
     # the same bits alone, in a batch or in chunks (the few-row loops sum a row in another order).
     gemm = (rows > MAX_QUANTIZED_ROWS or first.prompt) and first.activations != "float32" and panel_products()
@@ -190,7 +191,8 @@ def rows_products(x, ws) -> list:
         for w in ws:
             buffers += [w.qs, w.scales, w.mins if w.mins is not None else jnp.zeros((0,), jnp.float16)]
         target = f"eejax_quantized_{first.format}_{first.activations}"
-        ys = jax.ffi.ffi_call(target, outs, vmap_method="sequential")(_rows(x), *buffers, gemm=np.bool_(gemm))
+        call = jax.ffi.ffi_call(target, outs, vmap_method="sequential")
+        ys = call(_rows(x), *buffers, gemm=np.bool_(gemm), tiled=np.bool_(first.tiled))
         return [y.reshape(*x.shape[:-1], w.rows) for y, w in zip(ys, ws)]
     if len(ws) > 1:
         return [y for w in ws for y in rows_products(x, [w])]
@@ -205,6 +207,7 @@ def _dequantize(w: QuantizedMatrix):
     """w's rows [..., R, K] as float32, `quantized.dequantize_rows`'s values: on a CPU the
     library's loop (~7x faster than XLA's fusion of the same ops; a prefill's products run
     XLA's GEMM over them)."""
+    w = quantized.untile(w)
     if w.qs.ndim != 3 or w.cols % 32 or not library_applies():
         return dequantize_rows(w)
     out = jax.ShapeDtypeStruct((w.rows, w.cols), jnp.float32)
@@ -228,6 +231,18 @@ def panel_products() -> bool:
     """Whether the kernel multiplies a prefill's rows with integer activations itself: its GEMM is
     built where this CPU has AVX-512 VNNI (`-march=native` compiles for its flags)."""
     return {"avx512f", "avx512bw", "avx512_vnni"} <= set(_cpu_flags().split())
+
+
+def tiled_for_kernel(params):
+    """params with each 4-bit matrix that `quantized.tileable` allows kept in tiles of 16 rows, where
+    the kernel's tiled loop runs (AVX-512 VNNI, the library built): its products then sum a row in
+    the prefill GEMM's order at every number of rows, 1.4-2.2x faster than the few-row loops on the
+    GGUF's rows. Elsewhere params as they are."""
+    if not (backend() == "cpu" and enabled() and available() and panel_products()):
+        return params
+    return jax.tree.map(
+        lambda x: quantized.tile(x) if quantized.is_quantized(x) else x, params, is_leaf=quantized.is_quantized
+    )
 
 
 def library_applies() -> bool:

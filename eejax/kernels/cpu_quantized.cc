@@ -110,14 +110,22 @@ struct Weights {
   const uint16_t* mins;    // per block (q4_1)
   const float* row_scale;  // per row (int8)
   int64_t R, NB;
+  bool tiled = false;  // 4-bit rows in tiles of 16 (eejax/quantized.py's `tile`; the tiled loop below)
 };
 
 // A matrix's buffers as `Weights`: qs; scales (f16 per block, or int8's f32 per row); mins (q4_1).
 inline Weights weights_of(bool int8, bool q4_1, const void* qs, const void* scales, const void* mins, int64_t R,
-                          int64_t NB) {
+                          int64_t NB, bool tiled = false) {
   return Weights{static_cast<const uint8_t*>(qs), int8 ? nullptr : static_cast<const uint16_t*>(scales),
                  q4_1 ? static_cast<const uint16_t*>(mins) : nullptr, int8 ? static_cast<const float*>(scales) : nullptr,
-                 R, NB};
+                 R, NB, tiled};
+}
+
+// Where row r's block b and its scales are: in tiles of 16 rows (`tiled`), tile r / 16 holds per block
+// four vectors of 16 dwords, vector k bytes 4k..4k+3 of each of its rows' 16 bytes (lane r % 16), and
+// the 16 rows' d (and m) side by side; otherwise GGUF's rows.
+inline int64_t scale_at(const Weights& w, int64_t r, int64_t b) {
+  return w.tiled ? (r / 16 * w.NB + b) * 16 + r % 16 : r * w.NB + b;
 }
 
 inline float finish(float sum, const Weights& w, int64_t r, bool int8) { return int8 ? sum * w.row_scale[r] : sum; }
@@ -686,6 +694,12 @@ struct Panel {
 template <Format F>
 inline __m512i block_values(const Weights& w, int64_t r, int64_t b) {
   const uint8_t* block = w.qs + (r * w.NB + b) * kBlockBytes<F>;
+  alignas(16) uint32_t gathered[4];
+  if (kNibbles<F> && w.tiled) {  // the row's four dwords of the block, 16 lanes apart
+    const auto* tile = reinterpret_cast<const uint32_t*>(w.qs) + (r / 16 * w.NB + b) * 64 + r % 16;
+    for (int k = 0; k < 4; ++k) gathered[k] = tile[16 * k];
+    block = reinterpret_cast<const uint8_t*>(gathered);
+  }
   if constexpr (kNibbles<F>) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block)), nibble = _mm_set1_epi8(15);
     const __m256i values = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
@@ -731,8 +745,8 @@ void pack_panel(const Weights& w, int64_t r0, Panel& p) {
     const int64_t r = r0 + i;
     const bool real = r < w.R;
     for (int64_t b = 0; b < NB; ++b) {
-      p.scale[b * kPanelRows + i] = !real ? 0.f : F == Format::kInt8 ? 1.f : half_to_float(w.d[r * NB + b]);
-      p.min[b * kPanelRows + i] = real && F == Format::kQ4_1 ? half_to_float(w.mins[r * NB + b]) : 0.f;
+      p.scale[b * kPanelRows + i] = !real ? 0.f : F == Format::kInt8 ? 1.f : half_to_float(w.d[scale_at(w, r, b)]);
+      p.min[b * kPanelRows + i] = real && F == Format::kQ4_1 ? half_to_float(w.mins[scale_at(w, r, b)]) : 0.f;
     }
   }
 }
@@ -838,6 +852,122 @@ ffi::Error PanelMatmul(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_
 }
 #endif
 
+#if EEJAX_VNNI512
+// ---- int16 x by 4-bit weights in tiles of 16 rows: decode steps, verify passes, batches ----------
+//
+// A tile's block is four vectors of 16 dwords (scale_at), one lane per weight row: masked and
+// shifted, eight vectors of bytes, vector k values 4k..4k+3 of each row (k < 4), 16 + 4(k - 4).. (k >= 4).
+// x's int16 block splits exactly into a signed high byte and an unsigned low one (x = 256 hi + lo),
+// so four values of x cost two vpdpbusd for the 16 rows (hi times the weights as unsigned bytes; lo
+// times them as signed, 0..15), and 256 * hi + lo is the block's exact integer sum (q4_0's -8 times
+// sum(x) taken back). Each block is then scaled and added in block order as the GEMM's panel_rows
+// adds it (q4_1's m * sum(x), then sum * (d * dx)): a row's bits are the same alone, in a verify, in a
+// batch and prefilled. A block is decoded once for up to kIntegerGroup rows of x.
+
+// x's blocks split into bytes: hi [M, NB, 32] (xq >> 8), lo (xq & 255); sum [M, NB] (sum of xq).
+struct SplitX {
+  std::vector<int8_t> hi;
+  std::vector<uint8_t> lo;
+  std::vector<int32_t> sum;
+};
+
+// Blocks [i0, i1) of qx (blocks in order, int16) into `out`, sized for them.
+inline void split_blocks(const QuantizedX<int16_t>& qx, SplitX& out, int64_t i0, int64_t i1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const __m512i v = _mm512_loadu_si512(qx.xq.data() + i * 32);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.hi.data() + i * 32), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.lo.data() + i * 32), _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(255))));
+    out.sum[i] = _mm512_reduce_add_epi32(_mm512_madd_epi16(v, _mm512_set1_epi16(1)));
+  }
+}
+
+inline int32_t dword_at(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// y[m, 16t..16t + 15] for G rows of x from m0 (y rows R apart) and tiles [t0, t1) of a tiled matrix.
+template <Format F, int G>
+void tiled_rows(const QuantizedX<int16_t>& qx, const SplitX& x, int64_t m0, float* y, const Weights& w, int64_t t0, int64_t t1) {
+  static_assert(kNibbles<F>);
+  const int64_t NB = w.NB, last = w.R / 16 * NB;
+  const auto* q = reinterpret_cast<const uint32_t*>(w.qs);
+  const __m512i nibble = _mm512_set1_epi8(15);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 acc[G];
+    for (int m = 0; m < G; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < NB; ++b) {
+      const int64_t tb = t * NB + b;
+      if (tb + 4 < last)  // four tile-blocks (1 KB) ahead: the stream prefetch alone lagged
+        for (int i = 0; i < 256; i += 64) _mm_prefetch(reinterpret_cast<const char*>(q + (tb + 4) * 64) + i, _MM_HINT_T0);
+      __m512i wb[8];
+      for (int k = 0; k < 4; ++k) {
+        const __m512i v = _mm512_loadu_si512(q + tb * 64 + 16 * k);
+        wb[k] = _mm512_and_si512(v, nibble), wb[4 + k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + tb * 16)));
+      __m512 mn = _mm512_setzero_ps();
+      if constexpr (F == Format::kQ4_1) mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.mins + tb * 16)));
+      for (int m = 0; m < G; ++m) {
+        const int64_t at = (m0 + m) * NB + b;
+        const int8_t* hi = x.hi.data() + at * 32;
+        const uint8_t* lo = x.lo.data() + at * 32;
+        __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+        for (int k = 0; k < 8; k += 2) {
+          h0 = _mm512_dpbusd_epi32(h0, wb[k], _mm512_set1_epi32(dword_at(hi + 4 * k)));
+          h1 = _mm512_dpbusd_epi32(h1, wb[k + 1], _mm512_set1_epi32(dword_at(hi + 4 * k + 4)));
+          l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(dword_at(lo + 4 * k)), wb[k]);
+          l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(dword_at(lo + 4 * k + 4)), wb[k + 1]);
+        }
+        __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+        if constexpr (F == Format::kQ4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * x.sum[at]));
+        if constexpr (F == Format::kQ4_1) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.offset[at]), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(qx.dx[at])), acc[m]);
+      }
+    }
+    for (int m = 0; m < G; ++m) _mm512_storeu_ps(y + (m0 + m) * w.R + t * 16, acc[m]);
+  }
+}
+
+template <Format F, int G = kIntegerGroup>
+void tiled_group(int g, const QuantizedX<int16_t>& qx, const SplitX& x, int64_t m0, float* y, const Weights& w, int64_t t0, int64_t t1) {
+  if constexpr (G > 1)
+    if (g < G) return tiled_group<F, G - 1>(g, qx, x, m0, y, w, t0, t1);
+  tiled_rows<F, G>(qx, x, m0, y, w, t0, t1);
+}
+
+// M rows of x against N tiled matrices: x quantized and split once, the matrices' tiles one range
+// that the threads split.
+template <Format F>
+ffi::Error TiledProducts(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_t N, const Weights* ws, float* const* outs) {
+  static thread_local QuantizedX<int16_t> caller_qx;  // this caller's, reused (references: the parts capture them)
+  static thread_local SplitX caller_split;
+  auto& qx = caller_qx;
+  auto& sx = caller_split;
+  const int64_t NB = ws[0].NB, blocks = M * NB;
+  size_x(M, NB, qx, /*paired=*/false);
+  quantize_blocks<F, int16_t>(xs, NB, qx, 0, blocks);
+  sx.hi.resize(blocks * 32), sx.lo.resize(blocks * 32), sx.sum.resize(blocks);
+  split_blocks(qx, sx, 0, blocks);
+  int64_t first_tile[kMaxMatrices + 1] = {0};  // matrix j's tiles are [first_tile[j], first_tile[j + 1])
+  for (int64_t j = 0; j < N; ++j) first_tile[j + 1] = first_tile[j] + ws[j].R / 16;
+  const int64_t tiles = first_tile[N];
+  const int64_t work = tiles * 16 * NB * ((M + kIntegerGroup - 1) / kIntegerGroup);
+  const int64_t parts = eejax::num_parts(pool, std::min(tiles, (work + kMinBlocksPerPart - 1) / kMinBlocksPerPart));
+  eejax::run_parts(pool, parts, [&](int64_t i) {
+    const int64_t lo = tiles * i / parts, hi = tiles * (i + 1) / parts;
+    for (int64_t j = 0; j < N; ++j) {
+      const int64_t t0 = std::max(lo, first_tile[j]) - first_tile[j], t1 = std::min(hi, first_tile[j + 1]) - first_tile[j];
+      for (int64_t t = t0; t < t1; ++t)  // a tile's blocks stay in L1 while every group of x passes
+        for (int64_t m = 0; m < M; m += kIntegerGroup)
+          tiled_group<F>(int(std::min<int64_t>(kIntegerGroup, M - m)), qx, sx, m, outs[j], ws[j], t, t + 1);
+    }
+  });
+  return ffi::Error::Success();
+}
+#endif
+
 // x [M, K] against N matrices (ws; matrix j's rows are [starts[j], starts[j + 1]) of all rows) ->
 // outs[j] [M, R_j]: an eejax_quantized_* call's work once its buffers are read.
 template <Format F, typename XQ>
@@ -847,10 +977,17 @@ ffi::Error Products(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_t K
   if (M < 1 || R < 1) return ffi::Error::Success();
   constexpr bool kInteger = !std::is_same_v<XQ, float>;
   if (kInteger && NB > kMaxBlocks) return ffi::Error::InvalidArgument("eejax_quantized: rows longer than 16384");
+  for (int64_t j = 0; j < N; ++j)
+    if (ws[j].tiled != ws[0].tiled || (ws[j].tiled && ws[j].R % 16))
+      return ffi::Error::InvalidArgument("eejax_quantized: tiled and untiled matrices in one call, or a tile short of 16 rows");
 #if EEJAX_VNNI512
   if constexpr (kInteger)
     if (M > kMaxVectorRows || gemm) return PanelMatmul<F, XQ>(pool, xs, M, N, ws, outs, starts);
+  if constexpr (kNibbles<F> && std::is_same_v<XQ, int16_t>)
+    if (ws[0].tiled) return TiledProducts<F>(pool, xs, M, N, ws, outs);
 #endif
+  if (ws[0].tiled)
+    return ffi::Error::InvalidArgument("eejax_quantized: tiled weights take int16 x (or a prefill's GEMM) on a CPU with AVX-512 VNNI");
   // This caller's buffers, reused from call to call. A reference, which the parts capture: in a
   // helper's thread the name would be the helper's own.
   static thread_local QuantizedX<std::conditional_t<kInteger, XQ, int8_t>> caller_qx;
@@ -888,7 +1025,7 @@ ffi::Error Products(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_t K
 // prompt is prefilled alone, in a batch or in chunks (the few-row loops sum in another order).
 template <Format F, typename XQ>
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                           bool gemm) {
+                           bool gemm, bool tiled) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("eejax_quantized: x must be 2-D");
   const int64_t M = xd[0], K = xd[1], N = int64_t(rets.size());
@@ -907,7 +1044,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     if (qd.size() != 3 || qd[1] * qd[2] * (kNibbles<F> ? 2 : 1) != K)
       return ffi::Error::InvalidArgument("eejax_quantized: x and the blocks do not contract");
     ws[j] = weights_of(F == Format::kInt8, F == Format::kQ4_1, qs->untyped_data(), scales->untyped_data(),
-                       mins->untyped_data(), qd[0], K / 32);
+                       mins->untyped_data(), qd[0], K / 32, tiled && kNibbles<F>);
     outs[j] = (*y)->typed_data();
     starts[j + 1] = starts[j] + qd[0];
   }
@@ -960,7 +1097,9 @@ ffi::Error eejax::quantized_products(ffi::ThreadPool& pool, Activations activati
   for (int64_t j = 0; j < N; ++j) {
     const BlockMatrix& m = matrices[j];
     if (m.format != format) return ffi::Error::InvalidArgument("eejax: matrices in one product call share a format");
-    ws[j] = weights_of(format == BlockFormat::kInt8, format == BlockFormat::kQ4_1, m.qs, m.scales, m.mins, m.rows, K / 32);
+    if (m.tiled != matrices[0].tiled) return ffi::Error::InvalidArgument("eejax: tiled and untiled matrices in one product call");
+    ws[j] = weights_of(format == BlockFormat::kInt8, format == BlockFormat::kQ4_1, m.qs, m.scales, m.mins, m.rows, K / 32,
+                       m.tiled && (format == BlockFormat::kQ4_0 || format == BlockFormat::kQ4_1));
     starts[j + 1] = starts[j] + m.rows;
   }
   auto run = [&](auto format_tag) -> ffi::Error {
@@ -1007,7 +1146,8 @@ EEJAX_DEQUANTIZE_HANDLER(EejaxDequantizeInt8, Format::kInt8);
                                                                              .Arg<ffi::Buffer<ffi::F32>>() \
                                                                              .RemainingArgs()        \
                                                                              .RemainingRets()        \
-                                                                             .Attr<bool>("gemm"))
+                                                                             .Attr<bool>("gemm")     \
+                                                                             .Attr<bool>("tiled"))
 
 #define EEJAX_QUANTIZED_HANDLERS(format_name, format)                          \
   EEJAX_QUANTIZED_HANDLER(EejaxQuantized##format_name##F32, format, float);   \

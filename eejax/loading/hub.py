@@ -242,6 +242,7 @@ def load(
                 value = activations if activations != "float32" else prompt_activations
                 raise EejaxError(f"{which} {value!r} apply to quantized weights: add quantization='gguf' or 'int8'")
             params = with_activations(params, activations, prompt_activations)
+            params = cpu_matmul.tiled_for_kernel(params)
         model = Model(config, params, tokenizer, layer_buffers=layer_buffers)
     return model
 
