@@ -188,3 +188,29 @@ def load_model(args, name: str = "smollm2-135m", **kwargs):
         prompt_activations=args.prompt_activations,
         **kwargs,
     )
+
+
+def run_kernel_benchmark(name: str, args: list[str]) -> int:
+    """Compiles benchmarks/NAME.cc, which includes eejax/kernels/cpu_quantized.cc (KERNEL_SOURCE), with
+    the library's flags, and runs it with `args`; its exit status (1 without a C++ compiler)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    import jax
+
+    from eejax.kernels import cpu_matmul
+
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        print(f"{name}.py: no C++ compiler (set $CXX, or install g++)", file=sys.stderr)
+        return 1
+    source = cpu_matmul.SOURCE.with_name("cpu_quantized.cc")
+    flags = [f for f in cpu_matmul._flags() if f not in ("-shared", "-fPIC")]
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = Path(tmp) / name
+        command = [compiler, *flags, "-I", jax.ffi.include_dir(), f'-DKERNEL_SOURCE="{source}"', "-pthread"]
+        subprocess.run([*command, str(Path(__file__).resolve().parent / f"{name}.cc"), "-o", str(binary)], check=True)
+        return subprocess.run([str(binary), *args], check=False).returncode

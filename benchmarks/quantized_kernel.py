@@ -14,33 +14,15 @@ which includes eejax/kernels/cpu_quantized.cc itself, with the library's flags.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-
-from eejax.kernels import cpu_matmul  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
+from benchmarks.common import run_kernel_benchmark  # noqa: E402
 
 
 def main() -> int:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        print("quantized_kernel.py: no C++ compiler (set $CXX, or install g++)", file=sys.stderr)
-        return 1
-    source = cpu_matmul.SOURCE.with_name("cpu_quantized.cc")
-    flags = [f for f in cpu_matmul._flags() if f not in ("-shared", "-fPIC")]
-    with tempfile.TemporaryDirectory() as tmp:
-        binary = Path(tmp) / "quantized_kernel"
-        command = [compiler, *flags, "-I", jax.ffi.include_dir(), f'-DKERNEL_SOURCE="{source}"']
-        subprocess.run([*command, str(HERE / "quantized_kernel.cc"), "-o", str(binary)], check=True)
-        return subprocess.run([str(binary)], check=False).returncode
+    return run_kernel_benchmark("quantized_kernel", [])
 
 
 if __name__ == "__main__":

@@ -1,17 +1,14 @@
-// A design measured before it is built: int16 products by 4-bit weights re-laid in 16-row tiles,
-// each block's integer sums one int32 lane per weight row, scaled and added in block order (the
-// prefill GEMM's order, `panel_rows`), so that one loop serves every number of rows of x with the
-// same bits. Against the library's loops on the same weights, SmolLM2-135M's 30 layers of Q4_1
-// matrices (each its own memory, 65 MB), paired rounds. Built and run by tiled_products.py;
-// includes eejax/kernels/cpu_quantized.cc, so the library's side is the library's code.
+// int16 products by 4-bit weights in 16-row tiles (the library's TiledProducts loop, `tiled_group`),
+// against the library's loops on the GGUF rows of the same weights: the few-row loops (decode,
+// verify, batches, before tiles) and the prefill GEMM, whose bits the tiled loop gives; and where the
+// CPU has AMX and Linux grants it, the same sums by AMX tiles (not in the library). SmolLM2-135M's 30
+// layers of Q4_1 matrices (each its own memory, 65 MB), paired rounds. Built and run by
+// tiled_products.py; includes eejax/kernels/cpu_quantized.cc, so both sides are the library's code.
 //
-// The layout: tile t (weight rows 16t..16t+15), block b: four vectors of 16 dwords, vector k holding
-// bytes 4k..4k+3 of each row's 16 bytes of nibbles (lane n: row 16t + n), then the 16 rows' d and m
-// (f16). The low nibbles of vector k are values 4k..4k+3 of each row, the high ones values 16 + 4k..;
-// as bytes (0..15) they are an AMX B tile's rows as they stand. x's int16 block splits exactly into
-// a signed high byte and an unsigned low one (x = 256 hi + lo), so each group of four values costs
-// two vpdpbusd for 16 weight rows: hi (signed) times the weights (as unsigned), and lo (unsigned)
-// times the weights (as signed: 0..15 fits). A block's integer sum is 256 * hi_sum + lo_sum, exact.
+// The layout (quantized.py's `tile`): tile t (weight rows 16t..16t+15), block b: four vectors of 16
+// dwords, vector k holding bytes 4k..4k+3 of each row's 16 bytes of nibbles (lane n: row 16t + n),
+// then the 16 rows' d and m (f16). Masked and shifted, the eight vectors are the block's values as
+// bytes, four per lane: an AMX B tile's rows as they stand.
 #include KERNEL_SOURCE
 
 #include <sys/syscall.h>
@@ -59,94 +56,29 @@ Tiled tile(const Matrix& a) {
   return t;
 }
 
-// x [M, K] quantized as the library quantizes it (int16 per block), split into bytes: hi [NB][M][32]
-// (signed), lo (unsigned); dx and q4_1's block sums [M][NB].
-struct SplitX {
-  int64_t M, NB;
-  std::vector<int8_t> hi;
-  std::vector<uint8_t> lo;
-  std::vector<float> dx, offset;
+// x [M, K] as the tiled loop takes it: quantized as the library quantizes it, split into bytes.
+struct X {
+  QuantizedX<int16_t> q;
+  SplitX split;
 };
 
-SplitX split(const float* x, int64_t M, int64_t NB) {
-  QuantizedX<int16_t> qx;
-  size_x(M, NB, qx, false);
-  quantize_blocks<Format::kQ4_1, int16_t>(x, NB, qx, 0, M * NB);
-  SplitX s{M, NB};
-  s.hi.resize(NB * M * 32), s.lo.resize(NB * M * 32);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < NB; ++b)
-      for (int j = 0; j < 32; ++j) {
-        const int16_t v = qx.xq[qx.at(m, b, j)];
-        s.hi[(b * M + m) * 32 + j] = int8_t(v >> 8), s.lo[(b * M + m) * 32 + j] = uint8_t(v & 255);
-      }
-  s.dx = qx.dx, s.offset = qx.offset;
-  return s;
+X split(const float* x, int64_t M, int64_t NB) {
+  X out;
+  size_x(M, NB, out.q, /*paired=*/false);
+  quantize_blocks<Format::kQ4_1, int16_t>(x, NB, out.q, 0, M * NB);
+  out.split.hi.resize(M * NB * 32), out.split.lo.resize(M * NB * 32), out.split.sum.resize(M * NB);
+  split_blocks(out.q, out.split, 0, M * NB);
+  return out;
 }
 
-// Tile-block tb's 16 rows as 8 vectors of bytes (vector k: values 4k..4k+3 of each row).
-inline void decode(const uint32_t* q, __m512i out[8]) {
-  const __m512i nibble = _mm512_set1_epi8(15);
-  for (int k = 0; k < 4; ++k) {
-    const __m512i v = _mm512_loadu_si512(q + 16 * k);
-    out[k] = _mm512_and_si512(v, nibble), out[4 + k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-  }
-}
+Weights weights(const Tiled& t) { return Weights{reinterpret_cast<const uint8_t*>(t.q.data()), t.d.data(), t.m.data(), nullptr, t.R, t.NB, true}; }
 
-inline int32_t dword(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-// panel_rows' float order: acc = fma(m, sum x, acc), then acc = fma(float(isum), d * dx, acc).
-inline __m512 add_block(__m512 acc, __m512i isum, __m512 d, __m512 mn, float dx, float offset) {
-  acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(offset), acc);
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc);
-}
-
-// G rows of x from m0 against tiles [t0, t1): each block decoded once for the G rows.
-template <int G>
-void tiled_rows(const Tiled& w, const SplitX& x, int64_t m0, float* y, int64_t t0, int64_t t1) {
-  for (int64_t t = t0; t < t1; ++t) {
-    __m512 acc[G];
-    for (int m = 0; m < G; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < w.NB; ++b) {
-      const int64_t tb = t * w.NB + b;
-      if (tb + 4 < w.T * w.NB)  // four tile-blocks ahead (1 KB): the hardware's stream prefetch alone lagged
-        for (int i = 0; i < 256; i += 64) _mm_prefetch(reinterpret_cast<const char*>(w.q.data() + (tb + 4) * 64) + i, _MM_HINT_T0);
-      __m512i B[8];
-      decode(w.q.data() + tb * 64, B);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d.data() + tb * 16)));
-      const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m.data() + tb * 16)));
-      for (int m = 0; m < G; ++m) {
-        const int8_t* hi = x.hi.data() + (b * x.M + m0 + m) * 32;
-        const uint8_t* lo = x.lo.data() + (b * x.M + m0 + m) * 32;
-        __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-        for (int k = 0; k < 8; k += 2) {
-          h0 = _mm512_dpbusd_epi32(h0, B[k], _mm512_set1_epi32(dword(hi + 4 * k)));
-          h1 = _mm512_dpbusd_epi32(h1, B[k + 1], _mm512_set1_epi32(dword(hi + 4 * k + 4)));
-          l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(dword(lo + 4 * k)), B[k]);
-          l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(dword(lo + 4 * k + 4)), B[k + 1]);
-        }
-        const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
-        const int64_t at = (m0 + m) * w.NB + b;
-        acc[m] = add_block(acc[m], isum, d, mn, x.dx[at], x.offset[at]);
-      }
-    }
-    for (int m = 0; m < G; ++m) _mm512_storeu_ps(y + (m0 + m) * w.R + t * 16, acc[m]);
-  }
-}
-
-template <int G = 8>
-void tiled_group(int g, const Tiled& w, const SplitX& x, int64_t m0, float* y, int64_t t0, int64_t t1) {
-  if constexpr (G > 1)
-    if (g < G) return tiled_group<G - 1>(g, w, x, m0, y, t0, t1);
-  tiled_rows<G>(w, x, m0, y, t0, t1);
-}
-
-void tiled(const Tiled& w, const SplitX& x, float* y, int64_t t0, int64_t t1) {
-  for (int64_t m = 0; m < x.M; m += 8) tiled_group(int(std::min<int64_t>(8, x.M - m)), w, x, m, y, t0, t1);
+// The library's tiled loop over tiles [t0, t1), every group of x's rows.
+void tiled(const Tiled& t, const X& x, int64_t M, float* y, int64_t t0, int64_t t1) {
+  const Weights w = weights(t);
+  for (int64_t tile = t0; tile < t1; ++tile)
+    for (int64_t m = 0; m < M; m += kIntegerGroup)
+      tiled_group<Format::kQ4_1>(int(std::min<int64_t>(kIntegerGroup, M - m)), x.q, x.split, m, y, w, tile, tile + 1);
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
@@ -168,8 +100,8 @@ void amx_config(int M) {
 
 // The same with AMX (M <= 16 rows, configured by amx_config(M)): per tile-block, the weights stored
 // as a B tile, two tile products, the sums stored and read back for the float part.
-void amx(const Tiled& w, const SplitX& x, float* y, int64_t t0, int64_t t1) {
-  const int M = int(x.M);
+void amx(const Tiled& w, const X& x, int64_t M, float* y, int64_t t0, int64_t t1) {
+  const __m512i nibble = _mm512_set1_epi8(15);
   alignas(64) uint8_t B[512];
   alignas(64) int32_t ch[16 * 16], cl[16 * 16];
   for (int64_t t = t0; t < t1; ++t) {
@@ -177,12 +109,14 @@ void amx(const Tiled& w, const SplitX& x, float* y, int64_t t0, int64_t t1) {
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < w.NB; ++b) {
       const int64_t tb = t * w.NB + b;
-      __m512i v[8];
-      decode(w.q.data() + tb * 64, v);
-      for (int k = 0; k < 8; ++k) _mm512_store_si512(B + 64 * k, v[k]);
+      for (int k = 0; k < 4; ++k) {
+        const __m512i v = _mm512_loadu_si512(w.q.data() + tb * 64 + 16 * k);
+        _mm512_store_si512(B + 64 * k, _mm512_and_si512(v, nibble));
+        _mm512_store_si512(B + 64 * (4 + k), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+      }
       _tile_loadd(4, B, 64);
-      _tile_loadd(2, x.hi.data() + b * M * 32, 32);
-      _tile_loadd(3, x.lo.data() + b * M * 32, 32);
+      _tile_loadd(2, x.split.hi.data() + b * 32, w.NB * 32);  // row m of x's block b: NB * 32 bytes apart
+      _tile_loadd(3, x.split.lo.data() + b * 32, w.NB * 32);
       _tile_zero(0);
       _tile_zero(1);
       _tile_dpbsud(0, 2, 4);
@@ -193,7 +127,9 @@ void amx(const Tiled& w, const SplitX& x, float* y, int64_t t0, int64_t t1) {
       const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m.data() + tb * 16)));
       for (int m = 0; m < M; ++m) {
         const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ch + 16 * m), 8), _mm512_load_si512(cl + 16 * m));
-        acc[m] = add_block(acc[m], isum, d, mn, x.dx[m * w.NB + b], x.offset[m * w.NB + b]);
+        const int64_t at = m * w.NB + b;  // the library's float order (panel_rows)
+        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.q.offset[at]), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(x.q.dx[at])), acc[m]);
       }
     }
     for (int m = 0; m < M; ++m) _mm512_storeu_ps(y + m * w.R + t * 16, acc[m]);
@@ -203,7 +139,7 @@ bool amx_ready() { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM 
 #else
 bool amx_ready() { return false; }
 void amx_config(int) {}
-void amx(const Tiled&, const SplitX&, float*, int64_t, int64_t) {}
+void amx(const Tiled&, const X&, int64_t, float*, int64_t, int64_t) {}
 #endif
 
 // The library's loops on the GGUF layout, rows [r0, r1): the few-row loops (decode, verify, batch) or
@@ -244,11 +180,11 @@ struct Step {
         if (path < 2) {
           library(mats[j], x, M, y.data(), path == 1, r0, r1);
         } else {
-          const SplitX sx = split(x, M, mats[j].NB);
+          const X sx = split(x, M, mats[j].NB);
           if (path == 2)
-            tiled(tiles[j], sx, y.data(), r0 / 16, r1 / 16);
+            tiled(tiles[j], sx, M, y.data(), r0 / 16, r1 / 16);
           else
-            amx(tiles[j], sx, y.data(), r0 / 16, r1 / 16);
+            amx(tiles[j], sx, M, y.data(), r0 / 16, r1 / 16);
         }
       }
     };
@@ -294,13 +230,13 @@ int main(int argc, char** argv) {
       std::vector<float> gemm(M * a.R), few(M * a.R), y(M * a.R), ya(M * a.R);
       library(a, x.data(), M, gemm.data(), true, 0, a.R);
       library(a, x.data(), M, few.data(), false, 0, a.R);
-      const SplitX sx = split(x.data(), M, a.NB);
-      tiled(tiles[s], sx, y.data(), 0, tiles[s].T);
+      const X sx = split(x.data(), M, a.NB);
+      tiled(tiles[s], sx, M, y.data(), 0, tiles[s].T);
       differ += std::memcmp(gemm.data(), y.data(), gemm.size() * 4) != 0;
       differ_few += std::memcmp(gemm.data(), few.data(), gemm.size() * 4) != 0;
       if (with_amx && M <= 16) {
         amx_config(int(M));
-        amx(tiles[s], sx, ya.data(), 0, tiles[s].T);
+        amx(tiles[s], sx, M, ya.data(), 0, tiles[s].T);
         differ_amx += std::memcmp(gemm.data(), ya.data(), gemm.size() * 4) != 0;
       }
       ++products;

@@ -12,20 +12,13 @@ which includes eejax/kernels/cpu_quantized.cc, with the library's flags; needs A
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-
+from benchmarks.common import run_kernel_benchmark  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.kernels import cpu_matmul  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
 
 
 def main(argv=None) -> int:
@@ -37,17 +30,7 @@ def main(argv=None) -> int:
     if not cpu_matmul.panel_products():
         print("tiled_products.py: this CPU has no AVX-512 VNNI, which the tiled loop needs", file=sys.stderr)
         return 1
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        print("tiled_products.py: no C++ compiler (set $CXX, or install g++)", file=sys.stderr)
-        return 1
-    source = cpu_matmul.SOURCE.with_name("cpu_quantized.cc")
-    flags = [f for f in cpu_matmul._flags() if f not in ("-shared", "-fPIC")]
-    with tempfile.TemporaryDirectory() as tmp:
-        binary = Path(tmp) / "tiled_products"
-        command = [compiler, *flags, "-I", jax.ffi.include_dir(), f'-DKERNEL_SOURCE="{source}"', "-pthread"]
-        subprocess.run([*command, str(HERE / "tiled_products.cc"), "-o", str(binary)], check=True)
-        return subprocess.run([str(binary), str(args.rounds)], check=False).returncode
+    return run_kernel_benchmark("tiled_products", [str(args.rounds)])
 
 
 if __name__ == "__main__":
