@@ -234,6 +234,7 @@ def integer_activation_product(x, w: QuantizedMatrix, rows=None):
     times the dequantised weights, a Q4_1 minimum times x's exact block sums. `rows`: w's rows
     dequantised already (float32 [R, K]), else `dequantize_rows(w)`."""
     levels = LEVELS[w.activations]
+    w = untile(w)  # the minimums are read as rows below
     x = x.astype(jnp.float32)
     blocks = x.reshape(*x.shape[:-1], -1, BLOCK)
     amax = jnp.abs(blocks).max(-1, keepdims=True)

@@ -178,6 +178,13 @@ def test_tiles_permute_a_matrix_in_place_and_untile_back(format):
         np.testing.assert_array_equal(np.asarray(Q.dequantize_rows(tiled)), np.asarray(Q.dequantize_rows(m)))
     tiled = Q.tile(w)
     assert Q.tile(tiled) is tiled
+    x = jnp.asarray(rng.standard_normal((3, 96)).astype(np.float32))
+    want = np.asarray(Q.integer_activation_product(x, w))
+    assert np.array_equal(np.asarray(Q.integer_activation_product(x, tiled)), want)  # XLA's path reads rows
+    from eejax.models.exits import head_rows  # an untied head's tokens are its rows, tiled or not
+
+    picked, want_picked = head_rows(tiled, jnp.asarray([5, 0, 33]), False), head_rows(w, jnp.asarray([5, 0, 33]), False)
+    assert all(np.array_equal(a, b) for a, b in zip(picked.arrays(), want_picked.arrays()))
     saved = Q.from_tree(Q.to_tree({"w": tiled}))["w"]
     assert not saved.tiled and all(np.array_equal(a, b) for a, b in zip(saved.arrays(), w.arrays()))
     for other in (

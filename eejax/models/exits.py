@@ -36,7 +36,7 @@ from eejax.errors import EejaxError
 from eejax.models import modules
 from eejax.models.common import row_sum
 from eejax.models.modules import share_scope, unboxed_init
-from eejax.quantized import is_quantized
+from eejax.quantized import is_quantized, untile
 
 ADAPTER_KEYS = ("adapter_norm", "adapter_down", "adapter_up")
 CLASSIFIER_KEYS = ("classifier_w", "classifier_b")
@@ -88,6 +88,7 @@ def head_rows(head, rows, tied: bool):
     """The head's weights for tokens `rows` in its own layout ([K, D] tied, [D, K] untied); a
     quantized head gives its blocks for them (its rows are tokens either way)."""
     if is_quantized(head):
+        head = untile(head)  # an untied head's rows may be in tiles
         return dataclasses.replace(
             head, qs=head.qs[rows], scales=head.scales[rows], mins=None if head.mins is None else head.mins[rows]
         )
