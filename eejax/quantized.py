@@ -18,6 +18,11 @@ axes are a stack's layers. `dequantize` gives the float32 weights that a dequant
 exact reference of its blocks: a product over the blocks equals the float32 product up to
 summation order.
 
+Where the CPU kernel's tiled loop runs, a 4-bit Linear weight whose products take int16 x is kept
+in tiles of 16 rows (`tile`, `QuantizedMatrix.tiled`): the same arrays and shapes, its values
+permuted within each tile so that one vector holds a byte of each row; whatever reads the values as
+rows untiles first (`untile`).
+
 How a product treats x (`activations`, static, so it keys the compiled programs): "float32"
 multiplies float x by the dequantised blocks (equal to the float32 model's product up to
 summation order); "int8" is llama.cpp's method: x is quantized to int8 per block of 32 values (its
