@@ -127,9 +127,8 @@ void amx(const Tiled& w, const X& x, int64_t M, float* y, int64_t t0, int64_t t1
       const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.m.data() + tb * 16)));
       for (int m = 0; m < M; ++m) {
         const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ch + 16 * m), 8), _mm512_load_si512(cl + 16 * m));
-        const int64_t at = m * w.NB + b;  // the library's float order (panel_rows)
-        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.q.offset[at]), acc[m]);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(x.q.dx[at])), acc[m]);
+        const int64_t at = m * w.NB + b;
+        acc[m] = add_block<Format::kQ4_1>(acc[m], isum, d, mn, x.q.dx[at], x.q.offset[at]);  // the library's order
       }
     }
     for (int m = 0; m < M; ++m) _mm512_storeu_ps(y + m * w.R + t * 16, acc[m]);

@@ -128,6 +128,11 @@ inline int64_t scale_at(const Weights& w, int64_t r, int64_t b) {
   return w.tiled ? (r / 16 * w.NB + b) * 16 + r % 16 : r * w.NB + b;
 }
 
+// A tiled matrix's first dword of row r's block b (the next three are 16, 32 and 48 dwords on).
+inline const uint32_t* tile_word(const Weights& w, int64_t r, int64_t b) {
+  return reinterpret_cast<const uint32_t*>(w.qs) + (r / 16 * w.NB + b) * 64 + r % 16;
+}
+
 inline float finish(float sum, const Weights& w, int64_t r, bool int8) { return int8 ? sum * w.row_scale[r] : sum; }
 
 // ---- float: dequantise in registers ----------------------------------------------------------------
@@ -696,8 +701,8 @@ inline __m512i block_values(const Weights& w, int64_t r, int64_t b) {
   const uint8_t* block = w.qs + (r * w.NB + b) * kBlockBytes<F>;
   alignas(16) uint32_t gathered[4];
   if (kNibbles<F> && w.tiled) {  // the row's four dwords of the block, 16 lanes apart
-    const auto* tile = reinterpret_cast<const uint32_t*>(w.qs) + (r / 16 * w.NB + b) * 64 + r % 16;
-    for (int k = 0; k < 4; ++k) gathered[k] = tile[16 * k];
+    const uint32_t* word = tile_word(w, r, b);
+    for (int k = 0; k < 4; ++k) gathered[k] = word[16 * k];
     block = reinterpret_cast<const uint8_t*>(gathered);
   }
   if constexpr (kNibbles<F>) {
@@ -751,6 +756,15 @@ void pack_panel(const Weights& w, int64_t r0, Panel& p) {
   }
 }
 
+// acc plus one block of 16 weight rows (lanes) against one row of x, in the one order every int16
+// loop over whole-block sums uses (the GEMM's panels, the tiled loop): q4_1's m * sum(x), then the
+// block's integer sums times d * dx. That both call this is what gives a row the same bits in each.
+template <Format F>
+inline __m512 add_block(__m512 acc, __m512i sums, __m512 scale, __m512 min, float dx, float offset) {
+  if constexpr (F == Format::kQ4_1) acc = _mm512_fmadd_ps(min, _mm512_set1_ps(offset), acc);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(dx)), acc);
+}
+
 // y[m, r0 + i] for G rows of x from m0 and the panel's rows i < valid: per block, the integer sums in
 // int32 lanes (one per weight row), then scaled by d * dx and added, with q4_1's m * sum(x), in block
 // order. xq is blocks in order (not paired), int16 whatever x's levels.
@@ -779,8 +793,7 @@ void panel_rows(const QuantizedX<int16_t>& qx, int64_t m0, const Panel& p, const
       const __m512 min = _mm512_loadu_ps(p.min.data() + b * kPanelRows + 16 * h);
       for (int m = 0; m < G; ++m) {
         const int64_t at = (m0 + m) * NB + b;
-        if constexpr (F == Format::kQ4_1) acc[m][h] = _mm512_fmadd_ps(min, _mm512_set1_ps(qx.offset[at]), acc[m][h]);
-        acc[m][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m][h]), _mm512_mul_ps(scale, _mm512_set1_ps(qx.dx[at])), acc[m][h]);
+        acc[m][h] = add_block<F>(acc[m][h], sums[m][h], scale, min, qx.dx[at], qx.offset[at]);
       }
     }
   }
@@ -922,8 +935,7 @@ void tiled_rows(const QuantizedX<int16_t>& qx, const SplitX& x, int64_t m0, floa
         }
         __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
         if constexpr (F == Format::kQ4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * x.sum[at]));
-        if constexpr (F == Format::kQ4_1) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.offset[at]), acc[m]);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(qx.dx[at])), acc[m]);
+        acc[m] = add_block<F>(acc[m], sum, d, mn, qx.dx[at], qx.offset[at]);
       }
     }
     for (int m = 0; m < G; ++m) _mm512_storeu_ps(y + (m0 + m) * w.R + t * 16, acc[m]);
