@@ -66,8 +66,7 @@ X split(const float* x, int64_t M, int64_t NB) {
   X out;
   size_x(M, NB, out.q, /*paired=*/false);
   quantize_blocks<Format::kQ4_1, int16_t>(x, NB, out.q, 0, M * NB);
-  out.split.hi.resize(M * NB * 32), out.split.lo.resize(M * NB * 32), out.split.sum.resize(M * NB);
-  split_blocks(out.q, out.split, 0, M * NB);
+  split_blocks(out.q, out.split, M * NB);
   return out;
 }
 

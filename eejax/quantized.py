@@ -18,10 +18,11 @@ axes are a stack's layers. `dequantize` gives the float32 weights that a dequant
 exact reference of its blocks: a product over the blocks equals the float32 product up to
 summation order.
 
-Where the CPU kernel's tiled loop runs, a 4-bit Linear weight whose products take int16 x is kept
-in tiles of 16 rows (`tile`, `QuantizedMatrix.tiled`): the same arrays and shapes, its values
-permuted within each tile so that one vector holds a byte of each row; whatever reads the values as
-rows untiles first (`untile`).
+Where the CPU kernel's tiled loop runs, a q4_0, q4_1 or q8_0 matrix whose products take integer x
+(a Linear weight, or a table and the head tied to it) is kept in tiles of 16 rows (`tile`,
+`QuantizedMatrix.tiled`): the same arrays and shapes, its values permuted within each tile so that
+one vector holds a byte of each row. Whatever reads the values as rows untiles first (`untile`),
+or gathers the rows it needs from their tiles (`rows_at`: a table's tokens).
 
 How a product treats x (`activations`, static, so it keys the compiled programs): "float32"
 multiplies float x by the dequantised blocks (equal to the float32 model's product up to
@@ -141,10 +142,24 @@ def dequantize(w: QuantizedMatrix):
 def take_rows(w: QuantizedMatrix, tokens):
     """Rows of a quantized table [V, D] (not transposed) at `tokens` -> float32 [*tokens.shape, D]:
     only the rows taken are dequantised."""
-    ids = tokens.reshape(-1)
-    w = untile(w)
-    picked = dataclasses.replace(w, qs=w.qs[ids], scales=w.scales[ids], mins=None if w.mins is None else w.mins[ids])
-    return dequantize_rows(picked).reshape(*tokens.shape, w.cols)
+    return dequantize_rows(rows_at(w, tokens.reshape(-1))).reshape(*tokens.shape, w.cols)
+
+
+def rows_at(w: QuantizedMatrix, ids) -> QuantizedMatrix:
+    """w's rows at `ids` [N] (one matrix, no stacked axes) as an untiled matrix of N rows: a tiled
+    matrix's rows are gathered from their tiles (the whole matrix is not untiled)."""
+    if not w.tiled:
+        return dataclasses.replace(w, qs=w.qs[ids], scales=w.scales[ids], mins=None if w.mins is None else w.mins[ids])
+    tile, lane = ids // TILE_ROWS, ids % TILE_ROWS
+    nb, width = w.qs.shape[-2:]
+    qs = w.qs.reshape(-1, nb, width // 4, TILE_ROWS, 4)[tile, :, :, lane]  # [N, NB, words, 4]
+
+    def side_by_side(a):  # [T * 16, NB] as [T, NB, 16] -> [N, NB]
+        return None if a is None else a.reshape(-1, nb, TILE_ROWS)[tile, :, lane]
+
+    return dataclasses.replace(
+        w, qs=qs.reshape(-1, nb, width), scales=side_by_side(w.scales), mins=side_by_side(w.mins), tiled=False
+    )
 
 
 ACTIVATIONS = ("float32", "int8", "int16")
@@ -183,29 +198,29 @@ TILE_ROWS = 16  # weight rows a tile holds
 
 
 def tileable(w: QuantizedMatrix) -> bool:
-    """Whether w may be kept in tiles of 16 rows: a 4-bit Linear weight (`transposed`) of whole tiles
-    whose products, prefills' included, take x as int16 (the CPU kernel's tiled loop)."""
+    """Whether w may be kept in tiles of 16 rows: a q4_0, q4_1 or q8_0 matrix of whole tiles whose
+    products, prefills' included, take integer x (the CPU kernel's tiled loop and its GEMM)."""
     return (
-        w.format in ("q4_0", "q4_1")
-        and w.transposed
+        w.format in ("q4_0", "q4_1", "q8_0")
         and w.rows % TILE_ROWS == 0
-        and w.activations == "int16"
-        and w.prompt_activations in (None, "int16")
+        and w.activations in ("int8", "int16")
+        and w.prompt_activations in (None, "int8", "int16")
     )
 
 
 def tile(w: QuantizedMatrix) -> QuantizedMatrix:
     """w with its rows in tiles of 16 (`tileable`; else w as it is), for the CPU kernel's tiled loop:
     the same arrays and shapes, their values permuted within each tile. Per tile and block, `qs`
-    holds four runs of 16 four-byte words, run k word n bytes 4k..4k+3 of row n's 16 bytes (so that
-    one vector holds a byte of each row); `scales` and `mins` hold the tile's 16 rows side by side.
-    `untile` reverses it; a tiled matrix is untiled wherever its values are read as rows."""
+    holds a run of 16 four-byte words for each word of a row's block (4 for q4's 16 bytes, 8 for
+    q8_0's 32), run k word n bytes 4k..4k+3 of row n's block (so that one vector holds a byte of
+    each row); `scales` and `mins` hold the tile's 16 rows side by side. `untile` reverses it; a
+    tiled matrix is untiled wherever its values are read as rows (`rows_at` gathers a few)."""
     if w.tiled or not tileable(w):
         return w
-    lead, r, nb = w.qs.shape[:-3], w.rows, w.qs.shape[-2]
+    lead, r, (nb, width) = w.qs.shape[:-3], w.rows, w.qs.shape[-2:]
     tiles = r // TILE_ROWS
-    qs = w.qs.reshape(*lead, tiles, TILE_ROWS, nb, 4, 4)
-    qs = _move(qs, (-4, -3, -2), (-2, -4, -3)).reshape(w.qs.shape)  # [.., T, NB, 4, 16, 4]
+    qs = w.qs.reshape(*lead, tiles, TILE_ROWS, nb, width // 4, 4)
+    qs = _move(qs, (-4, -3, -2), (-2, -4, -3)).reshape(w.qs.shape)  # [.., T, NB, words, 16, 4]
 
     def side_by_side(a):  # [..., R, NB] -> [..., T, NB, 16]
         return None if a is None else _move(a.reshape(*lead, tiles, TILE_ROWS, nb), (-2,), (-1,)).reshape(a.shape)
@@ -217,9 +232,9 @@ def untile(w: QuantizedMatrix) -> QuantizedMatrix:
     """The inverse of `tile` (w as it is where it is not tiled)."""
     if not w.tiled:
         return w
-    lead, r, nb = w.qs.shape[:-3], w.rows, w.qs.shape[-2]
+    lead, r, (nb, width) = w.qs.shape[:-3], w.rows, w.qs.shape[-2:]
     tiles = r // TILE_ROWS
-    qs = w.qs.reshape(*lead, tiles, nb, 4, TILE_ROWS, 4)
+    qs = w.qs.reshape(*lead, tiles, nb, width // 4, TILE_ROWS, 4)
     qs = _move(qs, (-2, -4, -3), (-4, -3, -2)).reshape(w.qs.shape)
 
     def rows(a):

@@ -158,12 +158,13 @@ def test_a_row_gives_the_same_bits_alone_and_in_a_group(activations):
         assert np.array_equal(np.asarray(product(x[i : i + 1], w))[0], together[i])
 
 
-@pytest.mark.parametrize("format", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("format", ["q4_0", "q4_1", "q8_0"])
 def test_tiles_permute_a_matrix_in_place_and_untile_back(format):
-    """`tile` keeps a 4-bit Linear weight's shapes and permutes its values within each tile of 16
+    """`tile` keeps a q4 or q8_0 matrix's shapes and permutes its values within each tile of 16
     rows (a stack's layers each on its own, numpy or jax arrays); `untile` gives the rows back, and
-    whatever reads the values as rows (dequantising, saving) reads the untiled matrix. Only what
-    `tileable` allows is tiled, and activations that do not keep the tiles untile them."""
+    whatever reads the values as rows (dequantising, saving) reads the untiled matrix; a table's
+    tokens and a head's are gathered from the tiles. Only what `tileable` allows is tiled, and
+    activations that do not keep the tiles untile them."""
     rng = np.random.default_rng(11)
     w = dataclasses.replace(random_matrix(format, 48, 96, rng, "int16"), transposed=True)
     stack = jax.tree.map(lambda *xs: jnp.stack(xs), w, dataclasses.replace(w, qs=w.qs[::-1]))
@@ -181,18 +182,28 @@ def test_tiles_permute_a_matrix_in_place_and_untile_back(format):
     x = jnp.asarray(rng.standard_normal((3, 96)).astype(np.float32))
     want = np.asarray(Q.integer_activation_product(x, w))
     assert np.array_equal(np.asarray(Q.integer_activation_product(x, tiled)), want)  # XLA's path reads rows
-    from eejax.models.exits import head_rows  # an untied head's tokens are its rows, tiled or not
+    from eejax.models.exits import head_rows  # a head's tokens are its rows, tiled or not
 
-    picked, want_picked = head_rows(tiled, jnp.asarray([5, 0, 33]), False), head_rows(w, jnp.asarray([5, 0, 33]), False)
-    assert all(np.array_equal(a, b) for a, b in zip(picked.arrays(), want_picked.arrays()))
+    tokens = jnp.asarray([5, 0, 33, -1])
+    for tied in (False, True):
+        m = dataclasses.replace(w, transposed=not tied)
+        picked, want_picked = head_rows(Q.tile(m), tokens, tied), head_rows(m, tokens, tied)
+        assert not picked.tiled and all(np.array_equal(a, b) for a, b in zip(picked.arrays(), want_picked.arrays()))
+    sixteen = jnp.arange(47, -1, -3)  # 16 rows: a whole tile, kept in tiles as the head is
+    assert head_rows(Q.tile(w), sixteen, False).tiled
+    assert np.array_equal(Q.dequantize_rows(head_rows(Q.tile(w), sixteen, False)), Q.dequantize_rows(w)[sixteen])
+    table = Q.tile(dataclasses.replace(w, transposed=False))  # a tied table: its tokens' rows from the tiles
+    assert table.tiled
+    tokens = jnp.asarray([[3, 47, 0], [16, 16, -2]])
+    want_rows = np.asarray(Q.dequantize_rows(w))[np.asarray(tokens)]
+    assert np.array_equal(np.asarray(jax.jit(cpu_matmul.take_rows)(table, tokens)), want_rows)
     saved = Q.from_tree(Q.to_tree({"w": tiled}))["w"]
     assert not saved.tiled and all(np.array_equal(a, b) for a, b in zip(saved.arrays(), w.arrays()))
     for other in (
         dataclasses.replace(w, activations="float32"),
         dataclasses.replace(w, prompt_activations="float32"),
-        dataclasses.replace(w, transposed=False),  # a table: rows are read by token
         dataclasses.replace(random_matrix(format, 40, 96, rng, "int16"), transposed=True),  # 40 rows: no whole tiles
-        dataclasses.replace(random_matrix("q8_0", 48, 96, rng, "int16"), transposed=True),
+        dataclasses.replace(random_matrix("int8", 48, 96, rng, "int16"), transposed=True),
     ):
         assert not Q.tile(other).tiled
     floats = Q.with_activations({"w": tiled}, "float32")["w"]
@@ -201,14 +212,17 @@ def test_tiles_permute_a_matrix_in_place_and_untile_back(format):
 
 
 @pytest.mark.skipif(not cpu_matmul.panel_products(), reason="the tiled loop is built where the CPU has AVX-512 VNNI")
-@pytest.mark.parametrize("format", ["q4_0", "q4_1"])
-def test_a_tiled_matrix_gives_a_row_the_prefill_gemms_bits_at_every_number_of_rows(format):
-    """What the CPU's default load holds: 4-bit weights in tiles, int16 x. A decode step's row, a
-    verify pass's, a batch's and a prompt's (the GEMM, 65 rows) get the same bits, which the GEMM
-    also gives from the untiled rows; matrices in one call give their own products; the values are
-    `integer_activation_product`'s up to summation order. 17 blocks a row, 5 tiles."""
+@pytest.mark.parametrize(
+    "format, activations", [("q4_0", "int16"), ("q4_1", "int16"), ("q8_0", "int16"), ("q4_1", "int8"), ("q8_0", "int8")]
+)
+def test_a_tiled_matrix_gives_a_row_the_prefill_gemms_bits_at_every_number_of_rows(format, activations):
+    """What the CPU's default load holds: 4-bit layers and a q8_0 head in tiles, int16 x (int8 x
+    too). A decode step's row, a verify pass's, a batch's and a prompt's (the GEMM, 65 rows) get the
+    same bits, which the GEMM also gives from the untiled rows; matrices in one call give their own
+    products; the values are `integer_activation_product`'s up to summation order. 17 blocks a row,
+    5 tiles."""
     rng = np.random.default_rng(12)
-    w = dataclasses.replace(random_matrix(format, 80, 544, rng, "int16"), transposed=True)
+    w = dataclasses.replace(random_matrix(format, 80, 544, rng, activations), transposed=True)
     tiled = Q.tile(w)
     product = jax.jit(cpu_matmul.rows_product)
     x = jnp.asarray(rng.standard_normal((cpu_matmul.MAX_QUANTIZED_ROWS + 1, 544)).astype(np.float32))
@@ -216,7 +230,7 @@ def test_a_tiled_matrix_gives_a_row_the_prefill_gemms_bits_at_every_number_of_ro
     assert np.array_equal(gemm, np.asarray(product(x, dataclasses.replace(w, prompt=True))))
     for rows in (1, 5, 8, 13, cpu_matmul.MAX_QUANTIZED_ROWS):
         assert np.array_equal(np.asarray(product(x[:rows], tiled)), gemm[:rows]), rows
-    other = Q.tile(dataclasses.replace(random_matrix(format, 32, 544, rng, "int16"), transposed=True))
+    other = Q.tile(dataclasses.replace(random_matrix(format, 32, 544, rng, activations), transposed=True))
     together = jax.jit(cpu_matmul.rows_products)(x[:5], [tiled, other])
     assert np.array_equal(np.asarray(together[0]), gemm[:5])
     assert np.array_equal(np.asarray(together[1]), np.asarray(product(x[:5], other)))

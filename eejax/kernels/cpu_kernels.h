@@ -26,7 +26,7 @@ struct BlockMatrix {
   const void* scales;  // [R, NB] f16 (int8: [R] f32)
   const void* mins;    // [R, NB] f16 (q4_1), else unused
   int64_t rows;        // R
-  bool tiled = false;  // 4-bit rows in tiles of 16 (cpu_quantized.cc's scale_at)
+  bool tiled = false;  // q4 / q8_0 rows in tiles of 16 (cpu_quantized.cc's scale_at)
 };
 // x [M, K] against N matrices of one format that share it -> outs[j] [M, R_j], as one
 // eejax_quantized_* call computes them (the few-row loops: M <= 64).

@@ -60,6 +60,10 @@ template <Format F>
 constexpr bool kNibbles = F == Format::kQ4_0 || F == Format::kQ4_1;
 template <Format F>
 constexpr int64_t kBlockBytes = kNibbles<F> ? 16 : 32;
+template <Format F>
+constexpr bool kTileable = kNibbles<F> || F == Format::kQ8_0;  // kept in tiles of 16 rows where int16 x takes them
+template <Format F>
+constexpr int64_t kTileWords = kBlockBytes<F> / 4;  // four-byte words of a row's block
 constexpr int kGroup = 4;            // rows of float x per pass over a weight row
 constexpr int kIntegerGroup = 8;     // rows of integer x per pass (one block decoded for all of them)
 constexpr int64_t kMaxBlocks = 512;  // blocks per row the integer paths' per-row scales hold (K <= 16384)
@@ -110,7 +114,7 @@ struct Weights {
   const uint16_t* mins;    // per block (q4_1)
   const float* row_scale;  // per row (int8)
   int64_t R, NB;
-  bool tiled = false;  // 4-bit rows in tiles of 16 (eejax/quantized.py's `tile`; the tiled loop below)
+  bool tiled = false;  // q4 / q8_0 rows in tiles of 16 (eejax/quantized.py's `tile`; the tiled loop below)
 };
 
 // A matrix's buffers as `Weights`: qs; scales (f16 per block, or int8's f32 per row); mins (q4_1).
@@ -122,15 +126,16 @@ inline Weights weights_of(bool int8, bool q4_1, const void* qs, const void* scal
 }
 
 // Where row r's block b and its scales are: in tiles of 16 rows (`tiled`), tile r / 16 holds per block
-// four vectors of 16 dwords, vector k bytes 4k..4k+3 of each of its rows' 16 bytes (lane r % 16), and
-// the 16 rows' d (and m) side by side; otherwise GGUF's rows.
+// kTileWords vectors of 16 dwords (4 for q4's 16 bytes, 8 for q8_0's 32), vector k bytes 4k..4k+3 of
+// each of its rows' block (lane r % 16), and the 16 rows' d (and m) side by side; otherwise GGUF's rows.
 inline int64_t scale_at(const Weights& w, int64_t r, int64_t b) {
   return w.tiled ? (r / 16 * w.NB + b) * 16 + r % 16 : r * w.NB + b;
 }
 
-// A tiled matrix's first dword of row r's block b (the next three are 16, 32 and 48 dwords on).
+// A tiled matrix's first dword of row r's block b (the next ones are 16 dwords apart).
+template <Format F>
 inline const uint32_t* tile_word(const Weights& w, int64_t r, int64_t b) {
-  return reinterpret_cast<const uint32_t*>(w.qs) + (r / 16 * w.NB + b) * 64 + r % 16;
+  return reinterpret_cast<const uint32_t*>(w.qs) + (r / 16 * w.NB + b) * 16 * kTileWords<F> + r % 16;
 }
 
 inline float finish(float sum, const Weights& w, int64_t r, bool int8) { return int8 ? sum * w.row_scale[r] : sum; }
@@ -699,10 +704,10 @@ struct Panel {
 template <Format F>
 inline __m512i block_values(const Weights& w, int64_t r, int64_t b) {
   const uint8_t* block = w.qs + (r * w.NB + b) * kBlockBytes<F>;
-  alignas(16) uint32_t gathered[4];
-  if (kNibbles<F> && w.tiled) {  // the row's four dwords of the block, 16 lanes apart
-    const uint32_t* word = tile_word(w, r, b);
-    for (int k = 0; k < 4; ++k) gathered[k] = word[16 * k];
+  alignas(32) uint32_t gathered[8];
+  if (kTileable<F> && w.tiled) {  // the row's dwords of the block, 16 lanes apart
+    const uint32_t* word = tile_word<F>(w, r, b);
+    for (int k = 0; k < kTileWords<F>; ++k) gathered[k] = word[16 * k];
     block = reinterpret_cast<const uint8_t*>(gathered);
   }
   if constexpr (kNibbles<F>) {
@@ -866,31 +871,37 @@ ffi::Error PanelMatmul(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_
 #endif
 
 #if EEJAX_VNNI512
-// ---- int16 x by 4-bit weights in tiles of 16 rows: decode steps, verify passes, batches ----------
+// ---- integer x by q4 and q8_0 weights in tiles of 16 rows: decode steps, verify passes, batches ----
 //
-// A tile's block is four vectors of 16 dwords (scale_at), one lane per weight row: masked and
-// shifted, eight vectors of bytes, vector k values 4k..4k+3 of each row (k < 4), 16 + 4(k - 4).. (k >= 4).
-// x's int16 block splits exactly into a signed high byte and an unsigned low one (x = 256 hi + lo),
-// so four values of x cost two vpdpbusd for the 16 rows (hi times the weights as unsigned bytes; lo
-// times them as signed, 0..15), and 256 * hi + lo is the block's exact integer sum (q4_0's -8 times
-// sum(x) taken back). Each block is then scaled and added in block order as the GEMM's panel_rows
-// adds it (q4_1's m * sum(x), then sum * (d * dx)): a row's bits are the same alone, in a verify, in a
-// batch and prefilled. A block is decoded once for up to kIntegerGroup rows of x.
+// A tile's block is kTileWords vectors of 16 dwords (scale_at), one lane per weight row; as bytes,
+// eight vectors: q4's four masked and four shifted (vector k values 4k..4k+3 of each row for k < 4,
+// 16 + 4(k - 4).. for k >= 4), q8_0's eight as they are (values 4k..4k+3). x's block, held as int16
+// (int8 activations' values too, as the GEMM holds them), splits exactly into a signed high byte and an
+// unsigned low one (x = 256 hi + lo), so four values of x cost two vpdpbusd for the 16 rows: lo
+// (unsigned) times the weights as signed bytes; hi (signed) times them as unsigned bytes, q4's nibbles
+// as they are, q8_0's with 128 added (w ^ 0x80), which adds 128 * sum(hi) to be taken back. 256 * hi
+// + lo is then the block's exact integer sum (q4_0's -8 times sum(x) taken back too). Each block is
+// scaled and added in block order as the GEMM's panel_rows adds it (q4_1's m * sum(x), then sum * (d *
+// dx)): a row's bits are the same alone, in a verify, in a batch and prefilled. A block is decoded
+// once for up to kIntegerGroup rows of x.
 
-// x's blocks split into bytes: hi [M, NB, 32] (xq >> 8), lo (xq & 255); sum [M, NB] (sum of xq).
+// x's blocks split into bytes: hi [M, NB, 32] (xq >> 8), lo (xq & 255); per block [M, NB] the sums of
+// xq and of hi.
 struct SplitX {
   std::vector<int8_t> hi;
   std::vector<uint8_t> lo;
-  std::vector<int32_t> sum;
+  std::vector<int32_t> sum, hi_sum;
 };
 
-// Blocks [i0, i1) of qx (blocks in order, int16) into `out`, sized for them.
-inline void split_blocks(const QuantizedX<int16_t>& qx, SplitX& out, int64_t i0, int64_t i1) {
-  for (int64_t i = i0; i < i1; ++i) {
-    const __m512i v = _mm512_loadu_si512(qx.xq.data() + i * 32);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.hi.data() + i * 32), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+// qx's first `blocks` blocks (blocks in order, int16) into `out`, sized for them here.
+inline void split_blocks(const QuantizedX<int16_t>& qx, SplitX& out, int64_t blocks) {
+  out.hi.resize(blocks * 32), out.lo.resize(blocks * 32), out.sum.resize(blocks), out.hi_sum.resize(blocks);
+  for (int64_t i = 0; i < blocks; ++i) {
+    const __m512i v = _mm512_loadu_si512(qx.xq.data() + i * 32), hi = _mm512_srai_epi16(v, 8), one = _mm512_set1_epi16(1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.hi.data() + i * 32), _mm512_cvtepi16_epi8(hi));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.lo.data() + i * 32), _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(255))));
-    out.sum[i] = _mm512_reduce_add_epi32(_mm512_madd_epi16(v, _mm512_set1_epi16(1)));
+    out.sum[i] = _mm512_reduce_add_epi32(_mm512_madd_epi16(v, one));
+    out.hi_sum[i] = _mm512_reduce_add_epi32(_mm512_madd_epi16(hi, one));
   }
 }
 
@@ -900,24 +911,31 @@ inline int32_t dword_at(const void* p) {
   return v;
 }
 
+constexpr int64_t kTileAhead = 4;  // tile-blocks prefetched ahead (8 and 16 measured no different, 2026-12-01)
 // y[m, 16t..16t + 15] for G rows of x from m0 (y rows R apart) and tiles [t0, t1) of a tiled matrix.
 template <Format F, int G>
 void tiled_rows(const QuantizedX<int16_t>& qx, const SplitX& x, int64_t m0, float* y, const Weights& w, int64_t t0, int64_t t1) {
-  static_assert(kNibbles<F>);
+  static_assert(kTileable<F>);
+  constexpr int64_t kBytes = 16 * kBlockBytes<F>;  // a tile's block
   const int64_t NB = w.NB, last = w.R / 16 * NB;
   const auto* q = reinterpret_cast<const uint32_t*>(w.qs);
-  const __m512i nibble = _mm512_set1_epi8(15);
+  const __m512i nibble = _mm512_set1_epi8(15), top = _mm512_set1_epi8(char(0x80));
   for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[G];
     for (int m = 0; m < G; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < NB; ++b) {
       const int64_t tb = t * NB + b;
-      if (tb + 4 < last)  // four tile-blocks (1 KB) ahead: the stream prefetch alone lagged
-        for (int i = 0; i < 256; i += 64) _mm_prefetch(reinterpret_cast<const char*>(q + (tb + 4) * 64) + i, _MM_HINT_T0);
-      __m512i wb[8];
-      for (int k = 0; k < 4; ++k) {
-        const __m512i v = _mm512_loadu_si512(q + tb * 64 + 16 * k);
-        wb[k] = _mm512_and_si512(v, nibble), wb[4 + k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      if (tb + kTileAhead < last)  // the stream prefetch alone lagged
+        for (int64_t i = 0; i < kBytes; i += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w.qs) + (tb + kTileAhead) * kBytes + i, _MM_HINT_T0);
+      __m512i wb[8], wu[8];  // the weights as signed bytes (times lo) and as unsigned ones (times hi)
+      if constexpr (kNibbles<F>) {
+        for (int k = 0; k < 4; ++k) {
+          const __m512i v = _mm512_loadu_si512(q + tb * 64 + 16 * k);
+          wb[k] = wu[k] = _mm512_and_si512(v, nibble), wb[4 + k] = wu[4 + k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        }
+      } else {
+        for (int k = 0; k < 8; ++k) wb[k] = _mm512_loadu_si512(q + tb * 128 + 16 * k), wu[k] = _mm512_xor_si512(wb[k], top);
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.d + tb * 16)));
       __m512 mn = _mm512_setzero_ps();
@@ -928,13 +946,14 @@ void tiled_rows(const QuantizedX<int16_t>& qx, const SplitX& x, int64_t m0, floa
         const uint8_t* lo = x.lo.data() + at * 32;
         __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
         for (int k = 0; k < 8; k += 2) {
-          h0 = _mm512_dpbusd_epi32(h0, wb[k], _mm512_set1_epi32(dword_at(hi + 4 * k)));
-          h1 = _mm512_dpbusd_epi32(h1, wb[k + 1], _mm512_set1_epi32(dword_at(hi + 4 * k + 4)));
+          h0 = _mm512_dpbusd_epi32(h0, wu[k], _mm512_set1_epi32(dword_at(hi + 4 * k)));
+          h1 = _mm512_dpbusd_epi32(h1, wu[k + 1], _mm512_set1_epi32(dword_at(hi + 4 * k + 4)));
           l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(dword_at(lo + 4 * k)), wb[k]);
           l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(dword_at(lo + 4 * k + 4)), wb[k + 1]);
         }
         __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
         if constexpr (F == Format::kQ4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * x.sum[at]));
+        if constexpr (F == Format::kQ8_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(x.hi_sum[at] * 32768));  // 256 * 128 * sum(hi)
         acc[m] = add_block<F>(acc[m], sum, d, mn, qx.dx[at], qx.offset[at]);
       }
     }
@@ -949,9 +968,9 @@ void tiled_group(int g, const QuantizedX<int16_t>& qx, const SplitX& x, int64_t 
   tiled_rows<F, G>(qx, x, m0, y, w, t0, t1);
 }
 
-// M rows of x against N tiled matrices: x quantized and split once, the matrices' tiles one range
-// that the threads split.
-template <Format F>
+// M rows of x against N tiled matrices: x quantized once (XQ's levels, int16 storage, as the GEMM
+// takes it) and split, the matrices' tiles one range that the threads split.
+template <Format F, typename XQ>
 ffi::Error TiledProducts(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_t N, const Weights* ws, float* const* outs) {
   static thread_local QuantizedX<int16_t> caller_qx;  // this caller's, reused (references: the parts capture them)
   static thread_local SplitX caller_split;
@@ -959,9 +978,8 @@ ffi::Error TiledProducts(ffi::ThreadPool& pool, const float* xs, int64_t M, int6
   auto& sx = caller_split;
   const int64_t NB = ws[0].NB, blocks = M * NB;
   size_x(M, NB, qx, /*paired=*/false);
-  quantize_blocks<F, int16_t>(xs, NB, qx, 0, blocks);
-  sx.hi.resize(blocks * 32), sx.lo.resize(blocks * 32), sx.sum.resize(blocks);
-  split_blocks(qx, sx, 0, blocks);
+  quantize_blocks<F, XQ, int16_t>(xs, NB, qx, 0, blocks);
+  split_blocks(qx, sx, blocks);
   int64_t first_tile[kMaxMatrices + 1] = {0};  // matrix j's tiles are [first_tile[j], first_tile[j + 1])
   for (int64_t j = 0; j < N; ++j) first_tile[j + 1] = first_tile[j] + ws[j].R / 16;
   const int64_t tiles = first_tile[N];
@@ -995,11 +1013,11 @@ ffi::Error Products(ffi::ThreadPool& pool, const float* xs, int64_t M, int64_t K
 #if EEJAX_VNNI512
   if constexpr (kInteger)
     if (M > kMaxVectorRows || gemm) return PanelMatmul<F, XQ>(pool, xs, M, N, ws, outs, starts);
-  if constexpr (kNibbles<F> && std::is_same_v<XQ, int16_t>)
-    if (ws[0].tiled) return TiledProducts<F>(pool, xs, M, N, ws, outs);
+  if constexpr (kTileable<F> && kInteger)
+    if (ws[0].tiled) return TiledProducts<F, XQ>(pool, xs, M, N, ws, outs);
 #endif
   if (ws[0].tiled)
-    return ffi::Error::InvalidArgument("eejax_quantized: tiled weights take int16 x (or a prefill's GEMM) on a CPU with AVX-512 VNNI");
+    return ffi::Error::InvalidArgument("eejax_quantized: tiled weights take integer x on a CPU with AVX-512 VNNI");
   // This caller's buffers, reused from call to call. A reference, which the parts capture: in a
   // helper's thread the name would be the helper's own.
   static thread_local QuantizedX<std::conditional_t<kInteger, XQ, int8_t>> caller_qx;
@@ -1056,7 +1074,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     if (qd.size() != 3 || qd[1] * qd[2] * (kNibbles<F> ? 2 : 1) != K)
       return ffi::Error::InvalidArgument("eejax_quantized: x and the blocks do not contract");
     ws[j] = weights_of(F == Format::kInt8, F == Format::kQ4_1, qs->untyped_data(), scales->untyped_data(),
-                       mins->untyped_data(), qd[0], K / 32, tiled && kNibbles<F>);
+                       mins->untyped_data(), qd[0], K / 32, tiled && kTileable<F>);
     outs[j] = (*y)->typed_data();
     starts[j + 1] = starts[j] + qd[0];
   }
@@ -1111,7 +1129,7 @@ ffi::Error eejax::quantized_products(ffi::ThreadPool& pool, Activations activati
     if (m.format != format) return ffi::Error::InvalidArgument("eejax: matrices in one product call share a format");
     if (m.tiled != matrices[0].tiled) return ffi::Error::InvalidArgument("eejax: tiled and untiled matrices in one product call");
     ws[j] = weights_of(format == BlockFormat::kInt8, format == BlockFormat::kQ4_1, m.qs, m.scales, m.mins, m.rows, K / 32,
-                       m.tiled && (format == BlockFormat::kQ4_0 || format == BlockFormat::kQ4_1));
+                       m.tiled && format != BlockFormat::kInt8);
     starts[j + 1] = starts[j] + m.rows;
   }
   auto run = [&](auto format_tag) -> ffi::Error {

@@ -36,7 +36,7 @@ from eejax.errors import EejaxError
 from eejax.models import modules
 from eejax.models.common import row_sum
 from eejax.models.modules import share_scope, unboxed_init
-from eejax.quantized import is_quantized, untile
+from eejax.quantized import is_quantized, rows_at, tile, untile
 
 ADAPTER_KEYS = ("adapter_norm", "adapter_down", "adapter_up")
 CLASSIFIER_KEYS = ("classifier_w", "classifier_b")
@@ -86,12 +86,11 @@ def set_exit_vocab(params, ids, tied: bool) -> dict:
 
 def head_rows(head, rows, tied: bool):
     """The head's weights for tokens `rows` in its own layout ([K, D] tied, [D, K] untied); a
-    quantized head gives its blocks for them (its rows are tokens either way)."""
+    quantized head gives its blocks for them (its rows are tokens either way), in tiles where the
+    head is in tiles and they fill whole tiles."""
     if is_quantized(head):
-        head = untile(head)  # an untied head's rows may be in tiles
-        return dataclasses.replace(
-            head, qs=head.qs[rows], scales=head.scales[rows], mins=None if head.mins is None else head.mins[rows]
-        )
+        picked = rows_at(head, rows)
+        return tile(picked) if head.tiled else picked
     return head[rows] if tied else head[:, rows]
 
 
@@ -102,6 +101,8 @@ def check_reduced_head(params, tied: bool) -> None:
     if not has_reduced_head(e):
         return
     want, have = head_rows(head_weight(params, tied), e["vocab_ids"], tied), e["vocab_head"]
+    if is_quantized(want) and is_quantized(have):  # tiled or not, the same rows
+        want, have = untile(want), untile(have)
     same = jax.tree.structure(want) == jax.tree.structure(have) and all(
         bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(have), strict=True)
     )
