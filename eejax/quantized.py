@@ -285,6 +285,22 @@ def quantize_int8(w, transposed: bool = True) -> QuantizedMatrix:
     return QuantizedMatrix(np.ascontiguousarray(q[..., None, :]), scale, None, "int8", transposed)
 
 
+def quantize_q8_0(w, transposed: bool = True) -> QuantizedMatrix:
+    """A float matrix (numpy) as Q8_0 blocks, as ggml's reference quantizer makes them: per block of
+    32 along a row, d = max |w| / 127 (stored f16), q = w / d rounded half away from zero.
+    `transposed` as in `quantize_int8`; a row's length must be whole blocks."""
+    w = np.asarray(w, np.float32)
+    rows = np.swapaxes(w, -1, -2) if transposed else w
+    if rows.shape[-1] % BLOCK:
+        raise ValueError(f"a q8_0 matrix's rows must be whole blocks of {BLOCK}, got {rows.shape[-1]}")
+    blocks = rows.reshape(*rows.shape[:-1], -1, BLOCK)
+    d = np.abs(blocks).max(axis=-1) / 127.0
+    inverse = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)[..., None]
+    scaled = blocks * inverse
+    q = (np.sign(scaled) * np.floor(np.abs(scaled) + 0.5)).astype(np.int8)
+    return QuantizedMatrix(np.ascontiguousarray(q), d.astype(np.float16), None, "q8_0", transposed)
+
+
 def from_ggml_blocks(raw: np.ndarray, format: str, rows: int, cols: int, transposed: bool) -> QuantizedMatrix:
     """A GGUF tensor's raw bytes (uint8 [rows * cols / 32 * block bytes], GGML's block structs:
     f16 d, [f16 m,] then the values) -> its blocks, as numpy arrays (no float copy)."""

@@ -257,6 +257,18 @@ def test_integer_activations_match_their_jnp_equal(format, activations, near):
         np.testing.assert_allclose(got, x @ exact.T, rtol=0, atol=near * scale)
 
 
+def test_q8_0_blocks_are_gguf_pys():
+    """`quantize_q8_0` (a draft head beside GGUF blocks) makes the bytes gguf-py's quantizer makes,
+    a block of zeros and a stack included."""
+    w = np.random.default_rng(8).standard_normal((2, 96, 48)).astype(np.float32)
+    w[0, :32, 0] = 0
+    got = Q.quantize_q8_0(w, transposed=True)
+    assert got.shape == w.shape and got.qs.shape == (2, 48, 3, 32)
+    for i in range(2):
+        want = ggml_blocks(w[i], "q8_0", transposed=True)
+        assert np.array_equal(got.qs[i], want.qs) and np.array_equal(got.scales[i], want.scales)
+
+
 def test_int8_per_channel_keeps_each_output_within_half_a_step():
     w = np.random.default_rng(4).standard_normal((3, 40, 24)).astype(np.float32)  # stacked [L, D_in, out]
     q = Q.quantize_int8(w, transposed=True)
@@ -363,19 +375,19 @@ def test_the_engine_serves_a_quantized_model_with_prefix_caching(blocks_model):
 
 
 def test_a_draft_head_is_quantized_with_its_model_and_stays_lossless(config, float_params, blocks_model, tmp_path):
-    """A quantized model's draft head is int8 per output channel (its norms stay float), whether the
-    model's blocks come from a GGUF file or from int8 quantization at load; drafting on it gives
-    the quantized model's full-depth tokens."""
+    """A quantized model's draft head is quantized with it (its norms stay float): Q8_0 blocks beside
+    a GGUF file's blocks (in tiles where the tiled loop runs), int8 per output channel beside int8
+    quantization at load; drafting on it gives the quantized model's full-depth tokens."""
     from eejax.models import draft_head
 
     draft = draft_head.init_draft(config, jax.random.PRNGKey(3), params=float_params)
     eejax.save(eejax.Model(config, {**blocks_model.params, "draft": draft}), tmp_path / "blocks")
     eejax.save(eejax.Model(config, {**float_params, "draft": draft}), tmp_path / "float")
     assert Q.formats(eejax.load(tmp_path / "blocks").params["draft"]) == set()  # as saved
-    for directory, kind in ((tmp_path / "blocks", "gguf"), (tmp_path / "float", "int8")):
+    for directory, kind, format in ((tmp_path / "blocks", "gguf", "q8_0"), (tmp_path / "float", "int8", "int8")):
         model = eejax.load(directory, quantization=kind)
         d = model.params["draft"]
-        assert d["fc"].format == d["layer"]["w_down"].format == "int8" and not Q.is_quantized(d["layer"]["attn_norm"])
+        assert d["fc"].format == d["layer"]["w_down"].format == format and not Q.is_quantized(d["layer"]["attn_norm"])
         assert greedy(model, PROMPTS, spec="draft:2").tokens == greedy(model, PROMPTS).tokens, kind
     auto = eejax.generate(model, PROMPTS[:1], max_new_tokens=4, ignore_eos=True, spec="auto")
     assert auto.stats["spec"] is None  # on a CPU a verify pass over blocks costs ~d + 1 steps: full depth
