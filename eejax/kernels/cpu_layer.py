@@ -1,7 +1,8 @@
 """A Llama decoder layer's decode step in one call on a CPU (`cpu_layer.cc`, built into the kernel
 library with `cpu_matmul`), for weights kept as their blocks (`QuantizedMatrix`, the CPU's default
-load) and a batch-1 decode step (the kernel takes up to 64 rows; `MAX_ROWS` says why one), or in
-the stacked layout's loop any step of up to 64 rows (`MAX_STACKED_ROWS`), the stacks read in place.
+load) and a batch-1 decode step or verify pass (the kernel takes up to 64 rows; `MAX_ROWS` and
+`MAX_POSITIONS` say why so few), or in the stacked layout's loop any step of up to 64 rows
+(`MAX_STACKED_ROWS`), the stacks read in place.
 
 The call runs what the layer runs op by op, with the same loops: RMSNorm, the q/k/v products,
 their rotation, the cache write, the CPU attention kernel, o and its residual, RMSNorm, gate/up,
@@ -29,6 +30,12 @@ ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2}  # cpu_kernels.h's Activatio
 # threads overcommits the cores, and steps ran 3-22% slower than op by op (benchmarks/cpu_layer.py
 # --max-rows 8). At one row a step runs as fast as op by op.
 MAX_ROWS = 1
+# Positions of one row a step may have to take the call all the same: a batch-1 verify pass. With the
+# blocks in tiles (a block decoded once for the rows) a `draft:4` round ran 12.51 -> 11.83 ms in one
+# call (1.76 -> 1.66 full-depth steps), while a batch of 8 one call a layer ran 0.975x op by op
+# (2026-12-01, an Intel AMX host: /tmp scripts around benchmarks/round_costs.py, and
+# benchmarks/cpu_layer.py --max-rows 8 --batches 8).
+MAX_POSITIONS = 8
 # Rows a step of the stacked layout's loop may have (a traced layer index): there op by op slices
 # each layer's weights out of the stack, a copy a step, which the call, reading the stack in
 # place, does not make (benchmarks/cpu_layer.py --layer-buffers stacked).
@@ -39,8 +46,8 @@ def applies(weights: dict, h, k_cache, cos, *, attention: str, tree, max_rows: i
     """Whether one call can run a layer whose weights are `weights` ({name: one layer's array or
     QuantizedMatrix}, or a stack's: only static facts are read) on h [B, T, D]: every matrix kept
     as blocks of one kind of activations (no prompt's GEMM), float32 norms, h, tables and cache,
-    at most `max_rows` rows (default `MAX_ROWS`), the CPU attention kernel (`attention`: the
-    resolved impl) and no tree of drafts."""
+    at most `max_rows` rows (default `MAX_ROWS`; one row's up to `MAX_POSITIONS` positions
+    whatever it is), the CPU attention kernel (`attention`: the resolved impl) and no tree of drafts."""
     if attention != "cpu" or tree is not None or not all(k in weights for k in (*NORMS, *MATRICES)):
         return False
     ms = [weights[k] for k in MATRICES]
@@ -48,6 +55,9 @@ def applies(weights: dict, h, k_cache, cos, *, attention: str, tree, max_rows: i
         return False
     first = ms[0]
     rows = h.shape[0] * h.shape[1]
+    limit = MAX_ROWS if max_rows is None else max_rows
+    if h.ndim == 3 and h.shape[0] == 1:  # one row's positions: a verify pass
+        limit = max(limit, MAX_POSITIONS)
     return (
         first.activations in ACTIVATIONS
         and all(w.activations == first.activations and w.cols % 32 == 0 for w in ms)
@@ -58,7 +68,7 @@ def applies(weights: dict, h, k_cache, cos, *, attention: str, tree, max_rows: i
         and k_cache.dtype == jnp.float32
         and cos.dtype == jnp.float32
         and cos.shape[-1] % 8 == 0
-        and 0 < rows <= min(MAX_ROWS if max_rows is None else max_rows, cpu_matmul.MAX_QUANTIZED_ROWS)
+        and 0 < rows <= min(limit, cpu_matmul.MAX_QUANTIZED_ROWS)
         and cpu_matmul.library_applies()
     )
 
