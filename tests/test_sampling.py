@@ -164,8 +164,9 @@ def test_penalties_off_change_nothing_and_positions_count_the_drafts_before_them
 
 
 def test_argmax_gives_jnps_index_for_ties_nans_and_infinities():
-    """`decode.argmax` (two plain reductions on a CPU) is `jnp.argmax` over the last axis: the
-    first maximum, a NaN as the largest, whatever the leading axes."""
+    """`decode.argmax` (the library's one pass on a CPU) is `jnp.argmax` over the last axis: the
+    first maximum, a NaN as the largest, whatever the leading axes and the row's length (whole
+    vectors of 16 and a tail; ties and NaNs in either, -0 beside +0)."""
     from eejax.decode.argmax import argmax
 
     rows = np.array(
@@ -179,6 +180,15 @@ def test_argmax_gives_jnps_index_for_ties_nans_and_infinities():
         np.float32,
     )
     rng = np.random.default_rng(0)
-    for x in (rows, rng.standard_normal((2, 3, 257)).astype(np.float32), rng.integers(0, 3, (4, 9)).astype(np.float32)):
+    long = rng.integers(-3, 4, (6, 40)).astype(np.float32)
+    long[1, 37] = long[2, 3] = long[2, 30] = np.nan
+    long[3, :] = -np.inf
+    long[4, :] = [-0.0, 0.0] * 20
+    long[5, 35] = 9.0
+    vocab = rng.standard_normal((3, 49152)).astype(np.float32)
+    vocab[1, [7, 40000]] = 50.0
+    vocab[2, 49151] = np.nan
+    others = rng.standard_normal((2, 3, 257)).astype(np.float32), rng.integers(0, 3, (4, 9)).astype(np.float32)
+    for x in (rows, long, vocab, *others):
         got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
         assert got.dtype == np.int32 and np.array_equal(got, np.asarray(jnp.argmax(x, axis=-1)))

@@ -18,6 +18,10 @@
 //   eejax_silu_mul:  y = g / (1 + e^-g) * u, e^x by Cephes' polynomial, 16 elements a vector and
 //                    the tail as one more (-g clamped to [-87.3, 88.3]: a gate below -88 gives
 //                    ~-1e-37, not -0)
+//   eejax_argmax:    i[n] = the first index of x[n, :]'s largest value, a NaN the largest (jnp.argmax):
+//                    one pass, each lane keeping its first largest value and where it was, then
+//                    the lanes' best (XLA:CPU's two reductions over SmolLM2's 49152 logits took
+//                    ~75 us a row; its variadic argmax ~245)
 // This file is compiled with contraction off (-ffp-contract=off: `cpu_matmul.SOURCE_FLAGS`), so what
 // is written is what runs; a fused multiply-add is one where std::fma says so.
 
@@ -28,6 +32,10 @@
 
 #include "cpu_kernels.h"
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -157,6 +165,42 @@ void eejax::silu_mul_values(const float* gs, const float* us, float* out, int64_
 
 namespace {
 
+// The first index of row[0..V)'s largest value, the first NaN if there is one (jnp.argmax's).
+int32_t row_argmax(const float* row, int64_t V) {
+  int64_t i = 0;
+  float best = -INFINITY;
+  int64_t at = 0;
+#if defined(__AVX512F__)
+  if (V >= 16) {
+    __m512 lane_best = _mm512_set1_ps(-INFINITY);
+    __m512i lane_at = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    for (; i + 16 <= V; i += 16, index = _mm512_add_epi32(index, sixteen)) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      if (const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) return int32_t(i + __builtin_ctz(nan));
+      const __mmask16 above = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);  // strictly: a lane keeps its first
+      lane_best = _mm512_mask_mov_ps(lane_best, above, v), lane_at = _mm512_mask_mov_epi32(lane_at, above, index);
+    }
+    best = _mm512_reduce_max_ps(lane_best);
+    const __mmask16 holding = _mm512_cmp_ps_mask(lane_best, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    at = _mm512_mask_reduce_min_epi32(holding, lane_at);  // the first of the lanes' first maxima
+  }
+#endif
+  for (; i < V; ++i) {
+    if (std::isnan(row[i])) return int32_t(i);
+    if (row[i] > best) best = row[i], at = i;
+  }
+  return int32_t(at);
+}
+
+ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  const auto dims = x.dimensions();
+  if (dims.size() < 1 || dims.back() < 1) return ffi::Error::InvalidArgument("eejax_argmax: x needs a last axis of at least one value");
+  const int64_t V = dims.back(), N = x.element_count() / V;
+  for (int64_t n = 0; n < N; ++n) out->typed_data()[n] = row_argmax(x.typed_data() + n * V, V);
+  return ffi::Error::Success();
+}
+
 ffi::Error SiluMul(ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> u, ffi::ResultBuffer<ffi::F32> y) {
   if (g.element_count() != u.element_count()) return ffi::Error::InvalidArgument("eejax_silu_mul: gate and up differ in size");
   eejax::silu_mul_values(g.typed_data(), u.typed_data(), y->typed_data(), g.element_count());
@@ -191,3 +235,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EejaxSiluMul, SiluMul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EejaxArgmax, Argmax, ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());

@@ -1,5 +1,6 @@
-"""RMSNorm, the rotary embedding (its tables and the rotation) and SiLU(gate) * up on a CPU in eejax's kernel library
-(`cpu_elementwise.cc`, built with `cpu_matmul`): each element one fixed expression of its inputs,
+"""RMSNorm, the rotary embedding (its tables and the rotation), SiLU(gate) * up and a row's argmax
+on a CPU in eejax's kernel library (`cpu_elementwise.cc`, built with `cpu_matmul`): each element one
+fixed expression of its inputs,
 so a row's bits do not depend on the program it runs in, the rows beside it or its shape.
 
 XLA:CPU contracts a multiply feeding an add into a fused multiply-add where its fusion of the
@@ -78,6 +79,16 @@ def silu_mul(gate, up):
     if not applies(gate, up):
         return silu_mul_reference(gate, up)
     return _silu_mul(gate, up)
+
+
+def argmax(x):
+    """The first index of the largest value along x's last axis (a NaN the largest) -> int32
+    [...]: `jnp.argmax`'s index, one pass over each row in the library (float32 x, where it
+    applies; None elsewhere: the caller's own reductions)."""
+    if not applies(x) or x.shape[-1] == 0:
+        return None
+    out = jax.ShapeDtypeStruct(x.shape[:-1], jnp.int32)
+    return jax.ffi.ffi_call("eejax_argmax", out, vmap_method="broadcast_all")(x)
 
 
 def _call(target, like, *args, vmap_method="broadcast_all", **attrs):

@@ -85,6 +85,7 @@ TARGETS = {  # XLA's name for a handler -> its symbol in the library
     "eejax_rope": "EejaxRope",
     "eejax_rope_tables": "EejaxRopeTables",
     "eejax_silu_mul": "EejaxSiluMul",
+    "eejax_argmax": "EejaxArgmax",
     "eejax_cpu_layer": "EejaxCpuLayer",  # cpu_layer.py
     **{
         f"eejax_quantized_{f}_{a}": f"EejaxQuantized{f.capitalize()}{suffix}"
