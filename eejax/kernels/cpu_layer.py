@@ -32,9 +32,9 @@ ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2}  # cpu_kernels.h's Activatio
 MAX_ROWS = 1
 # Positions of one row a step may have to take the call all the same: a batch-1 verify pass. With the
 # blocks in tiles (a block decoded once for the rows) a `draft:4` round ran 12.51 -> 11.83 ms in one
-# call (1.76 -> 1.66 full-depth steps), while a batch of 8 one call a layer ran 0.975x op by op
-# (2026-12-01, an Intel AMX host: /tmp scripts around benchmarks/round_costs.py, and
-# benchmarks/cpu_layer.py --max-rows 8 --batches 8).
+# call (1.76 -> 1.66 full-depth steps; both programs in one process, as benchmarks/round_costs.py
+# times them), while a batch of 8 one call a layer ran 0.975x op by op (benchmarks/cpu_layer.py
+# --max-rows 8 --batches 8; an Intel AMX host, 2026-12-01: docs/results/cpu-2026-11.md).
 MAX_POSITIONS = 8
 # Rows a step of the stacked layout's loop may have (a traced layer index): there op by op slices
 # each layer's weights out of the stack, a copy a step, which the call, reading the stack in

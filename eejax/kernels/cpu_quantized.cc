@@ -61,7 +61,7 @@ constexpr bool kNibbles = F == Format::kQ4_0 || F == Format::kQ4_1;
 template <Format F>
 constexpr int64_t kBlockBytes = kNibbles<F> ? 16 : 32;
 template <Format F>
-constexpr bool kTileable = kNibbles<F> || F == Format::kQ8_0;  // kept in tiles of 16 rows where int16 x takes them
+constexpr bool kTileable = kNibbles<F> || F == Format::kQ8_0;  // kept in tiles of 16 rows where integer x takes them
 template <Format F>
 constexpr int64_t kTileWords = kBlockBytes<F> / 4;  // four-byte words of a row's block
 constexpr int kGroup = 4;            // rows of float x per pass over a weight row
