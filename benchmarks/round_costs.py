@@ -1,7 +1,8 @@
 """What one speculation round costs, in full-depth steps, without the engine around it: each
 setting's round (drafts + one verify pass + the draft's catch-up) as one jitted program on the
 same prefilled rows (CNN/DM evaluation row 0.., a --prompt-tokens summary prompt), timed against
-one full-depth decode step, medians of --repeats alternating runs. Each program gets its own copy
+one full-depth decode step, medians of --repeats alternating runs; with --per-program N, programs of
+N steps and of N rounds (the engine's dispatch: 4), each cost divided by N. Each program gets its own copy
 of the cache, donated as the engine donates it (made outside the timing), so no program pays a
 copy of the cache the engine never makes. On a CPU a verify pass costs more per position it
 scores (`verified rows` = rows x positions); this is what a tree of drafts pays for its extra
@@ -9,7 +10,8 @@ nodes. A prompt lookup's round (`draft:d:lookup`) is timed twice: with every row
 no row matching.
 
     python benchmarks/round_costs.py [--batch 1] [--specs draft:2 draft:4 draft:2:tree draft:4:tree] \
-        [--quantization gguf|int8] [--activations float32|int16|int8] [--prompt-activations int16]
+        [--quantization gguf|int8] [--activations float32|int16|int8] [--prompt-activations int16] \
+        [--per-program 4]
 """
 
 from __future__ import annotations
@@ -76,16 +78,21 @@ def with_prompts(state, copied: bool):
     )
 
 
-def round_program(config, table, batch: int, spec: SpecConfig):
-    """One round of `spec` (its d drafts, the verify pass with the bonus, the acceptance) as one
-    jitted program of (params, cache, state), the cache donated."""
+def round_program(config, table, batch: int, spec: SpecConfig, rounds: int = 1):
+    """`rounds` rounds of `spec` (each its d drafts, the verify pass with the bonus, the
+    acceptance) as one jitted program of (params, cache, state), the cache donated."""
     options = StepOptions(64, spec=spec).round(spec.num_speculations, bonus=True)
 
     def run(params, cache, state):
-        drafts, state, cache = speculative.draft(params, cache, state, table, config=config, options=options.drafting())
         counters = speculative.SpecCounters.zeros(batch)
-        verifying = options.verifying()
-        return speculative.verify(params, cache, state, drafts, counters, table, config=config, options=verifying)
+        for _ in range(rounds):
+            drafting = options.drafting()
+            drafts, state, cache = speculative.draft(params, cache, state, table, config=config, options=drafting)
+            verifying = options.verifying()
+            state, cache, counters = speculative.verify(
+                params, cache, state, drafts, counters, table, config=config, options=verifying
+            )
+        return state, cache, counters
 
     return jax.jit(run, donate_argnums=(1,))
 
@@ -99,12 +106,12 @@ def steps_program(config, table, num_steps: int = 1):
     )
 
 
-def setting_programs(model, specs, state, table, batch: int) -> dict:
-    """{name: (program, its input state)}: one full-depth step and a round of each spec (a
-    lookup's twice: every row copying, no row matching)."""
-    programs = {"full-depth step": (steps_program(model.config, table), state)}
+def setting_programs(model, specs, state, table, batch: int, per_program: int = 1) -> dict:
+    """{name: (program, its input state)}: `per_program` full-depth steps and as many rounds of
+    each spec, a program each (a lookup's twice: every row copying, no row matching)."""
+    programs = {"full-depth step": (steps_program(model.config, table, per_program), state)}
     for s in specs:
-        program = round_program(model.config, table, batch, s)
+        program = round_program(model.config, table, batch, s, per_program)
         if s.lookup:
             programs[f"{s.spec} (copied)"] = (program, with_prompts(state, True))
             programs[f"{s.spec} (no match)"] = (program, with_prompts(state, False))
@@ -135,6 +142,12 @@ def main() -> int:
     parser.add_argument("--specs", nargs="+", action="extend", default=None, help="fixed speculation settings")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10, help="timed runs of each program (median kept)")
+    parser.add_argument(
+        "--per-program",
+        type=int,
+        default=1,
+        help="steps and rounds a program runs, as the engine dispatches them (its steps_per_dispatch: 4)",
+    )
     parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="split")
     parser.add_argument("--name", default="round_costs", help="output name under benchmarks/out/")
     add_quantization_args(parser)
@@ -142,11 +155,15 @@ def main() -> int:
     specs = [SpecConfig.parse(s) for s in (args.specs or ["draft:2", "draft:4", "draft:2:tree", "draft:4:tree"])]
     if any(s.adaptive for s in specs):
         parser.error("--specs takes fixed settings (an adaptive round is one of them)")
+    if args.per_program < 1:
+        parser.error(f"--per-program must be >= 1, got {args.per_program}")
     model = load_model(args, args.model)
     prompts, _ = summary_prompts(model.tokenizer, args.batch, args.prompt_tokens)
     state, cache, table = prefilled(model, prompts, 64)
-    programs = setting_programs(model, specs, state, table, args.batch)
-    seconds = median_seconds(programs, model.run_params, cache, args.repeats)
+    programs = setting_programs(model, specs, state, table, args.batch, args.per_program)
+    seconds = {
+        k: v / args.per_program for k, v in median_seconds(programs, model.run_params, cache, args.repeats).items()
+    }
     step_s = seconds["full-depth step"]
     rows = []
     print("| setting | verified rows | ms | steps |\n|---|---|---|---|")

@@ -362,9 +362,27 @@ def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
         assert resolve_spec(off, has_draft_head=True) is None
     assert resolve_spec("Auto", has_draft_head=True) == auto_spec()
     assert resolve_spec("auto", has_draft_head=True, speculate=False) is None
+    assert resolve_spec("auto", has_draft_head=True, cpu_blocks=True) == auto_spec(cpu_blocks=True)
     with pytest.raises(EejaxError, match="not both"):  # whether auto would speculate or not
         eejax.generate(model, PROMPTS[:2], max_new_tokens=2, spec="auto", exit="softmax:0.9")
     assert resolve_spec("draft:2", has_draft_head=False) == SpecConfig.parse("draft:2")  # checked later
+
+
+def test_priced_rounds_in_the_engine_are_lossless_and_time_nothing(model, monkeypatch):
+    """The blocks' auto (`auto_spec(cpu_blocks=True)`) with its rounds priced, as on a CPU's quantized
+    blocks (priced here on float weights): full depth's tokens, rounds from the first program, and
+    nothing timed: no split round, no plain step, the prices kept."""
+    import eejax.engine.speculation as speculation
+
+    prices = {1: 1.21, 2: 1.35, 3: 1.47}
+    monkeypatch.setattr(speculation, "round_prices", lambda spec, quantized: prices)
+    full = eejax.generate(model, PROMPTS[:1], max_new_tokens=NEW, ignore_eos=True)
+    engine = Engine(model, max_slots=1, max_new_tokens=NEW, ignore_eos=True)
+    seq = engine.submit(PROMPTS[0], max_new_tokens=NEW, spec=auto_spec(cpu_blocks=True))
+    engine.run()
+    (policy,) = list(engine.speculation.policies.values()) + engine.speculation.past_policies
+    assert seq.tokens == full.tokens[0] and policy.prices == prices and policy.verify_s == prices
+    assert policy.plain_timed == 0 and policy.c_full == 1.0 and policy.chosen[2] >= 1
 
 
 SAMPLED_PROMPT = [3, 7, 1, 12, 5]

@@ -214,3 +214,79 @@ def test_marginal_rounds_time_a_plain_step_again():
     assert marginal.c_full < 0.95 and marginal.next_speculations() == 0
     paying = running(1.5)
     assert all(paying.next_speculations() > 0 for _ in range(3 * RECHECK_EVERY))
+
+
+def test_priced_rounds_are_chosen_from_the_acceptance_alone():
+    """Rounds priced in plain steps (a CPU's quantized blocks): rounds from the first program on, no
+    split round, no plain step to time; what the engine times changes nothing; d follows the
+    acceptance, and a head whose drafts are never accepted is turned off once the evidence is in."""
+    prices = {1: 1.23, 2: 1.39}
+    policy = SpeculationPolicy(DraftChainSpec(2, adaptive=True, max_speculations=2), prices=prices)
+    assert not policy.timed and policy.c_verify(2) == 1.39 and policy.c_plain == 1.0
+    policy.observe(2, accepted=60, rejected=40)  # α ~0.6
+    chosen = [policy.next_speculations() for _ in range(2 * REFRESH_EVERY + 2)]
+    assert chosen == [2] * len(chosen) and not policy.split
+    assert policy.predicted_speedup(2) == pytest.approx(expected_tokens(policy.alpha, 2) / 1.39)
+    policy.observe_round(2, 100.0)  # a slow moment of the machine: not a cost
+    policy.observe_plain(0.001)
+    policy.observe_times(2, 50.0, 50.0)
+    assert policy.c_full == 1.0 and policy.c_draft == 0.0 and policy.verify_s == prices
+    assert policy.next_speculations() == 2
+    for _ in range(60):  # the text changes: one draft in three accepted, d = 1 pays most
+        policy.observe(2, accepted=1, rejected=2)
+    assert 0.3 < policy.alpha < 0.36 and policy.next_speculations() == 1
+    for _ in range(60):  # one in four: no round pays by PAYS_ABOVE, plain steps and probes
+        policy.observe(1, accepted=1, rejected=3)
+    assert policy.next_speculations() == 0 and not policy.turned_off
+    for _ in range(60):  # nothing accepted: off for good
+        policy.observe(1, accepted=0, rejected=4)
+    assert policy.next_speculations() == 0 and policy.turned_off
+
+
+def test_round_prices_are_for_a_draft_heads_adaptive_chain_on_a_cpus_blocks():
+    from eejax.decode.spec_policy import CPU_BLOCK_ROUND_STEPS, on_cpu_blocks, round_prices
+    from eejax.kernels.backend import backend
+    from eejax.options import DraftLookupSpec, auto_spec
+
+    assert backend() == "cpu" and on_cpu_blocks(True) and not on_cpu_blocks(False)
+    blocks = auto_spec(cpu_blocks=True)
+    assert blocks.spec == "draft:2:adaptive" and blocks.max_speculations == 3 and not blocks.lookup
+    assert round_prices(blocks, quantized=True) == {d: CPU_BLOCK_ROUND_STEPS[d] for d in (1, 2, 3)}
+    four = DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
+    assert round_prices(four, quantized=True) == CPU_BLOCK_ROUND_STEPS
+    assert round_prices(blocks, quantized=False) is None  # float weights: timed
+    assert round_prices(DraftChainSpec(2), quantized=True) is None  # fixed d: nothing to choose
+    assert round_prices(DraftChainSpec(2, adaptive=True, max_speculations=8), quantized=True) is None  # d 5-8 unpriced
+    assert round_prices(LayerSkipSpec(2, 2, adaptive=True, max_speculations=2), quantized=True) is None
+
+
+def test_a_carried_policy_starts_from_what_its_predecessor_measured():
+    """A batch job's later rows (`Speculation._policy`): where the last policy turned off, its
+    successor takes its acceptance and evidence and turns off from its first program."""
+    prices = {1: 1.21, 2: 1.35}
+    old = SpeculationPolicy(DraftChainSpec(2, adaptive=True, max_speculations=2), prices=prices)
+    for _ in range(40):
+        old.observe(1, accepted=0, rejected=2)
+    assert old.next_speculations() == 0 and old.turned_off
+    fresh = SpeculationPolicy(old.spec, prices=prices)
+    assert fresh.next_speculations() == 2 and not fresh.turned_off  # α 0.5 before anything is measured
+    new = SpeculationPolicy(old.spec, prices=prices).carried(old)
+    assert new.alpha == old.alpha and new.observed == old.observed and new.verify_s == prices
+    assert new.next_speculations() == 0 and new.turned_off
+
+
+def test_a_head_that_drafts_nothing_is_turned_off_before_the_full_evidence():
+    """From EARLY_EVIDENCE judged drafts a draft head's speculation turns off where even two
+    standard errors more acceptance would not pay; the same evidence at α ~0.5 keeps rounds."""
+    from eejax.decode.spec_policy import EARLY_EVIDENCE
+
+    spec = DraftChainSpec(2, adaptive=True, max_speculations=2)
+    poor, fair = SpeculationPolicy(spec, prices={1: 1.21, 2: 1.35}), SpeculationPolicy(spec, prices={1: 1.21, 2: 1.35})
+    judged = 0
+    while not poor.turned_off:
+        assert poor.next_speculations() >= 1 or poor.turned_off
+        poor.observe(1, accepted=0, rejected=1)
+        fair.observe(1, accepted=1, rejected=1)
+        judged += 1
+    assert EARLY_EVIDENCE <= judged < TURN_OFF_EVIDENCE and poor.next_speculations() == 0
+    assert fair.next_speculations() >= 1 and not fair.turned_off

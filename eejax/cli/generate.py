@@ -208,17 +208,18 @@ def add_parsers(sub) -> None:
         "--spec",
         metavar="auto|E:d|draft:d",
         help="speculative decoding: auto speculates with the checkpoint's draft head where it pays (draft:2:adaptive "
-        "with prompt lookup, d up to 4, plain steps where no round pays) and decodes at full depth on a model "
-        "without one; none or off: full depth. E:d drafts d tokens with the first E layers and the exit head "
-        "(LayerSkip) and verifies them with the other layers in one pass; draft:d drafts them with the "
-        "checkpoint's trained draft head (eejax train-draft; e.g. the model smollm2-135m-eagle) and verifies with"
-        " every layer. Greedy output equals full depth, sampling keeps the full model's distribution. A :adaptive"
-        " suffix chooses d per round from the measured acceptance and costs. draft:d:tree drafts a tree of depth "
-        "d (the head's likeliest chain plus its 2nd choices near the root; draft:tree=0,00,1 names the nodes) "
-        "verified in one pass, greedy only. draft:d:stop=η stops a round's drafting at the first draft whose top "
-        "probability is below η (Kangaroo); η 0 is off. draft:d:lookup copies a row's drafts from its prompt or "
-        "output where its last 2-4 tokens occurred before (prompt lookup: summaries, code edits), and drafts with"
-        " the head elsewhere",
+        "with prompt lookup, d up to 4, plain steps where no round pays; on a CPU one row at a time, and there on"
+        " quantized weights the head's chain alone, d up to 3, its rounds priced from measured costs) and decodes"
+        " at full depth on a model without one; none or off: full depth. E:d drafts d tokens with the first E "
+        "layers and the exit head (LayerSkip) and verifies them with the other layers in one pass; draft:d drafts"
+        " them with the checkpoint's trained draft head (eejax train-draft; e.g. the model smollm2-135m-eagle) "
+        "and verifies with every layer. Greedy output equals full depth, sampling keeps the full model's "
+        "distribution. A :adaptive suffix chooses d per round from the measured acceptance and costs. "
+        "draft:d:tree drafts a tree of depth d (the head's likeliest chain plus its 2nd choices near the root; "
+        "draft:tree=0,00,1 names the nodes) verified in one pass, greedy only. draft:d:stop=η stops a round's "
+        "drafting at the first draft whose top probability is below η (Kangaroo); η 0 is off. draft:d:lookup "
+        "copies a row's drafts from its prompt or output where its last 2-4 tokens occurred before (prompt "
+        "lookup: summaries, code edits), and drafts with the head elsewhere",
     )
     gen.add_argument(
         "--spec-max-d",

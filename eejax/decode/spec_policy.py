@@ -35,11 +35,13 @@ next to nothing at batch 1. So a round must beat the plain step less that catch-
 speculation off. When no round would pay even at `TURN_OFF_MARGIN` more acceptance than
 measured, the policy answers d = 0 with `turned_off` set: the engine then runs the group's rows
 as plain full-depth rows for the rest of their lives (`Speculation`), with no catch-up and no
-probes; rows that come later start with a policy of their own, which measures again. The
-acceptance must rest on `TURN_OFF_EVIDENCE` judged drafts first (at batch 1 a few rounds say
-little, and off is for good): before, speculation turns off only where not even every draft
-accepted would pay, and a group whose rounds do not pay keeps running rounds at the best d
-rather than plain steps between probes, which gathers that evidence sooner.
+probes; rows that come later start with a policy of their own, which measures again (a batch
+job's priced policy starts from its predecessor's acceptance: `carried`). The acceptance must
+rest on `TURN_OFF_EVIDENCE` judged drafts first (at batch 1 a few rounds say little, and off is
+for good), or, from `EARLY_EVIDENCE`, no round may pay even at two standard errors more: before,
+speculation turns off only where not even every draft accepted would pay, and a group whose
+rounds do not pay keeps running rounds at the best d rather than plain steps between probes,
+which gathers that evidence sooner.
 Measured costs win over the line: a d whose whole round was timed is costed at its own time
 (a round has costs of its own beyond its positions' products, which the line through the plain
 step understates for small d).
@@ -64,6 +66,14 @@ the machine's load as the verify times do; while rounds are predicted to pay les
 `RECHECK_BELOW`, plain steps run every `RECHECK_EVERY` programs of rounds, so that a marginal
 round is weighed against a plain step timed at about the same moment (the machine's speed
 drifts). (The policy picks d per program: `next_speculations` is asked once a program.)
+
+**Priced rounds (a CPU's quantized blocks).** Where a round's cost in plain steps is known for
+every d the policy may pick (`prices`: `round_prices`, measured with `benchmarks/round_costs.py`),
+nothing is timed: c_full is one step, each d's round costs its price, and only the acceptance is
+measured. On a 2-core CPU at batch 1 the timed choices were noise: rounds there gain 1.1-1.4x, and
+the machine's speed moves 10-40% between programs (the chat head on the GGUF blocks, 2026-12-01:
+`draft:2` 1.12-1.38x full depth on chat, docs, code and news; `draft:2:adaptive` timed, d up to 3,
+1.05-1.23x, with 51% plain steps on the docs; priced, 1.23-1.37x).
 
 The bonus pass (the (d + 1)-th pass over x_d, see `speculative`) buys one token only when all
 d drafts are accepted (probability α^d) and costs E layers every round. The policy turns it on
@@ -95,6 +105,9 @@ TURN_OFF_MARGIN = 0.05  # (draft heads) off when no round pays even at this much
 TURN_OFF_EVIDENCE = 24  # (draft heads) ... once this many drafts were judged (accepted, or a round's
 # rejection): the acceptance of a few rounds at batch 1 is too noisy to stop a row's speculation for good
 # (its standard error at 24: ~0.1; per-row α of the shipped head spans 0.44-0.98)
+EARLY_EVIDENCE = 8  # (draft heads) ... or from this many, where even two standard errors more would not
+# pay (the news head on code requests at batch 1: α ~0.05; the first row's 24 judged drafts cost its
+# job 5% of full depth's speed)
 RECHECK_BELOW = 1.2  # rounds predicted to pay less than this ...
 RECHECK_EVERY = 8  # ... give way to plain steps every this many programs, which time them again: a round's
 # cost is timed every round, a plain step's only when one runs, and on a 2-core CPU the machine's speed
@@ -106,18 +119,42 @@ PAYS_ABOVE = 1.05  # a round is chosen over plain steps when predicted this much
 
 AUTO_CPU_ROWS = 1  # spec="auto" speculates on a CPU when at most this many rows decode at once
 
+# A round's cost in full-depth steps on a CPU's quantized blocks (GGUF q4_1 + q8_0, int16
+# activations, the draft head's chain, batch 1), as the engine pays it. `python
+# benchmarks/round_costs.py --specs draft:1 draft:2 draft:3 draft:4 --quantization gguf
+# --activations int16` gives the device's ratios r = 1.23, 1.39, 1.52 and 1.63 (a 2-core Xeon with
+# AVX-512 VNNI and AMX, 2026-12-01; the same with --per-program 4); the engine's host work per
+# dispatch, h = 0.1 of a step's device time (full depth 7.1-7.5 ms a token in the engine against
+# 6.6 ms a step in programs of 4 alone), is shared by more tokens in a round: (r + h) / (1 + h).
+# In the engine d = 2 rounds cost 1.31-1.36 steps (τ over the speed-up of draft:2, 5 sets).
+CPU_BLOCK_ROUND_STEPS = {1: 1.21, 2: 1.35, 3: 1.47, 4: 1.57}
 
-def auto_speculates(rows: int, quantized: bool = False) -> bool:
-    """Whether `spec="auto"` speculates when `rows` rows decode at once (an engine's slots) of a
-    model with `quantized` weights or float ones. On a GPU, always: a verify pass over a few
-    positions costs about a step there (H200, 2026-11-28: `draft:4:lookup` 1.75x full depth at
-    batch 1, 1.41x at batch 8). On a CPU, for a single row of float weights only: with more rows,
-    or on quantized blocks at any batch, the verify pass is compute-bound and costs ~d + 1 steps,
-    and auto lost while its policy found that out (this 2-core CPU, 2026-11-29, 64 tokens: float32
-    weights at batch 8 0.89x on MT-bench and on CNN/DM, at batch 1 0.99-1.47x,
-    `benchmarks/draft_head.py`; the default GGUF blocks with int16 activations at batch 1 0.84-0.87x
-    on CNN/DM and chat, where `draft:4:lookup` gave 0.48-0.72x)."""
-    return backend() != "cpu" or (rows <= AUTO_CPU_ROWS and not quantized)
+
+def auto_speculates(rows: int) -> bool:
+    """Whether `spec="auto"` speculates when `rows` rows decode at once (an engine's slots). On a
+    GPU, always: a verify pass over a few positions costs about a step there (H200, 2026-11-28:
+    `draft:4:lookup` 1.75x full depth at batch 1, 1.41x at batch 8). On a CPU, for a single row:
+    with more, the verify pass is compute-bound and costs ~d + 1 steps, and auto lost while its
+    policy found that out (this 2-core CPU, 2026-11-29, 64 tokens: float32 weights at batch 8 0.89x
+    on MT-bench and on CNN/DM)."""
+    return backend() != "cpu" or rows <= AUTO_CPU_ROWS
+
+
+def on_cpu_blocks(quantized: bool) -> bool:
+    """Whether a model with `quantized` weights (its `quantization` is not None) decodes on a
+    CPU's quantized blocks, where `spec="auto"` runs `options.auto_spec(cpu_blocks=True)`."""
+    return quantized and backend() == "cpu"
+
+
+def round_prices(spec: SpecConfig, quantized: bool) -> dict[int, float] | None:
+    """A round's cost in plain steps for each d an adaptive `spec` may pick, where the policy
+    prices rounds instead of timing them (see the module docstring): a draft head's chain on a
+    CPU's quantized blocks, d up to 4 (`CPU_BLOCK_ROUND_STEPS`); else None (timed)."""
+    if not (spec.adaptive and spec.draft_head and on_cpu_blocks(quantized)):
+        return None
+    if spec.method not in ("draft", "lookup") or spec.max_speculations > max(CPU_BLOCK_ROUND_STEPS):
+        return None
+    return {d: CPU_BLOCK_ROUND_STEPS[d] for d in range(1, spec.max_speculations + 1)}
 
 
 def expected_tokens(alpha: float, d: int) -> float:
@@ -176,6 +213,7 @@ class SpeculationPolicy:
     spec: SpecConfig
     unit_costs: tuple[float, float, float] | None = None  # weights of a draft pass, a draft head, a verify
     sampled: bool = False  # rows sample: the bonus pass stays on (see `bonus`)
+    prices: dict[int, float] | None = None  # d -> a round's cost in plain steps: priced, not timed
     accepted: float = PRIOR[0]
     rejected: float = PRIOR[1]
     c_draft: float | None = None  # seconds per draft pass
@@ -194,6 +232,11 @@ class SpeculationPolicy:
     chosen: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # d -> times chosen
     bonuses: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # bonus pass -> rounds
     # (counts, not lists: a server's policy lives for as long as its rows keep coming)
+
+    def __post_init__(self):
+        if self.prices is not None:  # known costs, in plain steps: nothing is timed
+            self.c_full, self.c_draft = 1.0, 0.0
+            self.verify_s, self.whole_rounds = dict(self.prices), set(self.prices)
 
     @property
     def alpha(self) -> float:
@@ -228,16 +271,16 @@ class SpeculationPolicy:
             d = self.spec.num_speculations
         elif self.c_draft is None:
             d, self.split = self.spec.num_speculations, True  # measure a draft pass
-        elif self.c_full is None or (self.since_refresh >= REFRESH_EVERY and not self.plain_steps):
+        elif self.c_full is None or (self.timed and self.since_refresh >= REFRESH_EVERY and not self.plain_steps):
             d = 0  # measure a plain step (again)
-        elif self.since_refresh >= REFRESH_EVERY:
+        elif self.timed and self.since_refresh >= REFRESH_EVERY:
             d, self.split = self.spec.num_speculations, True  # measure a draft pass again
         else:
             d = best_speculations(self.alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
             predicted = self.predicted_speedup(d)
             if predicted >= PAYS_ABOVE:
                 self.probe_every = PROBE_EVERY
-                if predicted < RECHECK_BELOW and self.rounds_since_plain >= RECHECK_EVERY:
+                if self.timed and predicted < RECHECK_BELOW and self.rounds_since_plain >= RECHECK_EVERY:
                     d = 0  # a plain step again: its cost, next to the rounds' recent ones
             elif self.spec.draft_head and not self.pays_at(self._turn_off_alpha):
                 d, self.turned_off = 0, True
@@ -256,9 +299,16 @@ class SpeculationPolicy:
     @property
     def _turn_off_alpha(self) -> float:
         """The acceptance at which no round may pay for a draft head's speculation to turn off:
-        the measured one plus `TURN_OFF_MARGIN` once `TURN_OFF_EVIDENCE` drafts were judged, 1
-        before (off only where not even every draft accepted would pay)."""
-        return min(self.alpha + TURN_OFF_MARGIN, 1.0) if self.observed >= TURN_OFF_EVIDENCE else 1.0
+        the measured one plus `TURN_OFF_MARGIN` once `TURN_OFF_EVIDENCE` drafts were judged;
+        from `EARLY_EVIDENCE` on, its upper bound at two standard errors (a head that drafts
+        nothing the model takes turns off after ~8 drafts, not 24); 1 before (off only where not
+        even every draft accepted would pay)."""
+        a, n = self.alpha, self.observed
+        if n >= TURN_OFF_EVIDENCE:
+            return min(a + TURN_OFF_MARGIN, 1.0)
+        if n >= EARLY_EVIDENCE:
+            return min(a + max(TURN_OFF_MARGIN, 2.0 * (a * (1.0 - a) / n) ** 0.5), 1.0)
+        return 1.0
 
     def pays_at(self, alpha: float) -> bool:
         """Whether some round would beat plain steps by `PAYS_ABOVE` at acceptance α (the times
@@ -270,6 +320,17 @@ class SpeculationPolicy:
         """A round of d drafts (the bonus pass as `bonus` would choose it) over a plain step (`c_plain`),
         at the measured acceptance and times (a draft pass, a verify and a plain step measured)."""
         return speedup(self.alpha, d, self.c_draft, self.c_verify, self.c_plain, bonus=self._bonus_choice(d))
+
+    def carried(self, old: SpeculationPolicy) -> SpeculationPolicy:
+        """This new policy with the acceptance and its evidence that `old` measured (its rows'
+        speculation turned off): rows alike turn off from their first program where no round
+        pays, and speculate at once where rounds pay again."""
+        return dataclasses.replace(self, accepted=old.accepted, rejected=old.rejected, observed=old.observed)
+
+    @property
+    def timed(self) -> bool:
+        """Whether costs are measured as rounds and steps run (not `prices`)."""
+        return self.prices is None
 
     @property
     def c_plain(self) -> float:
@@ -295,7 +356,10 @@ class SpeculationPolicy:
 
     def observe_plain(self, seconds: float) -> None:
         """A plain full-depth step took `seconds` (running mean, the recent 4 weigh most: plain
-        steps are timed rarely while rounds run, and the machine's speed drifts meanwhile)."""
+        steps are timed rarely while rounds run, and the machine's speed drifts meanwhile); priced
+        rounds keep their prices."""
+        if not self.timed:
+            return
         self.plain_timed += 1
         mean = seconds if self.c_full is None else self.c_full
         self.c_full = mean + (seconds - mean) / min(self.plain_timed, 4)
@@ -325,7 +389,9 @@ class SpeculationPolicy:
         programs (running means, the recent 16 weigh most). `whole`: the round ran as one
         program (`observe_round`); a verify timed in split rounds stands for its d only until a
         whole round of that d is timed (the host's wait between the two programs costs time that
-        a whole round does not spend)."""
+        a whole round does not spend). Priced rounds keep their prices."""
+        if not self.timed:
+            return
         per_pass = draft_s / (d + 1 if passes is None else passes)
         total = sum(self.timed_rounds.values()) + 1
         self.c_draft = per_pass if self.c_draft is None else self.c_draft + (per_pass - self.c_draft) / min(total, 16)
@@ -341,7 +407,9 @@ class SpeculationPolicy:
 
     def observe_round(self, d: int, seconds: float, passes: int | None = None) -> None:
         """A round run as one program took `seconds`: its verify took what its `passes` draft
-        passes (default d + 1) at the measured c_draft leave."""
+        passes (default d + 1) at the measured c_draft leave (priced rounds: nothing)."""
+        if not self.timed:
+            return
         draft_s = (d + 1 if passes is None else passes) * self.c_draft
         self.observe_times(d, draft_s, max(seconds - draft_s, 0.0), passes, whole=True)
 

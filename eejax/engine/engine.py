@@ -36,7 +36,7 @@ import jax
 from eejax.cache import pages_needed
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.sampling import SamplingParams
-from eejax.decode.spec_policy import auto_speculates
+from eejax.decode.spec_policy import auto_speculates, on_cpu_blocks
 from eejax.engine import inbox, replicas
 from eejax.engine.admission import Admission
 from eejax.engine.delivery import Delivery
@@ -269,7 +269,8 @@ class Engine:
             max_decoding_options=max_decoding_options,
             seed=seed,
             prompt_positions=self.prompt_positions,
-            speculate_auto=auto_speculates(max_slots, model.quantization is not None),
+            speculate_auto=auto_speculates(max_slots),
+            auto_on_blocks=on_cpu_blocks(model.quantization is not None),
             spec=spec,
         )
 
