@@ -123,9 +123,10 @@ AUTO_CPU_ROWS = 1  # spec="auto" speculates on a CPU when at most this many rows
 # activations, the draft head's chain, batch 1), as the engine pays it. `python
 # benchmarks/round_costs.py --specs draft:1 draft:2 draft:3 draft:4 --quantization gguf
 # --activations int16` gives the device's ratios r = 1.23, 1.39, 1.52 and 1.63 (a 2-core Xeon with
-# AVX-512 VNNI and AMX, 2026-12-01; the same with --per-program 4); the engine's host work per
-# dispatch, h = 0.1 of a step's device time (full depth 7.1-7.5 ms a token in the engine against
-# 6.6 ms a step in programs of 4 alone), is shared by more tokens in a round: (r + h) / (1 + h).
+# AVX-512 VNNI and AMX, 2026-12-01; 1.22, 1.38, 1.46, 1.73 with --per-program 4 in a noisier
+# sitting); the engine's host work per dispatch, h = 0.1 of a step's device time (full depth
+# 7.1-7.5 ms a token in the engine against 6.6 ms a step in programs of 4 alone), is shared by
+# more tokens in a round: (r + h) / (1 + h).
 # In the engine d = 2 rounds cost 1.31-1.36 steps (τ over the speed-up of draft:2, 5 sets).
 CPU_BLOCK_ROUND_STEPS = {1: 1.21, 2: 1.35, 3: 1.47, 4: 1.57}
 
