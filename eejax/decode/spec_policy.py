@@ -324,8 +324,8 @@ class SpeculationPolicy:
 
     def carried(self, old: SpeculationPolicy) -> SpeculationPolicy:
         """This new policy with the acceptance and its evidence that `old` measured (its rows'
-        speculation turned off): rows alike turn off from their first program where no round
-        pays, and speculate at once where rounds pay again."""
+        speculation turned off): rows alike turn off from their first program, with no judged
+        drafts of their own."""
         return dataclasses.replace(self, accepted=old.accepted, rejected=old.rejected, observed=old.observed)
 
     @property

@@ -231,7 +231,7 @@ class Speculation:
         width `table`: every round's (with and without the bonus pass; one round and
         `steps_per_dispatch` rounds a program, at each d an adaptive policy may pick), and an
         adaptive group's plain steps (with a draft head, also those without its catch-up, once
-        speculation is off)."""
+        speculation is off), and the split round's draft and verify programs where it times costs."""
         spec = options.spec
         if not spec.adaptive:
             for bonus, rounds in itertools.product((False, True), {1, self.steps_per_dispatch}):
@@ -243,12 +243,13 @@ class Speculation:
             off = dataclasses.replace(options, spec_off=True)
             for steps in {1, self.steps_per_dispatch, self._plain_steps(options, self.steps_per_dispatch)}:
                 self._plain_program(table, group, off, steps, now=True)
-        bonuses = self._policy(options).bonus_choices()
+        policy = self._policy(options)
+        bonuses = policy.bonus_choices()
         for d, bonus, rounds in itertools.product(
             range(1, spec.max_speculations + 1), bonuses, {1, self.steps_per_dispatch}
         ):
             self._round_program(table, group, options.round(d, bonus, rounds), now=True)
-        for bonus in bonuses:  # the split rounds that time a draft pass run at the configured d
+        for bonus in bonuses if policy.timed else ():  # split rounds time a draft pass (priced: none)
             round_options = options.round(spec.num_speculations, bonus)
             draft, args = self._draft_program(table, group, round_options, now=True)
             shapes = jax.eval_shape(
