@@ -115,6 +115,10 @@ def test_prompt_lookup_copies_drafts_and_stays_lossless():
         d = SpecConfig.parse(spec).num_speculations
         assert total["accepted"] < total["drafted"], spec
         assert total["draft_heads"] < d * total["rounds"] and total["draft_layers"] > total["draft_heads"], spec
+        for c in (s.spec_counters for s in seqs):  # by depth: the same drafts, each judged once a round
+            judged, accepted = np.array(c["depth_judged"]), np.array(c["depth_accepted"])
+            assert accepted.sum() == c["accepted"] and (judged - accepted).sum() == c["rejections"], spec
+            assert c["rounds"] >= judged[0] and (judged[1:] <= accepted[:-1]).all(), spec
 
     for rows, spec in ((1, "draft:3:lookup"), (5, "draft:2:lookup=5")):
         lossless(Engine(perfect, max_slots=rows, max_new_tokens=NEW, ignore_eos=True), spec, rows)
@@ -131,6 +135,7 @@ def test_perfect_drafts_are_all_accepted_and_counted():
     assert res.tokens == full.tokens
     # 10 decode tokens per row in rounds of 5 (4 drafts + the verified token): 2 rounds.
     assert (s["acceptance_rate"], s["rounds"], s["tokens_per_round"]) == (1.0, 6, 5.0)
+    assert s.depth_acceptance == (1.0,) * 4
     assert res.exit_layers == [[L, 0, 0, 0, 0, L, 0, 0, 0, 0, L]] * 3  # drafts used none of the model's layers
     # One verify pass of L layers per round and the prefill's token.
     assert s["mean_layers_per_token"] == pytest.approx((2 * L + L) / 11)

@@ -290,3 +290,26 @@ def test_a_head_that_drafts_nothing_is_turned_off_before_the_full_evidence():
         judged += 1
     assert EARLY_EVIDENCE <= judged < TURN_OFF_EVIDENCE and poor.next_speculations() == 0
     assert fair.next_speculations() >= 1 and not fair.turned_off
+
+
+def test_depths_are_priced_at_their_own_acceptance():
+    """A head's later drafts guessed worse than its first: with each depth's acceptance counted
+    (`SpecCounters.depth_judged`) the policy prices a round by them, where the pooled acceptance
+    of the same drafts would overrate a deep round; a depth never judged is priced as the one
+    before it, and with no depth counts at all every depth is the pooled α (as before)."""
+    spec, prices = DraftChainSpec(3, adaptive=True, max_speculations=3), {1: 1.21, 2: 1.35, 3: 1.47}
+    # 100 rounds of 3 drafts: the first two accepted at 0.7, the third at ~0.3.
+    judged, accepted = [100, 70, 49], [70, 49, 15]
+    rejected = sum(j - a for j, a in zip(judged, accepted))
+    pooled, by_depth = SpeculationPolicy(spec, prices=prices), SpeculationPolicy(spec, prices=prices)
+    pooled.observe(3, sum(accepted), rejected)
+    by_depth.observe(3, sum(accepted), rejected, depth_judged=judged, depth_accepted=accepted)
+    assert pooled.alpha == by_depth.alpha and pooled.depth_alphas == (pooled.alpha,)
+    assert [round(a, 2) for a in by_depth.depth_alphas] == [0.7, 0.7, 0.32]
+    assert pooled.next_speculations() == 3 and by_depth.next_speculations() == 2
+    assert by_depth.predicted_speedup(2) == pytest.approx(expected_tokens(by_depth.depth_alphas, 2) / 1.35)
+    assert expected_tokens([0.5, 0.2], 4) == pytest.approx(1 + 0.5 + 0.1 + 0.02 + 0.004)  # the last stands for deeper
+    shallow = SpeculationPolicy(spec, prices=prices)  # only d = 1 measured: deeper ones priced as the first
+    shallow.observe(1, 70, 30, depth_judged=[100], depth_accepted=[70])
+    assert len(shallow.depth_alphas) == 1 and shallow.next_speculations() == 3
+    assert shallow.carried(by_depth).depth_alphas == by_depth.depth_alphas

@@ -1,12 +1,17 @@
 """How many drafts per self-speculation round: fixed, or chosen per round from measurements.
 
 Cost model. A round with d drafts costs `(d + 1) * c_draft + c_verify(d)` (d + 1 passes of
-the E draft layers + exit head, one verify pass of the other layers over d + 1 tokens). If each
-draft is accepted with probability α independently, a row emits
-`expected_tokens(α, d) = (1 - α^(d+1)) / (1 - α)` tokens per round (accepted prefix + one).
+the E draft layers + exit head, one verify pass of the other layers over d + 1 tokens). If draft k
+is accepted with probability α_k once the k - 1 before it were, a row emits
+`expected_tokens(α, d) = 1 + α_1 + α_1·α_2 + ...` tokens per round (accepted prefix + one).
 The adaptive policy picks the d in [1, max_speculations] with the most expected tokens per
-second, using α measured so far (accepted / (accepted + rejections), both with exponential
-forgetting so it follows the text), c_draft the running mean of the draft program's time per
+second, using the α_k measured so far (`depth_alphas`: per depth, the rounds that accepted draft
+k over those that judged it, from the engine's `SpecCounters.depth_judged`, with exponential
+forgetting so they follow the text; a depth never judged is priced as the one before it, the
+first from the pooled α = accepted / (accepted + rejections)). A head's later drafts are
+guessed worse than its first (the chat head on Python's docs, 2026-12-01: a fixed `draft:2`
+1.90 tokens a round, `draft:3` 2.03, so its third draft was accepted at ~0.37 after ~0.59), and a
+pooled α overrates deep rounds. c_draft the running mean of the draft program's time per
 pass, and c_verify(d) a least-squares line a + b (d + 1) through the mean verify time of each d
 tried (flat while only one d was tried: on a GPU a verify pass costs about the same for any
 small d, on a CPU it grows with the tokens, which the line learns once a second d ran). With a
@@ -98,6 +103,7 @@ FORGET = 0.95  # weight of the past per read of the counters in the acceptance e
 PROBE_EVERY = 8  # plain programs before a probe round while speculation does not pay ...
 MAX_PROBE_EVERY = 64  # ... doubled after each probe that did not make it pay, up to this
 PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected) before any round: α = 0.5
+DEPTH_PRIOR = 2.0  # rounds' weight of the depth before's acceptance in a depth's (`depth_alphas`)
 REFRESH_EVERY = 32  # programs of rounds between re-measurements of a draft pass (a split round) and a plain step
 TURN_OFF_MARGIN = 0.05  # (draft heads) off when no round pays even at this much more acceptance: the
 # shipped head's α on held-out CNN/DM rows 0..19 (`draft:2`) is 0.53 / 0.56 / 0.60 / 0.65 over rows
@@ -158,11 +164,28 @@ def round_prices(spec: SpecConfig, quantized: bool) -> dict[int, float] | None:
     return {d: CPU_BLOCK_ROUND_STEPS[d] for d in range(1, spec.max_speculations + 1)}
 
 
-def expected_tokens(alpha: float, d: int) -> float:
-    """Tokens a row emits per round with d drafts and acceptance probability α."""
-    if alpha >= 1.0:
-        return d + 1.0
-    return (1.0 - alpha ** (d + 1)) / (1.0 - alpha)
+def depth_chain(alpha, d: int) -> np.ndarray:
+    """The acceptance of drafts 1..d, each given the ones before it: α (a number, every draft
+    alike) or a sequence by depth (the last one stands for the depths past it) [d]."""
+    a = np.atleast_1d(np.asarray(alpha, float))
+    return np.concatenate([a[:d], np.full(max(d - len(a), 0), a[-1])])
+
+
+def expected_tokens(alpha, d: int) -> float:
+    """Tokens a row emits per round with d drafts, each accepted with probability α given the
+    ones before it (`depth_chain`): 1 + α1 + α1·α2 + ..."""
+    return float(1.0 + np.sum(np.cumprod(depth_chain(alpha, d))))
+
+
+def all_accepted(alpha, d: int) -> float:
+    """The probability that all d drafts of a round are accepted."""
+    return float(np.prod(depth_chain(alpha, d)))
+
+
+def _padded(counts, width: int) -> np.ndarray:
+    """counts [k] as floats, zeros after them up to `width`."""
+    counts = np.asarray(counts, float)
+    return np.pad(counts, (0, width - len(counts)))
 
 
 def _verify_cost(c_verify, d: int) -> float:
@@ -170,7 +193,7 @@ def _verify_cost(c_verify, d: int) -> float:
     return c_verify(d) if callable(c_verify) else c_verify
 
 
-def best_speculations(alpha: float, c_draft: float, c_verify, max_speculations: int) -> int:
+def best_speculations(alpha, c_draft: float, c_verify, max_speculations: int) -> int:
     """The d in [1, max_speculations] with the most expected tokens per unit of cost."""
     return max(
         range(1, max_speculations + 1),
@@ -178,20 +201,20 @@ def best_speculations(alpha: float, c_draft: float, c_verify, max_speculations: 
     )
 
 
-def speedup(alpha: float, d: int, c_draft: float, c_verify, c_full: float, bonus: bool = True) -> float:
+def speedup(alpha, d: int, c_draft: float, c_verify, c_full: float, bonus: bool = True) -> float:
     """Predicted tokens/s of self-speculation over plain decoding; without the bonus pass a
-    round runs d draft passes and loses the token after d accepted drafts (probability α^d)."""
-    tokens = expected_tokens(alpha, d) - (0.0 if bonus else alpha**d)
+    round runs d draft passes and loses the token after d accepted drafts."""
+    tokens = expected_tokens(alpha, d) - (0.0 if bonus else all_accepted(alpha, d))
     return tokens * c_full / ((d + bonus) * c_draft + _verify_cost(c_verify, d))
 
 
-def bonus_pays(alpha: float, d: int, pass_cost: float, head_cost: float, verify_cost: float) -> bool:
+def bonus_pays(alpha, d: int, pass_cost: float, head_cost: float, verify_cost: float) -> bool:
     """Whether the bonus pass raises expected tokens per cost: with it a round emits
-    `expected_tokens(α, d)` for (d + 1) passes, without it α^d fewer for d passes (each round
-    also pays d draft heads and one verify)."""
+    `expected_tokens(α, d)` for (d + 1) passes, without it `all_accepted(α, d)` fewer for d
+    passes (each round also pays d draft heads and one verify)."""
     fixed = d * head_cost + verify_cost
     with_bonus = expected_tokens(alpha, d) / ((d + 1) * pass_cost + fixed)
-    without = (expected_tokens(alpha, d) - alpha**d) / (d * pass_cost + fixed)
+    without = (expected_tokens(alpha, d) - all_accepted(alpha, d)) / (d * pass_cost + fixed)
     return with_bonus > without
 
 
@@ -217,6 +240,9 @@ class SpeculationPolicy:
     prices: dict[int, float] | None = None  # d -> a round's cost in plain steps: priced, not timed
     accepted: float = PRIOR[0]
     rejected: float = PRIOR[1]
+    # by draft position (forgotten as `accepted` is): rounds that judged it and that accepted it
+    depth_judged: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    depth_accepted: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     c_draft: float | None = None  # seconds per draft pass
     c_full: float | None = None  # seconds per plain full-depth step (adaptive, once one ran)
     plain_steps: int = 0  # plain programs chosen since the last speculation round
@@ -241,7 +267,21 @@ class SpeculationPolicy:
 
     @property
     def alpha(self) -> float:
+        """The acceptance of a draft, all depths pooled."""
         return self.accepted / (self.accepted + self.rejected)
+
+    @property
+    def depth_alphas(self) -> tuple[float, ...]:
+        """The acceptance of draft k + 1 given the k before it, for each k a round judged, each
+        shrunk toward the one before it (the first toward `alpha`) by `DEPTH_PRIOR` rounds: a
+        depth never tried is priced as the one before it, and one whose drafts the head guesses
+        worse (a chain's later drafts: the chat head's third draft on the docs was accepted at
+        ~0.37 after ~0.59 for the first two) is priced as measured."""
+        out, prior = [], self.alpha
+        for judged, accepted in zip(self.depth_judged, self.depth_accepted):
+            prior = float((accepted + DEPTH_PRIOR * prior) / (judged + DEPTH_PRIOR))
+            out.append(prior)
+        return tuple(out) or (self.alpha,)
 
     def c_verify(self, d: int) -> float:
         """Seconds of a verify pass over d + 1 tokens: measured, where a whole round of d was
@@ -277,7 +317,7 @@ class SpeculationPolicy:
         elif self.timed and self.since_refresh >= REFRESH_EVERY:
             d, self.split = self.spec.num_speculations, True  # measure a draft pass again
         else:
-            d = best_speculations(self.alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
+            d = best_speculations(self.depth_alphas, self.c_draft, self.c_verify, self.spec.max_speculations)
             predicted = self.predicted_speedup(d)
             if predicted >= PAYS_ABOVE:
                 self.probe_every = PROBE_EVERY
@@ -312,21 +352,30 @@ class SpeculationPolicy:
         return 1.0
 
     def pays_at(self, alpha: float) -> bool:
-        """Whether some round would beat plain steps by `PAYS_ABOVE` at acceptance α (the times
-        measured so far)."""
-        best = best_speculations(alpha, self.c_draft, self.c_verify, self.spec.max_speculations)
-        return speedup(alpha, best, self.c_draft, self.c_verify, self.c_plain) >= PAYS_ABOVE
+        """Whether some round would beat plain steps by `PAYS_ABOVE` at acceptance α (pooled:
+        every depth's acceptance raised as much as α is above `alpha`; the times measured so far)."""
+        shift = alpha - self.alpha
+        alphas = [min(a + shift, 1.0) for a in self.depth_alphas]
+        best = best_speculations(alphas, self.c_draft, self.c_verify, self.spec.max_speculations)
+        return speedup(alphas, best, self.c_draft, self.c_verify, self.c_plain) >= PAYS_ABOVE
 
     def predicted_speedup(self, d: int) -> float:
         """A round of d drafts (the bonus pass as `bonus` would choose it) over a plain step (`c_plain`),
         at the measured acceptance and times (a draft pass, a verify and a plain step measured)."""
-        return speedup(self.alpha, d, self.c_draft, self.c_verify, self.c_plain, bonus=self._bonus_choice(d))
+        return speedup(self.depth_alphas, d, self.c_draft, self.c_verify, self.c_plain, bonus=self._bonus_choice(d))
 
     def carried(self, old: SpeculationPolicy) -> SpeculationPolicy:
         """This new policy with the acceptance and its evidence that `old` measured (its rows'
         speculation turned off): rows alike turn off from their first program, with no judged
         drafts of their own."""
-        return dataclasses.replace(self, accepted=old.accepted, rejected=old.rejected, observed=old.observed)
+        return dataclasses.replace(
+            self,
+            accepted=old.accepted,
+            rejected=old.rejected,
+            observed=old.observed,
+            depth_judged=old.depth_judged.copy(),
+            depth_accepted=old.depth_accepted.copy(),
+        )
 
     @property
     def timed(self) -> bool:
@@ -353,7 +402,7 @@ class SpeculationPolicy:
             return self.spec.bonus
         if self.sampled:  # a sampled row's tokens depend on where rounds start: keep them batch-independent
             return True
-        return self.unit_costs is None or bonus_pays(self.alpha, d, *self.unit_costs)
+        return self.unit_costs is None or bonus_pays(self.depth_alphas, d, *self.unit_costs)
 
     def observe_plain(self, seconds: float) -> None:
         """A plain full-depth step took `seconds` (running mean, the recent 4 weigh most: plain
@@ -373,13 +422,22 @@ class SpeculationPolicy:
         draft_s: float | None = None,
         verify_s: float | None = None,
         passes: int | None = None,
+        *,
+        depth_judged=(),
+        depth_accepted=(),
     ) -> None:
         """One round (or the rounds since the last call): drafts accepted and rows that rejected
-        one (summed over the batch), and the wall times of its draft (`passes` draft passes,
-        default d + 1) and verify programs (None when not timed)."""
+        one (summed over the batch), and by draft position the rounds that judged it and that
+        accepted it (`SpecCounters.depth_judged`; none: the depths are priced alike), and the wall
+        times of its draft (`passes` draft passes, default d + 1) and verify programs (None when
+        not timed)."""
         self.accepted = FORGET * self.accepted + accepted
         self.rejected = FORGET * self.rejected + rejected
         self.observed += accepted + rejected
+        if len(depth_judged):
+            width = max(len(depth_judged), len(self.depth_judged))
+            self.depth_judged = FORGET * _padded(self.depth_judged, width) + _padded(depth_judged, width)
+            self.depth_accepted = FORGET * _padded(self.depth_accepted, width) + _padded(depth_accepted, width)
         if draft_s is not None and verify_s is not None:
             self.observe_times(d, draft_s, verify_s, passes)
 

@@ -52,6 +52,8 @@ from eejax.models.common import softmax
 from eejax.models.registry import model_module
 from eejax.options import StepOptions
 
+COUNTED_DEPTHS = 8  # draft positions whose acceptance is counted apart (`SpecCounters.depth_judged`)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -59,7 +61,10 @@ class SpecCounters:
     """Per row, summed over rounds: drafts that could count (at most the tokens the row still
     had room for), drafts accepted, rounds, rounds that rejected a draft, layer passes run
     (draft + verify), draft-head evaluations, passes of a draft head's module (its layer, the
-    catch-up included), and plain full-depth steps run instead of a round (`plain_step`)."""
+    catch-up included), and plain full-depth steps run instead of a round (`plain_step`), each
+    [B]; and by depth, [B, COUNTED_DEPTHS]: rounds in which draft k + 1 was judged (the k before
+    it accepted) and in which it was accepted, so that k + 1's acceptance given the k before is
+    `depth_accepted / depth_judged` (the adaptive policy's `depth_alphas`)."""
 
     drafted: jax.Array
     accepted: jax.Array
@@ -69,11 +74,15 @@ class SpecCounters:
     draft_heads: jax.Array
     draft_layers: jax.Array
     plain_steps: jax.Array
+    depth_judged: jax.Array
+    depth_accepted: jax.Array
 
     @classmethod
     def zeros(cls, batch: int) -> SpecCounters:
-        fields = dataclasses.fields(cls)
-        return cls(*(jnp.zeros((batch,), jnp.int32) for _ in fields))  # distinct buffers: donated
+        def zeros(field):
+            return jnp.zeros((batch, COUNTED_DEPTHS) if field.name.startswith("depth_") else (batch,), jnp.int32)
+
+        return cls(*(zeros(f) for f in dataclasses.fields(cls)))  # distinct buffers: donated
 
 
 def draft(params, cache: KVCache, state: DecodeState, block_table, *, config, options: StepOptions):
@@ -277,16 +286,21 @@ def _verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters
     if options.spec.draft_head:  # the draft's K/V of the verified positions, from the model's features
         new_state, cache = feature_draft.catch_up(params, cache, state, new_state, h, new, count, batch, config)
     judged = jnp.where(active, jnp.minimum(valid, room), 0)  # drafts past the row's room never count
+    accepted = jnp.minimum(n, judged)
+    depth = jnp.arange(1, COUNTED_DEPTHS + 1, dtype=jnp.int32)[None]  # draft k + 1 judged where the k before were taken
+    depth_judged = (depth <= judged[:, None]) & (depth <= accepted[:, None] + 1)
     heads = d if drafts.head_passes is None else drafts.head_passes  # a draft head's module ran max(heads, 1)
     new_counters = SpecCounters(
         drafted=counters.drafted + judged,
-        accepted=counters.accepted + jnp.minimum(n, judged),
+        accepted=counters.accepted + accepted,
         rounds=counters.rounds + active,
         rejections=counters.rejections + (n < judged),
         layer_passes=counters.layer_passes + active * (t * e + num_layers - e),
         draft_heads=counters.draft_heads + active * heads,
         draft_layers=counters.draft_layers + active * (jnp.maximum(heads, 1) if options.spec.draft_head else 0),
         plain_steps=counters.plain_steps,
+        depth_judged=counters.depth_judged + depth_judged,
+        depth_accepted=counters.depth_accepted + (depth <= accepted[:, None]),
     )
     return new_state, cache, new_counters
 

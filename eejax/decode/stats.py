@@ -31,8 +31,10 @@ class GenerateStats(Mapping):
     prefills (the first token of a row comes from its prefill). Layers and weights per token
     count every layer run, KV fill, exit head and draft (`eejax.decode.cost`); `ideal_speedup`
     is full depth's weights over these. The speculation fields are None without `spec`, the
-    measured pass times None unless it was adaptive. Read as attributes or as a mapping
-    (`stats["tokens_per_s"]`, `{**stats}`; `as_dict()` for JSON: the fields that are not None)."""
+    measured pass times None unless it was adaptive; `depth_acceptance[k]` is the share of draft
+    k + 1 accepted where the k before it were (τ of a chain of d: 1 + a0 + a0·a1 + ...). Read as
+    attributes or as a mapping (`stats["tokens_per_s"]`, `{**stats}`; `as_dict()` for JSON: the
+    fields that are not None)."""
 
     tokens_per_s: float
     generated_tokens: int
@@ -62,6 +64,7 @@ class GenerateStats(Mapping):
     bonus_pass_rate: float | None = None
     draft_pass_s: float | None = None
     verify_pass_s: float | None = None
+    depth_acceptance: tuple[float, ...] | None = None
 
     OPTIONAL = (
         "acceptance_rate",
@@ -74,6 +77,7 @@ class GenerateStats(Mapping):
         "bonus_pass_rate",
         "draft_pass_s",
         "verify_pass_s",
+        "depth_acceptance",
     )
 
     def as_dict(self) -> dict[str, Any]:
@@ -144,6 +148,7 @@ def generate_stats(model, engine, seqs, exit_config, spec_config, run_s: float, 
             rounds=t["rounds"],
             mean_speculations=sum(d * n for d, n in chosen.items()) / rounds if rounds else 0.0,
             bonus_pass_rate=bonuses[True] / bonuses.total() if bonuses.total() else 0.0,
+            depth_acceptance=depth_acceptance(seqs),
         )
         timed = [p for p in policies if p.c_draft is not None]
         if timed:  # adaptive: measured seconds per draft pass, and of a verify pass at the first d
@@ -153,6 +158,15 @@ def generate_stats(model, engine, seqs, exit_config, spec_config, run_s: float, 
                 verify_pass_s=float(np.mean([p.c_verify(spec_config.num_speculations) for p in timed])),
             )
     return stats
+
+
+def depth_acceptance(seqs) -> tuple[float, ...]:
+    """Per draft position k + 1 that any round judged, the share accepted of the rounds that
+    judged it (its k predecessors accepted): `SpecCounters.depth_judged` and `depth_accepted`
+    summed over the rows."""
+    judged = sum(np.asarray(seq.spec_counters.get("depth_judged", 0)) for seq in seqs)
+    accepted = sum(np.asarray(seq.spec_counters.get("depth_accepted", 0)) for seq in seqs)
+    return tuple(float(a / j) for a, j in zip(np.atleast_1d(accepted), np.atleast_1d(judged)) if j)
 
 
 def _weights_per_token(model, exit_config, spec_config, exit_layers, spec_totals, decoded_tokens: int) -> float:

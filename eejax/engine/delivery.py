@@ -20,6 +20,11 @@ from eejax.engine.transfers import SlotsRead
 from eejax.engine.waiting import WaitingQueue
 
 
+def row_counts(x: np.ndarray) -> int | tuple[int, ...]:
+    """A row's counter as the host keeps it: a count, or a tuple of counts (by depth)."""
+    return int(x) if np.ndim(x) == 0 else tuple(int(v) for v in x)
+
+
 class Delivery:
     """`tokenizer`: to find stop strings (None: the requests have none); `eos_ids`: the tokens
     that end a row with finish reason "stop" (none with `ignore_eos`)."""
@@ -79,7 +84,9 @@ class Delivery:
         if seq.ending or read.done[slot] or stop is not None:
             ended_at_eos = bool(seq.tokens) and seq.tokens[-1] in self.eos_ids
             counters = read.spec_counters
-            out.spec_counters = {f.name: int(getattr(counters, f.name)[slot]) for f in dataclasses.fields(counters)}
+            out.spec_counters = {
+                f.name: row_counts(getattr(counters, f.name)[slot]) for f in dataclasses.fields(counters)
+            }
             self.release(seq)
             self.finish(seq, seq.ending or ("stop" if ended_at_eos or stop is not None else "length"))
 

@@ -69,9 +69,9 @@ class Output:
     prompt_token_logprobs: list[float | None] = dataclasses.field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]] | None] = dataclasses.field(default_factory=list)
     token_times: list[float] = dataclasses.field(default_factory=list)
-    # Self-speculation's `SpecCounters` of the row (drafted, accepted, rounds, ...: set when the
-    # request ends).
-    spec_counters: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Self-speculation's `SpecCounters` of the row (drafted, accepted, rounds, ...; by depth, a
+    # tuple: set when the request ends).
+    spec_counters: dict[str, int | tuple[int, ...]] = dataclasses.field(default_factory=dict)
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "cancelled",
     # "abort" (the server shut down before it ended), "error" (a step failed on it: see `error`)
     error: str | None = None

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eejax.decode import cost
 from eejax.decode.sampling import GREEDY
@@ -70,7 +71,8 @@ class Speculation:
 
     def __init__(self, model, device: DeviceSlots, batch_job: bool, steps_per_dispatch: int):
         self.model, self.config, self._device = model, model.config, device
-        self._seen: dict[tuple[int, int], tuple[int, int]] = {}  # (row id, admission) -> (accepted, rejections) read
+        # (row id, admission) -> [[accepted, *depth_accepted], [rejections, *depth_judged]] read
+        self._seen: dict[tuple[int, int], np.ndarray] = {}
         self.batch_job, self.steps_per_dispatch = batch_job, steps_per_dispatch
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows
         self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
@@ -260,9 +262,9 @@ class Speculation:
 
     def observe_acceptance(self, read: dict[int, Sequence], running, counters) -> None:
         """Gives each policy the drafts its rows accepted and the rounds that rejected one since
-        the last read: `read`, slot -> row of the step read; `running`, the rows decoding now
-        (a row that left its slot since is skipped); counters: the host copy of the step's
-        `SpecCounters`."""
+        the last read, and the same by draft position (`SpecCounters.depth_judged`): `read`,
+        slot -> row of the step read; `running`, the rows decoding now (a row that left its slot
+        since is skipped); counters: the host copy of the step's `SpecCounters`."""
         seen: dict = {}
         if self._seen:  # what it read of rows that left their slots is dropped
             live = {(seq.id, seq.preemptions) for seq in running.values()}
@@ -270,17 +272,28 @@ class Speculation:
         for slot, seq in read.items():
             if not seq.speculating or running.get(slot) is not seq:
                 continue
-            accepted, rejections = int(counters.accepted[slot]), int(counters.rejections[slot])
+            now = np.stack(
+                [
+                    np.concatenate([[counters.accepted[slot]], counters.depth_accepted[slot]]),
+                    np.concatenate([[counters.rejections[slot]], counters.depth_judged[slot]]),
+                ]
+            ).astype(np.int64)
             # An admission's prefill zeroes its slot's counters: a row's reads count from there.
             admission = (seq.id, seq.preemptions)
-            a0, r0 = self._seen.get(admission, (0, 0))
-            self._seen[admission] = (accepted, rejections)
+            before = self._seen.get(admission, 0)
+            self._seen[admission] = now
             key = (seq.spec, seq.sampling.sampler)
-            a, r = seen.get(key, (0, 0))
-            seen[key] = (a + accepted - a0, r + rejections - r0)
-        for (spec, sampler), (accepted, rejections) in seen.items():
+            seen[key] = seen.get(key, 0) + (now - before)
+        for (spec, sampler), new in seen.items():
+            (accepted, *depth_accepted), (rejections, *depth_judged) = new.tolist()
             if accepted or rejections:
-                self.policies[spec, sampler].observe(spec.num_speculations, accepted, rejections)
+                self.policies[spec, sampler].observe(
+                    spec.num_speculations,
+                    accepted,
+                    rejections,
+                    depth_judged=depth_judged,
+                    depth_accepted=depth_accepted,
+                )
 
     @staticmethod
     def span_drafts(seq: Sequence) -> int:
