@@ -674,6 +674,49 @@ def test_bad_draft_settings(model):
 # --- the command and the shipped delta -------------------------------------------------------------
 
 
+def test_an_average_of_draft_heads_is_their_weighted_mean_with_one_heads_tokens(tiny_checkpoints, tmp_path, capsys):
+    """scripts/average_draft_heads.py (`train.draft_average`): each array the weighted mean of the
+    heads' (bf16 as written), the reduced head's tokens of the head named, a probe that checks at
+    load, speculation lossless; heads of other shapes, a file of another kind and weights that do
+    not sum to 1 refused by name, and nothing written."""
+    from eejax.loading.deltas import DRAFT_KIND, apply_draft, read_delta, write_delta
+    from eejax.train.draft_average import average_arrays
+    from eejax.train.draft_run import save_draft
+    from scripts.average_draft_heads import main
+
+    base = eejax.load(tiny_checkpoints["gqa-untied"][2])
+    heads = [
+        save_draft(tmp_path / f"head{seed}.safetensors", with_draft(base, seed), np.arange(8 * seed, 8 * seed + 24), {})
+        for seed in (1, 2)
+    ]
+    out = tmp_path / "average.safetensors"
+    argv = [*map(str, heads), "--weights", "0.25", "0.75", "--vocab-from", "2", "--output", str(out)]
+    assert main([*argv, "--model", str(tiny_checkpoints["gqa-untied"][2])]) == 0
+    (a, _), (b, _), (got, meta) = read_delta(heads[0]), read_delta(heads[1]), read_delta(out)
+    assert meta["kind"] == DRAFT_KIND and meta["weights"] == [0.25, 0.75] and got.keys() == a.keys()
+    for k in a.keys() - {"vocab_ids"}:
+        want = 0.25 * np.asarray(a[k], np.float32) + 0.75 * np.asarray(b[k], np.float32)
+        np.testing.assert_array_equal(np.asarray(got[k], np.float32), np.asarray(want.astype(a[k].dtype), np.float32))
+    np.testing.assert_array_equal(got["vocab_ids"], b["vocab_ids"])
+    averaged = apply_draft(base, out)  # the probe reproduces
+    full = eejax.generate(base, ["The storm hit the coast."], max_new_tokens=8, ignore_eos=True)
+    assert (
+        eejax.generate(averaged, ["The storm hit the coast."], max_new_tokens=8, spec="draft:2").tokens == full.tokens
+    )
+    with pytest.raises(EejaxError, match="shapes"):
+        average_arrays([a, {**a, "draft/fc": a["draft/fc"][:1]}], [0.5, 0.5])
+    with pytest.raises(EejaxError, match="sum to 1"):
+        average_arrays([a, b], [0.5, 0.6])
+    other = write_delta(tmp_path / "other.safetensors", a, {"kind": "lora"})
+    for bad, message in (([str(heads[0]), str(other)], "not an eejax draft head"), ([str(heads[0])], "at least two")):
+        with pytest.raises(SystemExit):
+            main([*bad, "--weights", "1", *(["0"] if len(bad) == 2 else []), "--output", str(tmp_path / "bad")])
+        assert message in capsys.readouterr().err and not (tmp_path / "bad").exists(), message
+    with pytest.raises(SystemExit):  # an output that exists is never overwritten
+        main(argv)
+    assert "exists" in capsys.readouterr().err
+
+
 def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, capsys, monkeypatch):
     from eejax.cli import main
     from eejax.loading import hub
