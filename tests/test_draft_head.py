@@ -376,18 +376,23 @@ def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
 def test_priced_rounds_in_the_engine_are_lossless_and_time_nothing(model, monkeypatch):
     """The blocks' auto (`auto_spec(cpu_blocks=True)`) with its rounds priced, as on a CPU's quantized
     blocks (priced here on float weights): full depth's tokens, rounds from the first program, and
-    nothing timed: no split round, no plain step, the prices kept."""
+    nothing timed: no split round, no plain step, the prices kept; a row after another in one slot
+    is new to the policy (`SpeculationPolicy.new_rows`)."""
     import eejax.engine.speculation as speculation
+    from eejax.decode.spec_policy import SpeculationPolicy
 
     prices = {1: 1.21, 2: 1.35, 3: 1.47}
     monkeypatch.setattr(speculation, "round_prices", lambda spec, quantized: prices)
-    full = eejax.generate(model, PROMPTS[:1], max_new_tokens=NEW, ignore_eos=True)
+    renewed = []
+    monkeypatch.setattr(SpeculationPolicy, "new_rows", lambda self: renewed.append(self))
+    full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True)
     engine = Engine(model, max_slots=1, max_new_tokens=NEW, ignore_eos=True)
-    seq = engine.submit(PROMPTS[0], max_new_tokens=NEW, spec=auto_spec(cpu_blocks=True))
+    seqs = [engine.submit(p, max_new_tokens=NEW, spec=auto_spec(cpu_blocks=True)) for p in PROMPTS[:2]]
     engine.run()
     (policy,) = list(engine.speculation.policies.values()) + engine.speculation.past_policies
-    assert seq.tokens == full.tokens[0] and policy.prices == prices and policy.verify_s == prices
+    assert [s.tokens for s in seqs] == full.tokens and policy.prices == prices and policy.verify_s == prices
     assert policy.plain_timed == 0 and policy.c_full == 1.0 and policy.chosen[2] >= 1
+    assert renewed == [policy]  # the second row, alone in its slot after the first: all rows new
 
 
 SAMPLED_PROMPT = [3, 7, 1, 12, 5]

@@ -262,7 +262,11 @@ def test_round_prices_are_for_a_draft_heads_adaptive_chain_on_a_cpus_blocks():
 
 def test_a_carried_policy_starts_from_what_its_predecessor_measured():
     """A batch job's later rows (`Speculation._policy`): where the last policy turned off, its
-    successor takes its acceptance and evidence and turns off from its first program."""
+    successor takes its acceptance as the evidence of EARLY_EVIDENCE judged drafts: it turns off
+    from its first program where the head drafts nothing, and measures its own rows where the
+    last ones merely drafted poorly."""
+    from eejax.decode.spec_policy import EARLY_EVIDENCE
+
     prices = {1: 1.21, 2: 1.35}
     old = SpeculationPolicy(DraftChainSpec(2, adaptive=True, max_speculations=2), prices=prices)
     for _ in range(40):
@@ -271,8 +275,14 @@ def test_a_carried_policy_starts_from_what_its_predecessor_measured():
     fresh = SpeculationPolicy(old.spec, prices=prices)
     assert fresh.next_speculations() == 2 and not fresh.turned_off  # α 0.5 before anything is measured
     new = SpeculationPolicy(old.spec, prices=prices).carried(old)
-    assert new.alpha == old.alpha and new.observed == old.observed and new.verify_s == prices
+    assert new.alpha == pytest.approx(old.alpha) and new.observed == EARLY_EVIDENCE and new.verify_s == prices
     assert new.next_speculations() == 0 and new.turned_off
+    poor = SpeculationPolicy(old.spec, prices=prices)
+    for _ in range(60):  # one draft in seven accepted: no round pays, and 60 rounds say so
+        poor.observe(1, accepted=1, rejected=6)
+    assert poor.next_speculations() == 0 and poor.turned_off
+    after = SpeculationPolicy(old.spec, prices=prices).carried(poor)
+    assert after.alpha == pytest.approx(poor.alpha) and after.next_speculations() >= 1 and not after.turned_off
 
 
 def test_a_head_that_drafts_nothing_is_turned_off_before_the_full_evidence():
@@ -312,4 +322,26 @@ def test_depths_are_priced_at_their_own_acceptance():
     shallow = SpeculationPolicy(spec, prices=prices)  # only d = 1 measured: deeper ones priced as the first
     shallow.observe(1, 70, 30, depth_judged=[100], depth_accepted=[70])
     assert len(shallow.depth_alphas) == 1 and shallow.next_speculations() == 3
-    assert shallow.carried(by_depth).depth_alphas == by_depth.depth_alphas
+    carried = shallow.carried(by_depth).depth_alphas  # its depths, as a few rounds' evidence
+    assert len(carried) == 3 and carried[2] < min(carried[:2])
+
+
+def test_new_rows_measure_their_own_acceptance():
+    """A batch-1 job's next row (`Speculation.dispatch`: a group's rows all new): the acceptance the
+    last rows measured counts as EARLY_EVIDENCE judged drafts, and rounds run at once instead of the
+    plain steps and rare probes that a poor row left behind."""
+    from eejax.decode.spec_policy import EARLY_EVIDENCE
+
+    spec, prices = DraftChainSpec(2, adaptive=True, max_speculations=3), {1: 1.42, 2: 1.47, 3: 1.70}
+    policy = SpeculationPolicy(spec, prices=prices)
+    for _ in range(30):  # a row whose drafts are accepted at ~0.37: rounds just below paying
+        policy.observe(2, accepted=37, rejected=63, depth_judged=[80, 20], depth_accepted=[30, 7])
+    assert [policy.next_speculations() for _ in range(4)] == [0] * 4 and not policy.turned_off
+    alpha = policy.alpha
+    policy.new_rows()
+    assert policy.alpha == pytest.approx(alpha) and policy.observed == EARLY_EVIDENCE
+    assert policy.accepted + policy.rejected == pytest.approx(EARLY_EVIDENCE)
+    assert policy.next_speculations() == 2  # the new row's own rounds
+    for _ in range(3):  # ... which draft well: rounds go on
+        policy.observe(2, accepted=6, rejected=2, depth_judged=[4, 4], depth_accepted=[4, 2])
+    assert policy.alpha > 0.5 and policy.next_speculations() >= 2

@@ -73,12 +73,16 @@ round is weighed against a plain step timed at about the same moment (the machin
 drifts). (The policy picks d per program: `next_speculations` is asked once a program.)
 
 **Priced rounds (a CPU's quantized blocks).** Where a round's cost in plain steps is known for
-every d the policy may pick (`prices`: `round_prices`, measured with `benchmarks/round_costs.py`),
-nothing is timed: c_full is one step, each d's round costs its price, and only the acceptance is
-measured. On a 2-core CPU at batch 1 the timed choices were noise: rounds there gain 1.1-1.4x, and
-the machine's speed moves 10-40% between programs (the chat head on the GGUF blocks, 2026-12-01:
-`draft:2` 1.12-1.38x full depth on chat, docs, code and news; `draft:2:adaptive` timed, d up to 3,
-1.05-1.23x, with 51% plain steps on the docs; priced, 1.23-1.37x).
+every d the policy may pick (`prices`: `round_prices`, measured in the engine), nothing is timed:
+c_full is one step, each d's round costs its price, and only the acceptance is measured. On a
+2-core CPU at batch 1 the timed choices were noise: rounds there gain 1.1-1.4x, and the machine's
+speed moves 10-40% between programs (the chat head on the GGUF blocks, 2026-12-01: `draft:2`
+1.12-1.38x full depth on chat, docs, code and news; `draft:2:adaptive` timed, d up to 3,
+1.05-1.23x, with 51% plain steps on the docs; priced, 1.23-1.37x). A priced policy's rows come one
+at a time there, and rows differ (the chat head on Python's docs: the acceptance went 0.28, 0.69,
+0.35 over the first rows): where the group's rows are all new, what the last ones measured counts
+as `EARLY_EVIDENCE` judged drafts (`new_rows`), so that one poor row does not leave the rows after
+it on plain steps.
 
 The bonus pass (the (d + 1)-th pass over x_d, see `speculative`) buys one token only when all
 d drafts are accepted (probability α^d) and costs E layers every round. The policy turns it on
@@ -126,15 +130,18 @@ PAYS_ABOVE = 1.05  # a round is chosen over plain steps when predicted this much
 AUTO_CPU_ROWS = 1  # spec="auto" speculates on a CPU when at most this many rows decode at once
 
 # A round's cost in full-depth steps on a CPU's quantized blocks (GGUF q4_1 + q8_0, int16
-# activations, the draft head's chain, batch 1), as the engine pays it. `python
-# benchmarks/round_costs.py --specs draft:1 draft:2 draft:3 draft:4 --quantization gguf
-# --activations int16` gives the device's ratios r = 1.23, 1.39, 1.52 and 1.63 (a 2-core Xeon with
-# AVX-512 VNNI and AMX, 2026-12-01; 1.22, 1.38, 1.46, 1.73 with --per-program 4 in a noisier
-# sitting); the engine's host work per dispatch, h = 0.1 of a step's device time (full depth
-# 7.1-7.5 ms a token in the engine against 6.6 ms a step in programs of 4 alone), is shared by
-# more tokens in a round: (r + h) / (1 + h).
-# In the engine d = 2 rounds cost 1.31-1.36 steps (τ over the speed-up of draft:2, 5 sets).
-CPU_BLOCK_ROUND_STEPS = {1: 1.21, 2: 1.35, 3: 1.47, 4: 1.57}
+# activations, the draft head's chain, batch 1), as the engine pays it: τ of a fixed `draft:d` over
+# its speed-up against full depth (the chat head, chat, docs and code; news for d = 2 and 3; 8
+# prompts, 64 tokens, medians of 3 paired runs; a 2-core Xeon with AVX-512 VNNI and AMX,
+# 2026-12-01): d = 1 1.42-1.55, d = 2 1.37-1.67, d = 3 1.62-1.81, d = 4 1.82-2.10; the medians
+# below. A round has a large fixed cost (its verify's products are compute-bound on two cores:
+# a round of one draft costs nearly what one of two does) and the price moves with the machine:
+# the day before, on the same kind of host with full depth 7.1-7.5 ms a token against 4-6.5 ms,
+# d = 2 rounds cost 1.31-1.36 steps and `benchmarks/round_costs.py` gave 1.23, 1.39, 1.52, 1.63.
+# Priced at the dearer day's costs the policy picks d = 2 where it drafts at all (what paid most
+# on every set both days) and turns off sooner where the head drafts poorly; priced at the cheaper
+# day's, it picked d = 1 and d = 3 often and ran 0.92-0.97x a fixed `draft:2` on every set.
+CPU_BLOCK_ROUND_STEPS = {1: 1.42, 2: 1.47, 3: 1.70, 4: 1.94}
 
 
 def auto_speculates(rows: int) -> bool:
@@ -365,17 +372,34 @@ class SpeculationPolicy:
         return speedup(self.depth_alphas, d, self.c_draft, self.c_verify, self.c_plain, bonus=self._bonus_choice(d))
 
     def carried(self, old: SpeculationPolicy) -> SpeculationPolicy:
-        """This new policy with the acceptance and its evidence that `old` measured (its rows'
-        speculation turned off): rows alike turn off from their first program, with no judged
-        drafts of their own."""
-        return dataclasses.replace(
-            self,
-            accepted=old.accepted,
-            rejected=old.rejected,
-            observed=old.observed,
-            depth_judged=old.depth_judged.copy(),
-            depth_accepted=old.depth_accepted.copy(),
-        )
+        """This new policy with the acceptance `old` measured (its rows' speculation turned off),
+        as the evidence of at most `EARLY_EVIDENCE` judged drafts (`_as_evidence_of`): where
+        even two standard errors more acceptance would not pay (a head for other text: the news
+        head on code requests), rows alike turn off from their first program; a row that merely
+        drafted poorly leaves the next row to measure its own."""
+        new = dataclasses.replace(self, accepted=old.accepted, rejected=old.rejected, observed=old.observed)
+        new.depth_judged, new.depth_accepted = old.depth_judged.copy(), old.depth_accepted.copy()
+        new._as_evidence_of(EARLY_EVIDENCE)
+        return new
+
+    def new_rows(self) -> None:
+        """The group's rows are all new since its last program (a batch-1 job's next row): what
+        the last rows' drafts were accepted at counts as at most `EARLY_EVIDENCE` judged drafts,
+        and plain steps start over (no probe backlog), so the new rows measure their own. Rows'
+        acceptance differs (the chat head on Python's docs: 0.28, 0.69, 0.35 over the first
+        rows); kept whole, one poor row left the rows after it on plain steps between ever rarer
+        probes (55% plain steps, 0.99x full depth, against a fixed `draft:2`'s 1.34x)."""
+        self._as_evidence_of(EARLY_EVIDENCE)
+        self.plain_steps, self.probe_every = 0, PROBE_EVERY
+
+    def _as_evidence_of(self, judged: float) -> None:
+        """The acceptance counts (pooled, and by depth) scaled to the weight of at most `judged`
+        judged drafts each, and the evidence to as many: the estimates unchanged."""
+        pooled = min(1.0, judged / (self.accepted + self.rejected))
+        self.accepted, self.rejected = self.accepted * pooled, self.rejected * pooled
+        by_depth = min(1.0, judged / max(float(np.sum(self.depth_judged)), 1.0))
+        self.depth_judged, self.depth_accepted = self.depth_judged * by_depth, self.depth_accepted * by_depth
+        self.observed = min(self.observed, judged)
 
     @property
     def timed(self) -> bool:

@@ -8,7 +8,9 @@ the single rounds that time the draft and the verify programs apart and the plai
 steps taken while no round pays (`SpeculationPolicy`). Where the policy turns a draft head's
 speculation off, its rows run as plain rows for good (`Sequence.spec_off`: their own group, plain
 steps without the draft's catch-up, still counted as plain steps), and rows that come later get
-a new policy. It owns the policies and what it times of the programs it dispatched; the
+a new policy. A priced policy whose group's rows are all new since its last program (a batch-1
+job's next row) weighs what the last rows measured as a few drafts' evidence
+(`SpeculationPolicy.new_rows`). It owns the policies and what it times of the programs it dispatched; the
 programs take their arrays from `DeviceSlots` and give them back there."""
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Speculation:
         self._seen: dict[tuple[int, int], np.ndarray] = {}
         self.batch_job, self.steps_per_dispatch = batch_job, steps_per_dispatch
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows
+        self._rows: dict = {}  # (spec, sampler) -> the (row id, admission)s of its last program
         self.past_policies: list = []  # a batch job's that turned their rows' speculation off (stats)
         # Per speculation program of this step and of the last: a `Dispatched` (adaptive) or None;
         # and the programs (of any kind) this step and the last dispatched.
@@ -97,9 +100,10 @@ class Speculation:
         """The policy of the rows speculating with `options.spec` and `options.sampler` (a new
         one where the last turned its rows' speculation off: these rows came later; a batch job
         keeps the old one for its stats, a server drops it). In a batch job a priced policy's
-        successor starts from the acceptance and evidence it measured (`SpeculationPolicy.carried`):
-        a batch's rows are alike, and with each row measuring again the news head's code requests
-        ran 0.93-0.94x full depth on a CPU's blocks; a server's rows each measure again."""
+        successor starts from the acceptance it measured, as a few drafts' evidence
+        (`SpeculationPolicy.carried`): a batch's rows are often alike, and with each row measuring
+        from nothing the news head's code requests ran 0.93-0.94x full depth on a CPU's blocks; a
+        server's rows each measure again."""
         key = (options.spec, options.sampler)
         old = None
         if key in self.policies and self.policies[key].turned_off:
@@ -133,6 +137,11 @@ class Speculation:
             self._dispatch_plain(table, group, options, decode_steps)
             return decode_steps
         policy = self._policy(options)
+        rows = {(seq.id, seq.preemptions) for seq in members}
+        last = self._rows.get((options.spec, options.sampler))
+        if policy.prices is not None and last is not None and not rows & last:
+            policy.new_rows()  # a batch-1 job's next row: it measures its own acceptance
+        self._rows[options.spec, options.sampler] = rows
         d = policy.next_speculations()
         if policy.turned_off:  # no round would pay even at a higher acceptance: off for good
             for seq in members:
