@@ -1,27 +1,25 @@
 """How many drafts per self-speculation round: fixed, or chosen per round from measurements.
 
-Cost model. A round with d drafts costs `(d + 1) * c_draft + c_verify(d)` (d + 1 passes of
-the E draft layers + exit head, one verify pass of the other layers over d + 1 tokens). If draft k
-is accepted with probability α_k once the k - 1 before it were, a row emits
-`expected_tokens(α, d) = 1 + α_1 + α_1·α_2 + ...` tokens per round (accepted prefix + one).
-The adaptive policy picks the d in [1, max_speculations] with the most expected tokens per
-second, using the α_k measured so far (`depth_alphas`: per depth, the rounds that accepted draft
-k over those that judged it, from the engine's `SpecCounters.depth_judged`, with exponential
-forgetting so they follow the text; a depth never judged is priced as the one before it, the
-first from the pooled α = accepted / (accepted + rejections)). A head's later drafts are
-guessed worse than its first (the chat head on Python's docs, 2026-12-01: a fixed `draft:2`
-1.90 tokens a round, `draft:3` 2.03, so its third draft was accepted at ~0.37 after ~0.59), and a
-pooled α overrates deep rounds. c_draft the running mean of the draft program's time per
+Cost model. A round with d drafts costs `(d + 1) * c_draft + c_verify(d)` (d + 1 passes of the E
+draft layers + exit head, one verify pass of the other layers over d + 1 tokens). If draft k is
+accepted with probability α_k once the k - 1 before it were, a row emits `expected_tokens(α, d) =
+1 + α_1 + α_1·α_2 + ...` tokens per round (accepted prefix + one). The adaptive policy picks the d
+in [1, max_speculations] with the most expected tokens per second, using the α_k measured so far
+(`depth_alphas`: per depth, the rounds that accepted draft k over those that judged it, from the
+engine's `SpecCounters.depth_judged`, with exponential forgetting so they follow the text; a depth
+never judged is priced as the one before it, the first from the pooled α = accepted / (accepted +
+rejections)). A head guesses its drafts unalike by depth (the chat head with `draft:4` on the
+CPU's default load, 2026-12-01: 0.47, 0.51, 0.48, 0.66 on chat, 0.57, 0.57, 0.48, 0.74 on Python's
+docs), which a pooled α averages away. c_draft is the running mean of the draft program's time per
 pass, and c_verify(d) a least-squares line a + b (d + 1) through the mean verify time of each d
-tried (flat while only one d was tried: on a GPU a verify pass costs about the same for any
-small d, on a CPU it grows with the tokens, which the line learns once a second d ran). With a
-draft head, a plain step is the line's d = 0 point (the whole model over one position, then the
-draft's catch-up: a verify with no drafts), so the line has a slope from the first round and
-plain step on, and no d looks cheap for want of a second one (on a 2-core CPU at batch 8, where
-verifying 8 (d + 1) rows costs about d + 1 steps, the flat line made the largest d look best).
-Against plain decoding (c_full a step) the speed-up is
-`expected_tokens(α, d) * c_full / ((d + 1) c_draft + c_verify)`; `break_even_acceptance`
-solves it for 1.
+tried (flat while only one d was tried: on a GPU a verify pass costs about the same for any small
+d, on a CPU it grows with the tokens, which the line learns once a second d ran). With a draft
+head, a plain step is the line's d = 0 point (the whole model over one position, then the draft's
+catch-up: a verify with no drafts), so the line has a slope from the first round and plain step
+on, and no d looks cheap for want of a second one (on a 2-core CPU at batch 8, where verifying 8
+(d + 1) rows costs about d + 1 steps, the flat line made the largest d look best). Against plain
+decoding (c_full a step) the speed-up is `expected_tokens(α, d) * c_full / ((d + 1) c_draft +
+c_verify)`; `break_even_acceptance` solves it for 1.
 
 **Plain steps.** When no d is predicted to beat plain decoding by `PAYS_ABOVE` at the measured
 acceptance (an exit that rarely agrees with the last layer: untrained exits, text the early layers cannot
@@ -281,9 +279,8 @@ class SpeculationPolicy:
     def depth_alphas(self) -> tuple[float, ...]:
         """The acceptance of draft k + 1 given the k before it, for each k a round judged, each
         shrunk toward the one before it (the first toward `alpha`) by `DEPTH_PRIOR` rounds: a
-        depth never tried is priced as the one before it, and one whose drafts the head guesses
-        worse (a chain's later drafts: the chat head's third draft on the docs was accepted at
-        ~0.37 after ~0.59 for the first two) is priced as measured."""
+        depth never tried is priced as the one before it, and one the head guesses worse or
+        better (see the module docstring) as measured."""
         out, prior = [], self.alpha
         for judged, accepted in zip(self.depth_judged, self.depth_accepted):
             prior = float((accepted + DEPTH_PRIOR * prior) / (judged + DEPTH_PRIOR))

@@ -1,8 +1,9 @@
 """A weighted average of draft heads' weights (a "model soup"): heads trained from one another on
 different data often sit in one basin, where the average keeps what each gained (the chat head
-of 2026-12-01: the average of two runs drafts every evaluation set at least as well as either
-does on most, and no set worse than the head before; docs/models.md). The reduced head's tokens
-are one head's, named; the average is written as `train-draft` writes a head, with a new probe."""
+of 2026-12-01 is the mean of two runs, the later of which drafted news worse: the mean drafts
+every evaluation set at least as well as the earlier run; docs/models.md). The reduced head's
+tokens are one head's, named; the average is written as `train-draft` writes a head, with a new
+probe."""
 
 from __future__ import annotations
 
