@@ -134,11 +134,12 @@ AUTO_CPU_ROWS = 1  # spec="auto" speculates on a CPU when at most this many rows
 # 2026-12-01): d = 1 1.42-1.55, d = 2 1.37-1.67, d = 3 1.62-1.81, d = 4 1.82-2.10; the medians
 # below. A round has a large fixed cost (its verify's products are compute-bound on two cores:
 # a round of one draft costs nearly what one of two does) and the price moves with the machine:
-# the day before, on the same kind of host with full depth 7.1-7.5 ms a token against 4-6.5 ms,
+# hours before, on the same kind of host with full depth 7.1-7.5 ms a token against 4-6.5 ms,
 # d = 2 rounds cost 1.31-1.36 steps and `benchmarks/round_costs.py` gave 1.23, 1.39, 1.52, 1.63.
-# Priced at the dearer day's costs the policy picks d = 2 where it drafts at all (what paid most
-# on every set both days) and turns off sooner where the head drafts poorly; priced at the cheaper
-# day's, it picked d = 1 and d = 3 often and ran 0.92-0.97x a fixed `draft:2` on every set.
+# Priced at the dearer sitting's costs the policy picks d = 2 where it drafts at all (the fixed
+# setting that paid most on every set then) and turns off sooner where the head drafts poorly;
+# priced at the cheaper sitting's, it picked d = 1 and d = 3 often and ran 0.92-0.97x a fixed
+# `draft:2` on every set.
 CPU_BLOCK_ROUND_STEPS = {1: 1.42, 2: 1.47, 3: 1.70, 4: 1.94}
 
 
