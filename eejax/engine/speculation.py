@@ -73,7 +73,7 @@ class Speculation:
 
     def __init__(self, model, device: DeviceSlots, batch_job: bool, steps_per_dispatch: int):
         self.model, self.config, self._device = model, model.config, device
-        # (row id, admission) -> [[accepted, *depth_accepted], [rejections, *depth_judged]] read
+        # (row id, admission) -> its counts read: [accepted, rejections, *depth_judged, *depth_accepted]
         self._seen: dict[tuple[int, int], np.ndarray] = {}
         self.batch_job, self.steps_per_dispatch = batch_job, steps_per_dispatch
         self.policies: dict = {}  # (spec, sampler) -> the SpeculationPolicy of those rows
@@ -137,11 +137,10 @@ class Speculation:
             self._dispatch_plain(table, group, options, decode_steps)
             return decode_steps
         policy = self._policy(options)
-        rows = {(seq.id, seq.preemptions) for seq in members}
-        last = self._rows.get((options.spec, options.sampler))
-        if policy.prices is not None and last is not None and not rows & last:
+        key, rows = (options.spec, options.sampler), {(seq.id, seq.preemptions) for seq in members}
+        if policy.prices is not None and key in self._rows and not rows & self._rows[key]:
             policy.new_rows()  # a batch-1 job's next row: it measures its own acceptance
-        self._rows[options.spec, options.sampler] = rows
+        self._rows[key] = rows
         d = policy.next_speculations()
         if policy.turned_off:  # no round would pay even at a higher acceptance: off for good
             for seq in members:
@@ -278,30 +277,37 @@ class Speculation:
         if self._seen:  # what it read of rows that left their slots is dropped
             live = {(seq.id, seq.preemptions) for seq in running.values()}
             self._seen = {admission: counts for admission, counts in self._seen.items() if admission in live}
-        for slot, seq in read.items():
-            if not seq.speculating or running.get(slot) is not seq:
-                continue
-            now = np.stack(
-                [
-                    np.concatenate([[counters.accepted[slot]], counters.depth_accepted[slot]]),
-                    np.concatenate([[counters.rejections[slot]], counters.depth_judged[slot]]),
-                ]
-            ).astype(np.int64)
+        rows = [(slot, seq) for slot, seq in read.items() if seq.speculating and running.get(slot) is seq]
+        if not rows:
+            return
+        slots = np.array([slot for slot, _ in rows])
+        # Per row, one vector [accepted, rejections, *depth_judged, *depth_accepted], gathered at once.
+        counts = np.concatenate(
+            [
+                counters.accepted[slots, None],
+                counters.rejections[slots, None],
+                counters.depth_judged[slots],
+                counters.depth_accepted[slots],
+            ],
+            axis=1,
+        ).astype(np.int64)
+        for (_, seq), now in zip(rows, counts):
             # An admission's prefill zeroes its slot's counters: a row's reads count from there.
             admission = (seq.id, seq.preemptions)
             before = self._seen.get(admission, 0)
             self._seen[admission] = now
             key = (seq.spec, seq.sampling.sampler)
             seen[key] = seen.get(key, 0) + (now - before)
+        depths = counters.depth_judged.shape[1]
         for (spec, sampler), new in seen.items():
-            (accepted, *depth_accepted), (rejections, *depth_judged) = new.tolist()
+            accepted, rejections = int(new[0]), int(new[1])
             if accepted or rejections:
                 self.policies[spec, sampler].observe(
                     spec.num_speculations,
                     accepted,
                     rejections,
-                    depth_judged=depth_judged,
-                    depth_accepted=depth_accepted,
+                    depth_judged=new[2 : 2 + depths],
+                    depth_accepted=new[2 + depths :],
                 )
 
     @staticmethod
