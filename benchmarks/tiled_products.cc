@@ -77,7 +77,7 @@ void tiled(const Tiled& t, const X& x, int64_t M, float* y, int64_t t0, int64_t 
   const Weights w = weights(t);
   for (int64_t tile = t0; tile < t1; ++tile)
     for (int64_t m = 0; m < M; m += kIntegerGroup)
-      tiled_group<Format::kQ4_1>(int(std::min<int64_t>(kIntegerGroup, M - m)), x.q, x.split, m, y, w, tile, tile + 1);
+      tiled_group<Format::kQ4_1, false>(int(std::min<int64_t>(kIntegerGroup, M - m)), x.q, x.split, m, y, w, tile, tile + 1);
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)

@@ -213,14 +213,15 @@ def test_tiles_permute_a_matrix_in_place_and_untile_back(format):
 
 @pytest.mark.skipif(not cpu_matmul.panel_products(), reason="the tiled loop is built where the CPU has AVX-512 VNNI")
 @pytest.mark.parametrize(
-    "format, activations", [("q4_0", "int16"), ("q4_1", "int16"), ("q8_0", "int16"), ("q4_1", "int8"), ("q8_0", "int8")]
+    "format, activations",
+    [("q4_0", "int16"), ("q4_1", "int16"), ("q8_0", "int16"), ("q4_0", "int8"), ("q4_1", "int8"), ("q8_0", "int8")],
 )
 def test_a_tiled_matrix_gives_a_row_the_prefill_gemms_bits_at_every_number_of_rows(format, activations):
     """What the CPU's default load holds: 4-bit layers and a q8_0 head in tiles, int16 x (int8 x
-    too). A decode step's row, a verify pass's, a batch's and a prompt's (the GEMM, 65 rows) get the
-    same bits, which the GEMM also gives from the untiled rows; matrices in one call give their own
-    products; the values are `integer_activation_product`'s up to summation order. 17 blocks a row,
-    5 tiles."""
+    too: one vpdpbusd per four values, x the signed operand). A decode step's row, a verify pass's,
+    a batch's and a prompt's (the GEMM, 65 rows) get the same bits, which the GEMM also gives from
+    the untiled rows; matrices in one call give their own products; the values are
+    `integer_activation_product`'s up to summation order. 17 blocks a row, 5 tiles."""
     rng = np.random.default_rng(12)
     w = dataclasses.replace(random_matrix(format, 80, 544, rng, activations), transposed=True)
     tiled = Q.tile(w)
