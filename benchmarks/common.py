@@ -214,3 +214,24 @@ def run_kernel_benchmark(name: str, args: list[str]) -> int:
         command = [compiler, *flags, "-I", jax.ffi.include_dir(), f'-DKERNEL_SOURCE="{source}"', "-pthread"]
         subprocess.run([*command, str(Path(__file__).resolve().parent / f"{name}.cc"), "-o", str(binary)], check=True)
         return subprocess.run([str(binary), *args], check=False).returncode
+
+
+def vnni_kernel_main(name: str, doc: str, flag: str, default: int, help: str, argv=None) -> int:
+    """The command line of a benchmark of the tiled loop (benchmarks/NAME.cc, `run_kernel_benchmark`)
+    that takes one count (`flag`, at least 1): parsed, refused by name below 1, and refused where
+    the CPU has no AVX-512 VNNI, which the loop needs."""
+    import sys
+
+    from eejax.cli.parsing import OneLineErrorParser
+    from eejax.kernels import cpu_matmul
+
+    parser = OneLineErrorParser(description=doc.split("\n\n")[0])
+    parser.add_argument(flag, type=int, default=default, help=help)
+    args = parser.parse_args(argv)
+    count = getattr(args, flag.lstrip("-").replace("-", "_"))
+    if count < 1:
+        parser.error(f"{flag} must be at least 1, got {count}")
+    if not cpu_matmul.panel_products():
+        print(f"{name}.py: this CPU has no AVX-512 VNNI, which the tiled loop needs", file=sys.stderr)
+        return 1
+    return run_kernel_benchmark(name, [str(count)])

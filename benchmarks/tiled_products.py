@@ -16,22 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import run_kernel_benchmark  # noqa: E402
-from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
-from eejax.kernels import cpu_matmul  # noqa: E402
-
-
-def main(argv=None) -> int:
-    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=9, help="paired rounds per row count (default 9)")
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    if not cpu_matmul.panel_products():
-        print("tiled_products.py: this CPU has no AVX-512 VNNI, which the tiled loop needs", file=sys.stderr)
-        return 1
-    return run_kernel_benchmark("tiled_products", [str(args.rounds)])
-
+from benchmarks.common import vnni_kernel_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(vnni_kernel_main("tiled_products", __doc__, "--rounds", 9, "paired rounds per row count (default 9)"))

@@ -15,22 +15,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import run_kernel_benchmark  # noqa: E402
-from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
-from eejax.kernels import cpu_matmul  # noqa: E402
-
-
-def main(argv=None) -> int:
-    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=9, help="timed runs per row count, median kept (default 9)")
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
-    if not cpu_matmul.panel_products():
-        print("vnni_bound.py: this CPU has no AVX-512 VNNI, which the tiled loop needs", file=sys.stderr)
-        return 1
-    return run_kernel_benchmark("vnni_bound", [str(args.repeats)])
-
+from benchmarks.common import vnni_kernel_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(
+        vnni_kernel_main("vnni_bound", __doc__, "--repeats", 9, "timed runs per row count, median kept (default 9)")
+    )
