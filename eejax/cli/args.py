@@ -91,7 +91,8 @@ def add_model_placement(parser: argparse.ArgumentParser, default_layout: str = "
         default=None,
         help="how quantized products take their input: int16 (the default where --quantization auto keeps "
         "the blocks) or int8 (rounded per block of 32 to 16 or 8 bits, int8 as llama.cpp does: 2-3x faster "
-        "products on a CPU; int16's logits stay within ~1e-4 of float32's, int8's move visibly), or float32 "
+        "products on a CPU than float32, and int8 half int16's multiply-adds where several rows share a product: "
+        "batches, verify passes; int16's logits stay within ~1e-4 of float32's, int8's move visibly), or float32 "
         "(the default otherwise: the dequantised weights' products, up to summation order). Speculation "
         "gives full depth's tokens with each",
     )
