@@ -97,8 +97,8 @@ def test_prompt_lookup_copies_drafts_and_stays_lossless():
     (rejected) and later ones copy the chain (accepted). In one row (draft:3:lookup) and in a
     batch (draft:2:lookup=5: copies longer than the head's chain), also through an engine with
     chunks, prefix caching and a preempted row (its prompt then holds what it generated before):
-    full depth's tokens, drafts rejected (only copies can be), and rounds that ran no head (fewer
-    head passes than rounds x d; a pass of the draft's layer each: its catch-up)."""
+    full depth's tokens, drafts rejected (only copies can be), and the head's d passes in every
+    round, copied or not (`feature_draft._draft_with_lookup`)."""
     perfect = perfect_head(tiny())
     prompts = []
     for x in (3, 8, 21, 40, 52):
@@ -114,7 +114,7 @@ def test_prompt_lookup_copies_drafts_and_stays_lossless():
         total = {k: sum(s.spec_counters[k] for s in seqs) for k in SPEC_COUNTERS}
         d = SpecConfig.parse(spec).num_speculations
         assert total["accepted"] < total["drafted"], spec
-        assert total["draft_heads"] < d * total["rounds"] and total["draft_layers"] > total["draft_heads"], spec
+        assert total["draft_heads"] == d * total["rounds"], spec
         for c in (s.spec_counters for s in seqs):  # by depth: the same drafts, each judged once a round
             judged, accepted = np.array(c["depth_judged"]), np.array(c["depth_accepted"])
             assert accepted.sum() == c["accepted"] and (judged - accepted).sum() == c["rejections"], spec
@@ -470,7 +470,7 @@ def test_sampling_a_copied_draft_takes_the_models_softmax():
             return SAMPLED_PROMPT + [first, copy, 9] + SAMPLED_PROMPT[-1:]  # history: ... 5 first copy 9 5 | first
 
         _, state, new_state, counters = sampled_round(8192, spec, 5, seed=seed, lookup=prompt)
-        assert set(np.asarray(counters.drafted)) == {3} and not np.asarray(counters.draft_heads).any()
+        assert set(np.asarray(counters.drafted)) == {3} == set(np.asarray(counters.draft_heads))  # the head ran too
         first = np.asarray(new_state.tokens)[:, 1]
         p = softmax_after(int(state.last_token[0]))
         assert chi_square_p(np.bincount(first, minlength=16), p) > 1e-3, rank

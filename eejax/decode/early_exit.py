@@ -187,12 +187,13 @@ def early_exit_layers(
 def static_loops() -> bool:
     """Whether the decode programs trade a little compute for host round trips: on a GPU a loop
     with a traced trip count reads its predicate back to the host every iteration and a
-    conditional its branch (10-20 us each, `eejax.decode.control_flow`); on CPU they cost
-    nothing. Then KV fill is one batched product from the first check layer (projecting, and
-    dropping, the K/V of the layers between it and the exit) and one write, and the reduced-head
-    check runs at full depth too instead of behind a conditional; speculation drafts with fixed
-    scans (a prompt lookup's head passes run for every row, a confidence stop's after the stop,
-    masked; the head runs at the bonus pass, unused) and verifies every drafted position."""
+    conditional its branch (10-20 us each, `eejax.decode.control_flow`); on CPU they cost no
+    round trip (though not always nothing: `feature_draft._draft_with_lookup`). Then KV fill is
+    one batched product from the first check layer (projecting, and dropping, the K/V of the
+    layers between it and the exit) and one write, and the reduced-head check runs at full depth
+    too instead of behind a conditional; speculation drafts with fixed scans (a confidence
+    stop's head passes run after the stop, masked; the head runs at the bonus pass, unused) and
+    verifies every drafted position."""
     return backend() != "cpu"
 
 

@@ -16,7 +16,7 @@ with d drafts:
 With a confidence stop (`draft:d:stop=η`, Kangaroo) the draft passes run while a row's drafts stay
 confident (`_draft_until_unconfident`), and verification scores only the positions drafted. With
 a prompt lookup (`draft:d:lookup`) a row whose last tokens occurred before drafts the tokens that
-followed them (`decode.lookup`), and the head drafts only the others (`_draft_with_lookup`).
+followed them (`decode.lookup`), and the head's drafts stand for the others (`_draft_with_lookup`).
 
 The prefill (`steps.prefill`) fills the draft's K/V of the prompt the same way (`prompt_draft`).
 Plain steps in place of rounds (adaptive; `speculative.plain_step`) are full-depth decode steps,
@@ -119,51 +119,27 @@ def _head_chain(params, cache: KVCache, state: DecodeState, block_table, config,
 def _draft_with_lookup(params, cache: KVCache, state: DecodeState, block_table, config, options: StepOptions):
     """A prompt lookup's drafts (`decode.lookup`, up to k = `spec.lookup`) for the rows whose last
     tokens occurred before, as many counting as the match gives (`valid`); the head's chain of d
-    for the others, not run when every active row has a match. Drafts [B, max(d, k)]. A copied
-    draft was drawn from a q all on it: rejection sampling then accepts it with the model's
-    probability of it, and resamples from the model's distribution without it, which is exact.
-    Returns (drafts with `valid`, state, cache)."""
+    for the others. Drafts [B, max(d, k)]. A copied draft was drawn from a q all on it: rejection
+    sampling then accepts it with the model's probability of it, and resamples from the model's
+    distribution without it, which is exact. Returns (drafts with `valid`, state, cache).
+
+    The head's d passes run for every row, also in a round where every row copies. Skipping them
+    there (the first head under a `lax.cond`, the layer passes in a `while_loop`) made rounds
+    dearer on a CPU's quantized blocks, not cheaper: `draft:2:lookup` ran 1.00-1.07x `draft:2`
+    on news with the skip and 1.08-1.16x without it, at the same tokens a round (2-core EPYC,
+    batch 1, 2026-12-01; about even on float32 weights: docs/results/cpu-2026-11.md)."""
     d, k = options.spec.num_speculations, options.spec.lookup
     copied, count = lookup.propose(state.prompt, state.tokens, state.num_generated, k)
     copying = (count > 0) & ~state.done
-    if early_exit.static_loops():  # a GPU: the head's d passes for every row, no host round trip
-        tokens, probs, cache = _head_chain(params, cache, state, block_table, config, options)
-        width = max(d, k)
-        tokens = jnp.pad(tokens, ((0, 0), (0, width - d)))
-        probs = jnp.pad(probs, ((0, 0), (0, width - d)) + ((0, 0),) * (probs.ndim - 2))
-        return _with_copies(params, state, tokens, probs, copied, copying, count, jnp.int32(d), d, k), state, cache
-    needed = jnp.any(~copying & ~state.done)
-
-    # The first head under a cond, the draft layer's passes in a while loop that runs none when no
-    # row needs them (a cond would return the cache, which XLA:CPU may copy).
-    def first_head():
-        return _propose(params, state.draft_hidden, state, 0, config, options)[:2]
-
-    first, q1 = jax.lax.cond(needed, first_head, lambda: jax.tree.map(jnp.zeros_like, jax.eval_shape(first_head)))
-    b, width = first.shape[0], max(d, k)
-    tokens = jnp.zeros((b, width), jnp.int32).at[:, 0].set(first)
-    probs = jnp.zeros((b, width) + q1.shape[1:], q1.dtype).at[:, 0].set(q1)
-
-    def body(carry):
-        i, cache, predicted, token, tokens, probs = carry
-        proposal, q, _, out, cache = _next_draft(
-            params, cache, state, block_table, predicted, token, i, config, options
-        )
-        return i + 1, cache, out, proposal, *_put(tokens, probs, i, proposal, q)
-
-    start = (jnp.int32(1), cache, state.draft_hidden, first, tokens, probs)
-    _, cache, _, _, tokens, probs = jax.lax.while_loop(lambda c: needed & (c[0] < d), body, start)
-    passes = jnp.where(needed, d, 0).astype(jnp.int32)
-    return _with_copies(params, state, tokens, probs, copied, copying, count, passes, d, k), state, cache
-
-
-def _with_copies(params, state: DecodeState, tokens, probs, copied, copying, count, passes, d: int, k: int) -> Drafts:
-    """The head's drafts (tokens [B, max(d, k)]) with the copying rows' copied ones in their place."""
-    copied = jnp.pad(copied, ((0, 0), (0, tokens.shape[1] - k)))
+    tokens, probs, cache = _head_chain(params, cache, state, block_table, config, options)
+    width = max(d, k)
+    copied, tokens = jnp.pad(copied, ((0, 0), (0, width - k))), jnp.pad(tokens, ((0, 0), (0, width - d)))
     tokens = jnp.where(copying[:, None], copied, tokens)
+    probs = jnp.pad(probs, ((0, 0), (0, width - d)) + ((0, 0),) * (probs.ndim - 2))
     if probs.shape[-1]:  # rows that sample: q of a copied draft
-        probs = jnp.where(copying[:, None, None], jax.nn.one_hot(copied, probs.shape[-1], dtype=probs.dtype), probs)
-    return _drafts(params, state, tokens, probs, valid=jnp.where(copying, count, d), head_passes=passes)
+        probs = jnp.where(copying[:, None, None], jax.nn.one_hot(tokens, probs.shape[-1], dtype=probs.dtype), probs)
+    counted = {"valid": jnp.where(copying, count, d), "head_passes": jnp.int32(d)}  # of max(d, k) drafts
+    return _drafts(params, state, tokens, probs, **counted), state, cache
 
 
 def _draft_until_unconfident(params, cache, state: DecodeState, block_table, config, options: StepOptions):
