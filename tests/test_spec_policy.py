@@ -250,10 +250,14 @@ def test_round_prices_are_for_a_draft_heads_adaptive_chain_on_a_cpus_blocks():
 
     assert backend() == "cpu" and on_cpu_blocks(True) and not on_cpu_blocks(False)
     blocks = auto_spec(cpu_blocks=True)
-    assert blocks.spec == "draft:2:adaptive" and blocks.max_speculations == 3 and not blocks.lookup
-    assert round_prices(blocks, quantized=True) == {d: CPU_BLOCK_ROUND_STEPS[d] for d in (1, 2, 3)}
+    assert blocks.spec == "draft:2:adaptive:lookup" and blocks.max_speculations == blocks.lookup == 2
+    # a round with 2 copies scores 2 drafted positions at d = 1 too
+    assert round_prices(blocks, quantized=True) == {1: CPU_BLOCK_ROUND_STEPS[2], 2: CPU_BLOCK_ROUND_STEPS[2]}
+    chain = DraftChainSpec(2, adaptive=True, max_speculations=3)
+    assert round_prices(chain, quantized=True) == {d: CPU_BLOCK_ROUND_STEPS[d] for d in (1, 2, 3)}
     four = DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
-    assert round_prices(four, quantized=True) == CPU_BLOCK_ROUND_STEPS
+    assert round_prices(four, quantized=True) == dict.fromkeys((1, 2, 3, 4), CPU_BLOCK_ROUND_STEPS[4])
+    assert round_prices(DraftLookupSpec(2, adaptive=True, max_speculations=2, lookup=6), quantized=True) is None
     assert round_prices(blocks, quantized=False) is None  # float weights: timed
     assert round_prices(DraftChainSpec(2), quantized=True) is None  # fixed d: nothing to choose
     assert round_prices(DraftChainSpec(2, adaptive=True, max_speculations=8), quantized=True) is None  # d 5-8 unpriced

@@ -162,12 +162,14 @@ def on_cpu_blocks(quantized: bool) -> bool:
 def round_prices(spec: SpecConfig, quantized: bool) -> dict[int, float] | None:
     """A round's cost in plain steps for each d an adaptive `spec` may pick, where the policy
     prices rounds instead of timing them (see the module docstring): a draft head's chain on a
-    CPU's quantized blocks, d up to 4 (`CPU_BLOCK_ROUND_STEPS`); else None (timed)."""
+    CPU's quantized blocks, up to 4 positions drafted (`CPU_BLOCK_ROUND_STEPS`); else None
+    (timed). With a prompt lookup of k copies a round drafts max(d, k) positions, which its
+    verify pass scores whether a row copied or not, and is priced so."""
     if not (spec.adaptive and spec.draft_head and on_cpu_blocks(quantized)):
         return None
-    if spec.method not in ("draft", "lookup") or spec.max_speculations > max(CPU_BLOCK_ROUND_STEPS):
+    if spec.method not in ("draft", "lookup") or spec.positions_ahead > max(CPU_BLOCK_ROUND_STEPS):
         return None
-    return {d: CPU_BLOCK_ROUND_STEPS[d] for d in range(1, spec.max_speculations + 1)}
+    return {d: CPU_BLOCK_ROUND_STEPS[max(d, spec.lookup)] for d in range(1, spec.max_speculations + 1)}
 
 
 def depth_chain(alpha, d: int) -> np.ndarray:

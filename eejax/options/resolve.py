@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import eejax.options.grammar as grammar
 from eejax.errors import EejaxError
-from eejax.options.speculation import DraftChainSpec, DraftLookupSpec, SpecConfig
+from eejax.options.speculation import DraftLookupSpec, SpecConfig
 
 
 def auto_spec(cpu_blocks: bool = False) -> SpecConfig:
@@ -14,13 +14,16 @@ def auto_spec(cpu_blocks: bool = False) -> SpecConfig:
     (up to 4 copied drafts), d chosen per program by the adaptive policy from 1 to 4, plain
     full-depth steps where no round pays, and speculation turned off for the group's rows where
     none would (`decode.spec_policy`). Spelled `draft:2:adaptive:lookup=4` with max_speculations 4.
-    `cpu_blocks` (quantized weights on a CPU): the head's chain alone, d up to 3, rounds priced
-    from a table rather than timed (`spec_policy.round_prices`), spelled `draft:2:adaptive` with
-    max_speculations 3: on the blocks a fixed `draft:2` gained 1.12-1.38x on chat, docs, code and
-    news (2026-12-01), while lookup and deeper rounds lost on chat; up to 3 (not 2) so that its
-    plain steps run 4 a program, as full depth's do (`Speculation._plain_steps`)."""
+    `cpu_blocks` (quantized weights on a CPU): the head's chain with up to 2 copied drafts, d 1
+    or 2, rounds priced from a table rather than timed (`spec_policy.round_prices`), spelled
+    `draft:2:adaptive:lookup` with max_speculations 2. On the blocks a verify pass costs more per
+    position it scores, and deeper rounds lost: the chat head at batch 1, 8 prompts a set
+    (2026-12-01, a 2-core EPYC, medians of 3 paired runs against full depth), this setting 1.13x
+    on chat, 1.44x on Python's docs, 1.44x on code and 1.18x on news, against the head's chain
+    alone with d up to 3 1.12x, 1.16x, 1.43x and 1.02x, and with 2 copies and d up to 3 1.14-1.16x,
+    1.25-1.37x, 1.37x and 1.14-1.29x."""
     if cpu_blocks:
-        return DraftChainSpec(2, adaptive=True, max_speculations=3)
+        return DraftLookupSpec(2, adaptive=True, max_speculations=2, lookup=2)
     return DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
 
 
