@@ -20,8 +20,9 @@ def auto_spec(cpu_blocks: bool = False) -> SpecConfig:
     position it scores, and deeper rounds lost: the chat head at batch 1, 8 prompts a set
     (2026-12-01, a 2-core EPYC, medians of 3 paired runs against full depth), this setting 1.13x
     on chat, 1.44x on Python's docs, 1.44x on code and 1.18x on news, against the head's chain
-    alone with d up to 3 1.12x, 1.16x, 1.43x and 1.02x, and with 2 copies and d up to 3 1.14-1.16x,
-    1.25-1.37x, 1.37x and 1.14-1.29x."""
+    alone with d up to 3 1.12x, 1.16x, 1.43x and 1.02x, and with 2 copies and d up to 3 1.16x,
+    1.25x, 1.37x and 1.14x, in the same runs. Its plain steps run 3 a program, not full depth's 4
+    (`Speculation._plain_steps`: the positions a round may write)."""
     if cpu_blocks:
         return DraftLookupSpec(2, adaptive=True, max_speculations=2, lookup=2)
     return DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
