@@ -356,38 +356,36 @@ def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
     full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True)
     res = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec="auto", batch_size=1)
     assert res.tokens == full.tokens and res.stats["rounds"] > 0
-    assert res.stats["spec"] == auto_spec().spec == "draft:2:adaptive:lookup=4"
-    assert auto_spec().max_speculations == 4
+    assert res.stats["spec"] == auto_spec(on_cpu=True).spec == "draft:2:adaptive:lookup"
+    assert auto_spec().spec == "draft:2:adaptive:lookup=4" and auto_spec().max_speculations == 4  # a GPU's
     batch = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec="auto")
     assert batch.tokens == full.tokens and batch.stats["spec"] is None
     assert eejax.generate(tiny(), PROMPTS[:1], max_new_tokens=2, spec="auto").stats["spec"] is None
     engine = Engine(model, max_slots=1, max_new_tokens=NEW, ignore_eos=True)
-    assert engine.submit(PROMPTS[0], max_new_tokens=NEW, spec="auto").spec == auto_spec()
+    assert engine.submit(PROMPTS[0], max_new_tokens=NEW, spec="auto").spec == auto_spec(on_cpu=True)
     for off in ("none", "off", "", " Off "):
         assert resolve_spec(off, has_draft_head=True) is None
     assert resolve_spec("Auto", has_draft_head=True) == auto_spec()
     assert resolve_spec("auto", has_draft_head=True, speculate=False) is None
-    assert resolve_spec("auto", has_draft_head=True, cpu_blocks=True) == auto_spec(cpu_blocks=True)
+    assert resolve_spec("auto", has_draft_head=True, on_cpu=True) == auto_spec(on_cpu=True)
     with pytest.raises(EejaxError, match="not both"):  # whether auto would speculate or not
         eejax.generate(model, PROMPTS[:2], max_new_tokens=2, spec="auto", exit="softmax:0.9")
     assert resolve_spec("draft:2", has_draft_head=False) == SpecConfig.parse("draft:2")  # checked later
 
 
 def test_priced_rounds_in_the_engine_are_lossless_and_time_nothing(model, monkeypatch):
-    """The blocks' auto (`auto_spec(cpu_blocks=True)`) with its rounds priced, as on a CPU's quantized
-    blocks (priced here on float weights): full depth's tokens, rounds from the first program, and
+    """A CPU's auto (`auto_spec(on_cpu=True)`) one row at a time, its rounds priced (float
+    weights: `CPU_FLOAT_ROUND_STEPS`): full depth's tokens, rounds from the first program, and
     nothing timed: no split round, no plain step, the prices kept; a row after another in one slot
     is new to the policy (`SpeculationPolicy.new_rows`)."""
-    import eejax.engine.speculation as speculation
-    from eejax.decode.spec_policy import SpeculationPolicy
+    from eejax.decode.spec_policy import CPU_FLOAT_ROUND_STEPS, SpeculationPolicy
 
-    prices = {1: 1.21, 2: 1.35, 3: 1.47}
-    monkeypatch.setattr(speculation, "round_prices", lambda spec, quantized: prices)
+    prices = dict.fromkeys((1, 2), CPU_FLOAT_ROUND_STEPS[2])  # 2 copies: 2 positions at d = 1 too
     renewed = []
     monkeypatch.setattr(SpeculationPolicy, "new_rows", lambda self: renewed.append(self))
     full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True)
     engine = Engine(model, max_slots=1, max_new_tokens=NEW, ignore_eos=True)
-    seqs = [engine.submit(p, max_new_tokens=NEW, spec=auto_spec(cpu_blocks=True)) for p in PROMPTS[:2]]
+    seqs = [engine.submit(p, max_new_tokens=NEW, spec=auto_spec(on_cpu=True)) for p in PROMPTS[:2]]
     engine.run()
     (policy,) = list(engine.speculation.policies.values()) + engine.speculation.past_policies
     assert [s.tokens for s in seqs] == full.tokens and policy.prices == prices and policy.verify_s == prices

@@ -391,7 +391,7 @@ def test_a_draft_head_is_quantized_with_its_model_and_stays_lossless(config, flo
         assert d["fc"].format == d["layer"]["w_down"].format == format and not Q.is_quantized(d["layer"]["attn_norm"])
         assert greedy(model, PROMPTS, spec="draft:2").tokens == greedy(model, PROMPTS).tokens, kind
     # spec="auto" on a CPU's quantized weights: one row at a time, the head's chain and 2 copies with
-    # priced rounds (`auto_spec(cpu_blocks=True)`), lossless; a batch decodes at full depth
+    # priced rounds (`auto_spec(on_cpu=True)`), lossless; a batch decodes at full depth
     one = eejax.generate(model, PROMPTS[:1], max_new_tokens=8, ignore_eos=True, spec="auto")
     assert one.stats["spec"] == "draft:2:adaptive:lookup" and one.tokens == greedy(model, PROMPTS[:1], new=8).tokens
     batch = eejax.generate(model, PROMPTS[:2], max_new_tokens=4, ignore_eos=True, spec="auto")

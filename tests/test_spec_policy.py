@@ -243,22 +243,24 @@ def test_priced_rounds_are_chosen_from_the_acceptance_alone():
     assert policy.next_speculations() == 0 and policy.turned_off
 
 
-def test_round_prices_are_for_a_draft_heads_adaptive_chain_on_a_cpus_blocks():
-    from eejax.decode.spec_policy import CPU_BLOCK_ROUND_STEPS, on_cpu_blocks, round_prices
-    from eejax.kernels.backend import backend
+def test_round_prices_are_for_a_draft_heads_adaptive_chain_on_a_cpu_one_row_at_a_time():
+    from eejax.decode.spec_policy import CPU_BLOCK_ROUND_STEPS, CPU_FLOAT_ROUND_STEPS, on_cpu, round_prices
     from eejax.options import DraftLookupSpec, auto_spec
 
-    assert backend() == "cpu" and on_cpu_blocks(True) and not on_cpu_blocks(False)
-    blocks = auto_spec(cpu_blocks=True)
-    assert blocks.spec == "draft:2:adaptive:lookup" and blocks.max_speculations == blocks.lookup == 2
-    # a round with 2 copies scores 2 drafted positions at d = 1 too
-    assert round_prices(blocks, quantized=True) == {1: CPU_BLOCK_ROUND_STEPS[2], 2: CPU_BLOCK_ROUND_STEPS[2]}
+    assert on_cpu()
+    auto = auto_spec(on_cpu=True)
+    assert auto.spec == "draft:2:adaptive:lookup" and auto.max_speculations == auto.lookup == 2
+    # a round with 2 copies scores 2 drafted positions at d = 1 too; float weights have their own prices
+    assert round_prices(auto, quantized=True) == {1: CPU_BLOCK_ROUND_STEPS[2], 2: CPU_BLOCK_ROUND_STEPS[2]}
+    assert round_prices(auto, quantized=False) == {1: CPU_FLOAT_ROUND_STEPS[2], 2: CPU_FLOAT_ROUND_STEPS[2]}
+    assert CPU_FLOAT_ROUND_STEPS != CPU_BLOCK_ROUND_STEPS and set(CPU_FLOAT_ROUND_STEPS) == set(CPU_BLOCK_ROUND_STEPS)
     chain = DraftChainSpec(2, adaptive=True, max_speculations=3)
     assert round_prices(chain, quantized=True) == {d: CPU_BLOCK_ROUND_STEPS[d] for d in (1, 2, 3)}
     four = DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
     assert round_prices(four, quantized=True) == dict.fromkeys((1, 2, 3, 4), CPU_BLOCK_ROUND_STEPS[4])
     assert round_prices(DraftLookupSpec(2, adaptive=True, max_speculations=2, lookup=6), quantized=True) is None
-    assert round_prices(blocks, quantized=False) is None  # float weights: timed
+    for rows in (1, 8):  # the prices are one row's: more rows at once are timed
+        assert (round_prices(auto, quantized=True, rows=rows) is None) == (rows > 1)
     assert round_prices(DraftChainSpec(2), quantized=True) is None  # fixed d: nothing to choose
     assert round_prices(DraftChainSpec(2, adaptive=True, max_speculations=8), quantized=True) is None  # d 5-8 unpriced
     assert round_prices(LayerSkipSpec(2, 2, adaptive=True, max_speculations=2), quantized=True) is None

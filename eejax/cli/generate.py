@@ -208,8 +208,8 @@ def add_parsers(sub) -> None:
         "--spec",
         metavar="auto|E:d|draft:d",
         help="speculative decoding: auto speculates with the checkpoint's draft head where it pays (draft:2:adaptive "
-        "with prompt lookup, d up to 4, plain steps where no round pays; on a CPU one row at a time, and there on"
-        " quantized weights d 1 or 2 and up to 2 copied drafts, its rounds priced from measured costs) and decodes"
+        "with prompt lookup, d up to 4, plain steps where no round pays; on a CPU one row at a time, and there"
+        " d 1 or 2 and up to 2 copied drafts, its rounds priced from measured costs) and decodes"
         " at full depth on a model without one; none or off: full depth. E:d drafts d tokens with the first E "
         "layers and the exit head (LayerSkip) and verifies them with the other layers in one pass; draft:d drafts"
         " them with the checkpoint's trained draft head (eejax train-draft; e.g. the model smollm2-135m-eagle) "

@@ -70,7 +70,7 @@ the machine's load as the verify times do; while rounds are predicted to pay les
 round is weighed against a plain step timed at about the same moment (the machine's speed
 drifts). (The policy picks d per program: `next_speculations` is asked once a program.)
 
-**Priced rounds (a CPU's quantized blocks).** Where a round's cost in plain steps is known for
+**Priced rounds (a CPU, one row at a time).** Where a round's cost in plain steps is known for
 every d the policy may pick (`prices`: `round_prices`, measured in the engine), nothing is timed:
 c_full is one step, each d's round costs its price, and only the acceptance is measured. On a
 2-core CPU at batch 1 the timed choices were noise: rounds there gain 1.1-1.4x, and the machine's
@@ -80,7 +80,10 @@ speed moves 10-40% between programs (the chat head on the GGUF blocks, 2026-12-0
 at a time there, and rows differ (the chat head on Python's docs: the acceptance went 0.28, 0.69,
 0.35 over the first rows): where the group's rows are all new, what the last ones measured counts
 as `EARLY_EVIDENCE` judged drafts (`new_rows`), so that one poor row does not leave the rows after
-it on plain steps.
+it on plain steps. On float32 weights likewise (the chat head, 2026-12-01, a 2-core EPYC, medians of
+3 paired runs): `spec="auto"` timed, d up to 4 with 4 copies, 1.21x full depth on chat, 1.45x on
+Python's docs, 1.43x on code and 1.30x on news; priced, d up to 2 with 2 copies, 1.35x, 1.50x,
+1.60x and 1.39x, and a fixed `draft:2:lookup` 1.37x, 1.48x, 1.69x and 1.42x in the same runs.
 
 The bonus pass (the (d + 1)-th pass over x_d, see `speculative`) buys one token only when all
 d drafts are accepted (probability α^d) and costs E layers every round. The policy turns it on
@@ -142,6 +145,15 @@ AUTO_CPU_ROWS = 1  # spec="auto" speculates on a CPU when at most this many rows
 # `draft:2` on every set.
 CPU_BLOCK_ROUND_STEPS = {1: 1.42, 2: 1.47, 3: 1.70, 4: 1.94}
 
+# The same on float32 weights (the chat head, batch 1, a 2-core AMD EPYC with AVX-512, 2026-12-01):
+# d = 2 and 4 with prompt lookup (2 and 4 positions drafted) as the engine paid them, τ over the
+# speed-up (8 prompts a set, 64 tokens, 2 paired runs; `benchmarks/draft_head.py --specs
+# draft:2:lookup draft:4:lookup`): 1.27-1.37 (median 1.33) on MT-bench, chat, docs, code and news,
+# and 1.45-1.62 (median 1.58); d = 1 and 3 from `benchmarks/round_costs.py`'s ratios to d = 2
+# (1.17, 1.25, 1.34, 1.55 steps for 1-4 positions). A verify pass of a few positions reads the
+# weights once, but on two cores its products over each added position are not free.
+CPU_FLOAT_ROUND_STEPS = {1: 1.23, 2: 1.33, 3: 1.40, 4: 1.58}
+
 
 def auto_speculates(rows: int) -> bool:
     """Whether `spec="auto"` speculates when `rows` rows decode at once (an engine's slots). On a
@@ -153,23 +165,26 @@ def auto_speculates(rows: int) -> bool:
     return backend() != "cpu" or rows <= AUTO_CPU_ROWS
 
 
-def on_cpu_blocks(quantized: bool) -> bool:
-    """Whether a model with `quantized` weights (its `quantization` is not None) decodes on a
-    CPU's quantized blocks, where `spec="auto"` runs `options.auto_spec(cpu_blocks=True)`."""
-    return quantized and backend() == "cpu"
+def on_cpu() -> bool:
+    """Whether models decode on a CPU, where `spec="auto"` runs `options.auto_spec(on_cpu=True)`
+    and an adaptive draft head's rounds at batch 1 are priced (`round_prices`)."""
+    return backend() == "cpu"
 
 
-def round_prices(spec: SpecConfig, quantized: bool) -> dict[int, float] | None:
+def round_prices(spec: SpecConfig, quantized: bool, rows: int = 1) -> dict[int, float] | None:
     """A round's cost in plain steps for each d an adaptive `spec` may pick, where the policy
     prices rounds instead of timing them (see the module docstring): a draft head's chain on a
-    CPU's quantized blocks, up to 4 positions drafted (`CPU_BLOCK_ROUND_STEPS`); else None
-    (timed). With a prompt lookup of k copies a round drafts max(d, k) positions, which its
-    verify pass scores whether a row copied or not, and is priced so."""
-    if not (spec.adaptive and spec.draft_head and on_cpu_blocks(quantized)):
+    CPU where at most `AUTO_CPU_ROWS` of `rows` (the engine's slots) decode at once, up to 4
+    positions drafted, from `CPU_BLOCK_ROUND_STEPS` on `quantized` weights, else
+    `CPU_FLOAT_ROUND_STEPS`; else None (timed: the prices are one row's, and with more a verify
+    pass costs ~d + 1 steps there). With a prompt lookup of k copies a round drafts max(d, k)
+    positions, which its verify pass scores whether a row copied or not, and is priced so."""
+    if not (spec.adaptive and spec.draft_head and on_cpu() and rows <= AUTO_CPU_ROWS):
         return None
-    if spec.method not in ("draft", "lookup") or spec.positions_ahead > max(CPU_BLOCK_ROUND_STEPS):
+    table = CPU_BLOCK_ROUND_STEPS if quantized else CPU_FLOAT_ROUND_STEPS
+    if spec.method not in ("draft", "lookup") or spec.positions_ahead > max(table):
         return None
-    return {d: CPU_BLOCK_ROUND_STEPS[max(d, spec.lookup)] for d in range(1, spec.max_speculations + 1)}
+    return {d: table[max(d, spec.lookup)] for d in range(1, spec.max_speculations + 1)}
 
 
 def depth_chain(alpha, d: int) -> np.ndarray:

@@ -36,7 +36,7 @@ import jax
 from eejax.cache import pages_needed
 from eejax.decode.buckets import MIN_PROMPT_BUCKET, bucket
 from eejax.decode.sampling import SamplingParams
-from eejax.decode.spec_policy import auto_speculates, on_cpu_blocks
+from eejax.decode.spec_policy import auto_speculates, on_cpu
 from eejax.engine import inbox, replicas
 from eejax.engine.admission import Admission
 from eejax.engine.delivery import Delivery
@@ -212,7 +212,7 @@ class Engine:
         )
         # The speculating rows' policies and rounds, and the dispatch of every program with the
         # one-behind read of its outputs: parts.
-        self.speculation = Speculation(model, self.device, batch_job, self.steps_per_dispatch)
+        self.speculation = Speculation(model, self.device, batch_job, self.steps_per_dispatch, max_slots)
         self.dispatch = Dispatch(
             model,
             self.options,
@@ -270,7 +270,7 @@ class Engine:
             seed=seed,
             prompt_positions=self.prompt_positions,
             speculate_auto=auto_speculates(max_slots),
-            auto_on_blocks=on_cpu_blocks(model.quantization is not None),
+            auto_on_cpu=on_cpu(),
             spec=spec,
         )
 

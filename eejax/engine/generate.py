@@ -17,7 +17,7 @@ from eejax.cache import pages_needed
 from eejax.decode.buckets import batch_bucket, bucket
 from eejax.decode.prompts import prompt_token_ids, validate_lengths
 from eejax.decode.sampling import SamplingParams
-from eejax.decode.spec_policy import auto_speculates, on_cpu_blocks
+from eejax.decode.spec_policy import auto_speculates, on_cpu
 from eejax.decode.stats import GenerateStats, generate_stats
 from eejax.engine.engine import Engine
 from eejax.errors import EejaxError
@@ -93,10 +93,7 @@ def generate(
     check_exit_or_spec(exit_config, spec, ("early exit (exit=)", "self-speculation (spec=)"))
     rows, texts = prompt_token_ids(model.tokenizer, batch)
     at_once = len(rows) if batch_size is None else min(max(batch_size, 1), len(rows))
-    quantized = model.quantization is not None
-    spec_config = resolve_spec(
-        spec, draft_head.has_draft(model.params), auto_speculates(at_once), on_cpu_blocks(quantized)
-    )
+    spec_config = resolve_spec(spec, draft_head.has_draft(model.params), auto_speculates(at_once), on_cpu())
     exit_config, spec_config = exits.resolve_options(model.params, config, exit_config, spec_config)
     if truncate_prompt_tokens is not None:
         if truncate_prompt_tokens < 1:

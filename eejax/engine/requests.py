@@ -42,8 +42,8 @@ class Requests:
     `num_pages` and `page_size` say which bound `max_len` is); at most `max_decoding_options`
     early-exit / speculation options are served; `seed` draws the seeds of requests that name
     none; `speculate_auto`: whether `spec="auto"` speculates here (`spec_policy.auto_speculates`
-    of the engine's slots) and `auto_on_blocks` whether it runs the blocks' auto
-    (`spec_policy.on_cpu_blocks`); `post`: hands a message to the engine's loop (`Lifecycle.post`).
+    of the engine's slots) and `auto_on_cpu` whether it runs a CPU's auto
+    (`spec_policy.on_cpu`); `post`: hands a message to the engine's loop (`Lifecycle.post`).
     Any thread may submit."""
 
     def __init__(
@@ -63,7 +63,7 @@ class Requests:
         seed: int,
         prompt_positions: Callable[[list[int]], int],
         speculate_auto: bool = True,
-        auto_on_blocks: bool = False,
+        auto_on_cpu: bool = False,
         spec: SpecConfig | str | None = None,
     ):
         self.model, self.config = model, model.config
@@ -75,7 +75,7 @@ class Requests:
         self.max_prompt_tokens, self.encoder_decoder = max_prompt_tokens, max_prompt_tokens is not None
         self.num_pages, self.page_size = num_pages, page_size
         self.prompt_positions, self.speculate_auto = prompt_positions, speculate_auto
-        self.auto_on_blocks = auto_on_blocks
+        self.auto_on_cpu = auto_on_cpu
         self._seeds = np.random.default_rng(seed)  # a request without a seed draws one from here
         self._ids = itertools.count()
         # Early-exit and speculation options are static in the programs (each compiles its own):
@@ -93,7 +93,7 @@ class Requests:
         """The speculation `spec` runs here (None: none; "auto" resolved for this engine), checked
         against the model."""
         has_draft = draft_head.has_draft(self.model.params)
-        spec_config = resolve_spec(spec, has_draft, self.speculate_auto, self.auto_on_blocks)
+        spec_config = resolve_spec(spec, has_draft, self.speculate_auto, self.auto_on_cpu)
         if spec_config is not None:
             if spec_config.adaptive and jax.process_count() > 1:
                 raise EejaxError(

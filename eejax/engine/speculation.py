@@ -69,10 +69,11 @@ def run_timed(program, args, timed: bool):
 class Speculation:
     """The speculating rows' policies and rounds. `batch_job`: the policies that turned their rows'
     speculation off are kept for the job's stats (`past_policies`); a server drops them.
-    `steps_per_dispatch`: a decode program's steps (the plain programs warm-up compiles)."""
+    `steps_per_dispatch`: a decode program's steps (the plain programs warm-up compiles);
+    `rows`: the engine's slots (a CPU's adaptive rounds are priced for one row: `round_prices`)."""
 
-    def __init__(self, model, device: DeviceSlots, batch_job: bool, steps_per_dispatch: int):
-        self.model, self.config, self._device = model, model.config, device
+    def __init__(self, model, device: DeviceSlots, batch_job: bool, steps_per_dispatch: int, rows: int = 1):
+        self.model, self.config, self._device, self.rows = model, model.config, device, rows
         # (row id, admission) -> its counts read: [accepted, rejections, *depth_judged, *depth_accepted]
         self._seen: dict[tuple[int, int], np.ndarray] = {}
         self.batch_job, self.steps_per_dispatch = batch_job, steps_per_dispatch
@@ -120,7 +121,7 @@ class Speculation:
                 spec,
                 unit_costs=unit_costs,
                 sampled=options.sampler != GREEDY,
-                prices=round_prices(spec, self.model.quantization is not None),
+                prices=round_prices(spec, self.model.quantization is not None, self.rows),
             )
             if old is not None and self.batch_job and old.prices is not None:
                 self.policies[key] = self.policies[key].carried(old)

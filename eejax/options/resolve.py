@@ -9,21 +9,23 @@ from eejax.errors import EejaxError
 from eejax.options.speculation import DraftLookupSpec, SpecConfig
 
 
-def auto_spec(cpu_blocks: bool = False) -> SpecConfig:
+def auto_spec(on_cpu: bool = False) -> SpecConfig:
     """What `spec="auto"` runs on a model with a draft head: the head's chain with prompt lookup
     (up to 4 copied drafts), d chosen per program by the adaptive policy from 1 to 4, plain
     full-depth steps where no round pays, and speculation turned off for the group's rows where
     none would (`decode.spec_policy`). Spelled `draft:2:adaptive:lookup=4` with max_speculations 4.
-    `cpu_blocks` (quantized weights on a CPU): the head's chain with up to 2 copied drafts, d 1
-    or 2, rounds priced from a table rather than timed (`spec_policy.round_prices`), spelled
-    `draft:2:adaptive:lookup` with max_speculations 2. On the blocks a verify pass costs more per
-    position it scores, and deeper rounds lost: the chat head at batch 1, 8 prompts a set
-    (2026-12-01, a 2-core EPYC, medians of 3 paired runs against full depth), this setting 1.13x
-    on chat, 1.44x on Python's docs, 1.44x on code and 1.18x on news, against the head's chain
-    alone with d up to 3 1.12x, 1.16x, 1.43x and 1.02x, and with 2 copies and d up to 3 1.16x,
-    1.25x, 1.37x and 1.14x, in the same runs. Its plain steps run 3 a program, not full depth's 4
-    (`Speculation._plain_steps`: the positions a round may write)."""
-    if cpu_blocks:
+    `on_cpu`: the head's chain with up to 2 copied drafts, d 1 or 2, rounds priced from a table
+    rather than timed (`spec_policy.round_prices`), spelled `draft:2:adaptive:lookup` with
+    max_speculations 2. On a CPU a verify pass costs more per position it scores, and deeper
+    rounds lost. On the quantized blocks, the chat head at batch 1, 8 prompts a set (2026-12-01,
+    a 2-core EPYC, medians of 3 paired runs against full depth), this setting 1.13x on chat, 1.44x
+    on Python's docs, 1.44x on code and 1.18x on news, against the head's chain alone with d up to
+    3 1.12x, 1.16x, 1.43x and 1.02x, and with 2 copies and d up to 3 1.16x, 1.25x, 1.37x and 1.14x,
+    in the same runs. On float32 weights (the same host and sets, 3 paired runs), 1.35x, 1.50x,
+    1.60x and 1.39x, against the GPU's setting (timed, d up to 4, 4 copies) 1.21x, 1.45x, 1.43x
+    and 1.30x. Its plain steps run 3 a program, not full depth's 4 (`Speculation._plain_steps`:
+    the positions a round may write)."""
+    if on_cpu:
         return DraftLookupSpec(2, adaptive=True, max_speculations=2, lookup=2)
     return DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
 
@@ -43,16 +45,16 @@ def check_exit_or_spec(exit, spec, names: tuple[str, str] = ("early exit (exit)"
 
 
 def resolve_spec(
-    spec: SpecConfig | str | None, has_draft_head: bool, speculate: bool = True, cpu_blocks: bool = False
+    spec: SpecConfig | str | None, has_draft_head: bool, speculate: bool = True, on_cpu: bool = False
 ) -> SpecConfig | None:
     """A `spec` argument as the SpecConfig it runs, or None for full depth: "auto" is
-    `auto_spec(cpu_blocks)` on a model with a draft head where `speculate`
+    `auto_spec(on_cpu)` on a model with a draft head where `speculate`
     (`spec_policy.auto_speculates`: the device and the rows decoding at once), else full depth;
     "none", "off" and "" are full depth; another string is `SpecConfig.parse`d."""
     if not isinstance(spec, str):
         return spec
     if grammar.is_auto(spec):
-        return auto_spec(cpu_blocks) if has_draft_head and speculate else None
+        return auto_spec(on_cpu) if has_draft_head and speculate else None
     if grammar.is_off(spec):
         return None
     return SpecConfig.parse(spec)
