@@ -235,8 +235,11 @@ def test_priced_rounds_are_chosen_from_the_acceptance_alone():
     for _ in range(60):  # the text changes: one draft in three accepted, d = 1 pays most
         policy.observe(2, accepted=1, rejected=2)
     assert 0.3 < policy.alpha < 0.36 and policy.next_speculations() == 1
-    for _ in range(60):  # one in four: no round pays by PAYS_ABOVE, plain steps and probes
+    for _ in range(60):  # one in four: d = 1 beats its price (no margin: nothing was timed)
         policy.observe(1, accepted=1, rejected=3)
+    assert policy.pays_above == 1.0 and policy.next_speculations() == 1
+    for _ in range(60):  # one in five: no round pays, plain steps and probes (0.05 more would pay)
+        policy.observe(1, accepted=1, rejected=4)
     assert policy.next_speculations() == 0 and not policy.turned_off
     for _ in range(60):  # nothing accepted: off for good
         policy.observe(1, accepted=0, rejected=4)
@@ -340,8 +343,8 @@ def test_new_rows_measure_their_own_acceptance():
 
     spec, prices = DraftChainSpec(2, adaptive=True, max_speculations=3), {1: 1.42, 2: 1.47, 3: 1.70}
     policy = SpeculationPolicy(spec, prices=prices)
-    for _ in range(30):  # a row whose drafts are accepted at ~0.37: rounds just below paying
-        policy.observe(2, accepted=37, rejected=63, depth_judged=[80, 20], depth_accepted=[30, 7])
+    for _ in range(30):  # a row whose drafts are accepted at ~0.35: rounds just below paying
+        policy.observe(2, accepted=35, rejected=65, depth_judged=[80, 20], depth_accepted=[28, 6])
     assert [policy.next_speculations() for _ in range(4)] == [0] * 4 and not policy.turned_off
     alpha = policy.alpha
     policy.new_rows()

@@ -21,10 +21,11 @@ on, and no d looks cheap for want of a second one (on a 2-core CPU at batch 8, w
 decoding (c_full a step) the speed-up is `expected_tokens(α, d) * c_full / ((d + 1) c_draft +
 c_verify)`; `break_even_acceptance` solves it for 1.
 
-**Plain steps.** When no d is predicted to beat plain decoding by `PAYS_ABOVE` at the measured
-acceptance (an exit that rarely agrees with the last layer: untrained exits, text the early layers cannot
-guess), the adaptive policy answers d = 0: plain full-depth steps, as many in one program as
-full depth runs (`steps_per_dispatch`, at most d_max + 1: the positions a round may write).
+**Plain steps.** When no d is predicted to beat plain decoding by `PAYS_ABOVE` (priced rounds: at
+all, `pays_above`) at the measured acceptance (an exit that rarely agrees with the last layer:
+untrained exits, text the early layers cannot guess), the adaptive policy answers d = 0: plain
+full-depth steps, as many in one program as full depth runs (`steps_per_dispatch`, at most
+d_max + 1: the positions a round may write).
 After `PROBE_EVERY` such programs a probe round runs instead, so the acceptance estimate keeps
 following the text and speculation resumes once it pays; each probe after which rounds still
 do not pay doubles the programs before the next (up to `MAX_PROBE_EVERY`), so text where
@@ -125,7 +126,11 @@ RECHECK_EVERY = 8  # ... give way to plain steps every this many programs, which
 # drifts 10-40% within a run, so a plain step timed long ago made marginal rounds look paying (batch 8:
 # plain steps timed at 62 ms in a slow minute, d = 2 rounds then run at 100 ms against 47 ms steps)
 PAYS_ABOVE = 1.05  # a round is chosen over plain steps when predicted this much faster: the margin of
-# its timings (2-core CPU timings move 10-40% within a minute).
+# its timings (2-core CPU timings move 10-40% within a minute). Priced rounds (`prices`) have no timings
+# and need no margin: a round pays where it beats a plain step (`pays_above`). With the margin, `auto` on
+# a CPU's blocks ran plain steps where a fixed `draft:2:lookup` still gained (the chat head, 2026-12-01,
+# a 2-core EPYC, medians of 3 paired runs: 1.20x, 1.48x, 1.34x and 1.28x full depth on chat, docs, code
+# and news; without it 1.13x, 1.47x, 1.43x and 1.47x; the fixed setting 1.10x, 1.43x, 1.47x and 1.47x).
 
 
 AUTO_CPU_ROWS = 1  # spec="auto" speculates on a CPU when at most this many rows decode at once
@@ -341,7 +346,7 @@ class SpeculationPolicy:
         else:
             d = best_speculations(self.depth_alphas, self.c_draft, self.c_verify, self.spec.max_speculations)
             predicted = self.predicted_speedup(d)
-            if predicted >= PAYS_ABOVE:
+            if predicted >= self.pays_above:
                 self.probe_every = PROBE_EVERY
                 if self.timed and predicted < RECHECK_BELOW and self.rounds_since_plain >= RECHECK_EVERY:
                     d = 0  # a plain step again: its cost, next to the rounds' recent ones
@@ -374,12 +379,12 @@ class SpeculationPolicy:
         return 1.0
 
     def pays_at(self, alpha: float) -> bool:
-        """Whether some round would beat plain steps by `PAYS_ABOVE` at acceptance α (pooled:
+        """Whether some round would beat plain steps by `pays_above` at acceptance α (pooled:
         every depth's acceptance raised as much as α is above `alpha`; the times measured so far)."""
         shift = alpha - self.alpha
         alphas = [min(a + shift, 1.0) for a in self.depth_alphas]
         best = best_speculations(alphas, self.c_draft, self.c_verify, self.spec.max_speculations)
-        return speedup(alphas, best, self.c_draft, self.c_verify, self.c_plain) >= PAYS_ABOVE
+        return speedup(alphas, best, self.c_draft, self.c_verify, self.c_plain) >= self.pays_above
 
     def predicted_speedup(self, d: int) -> float:
         """A round of d drafts (the bonus pass as `bonus` would choose it) over a plain step (`c_plain`),
@@ -415,6 +420,12 @@ class SpeculationPolicy:
         by_depth = min(1.0, judged / max(float(np.sum(self.depth_judged)), 1.0))
         self.depth_judged, self.depth_accepted = self.depth_judged * by_depth, self.depth_accepted * by_depth
         self.observed = min(self.observed, judged)
+
+    @property
+    def pays_above(self) -> float:
+        """How much faster than a plain step a round must be predicted to be chosen: `PAYS_ABOVE`
+        where rounds are timed (the margin of their timings), 1 where they are priced."""
+        return PAYS_ABOVE if self.timed else 1.0
 
     @property
     def timed(self) -> bool:

@@ -21,7 +21,9 @@ def auto_spec(on_cpu: bool = False) -> SpecConfig:
     a 2-core EPYC, medians of 3 paired runs against full depth), this setting 1.13x on chat, 1.44x
     on Python's docs, 1.44x on code and 1.18x on news, against the head's chain alone with d up to
     3 1.12x, 1.16x, 1.43x and 1.02x, and with 2 copies and d up to 3 1.16x, 1.25x, 1.37x and 1.14x,
-    in the same runs. On float32 weights (the same host and sets, 3 paired runs), 1.35x, 1.50x,
+    in the same runs; since a priced round needs no margin over a plain step (`pays_above`), 1.13x,
+    1.47x, 1.43x and 1.47x, a fixed `draft:2:lookup` 1.10x, 1.43x, 1.47x and 1.47x in the same
+    runs. On float32 weights (the same host and sets, 3 paired runs, with the margin), 1.35x, 1.50x,
     1.60x and 1.39x, against the GPU's setting (timed, d up to 4, 4 copies) 1.21x, 1.45x, 1.43x
     and 1.30x. Its plain steps run 3 a program, not full depth's 4 (`Speculation._plain_steps`:
     the positions a round may write)."""
