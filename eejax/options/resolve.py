@@ -16,17 +16,13 @@ def auto_spec(on_cpu: bool = False) -> SpecConfig:
     none would (`decode.spec_policy`). Spelled `draft:2:adaptive:lookup=4` with max_speculations 4.
     `on_cpu`: the head's chain with up to 2 copied drafts, d 1 or 2, rounds priced from a table
     rather than timed (`spec_policy.round_prices`), spelled `draft:2:adaptive:lookup` with
-    max_speculations 2. On a CPU a verify pass costs more per position it scores, and deeper
-    rounds lost. On the quantized blocks, the chat head at batch 1, 8 prompts a set (2026-12-01,
-    a 2-core EPYC, medians of 3 paired runs against full depth), this setting 1.13x on chat, 1.44x
-    on Python's docs, 1.44x on code and 1.18x on news, against the head's chain alone with d up to
-    3 1.12x, 1.16x, 1.43x and 1.02x, and with 2 copies and d up to 3 1.16x, 1.25x, 1.37x and 1.14x,
-    in the same runs; since a priced round needs no margin over a plain step (`pays_above`), 1.13x,
-    1.47x, 1.43x and 1.47x, a fixed `draft:2:lookup` 1.10x, 1.43x, 1.47x and 1.47x in the same
-    runs. On float32 weights (the same host and sets, 3 paired runs, with the margin), 1.35x, 1.50x,
-    1.60x and 1.39x, against the GPU's setting (timed, d up to 4, 4 copies) 1.21x, 1.45x, 1.43x
-    and 1.30x. Its plain steps run 3 a program, not full depth's 4 (`Speculation._plain_steps`:
-    the positions a round may write)."""
+    max_speculations 2: on a CPU a verify pass costs more per position it scores, and deeper
+    rounds lost (the chat head at batch 1 on a 2-core EPYC, 2026-12-01, against full depth: 1.13x
+    on chat, 1.47x on Python's docs, 1.43x on code, 1.47x on news on the quantized blocks; on
+    float32 weights 1.35x, 1.50x, 1.60x, 1.39x, where the timed setting with d up to 4 and 4
+    copies gave 1.21x, 1.45x, 1.43x, 1.30x in the same runs: docs/results/cpu-2026-11.md). Its
+    plain steps run 3 a program, not full depth's 4 (`Speculation._plain_steps`: the positions a
+    round may write)."""
     if on_cpu:
         return DraftLookupSpec(2, adaptive=True, max_speculations=2, lookup=2)
     return DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
