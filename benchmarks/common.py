@@ -109,7 +109,7 @@ def decoding_options(setting: str | None) -> dict:
     """`generate`'s keyword for a benchmark's setting: "full" or None (full depth), "exit:MEASURE"
     (early exit, e.g. exit:softmax:0.9) or a speculation spec ("draft:4", "15:2")."""
     if setting in (None, "full"):
-        return {}
+        return {"spec": None}
     if setting.startswith("exit:"):
         return {"exit": setting[len("exit:") :]}
     return {"spec": setting}

@@ -45,7 +45,7 @@ def heldout_sequences(model, name: str, rows: int, prompt_tokens: int, new_token
     """(the set's first `rows` prompts followed by the model's greedy tokens, the index of each
     one's first generated token): what agreement is measured on."""
     asked = prompts(model.tokenizer, name, rows, prompt_tokens)
-    res = eejax.generate(model, asked, max_new_tokens=new_tokens, ignore_eos=name in ("cnndm", "pydoc"))
+    res = eejax.generate(model, asked, max_new_tokens=new_tokens, ignore_eos=name in ("cnndm", "pydoc"), spec=None)
     return [list(p) + list(t) for p, t in zip(asked, res.tokens)], [len(p) for p in asked]
 
 

@@ -287,7 +287,7 @@ def floor(prompt: list[int], repeats: int, serial: bool = True, dispatches: int 
 
         return run
 
-    kw = dict(max_new_tokens=256, ignore_eos=True, page_size=PAGE, cache_budget="4MiB")
+    kw = dict(max_new_tokens=256, ignore_eos=True, page_size=PAGE, cache_budget="4MiB", spec=None)
     with programs_wrapped(model, capture):
         eejax.generate(model, [prompt], **kw)
     (program, runs), *_ = calls.most_common(1)

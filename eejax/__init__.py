@@ -2,7 +2,8 @@
 
 model = eejax.load("smollm2-135m")           # or an eejax checkpoint directory
 out = eejax.generate(model, ["The capital of France is"], max_new_tokens=16)
-out.texts, out.tokens, out.exit_layers, out.stats
+out.texts, out.tokens, out.exit_layers, out.stats    # spec not given: "auto" (a draft head drafts where it pays)
+out = eejax.generate(model, prompts, spec="none")   # full depth whatever the model carries
 out = eejax.generate(model, prompts, exit=eejax.ExitConfig("softmax", threshold=0.9))
 out = eejax.generate(model, prompts, spec=eejax.LayerSkipSpec(exit_layer=12, num_speculations=4))
 out = eejax.generate(model, prompts, spec="draft:4:lookup")   # eejax.SpecConfig.parse's spelling

@@ -196,6 +196,7 @@ def continue_prompts(model, prompts, *, new_tokens, temperature, seed, batch_siz
             seed=seed * 100_003 + start,
             batch_size=batch_size,
             cache_budget=cache_budget_for(model, chunk, new_tokens, batch_size),
+            spec=None,  # full depth's samples, as on the CPU
         )
         out += [list(p) + list(t) for p, t in zip(chunk, res.tokens)]
     return out

@@ -67,7 +67,7 @@ def model():
 @pytest.mark.parametrize("rows", [1, 8], ids=["batch1", "padded-batch8"])
 def test_greedy_equals_full_depth(model, rows):
     prompts = PROMPTS[:rows]
-    full = eejax.generate(model, prompts, max_new_tokens=NEW, ignore_eos=True)
+    full = eejax.generate(model, prompts, max_new_tokens=NEW, ignore_eos=True, spec=None)
     reduced = model.with_params(
         set_exit_vocab(model.params, np.arange(0, 64, 3), model.config.tie_embeddings)
     )  # drafts from 22 tokens
@@ -83,7 +83,7 @@ def test_a_confidence_stop_drafts_less_and_stays_lossless(model):
     """draft:3:stop=0.7: rounds stop drafting at an unconfident draft (fewer drafts judged than 3
     per round, more than the first), the batch drafting on while a row does; full depth's tokens."""
     for rows in (1, 8):
-        full = eejax.generate(model, PROMPTS[:rows], max_new_tokens=NEW, ignore_eos=True)
+        full = eejax.generate(model, PROMPTS[:rows], max_new_tokens=NEW, ignore_eos=True, spec=None)
         res = eejax.generate(model, PROMPTS[:rows], max_new_tokens=NEW, ignore_eos=True, spec="draft:3:stop=0.7")
         s = res.stats
         assert res.tokens == full.tokens and s["spec"] == "draft:3:stop=0.7"
@@ -102,14 +102,14 @@ def test_prompt_lookup_copies_drafts_and_stays_lossless():
     perfect = perfect_head(tiny())
     prompts = []
     for x in (3, 8, 21, 40, 52):
-        chain = [x] + eejax.generate(perfect, [[x]], max_new_tokens=5, ignore_eos=True).tokens[0]
+        chain = [x] + eejax.generate(perfect, [[x]], max_new_tokens=5, ignore_eos=True, spec=None).tokens[0]
         other = [t for t in range(60) if t not in chain][x % 7 : x % 7 + 6]
         prompts.append(PROMPTS[6][:8] + chain[:2] + other[:4] + chain[1:5] + other[4:] + [x])
 
     def lossless(engine, spec, rows):
         seqs = [engine.submit(p, max_new_tokens=NEW, spec=spec) for p in prompts[:rows]]
         engine.run()
-        full = eejax.generate(perfect, prompts[:rows], max_new_tokens=NEW, ignore_eos=True)
+        full = eejax.generate(perfect, prompts[:rows], max_new_tokens=NEW, ignore_eos=True, spec=None)
         assert [s.tokens for s in seqs] == full.tokens, spec
         total = {k: sum(s.spec_counters[k] for s in seqs) for k in SPEC_COUNTERS}
         d = SpecConfig.parse(spec).num_speculations
@@ -129,7 +129,7 @@ def test_prompt_lookup_copies_drafts_and_stays_lossless():
 
 def test_perfect_drafts_are_all_accepted_and_counted():
     perfect = perfect_head(tiny())
-    full = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True)
+    full = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec=None)
     res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec="draft:4")
     s, L = res.stats, perfect.config.num_layers
     assert res.tokens == full.tokens
@@ -142,7 +142,7 @@ def test_perfect_drafts_are_all_accepted_and_counted():
     for new in (1, 4):  # never more tokens than asked, rounds cut at the row's limit
         short = eejax.generate(perfect, PROMPTS, max_new_tokens=new, ignore_eos=True, spec="draft:6")
         assert short.tokens == [
-            t[:new] for t in eejax.generate(perfect, PROMPTS, max_new_tokens=new, ignore_eos=True).tokens
+            t[:new] for t in eejax.generate(perfect, PROMPTS, max_new_tokens=new, ignore_eos=True, spec=None).tokens
         ]
 
 
@@ -150,13 +150,13 @@ def test_perfect_drafts_are_all_accepted_and_counted():
 
 
 def test_tree_drafts_are_lossless_and_a_perfect_head_fills_the_chain(model):
-    full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=None)
     for spec in ("draft:3:tree", "draft:tree=0,00,000,1,10,2,20"):
         res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=spec)
         assert res.tokens == full.tokens, spec
         assert res.stats["spec"] == spec and res.stats["rounds"] > 0
     perfect = perfect_head(tiny())
-    full = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True)
+    full = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec=None)
     res = eejax.generate(perfect, PROMPTS[:3], max_new_tokens=11, ignore_eos=True, spec="draft:4:tree")
     # the likeliest chain sits where a chain's drafts would: the same rounds as draft:4
     assert res.tokens == full.tokens
@@ -169,7 +169,7 @@ def test_a_path_through_side_branches_leaves_what_a_chain_of_its_tokens_leaves(m
     and cache (every layer, the draft's too, up to seq_len) that a chain round of g1, g2 leaves."""
     rows = PROMPTS[:4]
     state0, cache0, table = prefilled(model, rows, max_new_tokens=12, pages_per_row=6)
-    greedy = np.asarray(eejax.generate(model, rows, max_new_tokens=3, ignore_eos=True).tokens)  # x_n, g1, g2
+    greedy = np.asarray(eejax.generate(model, rows, max_new_tokens=3, ignore_eos=True, spec=None).tokens)  # x_n, g1, g2
     wrong = (greedy + 1) % model.config.vocab_size
     last = np.asarray(state0.last_token)
     results = []
@@ -313,7 +313,7 @@ def test_engine_with_chunks_and_prefix_caching_is_lossless(model):
     """Rows in turn through one slot, so later prompts share the first's cached pages, prompts
     prefilled 5 tokens per step, and a row preempted on the way: the same tokens as full depth."""
     prompts = [PROMPTS[6], PROMPTS[6][:20] + [5, 6, 7], PROMPTS[1]]
-    full = eejax.generate(model, prompts, max_new_tokens=NEW, ignore_eos=True)
+    full = eejax.generate(model, prompts, max_new_tokens=NEW, ignore_eos=True, spec=None)
     engine = chunked_engine(model)
     seqs = [engine.submit(p, max_new_tokens=NEW, spec="draft:3") for p in prompts]
     engine.run()
@@ -328,7 +328,7 @@ def test_adaptive_generation_is_lossless_and_turns_speculation_off(model, monkey
     """CPU-like costs where no round pays even with every draft accepted: a round and a plain step
     (its program ends with a draft catch-up) measure them, then the rows' speculation is off for
     good (plain steps, no catch-up, no probe rounds); a row that comes later gets a new policy."""
-    full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    full = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec=None)
     fixed_policy_costs(monkeypatch, draft_pass=1.0, verify=1.0, plain=1.0)
     res = eejax.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True, spec="draft:2:adaptive")
     assert res.tokens == full.tokens
@@ -342,7 +342,7 @@ def test_adaptive_generation_is_lossless_and_turns_speculation_off(model, monkey
     (first_policy,) = engine.speculation.policies.values()
     later = engine.submit(PROMPTS[1], max_new_tokens=longer, spec="draft:2:adaptive")
     engine.run()
-    full = eejax.generate(model, PROMPTS[:2], max_new_tokens=longer, ignore_eos=True)
+    full = eejax.generate(model, PROMPTS[:2], max_new_tokens=longer, ignore_eos=True, spec=None)
     assert [first.tokens, later.tokens] == full.tokens and later.spec_off
     (later_policy,) = (
         engine.speculation.policies.values()
@@ -353,16 +353,24 @@ def test_adaptive_generation_is_lossless_and_turns_speculation_off(model, monkey
 def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
     """spec="auto": the draft head's adaptive chain with lookup where one row decodes at a time (a
     CPU's rule, `spec_policy.auto_speculates`), full depth for a batch on a CPU and without a head."""
-    full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True)
+    full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec=None)
     res = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec="auto", batch_size=1)
     assert res.tokens == full.tokens and res.stats["rounds"] > 0
     assert res.stats["spec"] == auto_spec(on_cpu=True).spec == "draft:2:adaptive:lookup"
+    default = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, batch_size=1)  # spec not given
+    assert default.tokens == full.tokens and default.stats["spec"] == res.stats["spec"]
     assert auto_spec().spec == "draft:2:adaptive:lookup=4" and auto_spec().max_speculations == 4  # a GPU's
     batch = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec="auto")
     assert batch.tokens == full.tokens and batch.stats["spec"] is None
     assert eejax.generate(tiny(), PROMPTS[:1], max_new_tokens=2, spec="auto").stats["spec"] is None
     engine = Engine(model, max_slots=1, max_new_tokens=NEW, ignore_eos=True)
     assert engine.submit(PROMPTS[0], max_new_tokens=NEW, spec="auto").spec == auto_spec(on_cpu=True)
+    # An engine's default when none is given: auto, unless a default exit is (then that exit alone).
+    assert engine.submit(PROMPTS[0], max_new_tokens=NEW, queue=False).spec == auto_spec(on_cpu=True)
+    exiting = Engine(model, max_slots=1, max_new_tokens=NEW, exit="softmax:0.9")
+    seq = exiting.submit(PROMPTS[0], max_new_tokens=NEW, queue=False)
+    assert seq.spec is None and seq.request.exit.measure == "softmax"
+    assert exiting.submit(PROMPTS[0], max_new_tokens=NEW, spec="auto", queue=False).request.exit is None
     for off in ("none", "off", "", " Off "):
         assert resolve_spec(off, has_draft_head=True) is None
     assert resolve_spec("Auto", has_draft_head=True) == auto_spec()
@@ -383,7 +391,7 @@ def test_priced_rounds_in_the_engine_are_lossless_and_time_nothing(model, monkey
     prices = dict.fromkeys((1, 2), CPU_FLOAT_ROUND_STEPS[2])  # 2 copies: 2 positions at d = 1 too
     renewed = []
     monkeypatch.setattr(SpeculationPolicy, "new_rows", lambda self: renewed.append(self))
-    full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True)
+    full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec=None)
     engine = Engine(model, max_slots=1, max_new_tokens=NEW, ignore_eos=True)
     seqs = [engine.submit(p, max_new_tokens=NEW, spec=auto_spec(on_cpu=True)) for p in PROMPTS[:2]]
     engine.run()
@@ -702,7 +710,7 @@ def test_an_average_of_draft_heads_is_their_weighted_mean_with_one_heads_tokens(
         np.testing.assert_array_equal(np.asarray(got[k], np.float32), np.asarray(want.astype(a[k].dtype), np.float32))
     np.testing.assert_array_equal(got["vocab_ids"], b["vocab_ids"])
     averaged = apply_draft(base, out)  # the probe reproduces
-    full = eejax.generate(base, ["The storm hit the coast."], max_new_tokens=8, ignore_eos=True)
+    full = eejax.generate(base, ["The storm hit the coast."], max_new_tokens=8, ignore_eos=True, spec=None)
     assert (
         eejax.generate(averaged, ["The storm hit the coast."], max_new_tokens=8, spec="draft:2").tokens == full.tokens
     )
@@ -770,7 +778,7 @@ def test_train_draft_command_writes_a_checked_delta(tiny_checkpoints, tmp_path, 
     assert sampled[: len(greedy)] == greedy  # every greedily continued prompt is sampled too
     trained = eejax.load(out / "model")
     base = eejax.load(path)
-    full = eejax.generate(base, texts, max_new_tokens=9, ignore_eos=True)
+    full = eejax.generate(base, texts, max_new_tokens=9, ignore_eos=True, spec=None)
     assert eejax.generate(trained, texts, max_new_tokens=9, ignore_eos=True, spec="draft:2").tokens == full.tokens
     applied = apply_draft(base, out / "draft.safetensors")
     for a, b in zip(jax.tree.leaves(applied.params["draft"]), jax.tree.leaves(trained.params["draft"])):
@@ -805,6 +813,6 @@ def test_bf16_draft_head_speculates_in_bf16(tiny_checkpoints):
 
     bf16 = eejax.load(tiny_checkpoints["gqa-untied"][2], dtype=jnp.bfloat16)
     bf16 = bf16.with_params(cast_floats(with_draft(bf16).params, jnp.bfloat16))
-    greedy = eejax.generate(bf16, TEXTS, max_new_tokens=10, ignore_eos=True)
+    greedy = eejax.generate(bf16, TEXTS, max_new_tokens=10, ignore_eos=True, spec=None)
     res = eejax.generate(bf16, TEXTS, max_new_tokens=10, ignore_eos=True, spec="draft:3")
     assert_equal_until_a_near_tie(bf16, TEXTS, res.tokens, greedy.tokens, tol=NEAR_TIE)

@@ -287,8 +287,9 @@ def test_a_quantized_table_gives_the_dequantised_rows():
 # --- a quantized model ----------------------------------------------------------------------------------
 
 
-def greedy(model, prompts, new=12, **kw):
-    return eejax.generate(model, prompts, max_new_tokens=new, ignore_eos=True, **kw)
+def greedy(model, prompts, new=12, spec=None, **kw):
+    """Full depth's greedy tokens unless `spec` says (a model with a draft head would speculate by default)."""
+    return eejax.generate(model, prompts, max_new_tokens=new, ignore_eos=True, spec=spec, **kw)
 
 
 PROMPTS = random_prompts(3, [9, 4, 17], vocab=120, seed=3)

@@ -11,6 +11,7 @@ from eejax.config import LlamaConfig
 from eejax.errors import EejaxError
 from eejax.models.registry import model_module
 from eejax.options import (
+    DEFAULT_SPEC,
     METHODS,
     DraftChainSpec,
     DraftLookupSpec,
@@ -20,6 +21,7 @@ from eejax.options import (
     StepOptions,
     auto_spec,
     check_exit_or_spec,
+    default_spec,
 )
 
 CONFIG = LlamaConfig(
@@ -48,6 +50,19 @@ def test_early_exit_or_speculation_is_one_rule():
     for exit, spec in [("softmax:0.9", "auto"), (ExitConfig("none"), "1:2"), ("static:1", LayerSkipSpec(1, 2))]:
         with pytest.raises(EejaxError, match="choose --exit or --spec, not both"):
             check_exit_or_spec(exit, spec, ("--exit", "--spec"))
+
+
+def test_a_spec_not_given_is_auto_unless_an_exit_is_asked():
+    """`default_spec`: generate's, an engine's and the CLI's `spec` when not given. An exit that
+    asks (any config, a measure) keeps it off; words that mean off do not; a given spec, None
+    (full depth) included, stays as given."""
+    for exit in (None, "none", "off", ""):
+        assert default_spec(exit, DEFAULT_SPEC) == "auto"
+    for exit in ("softmax:0.9", ExitConfig("none"), ExitConfig("static", exit_layer=1)):
+        assert default_spec(exit, DEFAULT_SPEC) is None
+    for spec in (None, "none", "auto", "draft:2", LayerSkipSpec(1, 2)):
+        assert default_spec(None, spec) is spec and default_spec("softmax:0.9", spec) is spec
+    assert repr(DEFAULT_SPEC) == "DEFAULT_SPEC"
 
 
 def test_checks_and_hashing():

@@ -85,7 +85,7 @@ def bench(
         ids = list(itertools.islice(itertools.cycle(prompts.ids), max(batch, len(prompts.ids))))
 
         def run(setting: Setting | None, ids=ids, batch=batch):
-            options = {} if setting is None else setting.generate_options()
+            options = Setting(FULL).generate_options() if setting is None else setting.generate_options()
             return eejax.generate(model, ids, max_new_tokens=new_tokens, ignore_eos=True, batch_size=batch, **options)
 
         peer_runs = [_peer_run(peer, ids, batch, new_tokens, tick)]

@@ -22,7 +22,7 @@ from eejax.cli.args import (
     sampling_of,
 )
 from eejax.errors import EejaxError
-from eejax.options import check_exit_or_spec, is_auto, is_off
+from eejax.options import DEFAULT_SPEC, check_exit_or_spec, is_auto, is_off
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -79,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             cache_budget=args.cache_budget,
             truncate_prompt_tokens=args.truncate_prompt_tokens,
             exit=exit_config,
-            spec=spec,
+            spec=DEFAULT_SPEC if args.spec is None else spec,
         )
     stats = result.stats
     if args.num_processes > 1 and args.process_id != 0:
@@ -210,8 +210,9 @@ def add_parsers(sub) -> None:
         help="speculative decoding: auto speculates with the checkpoint's draft head where it pays (draft:2:adaptive "
         "with prompt lookup, d up to 4, plain steps where no round pays; on a CPU one row at a time, and there"
         " d 1 or 2 and up to 2 copied drafts, its rounds priced from measured costs) and decodes"
-        " at full depth on a model without one; none or off: full depth. E:d drafts d tokens with the first E "
-        "layers and the exit head (LayerSkip) and verifies them with the other layers in one pass; draft:d drafts"
+        " at full depth on a model without one; it is the default unless --exit is given. none or off: full "
+        "depth. E:d drafts d tokens with the first E layers and the exit head (LayerSkip) and verifies them with"
+        " the other layers in one pass; draft:d drafts"
         " them with the checkpoint's trained draft head (eejax train-draft; e.g. the model smollm2-135m-eagle) "
         "and verifies with every layer. Greedy output equals full depth, sampling keeps the full model's "
         "distribution. A :adaptive suffix chooses d per round from the measured acceptance and costs. "

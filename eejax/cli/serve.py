@@ -30,6 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from eejax.cache import parse_bytes
     from eejax.engine.engine import Engine
+    from eejax.options import DEFAULT_SPEC
     from eejax.serve.access import ACCESS_LOG, api_keys, exposure_warning
     from eejax.serve.http import create_app
 
@@ -64,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_tokens_limit,
         cache_budget=args.cache_budget,
         exit=args.exit,
-        spec=args.spec,
+        spec=DEFAULT_SPEC if args.spec is None else args.spec,
         sampling=sampling_of(args),
         policy=args.policy,
         bucketing=not args.no_bucketing,
@@ -74,6 +75,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk or None,
         steps_per_dispatch=args.steps_per_dispatch,
     )
+    exit_config, spec_config = engine.requests.exit_config, engine.requests.checked_spec(engine.requests.spec)
+    default = f"speculation {spec_config.spec}" if spec_config else exit_config and f"early exit {exit_config.spec}"
+    log.info("requests that name neither exit nor spec decode with %s", default or "full depth")
     if args.warmup:
         engine.warmup(args.warmup, requests=args.warmup_for)
     if args.num_processes > 1 and args.process_id != 0:  # a replica: steps with process 0 until it stops
@@ -211,8 +215,9 @@ def add_parsers(sub) -> None:
         "--spec",
         metavar="SPEC",
         help="the speculation of requests that name neither exit nor spec, as in eejax generate --spec, e.g. "
-        "auto or draft:4:lookup (default: none, full depth); a request's own exit or spec replaces it "
-        '("none": full depth). --warmup compiles its programs too',
+        "auto or draft:4:lookup (default: auto unless --exit is given: the draft head where it pays, full "
+        "depth on a model without one and on a CPU serving more than one slot); a request's own exit or spec "
+        'replaces it ("none": full depth). --warmup compiles its programs too',
     )
     add_sampling_args(srv, "requests' default: ")
     srv.add_argument("--policy", choices=("fcfs", "sjf", "ljf"), default="fcfs", help="order inside a bucket")

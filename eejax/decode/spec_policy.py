@@ -100,6 +100,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+import jax
 import numpy as np
 
 from eejax.kernels.backend import backend
@@ -166,7 +167,10 @@ def auto_speculates(rows: int) -> bool:
     `draft:4:lookup` 1.75x full depth at batch 1, 1.41x at batch 8). On a CPU, for a single row:
     with more, the verify pass is compute-bound and costs ~d + 1 steps, and auto lost while its
     policy found that out (this 2-core CPU, 2026-11-29, 64 tokens: float32 weights at batch 8 0.89x
-    on MT-bench and on CNN/DM)."""
+    on MT-bench and on CNN/DM). In one process only: across processes the adaptive policy's
+    choices, each process's own, would differ (`Requests.checked_spec` refuses adaptive there)."""
+    if jax.process_count() > 1:
+        return False
     return backend() != "cpu" or rows <= AUTO_CPU_ROWS
 
 

@@ -54,7 +54,7 @@ from eejax.engine.waiting import WaitingQueue
 from eejax.engine.warmup import warmup
 from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.models.registry import model_module
-from eejax.options import ExitConfig, SpecConfig, StepOptions
+from eejax.options import DEFAULT_SPEC, ExitConfig, SpecConfig, StepOptions
 
 __all__ = ["Engine", "Sequence"]
 
@@ -89,7 +89,7 @@ class Engine:
         exit: ExitConfig | str | None = None,  # noqa: A002
         sampling: SamplingParams | None = None,
         seed: int = 0,
-        spec: SpecConfig | str | None = None,
+        spec: SpecConfig | str | None = DEFAULT_SPEC,
         policy: str = "fcfs",
         bucketing: bool = True,
         online: bool = True,
@@ -106,7 +106,8 @@ class Engine:
     ):
         """`exit`, `spec` (early exit or speculation, one of them) and `sampling` (or its options by
         name: temperature=, top_k=, ...) are a request's defaults (a request naming an exit or a
-        spec of its own takes neither decoding default); the other arguments are the class's."""
+        spec of its own takes neither decoding default; `spec` not given is "auto" unless `exit` is
+        given: `options.default_spec`); the other arguments are the class's."""
         config = model.config
         # A batch job (what `generate` runs): every request is submitted before the first step,
         # so admission keeps no pages back for later arrivals, prefills are timed (the host waits

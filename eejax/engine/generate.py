@@ -24,7 +24,7 @@ from eejax.errors import EejaxError
 from eejax.kernels.attention import IMPLS
 from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
-from eejax.options import ExitConfig, SpecConfig, check_exit_or_spec, resolve_spec
+from eejax.options import DEFAULT_SPEC, ExitConfig, SpecConfig, check_exit_or_spec, default_spec, resolve_spec
 
 
 @dataclasses.dataclass
@@ -58,7 +58,7 @@ def generate(
     cache_budget: int | str = "1GiB",
     truncate_prompt_tokens: int | None = None,
     exit: ExitConfig | str | None = None,  # noqa: A002 (the documented name of the option)
-    spec: SpecConfig | str | None = None,
+    spec: SpecConfig | str | None = DEFAULT_SPEC,
     attention: str = "auto",
     **sampling_options,
 ) -> GenerateResult:
@@ -73,7 +73,9 @@ def generate(
     equals full depth token for token, sampled output has the full model's distribution (in
     `exit_layers`, accepted drafts show E, tokens of the full model L); "draft:d" drafts with the
     model's draft head, "auto" with it where it pays (`options.resolve_spec`; full depth on a
-    CPU batch and without a head), "none" is full depth. `attention` is "auto"
+    CPU batch and without a head), "none" or None is full depth. Not given, `spec` is "auto"
+    unless an `exit` is given (`options.default_spec`): a model with a draft head drafts with it
+    where it pays, any other decodes at full depth. `attention` is "auto"
     (eejax's CPU kernel on a CPU, XLA's reference elsewhere), "reference", "cpu" or "triton"
     (interpreted without a GPU: slow). Sampling is seeded per row and position: row i draws with
     `fold_in(seed_key(seed), row_offset + i)` folded with each token's index, whatever batch it
@@ -90,6 +92,7 @@ def generate(
     if attention not in IMPLS:
         raise EejaxError(f"unknown attention {attention!r}; choose one of: " + ", ".join(IMPLS))
     exit_config = ExitConfig.parse(exit) if isinstance(exit, str) else exit
+    spec = default_spec(exit_config, spec)
     check_exit_or_spec(exit_config, spec, ("early exit (exit=)", "self-speculation (spec=)"))
     rows, texts = prompt_token_ids(model.tokenizer, batch)
     at_once = len(rows) if batch_size is None else min(max(batch_size, 1), len(rows))
@@ -135,6 +138,7 @@ def generate(
         cache_budget=num_pages * model.page_bytes(page_size),
         page_size=page_size,
         exit=exit_config,
+        spec=None,  # each request names its own
         sampling=sampling,
         bucketing=False,
         attention=attention,

@@ -24,7 +24,7 @@ from eejax.engine.inbox import Message, Submit
 from eejax.engine.sequence import Request, Sequence
 from eejax.errors import EejaxError
 from eejax.models import draft_head, exits
-from eejax.options import ExitConfig, SpecConfig, check_exit_or_spec, resolve_spec
+from eejax.options import DEFAULT_SPEC, ExitConfig, SpecConfig, check_exit_or_spec, default_spec, resolve_spec
 
 
 def checked_exit(model, exit) -> ExitConfig | None:  # noqa: A002
@@ -37,7 +37,8 @@ def checked_exit(model, exit) -> ExitConfig | None:  # noqa: A002
 
 class Requests:
     """`sampling`, `exit_config` and `spec`: a request's defaults (a request that names an exit
-    or a spec of its own, "none" included, takes neither default: `default_decoding`); `max_new_tokens`, `max_len`,
+    or a spec of its own, "none" included, takes neither default; `spec` not given is "auto" unless
+    `exit_config` is set: `options.default_spec`); `max_new_tokens`, `max_len`,
     `max_prompt_tokens` (an encoder-decoder's; None: decoder-only): its limits (`cache_len`,
     `num_pages` and `page_size` say which bound `max_len` is); at most `max_decoding_options`
     early-exit / speculation options are served; `seed` draws the seeds of requests that name
@@ -64,7 +65,7 @@ class Requests:
         prompt_positions: Callable[[list[int]], int],
         speculate_auto: bool = True,
         auto_on_cpu: bool = False,
-        spec: SpecConfig | str | None = None,
+        spec: SpecConfig | str | None = DEFAULT_SPEC,
     ):
         self.model, self.config = model, model.config
         self._post = post
@@ -81,6 +82,7 @@ class Requests:
         # Early-exit and speculation options are static in the programs (each compiles its own):
         # at most `max_decoding_options` distinct ones, so that no client keeps the server compiling.
         self.max_decoding_options = max_decoding_options
+        spec = default_spec(exit_config, spec)
         check_exit_or_spec(exit_config, spec, ("a default exit", "a default spec"))
         self.spec = spec
         self.decoding_options: set = {(exit_config, self.checked_spec(spec))}

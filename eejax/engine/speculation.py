@@ -146,19 +146,18 @@ class Speculation:
         if policy.turned_off:  # no round would pay even at a higher acceptance: off for good
             for seq in members:
                 seq.spec_off = True
-            # the rows' pages cover a round's positions this time (`Dispatch.span`)
-            steps = self._plain_steps(options, decode_steps)
-            self._dispatch_plain(table, group, dataclasses.replace(options, spec_off=True), steps)
-            return steps
-        if d == 0:  # adaptive, and no round pays at the measured acceptance and costs
-            steps = self._plain_steps(options, decode_steps)
-            plain, args = self._plain_program(table, group, options, steps)
-            self._dispatched[-1] = Dispatched(policy, 0, steps, plain not in PROGRAMS_RUN, steps)
+            # as many plain steps as the rounds would have run: the rows' pages cover more
+            # (`Dispatch.span`: each round d + 1 positions)
+            self._dispatch_plain(table, group, dataclasses.replace(options, spec_off=True), decode_steps)
+            return decode_steps
+        if d == 0:  # adaptive, and no round pays: plain steps in the rounds' place (as above)
+            plain, args = self._plain_program(table, group, options, decode_steps)
+            self._dispatched[-1] = Dispatched(policy, 0, decode_steps, plain not in PROGRAMS_RUN, decode_steps)
             outputs, seconds = run_timed(plain, args, self._must_wait(policy.c_full is not None))
             self._device.keep(*outputs)
             if seconds is not None:
-                policy.observe_plain(seconds / steps)
-            return steps
+                policy.observe_plain(seconds / decode_steps)
+            return decode_steps
         bonus = policy.bonus(d)
         rounds = 1 if policy.split else decode_steps
         round_options = options.round(d, bonus, rounds)
@@ -218,13 +217,6 @@ class Speculation:
         plain = options.plain(steps, catch_up=not options.spec_off)
         return self._device.program(plain_step_slots, plain, (table, group), takes_counters=True, now=now)
 
-    @staticmethod
-    def _plain_steps(options: StepOptions, decode_steps: int) -> int:
-        """Plain steps per program in place of a round: as many as a decode program runs
-        (`decode_steps`: one dispatch, and one read, for several tokens), at most the d + 1
-        positions a round may write (the pages a speculating row holds ahead of its last token)."""
-        return min(decode_steps, options.spec.max_speculations + 1)
-
     def _round_program(self, table, group, round_options: StepOptions, now: bool = False):
         return self._device.program(spec_round_slots, round_options, (table, group), takes_counters=True, now=now)
 
@@ -248,12 +240,10 @@ class Speculation:
             for bonus, rounds in itertools.product((False, True), {1, self.steps_per_dispatch}):
                 self._round_program(table, group, options.round(spec.num_speculations, bonus, rounds), now=True)
             return
-        for steps in {self._plain_steps(options, 1), self._plain_steps(options, self.steps_per_dispatch)}:
+        for steps in {1, self.steps_per_dispatch}:
             self._plain_program(table, group, options, steps, now=True)
-        if spec.draft_head:  # once the policy turns the rows' speculation off (`dispatch`)
-            off = dataclasses.replace(options, spec_off=True)
-            for steps in {1, self.steps_per_dispatch, self._plain_steps(options, self.steps_per_dispatch)}:
-                self._plain_program(table, group, off, steps, now=True)
+            if spec.draft_head:  # once the policy turns the rows' speculation off (`dispatch`)
+                self._plain_program(table, group, dataclasses.replace(options, spec_off=True), steps, now=True)
         policy = self._policy(options)
         bonuses = policy.bonus_choices()
         for d, bonus, rounds in itertools.product(

@@ -1,8 +1,12 @@
 """What a request's `exit` and `spec` arguments ask for, as given (a config, a string or None):
 the one rule between early exit and speculation (`check_exit_or_spec`), and the speculation a
-`spec` runs (`resolve_spec`: "auto" is `auto_spec()` where it pays, "none" / "off" / "" none)."""
+`spec` runs (`resolve_spec`: "auto" is `auto_spec()` where it pays, "none" / "off" / "" none),
+and what a `spec` that was not given means (`DEFAULT_SPEC`, `default_spec`: "auto" unless an exit
+is asked)."""
 
 from __future__ import annotations
+
+import enum
 
 import eejax.options.grammar as grammar
 from eejax.errors import EejaxError
@@ -20,12 +24,34 @@ def auto_spec(on_cpu: bool = False) -> SpecConfig:
     rounds lost (the chat head at batch 1 on a 2-core EPYC, 2026-12-01, against full depth: 1.13x
     on chat, 1.47x on Python's docs, 1.43x on code, 1.47x on news on the quantized blocks; on
     float32 weights 1.35x, 1.50x, 1.60x, 1.39x, where the timed setting with d up to 4 and 4
-    copies gave 1.21x, 1.45x, 1.43x, 1.30x in the same runs: docs/results/cpu-2026-11.md). Its
-    plain steps run 3 a program, not full depth's 4 (`Speculation._plain_steps`: the positions a
-    round may write)."""
+    copies gave 1.21x, 1.45x, 1.43x, 1.30x in the same runs: docs/results/cpu-2026-11.md)."""
     if on_cpu:
         return DraftLookupSpec(2, adaptive=True, max_speculations=2, lookup=2)
     return DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
+
+
+class _Default(enum.Enum):
+    SPEC = "auto unless an exit is asked"
+
+    def __repr__(self) -> str:
+        return "DEFAULT_SPEC"
+
+
+DEFAULT_SPEC = _Default.SPEC  # `spec` not given (`generate`, `Engine`): see `default_spec`
+
+
+def _asked(option) -> bool:
+    """Whether an `exit` or `spec` as given asks for its kind of decoding (not None, "none", "off", "")."""
+    return option is not None and not grammar.is_off(option)
+
+
+def default_spec(exit, spec):  # noqa: A002
+    """`spec` as given, or where it was not given (`DEFAULT_SPEC`): "auto" (the draft head where
+    it pays, `resolve_spec`; full depth on a model without one) unless `exit` asks for early
+    exit, then None (no speculation: the exit decodes)."""
+    if spec is not DEFAULT_SPEC:
+        return spec
+    return None if _asked(exit) else "auto"
 
 
 def check_exit_or_spec(exit, spec, names: tuple[str, str] = ("early exit (exit)", "self-speculation (spec)")) -> None:
@@ -34,11 +60,7 @@ def check_exit_or_spec(exit, spec, names: tuple[str, str] = ("early exit (exit)"
     "off" and "" ask for neither; any config does (an `ExitConfig("none")` runs the early-exit
     loop); "auto" asks for speculation even where it would run full depth. `names`: how the
     caller spells the two (flags, keywords)."""
-
-    def asked(option) -> bool:
-        return option is not None and not grammar.is_off(option)
-
-    if asked(exit) and asked(spec):
+    if _asked(exit) and _asked(spec):
         raise EejaxError(f"choose {names[0]} or {names[1]}, not both")
 
 

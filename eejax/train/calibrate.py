@@ -171,7 +171,7 @@ def calibrate_exit_threshold(
     configs = [ExitConfig(measure, threshold=float(t), **exit_options) for t in thresholds]
     from tqdm.auto import tqdm
 
-    full = generate(model, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    full = generate(model, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size, spec=None)
     scorer = None
     if consistency == "rouge":
         try:

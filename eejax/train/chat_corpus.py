@@ -127,6 +127,7 @@ def self_questions(
             row_offset=start,
             batch_size=batch_size,
             cache_budget=budget,
+            spec=None,  # full depth's samples (a draft head would change them, not their distribution)
         )
         questions += _whole_questions(model, res.tokens, min_words, seen=questions)
     tmp = path.with_suffix(".tmp")

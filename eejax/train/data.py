@@ -39,7 +39,7 @@ def greedy_continuations(
     for start in tqdm(range(0, len(prompts), batch_size), desc="generating continuations", disable=not progress):
         chunk = prompts[start : start + batch_size]
         budget = cache_budget_for(model, chunk, new_tokens, batch_size)
-        res = generate(model, chunk, max_new_tokens=new_tokens, batch_size=batch_size, cache_budget=budget)
+        res = generate(model, chunk, max_new_tokens=new_tokens, batch_size=batch_size, cache_budget=budget, spec=None)
         continuations += [list(t) for t in res.tokens]
     return continuations
 

@@ -63,6 +63,7 @@ def continue_windows(
                     temperature=temp,
                     top_p=top_p if temp else 1.0,
                     seed=seed + start,
+                    spec=None,  # full depth's samples
                 )
                 sequences += [list(p) + list(o) for p, o in zip(chunk, res.tokens)]
                 bar.update(len(chunk))

@@ -115,6 +115,7 @@ def sampled_continuations(
             row_offset=start,
             batch_size=batch_size,
             cache_budget=budget,
+            spec=None,  # full depth's samples (a draft head would change them, not their distribution)
         )
         done += [list(p) + list(t) for p, t in zip(chunk, res.tokens)]
         _save(path, prompts, new_tokens, done, seed=seed, temperature=temperature)
