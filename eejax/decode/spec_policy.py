@@ -24,8 +24,8 @@ c_verify)`; `break_even_acceptance` solves it for 1.
 **Plain steps.** When no d is predicted to beat plain decoding by `PAYS_ABOVE` (priced rounds: at
 all, `pays_above`) at the measured acceptance (an exit that rarely agrees with the last layer:
 untrained exits, text the early layers cannot guess), the adaptive policy answers d = 0: plain
-full-depth steps, as many in one program as full depth runs (`steps_per_dispatch`, at most
-d_max + 1: the positions a round may write).
+full-depth steps, as many in one program as full depth runs (`steps_per_dispatch`: the pages a
+speculating row holds cover that many rounds).
 After `PROBE_EVERY` such programs a probe round runs instead, so the acceptance estimate keeps
 following the text and speculation resumes once it pays; each probe after which rounds still
 do not pay doubles the programs before the next (up to `MAX_PROBE_EVERY`), so text where
