@@ -7,6 +7,10 @@ caches features and trains):
     # here, in the background (hours on a 2-core CPU; resumable: a rerun goes on after the last
     # saved batch): the default load's greedy answers to the questions SmolLM2 wrote itself
     python scripts/gpu_train_draft.py answer data/smollm2_self_questions.jsonl.gz data/smollm2_chat_answers.npz
+    # more questions, each begun with one of QUESTION_STARTS' openings, none of the old ones (~70
+    # min for 16,384 samples on a 2-core CPU; resumable), then their answers the same way
+    python scripts/gpu_train_draft.py questions data/smollm2_steered_questions.jsonl.gz --seed 8 --steered \
+        --exclude data/smollm2_self_questions.jsonl.gz
     # here: the evaluation prompts and the texts as token ids (5 MB)
     python scripts/gpu_train_draft.py prepare .gpu/jobs.json.gz
     # there: features of the answers and the texts, training from the shipped chat head, its reduced
@@ -122,7 +126,7 @@ def read_questions(path: Path) -> list[str]:
     return json.loads(path.read_text())["questions"] if path.suffix == ".json" else read_instructions(path)
 
 
-def prepare(out: Path, questions: Path | None = None) -> None:
+def prepare(out: Path, questions: list[Path] = ()) -> None:
     import eejax
     from eejax.cli.draft import read_text_file
     from eejax.train import draft_corpus as dc
@@ -136,7 +140,7 @@ def prepare(out: Path, questions: Path | None = None) -> None:
     stdlib = read_text_file(str(ROOT / "data/python_stdlib_text.txt.gz"))
     evaluation = dc.articles(ROOT / "data/cnndm_test_dev100.jsonl", skip_rows=0)[: dc.EVAL_ROWS]
     chat = read_instructions(ROOT / "data/self_instruct_instructions.jsonl")
-    chat += [] if questions is None else read_questions(questions)
+    chat += [q for path in questions for q in read_questions(path)]
     sets = {
         "chat": [chat_prompt(tok, q) for q in chat],
         "summary256": dc.summary_prompts(tok, news, (256,)),
@@ -376,6 +380,48 @@ def run(args) -> None:
     print(json.dumps(result), flush=True)
 
 
+# Openings a question may begin with (`questions --steered`): row i's begins with the i-th modulo
+# their count, "" for the model's own first word; they steer a small chat model to kinds of requests
+# it seldom writes unprompted (writing, role play, reasoning, math, code, extraction, editing).
+QUESTION_STARTS = (
+    "", "Write", "Explain", "How", "What", "Why", "Can you", "Describe", "Imagine", "Compose", "Solve",
+    "Write a Python", "Given", "Suppose", "Create", "Summarize", "Compare", "Rewrite", "Help me", "List", "I",
+    "Please", "Act as", "Calculate", "Identify", "Draft", "Edit", "Design", "Tell me", "Give me", "Which", "Is it",
+)  # fmt: skip
+
+
+def questions(args) -> None:
+    """Questions the model writes itself (Magpie), sampled with the default load, saved to OUT as JSON
+    lines (`{"question"}` a line) when all are sampled; a rerun goes on after the last saved batch
+    (the state: OUT's name + `.state.json`)."""
+    import eejax
+    from eejax.train.chat_corpus import self_questions
+
+    if args.out.exists():
+        raise SystemExit(f"{args.out} exists: give another OUT")
+    exclude = [q for path in args.exclude for q in read_questions(path)]
+    model = eejax.load(args.model)
+    state = args.out.with_name(args.out.name + ".state.json")
+    own = self_questions(
+        model,
+        args.count,
+        state,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        batch_size=args.batch,
+        starts=QUESTION_STARTS if args.steered else (),
+        exclude=exclude,
+        progress=True,
+    )
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"question": q}) + "\n" for q in own)
+    tmp.replace(args.out)
+    state.unlink()
+    print(f"{len(own)} distinct questions of {args.count} samples -> {args.out}", flush=True)
+
+
 def answer(args) -> None:
     """The model's greedy answers to chat questions (a self_questions.json, or JSON lines with an
     `instruction`), `--batch` at once with the model's default load (on a CPU its own blocks with
@@ -415,7 +461,25 @@ def main(argv=None) -> int:
     p = sub.add_parser("prepare", help="tokenize the training and evaluation prompts (here)")
     p.add_argument("jobs", type=Path, help="where to write them (.json.gz)")
     p.add_argument(
-        "--questions", type=Path, help="more chat questions: a self_questions.json, or JSON lines (.jsonl[.gz])"
+        "--questions",
+        type=Path,
+        action="append",
+        default=[],
+        help="more chat questions: a self_questions.json, or JSON lines (.jsonl[.gz]); repeatable",
+    )
+    p = sub.add_parser("questions", help="sample questions the model writes itself (here, in the background)")
+    p.add_argument("out", type=Path, help="where the questions go (.jsonl.gz; must not exist)")
+    p.add_argument("--count", type=int, default=16384, help="samples drawn (default 16384)")
+    p.add_argument("--seed", type=int, default=7, help="row i is drawn with (seed, i) (default 7)")
+    p.add_argument("--temperature", type=float, default=0.9, help="sampling temperature (default 0.9)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per question at most (default 64)")
+    p.add_argument("--batch", type=int, default=64, help="samples drawn at once (default 64)")
+    p.add_argument("--model", default="smollm2-135m", help="the model (default smollm2-135m)")
+    p.add_argument(
+        "--steered", action="store_true", help="begin row i's question with QUESTION_STARTS[i % their count]"
+    )
+    p.add_argument(
+        "--exclude", type=Path, action="append", default=[], help="questions not to keep (a file of them; repeatable)"
     )
     p = sub.add_parser("answer", help="answer chat questions with the model's default load (here, in the background)")
     p.add_argument("questions", type=Path, help="a self_questions.json, or JSON lines with an instruction each")
@@ -457,10 +521,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run" and args.fresh_vocab and args.init is None:
         parser.error("--fresh-vocab needs --init (without it the vocabulary is this run's data's anyway)")
+    if args.command == "questions" and min(args.count, args.max_tokens, args.batch) < 1:
+        parser.error(
+            f"--count, --max-tokens and --batch must be >= 1, got {args.count}, {args.max_tokens}, {args.batch}"
+        )
+    if args.command == "questions" and not args.temperature > 0:
+        parser.error(f"--temperature must be > 0 (questions are sampled), got {args.temperature}")
     if args.command == "run" and args.self_questions < 0:
         parser.error(f"--self-questions must be >= 0, got {args.self_questions}")
     if args.command == "prepare":
         prepare(args.jobs, args.questions)
+    elif args.command == "questions":
+        questions(args)
     elif args.command == "answer":
         answer(args)
     else:

@@ -193,17 +193,22 @@ def test_sampled_continuations_go_in_saved_batches_and_sample_as_one_call(tiny_c
         eejax.generate(model, prompts, max_new_tokens=2, row_offset=-1)
 
 
-def test_self_questions_in_whole_batches_are_the_samples_of_one_call_and_a_cut_short_set_is_not_reused(
+def test_self_questions_in_whole_batches_are_the_samples_of_one_call_and_a_cut_short_set_goes_on(
     tiny_checkpoints, tmp_path, monkeypatch
 ):
+    import sys
     import time
+
+    module = sys.modules["eejax.engine.generate"]
 
     path = tmp_path / "chat-model"
     shutil.copytree(tiny_checkpoints["gqa-untied"][2], path)
     _with_template(eejax.load(path).tokenizer, path / "tokenizer")
     model = eejax.load(path)
     # every sample kept as its tokens (a tiny random model seldom ends a turn), so samples are compared
-    monkeypatch.setattr(chat_corpus, "_whole_questions", lambda m, samples, w, seen: [str(list(t)) for t in samples])
+    monkeypatch.setattr(
+        chat_corpus, "_whole_questions", lambda m, samples, w, seen, **kw: [str(list(t)) for t in samples]
+    )
     prefix = chat_corpus.user_turn_prefix(model.tokenizer)
     one_call = eejax.generate(model, [prefix] * 5, max_new_tokens=8, temperature=0.9, seed=7, batch_size=8).tokens
     got = chat_corpus.self_questions(model, 5, tmp_path / "q.json", max_tokens=8, batch_size=2)
@@ -211,4 +216,50 @@ def test_self_questions_in_whole_batches_are_the_samples_of_one_call_and_a_cut_s
     cut = tmp_path / "cut.json"
     past = time.monotonic() - 1
     assert chat_corpus.self_questions(model, 5, cut, max_tokens=8, batch_size=2, until=past) == []
-    assert chat_corpus.self_questions(model, 5, cut, max_tokens=8, batch_size=2) == got  # sampled anew, not reused
+    assert json.loads(cut.read_text())["complete"] is False
+    real, asked = module.generate, []
+
+    def stop_at_the_second_batch(m, prompts, **kw):
+        asked.append((prompts, kw["row_offset"]))
+        if len(asked) == 2:
+            raise KeyboardInterrupt
+        return real(m, prompts, **kw)
+
+    monkeypatch.setattr(module, "generate", stop_at_the_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        chat_corpus.self_questions(model, 5, cut, max_tokens=8, batch_size=2)
+    assert json.loads(cut.read_text())["questions"] == got[:2]
+    asked.clear()
+    monkeypatch.setattr(
+        module, "generate", lambda m, prompts, **kw: asked.append(kw["row_offset"]) or real(m, prompts, **kw)
+    )
+    assert chat_corpus.self_questions(model, 5, cut, max_tokens=8, batch_size=2) == got  # the uncut run's
+    assert asked == [2, 4]  # it went on after the saved batch
+    asked.clear()
+    assert chat_corpus.self_questions(model, 5, cut, max_tokens=8, batch_size=2) == got and asked == []  # read back
+
+    # openings: row i's question begins with starts[i % 2]; another setting is sampled anew
+    def prompts_of(m, prompts, **kw):
+        asked.append(prompts)
+        return real(m, prompts, **kw)
+
+    monkeypatch.setattr(module, "generate", prompts_of)
+    chat_corpus.self_questions(model, 3, cut, max_tokens=8, batch_size=2, starts=("", "Write"))
+    write = model.tokenizer("Write", add_special_tokens=False)["input_ids"]
+    assert asked == [[prefix, prefix + write], [prefix]]
+    assert json.loads(cut.read_text())["settings"]["starts"] == ["", "Write"]
+
+
+def test_whole_questions_begin_with_their_opening_and_leave_out_the_excluded(tiny_checkpoints):
+    model = eejax.load(tiny_checkpoints["gqa-untied"][2])
+    tok, eos = model.tokenizer, model.eos_token_ids[0]
+    ids = tok("a poem about the sea", add_special_tokens=False)["input_ids"]
+    write = tok("Write", add_special_tokens=False)["input_ids"]
+    cut_off = ids  # no EOS: the model did not end the turn
+    got = chat_corpus._whole_questions(
+        model, [ids + [eos], ids + [eos], cut_off], 3, seen=[], starts=[write, [], write]
+    )
+    assert got == [tok.decode(write + ids).strip(), tok.decode(ids).strip()]
+    assert got[0].startswith("Write")
+    assert chat_corpus._whole_questions(model, [ids + [eos]], 3, seen=[got[1]]) == []  # excluded
+    assert chat_corpus._whole_questions(model, [ids + [eos]], 30, seen=[]) == []  # too few words

@@ -64,3 +64,41 @@ def test_run_refuses_a_fresh_vocabulary_without_a_head_to_go_on_from(script, tmp
     with pytest.raises(SystemExit) as e:
         script.main(["run", str(tmp_path / "jobs.json.gz"), str(tmp_path / "run"), "--seconds", "60", "--fresh-vocab"])
     assert e.value.code == 2 and "--fresh-vocab needs --init" in capsys.readouterr().err
+
+
+def test_questions_are_written_as_json_lines_once_all_are_sampled(script, tiny_checkpoints, tmp_path, monkeypatch):
+    import gzip
+
+    from eejax.train import chat_corpus
+
+    model_dir = tmp_path / "chat-model"
+    shutil.copytree(tiny_checkpoints["gqa-untied"][2], model_dir)
+    _with_template(eejax.load(model_dir).tokenizer, model_dir / "tokenizer")
+    excluded = tmp_path / "old.jsonl"
+    excluded.write_text(json.dumps({"question": "An old question?"}) + "\n")
+    asked = []
+
+    def as_tokens(m, samples, w, seen, starts=None):  # a tiny random model seldom ends a turn
+        asked.append(list(seen))
+        return [f"{list(s)} {list(t)}" for s, t in zip(starts, samples)]
+
+    monkeypatch.setattr(chat_corpus, "_whole_questions", as_tokens)
+    out = tmp_path / "q.jsonl.gz"
+    argv = ["questions", str(out), "--model", str(model_dir), "--count", "3", "--batch", "2", "--max-tokens", "4"]
+    assert script.main([*argv, "--steered", "--exclude", str(excluded)]) == 0
+    with gzip.open(out, "rt") as f:
+        got = [json.loads(line)["question"] for line in f]
+    write = eejax.load(model_dir).tokenizer("Write", add_special_tokens=False)["input_ids"]
+    assert len(got) == 3 and got[1].startswith(f"{write} ") and got[0].startswith("[] ")  # QUESTION_STARTS[:2]
+    assert asked[0] == ["An old question?"] and asked[1] == ["An old question?", *got[:2]]
+    assert not (tmp_path / "q.jsonl.gz.state.json").exists()
+    with pytest.raises(SystemExit, match="exists"):
+        script.main(argv)
+
+
+@pytest.mark.parametrize("bad", [["--count", "0"], ["--batch", "0"], ["--temperature", "0"]])
+def test_questions_refuse_bad_settings_by_name(script, tmp_path, capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        script.main(["questions", str(tmp_path / "q.jsonl.gz"), *bad])
+    assert e.value.code == 2 and bad[0] in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -12,8 +12,10 @@ Everything the model writes is kept on disk (`draft_corpus._save`'s JSON), so a 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from eejax.errors import EejaxError
@@ -66,15 +68,17 @@ def read_instructions(path: str | Path) -> list[str]:
     return out
 
 
-def _whole_questions(model, samples, min_words: int, seen) -> list[str]:
-    """The distinct questions (not in `seen`) among token lists sampled from `user_turn_prefix`:
-    those the model ended with EOS and that have at least `min_words` words."""
+def _whole_questions(model, samples, min_words: int, seen, starts=None) -> list[str]:
+    """The distinct questions (not in `seen`) among token lists sampled from `user_turn_prefix`
+    (each after its `starts` ids, which begin its text): those the model ended with EOS and that have
+    at least `min_words` words."""
     ends, seen, questions = set(model.eos_token_ids), set(seen), []
-    for tokens in samples:
+    for i, tokens in enumerate(samples):
         tokens = list(tokens)
         if not tokens or tokens[-1] not in ends:
             continue  # cut off: no whole question
-        text = model.tokenizer.decode(tokens[:-1], skip_special_tokens=True).strip()
+        begun = [] if starts is None else list(starts[i])
+        text = model.tokenizer.decode(begun + tokens[:-1], skip_special_tokens=True).strip()
         if len(text.split()) >= min_words and text not in seen:
             seen.add(text)
             questions.append(text)
@@ -92,13 +96,21 @@ def self_questions(
     batch_size: int = 64,
     min_words: int = 3,
     until: float | None = None,
+    starts: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    progress: bool = False,
 ) -> list[str]:
     """Up to `count` distinct user questions the model writes itself: `count` samples (temperature,
     row i drawn with (seed, i)) from `user_turn_prefix`, kept where the model ended the turn within
-    `max_tokens` and wrote at least `min_words` words. Sampled in whole batches of `batch_size`
-    (one `generate` over them all would admit rows as others end, prefilling groups of many sizes,
-    each a program to compile), and only while `time.monotonic()` is before `until`. Saved in
-    `path` as JSON; a rerun with the same settings reads back a set that was not cut short."""
+    `max_tokens` and wrote at least `min_words` words, and none of `exclude`. With `starts`, row i's
+    question begins with `starts[i % len(starts)]` ("" for none) and the model writes the rest:
+    openings that steer it to kinds of requests it seldom writes unprompted. Sampled in whole
+    batches of `batch_size` (one `generate` over them all would admit rows as others end,
+    prefilling groups of many sizes, each a program to compile), and only while `time.monotonic()`
+    is before `until`. Saved in `path` as JSON after every batch; a rerun with the same settings
+    goes on after the last saved batch, and gives the questions of an uncut run."""
+    from tqdm.auto import tqdm
+
     from eejax.engine.generate import generate
     from eejax.train.data import cache_budget_for
 
@@ -106,21 +118,31 @@ def self_questions(
         raise EejaxError(f"self questions need count, max_tokens >= 1 and temperature > 0, got {count}, {max_tokens}")
     path = Path(path)
     settings = {"count": count, "max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+    if starts:
+        settings["starts"] = list(starts)
+    if exclude:
+        settings["exclude"] = hashlib.sha256(json.dumps(sorted(set(exclude))).encode()).hexdigest()[:16]
+    questions: list[str] = []
+    sampled = 0
     if path.exists():
         saved = json.loads(path.read_text())
-        if saved.get("settings") == settings and saved.get("complete", True):
-            return saved["questions"]
+        if saved.get("settings") == settings:
+            if saved.get("complete", True):
+                return saved["questions"]
+            questions, sampled = saved["questions"], saved.get("sampled", 0)
     prefix = user_turn_prefix(model.tokenizer)
-    budget = cache_budget_for(model, [prefix] * batch_size, max_tokens, batch_size)
-    questions: list[str] = []
-    complete = True
-    for start in range(0, count, batch_size):
+    opening = [model.tokenizer(s, add_special_tokens=False)["input_ids"] if s else [] for s in starts] or [[]]
+    longest = prefix + max(opening, key=len)
+    budget = cache_budget_for(model, [longest] * batch_size, max_tokens, batch_size)
+    bar = tqdm(total=count, initial=sampled, desc="questions", unit="sample", disable=not progress)
+    for start in range(sampled, count, batch_size):
         if until is not None and time.monotonic() > until:
-            complete = False
             break
+        rows = range(start, min(start + batch_size, count))
+        begun = [opening[i % len(opening)] for i in rows]
         res = generate(
             model,
-            [prefix] * min(batch_size, count - start),
+            [prefix + b for b in begun],
             max_new_tokens=max_tokens,
             temperature=temperature,
             seed=seed,
@@ -129,8 +151,17 @@ def self_questions(
             cache_budget=budget,
             spec=None,  # full depth's samples (a draft head would change them, not their distribution)
         )
-        questions += _whole_questions(model, res.tokens, min_words, seen=questions)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"settings": settings, "questions": questions, "complete": complete}))
-    tmp.replace(path)
+        questions += _whole_questions(model, res.tokens, min_words, seen=[*exclude, *questions], starts=begun)
+        sampled = rows.stop
+        _save_questions(path, settings, questions, sampled, complete=sampled >= count)
+        bar.update(len(rows))
+    bar.close()
+    if sampled == 0:  # out of time before the first batch: a file that says so
+        _save_questions(path, settings, questions, sampled, complete=False)
     return questions
+
+
+def _save_questions(path: Path, settings: dict, questions: list[str], sampled: int, complete: bool) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"settings": settings, "questions": questions, "sampled": sampled, "complete": complete}))
+    tmp.replace(path)
