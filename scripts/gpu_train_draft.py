@@ -126,7 +126,9 @@ def read_questions(path: Path) -> list[str]:
     return json.loads(path.read_text())["questions"] if path.suffix == ".json" else read_instructions(path)
 
 
-def prepare(out: Path, questions: list[Path] = ()) -> None:
+def prepare(out: Path, questions=()) -> None:
+    """The prompts as token ids in OUT: the texts, the evaluation rows, and the chat questions
+    (self-instruct's and those of each file in `questions`) through the chat template."""
     import eejax
     from eejax.cli.draft import read_text_file
     from eejax.train import draft_corpus as dc
@@ -276,12 +278,13 @@ def run(args) -> None:
             "seconds": round(time.monotonic() - t_q, 1),
         }
         print(f"  self questions: {result['self_questions']}", flush=True)
-    if args.continuations is not None:  # an earlier run's: no generation, more time to train
-        generated, made = load_sequences(args.continuations)
+    generated, made = [], []
+    for path in args.continuations:  # earlier runs' (or `answer`'s): no generation, more time to train
+        seqs, how = load_sequences(path)
+        generated, made = generated + seqs, made + how
+    if args.continuations:
         features_until = time.monotonic() + 0.3 * left
-    else:
-        generated, made = [], []
-    for name, temperature, seed in [] if args.continuations is not None else jobs["jobs"]:
+    for name, temperature, seed in [] if args.continuations else jobs["jobs"]:
         t_job = time.monotonic()
         seqs = continue_prompts(
             model,
@@ -498,7 +501,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="the frozen model (default smollm2-135m)")
     p.add_argument("--random-like", type=Path, help="a dry run on random weights of this checkpoint's config")
     p.add_argument(
-        "--continuations", type=Path, help="an earlier run's continuations.npz: train on them instead of generating"
+        "--continuations",
+        type=Path,
+        action="append",
+        default=[],
+        help="an earlier run's continuations.npz (or `answer`'s): train on them instead of generating; repeatable",
     )
     p.add_argument("--init", type=Path, help="a draft head (.safetensors delta) to go on training from")
     p.add_argument(
