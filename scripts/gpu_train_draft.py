@@ -11,13 +11,15 @@ caches features and trains):
     # min for 16,384 samples on a 2-core CPU; resumable), then their answers the same way
     python scripts/gpu_train_draft.py questions data/smollm2_steered_questions.jsonl.gz --seed 8 --steered \
         --exclude data/smollm2_self_questions.jsonl.gz
+    python scripts/gpu_train_draft.py answer data/smollm2_steered_questions.jsonl.gz \
+        data/smollm2_steered_answers.npz --answer-tokens 96
     # here: the evaluation prompts and the texts as token ids (5 MB)
     python scripts/gpu_train_draft.py prepare .gpu/jobs.json.gz
     # there: features of the answers and the texts, training from the shipped chat head, its reduced
     # head's tokens taken anew from these answers
     python scripts/gpu_train_draft.py run .gpu/jobs.json.gz RUN_DIR --seconds 540 --out $OUT \
-        --continuations data/smollm2_chat_answers.npz --init eejax/assets/smollm2-135m-eagle-chat.safetensors \
-        --fresh-vocab --steps 4000 --learning-rate 6e-4
+        --continuations data/smollm2_chat_answers.npz --continuations data/smollm2_steered_answers.npz \
+        --init eejax/assets/smollm2-135m-eagle-chat.safetensors --fresh-vocab --steps 4000 --learning-rate 6e-4
 
 Generating on the device as well:
 
