@@ -511,7 +511,7 @@ def test_unrolled_passes_attend_as_a_round_of_drafts_does(model):
             x = jnp.concatenate([x, out[:, -1:]], axis=1)
 
 
-def test_training_on_cached_features_learns_the_next_token(tmp_path):
+def test_training_on_cached_features_learns_the_next_token(tmp_path, monkeypatch):
     """The identity-layer model's next token is a function of the current one: a draft trained a
     few dozen steps on its cached features predicts it far better than chance; the feature cache
     resumes at a missing shard with the same content."""
@@ -531,15 +531,17 @@ def test_training_on_cached_features_learns_the_next_token(tmp_path):
     data = load_feature_cache(cache_dir)
     for k in first:
         np.testing.assert_array_equal(np.asarray(first[k]), np.asarray(data[k]), err_msg=k)
-    # rows run in order of length, each batch padded to a multiple of window / 4: as one whole-window pass
+    # rows run in order of length, each batch padded to a multiple of min(PAD_STEP, window / 4): as one whole pass
     program = draft_features._features_program(base.config)
     rows = [texts[0][:5], texts[1][:32], texts[2][:7], texts[3][:20]]
-    tokens, lengths, *got = draft_features._shard_features(program, base.params, rows, 32, 2)
-    whole = program(base.params, tokens, lengths)
-    valid = np.arange(32)[None, :] < lengths[:, None]
-    assert lengths.tolist() == [5, 32, 7, 20]
-    for g, w in zip(got, whole):
-        np.testing.assert_allclose(np.asarray(g, np.float32)[valid], np.asarray(w, np.float32)[valid], atol=0.02)
+    for pad_step in (draft_features.PAD_STEP, 3):  # batches of 2 padded to 8 and 32 tokens, then to 9 and 32
+        monkeypatch.setattr(draft_features, "PAD_STEP", pad_step)
+        tokens, lengths, *got = draft_features._shard_features(program, base.params, rows, 32, 2)
+        whole = program(base.params, tokens, lengths)
+        valid = np.arange(32)[None, :] < lengths[:, None]
+        assert lengths.tolist() == [5, 32, 7, 20]
+        for g, w in zip(got, whole):
+            np.testing.assert_allclose(np.asarray(g, np.float32)[valid], np.asarray(w, np.float32)[valid], atol=0.02)
     with pytest.raises(EejaxError, match="other text or settings"):
         build_feature_cache(base, texts[:3], cache_dir, window=32, batch_size=4, shard_rows=8, progress=False)
     # past its deadline a pass writes one shard; the next pass completes the cache
