@@ -61,8 +61,16 @@ inline float scalar(uint16_t w) {
 }
 
 // p[m, n0:n1] = x[m, k0:k1] @ w[k0:k1, n0:n1] for M rows of x (K apart) into p (N apart). R rows of
-// w per pass over the columns, so each element of p is loaded and stored once per R rows (16 rows
-// streamed 19.6 GB/s on one core of this EPYC at M = 1, 4 rows 16.0, 1 row 12.3).
+// w per pass over the columns, so each element of p is loaded and stored once per R rows. Each
+// element is summed in order of k with one fused multiply-add per k, whatever M and R: a row's
+// result does not depend on how many rows came with it.
+//
+// While a pass reads R rows, it prefetches the next pass's R rows into L2. A pass over a layer's
+// narrow weight (N = 576: 36 lines a row) starts R short streams that the hardware prefetcher
+// learns only as they end; one row of x at a time outruns that, but with 5 rows the loads wait on
+// memory (a 576x576 product at M = 5 took 1.60x its M = 1 time, 1.13x with the prefetch; a layer's
+// five products, both cores, DRAM-resident: M = 5 1.50x -> 1.08x, M = 8 1.77x -> 1.20x, M = 1 the
+// same; docs/results/cpu-2026-11.md).
 template <int M, int R, typename W>
 void nn_block(const float* x, const W* w, float* p, int64_t K, int64_t N, int64_t k0, int64_t k1, int64_t n0,
               int64_t n1) {
@@ -74,9 +82,12 @@ void nn_block(const float* x, const W* w, float* p, int64_t K, int64_t N, int64_
     float a[M][R];
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r) a[m][r] = x[m * K + k + r];
+    const bool ahead = k + 2 * R <= k1;  // a next pass to prefetch
     for (int64_t n = n0; n < nv; n += 16) {
       v16 rows[R];
       for (int r = 0; r < R; ++r) rows[r] = load(wk + r * N + n);
+      if (ahead)
+        for (int r = 0; r < R; ++r) __builtin_prefetch(wk + (R + r) * N + n, /*rw=*/0, /*locality=*/2);
       for (int m = 0; m < M; ++m) {
         v16 s = load(p + m * N + n);
         for (int r = 0; r < R; ++r) s += a[m][r] * rows[r];
@@ -96,14 +107,19 @@ void nn_block(const float* x, const W* w, float* p, int64_t K, int64_t N, int64_
 }
 
 // y[m, n] = x[m] . w[n] for n in [n0, n1): each row of w is read once, in order, for all M rows
-// of x (one stream: 27 GB/s on one core at M = 1).
+// of x (one stream: 27 GB/s on one core at M = 1), and the row two ahead is prefetched into L2 as
+// it goes (the LM head, 49152x576, both cores: M = 1 0.80x its time without, M = 5 1.75x -> 0.92x
+// of that M = 1, M = 8 1.95x -> 1.04x).
 template <int M, typename W>
 void nt_block(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t kv = K / 32 * 32;
+  constexpr int64_t kLine = 64 / sizeof(W);  // weights in a cache line
   for (int64_t n = n0; n < n1; ++n) {
     const W* wn = w + n * K;
+    const W* next = n + 2 < n1 ? wn + 2 * K : wn;
     v16 acc[M][2] = {};
     for (int64_t k = 0; k < kv; k += 32) {
+      for (int64_t j = 0; j < 32; j += kLine) __builtin_prefetch(next + k + j, /*rw=*/0, /*locality=*/2);
       const v16 w0 = load(wn + k), w1 = load(wn + k + 16);
       for (int m = 0; m < M; ++m) {
         acc[m][0] += load(x + m * K + k) * w0;
@@ -129,7 +145,7 @@ struct Blocks {
 
 template <typename W, int M>
 constexpr Blocks<W> blocks_for() {
-  return {&nn_block<M, (M <= 4 ? 16 : 8), W>, &nt_block<M, W>};
+  return {&nn_block<M, 8, W>, &nt_block<M, W>};
 }
 
 template <typename W>
