@@ -190,8 +190,8 @@ def load_model(args, name: str = "smollm2-135m", **kwargs):
     )
 
 
-def run_kernel_benchmark(name: str, args: list[str]) -> int:
-    """Compiles benchmarks/NAME.cc, which includes eejax/kernels/cpu_quantized.cc (KERNEL_SOURCE), with
+def run_kernel_benchmark(name: str, args: list[str], kernel: str = "cpu_quantized.cc") -> int:
+    """Compiles benchmarks/NAME.cc, which includes eejax/kernels/`kernel` (KERNEL_SOURCE), with
     the library's flags, and runs it with `args`; its exit status (1 without a C++ compiler)."""
     import os
     import shutil
@@ -207,7 +207,7 @@ def run_kernel_benchmark(name: str, args: list[str]) -> int:
     if compiler is None:
         print(f"{name}.py: no C++ compiler (set $CXX, or install g++)", file=sys.stderr)
         return 1
-    source = cpu_matmul.SOURCE.with_name("cpu_quantized.cc")
+    source = cpu_matmul.SOURCE.with_name(kernel)
     flags = [f for f in cpu_matmul._flags() if f not in ("-shared", "-fPIC")]
     with tempfile.TemporaryDirectory() as tmp:
         binary = Path(tmp) / name

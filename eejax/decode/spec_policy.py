@@ -151,14 +151,14 @@ AUTO_CPU_ROWS = 1  # spec="auto" speculates on a CPU when at most this many rows
 # `draft:2` on every set.
 CPU_BLOCK_ROUND_STEPS = {1: 1.42, 2: 1.47, 3: 1.70, 4: 1.94}
 
-# The same on float32 weights (the chat head, batch 1, a 2-core AMD EPYC with AVX-512, 2026-12-01):
-# d = 2 and 4 with prompt lookup (2 and 4 positions drafted) as the engine paid them, τ over the
-# speed-up (8 prompts a set, 64 tokens, 2 paired runs; `benchmarks/draft_head.py --specs
-# draft:2:lookup draft:4:lookup`): 1.27-1.37 (median 1.33) on MT-bench, chat, docs, code and news,
-# and 1.45-1.62 (median 1.58); d = 1 and 3 from `benchmarks/round_costs.py`'s ratios to d = 2
-# (1.17, 1.25, 1.34, 1.55 steps for 1-4 positions). A verify pass of a few positions reads the
-# weights once, but on two cores its products over each added position are not free.
-CPU_FLOAT_ROUND_STEPS = {1: 1.23, 2: 1.33, 3: 1.40, 4: 1.58}
+# The same on float32 weights (the chat head, batch 1, a 2-core AMD EPYC (Zen 4) with AVX-512,
+# 2026-12-02, once the library's float32 products prefetched their next rows): τ of a fixed
+# `draft:d:lookup` over its speed-up against full depth (8 prompts a set, 64 tokens, 2 paired runs;
+# `benchmarks/draft_head.py --specs draft:1:lookup draft:2:lookup draft:3:lookup draft:4:lookup`), the
+# medians over MT-bench, chat, Python's docs, code and news: d = 1 1.09-1.12, d = 2 1.18-1.22,
+# d = 3 1.24-1.33, d = 4 1.33-1.44. Before the prefetch a verify pass's added positions were not free
+# (1.23, 1.33, 1.40, 1.58 on 2026-12-01): with 5 rows the products waited on memory.
+CPU_FLOAT_ROUND_STEPS = {1: 1.10, 2: 1.19, 3: 1.27, 4: 1.39}
 
 
 def auto_speculates(rows: int) -> bool:

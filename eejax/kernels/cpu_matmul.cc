@@ -68,7 +68,7 @@ inline float scalar(uint16_t w) {
 // While a pass reads R rows, it prefetches the next pass's R rows into L2. A pass over a layer's
 // narrow weight (N = 576: 36 lines a row) starts R short streams that the hardware prefetcher
 // learns only as they end; one row of x at a time outruns that, but with 5 rows the loads wait on
-// memory (a 576x576 product at M = 5 took 1.60x its M = 1 time, 1.13x with the prefetch; a layer's
+// memory (a 576x576 product at M = 5 took 1.62x its M = 1 time, 1.13x with the prefetch; a layer's
 // five products, both cores, DRAM-resident: M = 5 1.50x -> 1.08x, M = 8 1.77x -> 1.20x, M = 1 the
 // same; docs/results/cpu-2026-11.md).
 template <int M, int R, typename W>
