@@ -69,8 +69,8 @@ inline float scalar(uint16_t w) {
 // narrow weight (N = 576: 36 lines a row) starts R short streams that the hardware prefetcher
 // learns only as they end; one row of x at a time outruns that, but with 5 rows the loads wait on
 // memory (a 576x576 product at M = 5 took 1.62x its M = 1 time, 1.13x with the prefetch; a layer's
-// five products, both cores, DRAM-resident: M = 5 1.50x -> 1.08x, M = 8 1.77x -> 1.20x, M = 1 the
-// same; docs/results/cpu-2026-11.md).
+// five products, both cores, weights in DRAM, `benchmarks/matmul_rows.py`: M = 5 1.40x -> 1.10x,
+// M = 8 1.8x -> 1.3x, M = 1 the same; docs/results/cpu-2026-11.md).
 template <int M, int R, typename W>
 void nn_block(const float* x, const W* w, float* p, int64_t K, int64_t N, int64_t k0, int64_t k1, int64_t n0,
               int64_t n1) {
@@ -108,8 +108,8 @@ void nn_block(const float* x, const W* w, float* p, int64_t K, int64_t N, int64_
 
 // y[m, n] = x[m] . w[n] for n in [n0, n1): each row of w is read once, in order, for all M rows
 // of x (one stream: 27 GB/s on one core at M = 1), and the row two ahead is prefetched into L2 as
-// it goes (the LM head, 49152x576, both cores: M = 1 0.80x its time without, M = 5 1.75x -> 0.92x
-// of that M = 1, M = 8 1.95x -> 1.04x).
+// it goes (the LM head, 49152x576, both cores, `benchmarks/matmul_rows.py`: M = 1 0.78-0.81x its
+// time without, M = 5 1.75x -> 1.0x of that M = 1, M = 8 1.95x -> 1.2x).
 template <int M, typename W>
 void nt_block(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t kv = K / 32 * 32;
