@@ -15,11 +15,14 @@ import pytest
 
 import eejax
 from eejax.decode import speculative, steps
+from eejax.decode.drafts import token_batch
 from eejax.decode.lookup import PromptTokens
 from eejax.decode.sampling import RowSampling, SamplingParams
 from eejax.decode.stats import SPEC_COUNTERS
 from eejax.engine.engine import Engine
 from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.kernels import cpu_matmul
+from eejax.loading.model import cast_floats
 from eejax.models import draft_head, llama
 from eejax.models.exits import set_exit_vocab
 from eejax.models.modules import embed
@@ -33,6 +36,7 @@ from eejax.options import (
     auto_spec,
     resolve_spec,
 )
+from eejax.quantized import formats, is_quantized
 from tests.helpers import fixed_policy_costs, prefilled
 from tests.test_speculative import NEW, PROMPTS, chi_square_p, perfect_drafts, spec_round, tiny
 
@@ -489,6 +493,33 @@ def _last_logits(model, tokens):
 
 
 # --- training -----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    not cpu_matmul.tiled_loop_runs(), reason="a float model's head drafts from blocks where the tiled loop runs"
+)
+def test_a_float_models_draft_head_drafts_from_q8_0_blocks_its_layer_in_one_call(model, monkeypatch):
+    """`Model.drafts_in_blocks`: the decode programs' draft head and reduced head are Q8_0 blocks
+    taking int16 x while `params` keep them float; the draft layer then runs as one call, whose
+    bits are its op-by-op layer's. (Greedy tokens stay full depth's: test_greedy_equals_full_depth.)"""
+    m = model.with_params(set_exit_vocab(model.params, np.arange(0, 64, 3), model.config.tie_embeddings))
+    assert m.drafts_in_blocks and not formats(m.params["draft"]) and m.quantization is None
+    run = m.run_params
+    blocks = [*jax.tree.leaves(run["draft"], is_leaf=is_quantized), run["exits"]["vocab_head"]]
+    blocks = [w for w in blocks if is_quantized(w)]
+    assert len(blocks) == 1 + len(llama.LINEAR_KEYS) + 1  # fc, the layer's Linears, the reduced head
+    assert {(w.format, w.activations) for w in blocks} == {("q8_0", "int16")}
+    assert not m.with_params(cast_floats(m.params, jnp.bfloat16)).drafts_in_blocks
+
+    state, cache, table = prefilled(m, PROMPTS[:1])
+    batch = token_batch(m.config, state, jnp.zeros((1,), jnp.int32), table, cache.page_size, "auto")
+    assert llama.one_call_applies(run["draft"]["layer"], state.draft_hidden[:, None], cache, batch, m.config)
+    x = (state.draft_hidden[:, None], embed(m.params, state.last_token[:, None]))
+    one, one_cache = draft_head.draft_layer(run, *x, jax.tree.map(jnp.copy, cache), batch, m.config)
+    monkeypatch.setattr(draft_head, "one_call_applies", lambda *a, **k: False)
+    ops, ops_cache = draft_head.draft_layer(run, *x, jax.tree.map(jnp.copy, cache), batch, m.config)
+    np.testing.assert_array_equal(one, ops)
+    np.testing.assert_array_equal(one_cache.k, ops_cache.k)
 
 
 def test_unrolled_passes_attend_as_a_round_of_drafts_does(model):

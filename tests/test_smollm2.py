@@ -155,8 +155,9 @@ def test_eagle_model_drafts_losslessly_and_is_accepted(smollm2):
     full = eejax.generate(eagle, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     res = eejax.generate(eagle, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, spec="draft:2")
     assert res.tokens == full.tokens
-    # the H100-trained head: ~0.43 and ~1.8 here (the CPU recipe's head before it: ~0.27 and ~1.5)
-    assert res.stats["acceptance_rate"] > 0.33 and res.stats["tokens_per_round"] > 1.65, res.stats
+    # the H100-trained head: 0.333 and 1.63 here drafting from its Q8_0 blocks (`drafts_in_blocks`),
+    # 0.356 and 1.68 from its float weights (the CPU recipe's head before it: ~0.27 and ~1.5)
+    assert res.stats["acceptance_rate"] > 0.3 and res.stats["tokens_per_round"] > 1.55, res.stats
 
 
 def test_the_default_load_on_a_cpu_is_the_blocks_with_int16_activations_and_drafts_losslessly():

@@ -151,14 +151,20 @@ AUTO_CPU_ROWS = 1  # spec="auto" speculates on a CPU when at most this many rows
 # `draft:2` on every set.
 CPU_BLOCK_ROUND_STEPS = {1: 1.42, 2: 1.47, 3: 1.70, 4: 1.94}
 
-# The same on float32 weights (the chat head, batch 1, a 2-core AMD EPYC (Zen 4) with AVX-512,
-# 2026-12-02, once the library's float32 products prefetched their next rows): τ of a fixed
-# `draft:d:lookup` over its speed-up against full depth (8 prompts a set, 64 tokens, 2 paired runs;
-# `benchmarks/draft_head.py --specs draft:1:lookup draft:2:lookup draft:3:lookup draft:4:lookup`), the
-# medians over MT-bench, chat, Python's docs, code and news: d = 1 1.09-1.12, d = 2 1.18-1.22,
-# d = 3 1.24-1.33, d = 4 1.33-1.44. Before the prefetch a verify pass's added positions were not free
-# (1.23, 1.33, 1.40, 1.58 on 2026-12-01): with 5 rows the products waited on memory.
-CPU_FLOAT_ROUND_STEPS = {1: 1.10, 2: 1.19, 3: 1.27, 4: 1.39}
+# The same on float32 weights whose draft head drafts from Q8_0 blocks (`Model.drafts_in_blocks`: a CPU
+# where the kernel's tiled loop runs; the chat head, batch 1, a 2-core AMD EPYC (Zen 4), 2026-12-02):
+# `benchmarks/round_costs.py`'s rounds as one program, in one process against the float head (draft:1
+# 1.03-1.05, draft:2 1.10, draft:4 1.22-1.25 steps; the float head's 1.07-1.09, 1.18, 1.38), plus what
+# the engine paid over those on the float head (~0.02-0.05 a round).
+CPU_FLOAT_ROUND_STEPS = {1: 1.05, 2: 1.12, 3: 1.19, 4: 1.26}
+
+# The same where the draft head stays float (no tiled loop): τ of a fixed `draft:d:lookup` over its
+# speed-up against full depth (8 prompts a set, 64 tokens, 2 paired runs; `benchmarks/draft_head.py
+# --specs draft:1:lookup draft:2:lookup draft:3:lookup draft:4:lookup`), the medians over MT-bench,
+# chat, Python's docs, code and news: d = 1 1.09-1.12, d = 2 1.18-1.22, d = 3 1.24-1.33, d = 4
+# 1.33-1.44 (2026-12-02, once the library's float32 products prefetched their next rows; before, a
+# verify pass's added positions were not free: 1.23, 1.33, 1.40, 1.58 on 2026-12-01).
+CPU_FLOAT_DRAFT_ROUND_STEPS = {1: 1.10, 2: 1.19, 3: 1.27, 4: 1.39}
 
 
 def auto_speculates(rows: int) -> bool:
@@ -180,17 +186,22 @@ def on_cpu() -> bool:
     return backend() == "cpu"
 
 
-def round_prices(spec: SpecConfig, quantized: bool, rows: int = 1) -> dict[int, float] | None:
+def round_prices(
+    spec: SpecConfig, quantized: bool, rows: int = 1, float_draft: bool = False
+) -> dict[int, float] | None:
     """A round's cost in plain steps for each d an adaptive `spec` may pick, where the policy
     prices rounds instead of timing them (see the module docstring): a draft head's chain on a
     CPU where at most `AUTO_CPU_ROWS` of `rows` (the engine's slots) decode at once, up to 4
     positions drafted, from `CPU_BLOCK_ROUND_STEPS` on `quantized` weights, else
-    `CPU_FLOAT_ROUND_STEPS`; else None (timed: the prices are one row's, and with more a verify
+    `CPU_FLOAT_ROUND_STEPS` (`CPU_FLOAT_DRAFT_ROUND_STEPS` where the head drafts from float
+    weights, `float_draft`); else None (timed: the prices are one row's, and with more a verify
     pass costs ~d + 1 steps there). With a prompt lookup of k copies a round drafts max(d, k)
     positions, which its verify pass scores whether a row copied or not, and is priced so."""
     if not (spec.adaptive and spec.draft_head and on_cpu() and rows <= AUTO_CPU_ROWS):
         return None
-    table = CPU_BLOCK_ROUND_STEPS if quantized else CPU_FLOAT_ROUND_STEPS
+    table = (
+        CPU_BLOCK_ROUND_STEPS if quantized else CPU_FLOAT_DRAFT_ROUND_STEPS if float_draft else CPU_FLOAT_ROUND_STEPS
+    )
     if spec.method not in ("draft", "lookup") or spec.positions_ahead > max(table):
         return None
     return {d: table[max(d, spec.lookup)] for d in range(1, spec.max_speculations + 1)}

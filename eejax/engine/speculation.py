@@ -121,7 +121,9 @@ class Speculation:
                 spec,
                 unit_costs=unit_costs,
                 sampled=options.sampler != GREEDY,
-                prices=round_prices(spec, self.model.quantization is not None, self.rows),
+                prices=round_prices(
+                    spec, self.model.quantization is not None, self.rows, float_draft=not self.model.drafts_in_blocks
+                ),
             )
             if old is not None and self.batch_job and old.prices is not None:
                 self.policies[key] = self.policies[key].carried(old)

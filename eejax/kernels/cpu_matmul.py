@@ -234,12 +234,17 @@ def panel_products() -> bool:
     return {"avx512f", "avx512bw", "avx512_vnni"} <= set(_cpu_flags().split())
 
 
+def tiled_loop_runs() -> bool:
+    """Whether the kernel's tiled loop runs here: a CPU with AVX-512 VNNI, the library built and on."""
+    return backend() == "cpu" and enabled() and available() and panel_products()
+
+
 def tiled_for_kernel(params):
     """params with each 4-bit matrix that `quantized.tileable` allows kept in tiles of 16 rows, where
     the kernel's tiled loop runs (AVX-512 VNNI, the library built): its products then sum a row in
     the prefill GEMM's order at every number of rows, 1.4-2.2x faster than the few-row loops on the
     GGUF's rows. Elsewhere params as they are."""
-    if not (backend() == "cpu" and enabled() and available() and panel_products()):
+    if not tiled_loop_runs():
         return params
     return jax.tree.map(
         lambda x: quantized.tile(x) if quantized.is_quantized(x) else x, params, is_leaf=quantized.is_quantized

@@ -17,9 +17,18 @@ from eejax.compile_cache import background_compile
 from eejax.config import LlamaConfig, T5Config
 from eejax.decode.programs import ProgramCache
 from eejax.errors import EejaxError, UnsupportedModelError
+from eejax.kernels import cpu_matmul
 from eejax.models import draft_head, exits
 from eejax.models.registry import model_module
-from eejax.quantized import BLOCK, float_dtype, formats, is_quantized, quantize_int8, quantize_q8_0
+from eejax.quantized import (
+    BLOCK,
+    float_dtype,
+    formats,
+    is_quantized,
+    quantize_int8,
+    quantize_q8_0,
+    with_activations,
+)
 from eejax.sharding import RULES, cache_sharding, check_fits, param_shardings
 
 LAYER_BUFFERS = ("auto", "stacked", "split", "rows")
@@ -92,8 +101,9 @@ class Model:
         with each decoder layer's in its own buffers, read in place by the layer loop instead of
         copied out of the stack (`eejax.models.stack`): on a CPU, decode runs 1.01-1.27x faster and
         the buffers share the stack's memory; unrolled layers cost compile time. In the "rows"
-        layout, the float Linear weights of the layers as their rows (a copy). Prefills read
-        `params` in every layout. Built once per `params` object."""
+        layout, the float Linear weights of the layers as their rows (a copy). A float draft head
+        drafts from Q8_0 blocks where `drafts_in_blocks`. Prefills read `params` in every layout.
+        Built once per `params` object."""
         if self._run is None or self._run[0] is not self.params or self._run[1] != self.layer_buffers:
             layout, module = self.layout, model_module(self.config)  # resolved once: every dispatch reads run_params
             run = self.params
@@ -101,8 +111,24 @@ class Model:
                 run = module.with_layer_buffers(self.params)
             elif layout == "rows":
                 run = module.with_linear_rows(self.params)
+            if self.drafts_in_blocks:
+                run = draft_blocks(run, self.config)
             self._run = (self.params, self.layer_buffers, run)
         return self._run[2]
+
+    @property
+    def drafts_in_blocks(self) -> bool:
+        """Whether the decode programs' draft head is Q8_0 blocks taking int16 x (`draft_blocks`)
+        while `params` hold it float: a float32 model on one CPU device where the kernel's tiled
+        loop runs. A round's drafts then cost half as much (SmolLM2 on float32 weights, 2-core EPYC,
+        2026-12-02: `draft:2` 1.18 -> 1.10 full-depth steps, `draft:4` 1.38 -> 1.22; its drafts
+        agree with the model as often: τ of `auto` 1.76 both ways on MT-bench), and the verify
+        pass still decides every token. Quantized models quantize their draft head as they load."""
+        if not draft_head.has_draft(self.params) or formats(self.params["draft"]) or self.mesh is not None:
+            return False
+        devices = jax.tree.leaves(self.params)[0].devices()
+        one_cpu = len(devices) == 1 and next(iter(devices)).platform == "cpu"
+        return one_cpu and self.dtype == jnp.float32 and cpu_matmul.tiled_loop_runs()
 
     def with_params(self, params: dict) -> Model:
         """The same model (config, tokenizer, layer layout, mesh) with other params and its own programs."""
@@ -236,6 +262,21 @@ def _quantize_draft(params: dict, quantize=_to_int8) -> dict:
     if not params.get("draft"):
         return params
     return {**params, "draft": draft_head.quantize_weights(params["draft"], quantize)}
+
+
+def draft_blocks(params: dict, config) -> dict:
+    """params whose float draft head (its fc and layer) and the reduced head it drafts from are
+    Q8_0 blocks taking int16 x, in the kernel's tiles, as beside the CPU's default GGUF load: the
+    draft layer then runs as one call (`llama.one_call`), its products and the reduced head's in
+    integers. A reduced head shared with exit layers (early exit decides on its logits) stays float."""
+    out = _quantize_draft(params, _to_q8_0)
+    e = out.get("exits")
+    if exits.has_reduced_head(e) and set(e) <= {"vocab_ids", "vocab_head"}:
+        # the reduced head's rows are tokens: [K, D] where tied to the embedding, [D, K] untied
+        head = _to_q8_0(np.asarray(e["vocab_head"]), not config.tie_embeddings)
+        out = {**out, "exits": {**e, "vocab_head": head}}
+    blocks = {k: out[k] for k in ("draft", "exits") if k in out}
+    return {**out, **cpu_matmul.tiled_for_kernel(with_activations(blocks, "int16"))}
 
 
 def init_exits(model: Model, *, adapter_rank: int = 0, classifier: bool = True, seed: int = 0) -> Model:

@@ -31,7 +31,16 @@ from eejax.errors import EejaxError, UnsupportedModelError
 from eejax.kernels.cpu_matmul import matmul, matmul_t
 from eejax.models import exits
 from eejax.models.common import rms_norm
-from eejax.models.llama import LINEAR_KEYS, DecoderLayer, TokenBatch, _dense_positions, cache_attention, layer_keys
+from eejax.models.llama import (
+    LINEAR_KEYS,
+    DecoderLayer,
+    TokenBatch,
+    _dense_positions,
+    cache_attention,
+    layer_keys,
+    one_call,
+    one_call_applies,
+)
 from eejax.models.modules import Dtype, Linear, share_scope, unboxed_init
 from eejax.quantized import is_quantized
 
@@ -178,11 +187,14 @@ def draft_layer(params, feature, token_embeds, cache: KVCache, batch: TokenBatch
     """The draft head over T new positions per row: feature [B, T, D] (the model's, or the draft's
     own prediction, at each position), token_embeds [B, T, D] of the token after it. Writes the
     draft layer's K/V at the batch's slots in cache layer L, attends over the row's earlier ones.
-    With the Triton layer (attention "triton") its products are the fused kernels, as the model's.
+    With the Triton layer (attention "triton") its products are the fused kernels, as the model's;
+    with blocks on a CPU the layer is one call (`llama.one_call`), as the model's are.
     Returns (predicted features [B, T, D], cache)."""
     draft, layer, triton = params["draft"], config.num_layers, batch.attention == "triton"
     _check_no_fusion(draft)
     x = _apply(config, draft, "inputs", feature, token_embeds)
+    if one_call_applies(draft["layer"], x, cache, batch, config):  # blocks on a CPU: one call
+        return one_call(draft["layer"], x, cache, layer, batch, config)
     q, k, v = _layer(config, draft, "qkv", x, batch.cos, batch.sin, triton=triton)
     cache = write_layer_kv(cache, layer, k, v, batch.pages, batch.slots)
     attn = cache_attention(q, cache, layer, batch)

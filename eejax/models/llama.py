@@ -366,10 +366,10 @@ def decoder_layer(params, h, cache: KVCache, layer, batch: TokenBatch, config: L
     layers = params["layers"]
     if _in_one_call(layers, h, cache, layer, batch, config):
         if is_split(layers):
-            return on_layer(layers, CPU_LAYER_KEYS, layer, lambda lp: _one_call(lp, h, cache, layer, batch, config))
+            return on_layer(layers, CPU_LAYER_KEYS, layer, lambda lp: one_call(lp, h, cache, layer, batch, config))
         # The whole stacks, which the call reads at `layer` in place (a slice would be a copy of
         # the layer's weights every step: twice the bytes a step moves).
-        return _one_call({k: layers[k] for k in CPU_LAYER_KEYS}, h, cache, layer, batch, config)
+        return one_call({k: layers[k] for k in CPU_LAYER_KEYS}, h, cache, layer, batch, config)
     qkv_keys = _held(layers, QKV_KEYS)
     triton = batch.attention == "triton"  # the Triton layer: its attention and its fused products
     into_cache = None
@@ -398,23 +398,35 @@ CPU_LAYER_KEYS = (*cpu_layer.NORMS, *cpu_layer.MATRICES)
 
 
 def _in_one_call(layers: dict, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig) -> bool:
-    """Whether layer `layer` runs as one CPU call (`kernels.cpu_layer`): blocks on a CPU, a Llama
-    layer without q/k/v biases, q/k norms or LoRA factors, on one device, and a layer read in
-    place (per-layer buffers at a static index: a `lax.switch` over them would copy the cache out;
-    or the stacks at any index), of up to `MAX_ROWS` rows from per-layer buffers and
-    `MAX_STACKED_ROWS` from the stacks."""
+    """Whether layer `layer` runs as one CPU call (`kernels.cpu_layer`): `one_call_applies`, with
+    the layer read in place (per-layer buffers at a static index: a `lax.switch` over them would
+    copy the cache out; or the stacks at any index), of up to `MAX_ROWS` rows from per-layer
+    buffers and `MAX_STACKED_ROWS` from the stacks."""
+    split = is_split(layers)
+    if split and not isinstance(layer, int):
+        return False
+    example = {k: layers[k][0] if split else layers[k] for k in layers}
+    max_rows = cpu_layer.MAX_ROWS if split else cpu_layer.MAX_STACKED_ROWS
+    return one_call_applies(example, h, cache, batch, config, max_rows)
+
+
+def one_call_applies(lp: dict, h, cache: KVCache, batch: TokenBatch, config: LlamaConfig, max_rows=None) -> bool:
+    """Whether a layer of weights `lp` (one layer's, or a stack's: only static facts are read) runs
+    over h [B, T, D] as one CPU call (`kernels.cpu_layer.applies`): blocks on a CPU, a Llama layer
+    without q/k/v biases, q/k norms or LoRA factors, on one device, at most `max_rows` rows
+    (default `cpu_layer.MAX_ROWS`; one row's up to `MAX_POSITIONS` positions)."""
     if config.qkv_bias or config.qk_norm or head_mesh(cache.k.shape[1]) is not None:
         return False
-    split = is_split(layers)
-    if (split and not isinstance(layer, int)) or any(k + "_a" in layers for k in cpu_layer.MATRICES):
+    if any(k + "_a" in lp for k in cpu_layer.MATRICES):
         return False
-    example = {k: layers[k][0] if split else layers[k] for k in CPU_LAYER_KEYS if k in layers}
+    weights = {k: lp[k] for k in CPU_LAYER_KEYS if k in lp}
     impl = resolve_impl(batch.attention)
-    max_rows = cpu_layer.MAX_ROWS if split else cpu_layer.MAX_STACKED_ROWS
-    return cpu_layer.applies(example, h, cache.k, batch.cos, attention=impl, tree=batch.tree, max_rows=max_rows)
+    return cpu_layer.applies(weights, h, cache.k, batch.cos, attention=impl, tree=batch.tree, max_rows=max_rows)
 
 
-def _one_call(lp: dict, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
+def one_call(lp: dict, h, cache: KVCache, layer, batch: TokenBatch, config: LlamaConfig):
+    """Layer `layer` of the cache run over h [B, T, D] as one CPU call with weights `lp` (where
+    `one_call_applies`): returns (h, cache), the cache written in place."""
     h, k, v = cpu_layer.decoder_layer(
         lp, h, batch.cos, batch.sin, cache.k, cache.v, layer, batch.pages, batch.slots, batch.block_table,
         batch.positions, batch.kv_len, eps=config.rms_norm_eps, window=batch.window,
