@@ -360,7 +360,10 @@ def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
     full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec=None)
     res = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec="auto", batch_size=1)
     assert res.tokens == full.tokens and res.stats["rounds"] > 0
-    assert res.stats["spec"] == auto_spec(on_cpu=True).spec == "draft:2:adaptive:lookup"
+    # a float model whose head drafts from blocks (`drafts_in_blocks`: the tiled loop runs) drafts deeper
+    cpu_auto = auto_spec(on_cpu=True, cheap_drafts=model.drafts_in_blocks)
+    assert res.stats["spec"] == cpu_auto.spec
+    assert cpu_auto.spec == ("draft:3:adaptive:lookup" if model.drafts_in_blocks else "draft:2:adaptive:lookup")
     default = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, batch_size=1)  # spec not given
     assert default.tokens == full.tokens and default.stats["spec"] == res.stats["spec"]
     assert auto_spec().spec == "draft:2:adaptive:lookup=4" and auto_spec().max_speculations == 4  # a GPU's
@@ -368,9 +371,9 @@ def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
     assert batch.tokens == full.tokens and batch.stats["spec"] is None
     assert eejax.generate(tiny(), PROMPTS[:1], max_new_tokens=2, spec="auto").stats["spec"] is None
     engine = Engine(model, max_slots=1, max_new_tokens=NEW, ignore_eos=True)
-    assert engine.submit(PROMPTS[0], max_new_tokens=NEW, spec="auto").spec == auto_spec(on_cpu=True)
+    assert engine.submit(PROMPTS[0], max_new_tokens=NEW, spec="auto").spec == cpu_auto
     # An engine's default when none is given: auto, unless a default exit is (then that exit alone).
-    assert engine.submit(PROMPTS[0], max_new_tokens=NEW, queue=False).spec == auto_spec(on_cpu=True)
+    assert engine.submit(PROMPTS[0], max_new_tokens=NEW, queue=False).spec == cpu_auto
     exiting = Engine(model, max_slots=1, max_new_tokens=NEW, exit="softmax:0.9")
     seq = exiting.submit(PROMPTS[0], max_new_tokens=NEW, queue=False)
     assert seq.spec is None and seq.request.exit.measure == "softmax"
@@ -380,6 +383,9 @@ def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
     assert resolve_spec("Auto", has_draft_head=True) == auto_spec()
     assert resolve_spec("auto", has_draft_head=True, speculate=False) is None
     assert resolve_spec("auto", has_draft_head=True, on_cpu=True) == auto_spec(on_cpu=True)
+    deep = resolve_spec("auto", has_draft_head=True, on_cpu=True, cheap_drafts=True)
+    assert deep == auto_spec(on_cpu=True, cheap_drafts=True) and deep.max_speculations == deep.lookup == 3
+    assert resolve_spec("auto", has_draft_head=True, cheap_drafts=True) == auto_spec()  # a GPU's whatever the head
     with pytest.raises(EejaxError, match="not both"):  # whether auto would speculate or not
         eejax.generate(model, PROMPTS[:2], max_new_tokens=2, spec="auto", exit="softmax:0.9")
     assert resolve_spec("draft:2", has_draft_head=False) == SpecConfig.parse("draft:2")  # checked later
@@ -387,12 +393,14 @@ def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
 
 def test_priced_rounds_in_the_engine_are_lossless_and_time_nothing(model, monkeypatch):
     """A CPU's auto (`auto_spec(on_cpu=True)`) one row at a time, its rounds priced (float
-    weights: `CPU_FLOAT_ROUND_STEPS`): full depth's tokens, rounds from the first program, and
-    nothing timed: no split round, no plain step, the prices kept; a row after another in one slot
-    is new to the policy (`SpeculationPolicy.new_rows`)."""
-    from eejax.decode.spec_policy import CPU_FLOAT_ROUND_STEPS, SpeculationPolicy
+    weights: `CPU_FLOAT_ROUND_STEPS` where the head drafts from blocks, else `CPU_FLOAT_DRAFT_ROUND_STEPS`):
+    full depth's tokens, rounds from the first program, and nothing timed: no split round, no plain
+    step, the prices kept; a row after another in one slot is new to the policy
+    (`SpeculationPolicy.new_rows`)."""
+    from eejax.decode.spec_policy import CPU_FLOAT_DRAFT_ROUND_STEPS, CPU_FLOAT_ROUND_STEPS, SpeculationPolicy
 
-    prices = dict.fromkeys((1, 2), CPU_FLOAT_ROUND_STEPS[2])  # 2 copies: 2 positions at d = 1 too
+    table = CPU_FLOAT_ROUND_STEPS if model.drafts_in_blocks else CPU_FLOAT_DRAFT_ROUND_STEPS
+    prices = dict.fromkeys((1, 2), table[2])  # 2 copies: 2 positions at d = 1 too
     renewed = []
     monkeypatch.setattr(SpeculationPolicy, "new_rows", lambda self: renewed.append(self))
     full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec=None)

@@ -247,7 +247,13 @@ def test_priced_rounds_are_chosen_from_the_acceptance_alone():
 
 
 def test_round_prices_are_for_a_draft_heads_adaptive_chain_on_a_cpu_one_row_at_a_time():
-    from eejax.decode.spec_policy import CPU_BLOCK_ROUND_STEPS, CPU_FLOAT_ROUND_STEPS, on_cpu, round_prices
+    from eejax.decode.spec_policy import (
+        CPU_BLOCK_ROUND_STEPS,
+        CPU_FLOAT_DRAFT_ROUND_STEPS,
+        CPU_FLOAT_ROUND_STEPS,
+        on_cpu,
+        round_prices,
+    )
     from eejax.options import DraftLookupSpec, auto_spec
 
     assert on_cpu()
@@ -256,6 +262,12 @@ def test_round_prices_are_for_a_draft_heads_adaptive_chain_on_a_cpu_one_row_at_a
     # a round with 2 copies scores 2 drafted positions at d = 1 too; float weights have their own prices
     assert round_prices(auto, quantized=True) == {1: CPU_BLOCK_ROUND_STEPS[2], 2: CPU_BLOCK_ROUND_STEPS[2]}
     assert round_prices(auto, quantized=False) == {1: CPU_FLOAT_ROUND_STEPS[2], 2: CPU_FLOAT_ROUND_STEPS[2]}
+    float_head = round_prices(auto, quantized=False, float_draft=True)  # a float head: dearer drafts
+    assert (
+        float_head == dict.fromkeys((1, 2), CPU_FLOAT_DRAFT_ROUND_STEPS[2]) and float_head[2] > CPU_FLOAT_ROUND_STEPS[2]
+    )
+    deep = auto_spec(on_cpu=True, cheap_drafts=True)  # 3 copies: 3 positions at every d
+    assert round_prices(deep, quantized=False) == dict.fromkeys((1, 2, 3), CPU_FLOAT_ROUND_STEPS[3])
     assert CPU_FLOAT_ROUND_STEPS != CPU_BLOCK_ROUND_STEPS and set(CPU_FLOAT_ROUND_STEPS) == set(CPU_BLOCK_ROUND_STEPS)
     chain = DraftChainSpec(2, adaptive=True, max_speculations=3)
     assert round_prices(chain, quantized=True) == {d: CPU_BLOCK_ROUND_STEPS[d] for d in (1, 2, 3)}

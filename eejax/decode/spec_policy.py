@@ -153,10 +153,11 @@ CPU_BLOCK_ROUND_STEPS = {1: 1.42, 2: 1.47, 3: 1.70, 4: 1.94}
 
 # The same on float32 weights whose draft head drafts from Q8_0 blocks (`Model.drafts_in_blocks`: a CPU
 # where the kernel's tiled loop runs; the chat head, batch 1, a 2-core AMD EPYC (Zen 4), 2026-12-02):
-# `benchmarks/round_costs.py`'s rounds as one program, in one process against the float head (draft:1
-# 1.03-1.05, draft:2 1.10, draft:4 1.22-1.25 steps; the float head's 1.07-1.09, 1.18, 1.38), plus what
-# the engine paid over those on the float head (~0.02-0.05 a round).
-CPU_FLOAT_ROUND_STEPS = {1: 1.05, 2: 1.12, 3: 1.19, 4: 1.26}
+# τ of a fixed `draft:d:lookup` over its speed-up against full depth (8 prompts a set, 64 tokens, 2
+# paired runs; `benchmarks/draft_head.py --specs draft:1:lookup draft:2:lookup draft:3:lookup
+# draft:4:lookup`), the medians over MT-bench, chat, Python's docs, code and news: d = 1 1.05-1.07,
+# d = 2 1.10-1.15, d = 3 1.17-1.22, d = 4 1.26-1.28.
+CPU_FLOAT_ROUND_STEPS = {1: 1.07, 2: 1.12, 3: 1.20, 4: 1.27}
 
 # The same where the draft head stays float (no tiled loop): τ of a fixed `draft:d:lookup` over its
 # speed-up against full depth (8 prompts a set, 64 tokens, 2 paired runs; `benchmarks/draft_head.py

@@ -96,7 +96,9 @@ def generate(
     check_exit_or_spec(exit_config, spec, ("early exit (exit=)", "self-speculation (spec=)"))
     rows, texts = prompt_token_ids(model.tokenizer, batch)
     at_once = len(rows) if batch_size is None else min(max(batch_size, 1), len(rows))
-    spec_config = resolve_spec(spec, draft_head.has_draft(model.params), auto_speculates(at_once), on_cpu())
+    spec_config = resolve_spec(
+        spec, draft_head.has_draft(model.params), auto_speculates(at_once), on_cpu(), model.drafts_in_blocks
+    )
     exit_config, spec_config = exits.resolve_options(model.params, config, exit_config, spec_config)
     if truncate_prompt_tokens is not None:
         if truncate_prompt_tokens < 1:

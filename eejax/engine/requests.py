@@ -95,7 +95,8 @@ class Requests:
         """The speculation `spec` runs here (None: none; "auto" resolved for this engine), checked
         against the model."""
         has_draft = draft_head.has_draft(self.model.params)
-        spec_config = resolve_spec(spec, has_draft, self.speculate_auto, self.auto_on_cpu)
+        cheap = self.model.drafts_in_blocks
+        spec_config = resolve_spec(spec, has_draft, self.speculate_auto, self.auto_on_cpu, cheap)
         if spec_config is not None:
             if spec_config.adaptive and jax.process_count() > 1:
                 raise EejaxError(

@@ -13,18 +13,23 @@ from eejax.errors import EejaxError
 from eejax.options.speculation import DraftLookupSpec, SpecConfig
 
 
-def auto_spec(on_cpu: bool = False) -> SpecConfig:
+def auto_spec(on_cpu: bool = False, cheap_drafts: bool = False) -> SpecConfig:
     """What `spec="auto"` runs on a model with a draft head: the head's chain with prompt lookup
     (up to 4 copied drafts), d chosen per program by the adaptive policy from 1 to 4, plain
     full-depth steps where no round pays, and speculation turned off for the group's rows where
     none would (`decode.spec_policy`). Spelled `draft:2:adaptive:lookup=4` with max_speculations 4.
-    `on_cpu`: the head's chain with up to 2 copied drafts, d 1 or 2, rounds priced from a table
-    rather than timed (`spec_policy.round_prices`), spelled `draft:2:adaptive:lookup` with
-    max_speculations 2: on a CPU a verify pass costs more per position it scores, and deeper
-    rounds lost (the chat head at batch 1 on a 2-core EPYC, 2026-12-01, against full depth: 1.13x
-    on chat, 1.47x on Python's docs, 1.43x on code, 1.47x on news on the quantized blocks; on
-    float32 weights 1.35x, 1.50x, 1.60x, 1.39x, where the timed setting with d up to 4 and 4
-    copies gave 1.21x, 1.45x, 1.43x, 1.30x in the same runs: docs/results/cpu-2026-11.md)."""
+
+    `on_cpu`: rounds priced from a table rather than timed (`spec_policy.round_prices`), the head's
+    chain with up to 2 copied drafts, d 1 or 2 (`draft:2:adaptive:lookup` with max_speculations 2):
+    on a CPU a verify pass costs more per position it scores, and deeper rounds lost on the
+    quantized blocks and on float32 weights with a float head (the chat head at batch 1 on a 2-core
+    EPYC, 2026-12-01: docs/results/cpu-2026-11.md). With `cheap_drafts` (the head drafts from
+    blocks beside float32 weights, `Model.drafts_in_blocks`: a round of 3 positions costs 1.20
+    steps) the chain of 3 with 3 copies, d 3 or plain steps (`draft:3:adaptive:lookup` with
+    max_speculations 3): against the chain of 2 it gave 1.66x full depth on MT-bench against
+    1.58x, 1.92x on Python's docs against 1.88x, 2.04x on code against 1.86x (2026-12-02)."""
+    if on_cpu and cheap_drafts:
+        return DraftLookupSpec(3, adaptive=True, max_speculations=3, lookup=3)
     if on_cpu:
         return DraftLookupSpec(2, adaptive=True, max_speculations=2, lookup=2)
     return DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
@@ -65,16 +70,20 @@ def check_exit_or_spec(exit, spec, names: tuple[str, str] = ("early exit (exit)"
 
 
 def resolve_spec(
-    spec: SpecConfig | str | None, has_draft_head: bool, speculate: bool = True, on_cpu: bool = False
+    spec: SpecConfig | str | None,
+    has_draft_head: bool,
+    speculate: bool = True,
+    on_cpu: bool = False,
+    cheap_drafts: bool = False,
 ) -> SpecConfig | None:
     """A `spec` argument as the SpecConfig it runs, or None for full depth: "auto" is
-    `auto_spec(on_cpu)` on a model with a draft head where `speculate`
+    `auto_spec(on_cpu, cheap_drafts)` on a model with a draft head where `speculate`
     (`spec_policy.auto_speculates`: the device and the rows decoding at once), else full depth;
     "none", "off" and "" are full depth; another string is `SpecConfig.parse`d."""
     if not isinstance(spec, str):
         return spec
     if grammar.is_auto(spec):
-        return auto_spec(on_cpu) if has_draft_head and speculate else None
+        return auto_spec(on_cpu, cheap_drafts) if has_draft_head and speculate else None
     if grammar.is_off(spec):
         return None
     return SpecConfig.parse(spec)
