@@ -71,8 +71,7 @@ class Model:
             if self.mesh is not None or not model_module(self.config).SPLITS_LAYERS:
                 layout = "stacked"
             else:
-                devices = jax.tree.leaves(self.params)[0].devices()
-                layout = "split" if len(devices) == 1 and next(iter(devices)).platform == "cpu" else "stacked"
+                layout = "split" if _on_one_cpu(self.params) else "stacked"
             self._auto = (self.params, self.mesh, layout)  # resolved once per params: every dispatch asks
         return self._auto[2]
 
@@ -126,9 +125,7 @@ class Model:
         pass still decides every token. Quantized models quantize their draft head as they load."""
         if not draft_head.has_draft(self.params) or formats(self.params["draft"]) or self.mesh is not None:
             return False
-        devices = jax.tree.leaves(self.params)[0].devices()
-        one_cpu = len(devices) == 1 and next(iter(devices)).platform == "cpu"
-        return one_cpu and self.dtype == jnp.float32 and cpu_matmul.tiled_loop_runs()
+        return _on_one_cpu(self.params) and self.dtype == jnp.float32 and cpu_matmul.tiled_loop_runs()
 
     def with_params(self, params: dict) -> Model:
         """The same model (config, tokenizer, layer layout, mesh) with other params and its own programs."""
@@ -194,6 +191,12 @@ class Model:
         if tok_eos is not None and tok_eos not in ids:
             ids.append(int(tok_eos))
         return tuple(ids)
+
+
+def _on_one_cpu(params) -> bool:
+    """Whether `params` lie on one CPU device."""
+    devices = jax.tree.leaves(params)[0].devices()
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
 def cast_floats(params, dtype):
