@@ -431,7 +431,8 @@ def answer(args) -> None:
     """The model's greedy answers to chat questions (a self_questions.json, or JSON lines with an
     `instruction`), `--batch` at once with the model's default load (on a CPU its own blocks with
     int16 activations), saved to OUT (continuations.npz's format, for `run --continuations`) after
-    every batch; a rerun goes on after the last saved answer."""
+    every batch; a rerun with the same questions, model, order seed and --answer-tokens goes on
+    after the last saved answer (with more --limit, on with the same order), any other is refused."""
     from tqdm.auto import tqdm
 
     import eejax
@@ -445,7 +446,7 @@ def answer(args) -> None:
     prompts = [chat_prompt(model.tokenizer, questions[i]) for i in order]
     digest = hashlib.sha256(json.dumps(questions).encode()).hexdigest()[:16]  # which questions, whatever the file
     made_by = f"greedy answers of {args.model}'s default load to {len(questions)} questions {digest}"
-    made_by += f", order seed {args.seed}"
+    made_by += f", order seed {args.seed}, up to {args.answer_tokens} tokens each"
     done, made = load_sequences(args.out) if args.out.exists() else ([], [])
     if made and made[0][0] != made_by:
         raise SystemExit(f"{args.out} holds other answers ({made[0][0]}): give another OUT")
@@ -536,6 +537,10 @@ def main(argv=None) -> int:
         )
     if args.command == "questions" and not args.temperature > 0:
         parser.error(f"--temperature must be > 0 (questions are sampled), got {args.temperature}")
+    if args.command == "answer" and min(args.batch, args.answer_tokens, 1 if args.limit is None else args.limit) < 1:
+        parser.error(
+            f"--batch, --answer-tokens and --limit must be >= 1, got {args.batch}, {args.answer_tokens}, {args.limit}"
+        )
     if args.command == "run" and args.self_questions < 0:
         parser.error(f"--self-questions must be >= 0, got {args.self_questions}")
     if args.command == "prepare":

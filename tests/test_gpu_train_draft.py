@@ -54,10 +54,19 @@ def test_answers_resume_after_the_last_saved_batch_and_are_the_models_greedy_ans
     greedy = eejax.generate(model, prompts, max_new_tokens=4).tokens
     assert sorted(done) == sorted(p + list(t) for p, t in zip(prompts, greedy))
 
+    with pytest.raises(SystemExit, match="up to 4 tokens each"):  # longer answers would not match these
+        script.main([*argv[:-1], "8"])
     questions.write_text(json.dumps({"question": "Something else."}) + "\n")
     with pytest.raises(SystemExit, match="holds other answers"):
         script.main(argv)
     assert load_sequences(out)[0] == done  # left as it was
+
+
+def test_answer_refuses_counts_below_one_by_name(script, tmp_path, capsys):
+    for flag in ("--batch", "--answer-tokens", "--limit"):
+        with pytest.raises(SystemExit) as e:
+            script.main(["answer", str(tmp_path / "q.jsonl"), str(tmp_path / "a.npz"), flag, "0"])
+        assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
 
 
 def test_run_refuses_a_fresh_vocabulary_without_a_head_to_go_on_from(script, tmp_path, capsys):
