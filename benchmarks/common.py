@@ -156,15 +156,27 @@ def with_exit_vocab(model, size: int = 8192, articles: range = range(20, 68), ne
     return add_exit_vocab(model, ids)
 
 
+def _quantization(value: str) -> str | None:
+    """--quantization's value: "gguf" or "int8", or None for float ("none", "off")."""
+    import argparse
+
+    if value in ("none", "off"):
+        return None
+    if value not in ("gguf", "int8"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from gguf, int8, none)")
+    return value
+
+
 def add_quantization_args(parser) -> None:
     """--quantization, --activations and --prompt-activations, as `eejax.load` takes them."""
     from eejax.quantized import ACTIVATIONS
 
     parser.add_argument(
         "--quantization",
-        choices=("gguf", "int8"),
+        type=_quantization,
         default=None,
-        help="eejax's weights quantized: the GGUF's own blocks, or int8 per channel (default: float)",
+        metavar="{gguf,int8,none}",
+        help="eejax's weights quantized: the GGUF's own blocks, or int8 per channel; none or off: float (default)",
     )
     parser.add_argument("--activations", choices=ACTIVATIONS, default="float32", help="how quantized products take x")
     parser.add_argument(

@@ -7,11 +7,12 @@ of the cache, donated as the engine donates it (made outside the timing), so no 
 copy of the cache the engine never makes. On a CPU a verify pass costs more per position it
 scores (`verified rows` = rows x positions); this is what a tree of drafts pays for its extra
 nodes. A prompt lookup's round (`draft:d:lookup`) is timed twice: with every row copying and with
-no row matching.
+no row matching. With --verify-only, each chain's verify pass is also timed alone (its positions
+given, no draft pass run): what the round's price is besides its drafts.
 
     python benchmarks/round_costs.py [--batch 1] [--specs draft:2 draft:4 draft:2:tree draft:4:tree] \
         [--quantization gguf|int8] [--activations float32|int16|int8] [--prompt-activations int16] \
-        [--per-program 4]
+        [--per-program 4] [--verify-only]
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from benchmarks.early_exit import summary_prompts  # noqa: E402
 from eejax.cache import init_cache  # noqa: E402
 from eejax.cli.parsing import OneLineErrorParser  # noqa: E402
 from eejax.decode import speculative, steps  # noqa: E402
+from eejax.decode.drafts import Drafts  # noqa: E402
 from eejax.decode.lookup import PromptTokens  # noqa: E402
 from eejax.decode.sampling import RowSampling, SamplingParams  # noqa: E402
+from eejax.models.modules import embed  # noqa: E402
 from eejax.options import SpecConfig, StepOptions  # noqa: E402
 
 PAGE = 16
@@ -97,6 +100,26 @@ def round_program(config, table, batch: int, spec: SpecConfig, rounds: int = 1):
     return jax.jit(run, donate_argnums=(1,))
 
 
+def verify_program(config, table, batch: int, spec: SpecConfig, rounds: int = 1):
+    """`rounds` verify passes of a chain `spec`'s positions (each row's last token, then
+    spec.positions_ahead drafts of token 0: a rejection at the first) with no draft pass, as one
+    jitted program of (params, cache, state), the cache donated."""
+    options = StepOptions(64, spec=spec).round(spec.num_speculations, bonus=True).verifying()
+    zeros = jnp.zeros((batch, spec.positions_ahead), jnp.int32)
+
+    def run(params, cache, state):
+        counters = speculative.SpecCounters.zeros(batch)
+        for _ in range(rounds):
+            tokens = jnp.concatenate([state.last_token[:, None], zeros], axis=1)
+            drafts = Drafts(tokens=tokens, hidden=embed(params, tokens), probs=jnp.zeros((batch, zeros.shape[1], 0)))
+            state, cache, counters = speculative.verify(
+                params, cache, state, drafts, counters, table, config=config, options=options
+            )
+        return state, cache, counters
+
+    return jax.jit(run, donate_argnums=(1,))
+
+
 def steps_program(config, table, num_steps: int = 1):
     """`num_steps` full-depth decode steps as one jitted program (the engine's dispatch)."""
     options = StepOptions(64).decoding(num_steps)
@@ -106,11 +129,14 @@ def steps_program(config, table, num_steps: int = 1):
     )
 
 
-def setting_programs(model, specs, state, table, batch: int, per_program: int = 1) -> dict:
+def setting_programs(model, specs, state, table, batch: int, per_program: int = 1, verify_only=False) -> dict:
     """{name: (program, its input state)}: `per_program` full-depth steps and as many rounds of
-    each spec, a program each (a lookup's twice: every row copying, no row matching)."""
+    each spec, a program each (a lookup's twice: every row copying, no row matching); with
+    `verify_only`, each chain's verify passes alone too ("verify of SPEC")."""
     programs = {"full-depth step": (steps_program(model.config, table, per_program), state)}
     for s in specs:
+        if verify_only and s.tree is None:
+            programs[f"verify of {s.spec}"] = (verify_program(model.config, table, batch, s, per_program), state)
         program = round_program(model.config, table, batch, s, per_program)
         if s.lookup:
             programs[f"{s.spec} (copied)"] = (program, with_prompts(state, True))
@@ -148,6 +174,9 @@ def main() -> int:
         default=1,
         help="steps and rounds a program runs, as the engine dispatches them (its steps_per_dispatch: 4)",
     )
+    parser.add_argument(
+        "--verify-only", action="store_true", help="also time each chain's verify pass alone (no draft pass)"
+    )
     parser.add_argument("--layer-buffers", choices=("stacked", "split"), default="split")
     parser.add_argument("--name", default="round_costs", help="output name under benchmarks/out/")
     add_quantization_args(parser)
@@ -160,14 +189,17 @@ def main() -> int:
     model = load_model(args, args.model)
     prompts, _ = summary_prompts(model.tokenizer, args.batch, args.prompt_tokens)
     state, cache, table = prefilled(model, prompts, 64)
-    programs = setting_programs(model, specs, state, table, args.batch, args.per_program)
+    programs = setting_programs(model, specs, state, table, args.batch, args.per_program, args.verify_only)
     seconds = {
         k: v / args.per_program for k, v in median_seconds(programs, model.run_params, cache, args.repeats).items()
     }
     step_s = seconds["full-depth step"]
     rows = []
     print("| setting | verified rows | ms | steps |\n|---|---|---|---|")
-    by_name = {name: next((s for s in specs if name.split(" ")[0] == s.spec), None) for name in programs}
+    by_name = {
+        name: next((s for s in specs if name.removeprefix("verify of ").split(" ")[0] == s.spec), None)
+        for name in programs
+    }
     for name, spec in by_name.items():
         ms = 1e3 * seconds[name]
         verified = args.batch * (1 if spec is None else spec.positions_ahead + 1)
