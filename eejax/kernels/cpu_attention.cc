@@ -15,7 +15,9 @@
 // in tiles of a row's consecutive positions times the heads of one KV head (up to 32 queries: a
 // prefill's tile reads each key and value row once for all of them, from memory, then from L1),
 // split between the pool's threads (cpu_parts.h). Scores go 4 queries x 4 keys a block, weighted
-// values 3 queries x 64 values in registers; rows are prefetched a page ahead.
+// values 3 queries x 64 values in registers; rows are prefetched a page ahead. With AVX-512 the
+// same sums run in 16-lane vectors (two keys' 8-lane score sums a vector, 16 values' weighted sums
+// a vector): a query's result is the same bits, from about half the instructions.
 
 #include <algorithm>
 #include <cmath>
@@ -113,6 +115,49 @@ inline void dots(const float* const* q, const float* const k[4], int64_t n, floa
   static_assert(Q % 2 == 0);
   for (int i = 0; i < Q; i += 2) horizontal_sums(&acc[i][0], &out[i][0]);
 }
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// `dot4` with two keys a 16-lane vector, as `dots16` (the same sums).
+inline void dot4_16(const float* q, const float* const k[4], int64_t n, float out[4]) {
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t d = 0; d < n; d += 8) {
+    const __m512 qd = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + d));
+    for (int j = 0; j < 2; ++j)
+      acc[j] = _mm512_fmadd_ps(
+          qd, _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k[2 * j] + d)), _mm256_loadu_ps(k[2 * j + 1] + d), 1),
+          acc[j]);
+  }
+  for (int j = 0; j < 2; ++j) {
+    out[2 * j] = horizontal_sum(_mm512_castps512_ps256(acc[j]));
+    out[2 * j + 1] = horizontal_sum(_mm512_extractf32x8_ps(acc[j], 1));
+  }
+}
+// `dots` with two keys a 16-lane vector (keys 2j and 2j + 1 in its halves): each key's 8 lanes take
+// the same FMAs in the same order as in `dots`, with half the instructions.
+template <int Q>
+inline void dots16(const float* const* q, const float* const k[4], int64_t n, float out[][4]) {
+  __m512 acc[Q][2];
+  for (int i = 0; i < Q; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 8) {
+    __m512 kd[2];
+    for (int j = 0; j < 2; ++j)
+      kd[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k[2 * j] + d)), _mm256_loadu_ps(k[2 * j + 1] + d), 1);
+    for (int i = 0; i < Q; ++i) {
+      const __m512 qd = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[i] + d));
+      for (int j = 0; j < 2; ++j) acc[i][j] = _mm512_fmadd_ps(qd, kd[j], acc[i][j]);
+    }
+  }
+  static_assert(Q % 2 == 0);
+  for (int i = 0; i < Q; i += 2) {
+    __m256 halves[8];  // query i's keys 0..3, then query i + 1's, as `dots` holds them
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 2; ++j) {
+        halves[4 * h + 2 * j] = _mm512_castps512_ps256(acc[i + h][j]);
+        halves[4 * h + 2 * j + 1] = _mm512_extractf32x8_ps(acc[i + h][j], 1);
+      }
+    horizontal_sums(halves, &out[i][0]);
+  }
+}
+#endif
 
 // outs[g][d0, d0 + 8V) = sum over keys lo[g] <= p < keys[g] of w[g * stride + p] * v(p)[d0, d0 + 8V)
 // for G queries (keys[] not decreasing), in registers: one value load feeds G FMAs.
@@ -141,6 +186,35 @@ inline void values_block(const float* w, int64_t stride, const int64_t* lo, cons
     for (int j = 0; j < V; ++j) _mm256_storeu_ps(outs[g] + d0 + 8 * j, acc[g][j]);
 }
 
+#if defined(__AVX512F__)
+// values_block in 16-lane vectors: each value's sum is the same chain of FMAs in key order (a
+// lane's sum does not depend on the vector it is in), with half the instructions.
+template <int G, int V, typename Row>
+inline void values_block16(const float* w, int64_t stride, const int64_t* lo, const int64_t* keys, Row v, int64_t d0,
+                           bool prefetch, int64_t n, float* const* outs) {
+  __m512 acc[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
+  int first = 0;  // queries [0, first) have summed all their keys
+  int64_t start = lo[0];
+  for (int g = 1; g < G; ++g) start = std::min(start, lo[g]);
+  for (int64_t p = start; p < keys[G - 1]; ++p) {
+    if (prefetch && p + 8 < keys[G - 1]) prefetch_row(v(p + 8), n);
+    while (keys[first] <= p) ++first;
+    const float* vp = v(p) + d0;
+    __m512 wp[G];
+    for (int g = 0; g < G; ++g) wp[g] = _mm512_set1_ps(w[g * stride + p]);
+    for (int j = 0; j < V; ++j) {
+      const __m512 vd = _mm512_loadu_ps(vp + 16 * j);
+      for (int g = 0; g < G; ++g)
+        if (g >= first && p >= lo[g]) acc[g][j] = _mm512_fmadd_ps(wp[g], vd, acc[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < V; ++j) _mm512_storeu_ps(outs[g] + d0 + 16 * j, acc[g][j]);
+}
+#endif
+
 // outs[g][0, n) = sum over keys lo[g] <= p < keys[g] of w[g * stride + p] * v(p)[0, n) for each of
 // `queries` queries that share the values (keys[] not decreasing), summed in key order per lane:
 // each query's sums are those of one query alone, key after key. Three queries at a time, 64
@@ -155,6 +229,14 @@ void weighted_values(const float* w, int64_t stride, int queries, const int64_t*
     auto pass = [&](auto block, int64_t step) {
       for (int64_t d0 = 0; d0 < n; d0 += step) block(wg, stride, lo + g, keys + g, v, d0, d0 == 0, n, outs + g);
     };
+#if defined(__AVX512F__)
+    if (n % 64 == 0) {
+      if (group == 3) pass(values_block16<3, 4, Row>, 64);
+      else if (group == 2) pass(values_block16<2, 4, Row>, 64);
+      else pass(values_block16<1, 4, Row>, 64);
+      continue;
+    }
+#endif
     if (n % 64 == 0) {
       if (group == 3) pass(values_block<3, 8, Row>, 64);
       else if (group == 2) pass(values_block<2, 8, Row>, 64);
@@ -240,6 +322,23 @@ inline void softmax(float* s, int64_t keys) {
 }
 #endif
 
+// Scores of one query, or of four, against four keys: two keys a 16-lane vector where the CPU has
+// AVX-512 (`dot4_16`, `dots16`: the same sums in the same order, half the instructions).
+inline void scores_of_one(const float* q, const float* const k[4], int64_t n, float out[4]) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX2__) && defined(__FMA__)
+  dot4_16(q, k, n, out);
+#else
+  dot4(q, k, n, out);
+#endif
+}
+inline void scores_of_four(const float* const* q, const float* const k[4], int64_t n, float out[][4]) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX2__) && defined(__FMA__)
+  dots16<4>(q, k, n, out);
+#else
+  dots<4>(q, k, n, out);
+#endif
+}
+
 // A part reads at least this many cached values (keys and values, 32 KiB of float32): handing a
 // smaller call's queries to helpers costs more than it saves (a decode step's attention at batch 1
 // waits on memory for its rows: ~5 us a KV head at 70 keys on one thread). Each query is one
@@ -301,13 +400,13 @@ void attend_queries(const Shapes& n, const float* q, const float* k, const float
     int g = whole;
     for (; g + 4 <= live; g += 4) {
       float d[4][4];
-      dots<4>(sq + g, kp, Dh, d);
+      scores_of_four(sq + g, kp, Dh, d);
       for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 4; ++j) s[(g + i) * most + p + j] = d[i][j] * scale;
     }
     for (; g < live; ++g) {
       float d[4];
-      dot4(sq[g], kp, Dh, d);
+      scores_of_one(sq[g], kp, Dh, d);
       for (int j = 0; j < 4; ++j) s[g * most + p + j] = d[j] * scale;
     }
     for (int g = 0; g < whole; ++g)  // a query whose keys end inside these four: key by key, as alone
