@@ -159,14 +159,37 @@ inline void dots16(const float* const* q, const float* const k[4], int64_t n, fl
 }
 #endif
 
-// outs[g][d0, d0 + 8V) = sum over keys lo[g] <= p < keys[g] of w[g * stride + p] * v(p)[d0, d0 + 8V)
-// for G queries (keys[] not decreasing), in registers: one value load feeds G FMAs.
-template <int G, int V, typename Row>
+// A vector of 8 or 16 floats and the operations the weighted values take on it.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V broadcast(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#if defined(__AVX512F__)
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V broadcast(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+// outs[g][d0, d0 + lanes x V) = sum over keys lo[g] <= p < keys[g] of w[g * stride + p] * v(p)[...]
+// for G queries (keys[] not decreasing), in registers: one value load feeds G FMAs. Each value's
+// sum is one chain of FMAs in key order, whatever the vector's width (L: `Lanes8`, `Lanes16`).
+template <typename L, int G, int V, typename Row>
 inline void values_block(const float* w, int64_t stride, const int64_t* lo, const int64_t* keys, Row v, int64_t d0, bool prefetch,
                          int64_t n, float* const* outs) {
-  __m256 acc[G][V];
+  typename L::V acc[G][V];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < V; ++j) acc[g][j] = _mm256_setzero_ps();
+    for (int j = 0; j < V; ++j) acc[g][j] = L::zero();
   int first = 0;  // queries [0, first) have summed all their keys
   int64_t start = lo[0];
   for (int g = 1; g < G; ++g) start = std::min(start, lo[g]);
@@ -174,51 +197,23 @@ inline void values_block(const float* w, int64_t stride, const int64_t* lo, cons
     if (prefetch && p + 8 < keys[G - 1]) prefetch_row(v(p + 8), n);
     while (keys[first] <= p) ++first;
     const float* vp = v(p) + d0;
-    __m256 wp[G];
-    for (int g = 0; g < G; ++g) wp[g] = _mm256_set1_ps(w[g * stride + p]);
+    typename L::V wp[G];
+    for (int g = 0; g < G; ++g) wp[g] = L::broadcast(w[g * stride + p]);
     for (int j = 0; j < V; ++j) {
-      const __m256 vd = _mm256_loadu_ps(vp + 8 * j);
+      const typename L::V vd = L::load(vp + L::kLanes * j);
       for (int g = 0; g < G; ++g)
-        if (g >= first && p >= lo[g]) acc[g][j] = _mm256_fmadd_ps(wp[g], vd, acc[g][j]);
+        if (g >= first && p >= lo[g]) acc[g][j] = L::fmadd(wp[g], vd, acc[g][j]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < V; ++j) _mm256_storeu_ps(outs[g] + d0 + 8 * j, acc[g][j]);
+    for (int j = 0; j < V; ++j) L::store(outs[g] + d0 + L::kLanes * j, acc[g][j]);
 }
-
-#if defined(__AVX512F__)
-// values_block in 16-lane vectors: each value's sum is the same chain of FMAs in key order (a
-// lane's sum does not depend on the vector it is in), with half the instructions.
-template <int G, int V, typename Row>
-inline void values_block16(const float* w, int64_t stride, const int64_t* lo, const int64_t* keys, Row v, int64_t d0,
-                           bool prefetch, int64_t n, float* const* outs) {
-  __m512 acc[G][V];
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
-  int first = 0;  // queries [0, first) have summed all their keys
-  int64_t start = lo[0];
-  for (int g = 1; g < G; ++g) start = std::min(start, lo[g]);
-  for (int64_t p = start; p < keys[G - 1]; ++p) {
-    if (prefetch && p + 8 < keys[G - 1]) prefetch_row(v(p + 8), n);
-    while (keys[first] <= p) ++first;
-    const float* vp = v(p) + d0;
-    __m512 wp[G];
-    for (int g = 0; g < G; ++g) wp[g] = _mm512_set1_ps(w[g * stride + p]);
-    for (int j = 0; j < V; ++j) {
-      const __m512 vd = _mm512_loadu_ps(vp + 16 * j);
-      for (int g = 0; g < G; ++g)
-        if (g >= first && p >= lo[g]) acc[g][j] = _mm512_fmadd_ps(wp[g], vd, acc[g][j]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < V; ++j) _mm512_storeu_ps(outs[g] + d0 + 16 * j, acc[g][j]);
-}
-#endif
 
 // outs[g][0, n) = sum over keys lo[g] <= p < keys[g] of w[g * stride + p] * v(p)[0, n) for each of
 // `queries` queries that share the values (keys[] not decreasing), summed in key order per lane:
 // each query's sums are those of one query alone, key after key. Three queries at a time, 64
-// values of a row (8 vectors; a head size not a multiple of 64 goes a vector at a time).
+// values of a row (8 vectors of 8, or 4 of 16 with AVX-512; a head size not a multiple of 64
+// goes 8 at a time).
 template <typename Row>
 void weighted_values(const float* w, int64_t stride, int queries, const int64_t* lo, const int64_t* keys, Row v, int64_t n,
                      float* const* outs) {
@@ -230,21 +225,20 @@ void weighted_values(const float* w, int64_t stride, int queries, const int64_t*
       for (int64_t d0 = 0; d0 < n; d0 += step) block(wg, stride, lo + g, keys + g, v, d0, d0 == 0, n, outs + g);
     };
 #if defined(__AVX512F__)
-    if (n % 64 == 0) {
-      if (group == 3) pass(values_block16<3, 4, Row>, 64);
-      else if (group == 2) pass(values_block16<2, 4, Row>, 64);
-      else pass(values_block16<1, 4, Row>, 64);
-      continue;
-    }
+    using Wide = Lanes16;  // 64 values: 4 vectors
+    constexpr int kVectors = 4;
+#else
+    using Wide = Lanes8;  // 64 values: 8 vectors
+    constexpr int kVectors = 8;
 #endif
     if (n % 64 == 0) {
-      if (group == 3) pass(values_block<3, 8, Row>, 64);
-      else if (group == 2) pass(values_block<2, 8, Row>, 64);
-      else pass(values_block<1, 8, Row>, 64);
+      if (group == 3) pass(values_block<Wide, 3, kVectors, Row>, 64);
+      else if (group == 2) pass(values_block<Wide, 2, kVectors, Row>, 64);
+      else pass(values_block<Wide, 1, kVectors, Row>, 64);
     } else {
-      if (group == 3) pass(values_block<3, 1, Row>, 8);
-      else if (group == 2) pass(values_block<2, 1, Row>, 8);
-      else pass(values_block<1, 1, Row>, 8);
+      if (group == 3) pass(values_block<Lanes8, 3, 1, Row>, 8);
+      else if (group == 2) pass(values_block<Lanes8, 2, 1, Row>, 8);
+      else pass(values_block<Lanes8, 1, 1, Row>, 8);
     }
   }
 }
