@@ -116,15 +116,17 @@ inline void dots(const float* const* q, const float* const k[4], int64_t n, floa
   for (int i = 0; i < Q; i += 2) horizontal_sums(&acc[i][0], &out[i][0]);
 }
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
+// Keys a and b's values [d, d + 8) in one 16-lane vector (a's in the low half).
+inline __m512 key_pair(const float* a, const float* b, int64_t d) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a + d)), _mm256_loadu_ps(b + d), 1);
+}
+
 // `dot4` with two keys a 16-lane vector, as `dots16` (the same sums).
 inline void dot4_16(const float* q, const float* const k[4], int64_t n, float out[4]) {
   __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t d = 0; d < n; d += 8) {
     const __m512 qd = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + d));
-    for (int j = 0; j < 2; ++j)
-      acc[j] = _mm512_fmadd_ps(
-          qd, _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k[2 * j] + d)), _mm256_loadu_ps(k[2 * j + 1] + d), 1),
-          acc[j]);
+    for (int j = 0; j < 2; ++j) acc[j] = _mm512_fmadd_ps(qd, key_pair(k[2 * j], k[2 * j + 1], d), acc[j]);
   }
   for (int j = 0; j < 2; ++j) {
     out[2 * j] = horizontal_sum(_mm512_castps512_ps256(acc[j]));
@@ -139,8 +141,7 @@ inline void dots16(const float* const* q, const float* const k[4], int64_t n, fl
   for (int i = 0; i < Q; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t d = 0; d < n; d += 8) {
     __m512 kd[2];
-    for (int j = 0; j < 2; ++j)
-      kd[j] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(k[2 * j] + d)), _mm256_loadu_ps(k[2 * j + 1] + d), 1);
+    for (int j = 0; j < 2; ++j) kd[j] = key_pair(k[2 * j], k[2 * j + 1], d);
     for (int i = 0; i < Q; ++i) {
       const __m512 qd = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[i] + d));
       for (int j = 0; j < 2; ++j) acc[i][j] = _mm512_fmadd_ps(qd, kd[j], acc[i][j]);
