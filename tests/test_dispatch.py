@@ -6,6 +6,7 @@ import types
 
 import numpy as np
 
+import eejax.engine.dispatch as dispatch_module
 from eejax.engine.dispatch import Dispatch
 from eejax.engine.sequence import Request, Sequence
 from eejax.engine.slots import SlotPages, SlotTable
@@ -41,7 +42,7 @@ def decoding(table: SlotTable, slot: int, made: int, **kw) -> Sequence:
     return seq
 
 
-def test_a_program_runs_several_steps_unless_a_row_would_idle_or_a_request_waits_on_it():
+def test_a_program_runs_several_steps_unless_a_row_would_idle_or_a_request_waits_on_it(monkeypatch):
     part, table = dispatch()
     part.choose_steps(waiting=False)
     assert part.next_steps == 1  # nothing running
@@ -52,6 +53,10 @@ def test_a_program_runs_several_steps_unless_a_row_would_idle_or_a_request_waits
     assert part.next_steps == STEPS  # far from its limit: no slot frees within the program
     row.output.tokens = [7] * (N - 3)
     part.choose_steps(waiting=True)
+    assert part.next_steps == STEPS  # alone on a CPU: its program ends with it, no slot idles
+    with monkeypatch.context() as gpu:
+        gpu.setattr(dispatch_module, "ends_with_its_rows", lambda: False)  # a GPU's loop runs its trip count
+        part.choose_steps(waiting=True)
     assert part.next_steps == 1  # the waiting request gets its slot at once
     part.choose_steps(waiting=False)
     assert part.next_steps == 1  # serving: its last tokens would wait for idle steps

@@ -96,19 +96,20 @@ def test_a_confidence_stop_drafts_less_and_stays_lossless(model):
 
 def test_prompt_lookup_copies_drafts_and_stays_lossless():
     """A prompt lookup with the perfect head (never wrong; its model's next token depends on the
-    current one only): each prompt holds x, f(x), 4 other tokens, f(x)..f^4(x), 2 others, x (after
-    8 tokens that all share, for the prefix cache), so the first round copies the 4 wrong tokens
+    current one only): each prompt holds x, f(x), 4 other tokens, f(x)..f^8(x), 2 others, x (after
+    8 tokens that all share, for the prefix cache), so the first round copies wrong tokens
     (rejected) and later ones copy the chain (accepted). In one row (draft:3:lookup) and in a
-    batch (draft:2:lookup=5: copies longer than the head's chain), also through an engine with
+    batch (draft:2:lookup=5: copies longer than the head's chain after a 4-token match, some
+    taken), also through an engine with
     chunks, prefix caching and a preempted row (its prompt then holds what it generated before):
     full depth's tokens, drafts rejected (only copies can be), and the head's d passes in every
     round, copied or not (`feature_draft._draft_with_lookup`)."""
     perfect = perfect_head(tiny())
     prompts = []
     for x in (3, 8, 21, 40, 52):
-        chain = [x] + eejax.generate(perfect, [[x]], max_new_tokens=5, ignore_eos=True, spec=None).tokens[0]
+        chain = [x] + eejax.generate(perfect, [[x]], max_new_tokens=9, ignore_eos=True, spec=None).tokens[0]
         other = [t for t in range(60) if t not in chain][x % 7 : x % 7 + 6]
-        prompts.append(PROMPTS[6][:8] + chain[:2] + other[:4] + chain[1:5] + other[4:] + [x])
+        prompts.append(PROMPTS[6][:8] + chain[:2] + other[:4] + chain[1:9] + other[4:] + [x])
 
     def lossless(engine, spec, rows):
         seqs = [engine.submit(p, max_new_tokens=NEW, spec=spec) for p in prompts[:rows]]
@@ -123,10 +124,12 @@ def test_prompt_lookup_copies_drafts_and_stays_lossless():
             judged, accepted = np.array(c["depth_judged"]), np.array(c["depth_accepted"])
             assert accepted.sum() == c["accepted"] and (judged - accepted).sum() == c["rejections"], spec
             assert c["rounds"] >= judged[0] and (judged[1:] <= accepted[:-1]).all(), spec
+        past_chain = sum(sum(s.spec_counters["depth_accepted"][d:]) for s in seqs)
+        assert (past_chain > 0) == (SpecConfig.parse(spec).lookup > d), spec  # a long match's copies
 
     for rows, spec in ((1, "draft:3:lookup"), (5, "draft:2:lookup=5")):
         lossless(Engine(perfect, max_slots=rows, max_new_tokens=NEW, ignore_eos=True), spec, rows)
-    engine = chunked_engine(perfect)
+    engine = chunked_engine(perfect, pages=10)
     lossless(engine, "draft:2:lookup=5", 3)
     assert engine.counters["preemptions"] > 0
 
@@ -363,7 +366,7 @@ def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
     # a float model whose head drafts from blocks (`drafts_in_blocks`: the tiled loop runs) drafts deeper
     cpu_auto = auto_spec(on_cpu=True, cheap_drafts=model.drafts_in_blocks)
     assert res.stats["spec"] == cpu_auto.spec
-    assert cpu_auto.spec == ("draft:3:adaptive:lookup" if model.drafts_in_blocks else "draft:2:adaptive:lookup")
+    assert cpu_auto.spec == ("draft:3:adaptive:lookup=7" if model.drafts_in_blocks else "draft:2:adaptive:lookup")
     default = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, batch_size=1)  # spec not given
     assert default.tokens == full.tokens and default.stats["spec"] == res.stats["spec"]
     assert auto_spec().spec == "draft:2:adaptive:lookup=4" and auto_spec().max_speculations == 4  # a GPU's
@@ -384,7 +387,7 @@ def test_auto_speculates_with_a_draft_head_one_row_at_a_time_on_a_cpu(model):
     assert resolve_spec("auto", has_draft_head=True, speculate=False) is None
     assert resolve_spec("auto", has_draft_head=True, on_cpu=True) == auto_spec(on_cpu=True)
     deep = resolve_spec("auto", has_draft_head=True, on_cpu=True, cheap_drafts=True)
-    assert deep == auto_spec(on_cpu=True, cheap_drafts=True) and deep.max_speculations == deep.lookup == 3
+    assert deep == auto_spec(on_cpu=True, cheap_drafts=True) and (deep.max_speculations, deep.lookup) == (3, 7)
     assert resolve_spec("auto", has_draft_head=True, cheap_drafts=True) == auto_spec()  # a GPU's whatever the head
     with pytest.raises(EejaxError, match="not both"):  # whether auto would speculate or not
         eejax.generate(model, PROMPTS[:2], max_new_tokens=2, spec="auto", exit="softmax:0.9")
@@ -400,7 +403,7 @@ def test_priced_rounds_in_the_engine_are_lossless_and_time_nothing(model, monkey
     from eejax.decode.spec_policy import CPU_FLOAT_DRAFT_ROUND_STEPS, CPU_FLOAT_ROUND_STEPS, SpeculationPolicy
 
     table = CPU_FLOAT_ROUND_STEPS if model.drafts_in_blocks else CPU_FLOAT_DRAFT_ROUND_STEPS
-    prices = dict.fromkeys((1, 2), table[2])  # 2 copies: 2 positions at d = 1 too
+    prices = {1: table[1], 2: table[2]}  # d's price: a d = 1 round copies 2 drafts only after a 4-token match
     renewed = []
     monkeypatch.setattr(SpeculationPolicy, "new_rows", lambda self: renewed.append(self))
     full = eejax.generate(model, PROMPTS[:2], max_new_tokens=NEW, ignore_eos=True, spec=None)

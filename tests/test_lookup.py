@@ -6,18 +6,19 @@ import numpy as np
 from eejax.decode.lookup import NGRAM_MAX, NGRAM_MIN, PromptTokens, propose
 
 
-def searched(history: list[int], d: int) -> list[int]:
+def searched(history: list[int], d: int, short: int | None = None) -> list[int]:
     """The tokens after the latest earlier occurrence of the longest suffix (NGRAM_MAX down to
-    NGRAM_MIN tokens) that occurred before, at most d."""
+    NGRAM_MIN tokens) that occurred before, at most d (at most `short` after a shorter suffix)."""
     for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
         suffix = history[len(history) - n :]
         for start in range(len(history) - n - 1, -1, -1):
             if len(suffix) == n and history[start : start + n] == suffix:
-                return history[start + n : start + n + d]
+                most = d if short is None or n == NGRAM_MAX else min(d, short)
+                return history[start + n : start + n + most]
     return []
 
 
-def proposed(prompts, generated, d, width=12, new=8):
+def proposed(prompts, generated, d, width=12, new=8, short=None):
     tokens = np.zeros((len(prompts), width), np.int32)
     out = np.zeros((len(prompts), new), np.int32)
     for i, (p, g) in enumerate(zip(prompts, generated)):
@@ -27,6 +28,7 @@ def proposed(prompts, generated, d, width=12, new=8):
         jnp.asarray(out),
         jnp.asarray([len(g) for g in generated], jnp.int32),
         d,
+        short,
     )
     return [list(row[:n]) for row, n in zip(np.asarray(drafts), np.asarray(count))], np.asarray(drafts)
 
@@ -35,13 +37,15 @@ def test_lookup_finds_the_longest_latest_match_across_prompt_and_output():
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 3, rng.integers(0, 13))) for _ in range(200)]
     generated = [list(rng.integers(0, 3, rng.integers(0, 9))) for _ in range(200)]
-    for d in (1, 4):
-        got, drafts = proposed(prompts, generated, d)
-        assert got == [searched(p + g, d) for p, g in zip(prompts, generated)]
+    for d, short in ((1, None), (4, None), (7, 2)):
+        got, drafts = proposed(prompts, generated, d, short=short)
+        assert got == [searched(p + g, d, short) for p, g in zip(prompts, generated)]
         counts = np.array([len(g) for g in got])
         assert not drafts[np.arange(d)[None] >= counts[:, None]].any()  # 0 past a row's count
-    # rows of every kind: no match, a match near the end (fewer than d), d drafts
-    assert {0, 1, 2, 3, 4} <= set(counts)
+        if d == 4:  # rows of every kind: no match, a match near the end (fewer than d), d drafts
+            assert {0, 1, 2, 3, 4} <= set(counts)
+    # long copies only after a whole NGRAM_MAX match; a shorter match's capped at `short`
+    assert {0, 1, 2} <= set(counts) and counts.max() > 2 and len(set(counts)) > 3
 
 
 def test_lookup_prefers_a_longer_match_then_a_later_one():

@@ -259,21 +259,21 @@ def test_round_prices_are_for_a_draft_heads_adaptive_chain_on_a_cpu_one_row_at_a
     assert on_cpu()
     auto = auto_spec(on_cpu=True)
     assert auto.spec == "draft:2:adaptive:lookup" and auto.max_speculations == auto.lookup == 2
-    # a round with 2 copies scores 2 drafted positions at d = 1 too; float weights have their own prices
-    assert round_prices(auto, quantized=True) == {1: CPU_BLOCK_ROUND_STEPS[2], 2: CPU_BLOCK_ROUND_STEPS[2]}
-    assert round_prices(auto, quantized=False) == {1: CPU_FLOAT_ROUND_STEPS[2], 2: CPU_FLOAT_ROUND_STEPS[2]}
+    # a d = 1 round copies 2 drafts only after a 4-token match: d's price; float weights have their own
+    assert round_prices(auto, quantized=True) == {1: CPU_BLOCK_ROUND_STEPS[1], 2: CPU_BLOCK_ROUND_STEPS[2]}
+    assert round_prices(auto, quantized=False) == {1: CPU_FLOAT_ROUND_STEPS[1], 2: CPU_FLOAT_ROUND_STEPS[2]}
     float_head = round_prices(auto, quantized=False, float_draft=True)  # a float head: dearer drafts
-    assert (
-        float_head == dict.fromkeys((1, 2), CPU_FLOAT_DRAFT_ROUND_STEPS[2]) and float_head[2] > CPU_FLOAT_ROUND_STEPS[2]
-    )
-    deep = auto_spec(on_cpu=True, cheap_drafts=True)  # 3 copies: 3 positions at every d
-    assert round_prices(deep, quantized=False) == dict.fromkeys((1, 2, 3), CPU_FLOAT_ROUND_STEPS[3])
+    assert float_head == {d: CPU_FLOAT_DRAFT_ROUND_STEPS[d] for d in (1, 2)}
+    assert float_head[2] > CPU_FLOAT_ROUND_STEPS[2]
+    deep = auto_spec(on_cpu=True, cheap_drafts=True)  # copies past d only after 4-token matches: d's price
+    assert round_prices(deep, quantized=False) == {d: CPU_FLOAT_ROUND_STEPS[d] for d in (1, 2, 3)}
     assert CPU_FLOAT_ROUND_STEPS != CPU_BLOCK_ROUND_STEPS and set(CPU_FLOAT_ROUND_STEPS) == set(CPU_BLOCK_ROUND_STEPS)
     chain = DraftChainSpec(2, adaptive=True, max_speculations=3)
     assert round_prices(chain, quantized=True) == {d: CPU_BLOCK_ROUND_STEPS[d] for d in (1, 2, 3)}
     four = DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
-    assert round_prices(four, quantized=True) == dict.fromkeys((1, 2, 3, 4), CPU_BLOCK_ROUND_STEPS[4])
-    assert round_prices(DraftLookupSpec(2, adaptive=True, max_speculations=2, lookup=6), quantized=True) is None
+    assert round_prices(four, quantized=True) == {d: CPU_BLOCK_ROUND_STEPS[d] for d in (1, 2, 3, 4)}
+    long_copies = DraftLookupSpec(2, adaptive=True, max_speculations=2, lookup=6)
+    assert round_prices(long_copies, quantized=True) == {d: CPU_BLOCK_ROUND_STEPS[d] for d in (1, 2)}
     for rows in (1, 8):  # the prices are one row's: more rows at once are timed
         assert (round_prices(auto, quantized=True, rows=rows) is None) == (rows > 1)
     assert round_prices(DraftChainSpec(2), quantized=True) is None  # fixed d: nothing to choose

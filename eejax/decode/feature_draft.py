@@ -119,7 +119,9 @@ def _head_chain(params, cache: KVCache, state: DecodeState, block_table, config,
 def _draft_with_lookup(params, cache: KVCache, state: DecodeState, block_table, config, options: StepOptions):
     """A prompt lookup's drafts (`decode.lookup`, up to k = `spec.lookup`) for the rows whose last
     tokens occurred before, as many counting as the match gives (`valid`); the head's chain of d
-    for the others. Drafts [B, max(d, k)]. A copied draft was drawn from a q all on it: rejection
+    for the others. Drafts [B, max(d, k)]. Where a round scores only the positions drafted (not
+    a GPU's `early_exit.static_loops`: `speculative.verify`), copies past d need a match of
+    `lookup.NGRAM_MAX` tokens, the matches that go on. A copied draft was drawn from a q all on it: rejection
     sampling then accepts it with the model's probability of it, and resamples from the model's
     distribution without it, which is exact. Returns (drafts with `valid`, state, cache).
 
@@ -129,7 +131,8 @@ def _draft_with_lookup(params, cache: KVCache, state: DecodeState, block_table, 
     on news with the skip and 1.08-1.16x without it, at the same tokens a round (2-core EPYC,
     batch 1, 2026-12-01; about even on float32 weights: docs/results/cpu-2026-11.md)."""
     d, k = options.spec.num_speculations, options.spec.lookup
-    copied, count = lookup.propose(state.prompt, state.tokens, state.num_generated, k)
+    short = None if early_exit.static_loops() else d  # copies past d where a round then scores k + 1
+    copied, count = lookup.propose(state.prompt, state.tokens, state.num_generated, k, short)
     copying = (count > 0) & ~state.done
     tokens, probs, cache = _head_chain(params, cache, state, block_table, config, options)
     width = max(d, k)

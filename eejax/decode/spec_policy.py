@@ -196,16 +196,17 @@ def round_prices(
     positions drafted, from `CPU_BLOCK_ROUND_STEPS` on `quantized` weights, else
     `CPU_FLOAT_ROUND_STEPS` (`CPU_FLOAT_DRAFT_ROUND_STEPS` where the head drafts from float
     weights, `float_draft`); else None (timed: the prices are one row's, and with more a verify
-    pass costs ~d + 1 steps there). With a prompt lookup of k copies a round drafts max(d, k)
-    positions, which its verify pass scores whether a row copied or not, and is priced so."""
+    pass costs ~d + 1 steps there). With a prompt lookup of k > d copies a round is priced as its
+    chain's: it scores k + 1 positions only where a row copies past d (a match of 4 tokens, whose
+    copies go on: `feature_draft._draft_with_lookup`), and those rounds pay for themselves."""
     if not (spec.adaptive and spec.draft_head and on_cpu() and rows <= AUTO_CPU_ROWS):
         return None
     table = (
         CPU_BLOCK_ROUND_STEPS if quantized else CPU_FLOAT_DRAFT_ROUND_STEPS if float_draft else CPU_FLOAT_ROUND_STEPS
     )
-    if spec.method not in ("draft", "lookup") or spec.positions_ahead > max(table):
+    if spec.method not in ("draft", "lookup") or spec.max_speculations > max(table):
         return None
-    return {d: table[max(d, spec.lookup)] for d in range(1, spec.max_speculations + 1)}
+    return {d: table[d] for d in range(1, spec.max_speculations + 1)}
 
 
 def depth_chain(alpha, d: int) -> np.ndarray:

@@ -204,23 +204,38 @@ def verify(
     lookup). After a confidence stop only the first k + 1 positions are scored, k the most drafts
     a row made: one branch per k (`lax.switch`), so the positions no row drafted cost nothing; a
     GPU's structure (`early_exit.static_loops`) scores them all, with no conditional. A prompt
-    lookup scores them all: behind its drafting loop the branch cost a round more than
-    the positions it saved (~5 ms at batch 1 on a 2-core CPU, where a position costs ~1.2 ms).
-    Returns (state, cache, counters)."""
-    if drafts.valid is None or options.spec.lookup or early_exit.static_loops():  # a GPU: no switch
+    lookup of k > d copies has two branches, d + 1 positions and k + 1 where a row copied more
+    than d (a long match, `feature_draft._draft_with_lookup`). Returns (state, cache, counters)."""
+    d = options.spec.num_speculations
+    width = drafts.tokens.shape[1] - 1  # max(d, k) with a lookup
+    if drafts.valid is None or early_exit.static_loops() or (options.spec.lookup and width == d):  # no switch
         return _verify(params, cache, state, drafts, counters, block_table, config=config, options=options)
 
     def scoring(k):
         first_k = dataclasses.replace(
             drafts, tokens=drafts.tokens[:, : k + 1], hidden=drafts.hidden[:, : k + 1], probs=drafts.probs[:, :k]
         )
-        return lambda cache, state, counters: _verify(
+        return lambda state, cache, counters: _verify(
             params, cache, state, first_k, counters, block_table, config=config, options=options
         )
 
-    d = drafts.tokens.shape[1] - 1
-    most = jnp.clip(jnp.max(drafts.valid), 1, d)
-    return jax.lax.switch(most - 1, [scoring(k) for k in range(1, d + 1)], cache, state, counters)
+    most = jnp.max(drafts.valid)
+    if options.spec.lookup:  # the chain's positions, or the long copies'
+        return _one_of((most > d).astype(jnp.int32), [scoring(d), scoring(width)], state, cache, counters)
+    return _one_of(jnp.clip(most, 1, width) - 1, [scoring(k) for k in range(1, width + 1)], state, cache, counters)
+
+
+def _one_of(index, branches, *operands):
+    """branches[index](*operands) (each branch returns what it takes), as `lax.switch` computes
+    it, but as one loop per branch that
+    runs once (its branch's) or not at all. XLA:CPU copies the KV cache into or out of a
+    conditional's branches (16 MB, ~1.5 ms, in each round of SmolLM2 at 330 positions), while a
+    loop updates its carry in place."""
+    for i, branch in enumerate(branches):
+        _, operands = jax.lax.while_loop(
+            lambda carry: carry[0], lambda carry, branch=branch: (False, branch(*carry[1])), (index == i, operands)
+        )
+    return operands
 
 
 def _verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters, block_table, *, config, options):

@@ -328,6 +328,12 @@ def decode_and_hidden(params, cache: KVCache, state: DecodeState, block_table, *
     )
 
 
+def ends_with_its_rows() -> bool:
+    """Whether a program of several steps or rounds (`repeat`) ends once every row in it is
+    done: on a CPU; a GPU's loop (`early_exit.static_loops`) runs its trip count."""
+    return not early_exit.static_loops()
+
+
 def repeat(body, times: int, carry, done):
     """`body` applied `times` times to `carry` in one program (`done(carry)` [B] bool: the rows
     that are done), so the host dispatches and reads once per several steps or rounds. On a GPU
@@ -336,7 +342,7 @@ def repeat(body, times: int, carry, done):
     is done, so the steps after the last row ended cost nothing."""
     if times == 1:
         return body(carry)
-    if early_exit.static_loops():
+    if not ends_with_its_rows():
         return jax.lax.fori_loop(0, times, lambda _, c: body(c), carry)
 
     def more(counted):

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from eejax.decode.steps import decode_slots
+from eejax.decode.steps import decode_slots, ends_with_its_rows
 from eejax.engine.delivery import Delivery
 from eejax.engine.device_slots import DeviceSlots
 from eejax.engine.faults import Faults
@@ -127,7 +127,8 @@ class Dispatch:
         come every step), or requests wait (`waiting`) and a row may reach its limit within the
         program (its slot and pages go to them at once), or (serving) no row has that many steps
         to go: its last tokens would wait for the program's idle steps. (A row ending at EOS
-        inside a program keeps its slot to the program's end.) A round makes up to d + 1 tokens."""
+        inside a program keeps its slot to the program's end; a row running alone on a CPU does not:
+        its program ends with it, `steps.ends_with_its_rows`.) A round makes up to d + 1 tokens."""
         self.next_steps = 1
         if self._slot_table.prefilling or not self._running:
             return
@@ -137,7 +138,8 @@ class Dispatch:
         ]
         enough = self.steps_per_dispatch + self.steps_in_flight
         if waiting:
-            self.next_steps = self.steps_per_dispatch if min(to_go) > enough else 1
+            alone = len(to_go) == 1 and ends_with_its_rows()  # nothing idles in its slot
+            self.next_steps = self.steps_per_dispatch if alone or min(to_go) > enough else 1
         elif self.batch_job or max(to_go) > enough:
             self.next_steps = self.steps_per_dispatch
 

@@ -59,7 +59,8 @@ def read_spec(text: str) -> dict:
     per round from the first E layers: "layerskip") or `draft:d` (from the draft head: "draft"),
     then modifiers, each at most once: `:adaptive`, and with the draft head `:tree` (a tree of
     drafts, "tree"; or `draft:tree=0,1,00,...`), `:stop=η` (a confidence stop, "stop"), `:lookup`
-    or `:lookup=k` (prompt lookup, up to d or k copied drafts: "lookup"). A stop of 0 and a
+    or `:lookup=k` (prompt lookup, up to d or k copied drafts, past d only after a 4-token match
+    where rounds score only what was drafted: "lookup"). A stop of 0 and a
     lookup of 0 are off."""
     drafter, *rest = text.split(":")
     head = drafter == "draft"

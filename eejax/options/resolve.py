@@ -12,6 +12,8 @@ import eejax.options.grammar as grammar
 from eejax.errors import EejaxError
 from eejax.options.speculation import DraftLookupSpec, SpecConfig
 
+LONG_COPIES = 7  # a CPU's float32 `auto`: drafts copied after a match of 4 tokens (8 positions scored)
+
 
 def auto_spec(on_cpu: bool = False, cheap_drafts: bool = False) -> SpecConfig:
     """What `spec="auto"` runs on a model with a draft head: the head's chain with prompt lookup
@@ -25,11 +27,13 @@ def auto_spec(on_cpu: bool = False, cheap_drafts: bool = False) -> SpecConfig:
     quantized blocks and on float32 weights with a float head (the chat head at batch 1 on a 2-core
     EPYC, 2026-12-01: docs/results/cpu-2026-11.md). With `cheap_drafts` (the head drafts from
     blocks beside float32 weights, `Model.drafts_in_blocks`: a round of 3 positions costs 1.20
-    steps) the chain of 3 with 3 copies, d 3 or plain steps (`draft:3:adaptive:lookup` with
-    max_speculations 3): against the chain of 2 it gave 1.66x full depth on MT-bench against
-    1.58x, 1.92x on Python's docs against 1.88x, 2.04x on code against 1.86x (2026-12-02)."""
+    steps) the chain of 3, d 3 or plain steps, with up to 7 copies where a row's last 4 tokens
+    occurred before and 3 elsewhere (`draft:3:adaptive:lookup=7` with max_speculations 3; a long
+    copy's round scores 8 positions, the float32 kernels' most rows). Against the chain of 2 it
+    gave 1.66x full depth on MT-bench against 1.58x, 1.92x on Python's docs against 1.88x, 2.04x
+    on code against 1.86x (2026-12-02, 3 copies)."""
     if on_cpu and cheap_drafts:
-        return DraftLookupSpec(3, adaptive=True, max_speculations=3, lookup=3)
+        return DraftLookupSpec(3, adaptive=True, max_speculations=3, lookup=LONG_COPIES)
     if on_cpu:
         return DraftLookupSpec(2, adaptive=True, max_speculations=2, lookup=2)
     return DraftLookupSpec(2, adaptive=True, max_speculations=4, lookup=4)
