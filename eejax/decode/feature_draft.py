@@ -121,9 +121,9 @@ def _draft_with_lookup(params, cache: KVCache, state: DecodeState, block_table, 
     tokens occurred before, as many counting as the match gives (`valid`); the head's chain of d
     for the others. Drafts [B, max(d, k)]. Where a round scores only the positions drafted (not
     a GPU's `early_exit.static_loops`: `speculative.verify`), copies past d need a match of
-    `lookup.NGRAM_MAX` tokens, the matches that go on. A copied draft was drawn from a q all on it: rejection
-    sampling then accepts it with the model's probability of it, and resamples from the model's
-    distribution without it, which is exact. Returns (drafts with `valid`, state, cache).
+    `lookup.NGRAM_MAX` tokens, the matches that go on. A copied draft was drawn from a q all on
+    it: rejection sampling then accepts it with the model's probability of it, and resamples from
+    the model's distribution without it, which is exact. Returns (drafts with `valid`, state, cache).
 
     The head's d passes run for every row, also in a round where every row copies. Skipping them
     there (the first head under a `lax.cond`, the layer passes in a `while_loop`) made rounds

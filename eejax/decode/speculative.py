@@ -202,7 +202,7 @@ def verify(
     and the new tokens recorded (with `options.logprobs`, their log-probabilities under the full
     model). Each row accepts at most its `drafts.valid` drafts (a confidence stop, a prompt
     lookup). After a confidence stop only the first k + 1 positions are scored, k the most drafts
-    a row made: one branch per k (`lax.switch`), so the positions no row drafted cost nothing; a
+    a row made: one branch per k (`_one_of`), so the positions no row drafted cost nothing; a
     GPU's structure (`early_exit.static_loops`) scores them all, with no conditional. A prompt
     lookup of k > d copies has two branches, d + 1 positions and k + 1 where a row copied more
     than d (a long match, `feature_draft._draft_with_lookup`). Returns (state, cache, counters)."""
@@ -227,10 +227,9 @@ def verify(
 
 def _one_of(index, branches, *operands):
     """branches[index](*operands) (each branch returns what it takes), as `lax.switch` computes
-    it, but as one loop per branch that
-    runs once (its branch's) or not at all. XLA:CPU copies the KV cache into or out of a
-    conditional's branches (16 MB, ~1.5 ms, in each round of SmolLM2 at 330 positions), while a
-    loop updates its carry in place."""
+    it, but as one loop per branch that runs once (its branch's) or not at all. XLA:CPU copies
+    the KV cache into or out of a conditional's branches (16 MB, ~1.5 ms, in each round of
+    SmolLM2 at 330 positions), while a loop updates its carry in place."""
     for i, branch in enumerate(branches):
         _, operands = jax.lax.while_loop(
             lambda carry: carry[0], lambda carry, branch=branch: (False, branch(*carry[1])), (index == i, operands)
