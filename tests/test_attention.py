@@ -173,20 +173,24 @@ def test_cache_writes_set_the_same_bits_and_convert_nothing(dtype):
         assert "f32[3,2,5,4,8]" not in text  # the buffer never goes through float32
 
 
-def test_the_cpu_kernel_computes_each_query_alone():
+@pytest.mark.parametrize(
+    "lengths,positions,hq,hkv,d",
+    [([90, 230, 40], 5, 6, 2, 16), ([330], 3, 9, 3, 64), ([330], 4, 9, 3, 64), ([330], 5, 9, 3, 64)],
+)
+def test_the_cpu_kernel_computes_each_query_alone(lengths, positions, hq, hkv, d):
     """A query's output is the same bits whether it comes alone (a decode step, on the calling
-    thread) or with others (a verify pass, split between threads), and "auto" on a CPU is the
+    thread) or with others (a verify pass of 3-5 positions: scores of three queries as four, the
+    values of up to five in one pass; split between threads), and "auto" on a CPU is the
     kernel."""
     import jax
 
     from eejax.kernels.attention import resolve_impl
 
     rng = np.random.default_rng(11)
-    lengths = [90, 230, 40]
-    q, kc, vc, table, q_pos, _, _ = build_case(rng, lengths, 5, 4, 6, 2, 16)
+    q, kc, vc, table, q_pos, _, _ = build_case(rng, lengths, positions, 4, hq, hkv, d)
     kv_len = np.array(lengths, np.int32)
     together = np.asarray(paged_attention(q, kc, vc, np.int32(1), table, q_pos, kv_len, impl="cpu"))
-    for t in range(5):
+    for t in range(positions):
         alone = paged_attention(q[:, t : t + 1], kc, vc, np.int32(1), table, q_pos[:, t : t + 1], kv_len, impl="cpu")
         assert np.array_equal(np.asarray(alone)[:, 0], together[:, t])
     assert resolve_impl("auto") == ("cpu" if jax.default_backend() == "cpu" else resolve_impl("auto"))

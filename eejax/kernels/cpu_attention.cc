@@ -14,10 +14,12 @@
 // share the call: a verify pass, a decode step and a prefill agree bit for bit. The queries go
 // in tiles of a row's consecutive positions times the heads of one KV head (up to 32 queries: a
 // prefill's tile reads each key and value row once for all of them, from memory, then from L1),
-// split between the pool's threads (cpu_parts.h). Scores go 4 queries x 4 keys a block, weighted
-// values 3 queries x 64 values in registers; rows are prefetched a page ahead. With AVX-512 the
-// same sums run in 16-lane vectors (two keys' 8-lane score sums a vector, 16 values' weighted sums
-// a vector): a query's result is the same bits, from about half the instructions.
+// split between the pool's threads (cpu_parts.h). Scores go 4 queries x 4 keys a block (2 or 3
+// left over in one more), weighted values 3 queries x 64 values in registers (5 with AVX-512: a
+// verify of up to 5 positions reads each value row once a head); rows are prefetched a page ahead.
+// With AVX-512 the same sums run in 16-lane vectors (two keys' 8-lane score sums a vector, 16
+// values' weighted sums a vector): a query's result is the same bits, from about half the
+// instructions.
 
 #include <algorithm>
 #include <cmath>
@@ -212,27 +214,34 @@ inline void values_block(const float* w, int64_t stride, const int64_t* lo, cons
 
 // outs[g][0, n) = sum over keys lo[g] <= p < keys[g] of w[g * stride + p] * v(p)[0, n) for each of
 // `queries` queries that share the values (keys[] not decreasing), summed in key order per lane:
-// each query's sums are those of one query alone, key after key. Three queries at a time, 64
-// values of a row (8 vectors of 8, or 4 of 16 with AVX-512; a head size not a multiple of 64
-// goes 8 at a time).
+// each query's sums are those of one query alone, key after key. 64 values of a row at a time,
+// in registers: 5 queries x 4 vectors of 16 with AVX-512 (one pass over the values for a verify
+// of up to 5 positions), else 3 queries x 8 vectors of 8; a head size not a multiple of 64 goes 8
+// values and 3 queries at a time.
 template <typename Row>
 void weighted_values(const float* w, int64_t stride, int queries, const int64_t* lo, const int64_t* keys, Row v, int64_t n,
                      float* const* outs) {
-  constexpr int kGroup = 3;
-  for (int g = 0; g < queries; g += kGroup) {
-    const int group = std::min(kGroup, queries - g);
+#if defined(__AVX512F__)
+  using Wide = Lanes16;  // 64 values: 4 vectors
+  constexpr int kVectors = 4, kWideGroup = 5;
+#else
+  using Wide = Lanes8;  // 64 values: 8 vectors
+  constexpr int kVectors = 8, kWideGroup = 3;
+#endif
+  const bool wide = n % 64 == 0;
+  const int most = wide ? kWideGroup : 3;
+  for (int g = 0; g < queries; g += most) {
+    const int group = std::min(most, queries - g);
     const float* wg = w + g * stride;
     auto pass = [&](auto block, int64_t step) {
       for (int64_t d0 = 0; d0 < n; d0 += step) block(wg, stride, lo + g, keys + g, v, d0, d0 == 0, n, outs + g);
     };
+    if (wide) {
 #if defined(__AVX512F__)
-    using Wide = Lanes16;  // 64 values: 4 vectors
-    constexpr int kVectors = 4;
-#else
-    using Wide = Lanes8;  // 64 values: 8 vectors
-    constexpr int kVectors = 8;
+      if (group == 5) pass(values_block<Wide, 5, kVectors, Row>, 64);
+      else if (group == 4) pass(values_block<Wide, 4, kVectors, Row>, 64);
+      else
 #endif
-    if (n % 64 == 0) {
       if (group == 3) pass(values_block<Wide, 3, kVectors, Row>, 64);
       else if (group == 2) pass(values_block<Wide, 2, kVectors, Row>, 64);
       else pass(values_block<Wide, 1, kVectors, Row>, 64);
@@ -326,12 +335,23 @@ inline void scores_of_one(const float* q, const float* const k[4], int64_t n, fl
   dot4(q, k, n, out);
 #endif
 }
-inline void scores_of_four(const float* const* q, const float* const k[4], int64_t n, float out[][4]) {
+template <int Q>
+inline void scores_of(const float* const* q, const float* const k[4], int64_t n, float out[][4]) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX2__) && defined(__FMA__)
-  dots16<4>(q, k, n, out);
+  dots16<Q>(q, k, n, out);
 #else
-  dots<4>(q, k, n, out);
+  dots<Q>(q, k, n, out);
 #endif
+}
+// Scores of `count` (1..4) queries against four keys in one pass over the keys: three go as four,
+// the third query's pointer taken twice (its second scores dropped; each query's sums are its own).
+inline void scores_of_up_to_four(const float* const* q, int count, const float* const k[4], int64_t n, float out[][4]) {
+  if (count == 1) return scores_of_one(q[0], k, n, out[0]);
+  if (count == 2) return scores_of<2>(q, k, n, out);
+  const float* four[4] = {q[0], q[1], q[2], q[count == 4 ? 3 : 2]};
+  float scores[4][4];
+  scores_of<4>(four, k, n, scores);
+  std::copy(&scores[0][0], &scores[0][0] + 4 * count, &out[0][0]);
 }
 
 // A part reads at least this many cached values (keys and values, 32 KiB of float32): handing a
@@ -392,17 +412,12 @@ void attend_queries(const Shapes& n, const float* q, const float* k, const float
     const float* kp[4] = {row(k, p), row(k, p + 1), row(k, p + 2), row(k, p + 3)};
     if (p + 16 < most) prefetch_row(row(k, p + 16), Dh);
     while (whole < live && skeys[whole] < p + 4) ++whole;
-    int g = whole;
-    for (; g + 4 <= live; g += 4) {
+    for (int g = whole; g < live; g += 4) {
+      const int count = std::min(4, live - g);
       float d[4][4];
-      scores_of_four(sq + g, kp, Dh, d);
-      for (int i = 0; i < 4; ++i)
+      scores_of_up_to_four(sq + g, count, kp, Dh, d);
+      for (int i = 0; i < count; ++i)
         for (int j = 0; j < 4; ++j) s[(g + i) * most + p + j] = d[i][j] * scale;
-    }
-    for (; g < live; ++g) {
-      float d[4];
-      scores_of_one(sq[g], kp, Dh, d);
-      for (int j = 0; j < 4; ++j) s[g * most + p + j] = d[j] * scale;
     }
     for (int g = 0; g < whole; ++g)  // a query whose keys end inside these four: key by key, as alone
       for (int64_t j = p; j < skeys[g]; ++j) s[g * most + j] = dot(sq[g], kp[j - p], Dh) * scale;
