@@ -10,7 +10,10 @@
 #   2. the Triton kernel against XLA's attention on the device (`benchmarks/kernels.py`: time,
 #      bandwidth and the largest difference, SmolLM2's shapes);
 #   3. the draft head (smollm2-135m-eagle) at batch 1 in float32 and bfloat16 and at batch 8 in
-#      bfloat16, each paired with full depth in the same run (`benchmarks/gpu_profile.py`);
+#      bfloat16, each paired with full depth in the same run (`benchmarks/gpu_profile.py`); then
+#      the chat head (smollm2-135m-eagle-chat) on chat in float32 at batch 1, `draft:4:lookup`
+#      and `auto` paired with full depth (`benchmarks/draft_head.py`: the drafting issue's GPU
+#      target, >= 2.0x);
 #   4. full depth in bf16 with its layers unrolled, paired with stacked, at batch 1 and 8
 #      (`benchmarks/full_depth.py`); the Triton layer (attention="triton", fused products) paired
 #      with the default, bf16 and fp32; then with its matrices held as their rows ("rows": each
@@ -28,7 +31,7 @@
 #   10. one table of it all (`benchmarks/gpu_table.py`), printed and written to OUT_DIR/gpu_check.md.
 # A step that fails or runs out of time is said so in OUT_DIR/steps.log and the rest still run;
 # OUT_DIR also keeps each step's log and JSON. GPU_CHECK_SKIP leaves steps out by name
-# (convert kernel eagle split triton rows hf quantized layerskip batches tests), e.g. when a lease has run some already.
+# (convert kernel eagle chat split triton rows hf quantized layerskip batches tests), e.g. when a lease has run some already.
 #
 #   scripts/gpu_check.sh [OUT_DIR]          # default gpu_check/
 #   EEJAX_GPU_CHECK_DRY=1 scripts/gpu_check.sh /tmp/dry   # a CPU: every step at toy sizes (to try it)
@@ -92,19 +95,21 @@ elif compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 if [ "${EEJAX_GPU_CHECK_DRY:-0}" = 1 ]; then  # toy sizes; the test step only collects
   TESTS=(--collect-only) FULL=(--new-tokens 4 --prompt-tokens 16) NEW=(--new-tokens 4 --prompt-tokens 32)
+  CHAT=(--new-tokens 4 --prompt-tokens 32 --prompts 1)
   BATCHES=(1) LIMIT=1 SLOW=4  # a CPU compiles and runs slower: 4x the limits
   DEADLINE=$((DEADLINE + 3 * ${GPU_CHECK_SECONDS:-540}))
 else
   TESTS=() FULL=(--new-tokens 128 --prompt-tokens 256) NEW=(--new-tokens 128 --prompt-tokens 256) BATCHES=(1 8) LIMIT=0 SLOW=1
+  CHAT=(--new-tokens 64 --prompt-tokens 256 --prompts 8)  # the drafting issue's terms
   nvidia-smi --query-gpu=name,driver_version --format=csv | tee -a "$OUT_DIR/steps.log"
 fi
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT_DIR/steps.log"
 BENCH_OUT=benchmarks/out
-rm -f $BENCH_OUT/full_depth_*.json $BENCH_OUT/gpu_modes_*.json $BENCH_OUT/kernels_gpu.json
+rm -f $BENCH_OUT/full_depth_*.json $BENCH_OUT/gpu_modes_*.json $BENCH_OUT/kernels_gpu.json $BENCH_OUT/gpu_chat_head.*
 
 if wanted convert; then
   step "converting the models (once per cache)"
-  run convert.log 150 python3 -c "import eejax; eejax.load('smollm2-135m-eagle'); eejax.load('smollm2-135m-layerskip')"
+  run convert.log 150 python3 -c "import eejax; eejax.load('smollm2-135m-eagle'); eejax.load('smollm2-135m-eagle-chat'); eejax.load('smollm2-135m-layerskip')"
 fi
 
 if wanted kernel && [ $LIMIT = 0 ]; then
@@ -123,6 +128,16 @@ if wanted eagle; then
   eagle float32 1
   eagle bfloat16 1
   [ $LIMIT = 0 ] && eagle bfloat16 8
+fi
+
+# The drafting issue's GPU target: the chat head on chat questions (MT-bench's first turns, the
+# chat set; never trained on) in float32 at batch 1, `draft:4:lookup` and `auto` (on a GPU the
+# adaptive chain of up to 4 with 4 copies), each paired with full depth and its tokens checked.
+if wanted chat; then
+  step "the chat head (float32) on chat at batch 1"
+  run chat_head.log 120 python3 benchmarks/draft_head.py --model smollm2-135m-eagle-chat --batches 1 \
+    --specs draft:4:lookup auto --sets mtbench chat --no-hf --repeats 1 "${CHAT[@]}" --name gpu_chat_head &&
+    cp $BENCH_OUT/gpu_chat_head.md "$OUT_DIR/"
 fi
 
 # The layers unrolled (per-layer buffers): a step with no loop over layers, which XLA can capture
@@ -204,4 +219,7 @@ fi
 
 step "the table"
 python3 benchmarks/gpu_table.py "$OUT_DIR/json" | tee "$OUT_DIR/gpu_check.md"
+if [ -f "$OUT_DIR/gpu_chat_head.md" ]; then  # the chat head's table (draft_head.py's columns)
+  { echo; echo "The chat head on chat (float32, batch 1):"; echo; cat "$OUT_DIR/gpu_chat_head.md"; } | tee -a "$OUT_DIR/gpu_check.md"
+fi
 step "done (the logs: $OUT_DIR)"
