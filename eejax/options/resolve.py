@@ -28,11 +28,11 @@ def auto_spec(on_cpu: bool = False, cheap_drafts: bool = False) -> SpecConfig:
     EPYC, 2026-12-01: docs/results/cpu-2026-11.md). With `cheap_drafts` (the head drafts from
     blocks beside float32 weights, `Model.drafts_in_blocks`: a round of 3 positions costs 1.20
     steps) the chain of up to 3 (d 1 to 3 or plain steps; on chat it picked 2 and 3 about
-    equally), with up to 7 copies where a row's last 4 tokens occurred before and 3 elsewhere
-    (`draft:3:adaptive:lookup=7` with max_speculations 3; a long copy's round scores 8 positions,
-    the float32 kernels' most rows). Against the chain of 2 it
-    gave 1.66x full depth on MT-bench against 1.58x, 1.92x on Python's docs against 1.88x, 2.04x
-    on code against 1.86x (2026-12-02, 3 copies)."""
+    equally), with up to 7 copies where a row's last 4 tokens occurred before and up to d after a
+    shorter match (`draft:3:adaptive:lookup=7` with max_speculations 3; a long copy's round scores
+    8 positions, the float32 kernels' most rows). Against the chain of 2 it gave 1.66x full depth
+    on MT-bench against 1.58x, 1.92x on Python's docs against 1.88x, 2.04x on code against 1.86x
+    (2026-12-02, 3 copies)."""
     if on_cpu and cheap_drafts:
         return DraftLookupSpec(3, adaptive=True, max_speculations=3, lookup=LONG_COPIES)
     if on_cpu:
