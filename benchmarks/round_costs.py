@@ -8,7 +8,9 @@ copy of the cache the engine never makes. On a CPU a verify pass costs more per 
 scores (`verified rows` = rows x positions); this is what a tree of drafts pays for its extra
 nodes. A prompt lookup's round (`draft:d:lookup`) is timed twice: with every row copying and with
 no row matching. With --verify-only, each chain's verify pass is also timed alone (its positions
-given, no draft pass run): what the round's price is besides its drafts.
+given, no draft pass run): what the round's price is besides its drafts. With a draft head, the
+plain step its rows run while their speculation is on (the draft layer catching up over the
+step's position: "catch-up step") is timed too.
 
     python benchmarks/round_costs.py [--batch 1] [--specs draft:2 draft:4 draft:2:tree draft:4:tree] \
         [--quantization gguf|int8] [--activations float32|int16|int8] [--prompt-activations int16] \
@@ -129,11 +131,28 @@ def steps_program(config, table, num_steps: int = 1):
     )
 
 
+def catch_up_program(config, table, batch: int, spec: SpecConfig, num_steps: int = 1):
+    """`num_steps` plain full-depth steps as an adaptive draft head's rows run them while their
+    speculation is on (`speculative.plain_step`: the draft layer then catches up over their
+    positions), as one jitted program of (params, cache, state), the cache donated."""
+    options = StepOptions(64, spec=spec).plain(num_steps, catch_up=True)
+
+    def run(params, cache, state):
+        counters = speculative.SpecCounters.zeros(batch)
+        return speculative.plain_step(params, cache, state, counters, table, config=config, options=options)
+
+    return jax.jit(run, donate_argnums=(1,))
+
+
 def setting_programs(model, specs, state, table, batch: int, per_program: int = 1, verify_only=False) -> dict:
-    """{name: (program, its input state)}: `per_program` full-depth steps and as many rounds of
-    each spec, a program each (a lookup's twice: every row copying, no row matching); with
-    `verify_only`, each chain's verify passes alone too ("verify of SPEC")."""
+    """{name: (program, its input state)}: `per_program` full-depth steps, as many plain steps with
+    the draft head's catch-up ("catch-up step") and as many rounds of each spec, a program each (a
+    lookup's twice: every row copying, no row matching); with `verify_only`, each chain's verify
+    passes alone too ("verify of SPEC")."""
     programs = {"full-depth step": (steps_program(model.config, table, per_program), state)}
+    if any(s.draft_head for s in specs):
+        head = next(s for s in specs if s.draft_head)
+        programs["catch-up step"] = (catch_up_program(model.config, table, batch, head, per_program), state)
     for s in specs:
         if verify_only and s.tree is None:
             programs[f"verify of {s.spec}"] = (verify_program(model.config, table, batch, s, per_program), state)

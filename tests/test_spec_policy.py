@@ -5,6 +5,7 @@ import pytest
 
 from eejax.decode.spec_policy import (
     PAYS_ABOVE,
+    PRICED_TURN_OFF_MARGIN,
     PROBE_EVERY,
     RECHECK_BELOW,
     RECHECK_EVERY,
@@ -238,11 +239,13 @@ def test_priced_rounds_are_chosen_from_the_acceptance_alone():
     for _ in range(60):  # one in four: d = 1 beats its price (no margin: nothing was timed)
         policy.observe(1, accepted=1, rejected=3)
     assert policy.pays_above == 1.0 and policy.next_speculations() == 1
-    for _ in range(60):  # one in five: no round pays, plain steps and probes (0.05 more would pay)
-        policy.observe(1, accepted=1, rejected=4)
+    for _ in range(60):  # 22 in 100: no round pays, plain steps and probes (0.02 more would pay)
+        policy.observe(1, accepted=22, rejected=78)
     assert policy.next_speculations() == 0 and not policy.turned_off
-    for _ in range(60):  # nothing accepted: off for good
-        policy.observe(1, accepted=0, rejected=4)
+    assert not policy.pays_at(policy.alpha) and policy.pays_at(policy.alpha + PRICED_TURN_OFF_MARGIN)
+    for _ in range(60):  # one in five: not even 0.02 more would pay (a timed policy's 0.05 would): off for good
+        policy.observe(1, accepted=1, rejected=4)
+    assert policy.pays_at(policy.alpha + TURN_OFF_MARGIN)
     assert policy.next_speculations() == 0 and policy.turned_off
 
 

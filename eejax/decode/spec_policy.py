@@ -31,21 +31,22 @@ following the text and speculation resumes once it pays; each probe after which 
 do not pay doubles the programs before the next (up to `MAX_PROBE_EVERY`), so text where
 speculation never pays loses little to probing. A fixed d never falls back.
 
-**Turning speculation off (draft heads).** A draft head's plain steps keep its K/V up to date
-(one draft-layer pass over their positions, so a later round can draft), which costs ~1/31 of
-the products per token: ~3.5% of a step on a CPU at batch 8, where the products are the cost,
-next to nothing at batch 1. So a round must beat the plain step less that catch-up
-(`c_plain`: c_full less a draft pass, which bounds it): what the rows would run with
-speculation off. When no round would pay even at `TURN_OFF_MARGIN` more acceptance than
-measured, the policy answers d = 0 with `turned_off` set: the engine then runs the group's rows
-as plain full-depth rows for the rest of their lives (`Speculation`), with no catch-up and no
-probes; rows that come later start with a policy of their own, which measures again (a batch
-job's priced policy starts from its predecessor's acceptance: `carried`). The acceptance must
-rest on `TURN_OFF_EVIDENCE` judged drafts first (at batch 1 a few rounds say little, and off is
-for good), or, from `EARLY_EVIDENCE`, no round may pay even at two standard errors more: before,
-speculation turns off only where not even every draft accepted would pay, and a group whose
-rounds do not pay keeps running rounds at the best d rather than plain steps between probes,
-which gathers that evidence sooner.
+**Turning speculation off (draft heads).** A draft head's plain steps keep its K/V up to date (one
+draft-layer pass over their positions, so a later round can draft), which costs ~1/31 of the
+products per token: ~3.5% of a step on a CPU at batch 8, where the products are the cost; at batch
+1 next to nothing on float32 weights, 3-5% of a step on a fast CPU's quantized blocks
+(`benchmarks/round_costs.py`'s catch-up step). So a round must beat the plain step less that
+catch-up (`c_plain`: c_full less a draft pass, which bounds it): what the rows would run with
+speculation off. When no round would pay even at `TURN_OFF_MARGIN` more acceptance than measured
+(`PRICED_TURN_OFF_MARGIN` where rounds are priced), the policy answers d = 0 with `turned_off` set:
+the engine then runs the group's rows as plain full-depth rows for the rest of their lives
+(`Speculation`), with no catch-up and no probes; rows that come later start with a policy of their
+own, which measures again (a batch job's priced policy starts from its predecessor's acceptance:
+`carried`). The acceptance must rest on `TURN_OFF_EVIDENCE` judged drafts first (at batch 1 a few
+rounds say little, and off is for good), or, from `EARLY_EVIDENCE`, no round may pay even at two
+standard errors more: before, speculation turns off only where not even every draft accepted would
+pay, and a group whose rounds do not pay keeps running rounds at the best d rather than plain steps
+between probes, which gathers that evidence sooner.
 Measured costs win over the line: a d whose whole round was timed is costed at its own time
 (a round has costs of its own beyond its positions' products, which the line through the plain
 step understates for small d).
@@ -115,6 +116,12 @@ REFRESH_EVERY = 32  # programs of rounds between re-measurements of a draft pass
 TURN_OFF_MARGIN = 0.05  # (draft heads) off when no round pays even at this much more acceptance: the
 # shipped head's α on held-out CNN/DM rows 0..19 (`draft:2`) is 0.53 / 0.56 / 0.60 / 0.65 over rows
 # 0-7 / 4-11 / 8-15 / 12-19 (0.44-0.98 per row), so a batch's text rarely moves it much more
+PRICED_TURN_OFF_MARGIN = 0.02  # the same for priced rounds (`prices`: a CPU's rows one at a time): off
+# costs one row (the next measures again: `new_rows`), and a row whose acceptance is in the margin runs
+# rounds that lose up to margin / price (0.05 / 1.37: 3.6% of a step on the blocks); the news head on chat
+# sat there (α ~0.33). The policy's choices counted and priced at `CPU_BLOCK_ROUND_STEPS` (2026-12-03,
+# the results log): the news head 0.981x -> 0.986x full depth on chat, 1.249x -> 1.261x on Python's
+# docs, the chat head 1.327x -> 1.340x on the docs, no set of nine lower
 TURN_OFF_EVIDENCE = 24  # (draft heads) ... once this many drafts were judged (accepted, or a round's
 # rejection): the acceptance of a few rounds at batch 1 is too noisy to stop a row's speculation for good
 # (its standard error at 24: ~0.1; per-row α of the shipped head spans 0.44-0.98)
@@ -138,18 +145,22 @@ AUTO_CPU_ROWS = 1  # spec="auto" speculates on a CPU when at most this many rows
 
 # A round's cost in full-depth steps on a CPU's quantized blocks (GGUF q4_1 + q8_0, int16
 # activations, the draft head's chain, batch 1), as the engine pays it: τ of a fixed `draft:d` over
-# its speed-up against full depth (the chat head, chat, docs and code; news for d = 2 and 3; 8
-# prompts, 64 tokens, medians of 3 paired runs; a 2-core Xeon with AVX-512 VNNI and AMX,
-# 2026-12-01): d = 1 1.42-1.55, d = 2 1.37-1.67, d = 3 1.62-1.81, d = 4 1.82-2.10; the medians
-# below. A round has a large fixed cost (its verify's products are compute-bound on two cores:
-# a round of one draft costs nearly what one of two does) and the price moves with the machine:
-# hours before, on the same kind of host with full depth 7.1-7.5 ms a token against 4-6.5 ms,
-# d = 2 rounds cost 1.31-1.36 steps and `benchmarks/round_costs.py` gave 1.23, 1.39, 1.52, 1.63.
-# Priced at the dearer sitting's costs the policy picks d = 2 where it drafts at all (the fixed
-# setting that paid most on every set then) and turns off sooner where the head drafts poorly;
-# priced at the cheaper sitting's, it picked d = 1 and d = 3 often and ran 0.92-0.97x a fixed
-# `draft:2` on every set.
-CPU_BLOCK_ROUND_STEPS = {1: 1.42, 2: 1.47, 3: 1.70, 4: 1.94}
+# its speed-up against full depth. The price moves with the machine, and a round has a large fixed
+# cost (its verify's products are compute-bound on two cores), so it weighs most where steps are
+# fastest. On a 2-core Xeon with AVX-512 VNNI and AMX, 2026-12-01 (full depth 4-6.5 ms a token; the
+# chat head, chat, docs, code and news, 8 prompts, 64 tokens, medians of 3 paired runs): d = 1
+# 1.42-1.55, d = 2 1.37-1.67, d = 3 1.62-1.81, d = 4 1.82-2.10; hours before, full depth at 7.1-7.5
+# ms, d = 2 cost 1.31-1.36. On the same kind of host with 3-5 ms steps (2026-12-02, five sets, 2
+# paired runs each): d = 1 1.29-1.53 (median 1.37), d = 2 1.45-1.62 (1.56); the programs alone
+# (`benchmarks/round_costs.py --quantization gguf --activations int16 --per-program 4`, 40- and
+# 400-token prompts, 2026-12-03): 1.25-1.29 and 1.53-1.54. The table takes the dearest sitting's d = 1
+# and 2 (and the first sitting's 3 and 4): priced at cheaper rounds a head out of its domain keeps
+# drafting where rounds lose (the news head on chat: 0.86-0.94x full depth at 1.42 and 1.47 against
+# 0.96-1.02x at these), while priced dearer than they are the policy merely drafts d = 1 a little
+# more often or turns a poor row off sooner (the chat head: its choices priced at either sitting's
+# costs within 1-3% of the other table's on chat, MT-bench, docs and code; news 1.19x against 1.22x
+# at the dear sitting's, 1.30x against 1.42x at the cheap one's).
+CPU_BLOCK_ROUND_STEPS = {1: 1.37, 2: 1.56, 3: 1.70, 4: 1.94}
 
 # The same on float32 weights whose draft head drafts from Q8_0 blocks (`Model.drafts_in_blocks`: a CPU
 # where the kernel's tiled loop runs; the chat head, batch 1, a 2-core AMD EPYC (Zen 4), 2026-12-02):
@@ -384,15 +395,16 @@ class SpeculationPolicy:
     @property
     def _turn_off_alpha(self) -> float:
         """The acceptance at which no round may pay for a draft head's speculation to turn off:
-        the measured one plus `TURN_OFF_MARGIN` once `TURN_OFF_EVIDENCE` drafts were judged;
-        from `EARLY_EVIDENCE` on, its upper bound at two standard errors (a head that drafts
-        nothing the model takes turns off after ~8 drafts, not 24); 1 before (off only where not
-        even every draft accepted would pay)."""
+        the measured one plus `TURN_OFF_MARGIN` (priced: `PRICED_TURN_OFF_MARGIN`) once
+        `TURN_OFF_EVIDENCE` drafts were judged; from `EARLY_EVIDENCE` on, its upper bound at two
+        standard errors (a head that drafts nothing the model takes turns off after ~8 drafts, not
+        24); 1 before (off only where not even every draft accepted would pay)."""
         a, n = self.alpha, self.observed
+        margin = TURN_OFF_MARGIN if self.timed else PRICED_TURN_OFF_MARGIN
         if n >= TURN_OFF_EVIDENCE:
-            return min(a + TURN_OFF_MARGIN, 1.0)
+            return min(a + margin, 1.0)
         if n >= EARLY_EVIDENCE:
-            return min(a + max(TURN_OFF_MARGIN, 2.0 * (a * (1.0 - a) / n) ** 0.5), 1.0)
+            return min(a + max(margin, 2.0 * (a * (1.0 - a) / n) ** 0.5), 1.0)
         return 1.0
 
     def pays_at(self, alpha: float) -> bool:
