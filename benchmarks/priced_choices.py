@@ -13,7 +13,7 @@ counters say they ran (a row's last program ends with it: it is counted whole). 
 the speed-up is the decoded tokens over their cost in steps. --policy-prices and
 --turn-off-margin set what the policy is given in place of the shipped table and margin (what-if).
 
-    python benchmarks/priced_choices.py [--model smollm2-135m-eagle-chat] [--sets chat mtbench pydoc code cnndm] \
+    python benchmarks/priced_choices.py [--model smollm2-135m-eagle-chat] [--sets cnndm mtbench pydoc code chat] \
         [--quantization gguf --activations int16] [--prices 0=1.02,1=1.25,2=1.51 ...] \
         [--policy-prices 1=1.42,2=1.47] [--turn-off-margin 0.05]
 """
@@ -118,11 +118,17 @@ def main() -> int:
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error(f"--new-tokens must be >= 2, got {args.new_tokens}")
+    if args.turn_off_margin is not None and not 0.0 <= args.turn_off_margin < 1.0:
+        parser.error(f"--turn-off-margin is an acceptance in [0, 1), got {args.turn_off_margin}")
+    if not spec_policy.on_cpu():
+        parser.error("priced rounds are a CPU's (`spec_policy.round_prices`); here `auto` times its rounds")
     model = load_model(args, args.model)
     if model.quantization is not None:
         table = spec_policy.CPU_BLOCK_ROUND_STEPS
     else:
         table = spec_policy.CPU_FLOAT_ROUND_STEPS if model.drafts_in_blocks else spec_policy.CPU_FLOAT_DRAFT_ROUND_STEPS
+    if args.policy_prices is not None and set(table) - set(args.policy_prices):
+        parser.error(f"--policy-prices needs a price for every d of the table: {sorted(table)}")
     if args.policy_prices is not None:
         table.clear()
         table.update(args.policy_prices)
@@ -133,12 +139,14 @@ def main() -> int:
     rows = []
     header = " | ".join(",".join(f"{d}={p}" for d, p in sorted(prices.items())) for prices in price_sets)
     print(f"| set | τ | rounds by d, catch-up and off steps | {header} |\n|---|---|---|" + "---|" * len(price_sets))
-    for name in args.sets or ["chat", "mtbench", "pydoc", "code", "cnndm"]:
+    for name in args.sets or SETS:
         asked = prompts(model.tokenizer, name, 8)
         kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True, batch_size=1)
         full = eejax.generate(model, asked, spec=None, **kw)
         counter.counts.clear()
         out = eejax.generate(model, asked, spec="auto", **kw)
+        if out.stats.rounds is None:
+            raise SystemExit(f"{args.model} has no draft head: `auto` decodes it at full depth")
         if out.tokens != full.tokens:
             raise SystemExit(f"{name}: auto's tokens differ from full depth's")
         decoded = out.stats.generated_tokens - len(asked)
