@@ -54,12 +54,8 @@ class ChoiceCounter:
 
     def __init__(self):
         self.counts: collections.Counter = collections.Counter()
-        self._last = {}
-        choose, dispatch, last = (
-            spec_policy.SpeculationPolicy.next_speculations,
-            speculation.Speculation.dispatch,
-            self._last,
-        )
+        choose, dispatch = spec_policy.SpeculationPolicy.next_speculations, speculation.Speculation.dispatch
+        last = {}  # what the policy answered for the program being dispatched
 
         def next_speculations(policy):
             d = choose(policy)
@@ -142,8 +138,7 @@ def main() -> int:
     for name in args.sets or SETS:
         asked = prompts(model.tokenizer, name, 8)
         kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True, batch_size=1)
-        full = eejax.generate(model, asked, spec=None, **kw)
-        counter.counts.clear()
+        full = eejax.generate(model, asked, spec=None, **kw)  # no speculation: nothing counted
         out = eejax.generate(model, asked, spec="auto", **kw)
         if out.stats.rounds is None:
             raise SystemExit(f"{args.model} has no draft head: `auto` decodes it at full depth")

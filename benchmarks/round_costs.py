@@ -150,8 +150,8 @@ def setting_programs(model, specs, state, table, batch: int, per_program: int = 
     lookup's twice: every row copying, no row matching); with `verify_only`, each chain's verify
     passes alone too ("verify of SPEC")."""
     programs = {"full-depth step": (steps_program(model.config, table, per_program), state)}
-    if any(s.draft_head for s in specs):
-        head = next(s for s in specs if s.draft_head)
+    head = next((s for s in specs if s.draft_head), None)
+    if head is not None:
         programs["catch-up step"] = (catch_up_program(model.config, table, batch, head, per_program), state)
     for s in specs:
         if verify_only and s.tree is None:
