@@ -30,8 +30,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eejax import quantized
 from eejax.cache import KVCache
 from eejax.decode import early_exit, lookup
+from eejax.decode.control_flow import run_if
 from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.sampling import DRAFT, draft_proposal, token_keys
 from eejax.decode.state import DecodeState
@@ -125,24 +127,46 @@ def _draft_with_lookup(params, cache: KVCache, state: DecodeState, block_table, 
     it: rejection sampling then accepts it with the model's probability of it, and resamples from
     the model's distribution without it, which is exact. Returns (drafts with `valid`, state, cache).
 
-    The head's d passes run for every row, also in a round where every row copies. Skipping them
-    there (the first head under a `lax.cond`, the layer passes in a `while_loop`) made rounds
-    dearer on a CPU's quantized blocks, not cheaper: `draft:2:lookup` ran 1.00-1.07x `draft:2`
-    on news with the skip and 1.08-1.16x without it, at the same tokens a round (2-core EPYC,
-    batch 1, 2026-12-01; about even on float32 weights: docs/results/cpu-2026-11.md)."""
+    On float weights on a CPU a round where every active row copies runs none of the head's
+    passes (`_skips_idle_head`)."""
     d, k = options.spec.num_speculations, options.spec.lookup
     short = None if early_exit.static_loops() else d  # copies past d where a round then scores k + 1
     copied, count = lookup.propose(state.prompt, state.tokens, state.num_generated, k, short)
     copying = (count > 0) & ~state.done
-    tokens, probs, cache = _head_chain(params, cache, state, block_table, config, options)
+
+    def chain(cache):
+        return _head_chain(params, cache, state, block_table, config, options)
+
+    if _skips_idle_head(params):  # the head's passes only where a row drafts from them
+        drafting = ~jnp.all(copying | state.done)
+        none = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(lambda c: chain(c)[:2], cache))
+        tokens, probs, cache = run_if(drafting, lambda t, p, c: chain(c), (*none, cache))
+        passes = jnp.where(drafting, d, 0).astype(jnp.int32)
+    else:
+        tokens, probs, cache = chain(cache)
+        passes = jnp.int32(d)
     width = max(d, k)
     copied, tokens = jnp.pad(copied, ((0, 0), (0, width - k))), jnp.pad(tokens, ((0, 0), (0, width - d)))
     tokens = jnp.where(copying[:, None], copied, tokens)
     probs = jnp.pad(probs, ((0, 0), (0, width - d)) + ((0, 0),) * (probs.ndim - 2))
     if probs.shape[-1]:  # rows that sample: q of a copied draft
         probs = jnp.where(copying[:, None, None], jax.nn.one_hot(tokens, probs.shape[-1], dtype=probs.dtype), probs)
-    counted = {"valid": jnp.where(copying, count, d), "head_passes": jnp.int32(d)}  # of max(d, k) drafts
+    counted = {"valid": jnp.where(copying, count, d), "head_passes": passes}  # of max(d, k) drafts
     return _drafts(params, state, tokens, probs, **counted), state, cache
+
+
+def _skips_idle_head(params) -> bool:
+    """Whether a prompt lookup's round where every active row copies skips the head's d passes (in
+    a loop that runs once or not at all, `control_flow.run_if`): on a CPU, where the model's
+    weights are float. The news head's float32 `auto` on news (about half its rounds copy; 8
+    prompts, 64 tokens, 12 paired runs of each build, 2026-12-03) ran 1.992x -> 2.030x full
+    depth with the skip (medians), while on the default load's blocks (the same head and set,
+    `draft:2:adaptive:lookup`) it ran 1.380x -> 1.344x: the head's one or two passes there cost
+    less than the skip adds. A first try (2026-12-01) skipped them behind a `lax.cond`, which
+    copied the KV cache. A GPU's round (`early_exit.static_loops`) runs them for every row, with
+    no data-dependent loop."""
+    model = {k: v for k, v in params.items() if k != "draft"}  # a float model's head may draft from blocks
+    return not early_exit.static_loops() and not quantized.formats(model)
 
 
 def _draft_until_unconfident(params, cache, state: DecodeState, block_table, config, options: StepOptions):

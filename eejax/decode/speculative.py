@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from eejax.cache import KVCache
 from eejax.decode import early_exit, feature_draft, tree
 from eejax.decode.argmax import argmax
+from eejax.decode.control_flow import one_of
 from eejax.decode.drafts import Drafts, token_batch
 from eejax.decode.penalties import apply_to_positions, count_tokens
 from eejax.decode.sampling import ACCEPT, DRAFT, GREEDY, RESAMPLE, draft_proposal, filtered_logits, token_keys
@@ -202,7 +203,7 @@ def verify(
     and the new tokens recorded (with `options.logprobs`, their log-probabilities under the full
     model). Each row accepts at most its `drafts.valid` drafts (a confidence stop, a prompt
     lookup). After a confidence stop only the first k + 1 positions are scored, k the most drafts
-    a row made: one branch per k (`_one_of`), so the positions no row drafted cost nothing; a
+    a row made: one branch per k (`control_flow.one_of`), so the positions no row drafted cost nothing; a
     GPU's structure (`early_exit.static_loops`) scores them all, with no conditional. A prompt
     lookup of k > d copies has two branches, d + 1 positions and k + 1 where a row copied more
     than d (a long match, `feature_draft._draft_with_lookup`). Returns (state, cache, counters)."""
@@ -221,20 +222,8 @@ def verify(
 
     most = jnp.max(drafts.valid)
     if options.spec.lookup:  # the chain's positions, or the long copies'
-        return _one_of((most > d).astype(jnp.int32), [scoring(d), scoring(width)], state, cache, counters)
-    return _one_of(jnp.clip(most, 1, width) - 1, [scoring(k) for k in range(1, width + 1)], state, cache, counters)
-
-
-def _one_of(index, branches, *operands):
-    """branches[index](*operands) (each branch returns what it takes), as `lax.switch` computes
-    it, but as one loop per branch that runs once (its branch's) or not at all. XLA:CPU copies
-    the KV cache into or out of a conditional's branches (16 MB, ~1.5 ms, in each round of
-    SmolLM2 at 330 positions), while a loop updates its carry in place."""
-    for i, branch in enumerate(branches):
-        _, operands = jax.lax.while_loop(
-            lambda carry: carry[0], lambda carry, branch=branch: (False, branch(*carry[1])), (index == i, operands)
-        )
-    return operands
+        return one_of((most > d).astype(jnp.int32), [scoring(d), scoring(width)], state, cache, counters)
+    return one_of(jnp.clip(most, 1, width) - 1, [scoring(k) for k in range(1, width + 1)], state, cache, counters)
 
 
 def _verify(params, cache: KVCache, state: DecodeState, drafts: Drafts, counters, block_table, *, config, options):
