@@ -161,10 +161,10 @@ def _skips_idle_head(params) -> bool:
     weights are float. The news head's float32 `auto` on news (about half its rounds copy; 8
     prompts, 64 tokens, 12 paired runs of each build, 2026-12-03) ran 1.992x -> 2.030x full
     depth with the skip (medians), while on the default load's blocks (the same head and set,
-    `draft:2:adaptive:lookup`) it ran 1.380x -> 1.344x: the head's one or two passes there cost
-    less than the skip adds. A first try (2026-12-01) skipped them behind a `lax.cond`, which
-    copied the KV cache. A GPU's round (`early_exit.static_loops`) runs them for every row, with
-    no data-dependent loop."""
+    `draft:2:adaptive:lookup`) it ran 1.380x -> 1.344x, though a copying round alone was cheaper
+    with it (why, not found: neither program copies the cache). A first try (2026-12-01) skipped
+    them behind a `lax.cond`, which copied the KV cache. A GPU's round (`early_exit.static_loops`)
+    runs them for every row, with no data-dependent loop."""
     model = {k: v for k, v in params.items() if k != "draft"}  # a float model's head may draft from blocks
     return not early_exit.static_loops() and not quantized.formats(model)
 
