@@ -41,6 +41,7 @@ def save_checkpoint(directory: str | Path, config, params, tokenizer=None, metad
         "architecture": config.architecture,
         "config": config.to_dict(),
         "dtype": str(float_dtype(params)),
+        "params_files": params_file_sizes(directory / "params"),
         **({"quantization": "+".join(sorted(formats(params)))} if formats(params) else {}),
         **(metadata or {}),
     }
@@ -82,6 +83,33 @@ def clean_stale_partials(dst: Path) -> None:
         kind, _, pid = leftover.name[len(dst.name) + 2 :].rpartition("-")
         if kind in ("partial", "old") and pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def params_file_sizes(weights: Path) -> dict[str, int]:
+    """{path under params/: bytes} of every file orbax wrote, recorded in eejax.json so that
+    `load_checkpoint` names a missing or truncated file before orbax reads it (orbax, on a
+    truncated file, fails midway and its reads still in flight report on stderr after the error)."""
+    return {f.relative_to(weights).as_posix(): f.stat().st_size for f in sorted(weights.rglob("*")) if f.is_file()}
+
+
+def check_params_files(weights: Path, sizes) -> None:
+    """An EejaxError naming the first file under params/ that is missing or not the size the
+    checkpoint recorded (`params_file_sizes`); nothing to check for a checkpoint that recorded none."""
+    if sizes is None:
+        return
+    if not isinstance(sizes, dict) or not all(isinstance(n, int) for n in sizes.values()):
+        raise EejaxError(
+            f"{weights.parent / CONFIG_FILE}: params_files is not a table of sizes; the checkpoint is damaged"
+        )
+    for name, size in sizes.items():
+        path = weights / name
+        if not path.is_file():
+            raise EejaxError(f"{path}: no such file; the checkpoint is damaged: convert it again")
+        if path.stat().st_size != size:
+            raise EejaxError(
+                f"{path}: {path.stat().st_size} bytes where the checkpoint wrote {size}; the checkpoint is "
+                "damaged: convert it again"
+            )
 
 
 def write_checkpoint(
@@ -220,9 +248,9 @@ def mapped_while_loading():
 
 def load_checkpoint(directory: str | Path):
     """Reads (config, params as jax arrays, tokenizer or None) from a checkpoint directory.
-    A damaged checkpoint (bad JSON, missing or truncated weights, a broken tokenizer) is an
-    EejaxError naming the file; whether the weights fit the config is the model's to check
-    (`eejax.loading.model.check_params`)."""
+    A damaged checkpoint (bad JSON, missing or truncated weights: files checked against the sizes
+    eejax.json recorded, a broken tokenizer) is an EejaxError naming the file; whether the weights
+    fit the config is the model's to check (`eejax.loading.model.check_params`)."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
@@ -231,6 +259,7 @@ def load_checkpoint(directory: str | Path):
     weights = directory / "params"
     if not weights.is_dir():
         raise EejaxError(f"{weights}: no such directory; the checkpoint is damaged: convert it again")
+    check_params_files(weights, meta.get("params_files"))
     # Quiet orbax's informational logs about restoring without a target.
     logging.getLogger("absl").setLevel(logging.WARNING)
     try:
