@@ -105,10 +105,10 @@ def check_params_files(weights: Path, sizes) -> None:
         path = weights / name
         if not path.is_file():
             raise EejaxError(f"{path}: no such file; the checkpoint is damaged: convert it again")
-        if path.stat().st_size != size:
+        actual = path.stat().st_size
+        if actual != size:
             raise EejaxError(
-                f"{path}: {path.stat().st_size} bytes where the checkpoint wrote {size}; the checkpoint is "
-                "damaged: convert it again"
+                f"{path}: {actual} bytes where the checkpoint wrote {size}; the checkpoint is damaged: convert it again"
             )
 
 

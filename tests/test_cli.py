@@ -476,13 +476,17 @@ def _edit_config(path, **changes):
     (path / "eejax.json").write_text(json.dumps(meta))
 
 
+def _largest_weights_file(path):
+    return max((f for f in (path / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
 def _truncate_largest_weights(path):
-    largest = max((f for f in (path / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    largest = _largest_weights_file(path)
     largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 3])
 
 
 def _scramble_largest_weights(path):
-    largest = max((f for f in (path / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    largest = _largest_weights_file(path)
     largest.write_bytes(bytes(largest.stat().st_size))
 
 
